@@ -1,0 +1,44 @@
+# Set-up is idempotent: the .venv is rebuilt only when pyproject.toml or constraints change.
+# CPU by default. On a CUDA machine: make test TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (any index serving torch==$(TORCH_VERSION) for your CUDA), or TORCH_SPEC to pick another build.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo lint bench-kv bench-kernels clean protos
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/pagedserve demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+protos: setup
+	$(PY) protos/generate.py
+
+bench-kv: setup
+	$(PY) benchmarks/kvmanager_bench.py
+
+bench-kernels: setup
+	$(PY) benchmarks/kernels_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,370 @@
+"""The router <-> executor step protocol (DESIGN §2).
+
+Every message is a list of ZeroMQ frames. Frame 0 is a MessagePack-encoded typed struct
+(msgspec, tagged by ``type``); every integer or float array inside it travels as a raw
+little-endian buffer in a frame of its own and is referenced from frame 0 by a small msgpack
+extension (frame index, dtype, shape). Nothing is pickled. A message whose tag, version,
+array reference or shapes do not check out raises ``WireError`` and is never executed.
+
+Arrays are numpy arrays on both sides (the router imports no torch); the executor wraps them
+with ``torch.from_numpy`` without a copy.
+
+Step protocol in one picture::
+
+    router  --Hello?--  executor           executor connects, sends Hello
+    router  --Welcome-> executor           accepted (or refused, with a reason)
+    router  <-Heartbeat executor           every heartbeat interval, from a thread
+    router  --StepPlan-> executor          one per step, in order
+    router  <-StepResult executor          one per plan, same step_id
+    router  --Shutdown-> executor          drain/exit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Limits on what a peer may send (DESIGN: limits everywhere).
+MAX_FRAMES = 64
+MAX_ARRAY_DIMS = 3
+_ARRAY_EXT_CODE = 1
+_ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "|u1", "|b1", "<u4"}
+
+
+class WireError(ValueError):
+    """A message that is malformed, of an unknown type or of another protocol version."""
+
+
+class _Message(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    version: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class Hello(_Message, tag="hello", frozen=True):
+    """Executor -> router, first message after connecting (and after a router restart)."""
+
+    executor_id: str
+    model_fingerprint: str  # sha256 of config.json
+    device: str
+    dtype: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    protocol_version: int = PROTOCOL_VERSION
+    pid: int = 0
+    hostname: str = ""
+
+
+class Welcome(_Message, tag="welcome", frozen=True):
+    """Router -> executor: registration accepted or refused (then ``reason`` says why)."""
+
+    executor_id: str
+    accepted: bool
+    reason: str = ""
+
+
+class Heartbeat(_Message, tag="heartbeat", frozen=True):
+    """Executor -> router from the heartbeat thread, independent of step work."""
+
+    executor_id: str
+    time_s: float
+    steps_done: int = 0
+
+
+class Shutdown(_Message, tag="shutdown", frozen=True):
+    """Router -> executor: stop serving (``exit``) or just forget all state."""
+
+    reason: str = ""
+    exit: bool = True
+
+
+# --------------------------------------------------------------------------- StepPlan
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the executor needs to sample a request's tokens, already validated."""
+
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 -> off
+    min_p: float = 0.0
+    seed: int = 0  # randomness is keyed on (seed, sample_index, output position)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens are out
+    logprobs: int | None = None  # None -> none; k -> sampled token's logprob plus top-k
+    stop_token_ids: tuple[int, ...] = ()  # masked with EOS while below min_tokens
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's full data, sent once, the first time it is scheduled on an executor.
+
+    ``output_token_ids`` is non-empty after preemption by recompute or a migration; the
+    executor rebuilds the sampling state (penalty counts, output position) from it.
+    """
+
+    request_id: str
+    prompt_token_ids: np.ndarray  # int32
+    output_token_ids: np.ndarray  # int32
+    sampling: SamplingParams
+    sample_index: int = 0
+
+
+class Fork(msgspec.Struct, frozen=True):
+    """The child starts with a copy of the parent's sampling state (output tokens so far);
+    its own randomness comes from its own ``sample_index``."""
+
+    parent_id: str
+    child_id: str
+    sample_index: int
+
+
+class StepPlan(_Message, tag="plan", frozen=True):
+    """What one executor does in one step. Per-request arrays are in batch order
+    (``request_ids``); per-token arrays are the requests' new tokens packed back to back.
+
+    Block tables travel as changes: for request i, ``table[block_table_starts[i]:]`` is
+    replaced by the next ``block_table_lens[i]`` ids of ``block_table_ids`` (an append has
+    start == current length; copy-on-write of the last block has start == length - 1; a
+    request new to the executor or swapped back in has start 0).
+
+    The executor applies swap_out, then swap_in, then copy, then creates forks, then runs
+    the forward pass. No block is both a source and a destination within one plan.
+    """
+
+    step_id: int
+    new_requests: list[NewRequest] = []
+    forks: list[Fork] = []
+    request_ids: list[str] = []
+    num_computed_tokens: np.ndarray | None = None  # int32 [S]
+    num_new_tokens: np.ndarray | None = None  # int32 [S]; the query length this step
+    do_sample: np.ndarray | None = None  # uint8 [S]; 0 for a prefill chunk not ending the prompt
+    token_ids: np.ndarray | None = None  # int32 [T]
+    positions: np.ndarray | None = None  # int32 [T]
+    slot_mapping: np.ndarray | None = None  # int64 [T]
+    block_table_starts: np.ndarray | None = None  # int32 [S]
+    block_table_lens: np.ndarray | None = None  # int32 [S]
+    block_table_ids: np.ndarray | None = None  # int32 [sum(lens)]
+    swap_out: np.ndarray | None = None  # int64 [P, 2] (device block, cpu block)
+    swap_in: np.ndarray | None = None  # int64 [P, 2] (cpu block, device block)
+    copy: np.ndarray | None = None  # int64 [P, 2] (src device block, dst device block)
+    finished_ids: list[str] = []  # drop their state (finished, aborted, preempted, moved)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.token_ids is None else int(self.token_ids.shape[0])
+
+    def validate(self) -> None:
+        """Check the shapes and internal consistency; raises WireError."""
+        s = len(self.request_ids)
+        per_seq = (
+            "num_computed_tokens", "num_new_tokens", "do_sample",
+            "block_table_starts", "block_table_lens",
+        )
+        per_token = ("token_ids", "positions", "slot_mapping")
+        if s == 0:
+            for name in per_seq + per_token:
+                arr = getattr(self, name)
+                if arr is not None and arr.shape[0] != 0:
+                    raise WireError(f"plan {self.step_id}: {name} given without requests")
+        else:
+            for name in per_seq:
+                arr = getattr(self, name)
+                if arr is None or arr.ndim != 1 or arr.shape[0] != s:
+                    raise WireError(f"plan {self.step_id}: {name} must have {s} entries")
+            num_new = self.num_new_tokens
+            if (num_new < 0).any() or (self.num_computed_tokens < 0).any():
+                raise WireError(f"plan {self.step_id}: negative token counts")
+            if (self.block_table_starts < 0).any() or (self.block_table_lens < 0).any():
+                raise WireError(f"plan {self.step_id}: negative block table change")
+            t = int(num_new.sum())
+            for name in per_token:
+                arr = getattr(self, name)
+                if arr is None or arr.ndim != 1 or arr.shape[0] != t:
+                    raise WireError(f"plan {self.step_id}: {name} must have {t} entries")
+            ids = self.block_table_ids
+            n_ids = int(self.block_table_lens.sum())
+            if n_ids and (ids is None or ids.ndim != 1 or ids.shape[0] != n_ids):
+                raise WireError(f"plan {self.step_id}: block_table_ids must have {n_ids} entries")
+            if len(set(self.request_ids)) != s:
+                raise WireError(f"plan {self.step_id}: a request is scheduled twice")
+        for name in ("swap_out", "swap_in", "copy"):
+            arr = getattr(self, name)
+            if arr is not None and (arr.ndim != 2 or arr.shape[1] != 2):
+                raise WireError(f"plan {self.step_id}: {name} must be [P, 2]")
+        if self.copy is not None and self.copy.shape[0]:
+            if set(self.copy[:, 0].tolist()) & set(self.copy[:, 1].tolist()):
+                raise WireError(f"plan {self.step_id}: a block is both copy source and target")
+
+
+# --------------------------------------------------------------------------- StepResult
+
+
+class RequestError(msgspec.Struct, frozen=True):
+    """An error confined to one request (``request_id``) or to the whole step (empty id)."""
+
+    request_id: str
+    message: str
+
+
+class StepResult(_Message, tag="result", frozen=True):
+    """One per StepPlan. ``request_ids[i]`` sampled ``token_ids[i]``.
+
+    ``logprobs[i]`` is the sampled token's log-softmax of the raw logits (NaN when that
+    request asked for none). Top-k logprobs are flat: request i owns the next
+    ``top_counts[i]`` entries of ``top_token_ids``/``top_logprobs``.
+    """
+
+    step_id: int
+    executor_id: str = ""
+    request_ids: list[str] = []
+    token_ids: np.ndarray | None = None  # int32 [R]
+    logprobs: np.ndarray | None = None  # float32 [R]
+    top_counts: np.ndarray | None = None  # int32 [R]
+    top_token_ids: np.ndarray | None = None  # int32 [sum(top_counts)]
+    top_logprobs: np.ndarray | None = None  # float32 [sum(top_counts)]
+    errors: list[RequestError] = []
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    swap_s: float = 0.0
+
+    def validate(self) -> None:
+        r = len(self.request_ids)
+        for name in ("token_ids", "logprobs", "top_counts"):
+            arr = getattr(self, name)
+            if r and (arr is None or arr.ndim != 1 or arr.shape[0] != r):
+                if name == "token_ids" or arr is not None:
+                    raise WireError(f"result {self.step_id}: {name} must have {r} entries")
+        if self.top_counts is not None and r:
+            n = int(self.top_counts.sum())
+            for name in ("top_token_ids", "top_logprobs"):
+                arr = getattr(self, name)
+                if n and (arr is None or arr.shape[0] != n):
+                    raise WireError(f"result {self.step_id}: {name} must have {n} entries")
+
+
+class ErrorReport(_Message, tag="error", frozen=True):
+    """Either side: a message was rejected, or a whole step failed (``step_id`` set)."""
+
+    message: str
+    step_id: int | None = None
+    executor_id: str = ""
+
+
+Message = Union[Hello, Welcome, Heartbeat, Shutdown, StepPlan, StepResult, ErrorReport]
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class Codec:
+    """Encodes messages to frames and back. Not thread-safe: one per thread/socket."""
+
+    def __init__(self, max_array_bytes: int = 1 << 30) -> None:
+        self._out_frames: list = []
+        self._in_frames: Sequence = ()
+        self._max_array_bytes = max_array_bytes
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(
+            Message, ext_hook=self._ext_hook, dec_hook=self._dec_hook
+        )
+
+    # encode ------------------------------------------------------------------------------
+    def _enc_hook(self, obj):
+        if isinstance(obj, np.ndarray):
+            arr = obj
+            if arr.dtype.byteorder == ">" or (
+                arr.dtype.byteorder == "=" and np.little_endian is False
+            ):
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            arr = np.ascontiguousarray(arr)
+            if arr.dtype.str not in _ALLOWED_DTYPES:
+                raise WireError(f"dtype {arr.dtype} cannot travel on the wire")
+            self._out_frames.append(arr.data if arr.size else b"")
+            ref = (len(self._out_frames) - 1, arr.dtype.str, list(arr.shape))
+            return msgspec.msgpack.Ext(_ARRAY_EXT_CODE, msgspec.msgpack.encode(ref))
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+    def encode(self, msg: _Message) -> list:
+        """Frames ready for ``socket.send_multipart(frames, copy=False)``."""
+        self._out_frames = [b""]
+        try:
+            self._out_frames[0] = self._encoder.encode(msg)
+            return self._out_frames
+        finally:
+            self._out_frames = []
+
+    # decode ------------------------------------------------------------------------------
+    def _ext_hook(self, code: int, data: memoryview):
+        if code != _ARRAY_EXT_CODE:
+            raise WireError(f"unknown extension type {code}")
+        try:
+            index, dtype, shape = msgspec.msgpack.decode(data, type=tuple[int, str, list[int]])
+        except msgspec.DecodeError as exc:
+            raise WireError(f"bad array reference: {exc}") from None
+        if dtype not in _ALLOWED_DTYPES:
+            raise WireError(f"array dtype {dtype!r} not allowed")
+        if not 1 <= index < len(self._in_frames):
+            raise WireError(f"array frame {index} does not exist")
+        if len(shape) > MAX_ARRAY_DIMS or any(d < 0 for d in shape):
+            raise WireError(f"bad array shape {shape}")
+        buf = self._in_frames[index]
+        buf = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame
+        dt = np.dtype(dtype)
+        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if expected != len(memoryview(buf)) or expected > self._max_array_bytes:
+            raise WireError(f"array frame {index} has {len(memoryview(buf))} bytes, "
+                            f"expected {expected}")
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+    @staticmethod
+    def _dec_hook(typ, obj):
+        if typ is np.ndarray and isinstance(obj, np.ndarray):
+            return obj
+        raise NotImplementedError
+
+    def decode(self, frames: Sequence) -> Message:
+        """Decode and validate one message; raises WireError on anything off."""
+        if not frames or len(frames) > MAX_FRAMES:
+            raise WireError(f"message with {len(frames)} frames")
+        self._in_frames = frames
+        head = frames[0]
+        head = head.buffer if hasattr(head, "buffer") else head
+        try:
+            msg = self._decoder.decode(head)
+        except WireError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise WireError(f"malformed message: {exc}") from None
+        finally:
+            self._in_frames = ()
+        if msg.version != PROTOCOL_VERSION:
+            raise WireError(f"protocol version {msg.version}, expected {PROTOCOL_VERSION}")
+        if isinstance(msg, (StepPlan, StepResult)):
+            msg.validate()
+        return msg
+
+
+def int32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def int64_pairs(pairs) -> np.ndarray:
+    """[(a, b), ...] -> int64 [P, 2] (empty gives shape [0, 2])."""
+    arr = np.asarray(pairs, dtype=np.int64)
+    return arr.reshape(-1, 2)
