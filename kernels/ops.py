@@ -1,0 +1,187 @@
+"""Public kernel entry points: the executor imports only from here.
+
+Each function has the signature of its torch twin in ``reference`` plus a keyword-only
+``backend``:
+
+* ``"auto"`` (default): the Triton kernel when the tensors are on CUDA, the twin otherwise;
+* ``"triton"``: always the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``: tests);
+* ``"torch"``: always the twin.
+
+The environment variable ``PAGEDSERVE_KERNEL_BACKEND`` (``auto``/``triton``/``torch``) changes
+what ``"auto"`` means, e.g. to run an executor on the twins on a GPU while debugging. It is read
+at each call; nothing else is global.
+
+Hot path: no host synchronisation, no tensor allocation beyond the output, no logging here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "reshape_and_cache",
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+]
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
+    if backend == "auto":
+        backend = os.environ.get("PAGEDSERVE_KERNEL_BACKEND", "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return tensor.is_cuda
+    return backend == "triton"
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Scatter new keys/values into the cache by slot; slot -1 (padding) is skipped."""
+    if _use_triton(backend, key_cache):
+        from .cache_ops import reshape_and_cache_triton
+
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to its cached context.
+
+    ``num_splits`` (Triton only) forces the split-K partition count; ``None`` lets the
+    launcher's rule decide (see ``decode_attention.choose_num_splits``).
+    """
+    if _use_triton(backend, query):
+        from .decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, scale,
+            sliding_window=sliding_window, out=out, num_splits=num_splits,
+        )
+    return reference.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale,
+        sliding_window=sliding_window, out=out,
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens (packed, varlen) to its whole context.
+
+    ``max_query_len`` (the longest query chunk) sizes the Triton grid; pass it when known to
+    avoid a device-to-host read of ``query_start_loc``.
+    """
+    if _use_triton(backend, query):
+        from .prefill_attention import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+            sliding_window=sliding_window, out=out, max_query_len=max_query_len,
+        )
+    return reference.paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window=sliding_window, out=out,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Unified entry: the decode kernel when ``max_query_len == 1`` (then ``query`` holds one
+    token per sequence and ``query_start_loc`` is ``arange(num_seqs + 1)``), else the
+    prefill/extend kernel (chunked prefill, prefix-cache hits, mixed batches)."""
+    if max_query_len == 1:
+        return paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale,
+            sliding_window=sliding_window, out=out, backend=backend,
+        )
+    return paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window=sliding_window, out=out, backend=backend, max_query_len=max_query_len,
+    )
+
+
+def copy_blocks(
+    kv_cache: torch.Tensor, block_mapping: torch.Tensor, *, backend: str = "auto"
+) -> None:
+    """Copy-on-write: copy block src -> dst for every (src, dst) row, all layers, K and V."""
+    if _use_triton(backend, kv_cache):
+        from .cache_ops import copy_blocks_triton
+
+        copy_blocks_triton(kv_cache, block_mapping)
+    else:
+        reference.copy_blocks(kv_cache, block_mapping)
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,
+    dst_cache: torch.Tensor,
+    block_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Move blocks between the device cache and the (pinned) CPU swap space, same layout.
+
+    Not a Triton kernel: on CUDA it is a batched gather + one non-blocking copy across the
+    bus (see ``cache_ops.swap_blocks_device``); on CPU it is the twin. ``backend`` is accepted
+    for symmetry; ``"triton"`` also selects the device path.
+    """
+    on_device = src_cache.is_cuda or dst_cache.is_cuda
+    if _use_triton(backend, src_cache if src_cache.is_cuda else dst_cache) and on_device:
+        from .cache_ops import swap_blocks_device
+
+        swap_blocks_device(src_cache, dst_cache, block_mapping)
+    else:
+        reference.swap_blocks(src_cache, dst_cache, block_mapping)
