@@ -1,0 +1,333 @@
+"""Paged decode attention (one query token per sequence): Triton kernels and launcher.
+
+Twin: ``reference.paged_decode_attention`` (same signature minus ``num_splits``).
+Hot path: nothing that synchronises with the device may be added to the launcher.
+
+Provenance of the ideas (the code is our own):
+* vLLM PagedAttention v1/v2 (csrc/attention): walk each sequence's block table; v2 splits the
+  context into partitions and reduces them with their log-sum-exp in a second kernel.
+* Flash-decoding (Dao et al., 2023) and SGLang's ``decode_attention`` Triton kernels: a fixed
+  number of KV splits per sequence chosen on the host, and grouped-query decode where one
+  program serves every query head that shares a KV head (rows of a ``tl.dot``), so each K/V
+  tile is read from memory once per KV head, not once per query head.
+* Triton fused-attention tutorial: online softmax with ``exp2`` and a rescaled accumulator.
+
+Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
+1. rows = the ``group`` query heads of this KV head (padded to ``BLOCK_G`` >= 16 for tl.dot);
+2. the attended range is [lo, seq_len) with lo = seq_len - sliding_window (or 0); it is cut
+   into ``BLOCK_N``-token tiles aligned to multiples of BLOCK_N, and the tiles are dealt to
+   ``num_splits`` splits in contiguous runs;
+3. per tile, token -> (block_tables[seq, pos // block_size], pos % block_size) gives the cache
+   row; scores = q @ k^T, online softmax, acc += p @ v;
+4. one split: write acc / l in the output dtype. Several: write the unnormalised fp32
+   partial acc / l and its lse (base 2); ``_reduce_kernel`` combines them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale_log2,  # softmax scale * log2(e)
+    sliding_window,  # <= 0: none
+    stride_qs, stride_qh,  # query [S, H, D], last dim contiguous
+    stride_kb, stride_kt, stride_kh,  # key cache [blocks, block_size, Hkv, D]
+    stride_vb, stride_vt, stride_vh,
+    stride_bts,  # block_tables [S, max_blocks]
+    stride_os, stride_oh,  # out [S, H, D]
+    stride_ps, stride_ph, stride_pk,  # partial out [S, H, splits, D_PAD]; lse [S, H, splits]
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the CPU interpreter)
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+    lo_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - lo_tile
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = lo_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, lo_tile + num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
+
+    for tile in range(tile_begin, tile_end):
+        pos = tile * BLOCK_N + offs_n
+        valid = (pos >= lo) & (pos < seq_len)
+        block_ids = tl.load(
+            block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=valid, other=0
+        ).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+            + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+            + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+    else:
+        # Empty split (short sequence): l_i == 0, lse = -inf, and the reduction ignores it.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        base = seq * stride_ps + heads * stride_ph + split * stride_pk
+        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None])
+        # part_lse is part_out without its last axis: same index, strides divided by D_PAD.
+        tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    stride_os, stride_oh,
+    stride_ps, stride_ph, stride_pk,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Program (seq, head): out = sum_k 2^(lse_k - lse) * out_k with lse = log2 sum 2^lse_k."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_k = offs_k < NUM_SPLITS
+    base = seq * stride_ps + head * stride_ph + offs_k * stride_pk
+    lse = tl.load(part_lse_ptr + base // D_PAD, mask=mask_k, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=mask_k[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+# --- launcher ---------------------------------------------------------------------------------
+
+# Split-K rule. A plain decode launch has num_seqs * num_kv_heads programs, each walking a
+# whole context. A GPU needs a few resident programs per SM to hide memory latency, so:
+#   * enough programs already (>= _TARGET_PROGRAMS_PER_SM * SMs)  -> 1 split (no reduction pass,
+#     no partial-result traffic);
+#   * otherwise split each context so the grid reaches that target, but never into pieces
+#     shorter than _MIN_TOKENS_PER_SPLIT (below that the partial writes and the second kernel
+#     cost more than the parallelism buys), and at most _MAX_SPLITS.
+# The context length is bounded from the block-table width (max_blocks_per_seq * block_size),
+# a host-side shape, so choosing needs no device-to-host read of seq_lens.
+# Example (H100, 132 SMs): batch 1, 4 KV heads, 16k context -> 64 splits of 256 tokens;
+# batch 64, 4 KV heads (256 programs < 264) -> 2 splits; batch 256 -> 1 split.
+_TARGET_PROGRAMS_PER_SM = 2
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 108  # a stand-in for the interpreter, so the rule behaves as on a mid-size GPU
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int
+) -> int:
+    """Number of KV splits per sequence for split-K decode (1 = plain kernel). See above."""
+    programs = num_seqs * num_kv_heads
+    target = _TARGET_PROGRAMS_PER_SM * num_sms
+    if programs >= target or max_context_len < 2 * _MIN_TOKENS_PER_SPLIT:
+        return 1
+    wanted = math.ceil(target / max(programs, 1))
+    longest = max_context_len // _MIN_TOKENS_PER_SPLIT
+    return max(1, min(wanted, longest, _MAX_SPLITS))
+
+
+def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported query dtype {query.dtype}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+        )
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of query and caches must be contiguous (stride 1)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_tables must be int32/int64, got {block_tables.dtype}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64 [num_seqs={num_seqs}]")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if out is not None and (out.shape != query.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must have the query's shape {tuple(query.shape)}, stride(-1) 1")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above."""
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+
+    interpreting = _interpreting()
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        if sliding_window is not None and sliding_window > 0:
+            max_context = min(max_context, sliding_window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(query.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    d_pad = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    if block_n is None:
+        # 64 tokens per tile keeps the K and V tiles (64 x D_PAD) in registers for D <= 128
+        # while a 16-row dot still feeds the tensor cores; halve it for very wide heads.
+        block_n = 64 if d_pad <= 128 else 32
+    upcast = interpreting or query.dtype == torch.float32
+    window = int(sliding_window) if sliding_window else 0
+    qk_scale_log2 = float(scale) * _LOG2E
+
+    if num_splits == 1:
+        part_out = part_lse = out  # unused
+        p_strides = (0, 0, 0)
+    else:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        p_strides = part_out.stride()[:3]
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        qk_scale_log2, window,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *p_strides,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
+        num_warps=4, num_stages=2 if not interpreting else 1,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse,
+            out.stride(0), out.stride(1),
+            *p_strides,
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,253 @@
+"""Paged prefill/extend attention (varlen chunks of new tokens): Triton kernel and launcher.
+
+Twin: ``reference.paged_prefill_attention`` (same signature plus ``max_query_len``).
+One kernel serves full prefill, chunked prefill and prefix-cache hits: the new tokens' keys and
+values are already in the cache (``reshape_and_cache`` first), so every key, cached or new, is
+read through the block table, and "prefix" versus "self" differ only in the causal mask.
+Hot path: nothing that synchronises with the device may be added when ``max_query_len`` is given.
+
+Provenance of the ideas (the code is our own):
+* Triton fused-attention tutorial (06-fused-attention.py): tiled online softmax in base 2,
+  causal masking only where a key tile crosses the diagonal.
+* vLLM's ``prefix_prefill`` / ``context_attention_fwd`` and SGLang's ``extend_attention``:
+  queries of a chunk attending to keys gathered through the block table.
+* Grouped-query packing as in SGLang/vLLM decode kernels: the rows of one program are
+  ``BLOCK_Q`` tokens x the ``group`` query heads that share a KV head, so a K/V tile is loaded
+  once for all of them.
+
+Algorithm of ``_prefill_kernel``, program (seq, kv_head, q_tile):
+1. q_len = query_start_loc[seq+1] - query_start_loc[seq]; the chunk's token i sits at
+   position seq_len - q_len + i. The program takes tokens [q_tile*BLOCK_Q, +BLOCK_Q) (exits if
+   past q_len); row r is token r // BLOCK_G, head r % BLOCK_G of the group.
+2. keys needed: [max(0, first_pos - window + 1), last_pos + 1), walked in BLOCK_N tiles aligned
+   to multiples of BLOCK_N; key position -> (block_tables[seq, pos // block_size],
+   pos % block_size).
+3. mask: key_pos <= q_pos, key_pos > q_pos - window; online softmax that tolerates rows with no
+   admissible key in a tile (padding rows, window edges).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    qk_scale_log2,
+    sliding_window,  # <= 0: none
+    stride_qt, stride_qh,  # query [T, H, D]
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bts,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # group padded to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per program; rows = BLOCK_Q * BLOCK_G
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens before this chunk
+
+    ROWS: tl.constexpr = BLOCK_Q * BLOCK_G
+    offs_r = tl.arange(0, ROWS)
+    tok = q_tile * BLOCK_Q + offs_r // BLOCK_G  # index within the chunk
+    g = offs_r % BLOCK_G
+    row_valid = (tok < q_len) & (g < GROUP)
+    q_pos = ctx_len + tok
+    heads = kv_head * GROUP + g
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
+    q = tl.load(
+        q_ptr + q_rows[:, None] + offs_d[None, :],
+        mask=row_valid[:, None] & mask_d[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    first_pos = ctx_len + q_tile * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    lo = tl.where(sliding_window > 0, tl.maximum(first_pos - sliding_window + 1, 0), 0)
+    tile_begin = lo // BLOCK_N
+    tile_end = tl.cdiv(last_pos + 1, BLOCK_N)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+
+    for tile in range(tile_begin, tile_end):
+        pos = tile * BLOCK_N + offs_n
+        key_valid = (pos >= lo) & (pos <= last_pos)
+        block_ids = tl.load(
+            block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=key_valid, other=0
+        ).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        kv_mask = key_valid[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+            + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+            + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        allowed = allowed & (
+            (sliding_window <= 0) | (pos[None, :] > q_pos[:, None] - sliding_window)
+        )
+        s = tl.where(allowed, s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & mask_d[None, :],
+    )
+
+
+def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out):
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    _, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported query dtype {query.dtype}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+        )
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of query and caches must be contiguous (stride 1)")
+    num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    if num_seqs < 0:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+    if query_start_loc.shape != (num_seqs + 1,) or seq_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1] and seq_lens [num_seqs] (num_seqs={num_seqs}),"
+            f" got {tuple(query_start_loc.shape)} and {tuple(seq_lens.shape)}"
+        )
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32/int64, got {t.dtype}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if out is not None and (out.shape != query.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must have the query's shape {tuple(query.shape)}, stride(-1) 1")
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Launch the prefill/extend kernel. ``max_query_len=None`` reads it from
+    ``query_start_loc`` (a device-to-host sync on CUDA: pass it from the step plan)."""
+    _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len <= 0:
+        return out
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    d_pad = triton.next_power_of_2(head_dim)
+    block_g = triton.next_power_of_2(group)
+    # Rows per program: 64 (fp32 accumulator 64 x D_PAD stays in registers for D <= 128 with
+    # 4 warps); at least 16 rows so tl.dot maps onto tensor cores. Tokens per program = rows /
+    # group, so a GQA-8 program covers 8 tokens x 8 heads.
+    rows = 64 if d_pad <= 128 else 32
+    if block_q is None:
+        block_q = max(1, rows // block_g)
+        block_q = min(block_q, triton.next_power_of_2(max_query_len))
+        block_q = max(block_q, max(1, 16 // block_g))  # keep rows >= 16
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    upcast = interpreting or query.dtype == torch.float32
+    window = int(sliding_window) if sliding_window else 0
+
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        float(scale) * _LOG2E, window,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=upcast,
+        num_warps=4, num_stages=1 if interpreting else 2,
+    )
+    return out
