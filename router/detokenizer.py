@@ -1,0 +1,225 @@
+"""Incremental detokenization and stop conditions for one sample: `TextAssembler`.
+
+Hot path (runs for every generated token): no logging, no allocation beyond small windows,
+nothing that grows with the sequence length.
+
+Algorithm (vLLM's prefix/read offsets). The detokenizer keeps a short window of token ids
+seeded with the last prompt tokens (so a first output token decodes with its leading space as
+in context). `prefix` marks the start of the window, `read` the end of what has been turned
+into text. For each new token, text = decode(window[prefix:]) minus decode(window[prefix:read]);
+if the decoded text ends in U+FFFD (half a UTF-8 character) nothing is emitted and the window
+grows until the character completes; otherwise the new text is emitted and prefix/read move
+forward. Special tokens are dropped before decoding unless keep_special_tokens.
+
+Stop strings are searched in the text not yet emitted plus, with include_stop_str_in_output,
+the tail of emitted text, for a match that ends in the newest text. Without
+include_stop_str_in_output, text that could be the start of a stop string is held back, so a
+stream never emits text that a later match would cut. Among matches in the same token the one
+that ends first wins (ties: the longer one), as if text arrived character by character.
+
+Because unary responses are the concatenation of the same deltas, a sample's stream chunks
+always equal its Generate text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .tokenizer import Tokenizer
+from .types import FinishReason, SamplingSpec
+
+# Prompt tokens that seed the window (vLLM uses 5 plus the read token).
+_PROMPT_CONTEXT_TOKENS = 6
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text one token at a time without ever emitting half a character."""
+
+    __slots__ = ("_tok", "_skip_special", "_ids", "_read", "_prefix_text")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
+        self._tok = tokenizer
+        self._skip_special = skip_special_tokens
+        context = list(prompt_token_ids)
+        if skip_special_tokens:
+            context = [t for t in context if not tokenizer.is_special(t)]
+        self._ids: list[int] = context[-_PROMPT_CONTEXT_TOKENS:]  # window: [prefix, ...)
+        self._read = len(self._ids)
+        self._prefix_text = tokenizer.decode(self._ids) if self._ids else ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final (possibly "")."""
+        if self._skip_special and self._tok.is_special(token_id):
+            return ""
+        self._ids.append(token_id)
+        full = self._tok.decode(self._ids)
+        if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT):
+            return ""  # nothing new yet, or half a character: wait for more tokens
+        return self._advance(full)
+
+    def flush(self) -> str:
+        """Return whatever is still held (an incomplete character decodes to U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        full = self._tok.decode(self._ids)
+        return self._advance(full)
+
+    def _advance(self, full: str) -> str:
+        new_text = full[len(self._prefix_text) :]
+        # The window now starts at the old read offset (a character boundary) and is read up to
+        # its end; tokens before it are dropped, so the window never grows with the sequence.
+        del self._ids[: self._read]
+        self._read = len(self._ids)
+        self._prefix_text = self._tok.decode(self._ids)
+        return new_text
+
+
+@dataclass(frozen=True, slots=True)
+class TextUpdate:
+    """What one appended token did to a sample: `text` is new, final text to hand out; the
+    finish fields are set when this token ended the sample."""
+
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class TextAssembler:
+    """One sample's text and stop conditions. The engine makes one per sample when a request is
+    admitted and calls `append(token_id)` for every token the executor samples for it, in
+    order; when the returned update is finished the sample is done (free it). `finish()` ends a
+    sample for a reason decided elsewhere (abort, drain) and returns the text still held back.
+
+    Stop rules (vLLM's order): before `min_tokens` tokens no stop applies; then EOS (unless
+    ignore_eos) or a stop token id ends it with "stop" (that token is in token_ids, its text is
+    not); then a stop string ends it with "stop" (cut from the text unless
+    include_stop_str_in_output); then max_tokens (or `max_model_len` counting the prompt) ends
+    it with "length".
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        sampling: SamplingSpec,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        max_model_len: int | None = None,
+    ):
+        self._sampling = sampling
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=not sampling.keep_special_tokens
+        )
+        eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(eos)
+        self._stop_token_ids = frozenset(stop_ids)
+        self._stops = tuple(sampling.stop)
+        self._include_stop = sampling.include_stop_str_in_output
+        self._tail_len = max((len(s) for s in self._stops), default=1) - 1
+        self._max_len = (
+            None if max_model_len is None else max(1, max_model_len - len(prompt_token_ids))
+        )
+        self._pending = ""  # final text not yet handed out (held: may start a stop string)
+        self._tail = ""  # last _tail_len characters handed out
+        self.num_tokens = 0
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> TextUpdate:
+        """Account for one sampled token; return the new text and, if it ended, why."""
+        if self.finish_reason is not None:
+            raise RuntimeError("append() on a finished sample")
+        self.num_tokens += 1
+        sp = self._sampling
+        checks = self.num_tokens >= sp.min_tokens
+        if checks and token_id in self._stop_token_ids:
+            return self._end("stop", self._flush_all(), stop_token_id=token_id)
+        new = self._detok.push(token_id)
+        if new and checks and self._stops:
+            update = self._match_stop(new)
+            if update is not None:
+                return update
+        else:
+            self._pending += new
+        if self.num_tokens >= sp.max_tokens or (
+            self._max_len is not None and self.num_tokens >= self._max_len
+        ):
+            return self._end("length", self._flush_all())
+        return TextUpdate(text=self._release())
+
+    def finish(self, reason: FinishReason = "abort") -> str:
+        """End the sample for a reason decided outside (abort, drain); return held-back text."""
+        if self.finish_reason is not None:
+            return ""
+        text = self._flush_all()
+        self.finish_reason = reason
+        return text
+
+    # ------------------------------------------------------------------ internals
+
+    def _end(self, reason: FinishReason, text: str, **fields) -> TextUpdate:
+        self.finish_reason = reason
+        return TextUpdate(text=text, finish_reason=reason, **fields)
+
+    def _flush_all(self) -> str:
+        text = self._pending + self._detok.flush()
+        self._pending = ""
+        return text
+
+    def _match_stop(self, new: str) -> TextUpdate | None:
+        """Add `new` to the pending text and look for a stop string ending inside it."""
+        tail = self._tail if self._include_stop else ""
+        buffer = tail + self._pending + new
+        prev_len = len(buffer) - len(new)
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = buffer.find(stop, max(0, prev_len - len(stop) + 1))
+            if start == -1:
+                continue
+            end = start + len(stop)
+            if best is None or (end, start) < (best[0], best[1]):
+                best = (end, start, stop)
+        if best is None:
+            self._pending += new
+            return None
+        end, start, stop = best
+        cut = end if self._include_stop else start
+        text = buffer[len(tail) : cut]
+        self._pending = ""
+        return self._end("stop", text, stop_string=stop)
+
+    def _release(self) -> str:
+        """Hand out pending text except a suffix that could start a stop string."""
+        pending = self._pending
+        if not pending:
+            return ""
+        hold = 0
+        if self._stops and not self._include_stop:
+            for stop in self._stops:
+                for k in range(min(len(stop) - 1, len(pending)), hold, -1):
+                    if pending.endswith(stop[:k]):
+                        hold = k
+                        break
+        out = pending[: len(pending) - hold]
+        self._pending = pending[len(pending) - hold :]
+        if self._tail_len and out:
+            self._tail = (self._tail + out)[-self._tail_len :]
+        return out

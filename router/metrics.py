@@ -1,0 +1,168 @@
+"""Router metrics (DESIGN §5), on a per-router CollectorRegistry, served at /metrics.
+
+Who records what:
+
+* the gRPC edge (grpc_server.py): request success/failure, time to first token, inter-token
+  latency (when a token is handed to the client), time per output token, end-to-end latency;
+* the engine: queue time (arrival → first scheduled), prompt/generation token counts, executor
+  gauges, prefix-cache counters, preemptions, migrations, healthy executors, step forward time.
+
+Metric names are the contract; do not rename.
+"""
+
+from __future__ import annotations
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+# Latency buckets in seconds: DESIGN §5's list (0.1 ms … 10 s), then a longer tail for
+# queue/TTFT/e2e (requests can wait and run for minutes).
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075,
+    0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+REQUEST_BUCKETS_S = LATENCY_BUCKETS_S + (20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+FINISH_REASONS = ("length", "stop", "abort")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class RouterMetrics:
+    """Every §5 metric of one router. Thread-safe (prometheus_client is)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ex = ["executor"]
+        self.requests_running = Gauge("pagedserve_requests_running", "Requests running, per executor.", ex, registry=r)
+        self.requests_waiting = Gauge("pagedserve_requests_waiting", "Requests waiting, per executor.", ex, registry=r)
+        self.requests_swapped = Gauge("pagedserve_requests_swapped", "Requests swapped to CPU, per executor.", ex, registry=r)
+        self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "Device KV blocks in all.", ex, registry=r)
+        self.kv_blocks_free = Gauge("pagedserve_kv_blocks_free", "Device KV blocks held by no request (free or cached and evictable).", ex, registry=r)
+        self.kv_cache_usage_ratio = Gauge("pagedserve_kv_cache_usage_ratio", "Fraction of device KV blocks held by requests.", ex, registry=r)
+        self.kv_cpu_blocks_total = Gauge("pagedserve_kv_cpu_blocks_total", "CPU swap blocks in all.", ex, registry=r)
+        self.kv_cpu_blocks_free = Gauge("pagedserve_kv_cpu_blocks_free", "CPU swap blocks not in use.", ex, registry=r)
+        self.kv_blocks_leaked = Gauge("pagedserve_kv_blocks_leaked", "Device blocks held by no live request and not free (should be 0).", ex, registry=r)
+        self.prefix_cache_queries = Counter("pagedserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", ex, registry=r)
+        self.prefix_cache_hits = Counter("pagedserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", ex, registry=r)
+        self.preemptions = Counter("pagedserve_preemptions_total", "Preemptions, per executor and mode.", ["executor", "mode"], registry=r)
+        self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens_total", "Generated tokens.", registry=r)
+        self.request_success = Counter("pagedserve_request_success_total", "Finished samples, by finish reason.", ["finish_reason"], registry=r)
+        self.request_failure = Counter("pagedserve_request_failure_total", "Requests that ended with a non-OK status, by gRPC status name.", ["code"], registry=r)
+        self.executors_healthy = Gauge("pagedserve_executors_healthy", "Executors registered and heartbeating.", registry=r)
+        self.time_to_first_token = Histogram("pagedserve_time_to_first_token_seconds", "Arrival to first token handed out.", buckets=REQUEST_BUCKETS_S, registry=r)
+        self.inter_token_latency = Histogram("pagedserve_inter_token_latency_seconds", "Time between tokens handed to a request's client.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.time_per_output_token = Histogram("pagedserve_time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1).", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e_request_latency = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to the request's last output.", buckets=REQUEST_BUCKETS_S, registry=r)
+        self.queue_time = Histogram("pagedserve_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS_S, registry=r)
+        self.step_forward = Histogram("pagedserve_step_forward_seconds", "Executor model forward time per step (forward_s).", ex, buckets=LATENCY_BUCKETS_S, registry=r)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finish_reason=reason)
+        self.executors_healthy.set(0)
+
+    # ------------------------------------------------------------------ requests (edge)
+
+    def inc_success(self, finish_reason: str, n: int = 1) -> None:
+        """`n` samples finished with `finish_reason` ('length', 'stop', 'abort')."""
+        self.request_success.labels(finish_reason=finish_reason).inc(n)
+
+    def inc_failure(self, code: grpc.StatusCode | str) -> None:
+        """A request ended with a non-OK status (`code`: a StatusCode or its name)."""
+        name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+        self.request_failure.labels(code=name).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self.time_per_output_token.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e_request_latency.observe(seconds)
+
+    # ------------------------------------------------------------------ engine
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.inc(n)
+
+    def add_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def set_executor_gauges(
+        self,
+        executor_id: str,
+        *,
+        running: int,
+        waiting: int,
+        swapped: int,
+        num_gpu_blocks: int,
+        num_free_gpu_blocks: int,
+        num_cpu_blocks: int,
+        num_free_cpu_blocks: int,
+        num_leaked_blocks: int = 0,
+    ) -> None:
+        """One executor's scheduler and KV-cache gauges (call after every step)."""
+        e = executor_id
+        self.requests_running.labels(executor=e).set(running)
+        self.requests_waiting.labels(executor=e).set(waiting)
+        self.requests_swapped.labels(executor=e).set(swapped)
+        self.kv_blocks_total.labels(executor=e).set(num_gpu_blocks)
+        self.kv_blocks_free.labels(executor=e).set(num_free_gpu_blocks)
+        usage = 1.0 - num_free_gpu_blocks / num_gpu_blocks if num_gpu_blocks else 0.0
+        self.kv_cache_usage_ratio.labels(executor=e).set(usage)
+        self.kv_cpu_blocks_total.labels(executor=e).set(num_cpu_blocks)
+        self.kv_cpu_blocks_free.labels(executor=e).set(num_free_cpu_blocks)
+        self.kv_blocks_leaked.labels(executor=e).set(num_leaked_blocks)
+
+    def add_prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
+        """At an admission: `queries` prompt tokens looked up, `hits` found."""
+        self.prefix_cache_queries.labels(executor=executor_id).inc(queries)
+        self.prefix_cache_hits.labels(executor=executor_id).inc(hits)
+
+    def inc_preemption(self, executor_id: str, mode: str, n: int = 1) -> None:
+        if mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+        self.preemptions.labels(executor=executor_id, mode=mode).inc(n)
+
+    def inc_migration(self, n: int = 1) -> None:
+        self.migrations.inc(n)
+
+    def set_executors_healthy(self, n: int) -> None:
+        self.executors_healthy.set(n)
+
+    def observe_step_forward(self, executor_id: str, seconds: float) -> None:
+        """The executor's forward_s of one step."""
+        self.step_forward.labels(executor=executor_id).observe(seconds)
+
+    # ------------------------------------------------------------------ exposition
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int | None:
+        """Serve /metrics on `host:port` from a daemon thread; port 0 → any free port, -1 →
+        disabled (returns None). Returns the bound port. Stop with `shutdown()`."""
+        if port < 0:
+            return None
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        return server.server_port
+
+    def shutdown(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            server, thread = http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None

@@ -1,0 +1,169 @@
+"""GenerateRequest (protobuf) → validated `RequestSpec`: every INVALID_ARGUMENT case of
+DESIGN §3 is checked here, before any work (parameters first, then the prompt).
+
+This is the edge's from_pb: nothing past it sees a protobuf type. Each failure raises
+`InvalidRequest` whose message starts with the field's name and whose `field` attribute names
+it too.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+from .tokenizer import Tokenizer
+from .types import DEFAULT_MAX_TOKENS, RequestSpec, SamplingSpec
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_TEMPERATURE = 100.0
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Request limits: the model's, and --max-n / --max-logprobs / --max-stop."""
+
+    vocab_size: int
+    max_model_len: int
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+
+
+def _bad(field: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{field}: {message}", field=field)
+
+
+def _check_float(field: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if math.isnan(value):
+        raise _bad(field, "must be a number, got NaN")
+    below = value <= lo if lo_open else value < lo
+    if below or value > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise _bad(field, f"must be in {interval}, got {value:g}")
+    return float(value)
+
+
+def random_seed() -> int:
+    """A random 63-bit seed for a request that set none."""
+    return secrets.randbits(63)
+
+
+def sampling_from_pb(params, limits: Limits) -> SamplingSpec:
+    """SamplingParams (protobuf, may be the default instance) → SamplingSpec, every range checked."""
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens == 0:
+        raise _bad("max_tokens", "must be at least 1")
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    _check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    _check_float("top_p", top_p, 0.0, 1.0, lo_open=True)
+    if params.top_k < -1:
+        raise _bad("top_k", f"must be -1 or 0 (off) or positive, got {params.top_k}")
+    top_k = -1 if params.top_k <= 0 else params.top_k
+    _check_float("min_p", params.min_p, 0.0, 1.0)
+    seed = params.seed if params.HasField("seed") else random_seed()
+    stop = tuple(params.stop)
+    if len(stop) > limits.max_stop:
+        raise _bad("stop", f"at most {limits.max_stop} stop strings (--max-stop), got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s:
+            raise _bad("stop", f"stop string {i} is empty")
+    stop_token_ids = tuple(params.stop_token_ids)
+    for t in stop_token_ids:
+        if t >= limits.vocab_size:
+            raise _bad("stop_token_ids", f"token id {t} ≥ vocab size {limits.vocab_size}")
+    if params.min_tokens > max_tokens:
+        raise _bad("min_tokens", f"must be ≤ max_tokens ({max_tokens}), got {params.min_tokens}")
+    n = params.n if params.HasField("n") else 1
+    if n == 0 or n > limits.max_n:
+        raise _bad("n", f"must be in [1, {limits.max_n}] (--max-n), got {n}")
+    logprobs = params.logprobs if params.HasField("logprobs") else None
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        raise _bad(
+            "logprobs", f"must be ≤ {limits.max_logprobs} (--max-logprobs), got {logprobs}"
+        )
+    repetition_penalty = (
+        params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+    )
+    _check_float("repetition_penalty", repetition_penalty, 0.0, math.inf, lo_open=True)
+    if math.isinf(repetition_penalty):
+        raise _bad("repetition_penalty", "must be finite")
+    _check_float("presence_penalty", params.presence_penalty, *PENALTY_RANGE)
+    _check_float("frequency_penalty", params.frequency_penalty, *PENALTY_RANGE)
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        min_p=float(params.min_p),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        n=n,
+        logprobs=logprobs,
+        repetition_penalty=float(repetition_penalty),
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        keep_special_tokens=params.keep_special_tokens,
+    )
+
+
+def request_from_pb(
+    request,
+    *,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    request_id: str | None = None,
+    arrival_time: float | None = None,
+    deadline: float | None = None,
+) -> RequestSpec:
+    """GenerateRequest → RequestSpec. `request_id` overrides the request's (the edge passes the
+    server-assigned id when the request's is empty)."""
+    rid = request.request_id if request_id is None else request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise _bad("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+    sampling = sampling_from_pb(request.params, limits)
+    which = request.WhichOneof("input")
+    prompt_text: str | None = None
+    if which == "prompt_token_ids":
+        ids = tuple(request.prompt_token_ids.ids)
+        if not ids:
+            raise _bad("prompt_token_ids", "empty prompt")
+        for t in ids:
+            if t >= limits.vocab_size:
+                raise _bad("prompt_token_ids", f"token id {t} ≥ vocab size {limits.vocab_size}")
+    else:
+        if not request.prompt:
+            raise _bad("prompt", "empty prompt")
+        prompt_text = request.prompt
+        ids = tuple(tokenizer.encode(prompt_text))
+        if not ids:
+            raise _bad("prompt", "the prompt tokenizes to no tokens")
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise _bad("prompt", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
+    field = which or "prompt"
+    if len(ids) + sampling.max_tokens > limits.max_model_len:
+        culprit = field if len(ids) >= limits.max_model_len else "max_tokens"
+        raise _bad(
+            culprit,
+            f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) > "
+            f"max_model_len ({limits.max_model_len})",
+        )
+    return RequestSpec(
+        request_id=rid,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        prompt_text=prompt_text,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        deadline=deadline,
+    )
