@@ -1,0 +1,75 @@
+"""pagedserve.kvmanager: the router's paged KV-cache manager, one per executor.
+
+Pure Python (+ numpy). The router owns every block table; this package decides which block
+holds which token, shares prefix blocks between requests (prefix caching), shares a forked
+request's blocks until one side writes (copy-on-write) and moves requests between the
+device pool ("gpu") and the CPU swap pool. Modules: `block_pool` (Block, the intrusive free
+queue, one pool per device), `hashing` (chained block hashes), `manager` (KVCacheManager).
+
+Usage, per executor::
+
+    mgr = KVCacheManager(num_gpu_blocks=4096, num_cpu_blocks=1024, block_size=16,
+                         enable_prefix_caching=True, hash_algo="sha256", watermark=0.01,
+                         max_pinned_fraction=0.25, debug_checks=False)
+    # admission (routing may look up on every executor, then pin on the chosen one)
+    hashes = mgr.hash_blocks(prompt_ids, cache_salt=salt)     # keep it with the request
+    hit = mgr.lookup(prompt_ids, hashes, cache_salt=salt)     # .block_ids, .num_tokens
+    hit = mgr.pin(req_id, hit)                                # may shorten it (pin cap)
+    # one step
+    mgr.begin_step()                                          # before scheduling
+    new = mgr.allocate(req_id, prompt_ids, len(prompt_ids) - hit.num_tokens,
+                       hit=hit, block_hashes=hashes, cache_salt=salt)
+    if new is None: ...                                       # short of blocks: preempt
+    mgr.allocate(other_id, other_ids, 1)                      # a decode step (CoW inside)
+    mgr.fork(req_id, child_id)                                # parallel sample
+    slots = mgr.slot_mapping(req_id, start_pos, num_tokens)   # np.int64
+    start, ids = mgr.take_table_change(req_id)                # table[start:] = ids
+    ops = mgr.take_block_ops()                                # swap_out, swap_in, copy
+    ...send the StepPlan...
+    mgr.end_step()                                            # after the plan was sent
+    mgr.free(req_id)                                          # finished / aborted
+
+Rules the caller relies on:
+- Out of blocks is a return value: `allocate`, `swap_out` and `swap_in` return None and
+  change nothing. Caller bugs and broken invariants raise `InvariantError`.
+- New admissions leave `watermark_blocks` device blocks free; running requests may use them.
+- Step boundary: between `begin_step()` and `end_step()` a freed block is deferred, so one
+  plan never hands a block out again after freeing it (no block is both a source and a
+  destination in one plan). Outside a step, frees go straight to the free queue.
+- Prefix hits are verified by tokens and by chain, never trusted on the hash alone, and
+  leave at least one token to compute. Blocks are registered in the prefix cache when their
+  tokens are scheduled (the executor must write a layer's new K/V before that layer's
+  attention, as vLLM does). Swapped-out device blocks stay cached (evictable) with their
+  contents; swapped-in blocks are fresh and re-register at the request's next allocate.
+- Pins hold references (the blocks count as used); together at most
+  `max_pinned_fraction` of the device blocks. Release them before preempting anything.
+"""
+
+from .block_pool import Block, BlockPool, KVEvent
+from .hashing import builtin_block_hash, get_hash_fn, hash_blocks, sha256_block_hash
+from .manager import (
+    EMPTY_HIT,
+    BlockOps,
+    DeviceStats,
+    InvariantError,
+    KVCacheManager,
+    KVCacheStats,
+    PrefixHit,
+)
+
+__all__ = [
+    "EMPTY_HIT",
+    "Block",
+    "BlockOps",
+    "BlockPool",
+    "DeviceStats",
+    "InvariantError",
+    "KVCacheManager",
+    "KVCacheStats",
+    "KVEvent",
+    "PrefixHit",
+    "builtin_block_hash",
+    "get_hash_fn",
+    "hash_blocks",
+    "sha256_block_hash",
+]

@@ -1,0 +1,228 @@
+"""Blocks, the intrusive free queue and one pool of blocks per device.
+
+HOT PATH: `BlockPool.take` and `BlockPool.release` run once per allocation and per free for
+every block of every request. Keep them flat loops over local variables: no per-block method
+calls, no logging, no new attribute lookups in the loops.
+
+Free queue (after vLLM V1's FreeKVCacheBlockQueue): a doubly linked list threaded through the
+blocks themselves (`prev_free` / `next_free`) between two sentinels, so any block is removed
+in O(1) (a prefix-cache hit on a free but cached block) and the queue order is the eviction
+order: blocks are taken from the head (least recently freed first) and appended at the tail
+when their ref count drops to 0. A request frees its blocks tail first, so a sequence's last
+blocks (the least shareable part of a prefix) are evicted before its first ones.
+
+Creating a pool is O(1) in Python objects: a block that was never handed out has no Block
+object yet. The queue is "ids [fresh_next, num_blocks) that were never used" followed by the
+linked list; those fresh ids are older than anything in the list (free since creation), so
+taking them first is exactly LRU. A Block object is created when its id is first taken.
+
+Step boundary: while `deferring` is set (between the manager's begin_step and end_step), a
+block whose ref count drops to 0 goes to `deferred` instead of the queue, so it cannot be
+handed out again in the plan being built; `flush_deferred` appends them to the queue in the
+order they were freed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class KVEvent(NamedTuple):
+    """A prefix-cache change: `kind` is "stored" (block registered under `block_hash`) or
+    "removed" (evicted, the hash no longer maps to `block_id`)."""
+
+    kind: str
+    device: str
+    block_hash: object
+    block_id: int
+
+
+class Block:
+    """One KV-cache block. `block_hash`/`token_ids` are set only while the block is in its
+    pool's prefix-cache map (full blocks only); `serial` identifies that registration (-1
+    when not cached) and `parent_serial` the registration of the block before it in the
+    sequence (or the salt's root), so a lookup can verify the whole chain, not just one
+    block's tokens."""
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "token_ids",
+        "serial",
+        "parent_serial",
+        "prev_free",
+        "next_free",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.serial = -1
+        self.parent_serial = -1
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.serial >= 0})"
+
+
+class BlockPool:
+    """All blocks of one device: the blocks, the free queue, the prefix-cache map
+    (block hash -> Block, device pool only) and the deferred list of the step boundary."""
+
+    def __init__(self, num_blocks: int, device: str, events: list | None = None) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.device = device
+        # blocks[i] is None until id i is first handed out (lazy creation).
+        self.blocks: list[Block | None] = [None] * num_blocks
+        self.fresh_next = 0  # ids >= fresh_next were never handed out (head of the queue)
+        self.head = Block(-1)  # sentinels of the linked part of the free queue
+        self.tail = Block(-1)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free = num_blocks  # blocks in the queue (fresh + linked)
+        self.cached: dict = {}  # block hash -> Block
+        self.deferred: list[Block] = []
+        self.deferring = False
+        self.num_evictions = 0
+        self.events = events  # list of KVEvent tuples to append to, or None
+
+    # ------------------------------------------------------------------ queries
+
+    def block(self, block_id: int) -> Block:
+        b = self.blocks[block_id]
+        if b is None:  # a fresh id: materialise it (still free, still in the queue)
+            b = self.blocks[block_id] = Block(block_id)
+        return b
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue in eviction order (head first). O(num free): for tests and debug."""
+        ids = list(range(self.fresh_next, self.num_blocks))
+        b = self.head.next_free
+        while b is not self.tail:
+            ids.append(b.block_id)
+            b = b.next_free
+        return ids
+
+    # ------------------------------------------------------------------ hot path
+
+    def take(self, n: int) -> list[int]:
+        """Pop `n` blocks from the head of the free queue with ref count 1 each; a popped
+        block that is still in the prefix cache is evicted from it. The caller has checked
+        n <= num_free."""
+        if n > self.num_free:
+            raise AssertionError(f"{self.device}: take({n}) with {self.num_free} free")
+        self.num_free -= n
+        out: list[int] = []
+        fresh = self.fresh_next
+        if fresh < self.num_blocks:
+            k = min(n, self.num_blocks - fresh)
+            blocks = self.blocks
+            for bid in range(fresh, fresh + k):
+                b = Block(bid)
+                b.ref_cnt = 1
+                blocks[bid] = b
+            out.extend(range(fresh, fresh + k))
+            self.fresh_next = fresh + k
+            n -= k
+            if not n:
+                return out
+        head = self.head
+        b = head.next_free
+        append = out.append
+        for _ in range(n):
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            append(b.block_id)
+            nxt = b.next_free
+            b.prev_free = b.next_free = None
+            b = nxt
+        head.next_free = b
+        b.prev_free = head
+        return out
+
+    def release(self, block_ids) -> None:
+        """Drop one reference per id, in the order given (pass a table reversed to free its
+        tail first). Blocks reaching ref count 0 join the free queue tail, or the deferred
+        list during a step. Raises AssertionError on a ref count going negative."""
+        blocks = self.blocks
+        if self.deferring:
+            deferred = self.deferred
+            for bid in block_ids:
+                b = blocks[bid]
+                r = b.ref_cnt - 1
+                b.ref_cnt = r
+                if r == 0:
+                    deferred.append(b)
+                elif r < 0:
+                    b.ref_cnt = 0
+                    raise AssertionError(f"{self.device} block {bid}: ref count below 0")
+            return
+        last = self.tail.prev_free
+        n = 0
+        try:
+            for bid in block_ids:
+                b = blocks[bid]
+                r = b.ref_cnt - 1
+                b.ref_cnt = r
+                if r == 0:
+                    last.next_free = b
+                    b.prev_free = last
+                    last = b
+                    n += 1
+                elif r < 0:
+                    b.ref_cnt = 0
+                    raise AssertionError(f"{self.device} block {bid}: ref count below 0")
+        finally:
+            tail = self.tail
+            last.next_free = tail
+            tail.prev_free = last
+            self.num_free += n
+
+    def touch(self, block_ids) -> None:
+        """Add one reference to each block; a block at ref count 0 leaves the free queue
+        (O(1) unlink) and stays in the prefix cache (a cache hit or a pin)."""
+        blocks = self.blocks
+        for bid in block_ids:
+            b = blocks[bid]
+            if b.ref_cnt == 0 and b.prev_free is not None:
+                prv = b.prev_free
+                nxt = b.next_free
+                prv.next_free = nxt
+                nxt.prev_free = prv
+                b.prev_free = b.next_free = None
+                self.num_free -= 1
+            b.ref_cnt += 1
+
+    def flush_deferred(self) -> None:
+        """Move blocks deferred by the step boundary to the free queue tail (in free order);
+        a deferred block touched since (a cache hit) and not freed again is skipped."""
+        self.deferring = False
+        deferred, self.deferred = self.deferred, []
+        last = self.tail.prev_free
+        for b in deferred:
+            if b.ref_cnt == 0 and b.prev_free is None:
+                last.next_free = b
+                b.prev_free = last
+                last = b
+                self.num_free += 1
+        last.next_free = self.tail
+        self.tail.prev_free = last
+
+    def _evict(self, b: Block) -> None:
+        h = b.block_hash
+        if self.cached.get(h) is b:
+            del self.cached[h]
+        if self.events is not None:
+            self.events.append(KVEvent("removed", self.device, h, b.block_id))
+        b.block_hash = None
+        b.token_ids = None
+        b.serial = -1
+        b.parent_serial = -1
+        self.num_evictions += 1
