@@ -1,0 +1,91 @@
+"""Triton kernels on a CUDA device against their twins: the interpreter cases at native speed,
+bf16 computed natively (tensor cores), and large shapes. Skipped without CUDA (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.decode_attention import paged_decode_attention_triton
+from pagedserve.kernels.testing import DECODE_CASES, PREFILL_CASES, case_id, make_paged_batch
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # tf32-free, bf16 dots
+
+
+def _close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_gpu(case, num_splits):
+    batch = make_paged_batch(
+        [(1, case["context_len"]), (1, 300), (1, 1000)], num_kv_heads=2, group=case["group"],
+        head_dim=case["head_dim"], block_size=case["block_size"], dtype=case["dtype"],
+        device="cuda",
+    )
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    _close(paged_decode_attention_triton(*args, num_splits=num_splits),
+           reference.paged_decode_attention(*args), case["dtype"])
+
+
+@pytest.mark.parametrize("seqs, block_size, kv_heads, group, head_dim, dtype, window",
+                         PREFILL_CASES)
+def test_prefill_gpu(seqs, block_size, kv_heads, group, head_dim, dtype, window):
+    batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                             block_size=block_size, dtype=dtype, device="cuda")
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    _close(ops.paged_attention(*args, max_query_len=batch.max_query_len, sliding_window=window),
+           reference.paged_prefill_attention(*args, sliding_window=window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_large_decode_gpu(dtype, block_size):
+    seqs = [(1, n) for n in (4096, 1, 2049, 16000, 777, 3333, 128, 8191)]
+    batch = make_paged_batch(seqs, num_kv_heads=4, group=8, head_dim=128, block_size=block_size,
+                             dtype=dtype, device="cuda")
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    want = reference.paged_decode_attention(*args)
+    _close(ops.paged_decode_attention(*args), want, dtype)  # auto split rule
+    _close(ops.paged_decode_attention(*args, sliding_window=1024),
+           reference.paged_decode_attention(*args, sliding_window=1024), dtype)
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 7), (96, 1), (256, 2)])
+def test_large_prefill_gpu(head_dim, group):
+    seqs = [(1024, 1024), (500, 3000), (1, 2000), (77, 77)]
+    batch = make_paged_batch(seqs, num_kv_heads=2, group=group, head_dim=head_dim,
+                             block_size=16, dtype=torch.bfloat16, device="cuda")
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    _close(ops.paged_attention(*args, max_query_len=batch.max_query_len),
+           reference.paged_prefill_attention(*args), torch.bfloat16)
+
+
+def test_cache_ops_gpu():
+    kv_cache = torch.randn(4, 2, 64, 16, 4, 128, device="cuda", dtype=torch.bfloat16)
+    expected = kv_cache.clone()
+    key = torch.randn(100, 4, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:100]
+    slots[::7] = -1
+    ops.reshape_and_cache(key, key, kv_cache[2, 0], kv_cache[2, 1], slots)
+    reference.reshape_and_cache(key, key, expected[2, 0], expected[2, 1], slots)
+    assert torch.equal(kv_cache, expected)
+    mapping = torch.tensor([[0, 10], [3, 11], [5, 63]], device="cuda")
+    ops.copy_blocks(kv_cache, mapping)
+    reference.copy_blocks(expected, mapping)
+    assert torch.equal(kv_cache, expected)
+
+    cpu_cache = torch.zeros(4, 2, 8, 16, 4, 128, dtype=torch.bfloat16).pin_memory()
+    ops.swap_blocks(kv_cache, cpu_cache, torch.tensor([[10, 2], [63, 7]]))
+    assert torch.equal(cpu_cache[:, :, 2], kv_cache[:, :, 10].cpu())
+    assert torch.equal(cpu_cache[:, :, 7], kv_cache[:, :, 63].cpu())
+    ops.swap_blocks(cpu_cache, kv_cache, torch.tensor([[2, 40], [7, 41]]))
+    torch.cuda.synchronize()
+    assert torch.equal(kv_cache[:, :, 40], kv_cache[:, :, 10])
+    assert torch.equal(kv_cache[:, :, 41], kv_cache[:, :, 63])
