@@ -1,0 +1,172 @@
+"""Paged decode attention: latency, achieved bandwidth, share of the device's copy bandwidth,
+and time relative to torch SDPA on the same keys/values stored contiguously (DESIGN §8).
+
+    python benchmarks/kernels_bench.py             # GPU: the full grid below
+    python benchmarks/kernels_bench.py --dry-run   # CPU: tiny sizes through the Triton
+                                                   # interpreter, to check the script itself
+
+Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv heads, head dim
+128, i.e. GQA 8:1; and Qwen2.5-0.5B, 14 q / 2 kv heads, head dim 64), block size 16, bf16.
+Every sequence of a case has the full context. Without CUDA (and without --dry-run) it prints
+one JSON line saying it was skipped and exits 0.
+
+Figures: ``latency_us_p50`` (CUDA events per call), ``gb_per_s`` = bytes of K and V read /
+latency (the decode lower bound on traffic), ``copy_bw_ratio`` = gb_per_s / the device's copy
+bandwidth, measured here as (read + write bytes) / time of a 1 GiB device-to-device copy,
+``paged_vs_contiguous_ratio`` = our latency / SDPA latency on contiguous [B, Hkv, L, D] K/V.
+Targets (H100-class): copy_bw_ratio >= 0.85 for batch >= 64 and context >= 1k; >= 0.60 with
+split-K at batch 1, context 16k; paged_vs_contiguous_ratio <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+BENCH = "kernels_bench"
+
+
+def _emit(record: dict) -> None:
+    print(json.dumps({"bench": BENCH, **record}), flush=True)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes on CPU through TRITON_INTERPRET=1 (checks the script only)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--max-gib", type=float, default=24.0,
+                   help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = _parse()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit is defined
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        _emit({"case": "skipped", "reason": "no CUDA device (use --dry-run to check the script)"})
+        return 0
+
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.decode_attention import _num_sms, choose_num_splits
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    if args.dry_run:
+        batches, contexts, iters = [1, 2], [17, 600], 2  # 600: split-K path
+        shapes = {"gqa8_d128": (8, 1, 128), "qwen2.5_0.5b": (14, 2, 64)}
+    else:
+        batches, contexts, iters = [1, 8, 64, 256], [128, 1024, 4096, 16384], args.iters
+        shapes = {"gqa8_d128": (32, 4, 128), "qwen2.5_0.5b": (14, 2, 64)}
+    block_size = 16
+
+    def timed(fn) -> float:
+        """p50 of per-call latency in microseconds."""
+        fn()
+        fn()
+        samples = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(samples)
+
+    # Device copy bandwidth: (read + write) bytes of a large device-to-device copy.
+    copy_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_us = timed(lambda src=src, dst=dst: dst.copy_(src))
+    copy_gb_per_s = 2 * copy_bytes / copy_us / 1e3
+    del src, dst
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    _emit({"case": "device_copy", "device": device_name, "bytes": copy_bytes,
+           "latency_us_p50": round(copy_us, 2), "gb_per_s": round(copy_gb_per_s, 1)})
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
+        for context in contexts:
+            for batch in batches:
+                case = f"decode/{shape_name}/b{batch}/ctx{context}"
+                kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elem
+                if 2 * kv_bytes > args.max_gib * (1 << 30):
+                    _emit({"case": case, "skipped": f"needs > {args.max_gib} GiB"})
+                    continue
+                blocks_per_seq = (context + block_size - 1) // block_size
+                num_blocks = batch * blocks_per_seq
+                cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+                key_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+                value_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+                # Shuffled block ids: pages scattered across the cache as in a live server.
+                block_tables = torch.randperm(num_blocks, device=device).view(
+                    batch, blocks_per_seq).int()
+                seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+                out = torch.empty_like(query)
+                scale = head_dim**-0.5
+                num_splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq * block_size,
+                                               _num_sms(device))
+
+                def paged(splits=None, query=query, key_cache=key_cache,
+                          value_cache=value_cache, block_tables=block_tables,
+                          seq_lens=seq_lens, out=out, scale=scale):
+                    ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                               seq_lens, scale, out=out, backend="triton",
+                                               num_splits=splits)
+
+                latency = timed(paged)
+                record = {
+                    "case": case, "dtype": str(dtype).removeprefix("torch."),
+                    "block_size": block_size, "num_splits": num_splits,
+                    "latency_us_p50": round(latency, 2),
+                    "gb_per_s": float(f"{kv_bytes / latency / 1e3:.4g}"),
+                }
+                record["copy_bw_ratio"] = float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}")
+                if num_splits > 1:
+                    plain = timed(lambda paged=paged: paged(1))
+                    record["plain_latency_us_p50"] = round(plain, 2)
+                    record["split_k_speedup_ratio"] = round(plain / latency, 3)
+
+                # The same K/V stored contiguously, [B, Hkv, L, D], through SDPA (GQA native).
+                table = block_tables.long()
+                k_contig = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                    :, :context].transpose(1, 2).contiguous()
+                v_contig = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                    :, :context].transpose(1, 2).contiguous()
+                q_sdpa = query[:, :, None, :]
+                try:
+                    def sdpa(q_sdpa=q_sdpa, k_contig=k_contig, v_contig=v_contig, scale=scale):
+                        torch.nn.functional.scaled_dot_product_attention(
+                            q_sdpa, k_contig, v_contig, scale=scale, enable_gqa=True)
+
+                    sdpa_latency = timed(sdpa)
+                    record["sdpa_latency_us_p50"] = round(sdpa_latency, 2)
+                    record["paged_vs_contiguous_ratio"] = round(latency / sdpa_latency, 3)
+                except (RuntimeError, TypeError) as exc:  # old torch without enable_gqa, OOM
+                    record["sdpa_error"] = str(exc).splitlines()[0][:120]
+                _emit(record)
+                print(f"{case:40s} {latency:10.1f} us {record['gb_per_s']:8.1f} GB/s "
+                      f"{record['copy_bw_ratio']:6.1%} of copy, splits {num_splits}",
+                      file=sys.stderr)
+                del key_cache, value_cache, k_contig, v_contig
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
