@@ -1,0 +1,109 @@
+"""The executor's KV cache: one device tensor and one CPU swap tensor of the same layout,
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (kernels/__init__.py).
+
+How many device blocks: ``--num-gpu-blocks`` when given; on CUDA otherwise a profiling run
+(``profile_num_gpu_blocks``: one forward at the largest batch, then what
+``--gpu-memory-utilization`` of the device leaves after the peak, like vLLM's
+determine_num_available_blocks); on CPU ``--kv-cache-space`` GiB. CPU swap blocks:
+``--num-cpu-blocks`` or ``--swap-space`` GiB (pinned memory only when CUDA exists).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from pagedserve.kernels import ops
+
+GiB = 1 << 30
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, keys and values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def blocks_for_space(space_gib: float, cfg: ModelConfig, block_size: int, dtype) -> int:
+    return int(space_gib * GiB) // block_bytes(cfg, block_size, dtype)
+
+
+@torch.inference_mode()
+def profile_num_gpu_blocks(
+    model: LlamaForCausalLM, block_size: int, max_num_batched_tokens: int,
+    gpu_memory_utilization: float, device: torch.device,
+) -> int:
+    """Run one forward of ``max_num_batched_tokens`` prompt tokens (one sequence per
+    max_model_len, so attention scratch is the largest the router may plan) with a scratch
+    cache, then give the KV cache what is left under the utilization target."""
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    num_tokens = max(1, max_num_batched_tokens)
+    seq_len = min(cfg.max_model_len, num_tokens)
+    lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * bool(
+        num_tokens % seq_len)
+    blocks_per_seq = (seq_len + block_size - 1) // block_size
+    num_blocks = len(lens) * blocks_per_seq
+    scratch = torch.zeros(
+        cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        dtype=dtype, device=device,
+    )
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(len(lens), blocks_per_seq)
+    slots = torch.cat([i * blocks_per_seq * block_size + torch.arange(n)
+                       for i, n in enumerate(lens)])
+    attn = AttentionMetadata(
+        slot_mapping=slots.long().to(device),
+        block_tables=tables.to(device),
+        query_start_loc=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        max_query_len=seq_len,
+    )
+    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
+                   scratch, attn)
+    model.compute_logits(hidden[attn.query_start_loc[1:].long() - 1])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
+    del scratch, hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_allocated(device)
+    available = total * gpu_memory_utilization - peak - used_by_others
+    return max(0, int(available) // block_bytes(cfg, block_size, dtype))
+
+
+class CacheEngine:
+    """Owns ``kv_cache`` (device) and ``cpu_cache`` (swap space); applies a plan's block
+    moves. Block ids are checked by the caller (ModelRunner) before anything runs."""
+
+    def __init__(
+        self, cfg: ModelConfig, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.device = device
+        shape = (cfg.num_layers, 2)
+        tail = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        # zeros, not empty: the attention twins multiply padding slots by probability 0,
+        # and 0 * NaN from uninitialised memory would poison a row.
+        self.kv_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=device)
+        self.cpu_cache = torch.zeros(
+            *shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu",
+            pin_memory=torch.cuda.is_available() and device.type == "cuda",
+        )
+
+    def swap_out(self, pairs: torch.Tensor) -> None:
+        """(device block, cpu block) rows."""
+        ops.swap_blocks(self.kv_cache, self.cpu_cache, pairs)
+
+    def swap_in(self, pairs: torch.Tensor) -> None:
+        """(cpu block, device block) rows."""
+        ops.swap_blocks(self.cpu_cache, self.kv_cache, pairs)
+
+    def copy(self, pairs: torch.Tensor) -> None:
+        """(src device block, dst device block) rows: copy-on-write."""
+        ops.copy_blocks(self.kv_cache, pairs.to(self.device))

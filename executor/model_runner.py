@@ -1,0 +1,285 @@
+"""One step: StepPlan in, StepResult out (DESIGN §2). No sockets here.
+
+Hot path: the per-request Python work in ``_prepare`` is O(S) list operations; per-token
+work is numpy/torch. Do not add per-token Python loops or device syncs beyond the one that
+reads the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from pagedserve.executor.cache_engine import CacheEngine
+from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.sampler import Sampler, SamplingState
+from pagedserve.protos.wire import RequestError, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the executor keeps per request between steps: its block table (the router's
+    copy, updated by the plan's changes) and its sampling state."""
+
+    block_table: list[int]
+    sampling: SamplingState
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The valid part of a plan, as device tensors."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # index into the hidden states of the tokens that sample
+    sample_ids: list[str]  # their requests, same order
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ModelRunner:
+    """Owns the model, the cache and the per-request state of one executor."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, executor_id: str = "",
+                 max_model_len: int | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.executor_id = executor_id
+        self.device = cache.device
+        self.block_size = cache.block_size
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = min(max_model_len or model.config.max_model_len,
+                                 model.config.max_model_len)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.steps_done = 0
+
+    def reset(self) -> None:
+        """Forget every request (a new registration starts with an empty cache state)."""
+        self.requests.clear()
+
+    # ------------------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan, in the order DESIGN §2 fixes:
+
+        1. check the block moves; a bad one fails the whole step before anything moves;
+        2. swap-out, swap-in, copy;
+        3. drop finished requests, register new ones (state rebuilt from the record, so any
+           executor can take over a request mid-generation), create forked children;
+        4. apply each scheduled request's block-table change; a request that is unknown or
+           names a block, slot, position or token out of range gets an error and is left out
+           of the batch (its state is dropped);
+        5. one forward over all scheduled tokens (prefill chunks and decodes mixed), logits
+           only for rows with ``do_sample``, sample, append the tokens to the states.
+        An exception in 5 is reported as a step error (empty request id), never swallowed.
+        """
+        step = plan.step_id
+        error = self._check_block_moves(plan)
+        if error:
+            log.error("step %d rejected: %s", step, error)
+            return StepResult(step_id=step, executor_id=self.executor_id,
+                              errors=[RequestError("", error)])
+        swap_s = self._move_blocks(plan)
+        errors = self._update_requests(plan)
+        batch = self._prepare(plan, errors)
+        result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
+        if batch is None:
+            self.steps_done += 1
+            return StepResult(**result, errors=errors)
+        try:
+            t0 = time.perf_counter()
+            hidden = self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            _sync(self.device)
+            t1 = time.perf_counter()
+            states = [self.requests[r].sampling for r in batch.sample_ids]
+            out = self.sampler(logits, states) if states else None
+            t2 = time.perf_counter()
+        except Exception as exc:  # reported to the router, which fails the step's requests
+            log.exception("step %d: forward/sampling failed", step)
+            errors.append(RequestError("", f"step {step} failed: {type(exc).__name__}: {exc}"))
+            return StepResult(**result, errors=errors)
+        self.steps_done += 1
+        if out is None:
+            return StepResult(**result, errors=errors, forward_s=t1 - t0)
+        for state, token in zip(states, out.token_ids.tolist(), strict=True):
+            state.append(token)
+        return StepResult(
+            **result, request_ids=batch.sample_ids, token_ids=out.token_ids,
+            logprobs=out.logprobs, top_counts=out.top_counts, top_token_ids=out.top_token_ids,
+            top_logprobs=out.top_logprobs, errors=errors, forward_s=t1 - t0, sample_s=t2 - t1,
+        )
+
+    # ------------------------------------------------------------------------------ parts
+    def _check_block_moves(self, plan: StepPlan) -> str:
+        limits = {
+            "swap_out": (self.cache.num_gpu_blocks, self.cache.num_cpu_blocks),
+            "swap_in": (self.cache.num_cpu_blocks, self.cache.num_gpu_blocks),
+            "copy": (self.cache.num_gpu_blocks, self.cache.num_gpu_blocks),
+        }
+        for name, (src_limit, dst_limit) in limits.items():
+            pairs = getattr(plan, name)
+            if pairs is None or pairs.shape[0] == 0:
+                continue
+            for col, limit in ((0, src_limit), (1, dst_limit)):
+                if pairs[:, col].min() < 0 or pairs[:, col].max() >= limit:
+                    return f"{name} names a block out of range (have {limit})"
+        return ""
+
+    def _move_blocks(self, plan: StepPlan) -> float:
+        moves = [(name, getattr(plan, name)) for name in ("swap_out", "swap_in", "copy")]
+        moves = [(n, p) for n, p in moves if p is not None and p.shape[0]]
+        if not moves:
+            return 0.0
+        t0 = time.perf_counter()
+        for name, pairs in moves:
+            getattr(self.cache, name)(torch.from_numpy(pairs.astype(np.int64)))
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def _update_requests(self, plan: StepPlan) -> list[RequestError]:
+        errors = []
+        for rid in plan.finished_ids:
+            self.requests.pop(rid, None)
+        for req in plan.new_requests:
+            self.requests[req.request_id] = RequestState([], SamplingState.from_new_request(req))
+        for fork in plan.forks:
+            parent = self.requests.get(fork.parent_id)
+            if parent is None:
+                errors.append(RequestError(fork.child_id, f"fork of unknown {fork.parent_id!r}"))
+                continue
+            self.requests[fork.child_id] = RequestState(
+                list(parent.block_table), parent.sampling.fork(fork.sample_index))
+        return errors
+
+    def _prepare(self, plan: StepPlan, errors: list[RequestError]) -> _Batch | None:
+        """Apply the table changes of the valid requests and build the batch tensors."""
+        num_seqs = plan.num_seqs
+        if num_seqs == 0:
+            return None
+        bs = self.block_size
+        computed = plan.num_computed_tokens.astype(np.int64)
+        num_new = plan.num_new_tokens.astype(np.int64)
+        seq_lens = computed + num_new
+        starts, lens = plan.block_table_starts.tolist(), plan.block_table_lens.tolist()
+        ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
+
+        # Per-token checks, vectorised; a bad token condemns its request.
+        row_of_token = np.repeat(np.arange(num_seqs), num_new)
+        slots = plan.slot_mapping.astype(np.int64)
+        bad_token = (
+            (slots < -1) | (slots >= self.cache.num_gpu_blocks * bs)
+            | (plan.positions < 0) | (plan.positions >= self.max_model_len)
+            | (plan.token_ids < 0) | (plan.token_ids >= self.vocab_size)
+        )
+        bad = dict.fromkeys(row_of_token[bad_token].tolist(), "a slot, position or token id "
+                                                               "out of range")
+        tables = []
+        for i, rid in enumerate(plan.request_ids):
+            state = self.requests.get(rid)
+            new_ids = ids[offsets[i]:offsets[i + 1]]
+            if state is None:
+                bad[i] = "unknown request (never sent as a new request)"
+            elif i in bad:
+                pass
+            elif starts[i] > len(state.block_table):
+                bad[i] = f"block table change at {starts[i]} beyond its {len(state.block_table)}"
+            elif new_ids.shape[0] and (new_ids.min() < 0
+                                       or new_ids.max() >= self.cache.num_gpu_blocks):
+                bad[i] = f"block id out of range (have {self.cache.num_gpu_blocks})"
+            elif seq_lens[i] > min(self.max_model_len, (starts[i] + lens[i]) * bs):
+                bad[i] = f"{seq_lens[i]} tokens do not fit its blocks or max_model_len"
+            elif num_new[i] == 0:
+                bad[i] = "scheduled with no new tokens"
+            else:
+                state.block_table[starts[i]:] = new_ids.tolist()
+                tables.append(state.block_table)
+        for i, message in sorted(bad.items()):
+            rid = plan.request_ids[i]
+            log.error("step %d: request %s: %s", plan.step_id, rid, message)
+            errors.append(RequestError(rid, message))
+            self.requests.pop(rid, None)
+        keep = np.ones(num_seqs, dtype=bool)
+        keep[list(bad)] = False
+        if not keep.any():
+            return None
+        keep_token = keep[row_of_token]
+
+        num_new, seq_lens = num_new[keep], seq_lens[keep]
+        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = table
+        do_sample = plan.do_sample[keep].astype(bool)
+        kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
+
+        def dev(arr, dtype):
+            return torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype)).to(
+                self.device, non_blocking=True)
+
+        return _Batch(
+            input_ids=dev(plan.token_ids[keep_token], np.int64),
+            positions=dev(plan.positions[keep_token], np.int64),
+            attn=AttentionMetadata(
+                slot_mapping=dev(slots[keep_token], np.int64),
+                block_tables=dev(block_tables, np.int32),
+                query_start_loc=dev(query_start_loc, np.int32),
+                seq_lens=dev(seq_lens, np.int32),
+                max_query_len=int(num_new.max()),
+            ),
+            sample_rows=dev(query_start_loc[1:][do_sample] - 1, np.int64),
+            sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
+        )
+
+
+def build_runner(
+    model_dir: str, *, device: str | torch.device = "cpu", dtype: str = "auto",
+    block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+    kv_cache_space: float = 1.0, swap_space: float | None = None,
+    gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+    max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
+) -> ModelRunner:
+    """Load the model and size the caches (DESIGN §4 flags); raises ModelNotSupported,
+    FileNotFoundError or ValueError with a one-line message."""
+    from pagedserve.executor.cache_engine import blocks_for_space, profile_num_gpu_blocks
+    from pagedserve.executor.models import load_config, load_model, resolve_dtype
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    config = load_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    if block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size {block_size}: must be one of 8, 16, 32, 64, 128")
+    if max_model_len is not None and max_model_len > config.max_model_len:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                         f"{config.max_model_len}")
+    model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    max_len = max_model_len or config.max_model_len
+    if num_gpu_blocks is None:
+        if device.type == "cuda":
+            num_gpu_blocks = profile_num_gpu_blocks(
+                model, block_size, min(max_num_batched_tokens, 8 * max_len),
+                gpu_memory_utilization, device)
+        else:
+            num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
+    if num_cpu_blocks is None:
+        if swap_space is None:
+            swap_space = 4.0 if device.type == "cuda" else 0.5
+        num_cpu_blocks = blocks_for_space(swap_space, config, block_size, torch_dtype)
+    if num_gpu_blocks <= 0:
+        raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
+    cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
+    return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len)

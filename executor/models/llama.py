@@ -1,0 +1,162 @@
+"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3) on a flat,
+variable-length token batch with a paged KV cache.
+
+One module with three switches from ModelConfig: ``qkv_bias`` (Qwen2, attention_bias),
+``qk_norm`` (Qwen3's per-head RMSNorm on q and k before RoPE) and the RoPE frequencies
+(default, linear, llama3). q/k/v and gate/up are fused into one matmul each at load time.
+
+Hot path: no Python loops over sequences or tokens here, no host syncs, no allocation that
+depends on the batch beyond the activations themselves. Per-step attention metadata is an
+argument (AttentionMetadata), never module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pagedserve.executor.models.config import ModelConfig
+from pagedserve.kernels import ops
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S], cached tokens incl. this step's
+    max_query_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE (transformers' rotate_half): x [T, H, D], cos/sin [T, 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        ops.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+        out = ops.paged_attention(
+            q, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
+            attn.seq_lens, self.scale, max_query_len=attn.max_query_len,
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, cfg.mlp_bias)
+        self.gate_up_proj.shard_sizes = (size, size)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns the final hidden states of every token; ``compute_logits`` takes
+    the rows that sample (so a prefill chunk costs no vocab matmul)."""
+
+    # checkpoint name -> (our fused parameter, shard index)
+    packed = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", self.rope_cache(cfg), persistent=False)
+
+    @staticmethod
+    def rope_cache(cfg: ModelConfig) -> torch.Tensor:
+        """[max_model_len, 2, head_dim] float32: cos and sin of every position."""
+        positions = torch.arange(cfg.max_model_len, dtype=torch.float32)
+        freqs = positions[:, None] * cfg.inv_freq()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return torch.stack((emb.cos(), emb.sin()), dim=1)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.cos_sin_cache[positions].to(x.dtype)  # [T, 2, D]
+        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache[i], attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

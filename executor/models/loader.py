@@ -1,0 +1,96 @@
+"""Loading a Hugging Face directory's ``*.safetensors`` (one file or shards) into our model.
+
+Files are memory-mapped with ``safe_open``; each tensor is read once, cast to the target
+dtype and copied into its (possibly fused) parameter on the target device. Every parameter
+must be filled exactly once, or loading fails with the names that are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from pagedserve.executor.models.config import ModelConfig, load_config
+from pagedserve.executor.models.llama import LlamaForCausalLM
+from safetensors import safe_open
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
+    """Checkpoint name -> (our parameter name, shard index or None); None = not ours."""
+    if "rotary_emb" in name:
+        return None
+    if name == "lm_head.weight" and model.lm_head is None:
+        return None  # tied: the embedding is the head
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.packed:
+            fused, shard = model.packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+    return name, None
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path, progress: bool = True) -> None:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    remaining = {
+        (n, s)
+        for n, p in params.items()
+        for s in (range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", ())))
+                  or [None])
+    }
+    bar = tqdm(total=len(remaining), desc="Loading weights", disable=not progress, unit="t")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                target = _target(model, key)
+                if target is None:
+                    continue
+                name, shard = target
+                if name not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {key!r}")
+                param = params[name]
+                tensor = f.get_tensor(key)
+                dst = param.data
+                if shard is not None:
+                    sizes = modules[name.rsplit(".", 1)[0]].shard_sizes
+                    dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"{key}: shape {tuple(tensor.shape)} where {tuple(dst.shape)} expected"
+                    )
+                dst.copy_(tensor.to(dst.dtype))
+                remaining.discard((name, shard))
+                bar.update(1)
+    bar.close()
+    if remaining:
+        names = sorted(n if s is None else f"{n}[{s}]" for n, s in remaining)
+        raise ValueError(f"{model_dir}: weights missing for {', '.join(names[:5])}"
+                         + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+    config: ModelConfig | None = None, progress: bool = True,
+) -> LlamaForCausalLM:
+    """Build the model for ``config.json`` directly on ``device`` in ``dtype`` and load it."""
+    config = config or load_config(model_dir)
+    device = torch.device(device)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):  # no random init: every parameter is loaded below
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)
+    model.cos_sin_cache = LlamaForCausalLM.rope_cache(config).to(device)
+    load_weights(model, model_dir, progress=progress)
+    return model.eval().requires_grad_(False)

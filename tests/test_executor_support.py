@@ -1,0 +1,175 @@
+"""Helpers for the executor and model suites (no tests here): a miniature router that plans
+steps for an in-process ModelRunner, and the Hugging Face greedy oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from pagedserve.protos.wire import (
+    Fork,
+    NewRequest,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    int32,
+    int64_pairs,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Seq:
+    rid: str
+    tokens: list[int]  # prompt + outputs
+    prompt_len: int
+    sampling: SamplingParams
+    sample_index: int = 0
+    num_computed: int = 0
+    table: list[int] = field(default_factory=list)
+    synced: int = 0  # table entries the executor holds unchanged
+    known: bool = False  # the executor has its state
+    cpu_table: list[int] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class Driver:
+    """Plans steps the way the router does (block tables as changes, slot mapping, new
+    requests sent once, swap/copy pairs) with a trivial free-list allocator."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.block_size = runner.cache.block_size
+        self.free = list(range(runner.cache.num_gpu_blocks))
+        self.free_cpu = list(range(runner.cache.num_cpu_blocks))
+        self.seqs: dict[str, Seq] = {}
+        self.step_id = 0
+        self._forks: list[Fork] = []
+
+    def add(self, rid, prompt, sampling=GREEDY, sample_index=0, outputs=(),
+            shared_blocks=(), num_cached=0) -> Seq:
+        """A request; ``shared_blocks`` (full blocks of a cached prefix) cover ``num_cached``
+        tokens, which then are not computed again."""
+        seq = Seq(rid, list(prompt) + list(outputs), len(prompt), sampling, sample_index,
+                  num_computed=num_cached, table=list(shared_blocks))
+        self.seqs[rid] = seq
+        return seq
+
+    def fork(self, parent: str, child: str, sample_index: int) -> Seq:
+        p = self.seqs[parent]
+        seq = Seq(child, list(p.tokens), p.prompt_len, p.sampling, sample_index,
+                  p.num_computed, list(p.table), synced=len(p.table), known=True)
+        self.seqs[child] = seq
+        self._forks.append(Fork(parent, child, sample_index))
+        return seq
+
+    def cow_last_block(self, rid: str) -> np.ndarray:
+        """Give ``rid`` a private copy of its last block; returns the copy pair."""
+        seq = self.seqs[rid]
+        new = self.free.pop(0)
+        pair = (seq.table[-1], new)
+        seq.table[-1] = new
+        seq.synced = min(seq.synced, len(seq.table) - 1)
+        return int64_pairs([pair])
+
+    def swap_out(self, rid: str) -> np.ndarray:
+        seq = self.seqs[rid]
+        seq.cpu_table = [self.free_cpu.pop(0) for _ in seq.table]
+        pairs = int64_pairs(list(zip(seq.table, seq.cpu_table, strict=True)))
+        self.free.extend(seq.table)
+        seq.table, seq.synced = [], 0
+        return pairs
+
+    def swap_in(self, rid: str) -> np.ndarray:
+        seq = self.seqs[rid]
+        seq.table = [self.free.pop() for _ in seq.cpu_table]  # other ids than before
+        pairs = int64_pairs(list(zip(seq.cpu_table, seq.table, strict=True)))
+        self.free_cpu.extend(seq.cpu_table)
+        seq.cpu_table, seq.synced = [], 0
+        return pairs
+
+    def plan(self, schedule: dict[str, int | None], **moves) -> StepPlan:
+        """``schedule``: request id -> tokens to compute (None: all that are left)."""
+        new_requests, rows, tokens, positions, slots, table_ids = [], [], [], [], [], []
+        for rid, n in schedule.items():
+            seq = self.seqs[rid]
+            if not seq.known:
+                new_requests.append(NewRequest(
+                    request_id=rid, prompt_token_ids=int32(seq.tokens[:seq.prompt_len]),
+                    output_token_ids=int32(seq.outputs), sampling=seq.sampling,
+                    sample_index=seq.sample_index))
+                seq.known, seq.synced = True, 0
+            n = len(seq.tokens) - seq.num_computed if n is None else n
+            end = seq.num_computed + n
+            while len(seq.table) * self.block_size < end:
+                seq.table.append(self.free.pop(0))
+            pos = np.arange(seq.num_computed, end)
+            tokens += seq.tokens[seq.num_computed:end]
+            positions += pos.tolist()
+            slots += (np.array(seq.table)[pos // self.block_size] * self.block_size
+                      + pos % self.block_size).tolist()
+            rows.append((seq.num_computed, n, int(end == len(seq.tokens)), seq.synced,
+                         len(seq.table) - seq.synced))
+            table_ids += seq.table[seq.synced:]
+            seq.synced = len(seq.table)
+            seq.num_computed = end
+        cols = list(zip(*rows, strict=True)) if rows else [()] * 5
+        plan = StepPlan(
+            step_id=self.step_id, new_requests=new_requests, forks=self._forks,
+            request_ids=list(schedule), num_computed_tokens=int32(cols[0]),
+            num_new_tokens=int32(cols[1]), do_sample=np.array(cols[2], np.uint8),
+            token_ids=int32(tokens), positions=int32(positions),
+            slot_mapping=np.array(slots, np.int64), block_table_starts=int32(cols[3]),
+            block_table_lens=int32(cols[4]), block_table_ids=int32(table_ids), **moves)
+        self._forks = []
+        self.step_id += 1
+        plan.validate()
+        return plan
+
+    def step(self, schedule: dict[str, int | None], **moves) -> StepResult:
+        result = self.runner.execute(self.plan(schedule, **moves))
+        assert not result.errors, result.errors
+        for rid, token in zip(result.request_ids, result.token_ids.tolist(), strict=True):
+            self.seqs[rid].tokens.append(token)
+        return result
+
+    def generate(self, rids, num_tokens: int) -> None:
+        """Prefill what is left, then decode until each has ``num_tokens`` outputs."""
+        while any(len(self.seqs[r].outputs) < num_tokens for r in rids):
+            self.step({r: None for r in rids if len(self.seqs[r].outputs) < num_tokens})
+
+
+def hf_reference(model_dir, prompt: list[int], num_tokens: int, _cache=None):
+    """Greedy token ids and raw logits of transformers' generate (fp32, one prompt)."""
+    from transformers import AutoModelForCausalLM
+
+    if _cache is None:
+        _cache = {}
+    key = str(model_dir)
+    if key not in _cache:
+        _cache.clear()
+        _cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    model = _cache[key]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=num_tokens,
+            do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
+
+
+def assert_greedy_equal(ours: list[int], ref: list[int], ref_logits) -> None:
+    """Equal, or equal up to a first mismatch where the reference had a near tie."""
+    for j, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            top2 = ref_logits[j].float().topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-3, f"token {j}: ours {a}, reference {b} (top-2 gap {gap:.2e})"
+            return
+    assert len(ours) >= len(ref)
