@@ -1,0 +1,494 @@
+"""The gRPC edge: pagedserve.v1.Generator over an `Engine`, plus health and reflection.
+
+This module is the only place that touches protobuf: requests are turned into `RequestSpec`s by
+validation.py (from_pb) and engine outputs into responses here (to_pb). Every error path goes
+through errors.py's mapping; every non-OK ending is counted in
+pagedserve_request_failure_total{code}.
+
+Ending of a request, by cause:
+  * finished normally / aborted by the Abort RPC / drained → status OK (finish_reason says);
+  * client cancelled or its deadline passed → engine.abort(id), status follows the client
+    (CANCELLED / DEADLINE_EXCEEDED), the request's blocks are freed by the engine;
+  * a domain error (errors.py) → its code; anything else → INTERNAL (logged, a bug).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+from .errors import PagedServeError, Unavailable, grpc_code, grpc_details
+from .metrics import RouterMetrics
+from .tokenizer import Tokenizer
+from .types import (
+    ClusterStatusData,
+    CompletionDelta,
+    Engine,
+    ModelInfoData,
+    RequestOutput,
+    RequestSpec,
+    TokenLogprob,
+    Usage,
+)
+from .validation import Limits, request_from_pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "pagedserve.v1.Generator"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+HEALTH_POLL_S = 0.25
+
+_FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "length": pb.LENGTH, "stop": pb.STOP, "abort": pb.ABORT}
+
+
+# --------------------------------------------------------------------------- to_pb
+
+
+def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def usage_to_pb(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+    )
+
+
+def chunk_to_pb(request_id: str, delta: CompletionDelta) -> pb.GenerateStreamResponse:
+    chunk = pb.GenerateStreamResponse(
+        request_id=request_id,
+        index=delta.index,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=_FINISH_TO_PB[delta.finish_reason],
+        stop_string=delta.stop_string or "",
+        logprobs=logprobs_to_pb(delta.logprobs),
+    )
+    if delta.stop_token_id is not None:
+        chunk.stop_token_id = delta.stop_token_id
+    return chunk
+
+
+def model_info_to_pb(info: ModelInfoData) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        architecture=info.architecture,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        block_size=info.block_size,
+        dtype=info.dtype,
+        eos_token_ids=info.eos_token_ids,
+    )
+
+
+def cluster_status_to_pb(status: ClusterStatusData) -> pb.ClusterStatus:
+    return pb.ClusterStatus(
+        executors=[
+            pb.ExecutorStatus(
+                id=e.id,
+                device=e.device,
+                healthy=e.healthy,
+                num_gpu_blocks=e.num_gpu_blocks,
+                num_free_gpu_blocks=e.num_free_gpu_blocks,
+                num_cpu_blocks=e.num_cpu_blocks,
+                num_free_cpu_blocks=e.num_free_cpu_blocks,
+                running=e.running,
+                waiting=e.waiting,
+                swapped=e.swapped,
+            )
+            for e in status.executors
+        ],
+        prefix_cache_queries=status.prefix_cache_queries,
+        prefix_cache_hits=status.prefix_cache_hits,
+    )
+
+
+@dataclass
+class _SampleAcc:
+    """One sample's completion, accumulated from its deltas (unary Generate)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_string = delta.stop_string
+            self.stop_token_id = delta.stop_token_id
+
+    def to_pb(self) -> pb.Completion:
+        completion = pb.Completion(
+            index=self.index,
+            text="".join(self.text),
+            token_ids=self.token_ids,
+            finish_reason=_FINISH_TO_PB[self.finish_reason],
+            stop_string=self.stop_string or "",
+            logprobs=logprobs_to_pb(self.logprobs),
+        )
+        if self.stop_token_id is not None:
+            completion.stop_token_id = self.stop_token_id
+        return completion
+
+
+class _RequestClock:
+    """Latency metrics of one request, measured when outputs are handed to the client."""
+
+    __slots__ = ("_metrics", "_arrival", "_first", "_last", "_tokens")
+
+    def __init__(self, metrics: RouterMetrics | None, arrival: float):
+        self._metrics = metrics
+        self._arrival = arrival
+        self._first: float | None = None
+        self._last: float | None = None
+        self._tokens: dict[int, int] = {}
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self._metrics is None:
+            return
+        new_tokens = False
+        for delta in out.deltas:
+            if delta.token_ids:
+                new_tokens = True
+                self._tokens[delta.index] = self._tokens.get(delta.index, 0) + len(delta.token_ids)
+            if delta.finish_reason is not None:
+                self._metrics.inc_success(delta.finish_reason)
+        now = time.monotonic()
+        if new_tokens:
+            if self._first is None:
+                self._first = now
+                self._metrics.observe_ttft(now - self._arrival)
+            else:
+                self._metrics.observe_inter_token(now - self._last)
+            self._last = now
+        if out.finished:
+            self._metrics.observe_e2e(now - self._arrival)
+            most = max(self._tokens.values(), default=0)
+            if self._first is not None and most > 1:
+                self._metrics.observe_time_per_output_token((now - self._first) / (most - 1))
+
+
+# --------------------------------------------------------------------------- servicer
+
+
+class GeneratorServicer(pb_grpc.GeneratorServicer):
+    """pagedserve.v1.Generator over an Engine (see types.Engine for the contract)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        metrics: RouterMetrics | None = None,
+    ):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._metrics = metrics
+        self.draining = False
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        samples: dict[int, _SampleAcc] = {}
+        usage: Usage | None = None
+        request_id = ""
+        async with aclosing(self._run(request, context)) as outputs:
+            async for rid, out in outputs:
+                request_id = rid
+                for delta in out.deltas:
+                    acc = samples.get(delta.index)
+                    if acc is None:
+                        acc = samples[delta.index] = _SampleAcc(delta.index)
+                    acc.add(delta)
+                usage = out.usage or usage
+        return pb.GenerateResponse(
+            request_id=request_id,
+            completions=[samples[i].to_pb() for i in sorted(samples)],
+            usage=usage_to_pb(usage) if usage is not None else None,
+        )
+
+    async def Stream(
+        self, request: pb.GenerateRequest, context
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with aclosing(self._run(request, context)) as outputs:
+            async for request_id, out in outputs:
+                chunks = [
+                    chunk_to_pb(request_id, d)
+                    for d in out.deltas
+                    if d.text or d.token_ids or d.logprobs or d.finish_reason is not None
+                ]
+                if out.usage is not None:
+                    if not chunks:
+                        chunks.append(pb.GenerateStreamResponse(request_id=request_id))
+                    chunks[-1].usage.CopyFrom(usage_to_pb(out.usage))
+                for chunk in chunks:
+                    yield chunk
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        try:
+            found = self._engine.abort(request.request_id)
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            await self._fail(context, exc)
+        if not found:
+            await self._fail_code(
+                context, grpc.StatusCode.NOT_FOUND, f"no live request with id {request.request_id!r}"
+            )
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfo:
+        try:
+            return model_info_to_pb(self._engine.model_info())
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            await self._fail(context, exc)
+
+    async def GetClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatus:
+        try:
+            return cluster_status_to_pb(self._engine.cluster_status())
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            await self._fail(context, exc)
+
+    # ------------------------------------------------------------------ one request
+
+    async def _run(self, request: pb.GenerateRequest, context):
+        """Validate, submit and yield (request_id, RequestOutput) until the final output.
+        Maps every failure to a status and aborts the engine request when the client goes."""
+        arrival = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = arrival + remaining if remaining is not None else None
+        request_id = request.request_id or uuid.uuid4().hex
+        error: BaseException | None = None
+        admitted = finished = False
+        outputs: AsyncIterator[RequestOutput] | None = None
+        clock = _RequestClock(self._metrics, arrival)
+        try:
+            if self.draining:
+                raise Unavailable("the router is draining")
+            spec: RequestSpec = request_from_pb(
+                request,
+                tokenizer=self._tokenizer,
+                limits=self._limits,
+                request_id=request_id,
+                arrival_time=arrival,
+                deadline=deadline,
+            )
+            outputs = await self._engine.submit(spec)
+            admitted = True
+            async for out in outputs:
+                clock.on_output(out)
+                finished = out.finished
+                yield request_id, out
+                if finished:
+                    break
+            if not finished:
+                raise RuntimeError("the engine's output stream ended without a final output")
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or its deadline passed: grpc cancels the handler (here, or
+            # while it writes a chunk, and then closes the consumer, which closes this).
+            code = (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+                if deadline is not None and time.monotonic() >= deadline - 0.001
+                else grpc.StatusCode.CANCELLED
+            )
+            if not finished:
+                self._count_failure(code)
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            error = exc
+        finally:
+            if admitted and not finished:
+                self._abort_quietly(request_id)
+            if outputs is not None and hasattr(outputs, "aclose") and not finished:
+                try:
+                    await outputs.aclose()
+                except Exception:  # noqa: BLE001 - closing a dead stream must not mask the cause
+                    log.debug("closing the output stream of %s failed", request_id, exc_info=True)
+        if error is not None:
+            await self._fail(context, error, request_id=request_id)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self._engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            log.exception("engine.abort(%s) failed", request_id)
+
+    # ------------------------------------------------------------------ errors
+
+    def _count_failure(self, code: grpc.StatusCode) -> None:
+        if self._metrics is not None:
+            self._metrics.inc_failure(code)
+
+    async def _fail(self, context, exc: BaseException, request_id: str = "") -> None:
+        """End the RPC with the status errors.py maps `exc` to (raises grpc's AbortError)."""
+        code = grpc_code(exc)
+        if not isinstance(exc, PagedServeError):
+            log.error("request %s failed with an internal error", request_id, exc_info=exc)
+        await self._fail_code(context, code, grpc_details(exc))
+
+    async def _fail_code(self, context, code: grpc.StatusCode, details: str) -> None:
+        self._count_failure(code)
+        await context.abort(code, details)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class GrpcServer:
+    """A started router gRPC server: Generator + health + reflection.
+
+    Health: service "" is SERVING while the process is up; "pagedserve.v1.Generator" follows
+    engine.is_serving() (polled). `drain()` turns both NOT_SERVING and makes new requests
+    UNAVAILABLE; running ones continue.
+    """
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        servicer: GeneratorServicer,
+        health_servicer: health.aio.HealthServicer,
+        engine: Engine,
+        poll_s: float,
+    ):
+        self.server = server
+        self.port = port
+        self.servicer = servicer
+        self.health = health_servicer
+        self._engine = engine
+        self._poll_s = poll_s
+        self._serving: bool | None = None
+        self._poller: asyncio.Task | None = None
+
+    async def _start(self) -> None:
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._refresh()
+        self._poller = asyncio.create_task(self._poll(), name="pagedserve-health-poll")
+
+    async def _refresh(self) -> None:
+        try:
+            serving = bool(self._engine.is_serving()) and not self.servicer.draining
+        except Exception:  # noqa: BLE001 - a failing engine is not serving
+            log.exception("engine.is_serving() failed")
+            serving = False
+        if serving != self._serving:
+            self._serving = serving
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self.health.set(SERVICE_NAME, status)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self._refresh()
+
+    async def drain(self) -> None:
+        """Start draining: health NOT_SERVING everywhere, new requests UNAVAILABLE."""
+        self.servicer.draining = True
+        self._serving = False
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self.server.wait_for_termination(timeout)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(
+    tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None = None
+) -> grpc.ServerCredentials | None:
+    """TLS (cert + key) or mutual TLS (plus a client CA: client certificates required);
+    None for plaintext. Raises ValueError for an incomplete set."""
+    if not tls_cert and not tls_key:
+        if tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (tls_cert and tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    try:
+        pair = (_read(tls_key), _read(tls_cert))
+        client_ca = _read(tls_client_ca) if tls_client_ca else None
+    except OSError as exc:
+        raise ValueError(f"cannot read TLS file: {exc}") from exc
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+async def start_server(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    *,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    metrics: RouterMetrics | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_client_ca: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    health_poll_s: float = HEALTH_POLL_S,
+) -> tuple[GrpcServer, int]:
+    """Start the router's gRPC server on host:port (0 → any free port); return it and the
+    bound port. Call from the event loop that runs the engine."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    servicer = GeneratorServicer(engine, tokenizer, limits, metrics)
+    pb_grpc.add_GeneratorServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    creds = server_credentials(tls_cert, tls_key, tls_client_ca)
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC server to {address}")
+    await server.start()
+    handle = GrpcServer(server, bound, servicer, health_servicer, engine, health_poll_s)
+    await handle._start()
+    return handle, bound
