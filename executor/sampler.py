@@ -1,0 +1,375 @@
+"""Batched sampling on the device (pure torch): one call per step for the R rows that sample.
+
+Hot path: per-request Python work is O(R) attribute reads and a few small tensors per step.
+Do not add per-token Python loops, per-row device syncs or anything that walks the vocabulary.
+
+Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
+
+1. penalties on the raw logits, over the request's OUTPUT tokens (never the prompt; DESIGN §2
+   "penalties count the request's output tokens as the plan gives them, never twice"):
+   repetition (HF/vLLM: a seen token's logit is divided by the penalty when positive,
+   multiplied when negative), then frequency and presence (OpenAI: subtract
+   ``frequency * count + presence * (count > 0)``);
+2. min_tokens: while a request has fewer than ``min_tokens`` output tokens, its EOS ids
+   (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+3. greedy rows (temperature < 1e-5, or top_k == 1) take the exact argmax (first index on
+   ties) and stop here;
+4. the other rows: divide by the temperature, keep the top-k logits, then the top-p nucleus
+   (the smallest prefix of the descending order whose mass reaches top_p, computed on the
+   top-k-renormalised distribution), softmax, then drop probabilities below
+   ``min_p * max_prob``. Filters work as thresholds on the value, so tokens tied with the
+   last kept one are kept too;
+5. keyed inverse-CDF sampling (below).
+
+Randomness. Each sampling row draws ONE uniform, a counter-based hash of
+(seed, sample_index, output position) where position = number of output tokens the
+request already has:
+
+    h = splitmix64(splitmix64(splitmix64(seed) ^ sample_index) ^ position)
+    u = ((h >> 11) + 0.5) / 2**53                       # in (0, 1)
+    token = first i with cumsum(probs)[i] > u * sum(probs)
+
+No generator state exists anywhere, so the same seed gives the same tokens whatever else
+is in the batch, in whatever row order, after preemption, migration or on another executor
+(bitwise on the same device kind; across device kinds up to float rounding of the cdf at a
+bin edge). Every operation is per row, and a token of probability 0 can never be drawn (its
+cdf step is empty). Inverse-CDF is exact in distribution; it is used rather than a
+per-vocabulary-entry Gumbel/exponential race because hashing R*V counters costs ~50 ms on a
+2-core CPU at R=128, V=32000, against ~2 ms for one softmax and one cumsum.
+
+Logprobs are the log-softmax of the RAW logits (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from pagedserve.protos.wire import NewRequest, SamplingParams
+
+_GREEDY_EPS = 1e-5
+_TOP_P_FIRST_K = 256  # top-p first looks at this many best tokens, sorts fully only if needed
+_MASK64 = (1 << 64) - 1
+
+
+# --------------------------------------------------------------------------- state
+
+
+class SamplingState:
+    """One request's sampling state on an executor: params, sample index, output tokens."""
+
+    __slots__ = ("params", "sample_index", "_tokens", "_num_tokens")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        sample_index: int = 0,
+        output_token_ids: Sequence[int] | np.ndarray = (),
+    ) -> None:
+        ids = np.asarray(output_token_ids, dtype=np.int64).reshape(-1)
+        self.params = params
+        self.sample_index = int(sample_index)
+        self._tokens = np.empty(max(16, 2 * ids.shape[0]), dtype=np.int64)
+        self._tokens[: ids.shape[0]] = ids
+        self._num_tokens = int(ids.shape[0])
+
+    @classmethod
+    def from_new_request(cls, req: NewRequest) -> SamplingState:
+        """Rebuild the state from the plan; the prompt does not count for penalties."""
+        return cls(req.sampling, req.sample_index, req.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The output position of the next token (the randomness key)."""
+        return self._num_tokens
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        """int64 [num_output_tokens], a read-only view."""
+        view = self._tokens[: self._num_tokens]
+        view.flags.writeable = False
+        return view
+
+    def append(self, token_id: int) -> None:
+        if self._num_tokens == self._tokens.shape[0]:
+            grown = np.empty(2 * self._tokens.shape[0], dtype=np.int64)
+            grown[: self._num_tokens] = self._tokens[: self._num_tokens]
+            self._tokens = grown
+        self._tokens[self._num_tokens] = token_id
+        self._num_tokens += 1
+
+    def fork(self, sample_index: int) -> SamplingState:
+        """A child with a copy of this state's output tokens and its own sample index."""
+        return SamplingState(self.params, sample_index, self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"SamplingState(sample_index={self.sample_index}, "
+                f"num_output_tokens={self._num_tokens}, params={self.params!r})")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """Numpy arrays shaped for ``StepResult`` (row i belongs to the i-th state)."""
+
+    token_ids: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R]; NaN where the request asked for none
+    top_counts: np.ndarray  # int32 [R]; row i owns the next top_counts[i] entries below
+    top_token_ids: np.ndarray  # int32 [sum(top_counts)], best first within a row
+    top_logprobs: np.ndarray  # float32 [sum(top_counts)]
+
+
+# --------------------------------------------------------------------------- randomness
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_uniform(seeds: Sequence[int], sample_indices: Sequence[int],
+                  positions: Sequence[int]) -> np.ndarray:
+    """float64 [N] in (0, 1), a pure function of each (seed, sample_index, position)."""
+    seed = np.array([int(s) & _MASK64 for s in seeds], dtype=np.uint64)
+    index = np.array([int(i) & _MASK64 for i in sample_indices], dtype=np.uint64)
+    pos = np.array([int(p) & _MASK64 for p in positions], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(_splitmix64(seed) ^ index) ^ pos)
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+
+def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: probs [N, V] >= 0, unnormalised, is overwritten by its
+    cumsum; u float64 [N] in (0, 1). Returns int64 [N]: the first i with cdf[i] > u * total,
+    which always has probability > 0."""
+    cdf = probs.cumsum_(-1)
+    total = cdf[:, -1:]
+    target = (u.unsqueeze(1).to(torch.float64) * total.to(torch.float64)).to(cdf.dtype)
+    idx = torch.searchsorted(cdf, target, right=True)
+    over = idx >= cdf.shape[1]  # u * total rounded up to total: take the last token with mass
+    if bool(over.any()):
+        rows = over.squeeze(1)
+        idx[rows] = torch.searchsorted(cdf[rows], total[rows], right=False)
+    return idx.squeeze(1)
+
+# --------------------------------------------------------------------------- logit processors
+
+
+def flatten_output_tokens(states: Sequence[SamplingState],
+                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token_ids), int64 [sum of output lengths]: row i repeated once per output token."""
+    lengths = [s.num_output_tokens for s in states]
+    token_ids = np.concatenate([s.output_token_ids for s in states]) if states else []
+    rows = np.repeat(np.arange(len(states), dtype=np.int64), lengths)
+    return (torch.from_numpy(rows).to(device),
+            torch.as_tensor(token_ids, dtype=torch.int64).to(device))
+
+
+def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     repetition: torch.Tensor, presence: torch.Tensor,
+                     frequency: torch.Tensor) -> torch.Tensor:
+    """In place on logits [N, V]; (rows, token_ids) list every output token once per
+    occurrence; repetition/presence/frequency are per row [N]. Repetition first (a seen
+    token's logit / penalty when > 0, * penalty otherwise), then
+    ``- frequency * count - presence``. Work is O(number of output tokens), not O(N * V)."""
+    vocab = logits.shape[1]
+    keep = (token_ids >= 0) & (token_ids < vocab)
+    keys, counts = torch.unique(rows[keep] * vocab + token_ids[keep], return_counts=True)
+    r, t = keys // vocab, keys % vocab
+    values = logits[r, t]
+    rep = repetition[r]
+    values = torch.where(values > 0, values / rep, values * rep)
+    logits[r, t] = values - frequency[r] * counts.to(values.dtype) - presence[r]
+    return logits
+
+
+def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """In place: keep logits >= the k-th largest of their row (1 <= top_k[i] <= V)."""
+    values = logits.topk(int(top_k.max()), dim=-1).values
+    kth = values.gather(1, (top_k - 1).unsqueeze(1))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """In place: keep the nucleus, the tokens in descending order while the probability
+    mass strictly before them is < top_p (so at least the best token survives)."""
+    vocab = logits.shape[1]
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+
+    def threshold(desc: torch.Tensor, lse_rows: torch.Tensor, p: torch.Tensor):
+        cum = (desc - lse_rows).exp_().cumsum_(-1)
+        mass_before = torch.zeros_like(cum)
+        mass_before[:, 1:] = cum[:, :-1]
+        n_keep = (mass_before < p.unsqueeze(1)).sum(-1)
+        return desc.gather(1, (n_keep - 1).unsqueeze(1)), n_keep
+
+    first_k = min(vocab, _TOP_P_FIRST_K)
+    desc = logits.topk(first_k, dim=-1).values
+    thresholds, n_keep = threshold(desc, lse, top_p)
+    # The nucleus may reach past the first_k best tokens: sort those rows fully.
+    unresolved = (n_keep == first_k) & (desc[:, -1] > float("-inf"))
+    if first_k < vocab and bool(unresolved.any()):
+        rows = unresolved.nonzero().squeeze(1)
+        full = logits[rows].sort(dim=-1, descending=True).values
+        thresholds[rows] = threshold(full, lse[rows], top_p[rows])[0]
+    return logits.masked_fill_(logits < thresholds, float("-inf"))
+
+
+def apply_min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place: zero the (unnormalised) probabilities below ``min_p * max`` of their row."""
+    threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
+    """``fn(x[rows], *params)`` written back in place; no gather when every row takes part."""
+    params = [torch.tensor(p, device=x.device) for p in row_params]
+    if len(rows) == x.shape[0]:
+        fn(x, *params)
+    else:
+        idx = torch.tensor(rows, device=x.device)
+        x[idx] = fn(x[idx], *params)
+
+def _has_penalty(state: SamplingState) -> bool:
+    p = state.params
+    return state.num_output_tokens > 0 and (
+        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+
+
+def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
+    """Token ids forced to -inf this step: EOS (unless ignore_eos) and stop ids."""
+    p = state.params
+    if state.num_output_tokens >= p.min_tokens:
+        return []
+    ids = p.stop_token_ids if p.ignore_eos else p.eos_token_ids + p.stop_token_ids
+    return [t for t in ids if 0 <= t < vocab]
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """``Sampler()(logits [R, V], states) -> SamplerOutput``; does not modify the states
+    (the executor appends the sampled tokens with ``state.append``).
+
+    On CPU it keeps up to three [R, V] fp32 work buffers between calls (fresh 16 MB allocations
+    cost more than the arithmetic there), so one Sampler serves one thread at a time.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def _buffer(self, slot: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":  # the caching allocator makes fresh tensors cheap there
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        size = shape[0] * shape[1]
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[slot] = torch.empty(size, dtype=torch.float32)
+        return buf[:size].view(shape)
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        if num_rows != len(states):
+            raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
+        device = logits.device
+        params = [s.params for s in states]
+        greedy = [p.temperature < _GREEDY_EPS or p.top_k == 1 for p in params]
+        pen_rows = [i for i, s in enumerate(states) if _has_penalty(s)]
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, s in enumerate(states):
+            ids = _min_tokens_masked_ids(s, vocab)
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+        raw = logits
+        if logits.dtype != torch.float32:  # argmax of bf16 is slow on CPU; convert once
+            raw = self._buffer(2, logits.shape, device).copy_(logits)
+        if (all(greedy) and not pen_rows and not mask_rows
+                and all(p.logprobs is None for p in params)):
+            return self._output(raw, raw.argmax(-1), params)  # fast path
+
+        x = raw
+        if pen_rows or mask_rows:
+            x = self._buffer(0, raw.shape, device).copy_(raw)
+        if pen_rows:
+            rows, token_ids = flatten_output_tokens([states[i] for i in pen_rows], device)
+            rows = torch.tensor(pen_rows, device=device)[rows]
+            apply_penalties_(x, rows, token_ids,
+                             torch.tensor([p.repetition_penalty for p in params], device=device),
+                             torch.tensor([p.presence_penalty for p in params], device=device),
+                             torch.tensor([p.frequency_penalty for p in params], device=device))
+        if mask_rows:
+            x[torch.tensor(mask_rows, device=device),
+              torch.tensor(mask_ids, device=device)] = float("-inf")
+
+        if all(greedy):
+            tokens = x.argmax(-1)
+        elif not any(greedy):
+            tokens = self._sample_random(x, None, states)
+        else:
+            tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+            g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
+            tokens[g_idx] = x[g_idx].argmax(-1)
+            rand_rows = [i for i, g in enumerate(greedy) if not g]
+            tokens[torch.tensor(rand_rows, device=device)] = self._sample_random(
+                x, rand_rows, [states[i] for i in rand_rows])
+        return self._output(raw, tokens, params)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[int] | None,
+                       states: Sequence[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, keyed draw for ``logits[rows]`` (all rows when
+        None); ``logits`` is not modified."""
+        device, vocab = logits.device, logits.shape[1]
+        params = [s.params for s in states]
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        x = self._buffer(1, (len(states), vocab), device)
+        if rows is None:
+            torch.div(logits, temps, out=x)
+        else:
+            torch.index_select(logits, 0, torch.tensor(rows, device=device), out=x).div_(temps)
+        k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+        if k_rows:
+            _on_rows_(x, k_rows, apply_top_k_, [params[i].top_k for i in k_rows])
+        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            _on_rows_(x, p_rows, apply_top_p_, [params[i].top_p for i in p_rows])
+        probs = x.sub_(x.amax(-1, keepdim=True)).exp_()  # unnormalised softmax, max 1
+        m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        if m_rows:
+            _on_rows_(probs, m_rows, apply_min_p_, [params[i].min_p for i in m_rows])
+        u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
+                          [s.num_output_tokens for s in states])
+        return sample_from_probs_(probs, torch.from_numpy(u).to(device))
+
+    @staticmethod
+    def _output(raw: torch.Tensor, tokens: torch.Tensor,
+                params: Sequence[SamplingParams]) -> SamplerOutput:
+        num_rows = raw.shape[0]
+        token_ids = tokens.to(torch.int32).cpu().numpy()
+        logprobs = np.full(num_rows, np.nan, dtype=np.float32)
+        top_counts = np.zeros(num_rows, dtype=np.int32)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not lp_rows:
+            return SamplerOutput(token_ids, logprobs, top_counts,
+                                 np.zeros(0, np.int32), np.zeros(0, np.float32))
+        idx = torch.tensor(lp_rows, device=raw.device)
+        lp = torch.log_softmax(raw[idx], -1)
+        logprobs[lp_rows] = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).cpu().numpy()
+        ks = [min(params[i].logprobs, raw.shape[1]) for i in lp_rows]
+        top_counts[lp_rows] = ks
+        k_max = max(ks)
+        if k_max == 0:
+            return SamplerOutput(token_ids, logprobs, top_counts,
+                                 np.zeros(0, np.int32), np.zeros(0, np.float32))
+        top = lp.topk(k_max, dim=-1)
+        want = torch.arange(k_max, device=raw.device) < torch.tensor(
+            ks, device=raw.device).unsqueeze(1)
+        return SamplerOutput(
+            token_ids, logprobs, top_counts,
+            top.indices[want].to(torch.int32).cpu().numpy(),
+            top.values[want].cpu().numpy().astype(np.float32),
+        )
