@@ -6,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-
 from pagedserve.kvmanager import (
     BlockPool,
     InvariantError,
