@@ -10,5 +10,10 @@ block list is a single indexed copy over the first three dimensions for all laye
 The CPU swap space has the same layout with ``num_cpu_blocks`` blocks.
 
 The public entry points (``ops``) pick the Triton kernel for CUDA tensors and the torch twin
-otherwise; the twins live in ``reference``.
+otherwise (``backend="auto"|"triton"|"torch"``, env override ``PAGEDSERVE_KERNEL_BACKEND``);
+the twins live in ``reference``. One file per kernel family, each with its launcher:
+``decode_attention`` (plain and split-K decode + LSE reduction, the split rule),
+``prefill_attention`` (varlen prefill/extend: chunked prefill, prefix hits), ``cache_ops``
+(reshape_and_cache, copy_blocks, the device<->CPU swap helper). ``testing`` builds paged inputs
+for tests and benchmarks/kernels_bench.py.
 """

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# "No sliding window" is a window longer than any context: the kernels stay branch-free.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -39,7 +41,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale_log2,  # softmax scale * log2(e)
-    sliding_window,  # <= 0: none
+    sliding_window,  # tokens; the launcher passes _NO_WINDOW when there is none
     stride_qs, stride_qh,  # query [S, H, D], last dim contiguous
     stride_kb, stride_kt, stride_kh,  # key cache [blocks, block_size, Hkv, D]
     stride_vb, stride_vt, stride_vh,
@@ -60,7 +62,7 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+    lo = tl.maximum(seq_len - sliding_window, 0)
     lo_tile = lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - lo_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -291,7 +293,7 @@ def paged_decode_attention_triton(
         # while a 16-row dot still feeds the tensor cores; halve it for very wide heads.
         block_n = 64 if d_pad <= 128 else 32
     upcast = interpreting or query.dtype == torch.float32
-    window = int(sliding_window) if sliding_window else 0
+    window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E
 
     if num_splits == 1:

@@ -35,13 +35,15 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# "No sliding window" is a window longer than any context: the kernel stays branch-free.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale_log2,
-    sliding_window,  # <= 0: none
+    sliding_window,  # tokens; the launcher passes _NO_WINDOW when there is none
     stride_qt, stride_qh,  # query [T, H, D]
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -88,7 +90,7 @@ def _prefill_kernel(
 
     first_pos = ctx_len + q_tile * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
-    lo = tl.where(sliding_window > 0, tl.maximum(first_pos - sliding_window + 1, 0), 0)
+    lo = tl.maximum(first_pos - sliding_window + 1, 0)
     tile_begin = lo // BLOCK_N
     tile_end = tl.cdiv(last_pos + 1, BLOCK_N)
 
@@ -121,9 +123,7 @@ def _prefill_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         allowed = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        allowed = allowed & (
-            (sliding_window <= 0) | (pos[None, :] > q_pos[:, None] - sliding_window)
-        )
+        allowed = allowed & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(allowed, s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
@@ -235,7 +235,7 @@ def paged_prefill_attention_triton(
     if block_n is None:
         block_n = 64 if d_pad <= 128 else 32
     upcast = interpreting or query.dtype == torch.float32
-    window = int(sliding_window) if sliding_window else 0
+    window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
 
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
