@@ -81,7 +81,7 @@ class Driver:
         seq = self.seqs[rid]
         seq.cpu_table = [self.free_cpu.pop(0) for _ in seq.table]
         pairs = int64_pairs(list(zip(seq.table, seq.cpu_table, strict=True)))
-        self.free.extend(seq.table)
+        self.free[:0] = seq.table  # handed out again first
         seq.table, seq.synced = [], 0
         return pairs
 
@@ -134,9 +134,13 @@ class Driver:
     def step(self, schedule: dict[str, int | None], **moves) -> StepResult:
         result = self.runner.execute(self.plan(schedule, **moves))
         assert not result.errors, result.errors
-        for rid, token in zip(result.request_ids, result.token_ids.tolist(), strict=True):
-            self.seqs[rid].tokens.append(token)
+        self.accept(result)
         return result
+
+    def accept(self, result: StepResult) -> None:
+        tokens = [] if result.token_ids is None else result.token_ids.tolist()
+        for rid, token in zip(result.request_ids, tokens, strict=True):
+            self.seqs[rid].tokens.append(token)
 
     def generate(self, rids, num_tokens: int) -> None:
         """Prefill what is left, then decode until each has ``num_tokens`` outputs."""
