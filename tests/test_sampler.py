@@ -108,6 +108,12 @@ def test_top_p_past_the_first_candidates_sorts_the_whole_row():
     assert tokens.max() > 256
 
 
+def test_masked_tokens_stay_impossible_when_the_spread_underflows_exp():
+    logits = [NEG_INF, 100.0, -100.0, 99.9, NEG_INF]
+    assert set(drawn_tokens(logits, 500, temperature=0.05).tolist()) == {1, 3}
+    assert set(drawn_tokens(logits, 500, temperature=0.001).tolist()) == {1}
+
+
 def test_min_p_support():
     # probs relative to the max: 1, 0.61, 0.37, 0.14, 0.05, ...
     assert set(drawn_tokens(LOGITS, 2000, min_p=0.3).tolist()) == {0, 1, 2}
