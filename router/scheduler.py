@@ -1,0 +1,362 @@
+"""Per-executor scheduler: decides what one executor computes in one step.
+
+Hot path: `schedule()` runs once per step per executor. Keep per-token Python work out of it
+(per-sequence work only) and never await inside it: a plan is built from one consistent view
+of the KV manager, between `begin_step()` and `end_step()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..kvmanager import EMPTY_HIT, KVCacheManager, PrefixHit
+from .sequence import GroupStatus, RequestGroup, Sequence
+
+log = logging.getLogger("pagedserve.router.scheduler")
+
+
+class PreemptionMode(enum.Enum):
+    AUTO = "auto"
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    # A group preempted this many times is chosen as a victim only when every other
+    # candidate was preempted as often (no request starves).
+    preemption_cap: int = 3
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens before
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions for one executor (turned into a StepPlan by plan_builder)."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
+    dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
+    preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.dropped_seq_ids
+
+
+class CostModel:
+    """Chooses swap or recompute for a victim in `auto` mode.
+
+    swap cost      = 2 x (blocks the group holds) x seconds per block moved (out, then in)
+    recompute cost = (tokens the group has computed) x seconds per token of prefill
+    Both rates start from rough priors and follow the executor's measured timings (an
+    exponential average of swap_s per block moved and forward_s per token in steps that
+    prefill). Swap needs free CPU blocks; without them it is recompute.
+    """
+
+    def __init__(self, s_per_block: float = 2e-5, s_per_token: float = 2e-4) -> None:
+        self.s_per_block = s_per_block
+        self.s_per_token = s_per_token
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0 and seconds > 0:
+            self.s_per_block = 0.8 * self.s_per_block + 0.2 * (seconds / num_blocks)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= 32 and seconds > 0:
+            self.s_per_token = 0.8 * self.s_per_token + 0.2 * (seconds / num_tokens)
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        return 2 * num_blocks * self.s_per_block < num_tokens * self.s_per_token
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill for one executor.
+
+    Queues: `running`, `swapped` and `waiting` groups, each kept sorted by
+    (priority, arrival): lower priority values first, then earlier arrivals.
+    """
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.cost = CostModel()
+        self.running: list[RequestGroup] = []
+        self.swapped: list[RequestGroup] = []
+        self.waiting: list[RequestGroup] = []
+        self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        self._pending_drops: list[str] = []
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, group: RequestGroup) -> None:
+        group.status = GroupStatus.WAITING
+        bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
+
+    def groups(self) -> Iterable[RequestGroup]:
+        yield from self.running
+        yield from self.swapped
+        yield from self.waiting
+
+    def num_queued_tokens(self) -> int:
+        """Tokens waiting to be computed here: the load figure routing weighs."""
+        total = 0
+        for g in self.waiting:
+            total += sum(s.num_uncomputed for s in g.active_seqs())
+        for g in self.running:
+            total += sum(s.num_uncomputed for s in g.active_seqs())
+        return total + len(self.swapped)
+
+    def remove(self, group: RequestGroup) -> None:
+        """Take a group off this executor for good (finished, aborted, failed): its blocks
+        are freed now and the executor is told to drop its samples in the next plan."""
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+                break
+        self.kv.unpin(group.seqs[0].seq_id)
+        for seq in group.seqs:
+            self._release_seq(seq)
+        group.status = GroupStatus.FINISHED
+
+    def finish_seq(self, seq: Sequence) -> None:
+        """One sample is done (its group may go on): free its blocks at once."""
+        seq.finished = True
+        self._release_seq(seq)
+
+    def _release_seq(self, seq: Sequence) -> None:
+        if self.kv.has_request(seq.seq_id):
+            self.kv.free(seq.seq_id)
+        if seq.on_executor:
+            self._pending_drops.append(seq.seq_id)
+            seq.on_executor = False
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step.
+
+        1. Running groups, best (priority, arrival) first: each active sample gets its next
+           tokens (one for a decode, a chunk of the prompt for a prefill) within the token
+           budget. When blocks run out, pins are released first, then the worst running
+           group (the victim: lowest priority, latest arrival, not over the preemption cap)
+           is preempted by swap or recompute (`auto` asks the cost model), until the sample
+           fits or the group being scheduled is itself the victim.
+        2. Only if nothing was preempted: swapped and waiting groups in (priority, arrival)
+           order, swapped first among equals, are brought in while blocks (above the
+           watermark for new admissions), `max_num_seqs` and the token budget allow; the
+           first one that does not fit stops admission, so order is kept. A new group's
+           prompt starts after its cached prefix; n > 1 groups compute the prompt once in
+           sample 0 (all but the last token), then fork the other samples from it in a later
+           step (copy-on-write shares every block) and every sample computes the last prompt
+           token itself and samples from it.
+        """
+        kv = self.kv
+        cfg = self.config
+        kv.begin_step()
+        out = SchedulerOutput()
+        out.dropped_seq_ids.extend(self._pending_drops)
+        self._pending_drops.clear()
+        budget = cfg.max_num_batched_tokens
+        num_seqs = 0
+        pins_released = False
+
+        i = 0
+        while i < len(self.running):
+            group = self.running[i]
+            self._fork_if_ready(group, out)
+            preempted_self = False
+            for seq in group.active_seqs():
+                if budget <= 0:
+                    break
+                if seq.num_uncomputed <= 0:
+                    continue
+                num_new = min(seq.num_uncomputed, budget)
+                while kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
+                    if not pins_released:
+                        kv.release_pins()
+                        pins_released = True
+                        continue
+                    victim = self._pick_victim(i)
+                    partial = victim is group and any(s.seq.group is group for s in out.scheduled)
+                    self._preempt(victim, out, force_recompute=partial)
+                    if victim is group:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    break
+                self._commit(seq, num_new, out)
+                budget -= num_new
+                num_seqs += 1
+            if not preempted_self:
+                i += 1
+
+        if not out.preempted:
+            self._admit(out, budget, num_seqs)
+        for group in self.running:
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = time.monotonic()
+        return out
+
+    def _commit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        seq.num_computed_tokens += num_new
+        out.num_tokens += num_new
+
+    def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
+        """n > 1: once sample 0 has all but the last prompt token computed (in an earlier
+        step: a copy-on-write copy made before this step's forward must see those keys and
+        values), fork the other samples from it."""
+        if group.forked:
+            return
+        parent = group.seqs[0]
+        if parent.num_computed_tokens < parent.num_prompt_tokens - 1:
+            return
+        if any(s.seq is parent for s in out.scheduled):
+            return
+        for child in group.seqs[1:]:
+            if self.kv.has_request(parent.seq_id):
+                self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
+            out.forks.append((parent, child))
+        group.forked = True
+
+    def _pick_victim(self, current: int) -> RequestGroup:
+        """The running group to preempt: the last in (priority, arrival) order from the one
+        being scheduled on, skipping groups preempted `preemption_cap` times when another
+        candidate remains."""
+        candidates = self.running[current:]
+        for group in reversed(candidates):
+            if group.num_preemptions < self.config.preemption_cap:
+                return group
+        return candidates[-1]
+
+    def _preempt(self, group: RequestGroup, out: SchedulerOutput,
+                 force_recompute: bool = False) -> None:
+        kv = self.kv
+        self.running.remove(group)
+        mine = [s for s in out.scheduled if s.seq.group is group]
+        if mine:  # the group being scheduled preempted itself: undo its part of this step
+            out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
+            out.num_tokens -= sum(s.num_new_tokens for s in mine)
+        seq_ids = [s.seq_id for s in group.active_seqs() if kv.has_request(s.seq_id)]
+        mode = self.config.preemption_mode
+        if mode is PreemptionMode.AUTO:
+            blocks = {b for sid in seq_ids for b in kv.block_table(sid)}
+            tokens = sum(s.num_computed_tokens for s in group.active_seqs())
+            mode = (PreemptionMode.SWAP if self.cost.prefer_swap(len(blocks), tokens)
+                    else PreemptionMode.RECOMPUTE)
+        if force_recompute or not seq_ids or (
+            mode is PreemptionMode.SWAP and kv.swap_out(seq_ids) is None
+        ):
+            mode = PreemptionMode.RECOMPUTE
+        group.num_preemptions += 1
+        self.num_preemptions[mode] += 1
+        out.preempted.append((group, mode))
+        if mode is PreemptionMode.SWAP:
+            group.status = GroupStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=lambda g: g.sort_key)
+            return
+        # Recompute: every block goes back; the executor forgets the samples and gets them
+        # again as new requests carrying their output so far.
+        for seq in group.seqs:
+            if kv.has_request(seq.seq_id):
+                kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            if seq.on_executor:
+                out.dropped_seq_ids.append(seq.seq_id)
+                seq.on_executor = False
+        self.add(group)
+        log.debug("preempted %s by recompute", group.request_id)
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        """Bring in swapped and waiting groups in order until one does not fit."""
+        kv = self.kv
+        cfg = self.config
+        while (self.swapped or self.waiting) and budget > 0:
+            take_swapped = bool(self.swapped) and (
+                not self.waiting or self.swapped[0].sort_key <= self.waiting[0].sort_key
+            )
+            group = self.swapped[0] if take_swapped else self.waiting[0]
+            seqs = group.active_seqs()
+            if num_seqs + len(seqs) > cfg.max_num_seqs:
+                return
+            if take_swapped:
+                seq_ids = [s.seq_id for s in seqs if kv.has_request(s.seq_id)]
+                if kv.swap_in(seq_ids) is None:
+                    return
+                self.swapped.pop(0)
+                scheduled = []
+                for seq in seqs:
+                    num_new = min(seq.num_uncomputed, budget)
+                    if num_new <= 0:
+                        continue
+                    if kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
+                        break
+                    scheduled.append((seq, num_new))
+                    budget -= num_new
+            else:
+                scheduled = self._admit_waiting(group, budget)
+                if scheduled is None:
+                    return
+                self.waiting.pop(0)
+                budget -= sum(n for _, n in scheduled)
+            group.status = GroupStatus.RUNNING
+            bisect.insort(self.running, group, key=lambda g: g.sort_key)
+            for seq, num_new in scheduled:
+                if num_new > 0:
+                    self._commit(seq, num_new, out)
+            num_seqs += len(seqs)
+
+    def _admit_waiting(self, group: RequestGroup, budget: int) -> list | None:
+        """Allocate a waiting group's samples (all or nothing); None when they don't fit."""
+        kv = self.kv
+        salt = group.spec.cache_salt or None
+        done: list[tuple[Sequence, int]] = []
+        for seq in group.active_seqs():
+            target = len(seq.token_ids)
+            if not group.forked:  # sample 0 of an n > 1 group stops before the last token
+                target = seq.num_prompt_tokens - 1
+            kv.hash_blocks(seq.token_ids, salt, seq.block_hashes)
+            hit = kv.pinned(seq.seq_id) or EMPTY_HIT
+            if not hit.block_ids:
+                hit = kv.lookup(seq.token_ids, seq.block_hashes, salt)
+            hit = _clip_hit(hit, target, kv.block_size)
+            num_new = max(0, min(target - hit.num_tokens, budget))
+            if (num_new == 0 and target > hit.num_tokens) or kv.allocate(
+                seq.seq_id, seq.token_ids, num_new, hit=hit,
+                block_hashes=seq.block_hashes, cache_salt=salt,
+            ) is None:  # no budget or no blocks left: the whole group waits
+                for s, _ in done:
+                    kv.free(s.seq_id)
+                    s.num_computed_tokens = 0
+                return None
+            seq.num_computed_tokens = hit.num_tokens
+            if seq.index == 0 and group.cached_prompt_tokens is None:
+                group.cached_prompt_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+            done.append((seq, num_new))
+            budget -= num_new
+        return done
+
+
+def _clip_hit(hit: PrefixHit, max_tokens: int, block_size: int) -> PrefixHit:
+    """Shorten a prefix hit to at most `max_tokens` tokens (whole blocks)."""
+    if hit.num_tokens <= max_tokens:
+        return hit
+    n = max_tokens // block_size
+    return PrefixHit(hit.block_ids[:n], n * block_size, hit.serials[:n])

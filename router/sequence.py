@@ -1,0 +1,170 @@
+"""The router's view of a request while it runs: one `RequestGroup` per request, one
+`Sequence` per sample, and the `OutputChannel` the gRPC edge reads from.
+
+A sequence's `token_ids` is prompt + output so far; `num_computed_tokens` counts the tokens
+whose keys/values are in the executor's cache or scheduled in the plan in flight (the
+scheduler advances it when it schedules, as vLLM V1 does). Every token the sequence ever had
+is here, so preemption by recompute or a move to another executor loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from .detokenizer import TextAssembler
+from .types import CompletionDelta, RequestOutput, RequestSpec, TokenLogprob, Usage
+
+
+class GroupStatus(enum.Enum):
+    WAITING = "waiting"  # queued on an executor, no blocks (new, or preempted by recompute)
+    RUNNING = "running"
+    SWAPPED = "swapped"  # blocks in the executor's CPU swap space
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request."""
+
+    __slots__ = (
+        "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "block_hashes", "on_executor", "assembler", "finished", "num_delivered",
+        "last_token_time", "logprobs",
+    )
+
+    def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
+        self.group = group
+        self.index = index
+        self.seq_id = f"{group.request_id}#{index}"
+        self.token_ids: list[int] = list(group.spec.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes: list = []  # prefix-cache hashes of full blocks, extended in place
+        self.on_executor = False  # the executor holds its state (NewRequest sent, not dropped)
+        self.assembler = assembler
+        self.finished = False  # no more tokens are scheduled for it (cheap stop or text stop)
+        self.num_delivered = 0  # output tokens handed to the text stage
+        self.last_token_time = 0.0
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, tokens={len(self.token_ids)}, " \
+               f"computed={self.num_computed_tokens})"
+
+
+class OutputChannel:
+    """Deltas waiting for the consumer, coalesced per sample: when the consumer falls behind,
+    the next item simply carries several tokens. Never blocks the producer."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[CompletionDelta]] = {}
+        self._usage: Usage | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.closed = False
+
+    def put(self, delta: CompletionDelta) -> None:
+        if self.closed:
+            return
+        self._pending.setdefault(delta.index, []).append(delta)
+        self._event.set()
+
+    def finish(self, usage: Usage) -> None:
+        if self.closed:
+            return
+        self._usage = usage
+        self.closed = True
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.closed:
+            return
+        self._error = error
+        self.closed = True
+        self._event.set()
+
+    @staticmethod
+    def _merge(deltas: list[CompletionDelta]) -> CompletionDelta:
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        return CompletionDelta(
+            index=last.index,
+            text="".join(d.text for d in deltas),
+            token_ids=tuple(t for d in deltas for t in d.token_ids),
+            logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+            finish_reason=last.finish_reason,
+            stop_string=last.stop_string,
+            stop_token_id=last.stop_token_id,
+        )
+
+    async def stream(self, request_id: str):
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            deltas = tuple(self._merge(self._pending[i]) for i in sorted(self._pending))
+            self._pending.clear()
+            if self._error is not None and not deltas:
+                raise self._error
+            if self._usage is not None:
+                yield RequestOutput(request_id, deltas, self._usage)
+                return
+            if self._error is not None:
+                yield RequestOutput(request_id, deltas)
+                raise self._error
+            if deltas:
+                yield RequestOutput(request_id, deltas)
+
+
+class RequestGroup:
+    """A request and its samples: the unit of routing, priority and preemption."""
+
+    def __init__(self, spec: RequestSpec, assemblers: list[TextAssembler], arrival_seq: int):
+        self.spec = spec
+        self.request_id = spec.request_id
+        self.sort_key = (spec.priority, arrival_seq)
+        self.seqs = [Sequence(self, i, a) for i, a in enumerate(assemblers)]
+        self.status = GroupStatus.WAITING
+        self.executor_id: str | None = None
+        # n > 1: sample 0 computes the prompt but its last token, then the others fork from it.
+        self.forked = spec.sampling.n == 1 or len(spec.prompt_token_ids) == 1
+        self.num_preemptions = 0
+        self.aborted = False
+        self.cached_prompt_tokens: int | None = None
+        self.arrival_time = spec.arrival_time or time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.channel = OutputChannel()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    def active_seqs(self) -> list[Sequence]:
+        """Samples that take part in scheduling now (before the fork: sample 0 only)."""
+        if not self.forked:
+            return [self.seqs[0]]
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.assembler.finished for s in self.seqs)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=sum(s.assembler.num_tokens for s in self.seqs),
+            cached_prompt_tokens=self.cached_prompt_tokens or 0,
+        )
+
+    def __repr__(self) -> str:
+        return f"RequestGroup({self.request_id}, {self.status.value}, n={len(self.seqs)})"
