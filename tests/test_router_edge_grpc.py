@@ -1,0 +1,495 @@
+"""Router edge: the gRPC servicer over a fake Engine (real grpc.aio server on port 0, real stubs).
+
+The fake engine uses TextAssembler exactly as the real engine is meant to: one per sample,
+`append(token)` after every step, `finish("abort")` on abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+from pagedserve.router.detokenizer import TextAssembler
+from pagedserve.router.errors import AlreadyExists, QueueFull
+from pagedserve.router.grpc_server import SERVICE_NAME, start_server
+from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.tokenizer import Tokenizer
+from pagedserve.router.types import (
+    ClusterStatusData,
+    CompletionDelta,
+    ExecutorStatusData,
+    ModelInfoData,
+    RequestOutput,
+    RequestSpec,
+    TokenLogprob,
+    Usage,
+)
+from pagedserve.router.validation import Limits
+
+SCRIPT = "Hello there, 日本語のテキスト 🙂🚀 and more words. " * 4
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    from pagedserve.tinymodels import build_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+class FakeEngine:
+    """Emits a fixed script of tokens (shifted by sample index) at `step_s` per step."""
+
+    def __init__(self, tokenizer: Tokenizer, step_s: float = 0.002):
+        self.tok = tokenizer
+        self.step_s = step_s
+        self.script = tokenizer.encode(SCRIPT)[1:]
+        self.live: dict[str, asyncio.Event] = {}
+        self.aborted: list[str] = []
+        self.submitted: list[RequestSpec] = []
+        self.serving = True
+        self.queue_full = False
+        self.tasks: list[asyncio.Future] = []
+
+    async def submit(self, spec: RequestSpec):
+        if spec.request_id in self.live:
+            raise AlreadyExists(f"request {spec.request_id!r} is live")
+        if self.queue_full:
+            raise QueueFull("the waiting queue is full")
+        self.submitted.append(spec)
+        abort = self.live[spec.request_id] = asyncio.Event()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.tasks.append(asyncio.ensure_future(self._produce(spec, abort, queue)))
+        return self._consume(queue)
+
+    @staticmethod
+    async def _consume(queue: asyncio.Queue):
+        # Like the real engine: the consumer only reads what the step loop produced.
+        while True:
+            out = await queue.get()
+            yield out
+            if out.finished:
+                return
+
+    async def _produce(self, spec: RequestSpec, abort: asyncio.Event, queue: asyncio.Queue):
+        sp = spec.sampling
+        samples = {
+            i: TextAssembler(self.tok, sp, spec.prompt_token_ids, eos_token_ids=self.tok.eos_token_ids)
+            for i in range(sp.n)
+        }
+        pos = 0
+        total = 0
+        try:
+            while samples:
+                await asyncio.sleep(self.step_s)
+                deltas = []
+                if abort.is_set():
+                    for i, a in samples.items():
+                        deltas.append(CompletionDelta(index=i, text=a.finish("abort"), finish_reason="abort"))
+                    samples.clear()
+                else:
+                    for i, a in list(samples.items()):
+                        t = self.script[(pos + i) % len(self.script)]
+                        u = a.append(t)
+                        total += 1
+                        lp = ()
+                        if sp.logprobs is not None:
+                            lp = (TokenLogprob(t, -0.5, tuple((t + k, -1.0 - k) for k in range(sp.logprobs))),)
+                        deltas.append(CompletionDelta(
+                            index=i, text=u.text, token_ids=(t,), logprobs=lp,
+                            finish_reason=u.finish_reason, stop_string=u.stop_string,
+                            stop_token_id=u.stop_token_id))
+                        if u.finished:
+                            del samples[i]
+                    pos += 1
+                usage = Usage(len(spec.prompt_token_ids), total, 3) if not samples else None
+                queue.put_nowait(RequestOutput(spec.request_id, tuple(deltas), usage))
+        finally:
+            self.live.pop(spec.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        ev = self.live.get(request_id)
+        if ev is None:
+            return False
+        self.aborted.append(request_id)
+        ev.set()
+        return True
+
+    def model_info(self) -> ModelInfoData:
+        return ModelInfoData("tiny", "LlamaForCausalLM", 256, self.tok.vocab_size, 16, "float32", (1,))
+
+    def cluster_status(self) -> ClusterStatusData:
+        ex = ExecutorStatusData("e0", "cpu", True, 100, 90, 10, 10, 1, 2, 0)
+        return ClusterStatusData((ex,), prefix_cache_queries=10, prefix_cache_hits=4)
+
+    def is_serving(self) -> bool:
+        return self.serving
+
+
+@contextlib.asynccontextmanager
+async def serve(tok, step_s=0.002, **kwargs):
+    engine = FakeEngine(tok, step_s=step_s)
+    metrics = RouterMetrics()
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    server, port = await start_server(
+        engine, "127.0.0.1", 0, tokenizer=tok, limits=limits, metrics=metrics, health_poll_s=0.02,
+        **kwargs,
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield engine, pb_grpc.GeneratorStub(channel), channel, server, metrics
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def _run(coro):
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def _failures(metrics: RouterMetrics, code: str) -> float:
+    return metrics.registry.get_sample_value("pagedserve_request_failure_total", {"code": code}) or 0.0
+
+
+def _req(rid="", prompt="Once upon", **params):
+    return pb.GenerateRequest(request_id=rid, prompt=prompt, params=pb.SamplingParams(**params))
+
+
+async def _read_rest(call):
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+async def _collect(stub, req):
+    chunks = [c async for c in stub.Stream(req)]
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    for c in chunks:
+        texts[c.index] = texts.get(c.index, "") + c.text
+        ids.setdefault(c.index, []).extend(c.token_ids)
+    return chunks, texts, ids
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_generate_and_stream_agree(tok):
+    async def main():
+        async with serve(tok) as (engine, stub, *_rest, metrics):
+            params = dict(max_tokens=40, n=2, stop=["テキ", "words"], seed=1, logprobs=2)
+            resp = await stub.Generate(_req("g1", **params))
+            assert resp.request_id == "g1" and len(resp.completions) == 2
+            chunks, texts, ids = await _collect(stub, _req("s1", **params))
+            for c in resp.completions:
+                assert c.finish_reason == pb.STOP and c.stop_string in ("テキ", "words")
+                assert texts[c.index] == c.text and ids[c.index] == list(c.token_ids)
+                assert len(c.logprobs) == len(c.token_ids) and len(c.logprobs[0].top) == 2
+                assert not c.HasField("stop_token_id")
+            assert resp.completions[0].text == "Hello there, 日本語の"
+            # finish fields only on each sample's last chunk; usage only on the final chunk
+            for index in (0, 1):
+                mine = [c for c in chunks if c.index == index]
+                assert [c.finish_reason != pb.FINISH_REASON_UNSPECIFIED for c in mine] == [
+                    False] * (len(mine) - 1) + [True]
+            assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
+            usage = chunks[-1].usage
+            assert usage == resp.usage and usage.cached_prompt_tokens == 3
+            assert usage.prompt_tokens == len(tok.encode("Once upon"))
+            assert usage.completion_tokens == sum(len(c.token_ids) for c in resp.completions)
+            length = await stub.Generate(_req(max_tokens=5))
+            assert length.completions[0].finish_reason == pb.LENGTH
+            assert len(length.completions[0].token_ids) == 5
+            assert engine.submitted[-1].request_id == length.request_id != ""
+            assert metrics.registry.get_sample_value(
+                "pagedserve_request_success_total", {"finish_reason": "stop"}) == 4
+            assert metrics.registry.get_sample_value(
+                "pagedserve_time_to_first_token_seconds_count") == 3
+
+    _run(main())
+
+
+def test_server_assigns_unique_ids(tok):
+    async def main():
+        async with serve(tok) as (_e, stub, *_):
+            a, b = await asyncio.gather(stub.Generate(_req(max_tokens=2)), stub.Generate(_req(max_tokens=2)))
+            assert a.request_id and b.request_id and a.request_id != b.request_id
+            chunks = [c async for c in stub.Stream(_req(max_tokens=2))]
+            assert chunks[0].request_id and all(c.request_id == chunks[0].request_id for c in chunks)
+
+    _run(main())
+
+
+def test_abort_running_stream_and_pending_generate(tok):
+    async def main():
+        async with serve(tok, step_s=0.02) as (engine, stub, *_rest, metrics):
+            call = stub.Stream(_req("a1", max_tokens=200))
+            first = await call.read()
+            assert first.request_id == "a1"
+            await stub.Abort(pb.AbortRequest(request_id="a1"))
+            rest = await _read_rest(call)
+            assert rest[-1].finish_reason == pb.ABORT and rest[-1].HasField("usage")
+            assert await call.code() == grpc.StatusCode.OK
+            pending = asyncio.ensure_future(stub.Generate(_req("a2", max_tokens=200)))
+            await asyncio.sleep(0.1)
+            await stub.Abort(pb.AbortRequest(request_id="a2"))
+            resp = await pending
+            assert resp.completions[0].finish_reason == pb.ABORT
+            assert 0 < len(resp.completions[0].token_ids) < 200
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Abort(pb.AbortRequest(request_id="nope"))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert _failures(metrics, "NOT_FOUND") == 1
+
+    _run(main())
+
+
+def test_already_exists_and_engine_errors(tok):
+    async def main():
+        async with serve(tok, step_s=0.02) as (engine, stub, *_rest, metrics):
+            call = stub.Stream(_req("dup", max_tokens=100))
+            await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_req("dup"))
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            call.cancel()
+            engine.queue_full = True
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_req("q"))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert _failures(metrics, "ALREADY_EXISTS") == 1
+            assert _failures(metrics, "RESOURCE_EXHAUSTED") == 1
+
+    _run(main())
+
+
+@pytest.mark.parametrize(
+    "req, field",
+    [
+        (_req(temperature=math.nan), "temperature"),
+        (_req(prompt=""), "prompt"),
+        (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[10**6])), "prompt_token_ids"),
+        (_req(max_tokens=300), "max_tokens"),
+        (_req(n=17), "n"),
+    ],
+)
+def test_bad_requests_are_invalid_argument(tok, req, field):
+    async def main():
+        async with serve(tok) as (engine, stub, *_rest, metrics):
+            for rpc in (stub.Generate, stub.Stream):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    call = rpc(req)
+                    if rpc is stub.Stream:
+                        [c async for c in call]
+                    else:
+                        await call
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in info.value.details()
+            assert not engine.submitted
+            assert _failures(metrics, "INVALID_ARGUMENT") == 2
+
+    _run(main())
+
+
+def test_client_cancel_aborts_the_request(tok):
+    async def main():
+        async with serve(tok, step_s=0.02) as (engine, stub, *_rest, metrics):
+            call = stub.Stream(_req("c1", max_tokens=200))
+            await call.read()
+            call.cancel()
+            for _ in range(100):
+                if "c1" in engine.aborted and not engine.live:
+                    break
+                await asyncio.sleep(0.01)
+            assert "c1" in engine.aborted and not engine.live
+            assert _failures(metrics, "CANCELLED") == 1
+            task = asyncio.ensure_future(stub.Generate(_req("c2", max_tokens=200)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            for _ in range(100):
+                if "c2" in engine.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            assert "c2" in engine.aborted
+
+    _run(main())
+
+
+def test_deadline_exceeded_aborts_the_request(tok):
+    async def main():
+        async with serve(tok, step_s=0.02) as (engine, stub, *_rest, metrics):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_req("d1", max_tokens=200), timeout=0.2)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(100):
+                if "d1" in engine.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            assert "d1" in engine.aborted
+            assert engine.submitted[0].deadline is not None
+            for _ in range(50):
+                if _failures(metrics, "DEADLINE_EXCEEDED") == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert _failures(metrics, "DEADLINE_EXCEEDED") == 1
+
+    _run(main())
+
+
+def test_model_info_and_cluster_status(tok):
+    async def main():
+        async with serve(tok) as (_e, stub, *_):
+            info = await stub.GetModelInfo(pb.ModelInfoRequest())
+            assert (info.model, info.max_model_len, list(info.eos_token_ids)) == ("tiny", 256, [1])
+            status = await stub.GetClusterStatus(pb.ClusterStatusRequest())
+            assert status.executors[0].id == "e0" and status.executors[0].waiting == 2
+            assert (status.prefix_cache_queries, status.prefix_cache_hits) == (10, 4)
+
+    _run(main())
+
+
+def test_health_transitions_and_draining(tok):
+    async def main():
+        async with serve(tok) as (engine, stub, channel, server, _m):
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                return resp.status
+
+            async def wait_for(service, want):
+                for _ in range(200):
+                    if await status(service) == want:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{service!r} never became {want}")
+
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status("") == serving
+            assert await status(SERVICE_NAME) == serving
+            engine.serving = False
+            await wait_for(SERVICE_NAME, not_serving)
+            assert await status("") == serving
+            engine.serving = True
+            await wait_for(SERVICE_NAME, serving)
+            await server.drain()
+            assert await status("") == not_serving and await status(SERVICE_NAME) == not_serving
+            await asyncio.sleep(0.05)
+            assert await status(SERVICE_NAME) == not_serving  # the poller keeps it down
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_req())
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    _run(main())
+
+
+def test_reflection_lists_the_services(tok):
+    async def main():
+        async with serve(tok) as (_e, _s, channel, *_):
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def requests():
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            names = []
+            async for resp in stub.ServerReflectionInfo(requests()):
+                names = [s.name for s in resp.list_services_response.service]
+            assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+    _run(main())
+
+
+DESIGN_METRICS = [
+    "pagedserve_requests_running", "pagedserve_requests_waiting", "pagedserve_requests_swapped",
+    "pagedserve_kv_blocks_total", "pagedserve_kv_blocks_free", "pagedserve_kv_cache_usage_ratio",
+    "pagedserve_kv_cpu_blocks_total", "pagedserve_kv_cpu_blocks_free", "pagedserve_kv_blocks_leaked",
+    "pagedserve_prefix_cache_queries_total", "pagedserve_prefix_cache_hits_total",
+    "pagedserve_preemptions_total", "pagedserve_migrations_total", "pagedserve_prompt_tokens_total",
+    "pagedserve_generation_tokens_total", "pagedserve_request_success_total",
+    "pagedserve_request_failure_total", "pagedserve_executors_healthy",
+    "pagedserve_time_to_first_token_seconds", "pagedserve_inter_token_latency_seconds",
+    "pagedserve_time_per_output_token_seconds", "pagedserve_e2e_request_latency_seconds",
+    "pagedserve_queue_time_seconds", "pagedserve_step_forward_seconds",
+]
+
+
+def test_metrics_endpoint_serves_the_design_names():
+    m = RouterMetrics()
+    assert m.serve(-1) is None
+    port = m.serve(0)
+    try:
+        m.set_executor_gauges("e0", running=1, waiting=2, swapped=0, num_gpu_blocks=10,
+                              num_free_gpu_blocks=4, num_cpu_blocks=8, num_free_cpu_blocks=8)
+        m.add_prefix_cache("e0", 32, 16)
+        m.inc_preemption("e0", "swap")
+        m.inc_failure(grpc.StatusCode.UNAVAILABLE)
+        m.observe_step_forward("e0", 0.00012)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        m.shutdown()
+    types = {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE")}
+    for name in DESIGN_METRICS:
+        assert name in types or name.removesuffix("_total") in types, name
+    assert 'pagedserve_kv_cache_usage_ratio{executor="e0"} 0.6' in body
+    assert 'pagedserve_preemptions_total{executor="e0",mode="swap"} 1.0' in body
+    assert 'pagedserve_request_failure_total{code="UNAVAILABLE"} 1.0' in body
+    assert 'pagedserve_step_forward_seconds_bucket{executor="e0",le="0.0001"} 0.0' in body
+    assert 'pagedserve_step_forward_seconds_bucket{executor="e0",le="0.00025"} 1.0' in body
+    with pytest.raises(ValueError):
+        m.inc_preemption("e0", "teleport")
+
+
+def _make_certs(d):
+    def sh(*args):
+        subprocess.run(args, check=True, capture_output=True, cwd=d)
+
+    sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", "ca.key",
+       "-out", "ca.pem", "-subj", "/CN=test-ca")
+    for name in ("server", "client"):
+        sh("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+           f"{name}.csr", "-subj", "/CN=localhost")
+        (d / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        sh("openssl", "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+           "-CAcreateserial", "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext")
+
+
+def test_mutual_tls(tok, tmp_path):
+    try:
+        _make_certs(tmp_path)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("openssl is not available")
+    p = {n: str(tmp_path / n) for n in ("server.pem", "server.key", "ca.pem")}
+
+    async def main():
+        engine = FakeEngine(tok)
+        server, port = await start_server(
+            engine, "127.0.0.1", 0, tokenizer=tok,
+            limits=Limits(vocab_size=tok.vocab_size, max_model_len=256),
+            tls_cert=p["server.pem"], tls_key=p["server.key"], tls_client_ca=p["ca.pem"],
+        )
+        read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731
+        try:
+            good = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"), read("client.pem"))
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", good) as ch:
+                resp = await pb_grpc.GeneratorStub(ch).Generate(_req(max_tokens=3), timeout=10)
+                assert len(resp.completions[0].token_ids) == 3
+            no_cert = grpc.ssl_channel_credentials(read("ca.pem"))
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", no_cert) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pb_grpc.GeneratorStub(ch).Generate(_req(max_tokens=3), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop(0)
+
+    _run(main())
