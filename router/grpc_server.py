@@ -15,6 +15,7 @@ Ending of a request, by cause:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "pagedserve.v1.Generator"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HEALTH_POLL_S = 0.25
+THREADED_TOKENIZE_CHARS = 16_384
 
 _FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "length": pb.LENGTH, "stop": pb.STOP, "abort": pb.ABORT}
 
@@ -291,7 +293,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             if self.draining:
                 raise Unavailable("the router is draining")
-            spec: RequestSpec = request_from_pb(
+            convert = functools.partial(
+                request_from_pb,
                 request,
                 tokenizer=self._tokenizer,
                 limits=self._limits,
@@ -299,6 +302,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 arrival_time=arrival,
                 deadline=deadline,
             )
+            # Tokenizing a long prompt would stall every stream on this loop: use a thread.
+            long_prompt = len(request.prompt) > THREADED_TOKENIZE_CHARS
+            spec: RequestSpec = await asyncio.to_thread(convert) if long_prompt else convert()
             outputs = await self._engine.submit(spec)
             admitted = True
             async for out in outputs:

@@ -137,10 +137,10 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def serve(tok, step_s=0.002, **kwargs):
+async def serve(tok, step_s=0.002, max_model_len=256, **kwargs):
     engine = FakeEngine(tok, step_s=step_s)
     metrics = RouterMetrics()
-    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=max_model_len)
     server, port = await start_server(
         engine, "127.0.0.1", 0, tokenizer=tok, limits=limits, metrics=metrics, health_poll_s=0.02,
         **kwargs,
@@ -448,6 +448,29 @@ def test_metrics_endpoint_serves_the_design_names():
     assert 'pagedserve_step_forward_seconds_bucket{executor="e0",le="0.00025"} 1.0' in body
     with pytest.raises(ValueError):
         m.inc_preemption("e0", "teleport")
+
+
+def test_long_prompt_is_tokenized_off_the_loop(tok):
+    async def main():
+        async with serve(tok, max_model_len=100_000) as (engine, stub, *_):
+            prompt = "the quick brown fox " * 1000
+            resp = await stub.Generate(_req(prompt=prompt, max_tokens=2), timeout=10)
+            assert len(resp.completions[0].token_ids) == 2
+            assert engine.submitted[-1].prompt_token_ids == tuple(tok.encode(prompt))
+
+    _run(main())
+
+
+def test_tls_flags_must_be_complete():
+    from pagedserve.router.grpc_server import server_credentials
+
+    assert server_credentials(None, None) is None
+    with pytest.raises(ValueError, match="go together"):
+        server_credentials("cert.pem", None)
+    with pytest.raises(ValueError, match="needs --tls-cert"):
+        server_credentials(None, None, "ca.pem")
+    with pytest.raises(ValueError, match="cannot read"):
+        server_credentials("/nonexistent/cert.pem", "/nonexistent/key.pem")
 
 
 def _make_certs(d):
