@@ -1,14 +1,144 @@
-"""The `pagedserve` console script (DESIGN §4)."""
+"""The `pagedserve` console script (DESIGN §4).
+
+    pagedserve serve [--model DIR] [--executors N]   router + N executors on this machine
+    pagedserve router --model DIR                    the router alone; executors join it
+    pagedserve executor --model DIR --router ADDR    one executor
+    pagedserve generate "prompt" [--stream] [--json] a client
+    pagedserve healthcheck [--service NAME]          exit 0 when SERVING
+"""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import sys
+
+from .flags import FlagError, add_server_flags
+
+log = logging.getLogger("pagedserve")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def setup_logging(fmt: str = "text") -> None:
+    if fmt == "json":
+        form = ('{"time": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
+                '"message": "%(message)s"}')
+    else:
+        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=form, stream=sys.stderr, force=True)
+
+
+def _server_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description=description)
+    add_server_flags(parser)
+    return parser
+
+
+def _parse_server(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
+    parser = _server_parser(prog, description)
+    args = parser.parse_args(argv)
+    return args
+
+
+def _require_model(args, prog: str) -> None:
+    if not args.model:
+        print(f"{prog}: --model is required (or PAGEDSERVE_MODEL)", file=sys.stderr)
+        raise SystemExit(2)
+    if not os.path.isdir(args.model):
+        print(f"{prog}: model directory {args.model} does not exist", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cmd_router(argv: list[str]) -> int:
+    args = _parse_server("pagedserve router", "The router alone: executors join it over "
+                         "ZeroMQ at --executor-bind.", argv)
+    _require_model(args, "pagedserve router")
+    setup_logging(args.log_format)
+    from .router.app import run_router
+    return run_router(args)
+
+
+def cmd_executor(argv: list[str]) -> int:
+    args = _parse_server("pagedserve executor", "One executor: loads the model, owns one "
+                         "device's KV cache and runs the router's step plans.", argv)
+    _require_model(args, "pagedserve executor")
+    from .executor.process import run_executor
+    return run_executor(args)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    args = _parse_server("pagedserve serve", "A one-machine cluster: the router plus "
+                         "--executors executor processes.", argv)
+    setup_logging(args.log_format)
+    if not args.model:
+        from .tinymodels import ensure_demo_model
+        args.model = str(ensure_demo_model())
+        log.info("no --model: serving the built-in demo model at %s (a tiny random-weight "
+                 "Llama; its text is gibberish)", args.model)
+    _require_model(args, "pagedserve serve")
+    from .serve import run_serve
+    return run_serve(args, argv)
+
+
+def cmd_generate(argv: list[str]) -> int:
+    from .client import main as client_main
+    return client_main(argv)
+
+
+def cmd_healthcheck(argv: list[str]) -> int:
+    from .client import healthcheck_main
+    return healthcheck_main(argv)
+
+
+def cmd_not_built(name: str):
+    def run(argv: list[str]) -> int:
+        print(f"pagedserve {name}: not built yet in this version", file=sys.stderr)
+        return 2
+    return run
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "router": cmd_router,
+    "executor": cmd_executor,
+    "generate": cmd_generate,
+    "healthcheck": cmd_healthcheck,
+    "demo": cmd_not_built("demo"),
+    "bench": cmd_not_built("bench"),
+    "keygen": cmd_not_built("keygen"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    print("pagedserve: the CLI is not built yet (see the cluster issue)", file=sys.stderr)
-    return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\n`pagedserve COMMAND --help` lists a command's flags; every server flag can "
+              "also be set as PAGEDSERVE_<FLAG>.")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"pagedserve {__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"pagedserve: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except FlagError as exc:
+        print(f"pagedserve {argv[0]}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

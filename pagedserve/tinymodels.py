@@ -148,3 +148,24 @@ def build_model(
     data["bos_token_id"] = tokenizer.bos_token_id
     gen_cfg.write_text(json.dumps(data, indent=2))
     return out_dir
+
+
+DEMO_MODEL_VERSION = "demo-llama-v1"
+
+
+def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
+    """The built-in demo model: a small random-weight Llama with the byte-level BPE
+    tokenizer, built once (deterministically) and cached under the user's cache dir
+    ($XDG_CACHE_HOME or ~/.cache)/pagedserve/. It is honest about what it is: random
+    weights, so its text is gibberish; it exists to show the system working."""
+    import os
+
+    root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = root / "pagedserve" / DEMO_MODEL_VERSION
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    build_model(tmp, "llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                intermediate_size=512, max_position_embeddings=2048, seed=1234)
+    tmp.replace(path) if not path.exists() else None
+    return path

@@ -333,6 +333,12 @@ class RouterEngine:
                 if handle.healthy and now - handle.last_seen > timeout:
                     self._executor_lost(handle, f"silent for {now - handle.last_seen:.1f} s")
 
+    def executor_exited(self, executor_id: str, returncode: int | None) -> None:
+        """`serve` saw an executor's process exit: it is dead now, not after the timeout."""
+        handle = self.executors.get(executor_id)
+        if handle is not None:
+            self._executor_lost(handle, f"process exited with code {returncode}")
+
     def _executor_lost(self, handle: ExecutorHandle, why: str) -> None:
         """An executor died or forgot its state: its requests end with UNAVAILABLE."""
         if not handle.healthy:

@@ -1,0 +1,117 @@
+"""The flag table of DESIGN §4, shared by `serve`, `router` and `executor`.
+
+Every flag's default can come from the environment as PAGEDSERVE_<FLAG> (upper case, dashes
+to underscores), so one environment file configures a whole cluster. The three server
+commands accept every flag; one that does not apply to a command is ignored by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+class FlagError(ValueError):
+    """A bad flag value (reported as one line on stderr, non-zero exit)."""
+
+
+def parse_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1/true/yes or 0/false/no, got {value!r}")
+
+
+def _choice(*allowed: str):
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(allowed)}")
+        return value
+    return check
+
+
+def _block_size(value: str) -> int:
+    n = int(value)
+    if n not in (8, 16, 32, 64, 128):
+        raise argparse.ArgumentTypeError(f"{n} is not one of 8, 16, 32, 64, 128")
+    return n
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{n} must be positive")
+    return n
+
+
+# (flag, type, default, help). None as default: derived at run time (see help).
+FLAGS: list[tuple[str, object, object, str]] = [
+    ("model", str, None, "Hugging Face model directory (serve: the built-in demo model)"),
+    ("executors", _positive_int, 1, "serve: executor processes to start"),
+    ("executor-id", str, None, "executor: id (default: host, pid and a random suffix)"),
+    ("port", int, 50051, "gRPC port (0: any free port)"),
+    ("host", str, "127.0.0.1", "gRPC bind address (beyond loopback: see README security)"),
+    ("metrics-port", int, 9400, "Prometheus /metrics port (-1 disables; 0: any free port)"),
+    ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
+    ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
+    ("device", str, None, "executor: cuda when available, else cpu"),
+    ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto", "model dtype"),
+    ("block-size", _block_size, 16, "tokens per KV-cache block (8, 16, 32, 64, 128)"),
+    ("num-gpu-blocks", _positive_int, None, "device KV blocks (default: memory profiling)"),
+    ("gpu-memory-utilization", float, 0.9, "CUDA: fraction of device memory to use"),
+    ("kv-cache-space", float, 1.0, "CPU device: GiB of KV cache"),
+    ("cpu-threads", _positive_int, 1, "torch threads of a CPU executor"),
+    ("swap-space", float, None, "GiB of CPU swap blocks (4 on CUDA, 0.5 on CPU; 0 disables)"),
+    ("num-cpu-blocks", int, None, "CPU swap blocks (default: from --swap-space)"),
+    ("max-num-seqs", _positive_int, 256, "sequences per step"),
+    ("max-num-batched-tokens", _positive_int, 8192, "tokens per step (chunked prefill)"),
+    ("max-model-len", _positive_int, None, "context length (default: the model's)"),
+    ("max-queue-len", _positive_int, 1024, "waiting requests before RESOURCE_EXHAUSTED"),
+    ("max-n", _positive_int, 16, "cap on SamplingParams.n"),
+    ("max-logprobs", int, 20, "cap on SamplingParams.logprobs"),
+    ("max-stop", int, 16, "cap on the number of stop strings"),
+    ("no-prefix-caching", parse_bool, False, "turn prefix caching off"),
+    ("preemption-mode", _choice("auto", "recompute", "swap"), "auto", "how to preempt"),
+    ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
+    ("heartbeat-timeout", float, 2.0, "seconds of executor silence before it counts as dead"),
+    ("shutdown-timeout", float, 30.0, "seconds of draining on SIGINT/SIGTERM"),
+    ("restart-executors", parse_bool, False, "serve: restart an executor that died"),
+    ("seed", int, 0, "random seed"),
+    ("log-format", _choice("text", "json"), "text", "log line format"),
+    ("tls-cert", str, None, "gRPC TLS certificate (PEM)"),
+    ("tls-key", str, None, "gRPC TLS private key (PEM)"),
+    ("tls-client-ca", str, None, "CA for client certificates (mutual TLS)"),
+    ("curve-keys", str, None, "folder from `pagedserve keygen` (ZeroMQ CURVE)"),
+    ("allow-insecure", parse_bool, False, "permit a non-loopback bind without CURVE keys"),
+    ("parent-pid", int, None, argparse.SUPPRESS),  # set by serve for its executors
+    ("debug-checks", parse_bool, False, argparse.SUPPRESS),  # KV invariants every step
+]
+
+_BOOLEAN_SWITCHES = {"no-prefix-caching", "restart-executors", "allow-insecure", "debug-checks"}
+
+
+def env_name(flag: str) -> str:
+    return "PAGEDSERVE_" + flag.upper().replace("-", "_")
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of the table, each defaulting to its environment variable."""
+    for flag, type_, default, help_ in FLAGS:
+        env = os.environ.get(env_name(flag))
+        if env is not None:
+            try:
+                default = type_(env)  # type: ignore[operator]
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise FlagError(f"{env_name(flag)}={env!r}: {exc}") from None
+        if flag in _BOOLEAN_SWITCHES:
+            # `--flag` alone means true; `--flag=0` is accepted too.
+            parser.add_argument("--" + flag, type=type_, nargs="?", const=True,
+                                default=default, help=help_)
+        else:
+            shown = help_ if help_ is argparse.SUPPRESS or default is None \
+                else f"{help_} (default: {default})"
+            parser.add_argument("--" + flag, type=type_, default=default, help=shown)

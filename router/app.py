@@ -1,0 +1,156 @@
+"""The router process: model directory -> engine + gRPC server + metrics, until drained.
+
+`run_router(args)` is what `pagedserve router` runs; `serve` runs the same coroutine with
+its executors as child processes. Without torch: the model is known from config.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from .engine import EngineConfig, RouterEngine
+from .grpc_server import start_server
+from .metrics import RouterMetrics
+from .routing import RoutingPolicy
+from .scheduler import PreemptionMode
+from .tokenizer import Tokenizer, read_eos_token_ids
+from .types import ModelInfoData
+from .validation import Limits
+
+log = logging.getLogger("pagedserve.router")
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+
+
+class ModelDirError(ValueError):
+    """The model directory is missing, unreadable or of an unsupported model."""
+
+
+def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
+                    dtype: str = "auto") -> tuple[ModelInfoData, str]:
+    """(ModelInfo, fingerprint of config.json) for a Hugging Face model directory."""
+    path = Path(model_dir)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+    raw = config_path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ModelDirError(f"{config_path}: not valid JSON ({exc})") from None
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelDirError(f"{model_dir}: architecture {arch or '(none)'} is not supported; "
+                            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_len = int(config.get("max_position_embeddings") or 2048)
+    if max_model_len is not None:
+        if max_model_len > model_len:
+            raise ModelDirError(f"--max-model-len {max_model_len} exceeds the model's "
+                                f"{model_len}")
+        model_len = max_model_len
+    if dtype == "auto":
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    info = ModelInfoData(
+        model=str(config.get("_name_or_path") or path.resolve().name),
+        architecture=arch,
+        max_model_len=model_len,
+        vocab_size=int(config["vocab_size"]),
+        block_size=block_size,
+        dtype=dtype,
+        eos_token_ids=read_eos_token_ids(path),
+    )
+    return info, hashlib.sha256(raw).hexdigest()
+
+
+def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> EngineConfig:
+    return EngineConfig(
+        model_fingerprint=fingerprint,
+        block_size=args.block_size,
+        max_model_len=info.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_len=args.max_queue_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        routing=RoutingPolicy(args.routing),
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        debug_checks=bool(getattr(args, "debug_checks", False)),
+    )
+
+
+async def serve_router(
+    args,
+    *,
+    wait_for_executors: int = 0,
+    on_bound: Callable[[str, RouterEngine], Awaitable[None]] | None = None,
+    on_started: Callable[[RouterEngine], Awaitable[None]] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> int:
+    """Run the router until SIGINT/SIGTERM (or `stop_event`), then drain and exit 0.
+
+    Prints `pagedserve ready grpc=HOST:PORT metrics=HOST:PORT executors=N` once listening
+    and, with `wait_for_executors`, once that many executors have registered."""
+    info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
+                                        args.dtype)
+    tokenizer = Tokenizer.from_dir(args.model)
+    metrics = RouterMetrics()
+    engine = RouterEngine(engine_config_from_args(args, fingerprint, info), tokenizer, info,
+                          metrics)
+    endpoint = await engine.start(args.executor_bind, allow_insecure=args.allow_insecure)
+    limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                    max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
+    server, port = await start_server(
+        engine, args.host, args.port, tokenizer=tokenizer, limits=limits, metrics=metrics,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+    )
+    metrics_port = metrics.serve(args.metrics_port, host=args.host) \
+        if args.metrics_port >= 0 else None
+    log.info("router listening: grpc %s:%d, executors join at %s", args.host, port, endpoint)
+    if on_bound is not None:
+        await on_bound(endpoint, engine)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    if wait_for_executors:
+        waiter = asyncio.ensure_future(engine.wait_for_executors(wait_for_executors))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not waiter.done():
+            waiter.cancel()
+    if not stop.is_set():
+        metrics_text = f"{args.host}:{metrics_port}" if metrics_port is not None else "off"
+        print(f"pagedserve ready grpc={args.host}:{port} metrics={metrics_text} "
+              f"executors={engine.num_healthy()}", flush=True)
+        if on_started is not None:
+            await on_started(engine)
+        await stop.wait()
+    log.info("draining for up to %.0f s", args.shutdown_timeout)
+    await server.drain()
+    await engine.drain(args.shutdown_timeout)
+    await server.stop(grace=1.0)
+    await engine.stop(shutdown_executors=wait_for_executors > 0)
+    metrics.shutdown()
+    return 0
+
+
+def run_router(args) -> int:
+    try:
+        return asyncio.run(serve_router(args))
+    except ModelDirError as exc:
+        print(f"pagedserve router: {exc}", file=sys.stderr)
+        return 2
