@@ -14,7 +14,7 @@ Router loss and return (what the router does):
 The executor:
 * treats ``Shutdown(exit=False)`` (on either socket) as "register again": it forgets every
   request, closes its main socket and sends a new Hello (its cache is empty from then on);
-* once it has seen one heartbeat echo, declares the router lost after
+* once it has seen one heartbeat echo (ever), declares the router lost after
   ``2.5 * --heartbeat-timeout`` seconds without hearing anything from it (echo or message),
   and re-registers the same way. (A router that never echoes is tolerated: no loss detection.)
 * registering: Hello, then up to 5 s for Welcome; otherwise the socket is dropped and Hello
@@ -128,20 +128,24 @@ def _setup_logging(fmt: str) -> None:
 
 
 class ParentWatch:
+    """Is the process that started us alive? Reparenting (our parent pid changed) or a
+    failed signal-0 probe means no."""
+
     def __init__(self, parent_pid: int | None) -> None:
         self.pid = parent_pid
+        self.direct = parent_pid is not None and parent_pid == os.getppid()
 
     def alive(self) -> bool:
         if not self.pid:
             return True
-        if os.getppid() == 1 and self.pid != 1:
+        if self.direct and os.getppid() != self.pid:
             return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            pass
         return True
 
 
@@ -266,7 +270,6 @@ class ExecutorProcess:
                         raise SystemExit(3)
                     log.info("registered with %s", self.args.router)
                     self.last_heard = time.monotonic()
-                    self.heartbeat.last_reply = 0.0
                     self.heartbeat.reregister.clear()
                     self.heartbeat.registered.set()
                     return
@@ -297,7 +300,7 @@ class ExecutorProcess:
             log.warning("router asked us to register again")
             return True
         if hb.last_reply == 0.0:
-            return False  # no echo seen yet: loss detection off
+            return False  # this router never echoed a heartbeat: loss detection off
         silent = time.monotonic() - max(self.last_heard, hb.last_reply)
         if silent > self.loss_timeout_s:
             log.warning("router silent for %.1f s; registering again", silent)
