@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 import torch
-
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.model_runner import ModelRunner, build_runner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
