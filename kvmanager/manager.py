@@ -82,6 +82,8 @@ class _Request:
         "num_cached_blocks",
         "on_gpu",
         "change_start",
+        "token_ids",
+        "chain_serial",
     )
 
     def __init__(self, block_ids, num_tokens, block_hashes, cache_salt) -> None:
@@ -92,6 +94,10 @@ class _Request:
         self.num_cached_blocks = 0  # blocks [0, n) went through prefix-cache registration
         self.on_gpu = True
         self.change_start: int | None = 0  # table[change_start:] changed since last taken
+        self.token_ids: Sequence[int] = ()  # the caller's token list (a reference)
+        # serial of the cache entry standing for block num_cached_blocks - 1 (-1: the
+        # chain is broken, nothing later can be registered)
+        self.chain_serial = -1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,6 +153,8 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        self._in_step = False
+        self._dirty: dict[str, None] = {}  # allocated this step: register them at end_step
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -290,15 +298,18 @@ class KVCacheManager:
         block_hashes: list | None = None,
         cache_salt: str | None = None,
         lookahead: int = 0,
+        num_computed_tokens: int | None = None,
     ) -> list[int] | None:
         """Give `request_id` slots for `num_new_tokens` more tokens (plus `lookahead` spare
         slots). Returns the ids of the blocks newly added to its table ([] when none were
         needed), or None when the device is short of blocks; None leaves no trace.
 
-        `token_ids` is the request's whole token list so far (prompt + output); the full
-        blocks among the first num_tokens of them are registered in the prefix cache as
-        soon as they are scheduled (as vLLM V1 does: an executor must write a layer's new
-        keys/values before running that layer's attention).
+        `token_ids` is the request's whole token list so far (prompt + output; the manager
+        keeps a reference and reads only its first num_tokens). Its newly full blocks are
+        registered in the prefix cache when the plan computing them is sent (`end_step`),
+        or at once when called outside a step; so a lookup never hits a block whose keys
+        and values are not computed by an earlier plan, and a request preempted in the
+        step it was scheduled (free or swap_out before end_step) registers nothing new.
 
         A request seen for the first time is admitted: its computed prefix is its pin
         (`pin(request_id, ...)`, which wins) or `hit` (from `lookup` just before, else the
@@ -306,9 +317,13 @@ class KVCacheManager:
         in the prefix-cache query/hit stats. Its `block_hashes` list (from `hash_blocks`) is
         kept and extended in place as blocks fill; `cache_salt` is remembered.
 
-        A running request's next tokens are written from position num_tokens on; a block
-        they write into that is shared (ref count > 1, after `fork`) is replaced by a fresh
-        block and a (src, dst) copy is queued for the plan (copy-on-write)."""
+        A running request's next tokens are written from position `num_computed_tokens`
+        on (default: its num_tokens, i.e. right after the last slot given; pass it to
+        recompute slots that were given but never computed, e.g. after a preemption in
+        the step they were scheduled). Its slot count becomes max(num_tokens,
+        num_computed_tokens + num_new_tokens). A block written into that is shared (ref
+        count > 1, after `fork`) is replaced by a fresh block and a (src, dst) copy is
+        queued for the plan (copy-on-write)."""
         req = self._reqs.get(request_id)
         if req is None:
             return self._admit(
@@ -320,17 +335,26 @@ class KVCacheManager:
         gpu = self.gpu
         table = req.block_ids
         old_tokens = req.num_tokens
-        num_tokens = old_tokens + num_new_tokens
+        start = old_tokens
+        if num_computed_tokens is not None:
+            if not 0 <= num_computed_tokens <= old_tokens:
+                raise InvariantError(
+                    f"num_computed_tokens {num_computed_tokens} outside [0, {old_tokens}]",
+                    (request_id,),
+                )
+            start = num_computed_tokens
+        end = start + num_new_tokens
+        num_tokens = end if end > old_tokens else old_tokens
         num_old_blocks = len(table)
-        need = _cdiv(num_tokens + lookahead, bs) - num_old_blocks
+        need = _cdiv(end + lookahead, bs) - num_old_blocks
         if need < 0:
             need = 0
         # Copy-on-write: existing blocks this call writes into that others share.
         cow: list[int] = []
         if num_new_tokens > 0:
             blocks = gpu.blocks
-            last = min(num_old_blocks, _cdiv(num_tokens, bs))
-            for i in range(old_tokens // bs, last):
+            last = min(num_old_blocks, _cdiv(end, bs))
+            for i in range(start // bs, last):
                 if blocks[table[i]].ref_cnt > 1:
                     cow.append(i)
         if need + len(cow) > gpu.num_free:
@@ -356,7 +380,11 @@ class KVCacheManager:
                 req.change_start = num_old_blocks
         req.num_tokens = num_tokens
         if self.enable_prefix_caching:
-            self._cache_full_blocks(req, token_ids)
+            req.token_ids = token_ids
+            if self._in_step:
+                self._dirty[request_id] = None
+            else:
+                self._cache_full_blocks(req, token_ids)
         self._debug_check()
         return new_ids
 
@@ -398,21 +426,28 @@ class KVCacheManager:
             block_hashes = []
         req = _Request(table, num_tokens, block_hashes, cache_salt)
         req.num_cached_blocks = len(hit_ids)
+        if hit_ids:
+            req.chain_serial = hit.serials[-1]
         self._reqs[request_id] = req
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_tokens += hit.num_tokens
         if self.enable_prefix_caching:
-            self._cache_full_blocks(req, token_ids)
+            req.token_ids = token_ids
+            if self._in_step:
+                self._dirty[request_id] = None
+            else:
+                self._cache_full_blocks(req, token_ids)
         self._debug_check()
         return new_ids
 
     def _cache_full_blocks(self, req: _Request, token_ids: Sequence[int]) -> None:
         """Register the request's newly full blocks in the device prefix cache.
 
-        Block i is registered under the request's i-th block hash unless that hash already
-        maps to a block (the same tokens computed twice, or a collision) or block i-1 is
-        not registered (its chain could never be confirmed); then the rest of the request
-        stays out of the cache. A registration gets a new serial and records its parent's."""
+        Block i is registered under the request's i-th block hash with a new serial and its
+        parent's serial (block i-1's, or the salt root). When the hash already maps to a
+        block with the same tokens after the same parent (the same tokens computed twice),
+        that entry stands in as the parent of block i+1; on a collision the rest of the
+        request stays out of the cache."""
         bs = self.block_size
         num_tokens = req.num_tokens
         if len(token_ids) < num_tokens:
@@ -428,22 +463,29 @@ class KVCacheManager:
         cached = self.gpu.cached
         table = req.block_ids
         events = self._events
-        if start == 0:
-            parent = self._salt_root(req.cache_salt)
-        else:
-            parent = blocks[table[start - 1]].serial
+        parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
         serial = self._serial
         for i in range(start, num_full):
             b = blocks[table[i]]
-            if b.serial >= 0:  # already registered (a prefix hit)
+            if b.serial >= 0:  # already registered (a prefix hit, or by a fork's parent)
                 parent = b.serial
                 continue
+            if parent < 0:
+                break
             h = hashes[i]
-            if parent < 0 or h in cached:
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            other = cached.get(h)
+            if other is not None:
+                # Another block holds these tokens after the same chain (computed twice,
+                # e.g. after a swap-in): chain on from it. A collision ends the walk.
+                if other.parent_serial == parent and other.token_ids == toks:
+                    parent = other.serial
+                    continue
+                parent = -1
                 break
             cached[h] = b
             b.block_hash = h
-            b.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            b.token_ids = toks
             b.parent_serial = parent
             serial += 1
             b.serial = parent = serial
@@ -451,11 +493,13 @@ class KVCacheManager:
                 events.append(KVEvent("stored", "gpu", h, b.block_id))
         self._serial = serial
         req.num_cached_blocks = num_full
+        req.chain_serial = parent
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks (tail first, so its last blocks are evicted first) and
         any pin held under its id. Raises InvariantError for an unknown id."""
         req = self._reqs.pop(request_id, None)
+        self._dirty.pop(request_id, None)
         if req is None:
             if self.unpin(request_id):
                 return
@@ -485,6 +529,7 @@ class KVCacheManager:
             parent.cache_salt,
         )
         child.num_cached_blocks = parent.num_cached_blocks
+        child.chain_serial = parent.chain_serial
         child.on_gpu = parent.on_gpu
         self._reqs[child_id] = child
         self._debug_check()
@@ -546,6 +591,8 @@ class KVCacheManager:
             cpu_blocks[mapping[bid]].ref_cnt = cnt
         copy_src = {dst: src for src, dst in self._copies} if self._copies else {}
         pairs = [(copy_src.get(g, g), c) for g, c in mapping.items()]
+        for rid in request_ids:  # its blocks of this step are not computed: never cache
+            self._dirty.pop(rid, None)
         self._rehome(reqs, mapping, self.gpu, on_gpu=False)
         self._swap_out.extend(pairs)
         self._debug_check()
@@ -651,12 +698,20 @@ class KVCacheManager:
 
     def begin_step(self) -> None:
         """Start building a plan: from now on a freed block is deferred, not handed out
-        again, until end_step()."""
+        again, and newly full blocks wait to enter the prefix cache, until end_step()."""
+        self._in_step = True
         self.gpu.deferring = True
         self.cpu.deferring = True
 
     def end_step(self) -> None:
-        """The plan was sent: deferred blocks join the free queue (in the order freed)."""
+        """The plan was sent: the blocks it fills enter the prefix cache (requests still on
+        the device only), then deferred blocks join the free queue (in the order freed)."""
+        self._in_step = False
+        dirty, self._dirty = self._dirty, {}
+        for rid in dirty:
+            req = self._reqs.get(rid)
+            if req is not None and req.on_gpu:
+                self._cache_full_blocks(req, req.token_ids)
         self.gpu.flush_deferred()
         self.cpu.flush_deferred()
         self._debug_check()

@@ -385,6 +385,43 @@ def test_deferred_cached_block_can_be_hit_in_the_same_step():
     assert m.gpu.free_block_ids() == [2]
 
 
+def test_blocks_enter_the_cache_when_the_plan_is_sent():
+    m = make()
+    tokens = list(range(9))
+    m.begin_step()
+    admit(m, "a", tokens)
+    assert admit(m, "b", tokens)[0].num_tokens == 0  # not computed yet: no hit
+    m.end_step()
+    assert admit(m, "c", tokens)[0].block_ids == (0, 1)
+
+
+def test_request_preempted_in_its_step_registers_nothing_new():
+    m = make()
+    toks = list(range(7))
+    m.allocate("a", toks, 7)  # outside a step: block 0 cached at once
+    m.begin_step()
+    toks.append(7)
+    assert m.allocate("a", toks, 1) == []  # fills block 1
+    assert m.swap_out(["a"]) == [(0, 0), (1, 1)]  # preempted before the plan ran
+    m.end_step()
+    probe = toks + [0]
+    assert m.lookup(probe, m.hash_blocks(probe)).block_ids == (0,)
+    assert m.swap_in(["a"]) == [(0, 2), (1, 3)]
+    # recompute position 7 (its slot exists but was never computed)
+    assert m.allocate("a", toks, 1, num_computed_tokens=7) == []
+    assert m.num_tokens("a") == 8
+    assert m.slot_mapping("a", 7, 1).tolist() == [15]
+    assert m.lookup(probe, m.hash_blocks(probe)).block_ids == (0, 3)
+    with pytest.raises(InvariantError):
+        m.allocate("a", toks, 1, num_computed_tokens=9)
+    # the same with free (recompute preemption)
+    m.begin_step()
+    m.allocate("b", [5] * 8, 8)
+    m.free("b")
+    m.end_step()
+    assert m.lookup([5] * 9, m.hash_blocks([5] * 9)).num_tokens == 0
+
+
 # ------------------------------------------------------------------ accounting
 
 
