@@ -177,3 +177,81 @@ def assert_greedy_equal(ours: list[int], ref: list[int], ref_logits) -> None:
             assert gap < 1e-3, f"token {j}: ours {a}, reference {b} (top-2 gap {gap:.2e})"
             return
     assert len(ours) >= len(ref)
+
+
+class KVDriver(Driver):
+    """Like Driver, but every block decision comes from the router's KVCacheManager
+    (prefix lookup, copy-on-write, swap pairs, table changes, slot mapping)."""
+
+    def __init__(self, runner) -> None:
+        from pagedserve.kvmanager import KVCacheManager
+
+        super().__init__(runner)
+        self.mgr = KVCacheManager(runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks,
+                                  self.block_size, watermark=0.0, debug_checks=True)
+        self._admission: dict[str, tuple] = {}
+
+    def add(self, rid, prompt, sampling=GREEDY, sample_index=0, outputs=()) -> Seq:
+        seq = Seq(rid, list(prompt) + list(outputs), len(prompt), sampling, sample_index)
+        hashes = self.mgr.hash_blocks(seq.tokens)
+        hit = self.mgr.lookup(seq.tokens, hashes)
+        seq.num_computed = hit.num_tokens
+        self._admission[rid] = (hit, hashes)
+        self.seqs[rid] = seq
+        return seq
+
+    def fork(self, parent: str, child: str, sample_index: int) -> Seq:
+        self.mgr.fork(parent, child)
+        p = self.seqs[parent]
+        self.seqs[child] = Seq(child, list(p.tokens), p.prompt_len, p.sampling, sample_index,
+                               p.num_computed, known=True)
+        self._forks.append(Fork(parent, child, sample_index))
+        return self.seqs[child]
+
+    def plan(self, schedule: dict[str, int | None], swap_out=(), swap_in=()) -> StepPlan:
+        mgr = self.mgr
+        mgr.begin_step()
+        for rid in swap_out:
+            assert mgr.swap_out([rid]) is not None
+        for rid in swap_in:
+            assert mgr.swap_in([rid]) is not None
+        new_requests, rows, tokens, positions, slots, table_ids = [], [], [], [], [], []
+        for rid, n in schedule.items():
+            seq = self.seqs[rid]
+            n = len(seq.tokens) - seq.num_computed if n is None else n
+            if rid in self._admission:
+                hit, hashes = self._admission.pop(rid)
+                new = mgr.allocate(rid, seq.tokens, n, hit=hit, block_hashes=hashes)
+            else:
+                new = mgr.allocate(rid, seq.tokens, n, num_computed_tokens=seq.num_computed)
+            assert new is not None, "out of blocks"
+            if not seq.known:
+                new_requests.append(NewRequest(
+                    request_id=rid, prompt_token_ids=int32(seq.tokens[:seq.prompt_len]),
+                    output_token_ids=int32(seq.outputs), sampling=seq.sampling,
+                    sample_index=seq.sample_index))
+                seq.known = True
+            end = seq.num_computed + n
+            tokens += seq.tokens[seq.num_computed:end]
+            positions += range(seq.num_computed, end)
+            slots += mgr.slot_mapping(rid, seq.num_computed, n).tolist()
+            start, ids = mgr.take_table_change(rid)
+            rows.append((seq.num_computed, n, int(end == len(seq.tokens)), start, len(ids)))
+            table_ids += ids
+            seq.num_computed = end
+            seq.table = mgr.block_table(rid)
+        ops = mgr.take_block_ops()
+        cols = list(zip(*rows, strict=True)) if rows else [()] * 5
+        plan = StepPlan(
+            step_id=self.step_id, new_requests=new_requests, forks=self._forks,
+            request_ids=list(schedule), num_computed_tokens=int32(cols[0]),
+            num_new_tokens=int32(cols[1]), do_sample=np.array(cols[2], np.uint8),
+            token_ids=int32(tokens), positions=int32(positions),
+            slot_mapping=np.array(slots, np.int64), block_table_starts=int32(cols[3]),
+            block_table_lens=int32(cols[4]), block_table_ids=int32(table_ids),
+            swap_out=ops.swap_out, swap_in=ops.swap_in, copy=ops.copy)
+        mgr.end_step()
+        self._forks = []
+        self.step_id += 1
+        plan.validate()
+        return plan
