@@ -249,7 +249,7 @@ class RouterEngine:
         self._turn += 1
         handle = handles[decision.index]
         if decision.hit.block_ids:
-            handle.kv.pin(seq0.seq_id, decision.hit)
+            group.pinned_tokens = handle.kv.pin(seq0.seq_id, decision.hit).num_tokens
         group.executor_id = handle.id
         handle.scheduler.add(group)
         handle.wakeup.set()

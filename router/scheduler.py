@@ -115,8 +115,8 @@ class Scheduler:
     def num_queued_tokens(self) -> int:
         """Tokens waiting to be computed here: the load figure routing weighs."""
         total = 0
-        for g in self.waiting:
-            total += sum(s.num_uncomputed for s in g.active_seqs())
+        for g in self.waiting:  # its pinned prefix is not work: it is already cached
+            total += sum(s.num_uncomputed for s in g.active_seqs()) - g.pinned_tokens
         for g in self.running:
             total += sum(s.num_uncomputed for s in g.active_seqs())
         return total + len(self.swapped)
@@ -347,6 +347,7 @@ class Scheduler:
                     s.num_computed_tokens = 0
                 return None
             seq.num_computed_tokens = hit.num_tokens
+            group.pinned_tokens = 0
             if seq.index == 0 and group.cached_prompt_tokens is None:
                 group.cached_prompt_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
             done.append((seq, num_new))

@@ -140,6 +140,7 @@ class RequestGroup:
         self.num_preemptions = 0
         self.aborted = False
         self.cached_prompt_tokens: int | None = None
+        self.pinned_tokens = 0  # prompt tokens pinned in the prefix cache at routing
         self.arrival_time = spec.arrival_time or time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
