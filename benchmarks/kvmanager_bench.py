@@ -11,6 +11,7 @@ Cases:
 3. pool_create: creating a manager with 1,000,000 device blocks.
 
 Usage: .venv/bin/python benchmarks/kvmanager_bench.py [--cycles N] [--hash-algo sha256]
+       [--repeats 3]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 from pagedserve.kvmanager import KVCacheManager
 
 BENCH = "kvmanager_bench"
@@ -32,11 +34,12 @@ def bench_alloc_free(cycles: int, hash_algo: str, seed: int = 0) -> dict:
     block_size, live_max, num_prompts = 16, 128, 1024
     mgr = KVCacheManager(num_gpu_blocks=16384, num_cpu_blocks=0, block_size=block_size,
                          enable_prefix_caching=True, hash_algo=hash_algo, watermark=0.01)
+    nprng = np.random.default_rng(seed)
     prompts = []
     for p in range(num_prompts):
         n = rng.randint(16, 2048)
         # The first token differs between prompts, so no prefix is shared.
-        ids = [p] + [rng.randrange(1, 32000) for _ in range(n - 1)]
+        ids = [p] + nprng.integers(1, 32000, n - 1).tolist()
         prompts.append((ids, mgr.hash_blocks(ids)))
     live: list[str] = []
     ops = 0
@@ -120,9 +123,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=20000)
     ap.add_argument("--hash-algo", default="sha256")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
+    # The machine is shared: run the throughput case a few times and report the median.
+    runs = [bench_alloc_free(args.cycles, args.hash_algo) for _ in range(args.repeats)]
+    alloc = sorted(runs, key=lambda r: r["ops_per_s"])[len(runs) // 2]
+    alloc["ops_per_s_runs"] = [r["ops_per_s"] for r in runs]
     results = [
-        bench_alloc_free(args.cycles, args.hash_algo),
+        alloc,
         bench_lookup(args.hash_algo),
         bench_pool_create(),
     ]

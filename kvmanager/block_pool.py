@@ -135,9 +135,18 @@ class BlockPool:
         head = self.head
         b = head.next_free
         append = out.append
+        cached = self.cached
+        events = self.events
+        num_evicted = 0
         for _ in range(n):
-            if b.block_hash is not None:
-                self._evict(b)
+            h = b.block_hash
+            if h is not None:  # evict (inlined _evict: this loop is the hot path)
+                del cached[h]
+                if events is not None:
+                    events.append(KVEvent("removed", self.device, h, b.block_id))
+                b.block_hash = b.token_ids = None
+                b.serial = -1
+                num_evicted += 1
             b.ref_cnt = 1
             append(b.block_id)
             nxt = b.next_free
@@ -145,6 +154,7 @@ class BlockPool:
             b = nxt
         head.next_free = b
         b.prev_free = head
+        self.num_evictions += num_evicted
         return out
 
     def release(self, block_ids) -> None:
@@ -214,15 +224,3 @@ class BlockPool:
                 self.num_free += 1
         last.next_free = self.tail
         self.tail.prev_free = last
-
-    def _evict(self, b: Block) -> None:
-        h = b.block_hash
-        if self.cached.get(h) is b:
-            del self.cached[h]
-        if self.events is not None:
-            self.events.append(KVEvent("removed", self.device, h, b.block_id))
-        b.block_hash = None
-        b.token_ids = None
-        b.serial = -1
-        b.parent_serial = -1
-        self.num_evictions += 1

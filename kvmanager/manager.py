@@ -465,17 +465,22 @@ class KVCacheManager:
         events = self._events
         parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
         serial = self._serial
+        setdefault = cached.setdefault
+        lo = start * bs
         for i in range(start, num_full):
+            hi = lo + bs
             b = blocks[table[i]]
             if b.serial >= 0:  # already registered (a prefix hit, or by a fork's parent)
                 parent = b.serial
+                lo = hi
                 continue
             if parent < 0:
                 break
             h = hashes[i]
-            toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            other = cached.get(h)
-            if other is not None:
+            toks = tuple(token_ids[lo:hi])
+            lo = hi
+            other = setdefault(h, b)
+            if other is not b:
                 # Another block holds these tokens after the same chain (computed twice,
                 # e.g. after a swap-in): chain on from it. A collision ends the walk.
                 if other.parent_serial == parent and other.token_ids == toks:
@@ -483,7 +488,6 @@ class KVCacheManager:
                     continue
                 parent = -1
                 break
-            cached[h] = b
             b.block_hash = h
             b.token_ids = toks
             b.parent_serial = parent
