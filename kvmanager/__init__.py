@@ -37,10 +37,13 @@ Rules the caller relies on:
   plan never hands a block out again after freeing it (no block is both a source and a
   destination in one plan). Outside a step, frees go straight to the free queue.
 - Prefix hits are verified by tokens and by chain, never trusted on the hash alone, and
-  leave at least one token to compute. Blocks are registered in the prefix cache when their
-  tokens are scheduled (the executor must write a layer's new K/V before that layer's
-  attention, as vLLM does). Swapped-out device blocks stay cached (evictable) with their
-  contents; swapped-in blocks are fresh and re-register at the request's next allocate.
+  leave at least one token to compute. A block enters the prefix cache when the plan that
+  computes it is sent (`end_step`; at once outside a step), so no plan reads a block that
+  an earlier plan did not write, and a request preempted in the step it was scheduled
+  registers nothing new (re-schedule its uncomputed slots with
+  `allocate(..., num_computed_tokens=n)`). Swapped-out device blocks stay cached
+  (evictable) with their contents intact; swapped-in blocks are fresh and re-register at
+  the request's next allocate (chaining through the old entries when those still exist).
 - Pins hold references (the blocks count as used); together at most
   `max_pinned_fraction` of the device blocks. Release them before preempting anything.
 """

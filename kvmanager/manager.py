@@ -733,8 +733,8 @@ class KVCacheManager:
 
     @staticmethod
     def _device_stats(pool: BlockPool) -> DeviceStats:
-        free = pool.num_free + sum(1 for b in pool.deferred if b.ref_cnt == 0
-                                   and b.prev_free is None)
+        free = pool.num_free + len({b.block_id for b in pool.deferred
+                                    if b.ref_cnt == 0 and b.prev_free is None})
         total = pool.num_blocks
         return DeviceStats(
             num_total_blocks=total,
