@@ -189,6 +189,7 @@ class RouterEngine:
         handle = self.executors.get(group.executor_id or "")
         if handle is not None:
             handle.scheduler.remove(group)
+            self._update_gauges(handle)
             handle.wakeup.set()
         for seq in group.seqs:
             seq.finished = True
@@ -369,6 +370,7 @@ class RouterEngine:
                     self._update_gauges(handle)
                 result = None
                 if future is None:
+                    self._update_gauges(handle)  # aborts may have freed blocks since
                     handle.wakeup.clear()
                     if not self._has_work(handle):
                         await handle.wakeup.wait()
