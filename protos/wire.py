@@ -22,7 +22,6 @@ Step protocol in one picture::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import msgspec
 import numpy as np
@@ -207,9 +206,9 @@ class StepPlan(_Message, tag="plan", frozen=True):
             arr = getattr(self, name)
             if arr is not None and (arr.ndim != 2 or arr.shape[1] != 2):
                 raise WireError(f"plan {self.step_id}: {name} must be [P, 2]")
-        if self.copy is not None and self.copy.shape[0]:
-            if set(self.copy[:, 0].tolist()) & set(self.copy[:, 1].tolist()):
-                raise WireError(f"plan {self.step_id}: a block is both copy source and target")
+        copy = self.copy
+        if copy is not None and set(copy[:, 0].tolist()) & set(copy[:, 1].tolist()):
+            raise WireError(f"plan {self.step_id}: a block is both copy source and target")
 
 
 # --------------------------------------------------------------------------- StepResult
@@ -247,9 +246,9 @@ class StepResult(_Message, tag="result", frozen=True):
         r = len(self.request_ids)
         for name in ("token_ids", "logprobs", "top_counts"):
             arr = getattr(self, name)
-            if r and (arr is None or arr.ndim != 1 or arr.shape[0] != r):
-                if name == "token_ids" or arr is not None:
-                    raise WireError(f"result {self.step_id}: {name} must have {r} entries")
+            wrong = arr is None or arr.ndim != 1 or arr.shape[0] != r
+            if r and wrong and (name == "token_ids" or arr is not None):
+                raise WireError(f"result {self.step_id}: {name} must have {r} entries")
         if self.top_counts is not None and r:
             n = int(self.top_counts.sum())
             for name in ("top_token_ids", "top_logprobs"):
@@ -266,7 +265,7 @@ class ErrorReport(_Message, tag="error", frozen=True):
     executor_id: str = ""
 
 
-Message = Union[Hello, Welcome, Heartbeat, Shutdown, StepPlan, StepResult, ErrorReport]
+Message = Hello | Welcome | Heartbeat | Shutdown | StepPlan | StepResult | ErrorReport
 
 
 # --------------------------------------------------------------------------- codec

@@ -7,6 +7,7 @@ its executors as child processes. Without torch: the model is known from config.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -121,10 +122,8 @@ async def serve_router(
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
     if wait_for_executors:
         waiter = asyncio.ensure_future(engine.wait_for_executors(wait_for_executors))
         stopper = asyncio.ensure_future(stop.wait())

@@ -29,7 +29,7 @@ from .metrics import RouterMetrics
 from .plan_builder import build_plan
 from .routing import Candidate, RoutingPolicy, choose
 from .scheduler import PreemptionMode, Scheduler, SchedulerConfig
-from .sequence import GroupStatus, RequestGroup, Sequence
+from .sequence import RequestGroup, Sequence
 from .tokenizer import Tokenizer
 from .types import (
     ClusterStatusData,
@@ -99,6 +99,7 @@ class RouterEngine:
         self.draining = False
         self._arrivals = 0
         self._turn = 0
+        self._reserved = 0  # queue places held by requests being tokenized
         self._link: ExecutorLink | None = None
         self._monitor: asyncio.Task | None = None
         self._registered = asyncio.Event()
@@ -150,13 +151,32 @@ class RouterEngine:
 
     # ================================================================== Engine protocol
 
-    async def submit(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+    def _num_waiting(self) -> int:
+        return sum(len(h.scheduler.waiting) for h in self.executors.values() if h.healthy)
+
+    def reserve_slot(self) -> None:
+        """Hold a place in the waiting queue before the request is tokenized (the edge calls
+        it first, so a burst of long prompts cannot all tokenize and then overflow the
+        queue). Raises QueueFull or Unavailable; `submit(..., reserved=True)` consumes the
+        place, `release_slot()` gives it back."""
+        if self.draining:
+            raise Unavailable("the router is draining")
+        if self._num_waiting() + self._reserved >= self.config.max_queue_len:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests)")
+        self._reserved += 1
+
+    def release_slot(self) -> None:
+        self._reserved = max(0, self._reserved - 1)
+
+    async def submit(self, spec: RequestSpec,
+                     reserved: bool = False) -> AsyncIterator[RequestOutput]:
+        if reserved:  # the reserved place becomes this request's (or is given back)
+            self.release_slot()
         if self.draining:
             raise Unavailable("the router is draining")
         if spec.request_id in self.live:
             raise AlreadyExists(f"request {spec.request_id!r} is already running")
-        queued = sum(1 for g in self.live.values() if g.status is GroupStatus.WAITING)
-        if queued >= self.config.max_queue_len:
+        if not reserved and self._num_waiting() + self._reserved >= self.config.max_queue_len:
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests)")
         healthy = [h for h in self.executors.values() if h.healthy]
         if not healthy:
@@ -542,10 +562,13 @@ class RouterEngine:
             self._fail(group, Unavailable(f"the executor failed the request: {err.message}"))
 
     def _step_failed(self, handle: ExecutorHandle, message: str) -> None:
-        """A whole step failed on the executor: its state is unknown, so every request
-        there ends (UNAVAILABLE) and the executor's view is reset."""
-        for group in list(handle.scheduler.groups()):
-            self._fail(group, Unavailable(f"executor {handle.id} failed a step: {message}"))
+        """A whole step failed on the executor: what its cache holds is unknown now, so its
+        requests end (UNAVAILABLE) and it is told to forget everything and register again
+        (with an empty cache and a fresh KV manager here)."""
+        if self._link is not None:
+            self._link.send(handle.routing_id,
+                            wire.Shutdown(reason=f"step failed: {message}", exit=False))
+        self._executor_lost(handle, f"failed a step: {message}")
 
     # ================================================================== metrics
 

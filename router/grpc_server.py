@@ -290,9 +290,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         admitted = finished = False
         outputs: AsyncIterator[RequestOutput] | None = None
         clock = _RequestClock(self._metrics, arrival)
+        reserve = getattr(self._engine, "reserve_slot", None)
+        reserved = False
         try:
             if self.draining:
                 raise Unavailable("the router is draining")
+            if reserve is not None:  # a queue place before any tokenizing work
+                reserve()
+                reserved = True
             convert = functools.partial(
                 request_from_pb,
                 request,
@@ -305,7 +310,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             # Tokenizing a long prompt would stall every stream on this loop: use a thread.
             long_prompt = len(request.prompt) > THREADED_TOKENIZE_CHARS
             spec: RequestSpec = await asyncio.to_thread(convert) if long_prompt else convert()
-            outputs = await self._engine.submit(spec)
+            if reserved:
+                reserved = False  # submit consumes the place, whatever it raises
+                outputs = await self._engine.submit(spec, reserved=True)
+            else:
+                outputs = await self._engine.submit(spec)
             admitted = True
             async for out in outputs:
                 clock.on_output(out)
@@ -329,6 +338,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         except Exception as exc:  # noqa: BLE001 - mapped in one place
             error = exc
         finally:
+            if reserved:  # failed before submit (bad request, cancelled while tokenizing)
+                self._engine.release_slot()
             if admitted and not finished:
                 self._abort_quietly(request_id)
             if outputs is not None and hasattr(outputs, "aclose") and not finished:

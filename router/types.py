@@ -198,6 +198,10 @@ class Engine(Protocol):
     * Text assembly: the engine produces `CompletionDelta.text` with one
       `pagedserve.router.detokenizer.TextAssembler` per sample (stop strings end generation,
       so they are checked where tokens are appended, after every step).
+    * Optional: `reserve_slot()` / `release_slot()`. When the engine has them the edge
+      reserves a waiting-queue place before tokenizing (QueueFull / Unavailable raised
+      there) and calls `submit(spec, reserved=True)`, which consumes the place whatever it
+      raises; `release_slot()` gives it back when the request fails before submit.
     * `is_serving()` is True while at least one executor is registered and heartbeating and the
       router is not draining (it drives the health status of "pagedserve.v1.Generator").
     """

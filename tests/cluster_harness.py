@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import grpc
-
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -205,7 +204,7 @@ def assert_greedy_match(got: list[int], expected: list[int], gaps: list[float],
                         tie: float = 1e-3) -> None:
     """Token-for-token equality, except that a first mismatch is accepted where the
     reference's top two logits were within `tie` of each other."""
-    for j, (a, b) in enumerate(zip(got, expected)):
+    for j, (a, b) in enumerate(zip(got, expected, strict=False)):
         if a != b:
             assert gaps[j] < tie, (
                 f"first mismatch at output position {j}: got {a}, HF {b} "

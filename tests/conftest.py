@@ -7,6 +7,7 @@ run in the interpreter on CPU tensors; with one they run natively.
 
 import os
 
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 from cluster_harness import Cluster, HFReference, assert_greedy_match, request
-
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
 from pagedserve.tinymodels import build_model
 
 PROMPTS = [
