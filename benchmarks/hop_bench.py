@@ -1,0 +1,292 @@
+"""Router hop (DESIGN §8): StepPlan out and StepResult back over real ZeroMQ between two
+processes. JSON lines on stdout, a table on stderr.
+
+The plan is a decode step of 256 requests (one new token each, block tables as changes: one
+request in 16 appends a block). An echo process (this script with `--echo ADDR`) holds a
+DEALER socket, decodes each plan with the real Codec (validation included) and answers with
+a StepResult of 256 sampled tokens, encoded with the real Codec. Round trip = encode plan ->
+send -> executor decode/answer/encode -> receive -> decode result. Target: p50 <= 200 us.
+
+Cases:
+1. codec: the four Codec calls in one process (plan encode/decode, result encode/decode).
+2. zmq_sync_ping: a Heartbeat echoed (the transport floor on this machine).
+3. zmq_sync: a plain blocking zmq ROUTER in this process.
+4. router_link: the router's own `ExecutorLink` (zmq.asyncio ROUTER, asyncio event loop,
+   dispatch to `on_result`, future resolved), as the engine uses it.
+
+Usage: .venv/bin/python benchmarks/hop_bench.py [--iters 3000] [--warmup 300]
+       [--num-requests 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+from pagedserve.protos import wire
+
+BENCH = "hop_bench"
+BLOCK_SIZE = 16
+
+
+def make_decode_plan(step_id: int, num_requests: int) -> wire.StepPlan:
+    rng = np.random.default_rng(step_id)
+    ctx = rng.integers(200, 1800, num_requests).astype(np.int32)
+    lens = (np.arange(num_requests) % 16 == step_id % 16).astype(np.int32)  # 1 in 16 appends
+    starts = (ctx // BLOCK_SIZE + 1 - lens).astype(np.int32)
+    table_ids = rng.integers(0, 40000, int(lens.sum())).astype(np.int32)
+    blocks = rng.integers(0, 40000, num_requests).astype(np.int64)
+    return wire.StepPlan(
+        step_id=step_id,
+        request_ids=[f"req-{i:06d}#0" for i in range(num_requests)],
+        num_computed_tokens=ctx,
+        num_new_tokens=np.ones(num_requests, dtype=np.int32),
+        do_sample=np.ones(num_requests, dtype=np.uint8),
+        token_ids=rng.integers(3, 32000, num_requests).astype(np.int32),
+        positions=ctx.copy(),
+        slot_mapping=blocks * BLOCK_SIZE + ctx % BLOCK_SIZE,
+        block_table_starts=starts,
+        block_table_lens=lens,
+        block_table_ids=table_ids,
+        swap_out=np.empty((0, 2), dtype=np.int64),
+        swap_in=np.empty((0, 2), dtype=np.int64),
+        copy=np.empty((0, 2), dtype=np.int64),
+    )
+
+
+def answer(plan: wire.StepPlan, executor_id: str) -> wire.StepResult:
+    """What an executor sends back: one token per sampled request."""
+    sampled = np.flatnonzero(plan.do_sample)
+    ids = [plan.request_ids[i] for i in sampled.tolist()]
+    return wire.StepResult(
+        step_id=plan.step_id, executor_id=executor_id, request_ids=ids,
+        token_ids=((sampled * 7919 + plan.step_id) % 32000).astype(np.int32),
+        forward_s=0.0,
+    )
+
+
+# ----------------------------------------------------------------------------- echo side
+
+
+def echo(address: str) -> int:
+    """The executor stand-in: Hello, then answer plans and echo heartbeats until Shutdown."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    codec = wire.Codec()
+    executor_id = f"echo-{os.getpid()}"
+    sock.send_multipart(codec.encode(wire.Hello(
+        executor_id=executor_id, model_fingerprint="bench", device="cpu", dtype="float32",
+        block_size=BLOCK_SIZE, num_gpu_blocks=40000, num_cpu_blocks=0, max_model_len=2048,
+    )), copy=False)
+    while True:
+        msg = codec.decode(sock.recv_multipart(copy=False))
+        if isinstance(msg, wire.StepPlan):
+            sock.send_multipart(codec.encode(answer(msg, executor_id)), copy=False)
+        elif isinstance(msg, wire.Heartbeat):  # the ping case: echo it
+            sock.send_multipart(codec.encode(msg), copy=False)
+        elif isinstance(msg, wire.Shutdown):
+            break
+    sock.close(0)
+    ctx.term()
+    return 0
+
+
+def _spawn_echo(address: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo", address])
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _summary(case: str, times_s: list[float], **extra) -> dict:
+    s = sorted(times_s)
+    return {
+        "bench": BENCH,
+        "case": case,
+        "rtt_us_p50": round(statistics.median(s) * 1e6, 1),
+        "rtt_us_p99": round(s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6, 1),
+        "rtt_us_mean": round(statistics.fmean(s) * 1e6, 1),
+        "iterations": len(s),
+        **extra,
+    }
+
+
+def bench_codec(plans: list[wire.StepPlan], iters: int) -> dict:
+    c_router, c_exec = wire.Codec(), wire.Codec()
+    t_enc, t_dec, t_renc, t_rdec = [], [], [], []
+    pc = time.perf_counter
+    plan_bytes = result_bytes = 0
+    for i in range(iters):
+        plan = plans[i % len(plans)]
+        t0 = pc()
+        frames = c_router.encode(plan)
+        t1 = pc()
+        frames = [bytes(f) for f in frames]
+        t2 = pc()
+        got = c_exec.decode(frames)
+        t3 = pc()
+        rframes = c_exec.encode(answer(got, "x"))
+        t4 = pc()
+        rframes = [bytes(f) for f in rframes]
+        t5 = pc()
+        c_router.decode(rframes)
+        t6 = pc()
+        t_enc.append(t1 - t0)
+        t_dec.append(t3 - t2)
+        t_renc.append(t4 - t3)  # includes building the StepResult
+        t_rdec.append(t6 - t5)
+        plan_bytes = sum(len(f) for f in frames)
+        result_bytes = sum(len(f) for f in rframes)
+
+    def p50(xs):
+        return round(statistics.median(xs) * 1e6, 1)
+
+    return {
+        "bench": BENCH, "case": "codec",
+        "plan_encode_us_p50": p50(t_enc), "plan_decode_us_p50": p50(t_dec),
+        "result_build_encode_us_p50": p50(t_renc), "result_decode_us_p50": p50(t_rdec),
+        "plan_bytes": plan_bytes, "result_bytes": result_bytes,
+        "num_requests": len(plans[0].request_ids), "iterations": iters,
+    }
+
+
+def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
+                   ping: bool = False) -> dict:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    proc = _spawn_echo(address)
+    codec = wire.Codec()
+    try:
+        if not sock.poll(30_000):
+            raise RuntimeError("echo process did not say hello")
+        frames = sock.recv_multipart(copy=False)
+        rid = frames[0].bytes
+        codec.decode(frames[1:])  # Hello
+        times = []
+        pc = time.perf_counter
+        for i in range(warmup + iters):
+            msg = wire.Heartbeat(executor_id="bench", time_s=0.0) if ping else \
+                plans[i % len(plans)]
+            t0 = pc()
+            sock.send_multipart([rid, *codec.encode(msg)], copy=False)
+            reply = sock.recv_multipart(copy=False)
+            result = codec.decode(reply[1:])
+            t1 = pc()
+            assert type(result) is (wire.Heartbeat if ping else wire.StepResult)
+            if i >= warmup:
+                times.append(t1 - t0)
+        sock.send_multipart([rid, *codec.encode(wire.Shutdown(reason="bench done"))])
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close(0)
+        ctx.term()
+    if ping:
+        return _summary("zmq_sync_ping", times, transport="tcp loopback",
+                        note="a Heartbeat echoed: the transport floor")
+    return _summary("zmq_sync", times, num_requests=len(plans[0].request_ids),
+                    transport="tcp loopback")
+
+
+async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> dict:
+    from pagedserve.router.executor_link import ExecutorLink
+
+    loop = asyncio.get_running_loop()
+    hello: asyncio.Future = loop.create_future()
+    pending: dict[int, asyncio.Future] = {}
+
+    def on_hello(routing_id: bytes, msg: wire.Hello) -> wire.Welcome:
+        if not hello.done():
+            hello.set_result(routing_id)
+        return wire.Welcome(executor_id=msg.executor_id, accepted=True)
+
+    def on_result(executor_id: str, result: wire.StepResult) -> bool:
+        fut = pending.pop(result.step_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+        return True
+
+    link = ExecutorLink("tcp://127.0.0.1:0", on_hello=on_hello,
+                        on_heartbeat=lambda _id: True, on_result=on_result,
+                        on_error=lambda _id, _r: True)
+    link.start()
+    proc = _spawn_echo(link.endpoint)
+    try:
+        rid = await asyncio.wait_for(hello, 30)
+        times = []
+        pc = time.perf_counter
+        for i in range(warmup + iters):
+            plan = plans[i % len(plans)]
+            fut = loop.create_future()
+            t0 = pc()
+            pending[plan.step_id] = fut
+            link.send(rid, plan)
+            await fut
+            t1 = pc()
+            if i >= warmup:
+                times.append(t1 - t0)
+        link.send(rid, wire.Shutdown(reason="bench done"))
+        await asyncio.sleep(0.05)
+        await loop.run_in_executor(None, proc.wait, 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await link.close()
+    return _summary("router_link", times, num_requests=len(plans[0].request_ids),
+                    transport="tcp loopback, zmq.asyncio")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--echo", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="200 iterations, 20 warm-up")
+    args = ap.parse_args(argv)
+    if args.echo:
+        return echo(args.echo)
+    iters, warmup = (200, 20) if args.quick else (args.iters, args.warmup)
+    # Distinct plans (different step ids and block-table changes), reused in turn.
+    plans = [make_decode_plan(s, args.num_requests) for s in range(1, 65)]
+    # step ids must be unique per round trip for the link's future map: renumber as we go.
+    seq = iter(range(1, 10**9))
+
+    class _Plans(list):
+        def __getitem__(self, i):
+            p = super().__getitem__(i)
+            return wire.StepPlan(**{**{f: getattr(p, f) for f in p.__struct_fields__},
+                                    "step_id": next(seq)})
+
+    results = [
+        bench_codec(plans, iters),
+        bench_zmq_sync(_Plans(plans), iters, warmup, ping=True),
+        bench_zmq_sync(_Plans(plans), iters, warmup),
+        asyncio.run(_bench_link(_Plans(plans), iters, warmup)),
+    ]
+    for r in results:
+        if "rtt_us_p50" in r:
+            r["target_rtt_us_p50"] = 200
+        print(json.dumps(r), flush=True)
+    for r in results:
+        figures = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("bench", "case"))
+        print(f"{r['case']:<12} {figures}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
