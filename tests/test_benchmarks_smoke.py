@@ -1,0 +1,59 @@
+"""Smoke tests for the router benchmarks: each script runs in its quick setting and prints
+JSON lines with the keys DESIGN §8 and benchmarks/README.md promise. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, *args: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert lines, proc.stderr[-2000:]
+    for line in lines:
+        assert line["bench"] == Path(script).stem
+        assert isinstance(line["case"], str) and line["case"]
+    return lines
+
+
+def test_scheduler_bench_quick():
+    lines = _run("scheduler_bench.py", "--quick")
+    by_case = {r["case"]: r for r in lines}
+    assert set(by_case) == {"W1", "W2", "W3", "W1_x4", "W2_x4", "W3_x4"}
+    keys = ("workload", "step_us_p50", "step_us_p90", "wall_s", "preemptions",
+            "prefix_hit_rate", "num_steps", "router_tok_per_s")
+    for r in lines:
+        for k in keys:
+            assert k in r, (r["case"], k)
+        assert r["step_us_p50"] > 0 and r["num_steps"] > 0
+        assert 0.0 <= r["prefix_hit_rate"] <= 1.0
+    # Every request ran to max_tokens: 32 x 256, 64 x 32, 32 x 512 output tokens.
+    assert by_case["W1"]["generated_tokens"] == 32 * 256
+    assert by_case["W2"]["generated_tokens"] == 64 * 32
+    assert by_case["W3"]["generated_tokens"] == 32 * 512
+    assert by_case["W1"]["preemptions"] == 0 and by_case["W3"]["preemptions"] > 0
+    assert by_case["W2"]["prefix_hit_rate"] > 0.5  # the shared 1,024-token prefix hits
+    assert by_case["W1_x4"]["num_executors"] == 4 and "round_us_p50" in by_case["W1_x4"]
+
+
+def test_hop_bench_quick():
+    lines = _run("hop_bench.py", "--quick")
+    by_case = {r["case"]: r for r in lines}
+    assert set(by_case) == {"codec", "zmq_sync_ping", "zmq_sync", "router_link"}
+    for case in ("zmq_sync_ping", "zmq_sync", "router_link"):
+        r = by_case[case]
+        assert r["rtt_us_p50"] > 0 and r["rtt_us_p99"] >= r["rtt_us_p50"]
+        assert r["iterations"] == 200
+    codec = by_case["codec"]
+    for k in ("plan_encode_us_p50", "plan_decode_us_p50", "result_decode_us_p50",
+              "plan_bytes", "result_bytes"):
+        assert codec[k] > 0
