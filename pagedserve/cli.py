@@ -5,6 +5,7 @@
     pagedserve executor --model DIR --router ADDR    one executor
     pagedserve generate "prompt" [--stream] [--json] a client
     pagedserve healthcheck [--service NAME]          exit 0 when SERVING
+    pagedserve demo [--quick]                        the main job on the built-in demo model
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ def cmd_healthcheck(argv: list[str]) -> int:
     return healthcheck_main(argv)
 
 
+def cmd_demo(argv: list[str]) -> int:
+    from .demo import main as demo_main
+    return demo_main(argv)
+
+
 def cmd_not_built(name: str):
     def run(argv: list[str]) -> int:
         print(f"pagedserve {name}: not built yet in this version", file=sys.stderr)
@@ -110,7 +116,7 @@ COMMANDS = {
     "executor": cmd_executor,
     "generate": cmd_generate,
     "healthcheck": cmd_healthcheck,
-    "demo": cmd_not_built("demo"),
+    "demo": cmd_demo,
     "bench": cmd_not_built("bench"),
     "keygen": cmd_not_built("keygen"),
 }

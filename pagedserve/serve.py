@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 from .router.app import ModelDirError, serve_router
 
@@ -35,10 +36,19 @@ def _num_gpus() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def _relay_to_stderr(name: str, line: str) -> None:
+    sys.stderr.write(f"[{name}] {line}")
+
+
 class ExecutorChildren:
-    def __init__(self, args, argv: list[str]) -> None:
+    """`relay(name, line)` receives each output line of a child (default: stderr with a
+    `[executor-i]` prefix; `pagedserve demo` keeps them for a failure report instead)."""
+
+    def __init__(self, args, argv: list[str],
+                 relay: Callable[[str, str], None] = _relay_to_stderr) -> None:
         self.args = args
         self.argv = argv
+        self.relay = relay
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
@@ -72,7 +82,7 @@ class ExecutorChildren:
         name = f"executor-{index}"
         assert proc.stdout is not None
         async for raw in proc.stdout:
-            sys.stderr.write(f"[{name}] {raw.decode(errors='replace')}")
+            self.relay(name, raw.decode(errors="replace"))
         rc = await proc.wait()
         if self.stopping:
             return
