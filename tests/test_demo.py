@@ -1,0 +1,70 @@
+"""`pagedserve demo --quick`: the main job, start to finish, on the built-in demo model.
+
+One subprocess (the router runs inside it, plus two executor children): it must exit 0,
+say honestly what the model is, show prefix-cache hits and a preemption, print the summary
+and leave no executor process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def demo_run():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "demo", "--quick"],
+                            capture_output=True, text=True, env=env, timeout=180)
+    return result, time.monotonic() - start
+
+
+def test_demo_quick_exits_0(demo_run):
+    result, wall_s = demo_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert wall_s < 120
+
+
+def test_demo_is_honest_and_shows_the_main_job(demo_run):
+    out = demo_run[0].stdout
+    assert "RANDOM weights" in out and "gibberish" in out
+    assert re.search(r"pagedserve ready grpc=\S+ metrics=\S+ executors=2", out)
+    for heading in ("1. streaming completions", "2. multi-tenant shared prefixes",
+                    "3. a burst that cannot fit", "== summary =="):
+        assert heading in out
+    # every tenant's questions found its system prompt in some executor's prefix cache
+    rows = re.findall(r"^(\S+)\s+(exec\d)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)$", out, re.M)
+    assert len(rows) == 3, out
+    assert all(int(hits) >= 1 for *_, hits, _total in rows), out
+    assert re.search(r"TTFT p50 / p90\s+\d+ ms / \d+ ms", out)
+    summary = out.split("== summary ==")[1]
+    executor_rows = re.findall(r"^exec\d\s+(\d+)% .*?(\d+) \(.*?\)\s+(\d+)/(\d+)\s+(\d+)$",
+                               summary, re.M)
+    assert len(executor_rows) == 2, summary
+    preemptions = sum(int(r[1]) for r in executor_rows)
+    swapped = sum(int(r[4]) for r in executor_rows)
+    assert preemptions + swapped > 0, summary
+    assert any(int(r[2]) == int(r[3]) for r in executor_rows), "KV cache never filled"
+
+
+def test_demo_leaves_no_process_behind(demo_run):
+    out = demo_run[0].stdout
+    pids = [int(p) for p in re.findall(r"started executor \S+ \(pid (\d+)\)", out)]
+    assert len(pids) == 2
+    assert "cluster stopped: 2 executor processes exited" in out
+    assert not [p for p in pids if _alive(p)]
