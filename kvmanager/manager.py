@@ -640,6 +640,23 @@ class KVCacheManager:
         """The request's block ids (a copy), on the device it is on."""
         return list(self._req(request_id).block_ids)
 
+    def slot(self, request_id: str, pos: int) -> int:
+        """The slot of one token position (no table copy: the plan builder's decode path)."""
+        return self._req(request_id).block_ids[pos // self.block_size] * self.block_size \
+            + pos % self.block_size
+
+    def num_blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        """Device blocks `allocate(request_id, ..., num_new_tokens)` would add (a running
+        request's table growth, not counting copy-on-write replacements)."""
+        req = self._req(request_id)
+        bs = self.block_size
+        return max(0, -(-(req.num_tokens + num_new_tokens) // bs) - len(req.block_ids))
+
+    @property
+    def num_deferred_gpu_blocks(self) -> int:
+        """Device blocks freed during the plan being built: free once end_step() runs."""
+        return sum(1 for b in self.gpu.deferred if b.ref_cnt == 0)
+
     def num_tokens(self, request_id: str) -> int:
         """Token positions of the request that have a slot (computed or scheduled)."""
         return self._req(request_id).num_tokens

@@ -21,6 +21,7 @@ Step protocol in one picture::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
@@ -33,6 +34,7 @@ MAX_FRAMES = 64
 MAX_ARRAY_DIMS = 3
 _ARRAY_EXT_CODE = 1
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "|u1", "|b1", "<u4"}
+_ARRAY_REF_DECODER = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
 
 
 class WireError(ValueError):
@@ -313,7 +315,7 @@ class Codec:
         if code != _ARRAY_EXT_CODE:
             raise WireError(f"unknown extension type {code}")
         try:
-            index, dtype, shape = msgspec.msgpack.decode(data, type=tuple[int, str, list[int]])
+            index, dtype, shape = _ARRAY_REF_DECODER.decode(data)
         except msgspec.DecodeError as exc:
             raise WireError(f"bad array reference: {exc}") from None
         if dtype not in _ALLOWED_DTYPES:
@@ -325,7 +327,7 @@ class Codec:
         buf = self._in_frames[index]
         buf = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame
         dt = np.dtype(dtype)
-        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        expected = math.prod(shape) * dt.itemsize
         if expected != len(memoryview(buf)) or expected > self._max_array_bytes:
             raise WireError(f"array frame {index} has {len(memoryview(buf))} bytes, "
                             f"expected {expected}")

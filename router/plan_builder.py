@@ -48,7 +48,6 @@ def _new_request(seq: Sequence, eos_token_ids: tuple[int, ...]) -> wire.NewReque
 def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
                eos_token_ids: tuple[int, ...]) -> wire.StepPlan:
     """Turn one step's decisions into the StepPlan (and mark what the executor now knows)."""
-    block_size = kv.block_size
     forks: list[wire.Fork] = []
     new_requests: list[wire.NewRequest] = []
     for parent, child in out.forks:
@@ -86,8 +85,7 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         table_ids.extend(change_ids)
         if k == 1:
             token_ids.append(seq.token_ids[start])
-            table = kv.block_table(seq.seq_id)
-            slot_chunks.append(table[start // block_size] * block_size + start % block_size)
+            slot_chunks.append(kv.slot(seq.seq_id, start))
             positions[t] = start
         else:
             token_ids.extend(seq.token_ids[start:end])

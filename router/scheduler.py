@@ -186,11 +186,19 @@ class Scheduler:
                 if seq.num_uncomputed <= 0:
                     continue
                 num_new = min(seq.num_uncomputed, budget)
+                waits = False
                 while kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
                     if not pins_released:
                         kv.release_pins()
                         pins_released = True
                         continue
+                    # Blocks freed by this step's preemptions are handed out only from the
+                    # next plan on (step boundary). When they already cover this sample's
+                    # need, it waits one step instead of preempting yet another group.
+                    if out.preempted and kv.num_deferred_gpu_blocks >= \
+                            kv.num_blocks_needed(seq.seq_id, num_new) + 1:
+                        waits = True
+                        break
                     victim = self._pick_victim(i)
                     partial = victim is group and any(s.seq.group is group for s in out.scheduled)
                     self._preempt(victim, out, force_recompute=partial)
@@ -199,6 +207,8 @@ class Scheduler:
                         break
                 if preempted_self:
                     break
+                if waits:
+                    continue
                 self._commit(seq, num_new, out)
                 budget -= num_new
                 num_seqs += 1
