@@ -300,3 +300,24 @@ def test_executor_joins_running_router_and_gets_work(served):
     finally:
         channel.close()
         joined.stop()
+
+
+# ------------------------------------------------------------------ README's flag table
+
+
+def test_readme_flag_table_matches_flags():
+    import argparse
+    from pathlib import Path
+
+    from pagedserve.flags import FLAGS, env_name
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `--([a-z-]+)` \| ([^|]+) \| `PAGEDSERVE_", readme, re.M))
+    public = [(f, d) for f, _t, d, h in FLAGS if h is not argparse.SUPPRESS]
+    assert sorted(rows) == sorted(f for f, _ in public)
+    for flag, default in public:
+        shown = rows[flag].strip()
+        assert shown == ("—" if default is None else f"`{default}`"), flag
+        assert f"`{env_name(flag)}`" in readme
+    assert readme.splitlines()[2:6] == ["```", "make demo   # sets up .venv and runs the main "
+                                        "job on the built-in demo model", "make test   # sets "
+                                        "up .venv and runs the test suite", "```"]
