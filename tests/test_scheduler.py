@@ -1,0 +1,139 @@
+"""The per-executor scheduler driven directly with a KVCacheManager (no executor): exact
+expectations on what each step schedules, in what order, and how it preempts."""
+
+from __future__ import annotations
+
+from pagedserve.kvmanager import KVCacheManager
+from pagedserve.router.plan_builder import build_plan
+from pagedserve.router.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from pagedserve.router.sequence import RequestGroup
+from pagedserve.router.types import RequestSpec, SamplingSpec
+
+
+class _Assembler:
+    finished = False
+    num_tokens = 0
+
+
+def _group(rid: str, prompt_len: int, *, arrival: int, priority: int = 0, n: int = 1,
+           max_tokens: int = 64, start: int = 3) -> RequestGroup:
+    spec = RequestSpec(rid, tuple(range(start, start + prompt_len)),
+                       SamplingSpec(max_tokens=max_tokens, n=n), priority=priority)
+    return RequestGroup(spec, [_Assembler() for _ in range(n)], arrival)
+
+
+def _step(sched: Scheduler, kv: KVCacheManager, step: int = 1):
+    out = sched.schedule()
+    plan = build_plan(step, out, kv, (1,))
+    kv.end_step()
+    kv.check_invariants()
+    # The fake executor samples token 7 for every sequence that reached its end.
+    for item in out.scheduled:
+        seq = item.seq
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.token_ids.append(7)
+    return out, plan
+
+
+def _scheduled(out):
+    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_priority_then_arrival_order_and_chunked_prefill():
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=40))
+    sched.add(_group("late", 30, arrival=2, start=100))
+    sched.add(_group("urgent", 30, arrival=3, priority=-1, start=200))
+    sched.add(_group("early", 30, arrival=1, start=300))
+    out, plan = _step(sched, kv)
+    # Budget 40: urgent's whole prompt, then 10 tokens of early's (a chunk, no sample).
+    assert _scheduled(out) == [("urgent#0", 30), ("early#0", 10)]
+    assert plan.do_sample.tolist() == [1, 0]
+    assert plan.num_computed_tokens.tolist() == [0, 0]
+    assert [r.request_id for r in plan.new_requests] == ["urgent#0", "early#0"]
+    out, plan = _step(sched, kv, 2)
+    # Running first (urgent decodes, early's next chunk), then late's first chunk.
+    assert _scheduled(out) == [("urgent#0", 1), ("early#0", 20), ("late#0", 19)]
+    assert plan.num_computed_tokens.tolist() == [30, 10, 0]
+    assert plan.positions.tolist()[:2] == [30, 10]
+    assert plan.new_requests[0].request_id == "late#0"
+
+
+def test_prefix_hit_starts_after_the_cached_blocks():
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig())
+    a = _group("a", 40, arrival=1)
+    sched.add(a)
+    _step(sched, kv)
+    sched.finish_seq(a.seqs[0])
+    sched.remove(a)
+    sched.add(_group("b", 40, arrival=2))
+    out, plan = _step(sched, kv, 2)
+    assert _scheduled(out) == [("b#0", 8)]  # 2 full blocks (32 tokens) cached
+    assert plan.num_computed_tokens.tolist() == [32]
+    assert plan.block_table_starts.tolist() == [0] and plan.block_table_lens.tolist() == [3]
+
+
+def test_n2_computes_the_prompt_once_then_forks():
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig())
+    g = _group("g", 20, arrival=1, n=2)
+    sched.add(g)
+    out, plan = _step(sched, kv)
+    assert _scheduled(out) == [("g#0", 19)] and plan.do_sample.tolist() == [0]
+    out, plan = _step(sched, kv, 2)
+    assert [(f.parent_id, f.child_id, f.sample_index) for f in plan.forks] == [("g#0", "g#1", 1)]
+    assert _scheduled(out) == [("g#0", 1), ("g#1", 1)]
+    assert plan.do_sample.tolist() == [1, 1]
+    # Both write position 19 in the shared second block: the first writer (g#0) gets a
+    # fresh copy of it, g#1 keeps the original.
+    t0, t1 = kv.block_table("g#0"), kv.block_table("g#1")
+    assert t0[0] == t1[0] and t0[1] != t1[1]
+    assert plan.copy.tolist() == [[t1[1], t0[1]]]
+    assert not plan.new_requests  # the child came by fork, not as a new request
+
+
+def test_blocks_short_preempts_the_latest_lowest_priority_once_per_step():
+    # 8 blocks of 4 tokens; 4 requests of 8 tokens (2 blocks each) fill the cache.
+    kv = KVCacheManager(8, 0, 4, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.RECOMPUTE))
+    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3) for i in range(4)]
+    for g in groups:
+        sched.add(g)
+    out, _ = _step(sched, kv)
+    assert len(out.scheduled) == 4 and kv.num_free_gpu_blocks == 0
+    # Every decode now needs a third block: r3 (latest) is preempted, and the blocks it
+    # frees cover the others' needs from the next step on, so nothing else is preempted.
+    out, plan = _step(sched, kv, 2)
+    assert [(g.request_id, m) for g, m in out.preempted] == [("r3", PreemptionMode.RECOMPUTE)]
+    assert _scheduled(out) == []
+    assert plan.finished_ids == ["r3#0"]
+    # r0 and r1 take r3's two blocks; r2 finds none and is the only victim left.
+    out, plan = _step(sched, kv, 3)
+    assert [(g.request_id, m) for g, m in out.preempted] == [("r2", PreemptionMode.RECOMPUTE)]
+    assert _scheduled(out) == [("r0#0", 1), ("r1#0", 1)]
+    assert [g.request_id for g in sched.waiting] == ["r2", "r3"]
+
+
+def test_swap_mode_moves_the_victim_and_brings_it_back_first():
+    kv = KVCacheManager(8, 8, 4, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
+    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
+    for g in groups:
+        sched.add(g)
+    _step(sched, kv)
+    out, plan = _step(sched, kv, 2)
+    assert [(g.request_id, m) for g, m in out.preempted] == [("r3", PreemptionMode.SWAP)]
+    assert plan.swap_out.shape == (2, 2) and not plan.finished_ids
+    assert [g.request_id for g in sched.swapped] == ["r3"]
+    # Finish r0 and r1: r3 comes back (swap-in) before anything new.
+    for g in groups[:2]:
+        sched.finish_seq(g.seqs[0])
+        sched.remove(g)
+    sched.add(_group("new", 3, arrival=9, start=200))
+    kv.begin_step()
+    kv.end_step()
+    out, plan = _step(sched, kv, 3)
+    assert plan.swap_in.shape[0] == 2
+    ids = [s for s, _ in _scheduled(out)]
+    assert ids.index("r3#0") < ids.index("new#0")
