@@ -116,12 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _setup_logging(fmt: str) -> None:
-    if fmt == "json":
-        form = ('{"time": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
-                '"message": "%(message)s"}')
-    else:
-        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=form, stream=sys.stderr)
+    from pagedserve.logs import setup_logging
+    setup_logging(fmt)
 
 
 # --------------------------------------------------------------------------------- parent
@@ -350,6 +346,8 @@ def run_executor(args: argparse.Namespace) -> int:
     from pagedserve.executor.model_runner import build_runner
     from pagedserve.executor.models import ModelNotSupported
 
+    from pagedserve.logs import progress_bars_enabled
+
     _setup_logging(args.log_format)
     if args.parent_pid is None and os.environ.get("PAGEDSERVE_PARENT_PID"):
         args.parent_pid = int(os.environ["PAGEDSERVE_PARENT_PID"])
@@ -366,6 +364,7 @@ def run_executor(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,
+            progress=progress_bars_enabled(args.log_format),
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)

@@ -28,12 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def setup_logging(fmt: str = "text") -> None:
-    if fmt == "json":
-        form = ('{"time": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
-                '"message": "%(message)s"}')
-    else:
-        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=form, stream=sys.stderr, force=True)
+    from .logs import setup_logging as _setup
+    _setup(fmt)
 
 
 def _server_parser(prog: str, description: str) -> argparse.ArgumentParser:

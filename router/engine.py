@@ -272,6 +272,8 @@ class RouterEngine:
         if decision.hit.block_ids:
             group.pinned_tokens = handle.kv.pin(seq0.seq_id, decision.hit).num_tokens
         group.executor_id = handle.id
+        log.debug("request %s -> executor %s (cached prefix %d tokens)", group.request_id,
+                  handle.id, group.pinned_tokens)
         handle.scheduler.add(group)
         handle.wakeup.set()
 
@@ -416,6 +418,9 @@ class RouterEngine:
     def _send_next_plan(self, handle: ExecutorHandle) -> asyncio.Future | None:
         sched = handle.scheduler
         out = sched.schedule()
+        for group, mode in out.preempted:
+            self.metrics.inc_preemption(handle.id, mode.value)
+            log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
         try:
             if out.empty:
                 return None
@@ -423,9 +428,6 @@ class RouterEngine:
             plan = build_plan(handle.step_id, out, handle.kv, self.eos_token_ids)
         finally:
             handle.kv.end_step()
-        for group, mode in out.preempted:
-            self.metrics.inc_preemption(handle.id, mode.value)
-            log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
         if self.config.debug_checks:
             handle.kv.check_invariants()
         future = asyncio.get_running_loop().create_future()

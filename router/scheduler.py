@@ -55,7 +55,8 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.scheduled and not self.dropped_seq_ids
+        """Nothing for the executor: no tokens, no drops, no swap-outs from preemptions."""
+        return not self.scheduled and not self.dropped_seq_ids and not self.preempted
 
 
 class CostModel:
