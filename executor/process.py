@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -239,6 +240,8 @@ class ExecutorProcess:
         self.sock.connect(self.args.router)
 
     def _check_parent(self) -> None:
+        if getattr(self, "stopping", False) and not self.heartbeat.registered.is_set():
+            raise SystemExit(0)  # SIGTERM while (re-)registering: nothing to hand over
         if not self.parent.alive():
             log.error("parent process %s died; exiting", self.parent.pid)
             raise SystemExit(1)
@@ -303,12 +306,36 @@ class ExecutorProcess:
             return True
         return False
 
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM (and SIGINT, unless `serve` is the parent: Ctrl-C reaches the whole
+        process group, and the parent drains) ends serving between two steps: the executor
+        tells the router it is stopping, so its requests move to other executors at once."""
+        def stop(signum, frame):
+            self.stopping = True
+        signal.signal(signal.SIGTERM, stop)
+        if self.args.parent_pid is None:
+            signal.signal(signal.SIGINT, stop)
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _say_goodbye(self) -> None:
+        log.info("stopping: handing my requests back to the router")
+        if self.sock is not None:
+            self.sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye leave before close
+            self._send(Shutdown(reason="executor stopping", executor_id=self.executor_id))
+
     def serve(self) -> int:
-        """Register, then execute plans in order until Shutdown(exit=True)."""
+        """Register, then execute plans in order until Shutdown(exit=True) or SIGTERM."""
+        self.stopping = False
+        with contextlib.suppress(ValueError):  # not the main thread (in-process tests)
+            self._install_signal_handlers()
         self.heartbeat.start()
         try:
             self.register()
             while True:
+                if self.stopping:
+                    self._say_goodbye()
+                    return 0
                 self._check_parent()
                 if self._router_lost():
                     self.register()

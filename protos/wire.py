@@ -81,10 +81,13 @@ class Heartbeat(_Message, tag="heartbeat", frozen=True):
 
 
 class Shutdown(_Message, tag="shutdown", frozen=True):
-    """Router -> executor: stop serving (``exit``) or just forget all state."""
+    """Router -> executor: stop serving (``exit``) or just forget all state.
+    Executor -> router (``executor_id`` set): "I am stopping" (SIGTERM, scale-down); the
+    router moves the executor's requests elsewhere at once."""
 
     reason: str = ""
     exit: bool = True
+    executor_id: str = ""
 
 
 # --------------------------------------------------------------------------- StepPlan

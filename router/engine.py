@@ -29,7 +29,7 @@ from .metrics import RouterMetrics
 from .plan_builder import build_plan
 from .routing import Candidate, RoutingPolicy, choose
 from .scheduler import PreemptionMode, Scheduler, SchedulerConfig
-from .sequence import RequestGroup, Sequence
+from .sequence import GroupStatus, RequestGroup, Sequence
 from .tokenizer import Tokenizer
 from .types import (
     ClusterStatusData,
@@ -109,7 +109,8 @@ class RouterEngine:
     async def start(self, bind: str, allow_insecure: bool = False) -> str:
         self._link = ExecutorLink(
             bind, on_hello=self._on_hello, on_heartbeat=self._on_heartbeat,
-            on_result=self._on_result, on_error=self._on_error, allow_insecure=allow_insecure,
+            on_result=self._on_result, on_error=self._on_error, on_goodbye=self._on_goodbye,
+            allow_insecure=allow_insecure,
         )
         self._link.start()
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
@@ -294,8 +295,6 @@ class RouterEngine:
             log.warning("refused executor %s: %s", hello.executor_id, reason)
             return wire.Welcome(executor_id=hello.executor_id, accepted=False, reason=reason)
         old = self.executors.get(hello.executor_id)
-        if old is not None:  # it re-registers with an empty cache (router loss, restart)
-            self._executor_lost(old, "re-registered with an empty cache")
         cfg = self.config
         kv = KVCacheManager(
             hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size,
@@ -309,6 +308,8 @@ class RouterEngine:
         handle = ExecutorHandle(hello=hello, routing_id=routing_id, kv=kv, scheduler=sched)
         self.executors[hello.executor_id] = handle
         handle.task = asyncio.get_running_loop().create_task(self._step_loop(handle))
+        if old is not None:  # it re-registered with an empty cache (router loss, restart)
+            self._executor_lost(old, "re-registered with an empty cache")
         log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d",
                  hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
                  hello.num_cpu_blocks)
@@ -354,7 +355,10 @@ class RouterEngine:
             now = time.monotonic()
             for handle in list(self.executors.values()):
                 if handle.healthy and now - handle.last_seen > timeout:
-                    self._executor_lost(handle, f"silent for {now - handle.last_seen:.1f} s")
+                    try:
+                        self._executor_lost(handle, f"silent for {now - handle.last_seen:.1f} s")
+                    except Exception:  # the monitor must outlive any bug in one loss
+                        log.exception("handling the loss of executor %s failed", handle.id)
 
     def executor_exited(self, executor_id: str, returncode: int | None) -> None:
         """`serve` saw an executor's process exit: it is dead now, not after the timeout."""
@@ -362,8 +366,20 @@ class RouterEngine:
         if handle is not None:
             self._executor_lost(handle, f"process exited with code {returncode}")
 
-    def _executor_lost(self, handle: ExecutorHandle, why: str) -> None:
-        """An executor died or forgot its state: its requests end with UNAVAILABLE."""
+    def _on_goodbye(self, executor_id: str, reason: str) -> None:
+        """The executor is stopping (SIGTERM, scale-down): move its requests now."""
+        handle = self.executors.get(executor_id)
+        if handle is not None:
+            self._executor_lost(handle, f"stopping ({reason})")
+
+    def _executor_lost(self, handle: ExecutorHandle, why: str, migrate: bool = True) -> None:
+        """An executor died, stopped or forgot its state. Its requests migrate: the router
+        holds every token of every request, so each is re-admitted on a live executor
+        (recomputing prompt and output so far, reusing that executor's prefix cache) and
+        its stream goes on with no duplicated or missing token (sampling is keyed on the
+        output position). Only with no live executor that could fit it does a request end
+        with UNAVAILABLE. With `migrate=False` (a failed step: the request may be what
+        broke it) the requests fail."""
         if not handle.healthy:
             return
         handle.healthy = False
@@ -372,9 +388,40 @@ class RouterEngine:
             handle.task.cancel()
         if handle.pending is not None and not handle.pending.done():
             handle.pending.cancel()
-        for group in list(handle.scheduler.groups()):
-            self._fail(group, Unavailable(f"executor {handle.id} running the request died"))
+        groups = list(handle.scheduler.groups())
+        for group in groups:
+            handle.scheduler.remove(group)
+        for group in groups:
+            try:
+                if migrate:
+                    self._migrate(group, why)
+                else:
+                    self._fail(group, Unavailable(f"executor {handle.id} failed: {why}"))
+            except Exception:  # one request's trouble must not strand the others
+                log.exception("request %s: moving it off executor %s failed", group.request_id,
+                              handle.id)
+                self._fail(group, Unavailable(f"executor {handle.id} is gone ({why})"))
         self.metrics.set_executors_healthy(self.num_healthy())
+
+    def _migrate(self, group: RequestGroup, why: str) -> None:
+        """Re-admit a request whose executor is gone on a live one; it keeps its priority
+        and arrival order, its tokens so far, and skips the queue cap."""
+        healthy = [h for h in self.executors.values() if h.healthy]
+        need = self._tokens_needed(group.spec)
+        fitting = [h for h in healthy if h.kv.can_ever_fit(need)]
+        if group.aborted or group.request_id not in self.live:
+            return
+        if not fitting:
+            self._fail(group, Unavailable(f"the executor running the request is gone ({why}) "
+                                          "and no live executor can take it over"))
+            return
+        for seq in group.seqs:
+            seq.num_computed_tokens = 0
+            seq.on_executor = False
+        group.pinned_tokens = 0
+        self._place(group, fitting)
+        self.metrics.inc_migration()
+        log.info("request %s migrated to executor %s", group.request_id, group.executor_id)
 
     # ================================================================== step loop
 
@@ -408,7 +455,7 @@ class RouterEngine:
             pass
         except Exception:
             log.exception("step loop of executor %s failed", handle.id)
-            self._executor_lost(handle, "router-side step loop error")
+            self._executor_lost(handle, "router-side step loop error", migrate=False)
 
     @staticmethod
     def _has_work(handle: ExecutorHandle) -> bool:
@@ -546,7 +593,7 @@ class RouterEngine:
 
     def _fail(self, group: RequestGroup, error: Exception) -> None:
         handle = self.executors.get(group.executor_id or "")
-        if handle is not None:
+        if handle is not None and group.status is not GroupStatus.FINISHED:
             handle.scheduler.remove(group)
         for seq in group.seqs:
             seq.finished = True
@@ -570,7 +617,7 @@ class RouterEngine:
         if self._link is not None:
             self._link.send(handle.routing_id,
                             wire.Shutdown(reason=f"step failed: {message}", exit=False))
-        self._executor_lost(handle, f"failed a step: {message}")
+        self._executor_lost(handle, f"failed a step: {message}", migrate=False)
 
     # ================================================================== metrics
 

@@ -6,6 +6,7 @@ What the link does with each message (the executor's side is in executor/process
 
 * Hello            -> `on_hello(hello)` decides; Welcome(accepted/refused) goes back on that
                       routing id, which becomes the executor's main address.
+* Shutdown(executor_id) -> `on_goodbye(id, reason)`: the executor is stopping.
 * Heartbeat        -> echoed back (the executor's router-loss detector), `on_heartbeat(id)`.
 * StepResult       -> `on_result(id, result)`.
 * ErrorReport      -> `on_error(id, report)`.
@@ -58,6 +59,7 @@ class ExecutorLink:
         on_heartbeat: Callable[[str], bool],
         on_result: Callable[[str, wire.StepResult], bool],
         on_error: Callable[[str, wire.ErrorReport], bool],
+        on_goodbye: Callable[[str, str], None] | None = None,
         allow_insecure: bool = False,
     ) -> None:
         if not is_loopback_endpoint(bind) and not allow_insecure:
@@ -81,6 +83,7 @@ class ExecutorLink:
         self._on_heartbeat = on_heartbeat
         self._on_result = on_result
         self._on_error = on_error
+        self._on_goodbye = on_goodbye
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -137,5 +140,8 @@ class ExecutorLink:
         elif isinstance(msg, wire.ErrorReport):
             if not self._on_error(msg.executor_id, msg):
                 self.send(routing_id, wire.Shutdown(reason="unknown executor", exit=False))
+        elif isinstance(msg, wire.Shutdown) and msg.executor_id:
+            if self._on_goodbye is not None:
+                self._on_goodbye(msg.executor_id, msg.reason)
         else:
             log.warning("unexpected %s on the executor socket; ignored", type(msg).__name__)

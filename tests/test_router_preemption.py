@@ -132,3 +132,43 @@ def test_full_waiting_queue_is_resource_exhausted(model_dir):
         assert len(resp.completions[0].token_ids) == 3
     finally:
         cluster.stop()
+
+
+def test_only_executor_killed_ends_every_request_unavailable_quickly(model_dir):
+    import signal
+    import time
+    cluster = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "64"])
+    try:
+        cluster.start()
+        codes: list = []
+        lock = threading.Lock()
+        started = threading.Barrier(9, timeout=60)
+
+        def run(i):
+            r = request(PROMPTS[i % 6], max_tokens=500, temperature=0.0, ignore_eos=True)
+            try:
+                for n, _ in enumerate(cluster.stub.Stream(r, timeout=120)):
+                    if n == 0:
+                        started.wait()
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+            with lock:
+                codes.append(code)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        started.wait()
+        cluster.executors["exec0"].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert all(not t.is_alive() for t in threads), "a request hung"
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
+        # Death is detected within --heartbeat-timeout (1 s here) plus a poll interval.
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(grpc.RpcError) as err:
+            cluster.stub.Generate(request(PROMPTS[0], max_tokens=2), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.stop()
