@@ -640,6 +640,21 @@ class KVCacheManager:
         """The request's block ids (a copy), on the device it is on."""
         return list(self._req(request_id).block_ids)
 
+    def held_gpu_blocks(self, request_ids) -> int:
+        """Distinct device blocks held by these requests' tables and by all pins: what the
+        owner can account for. Device blocks in use beyond it are leaked."""
+        held: set[int] = set()
+        for rid in request_ids:
+            req = self._reqs.get(rid)
+            if req is not None and req.on_gpu:
+                held.update(req.block_ids)
+        for hit in self._pins.values():
+            held.update(hit.block_ids)
+        return len(held)
+
+    def request_ids(self) -> list[str]:
+        return list(self._reqs)
+
     def slot(self, request_id: str, pos: int) -> int:
         """The slot of one token position (no table copy: the plan builder's decode path)."""
         return self._req(request_id).block_ids[pos // self.block_size] * self.block_size \

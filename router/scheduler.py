@@ -122,6 +122,16 @@ class Scheduler:
             total += sum(s.num_uncomputed for s in g.active_seqs())
         return total + len(self.swapped)
 
+    def num_leaked_blocks(self) -> tuple[int, list[str]]:
+        """Device blocks in use that no live sample here holds (nor a pin), and the KV
+        manager's request ids that belong to no live sample (the likely owners)."""
+        live = {s.seq_id for g in self.groups() for s in g.seqs}
+        stats = self.kv.stats().gpu
+        used = stats.num_total_blocks - stats.num_free_blocks
+        leaked = max(0, used - self.kv.held_gpu_blocks(live))
+        orphans = [rid for rid in self.kv.request_ids() if rid not in live]
+        return leaked, orphans
+
     def remove(self, group: RequestGroup) -> None:
         """Take a group off this executor for good (finished, aborted, failed): its blocks
         are freed now and the executor is told to drop its samples in the next plan."""

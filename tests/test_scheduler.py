@@ -137,3 +137,20 @@ def test_swap_mode_moves_the_victim_and_brings_it_back_first():
     assert plan.swap_in.shape[0] == 2
     ids = [s for s, _ in _scheduled(out)]
     assert ids.index("r3#0") < ids.index("new#0")
+
+
+def test_leaked_blocks_are_counted_and_their_owner_named():
+    kv = KVCacheManager(16, 0, 4)
+    sched = Scheduler(kv, SchedulerConfig())
+    g = _group("live", 6, arrival=1)
+    sched.add(g)
+    _step(sched, kv)
+    assert sched.num_leaked_blocks() == (0, [])
+    # Blocks allocated for a request the scheduler does not know: a leak.
+    kv.allocate("ghost#0", list(range(50, 59)), 9)
+    assert sched.num_leaked_blocks() == (3, ["ghost#0"])
+    kv.free("ghost#0")
+    sched.finish_seq(g.seqs[0])
+    sched.remove(g)
+    assert sched.num_leaked_blocks() == (0, [])
+    assert kv.stats().gpu.num_free_blocks == 16
