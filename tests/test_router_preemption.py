@@ -86,6 +86,26 @@ def test_preemption_keeps_outputs_identical(model_dir, prompt_ids, references, m
         for (ref, gaps), resp in zip(references, results, strict=True):
             assert not isinstance(resp, Exception), (resp, cluster.logs())
             assert_greedy_match(list(resp.completions[0].token_ids), ref, gaps)
+        # n = 2 groups under the same pressure: forks, group swap and recompute of forks.
+        pairs = [None] * 3
+
+        def run_pair(i):
+            try:
+                pairs[i] = cluster.stub.Generate(
+                    request(token_ids=prompt_ids[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                            ignore_eos=True, n=2), timeout=120)
+            except grpc.RpcError as exc:
+                pairs[i] = exc
+        threads = [threading.Thread(target=run_pair, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        for (ref, gaps), resp in zip(references[:3], pairs, strict=True):
+            assert not isinstance(resp, Exception), (resp, cluster.logs())
+            assert [c.index for c in resp.completions] == [0, 1]
+            for c in resp.completions:
+                assert_greedy_match(list(c.token_ids), ref, gaps)
         recompute = _preemptions(cluster, "recompute")
         swap = _preemptions(cluster, "swap")
         if mode == "recompute":
