@@ -303,6 +303,13 @@ def _streams_through_an_executor_stop(cluster, hf, victim: str, sig) -> dict:
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(16)]
     max_tokens = 48
     refs = [hf.greedy(hf.encode(p), max_tokens) for p in prompts]
+    # Seeded sampling (with penalties) must also survive the move token for token: the
+    # expected tokens come from an undisturbed run first.
+    sampled_params = dict(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=1234,
+                          ignore_eos=True, frequency_penalty=0.5)
+    sampled_prompts = [f"{PROMPTS[i]} sampled {i}" for i in range(4)]
+    sampled_refs = [list(cluster.stub.Generate(request(p, **sampled_params), timeout=60)
+                         .completions[0].token_ids) for p in sampled_prompts]
     migrations_before = _metric(cluster.metrics(), "pagedserve_migrations_total")
     results: dict[int, object] = {}
     first_chunk = threading.Barrier(len(prompts) + 1, timeout=60)
@@ -319,10 +326,19 @@ def _streams_through_an_executor_stop(cluster, hf, victim: str, sig) -> dict:
         except (grpc.RpcError, threading.BrokenBarrierError) as exc:
             results[i] = exc
 
+    def consume_sampled(i):
+        try:
+            chunks = list(cluster.stub.Stream(request(sampled_prompts[i], **sampled_params),
+                                              timeout=120))
+            results[100 + i] = [t for c in chunks for t in c.token_ids]
+        except grpc.RpcError as exc:
+            results[100 + i] = exc
+
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
+    threads += [threading.Thread(target=consume_sampled, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    first_chunk.wait()  # every request is running somewhere
+    first_chunk.wait()  # every greedy request is running somewhere
     cluster.executors[victim].send_signal(sig)
     for t in threads:
         t.join(120)
@@ -333,6 +349,8 @@ def _streams_through_an_executor_stop(cluster, hf, victim: str, sig) -> dict:
         tokens = [t for c in chunks for t in c.token_ids]
         assert_greedy_match(tokens, ref, gaps)  # no token duplicated or missing
         assert chunks[-1].finish_reason == pb.LENGTH
+    for i, expected in enumerate(sampled_refs):
+        assert results[100 + i] == expected, (i, results[100 + i], expected)
     migrated = _metric(cluster.metrics(), "pagedserve_migrations_total") - migrations_before
     assert migrated > 0
     return results
