@@ -80,6 +80,8 @@ class ExecutorHandle:
     task: asyncio.Task | None = None
     prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
     last_check: float = 0.0  # when the KV invariants were last verified
+    blocks_moved_in_flight: int = 0  # swapped out + in by the plan in flight (cost model)
+    tokens_in_flight: int = 0  # tokens computed by the plan in flight (cost model)
     num_leaked_blocks: int = 0
 
     @property
@@ -483,8 +485,8 @@ class RouterEngine:
         handle.pending, handle.pending_step = future, handle.step_id
         assert self._link is not None
         self._link.send(handle.routing_id, plan)
-        if plan.swap_out is not None and plan.swap_out.shape[0]:
-            handle._swapped_blocks = int(plan.swap_out.shape[0])  # for the cost model
+        handle.blocks_moved_in_flight = int(plan.swap_out.shape[0] + plan.swap_in.shape[0])
+        handle.tokens_in_flight = out.num_tokens
         self._prefix_metrics(handle)
         return future
 
@@ -494,7 +496,9 @@ class RouterEngine:
         sched = handle.scheduler
         self.metrics.observe_step_forward(handle.id, result.forward_s)
         if result.swap_s > 0:
-            sched.cost.observe_swap(getattr(handle, "_swapped_blocks", 0), result.swap_s)
+            sched.cost.observe_swap(handle.blocks_moved_in_flight, result.swap_s)
+        if result.forward_s > 0:  # steps of >= 32 tokens teach the recompute rate
+            sched.cost.observe_prefill(handle.tokens_in_flight, result.forward_s)
         for err in result.errors:
             self._request_error(handle, err)
         touched: list[Sequence] = []

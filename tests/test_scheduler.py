@@ -154,3 +154,21 @@ def test_leaked_blocks_are_counted_and_their_owner_named():
     sched.remove(g)
     assert sched.num_leaked_blocks() == (0, [])
     assert kv.stats().gpu.num_free_blocks == 16
+
+
+def test_cost_model_learns_from_executor_timings():
+    from pagedserve.router.scheduler import CostModel
+    cost = CostModel(s_per_block=1e-3, s_per_token=1e-3)
+    # 10 blocks to move out and in (20 ms) vs 100 tokens to recompute (100 ms): swap.
+    assert cost.prefer_swap(num_blocks=10, num_tokens=100)
+    # The link turns out slow (50 ms per block moved): recompute wins after a few steps.
+    for _ in range(20):
+        cost.observe_swap(num_blocks=4, seconds=0.2)
+    assert cost.s_per_block > 0.04
+    assert not cost.prefer_swap(num_blocks=10, num_tokens=100)
+    # Small steps (decodes) do not teach the prefill rate.
+    before = cost.s_per_token
+    cost.observe_prefill(num_tokens=8, seconds=1.0)
+    assert cost.s_per_token == before
+    cost.observe_prefill(num_tokens=512, seconds=0.0512)
+    assert cost.s_per_token < before
