@@ -113,7 +113,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "healthcheck": cmd_healthcheck,
     "demo": cmd_demo,
-    "bench": cmd_not_built("bench"),
+    "bench": lambda argv: __import__("pagedserve.bench", fromlist=["main"]).main(argv),
     "keygen": cmd_not_built("keygen"),
 }
 

@@ -1,0 +1,438 @@
+"""`pagedserve bench`: a load generator against a running router (like `vllm bench serve`).
+
+    pagedserve bench --address HOST:PORT [--metrics-address HOST:PORT]
+                     [--dataset random|shared-prefix|file] [--num-prompts N]
+                     [--request-rate R|inf] [--burstiness B] [--max-concurrency C] [--json]
+
+Flow: build the request list (`sample_requests`, seeded) → send each over a gRPC `Stream`
+at its arrival time (Poisson with a gamma burstiness factor, vLLM's definition, or all at
+once) under an optional concurrency cap → record per request the time of every
+token-bearing chunk → summarise (`summarise`). Latencies are measured here, at the client:
+
+- TTFT: request sent → first chunk that carries tokens;
+- ITL: gaps between token-bearing chunks; a chunk with k tokens counts k gaps of gap / k;
+- TPOT: (e2e - TTFT) / (output tokens - 1), per request with more than one token;
+- e2e: request sent → stream ended.
+
+The prefix-cache hit rate is the change of `pagedserve_prefix_cache_hits_total` over
+`pagedserve_prefix_cache_queries_total` (summed over executors) between a /metrics read
+before and after the run. `run_bench` is the library entry point (benchmarks/ use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("random", "shared-prefix", "file")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of the workload: text or token ids, and its output length."""
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    max_tokens: int
+    prompt_len: int  # token count when known (ids), else 0 until usage says
+
+
+@dataclass
+class RequestOutcome:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchConfig:
+    address: str
+    metrics_address: str | None = None
+    dataset: str = "random"
+    num_prompts: int = 100
+    seed: int = 0
+    input_len_range: tuple[int, int] = (64, 256)
+    output_len_range: tuple[int, int] = (16, 64)
+    tenants: int = 4
+    prefix_len: int = 256
+    questions_per_tenant: int = 8
+    question_len: int = 32
+    file: str | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    progress: bool = True
+    timeout_s: float | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Datasets
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) == 1:
+        lo = hi = int(parts[0])
+    elif len(parts) == 2:
+        lo, hi = int(parts[0]), int(parts[1])
+    else:
+        raise argparse.ArgumentTypeError(f"expected A:B, got {text!r}")
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"need 1 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int, low: int) -> tuple:
+    return tuple(int(x) for x in rng.integers(low, vocab_size, size=n))
+
+
+def sample_requests(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
+    """The workload, deterministic for cfg.seed. Token ids avoid the lowest ids (special
+    tokens in the tiny models) when the vocabulary is large enough."""
+    rng = np.random.default_rng(cfg.seed)
+    low = 3 if vocab_size > 16 else 0
+    out_lo, out_hi = cfg.output_len_range
+    if cfg.dataset == "random":
+        in_lo, in_hi = cfg.input_len_range
+        in_lens = rng.integers(in_lo, in_hi + 1, size=cfg.num_prompts)
+        out_lens = rng.integers(out_lo, out_hi + 1, size=cfg.num_prompts)
+        return [BenchRequest(None, _random_ids(rng, int(n), vocab_size, low), int(m), int(n))
+                for n, m in zip(in_lens, out_lens, strict=True)]
+    if cfg.dataset == "shared-prefix":
+        reqs = []
+        for _ in range(cfg.tenants):
+            prefix = _random_ids(rng, cfg.prefix_len, vocab_size, low)
+            for _ in range(cfg.questions_per_tenant):
+                ids = prefix + _random_ids(rng, cfg.question_len, vocab_size, low)
+                reqs.append(BenchRequest(None, ids, int(rng.integers(out_lo, out_hi + 1)),
+                                         len(ids)))
+        order = rng.permutation(len(reqs))  # tenants interleave, as real traffic does
+        return [reqs[i] for i in order]
+    if cfg.dataset == "file":
+        if not cfg.file:
+            raise ValueError("--dataset file needs --file PATH")
+        reqs = []
+        for line in Path(cfg.file).read_text().splitlines():
+            if not line.strip():
+                continue
+            max_tokens = int(rng.integers(out_lo, out_hi + 1))
+            if line.lstrip().startswith("{"):
+                obj = json.loads(line)
+                prompt = obj["prompt"]
+                max_tokens = int(obj.get("max_tokens", max_tokens))
+            else:
+                prompt = line
+            reqs.append(BenchRequest(prompt, None, max_tokens, 0))
+        if not reqs:
+            raise ValueError(f"{cfg.file} holds no prompts")
+        # --num-prompts: cycle through the file (in order) up to that many.
+        return [reqs[i % len(reqs)] for i in range(cfg.num_prompts)]
+    raise ValueError(f"unknown dataset {cfg.dataset!r}; known: {', '.join(DATASETS)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Arrivals and one request
+
+
+def arrival_delays(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Inter-arrival gaps in seconds. vLLM: gamma(shape=burstiness, scale=1/(rate*burstiness))
+    — mean 1/rate; burstiness 1 is Poisson, < 1 burstier, > 1 more regular."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    rng = np.random.default_rng(seed + 7919)
+    theta = 1.0 / (request_rate * burstiness)
+    return [float(x) for x in rng.gamma(shape=burstiness, scale=theta, size=n)]
+
+
+def _grpc_request(req: BenchRequest, cfg: BenchConfig):
+    from .protos.generated.pagedserve.v1 import generate_pb2 as pb
+    params = pb.SamplingParams(max_tokens=req.max_tokens, temperature=cfg.temperature,
+                               ignore_eos=cfg.ignore_eos, seed=cfg.seed)
+    msg = pb.GenerateRequest(params=params)
+    if req.prompt_token_ids is not None:
+        msg.prompt_token_ids.ids.extend(req.prompt_token_ids)
+    else:
+        msg.prompt = req.prompt
+    return msg
+
+
+async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
+    import grpc
+    out = RequestOutcome(prompt_tokens=req.prompt_len)
+    start = time.perf_counter()
+    last = None
+    try:
+        call = stub.Stream(_grpc_request(req, cfg), timeout=cfg.timeout_s)
+        async for chunk in call:
+            n = len(chunk.token_ids)
+            if n:
+                now = time.perf_counter()
+                if last is None:
+                    out.ttft_s = now - start
+                else:
+                    out.itl_s.extend([(now - last) / n] * n)
+                last = now
+                out.output_tokens += n
+            if chunk.HasField("usage"):
+                out.prompt_tokens = chunk.usage.prompt_tokens
+                out.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
+        out.e2e_s = time.perf_counter() - start
+        out.ok = last is not None
+        if not out.ok:
+            out.error = "no tokens"
+    except grpc.aio.AioRpcError as exc:
+        out.error = f"{exc.code().name}: {exc.details()}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics and summary
+
+
+_SAMPLE = re.compile(r"^(pagedserve_prefix_cache_(?:queries|hits)_total)(\{[^}]*\})?\s+(\S+)")
+
+
+def read_prefix_counters(metrics_address: str) -> tuple[float, float]:
+    """(queries, hits) summed over executors from the router's /metrics."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    queries = hits = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            if m.group(1).endswith("queries_total"):
+                queries += float(m.group(3))
+            else:
+                hits += float(m.group(3))
+    return queries, hits
+
+
+def _stats(prefix: str, values_s: list[float]) -> dict:
+    if not values_s:
+        return {f"{prefix}_ms_{k}": None for k in ("mean", "p50", "p90", "p99")}
+    a = np.asarray(values_s) * 1000.0
+    return {f"{prefix}_ms_mean": round(float(a.mean()), 3),
+            f"{prefix}_ms_p50": round(float(np.percentile(a, 50)), 3),
+            f"{prefix}_ms_p90": round(float(np.percentile(a, 90)), 3),
+            f"{prefix}_ms_p99": round(float(np.percentile(a, 99)), 3)}
+
+
+def summarise(outcomes: list[RequestOutcome], duration_s: float,
+              prefix: tuple[float, float] | None) -> dict:
+    done = [o for o in outcomes if o.ok]
+    in_tok = sum(o.prompt_tokens for o in done)
+    out_tok = sum(o.output_tokens for o in done)
+    res = {
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "duration_s": round(duration_s, 3),
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput_req_per_s": round(len(done) / duration_s, 3),
+        "output_throughput_tok_per_s": round(out_tok / duration_s, 2),
+        "total_token_throughput_tok_per_s": round((in_tok + out_tok) / duration_s, 2),
+    }
+    res.update(_stats("ttft", [o.ttft_s for o in done]))
+    res.update(_stats("tpot", [(o.e2e_s - o.ttft_s) / (o.output_tokens - 1)
+                               for o in done if o.output_tokens > 1]))
+    res.update(_stats("itl", [x for o in done for x in o.itl_s]))
+    res.update(_stats("e2e", [o.e2e_s for o in done]))
+    res["cached_prompt_tokens"] = sum(o.cached_prompt_tokens for o in done)
+    if prefix is not None:
+        queries, hits = prefix
+        res["prefix_cache_queries_tokens"] = int(queries)
+        res["prefix_cache_hits_tokens"] = int(hits)
+        res["prefix_hit_ratio"] = round(hits / queries, 4) if queries else 0.0
+    errors = sorted({o.error for o in outcomes if not o.ok})
+    if errors:
+        res["errors"] = errors[:5]
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+
+
+async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None) -> dict:
+    """Run the workload against cfg.address; returns the summary dict (no bench/case keys)."""
+    import grpc
+
+    from .protos.generated.pagedserve.v1 import generate_pb2 as pb
+    from .protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(cfg.address) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=15,
+                                       wait_for_ready=True)
+        if requests is None:
+            requests = sample_requests(cfg, info.vocab_size)
+        delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+        before = read_prefix_counters(cfg.metrics_address) if cfg.metrics_address else None
+        limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(requests), desc="requests", file=sys.stderr,
+                       dynamic_ncols=True)
+
+        async def guarded(req: BenchRequest) -> RequestOutcome:
+            if limit is None:
+                out = await _one(stub, req, cfg)
+            else:
+                async with limit:
+                    out = await _one(stub, req, cfg)
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        for req, delay in zip(requests, delays, strict=True):
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(guarded(req)))
+        outcomes = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        prefix = None
+        if before is not None:
+            after = read_prefix_counters(cfg.metrics_address)
+            prefix = (after[0] - before[0], after[1] - before[1])
+    return summarise(list(outcomes), duration_s, prefix)
+
+
+def format_table(res: dict) -> str:
+    rows = [("completed / failed", f"{res['completed']} / {res['failed']}"),
+            ("duration (s)", res["duration_s"]),
+            ("input / output tokens", f"{res['total_input_tokens']} / "
+                                      f"{res['total_output_tokens']}"),
+            ("request throughput (req/s)", res["request_throughput_req_per_s"]),
+            ("output throughput (tok/s)", res["output_throughput_tok_per_s"]),
+            ("total token throughput (tok/s)", res["total_token_throughput_tok_per_s"])]
+    for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2e")):
+        vals = [res[f"{key}_ms_{s}"] for s in ("mean", "p50", "p90", "p99")]
+        cells = "  ".join("-" if v is None else f"{v:.1f}" for v in vals)
+        rows.append((f"{name} ms mean p50 p90 p99", cells))
+    if "prefix_hit_ratio" in res:
+        rows.append(("prefix cache hit ratio", f"{res['prefix_hit_ratio']:.3f} "
+                     f"({res['prefix_cache_hits_tokens']} of "
+                     f"{res['prefix_cache_queries_tokens']} tokens)"))
+    rows.append(("cached prompt tokens (usage)", res["cached_prompt_tokens"]))
+    width = max(len(r[0]) for r in rows)
+    lines = ["=" * 20 + " pagedserve bench " + "=" * 20]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    for err in res.get("errors", []):
+        lines.append(f"error: {err}")
+    return "\n".join(lines)
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0 (or inf)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    class P(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{self.prog}: {message}\n")
+
+    p = P(prog="pagedserve bench", description="Load generator: streams requests to a "
+          "router and reports throughput, TTFT, TPOT, ITL, e2e latency and prefix hits.")
+    p.add_argument("--address", default="127.0.0.1:50051", help="router gRPC HOST:PORT")
+    p.add_argument("--metrics-address", default=None,
+                   help="router metrics HOST:PORT (prefix-cache hit rate before/after)")
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="requests (random, file); shared-prefix sends "
+                        "tenants x questions-per-tenant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len-range", type=_parse_range, default=(64, 256), metavar="A:B",
+                   help="random: prompt tokens, uniform in [A, B]")
+    p.add_argument("--output-len-range", type=_parse_range, default=(16, 64), metavar="A:B",
+                   help="max_tokens, uniform in [A, B] (file: unless the line says)")
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=256, help="tokens of each system prompt")
+    p.add_argument("--questions-per-tenant", type=int, default=8)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--file", default=None,
+                   help='prompts: one per line, or JSONL {"prompt": ..., "max_tokens": ...}')
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests/s (Poisson; inf = all at once)")
+    p.add_argument("--burstiness", type=_rate, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="let EOS end a request (default: ignore_eos, fixed output lengths)")
+    p.add_argument("--timeout", type=float, default=None, help="per-request deadline (s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    num_prompts = args.num_prompts
+    if args.dataset == "shared-prefix":
+        num_prompts = args.tenants * args.questions_per_tenant
+    return BenchConfig(
+        address=args.address, metrics_address=args.metrics_address, dataset=args.dataset,
+        num_prompts=num_prompts, seed=args.seed, input_len_range=args.input_len_range,
+        output_len_range=args.output_len_range, tenants=args.tenants,
+        prefix_len=args.prefix_len, questions_per_tenant=args.questions_per_tenant,
+        question_len=args.question_len, file=args.file, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
+        progress=not args.no_progress and not args.json, timeout_s=args.timeout)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.dataset == "file" and not args.file:
+        print("pagedserve bench: --dataset file needs --file PATH", file=sys.stderr)
+        return 2
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        print("pagedserve bench: --num-prompts and --max-concurrency must be >= 1",
+              file=sys.stderr)
+        return 2
+    import grpc
+    cfg = config_from_args(args)
+    try:
+        res = asyncio.run(run_bench(cfg))
+    except (OSError, ValueError) as exc:
+        print(f"pagedserve bench: {exc}", file=sys.stderr)
+        return 1
+    except grpc.aio.AioRpcError as exc:  # the model-info call: no router there
+        print(f"pagedserve bench: cannot reach {cfg.address}: {exc.code().name}",
+              file=sys.stderr)
+        return 1
+    res = {"bench": "pagedserve_bench", "case": cfg.dataset,
+           "request_rate_req_per_s": None if math.isinf(cfg.request_rate) else cfg.request_rate,
+           "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
+           "num_prompts": cfg.num_prompts, **res}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(format_table(res))
+    return 0 if res["completed"] else 1

@@ -1,0 +1,90 @@
+"""`pagedserve bench` end to end: a one-executor cluster on a tiny model, each dataset with a
+few requests, `--json` parses and holds the promised keys. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from cluster_harness import Cluster
+
+from pagedserve.tinymodels import build_model
+
+KEYS = ("bench", "case", "completed", "failed", "duration_s", "total_input_tokens",
+        "total_output_tokens", "request_throughput_req_per_s", "output_throughput_tok_per_s",
+        "total_token_throughput_tok_per_s", "prefix_hit_ratio")
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = build_model(tmp_path_factory.mktemp("bench_model"), "llama", hidden_size=64,
+                        num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    c = Cluster(model, num_executors=1, executor_args=["--num-gpu-blocks", "256"]).start()
+    yield c
+    c.stop()
+
+
+def _bench(cluster, *args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "bench", "--address", cluster.address,
+         "--metrics-address", cluster.metrics_address, "--json", *args],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    res = json.loads(lines[0])
+    for key in KEYS:
+        assert key in res, key
+    for name in LATENCIES:
+        for stat in ("mean", "p50", "p90", "p99"):
+            assert res[f"{name}_ms_{stat}"] is not None, (name, stat)
+    assert res["bench"] == "pagedserve_bench"
+    assert res["failed"] == 0 and "errors" not in res
+    return res
+
+
+def test_random_dataset_poisson(cluster):
+    res = _bench(cluster, "--dataset", "random", "--num-prompts", "6",
+                 "--input-len-range", "8:40", "--output-len-range", "4:8",
+                 "--request-rate", "50", "--burstiness", "0.5", "--seed", "3")
+    assert res["case"] == "random" and res["completed"] == 6
+    # ignore_eos: every request produced exactly its max_tokens, 4..8 each.
+    assert 6 * 4 <= res["total_output_tokens"] <= 6 * 8
+    assert 6 * 8 <= res["total_input_tokens"] <= 6 * 40
+
+
+def test_shared_prefix_dataset_hits_cache(cluster):
+    # Concurrency 1: the second question of a tenant finds the first one's prefix cached.
+    res = _bench(cluster, "--dataset", "shared-prefix", "--tenants", "2",
+                 "--prefix-len", "64", "--questions-per-tenant", "3", "--question-len", "8",
+                 "--output-len-range", "4:4", "--max-concurrency", "1")
+    assert res["completed"] == 6 and res["total_output_tokens"] == 24
+    assert res["total_input_tokens"] == 6 * 72
+    assert res["prefix_hit_ratio"] > 0.4
+    assert res["prefix_cache_queries_tokens"] == 6 * 72
+
+
+def test_file_dataset(cluster, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('hello world\n{"prompt": "The quick brown fox", "max_tokens": 5}\n\n')
+    res = _bench(cluster, "--dataset", "file", "--file", str(prompts), "--num-prompts", "4",
+                 "--output-len-range", "3:3", "--max-concurrency", "2")
+    assert res["case"] == "file" and res["completed"] == 4
+    assert res["total_output_tokens"] == 3 + 5 + 3 + 5
+
+
+def test_readable_table_and_bad_flags(cluster):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "bench", "--address", cluster.address,
+         "--num-prompts", "2", "--input-len-range", "8:8", "--output-len-range", "2:2",
+         "--no-progress"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "output throughput (tok/s)" in proc.stdout and "TTFT" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench",
+                          "--input-len-range", "9:3"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
