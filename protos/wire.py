@@ -34,7 +34,10 @@ MAX_FRAMES = 64
 MAX_ARRAY_DIMS = 3
 _ARRAY_EXT_CODE = 1
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "|u1", "|b1", "<u4"}
+_DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
+_INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 _ARRAY_REF_DECODER = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
+_REF_CACHE_SIZE = 1024  # distinct (frame, dtype, shape) references remembered per Codec
 
 
 class WireError(ValueError):
@@ -174,46 +177,55 @@ class StepPlan(_Message, tag="plan", frozen=True):
         return 0 if self.token_ids is None else int(self.token_ids.shape[0])
 
     def validate(self) -> None:
-        """Check the shapes and internal consistency; raises WireError."""
+        """Check shapes, integer dtypes and internal consistency; raises WireError.
+
+        Hot path (every plan, on the executor): a handful of numpy calls in all. Reductions
+        over the per-request arrays are combined (one ``min`` over the bitwise OR of the four
+        count arrays finds any negative entry) instead of one call per array.
+        """
         s = len(self.request_ids)
-        per_seq = (
-            "num_computed_tokens", "num_new_tokens", "do_sample",
-            "block_table_starts", "block_table_lens",
-        )
-        per_token = ("token_ids", "positions", "slot_mapping")
+        step = self.step_id
+        seq_arrays = (self.num_computed_tokens, self.num_new_tokens, self.block_table_starts,
+                      self.block_table_lens)
+        token_arrays = (self.token_ids, self.positions, self.slot_mapping)
+        do_sample = self.do_sample
         if s == 0:
-            for name in per_seq + per_token:
-                arr = getattr(self, name)
-                if arr is not None and arr.shape[0] != 0:
-                    raise WireError(f"plan {self.step_id}: {name} given without requests")
+            for arr in (*seq_arrays, do_sample, *token_arrays, self.block_table_ids):
+                if arr is not None and (arr.ndim != 1 or arr.shape[0] != 0):
+                    raise WireError(f"plan {step}: per-request arrays given without requests")
         else:
-            for name in per_seq:
-                arr = getattr(self, name)
-                if arr is None or arr.ndim != 1 or arr.shape[0] != s:
-                    raise WireError(f"plan {self.step_id}: {name} must have {s} entries")
-            num_new = self.num_new_tokens
-            if (num_new < 0).any() or (self.num_computed_tokens < 0).any():
-                raise WireError(f"plan {self.step_id}: negative token counts")
-            if (self.block_table_starts < 0).any() or (self.block_table_lens < 0).any():
-                raise WireError(f"plan {self.step_id}: negative block table change")
+            for arr in seq_arrays:
+                if arr is None or arr.shape != (s,) or arr.dtype.kind not in _INT_KINDS:
+                    raise WireError(f"plan {step}: per-request arrays must be {s} integers")
+            if do_sample is None or do_sample.shape != (s,) or do_sample.dtype.kind not in "iub":
+                raise WireError(f"plan {step}: do_sample must have {s} entries")
+            computed, num_new, starts, lens = seq_arrays
+            if (computed | num_new | starts | lens).min() < 0:
+                raise WireError(f"plan {step}: negative token count or block table change")
             t = int(num_new.sum())
-            for name in per_token:
-                arr = getattr(self, name)
-                if arr is None or arr.ndim != 1 or arr.shape[0] != t:
-                    raise WireError(f"plan {self.step_id}: {name} must have {t} entries")
+            for arr in token_arrays:
+                if arr is None or arr.shape != (t,) or arr.dtype.kind not in _INT_KINDS:
+                    raise WireError(f"plan {step}: per-token arrays must be {t} integers")
             ids = self.block_table_ids
-            n_ids = int(self.block_table_lens.sum())
-            if n_ids and (ids is None or ids.ndim != 1 or ids.shape[0] != n_ids):
-                raise WireError(f"plan {self.step_id}: block_table_ids must have {n_ids} entries")
+            n_ids = int(lens.sum())
+            if ids is None:
+                if n_ids:
+                    raise WireError(f"plan {step}: block_table_ids must have {n_ids} entries")
+            elif ids.shape != (n_ids,) or ids.dtype.kind not in _INT_KINDS:
+                raise WireError(f"plan {step}: block_table_ids must be {n_ids} integers")
             if len(set(self.request_ids)) != s:
-                raise WireError(f"plan {self.step_id}: a request is scheduled twice")
-        for name in ("swap_out", "swap_in", "copy"):
-            arr = getattr(self, name)
-            if arr is not None and (arr.ndim != 2 or arr.shape[1] != 2):
-                raise WireError(f"plan {self.step_id}: {name} must be [P, 2]")
+                raise WireError(f"plan {step}: a request is scheduled twice")
+        for pairs in (self.swap_out, self.swap_in, self.copy):
+            if pairs is not None and (
+                pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in _INT_KINDS
+            ):
+                raise WireError(f"plan {step}: swap_out, swap_in and copy must be [P, 2] "
+                                "integers")
         copy = self.copy
-        if copy is not None and set(copy[:, 0].tolist()) & set(copy[:, 1].tolist()):
-            raise WireError(f"plan {self.step_id}: a block is both copy source and target")
+        if copy is not None and copy.shape[0] and not set(copy[:, 0].tolist()).isdisjoint(
+            copy[:, 1].tolist()
+        ):
+            raise WireError(f"plan {step}: a block is both copy source and target")
 
 
 # --------------------------------------------------------------------------- StepResult
@@ -277,12 +289,19 @@ Message = Hello | Welcome | Heartbeat | Shutdown | StepPlan | StepResult | Error
 
 
 class Codec:
-    """Encodes messages to frames and back. Not thread-safe: one per thread/socket."""
+    """Encodes messages to frames and back. Not thread-safe: one per thread/socket.
+
+    Hot path (every step, both ends): keep per-array work to a dict lookup and one numpy
+    call. Array references are parsed and checked once per distinct (frame, dtype, shape)
+    and remembered (a bounded cache); a reference that fails a check is never cached.
+    """
 
     def __init__(self, max_array_bytes: int = 1 << 30) -> None:
         self._out_frames: list = []
         self._in_frames: Sequence = ()
         self._max_array_bytes = max_array_bytes
+        self._ext_out: dict[tuple, msgspec.msgpack.Ext] = {}
+        self._refs_in: dict[bytes, tuple[int, np.dtype, tuple[int, ...], int]] = {}
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(
             Message, ext_hook=self._ext_hook, dec_hook=self._dec_hook
@@ -290,19 +309,29 @@ class Codec:
 
     # encode ------------------------------------------------------------------------------
     def _enc_hook(self, obj):
-        if isinstance(obj, np.ndarray):
-            arr = obj
-            if arr.dtype.byteorder == ">" or (
-                arr.dtype.byteorder == "=" and np.little_endian is False
-            ):
+        if not isinstance(obj, np.ndarray):
+            raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        arr = obj
+        dtype = arr.dtype.str
+        if dtype not in _ALLOWED_DTYPES:
+            if arr.dtype.byteorder in "=>":  # big-endian: send little-endian
                 arr = arr.astype(arr.dtype.newbyteorder("<"))
-            arr = np.ascontiguousarray(arr)
-            if arr.dtype.str not in _ALLOWED_DTYPES:
+                dtype = arr.dtype.str
+            if dtype not in _ALLOWED_DTYPES:
                 raise WireError(f"dtype {arr.dtype} cannot travel on the wire")
-            self._out_frames.append(arr.data if arr.size else b"")
-            ref = (len(self._out_frames) - 1, arr.dtype.str, list(arr.shape))
-            return msgspec.msgpack.Ext(_ARRAY_EXT_CODE, msgspec.msgpack.encode(ref))
-        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        frames = self._out_frames
+        index = len(frames)
+        frames.append(arr.data if arr.size else b"")
+        key = (index, dtype, arr.shape)
+        ext = self._ext_out.get(key)
+        if ext is None:
+            if len(self._ext_out) >= _REF_CACHE_SIZE:
+                self._ext_out.clear()
+            ref = msgspec.msgpack.encode((index, dtype, list(arr.shape)))
+            ext = self._ext_out[key] = msgspec.msgpack.Ext(_ARRAY_EXT_CODE, ref)
+        return ext
 
     def encode(self, msg: _Message) -> list:
         """Frames ready for ``socket.send_multipart(frames, copy=False)``."""
@@ -314,27 +343,46 @@ class Codec:
             self._out_frames = []
 
     # decode ------------------------------------------------------------------------------
-    def _ext_hook(self, code: int, data: memoryview):
-        if code != _ARRAY_EXT_CODE:
-            raise WireError(f"unknown extension type {code}")
+    def _parse_ref(self, key: bytes) -> tuple[int, np.dtype, tuple[int, ...], int]:
         try:
-            index, dtype, shape = _ARRAY_REF_DECODER.decode(data)
+            index, dtype, shape = _ARRAY_REF_DECODER.decode(key)
         except msgspec.DecodeError as exc:
             raise WireError(f"bad array reference: {exc}") from None
         if dtype not in _ALLOWED_DTYPES:
             raise WireError(f"array dtype {dtype!r} not allowed")
-        if not 1 <= index < len(self._in_frames):
+        if index < 1:
             raise WireError(f"array frame {index} does not exist")
         if len(shape) > MAX_ARRAY_DIMS or any(d < 0 for d in shape):
             raise WireError(f"bad array shape {shape}")
-        buf = self._in_frames[index]
-        buf = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame
-        dt = np.dtype(dtype)
-        expected = math.prod(shape) * dt.itemsize
-        if expected != len(memoryview(buf)) or expected > self._max_array_bytes:
-            raise WireError(f"array frame {index} has {len(memoryview(buf))} bytes, "
-                            f"expected {expected}")
-        return np.frombuffer(buf, dtype=dt).reshape(shape)
+        dt = _DTYPES[dtype]
+        nbytes = math.prod(shape) * dt.itemsize
+        if nbytes > self._max_array_bytes:
+            raise WireError(f"array of {nbytes} bytes is over the limit")
+        ref = (index, dt, tuple(shape), nbytes)
+        if len(self._refs_in) >= _REF_CACHE_SIZE:
+            self._refs_in.clear()
+        self._refs_in[key] = ref
+        return ref
+
+    def _ext_hook(self, code: int, data: memoryview):
+        if code != _ARRAY_EXT_CODE:
+            raise WireError(f"unknown extension type {code}")
+        key = bytes(data)
+        ref = self._refs_in.get(key)
+        index, dt, shape, nbytes = ref if ref is not None else self._parse_ref(key)
+        frames = self._in_frames
+        if index >= len(frames):
+            raise WireError(f"array frame {index} does not exist")
+        buf = frames[index]
+        if type(buf) is not bytes:
+            buf = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)  # zmq.Frame
+            size = buf.nbytes
+        else:
+            size = len(buf)
+        if size != nbytes:
+            raise WireError(f"array frame {index} has {size} bytes, expected {nbytes}")
+        arr = np.frombuffer(buf, dtype=dt)
+        return arr if len(shape) == 1 else arr.reshape(shape)
 
     @staticmethod
     def _dec_hook(typ, obj):
