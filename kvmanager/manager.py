@@ -346,14 +346,20 @@ class KVCacheManager:
         end = start + num_new_tokens
         num_tokens = end if end > old_tokens else old_tokens
         num_old_blocks = len(table)
-        need = _cdiv(end + lookahead, bs) - num_old_blocks
+        need = -(-(end + lookahead) // bs) - num_old_blocks  # ceil division, inlined
         if need < 0:
             need = 0
         # Copy-on-write: existing blocks this call writes into that others share.
         cow: list[int] = []
-        if num_new_tokens > 0:
+        if num_new_tokens == 1:  # a decode writes into one block at most
+            i = start // bs
+            if i < num_old_blocks and gpu.blocks[table[i]].ref_cnt > 1:
+                cow.append(i)
+        elif num_new_tokens > 0:
             blocks = gpu.blocks
-            last = min(num_old_blocks, _cdiv(end, bs))
+            last = -(-end // bs)
+            if last > num_old_blocks:
+                last = num_old_blocks
             for i in range(start // bs, last):
                 if blocks[table[i]].ref_cnt > 1:
                     cow.append(i)
@@ -381,10 +387,12 @@ class KVCacheManager:
         req.num_tokens = num_tokens
         if self.enable_prefix_caching:
             req.token_ids = token_ids
-            if self._in_step:
-                self._dirty[request_id] = None
-            else:
-                self._cache_full_blocks(req, token_ids)
+            # Only a block that filled up has anything to register (most decodes do not).
+            if num_tokens // bs > req.num_cached_blocks:
+                if self._in_step:
+                    self._dirty[request_id] = None
+                else:
+                    self._cache_full_blocks(req, token_ids)
         self._debug_check()
         return new_ids
 
@@ -433,10 +441,11 @@ class KVCacheManager:
         self.prefix_hit_tokens += hit.num_tokens
         if self.enable_prefix_caching:
             req.token_ids = token_ids
-            if self._in_step:
-                self._dirty[request_id] = None
-            else:
-                self._cache_full_blocks(req, token_ids)
+            if num_tokens // bs > req.num_cached_blocks:
+                if self._in_step:
+                    self._dirty[request_id] = None
+                else:
+                    self._cache_full_blocks(req, token_ids)
         self._debug_check()
         return new_ids
 
@@ -720,6 +729,21 @@ class KVCacheManager:
             return len(req.block_ids), []
         req.change_start = None
         return start, req.block_ids[start:]
+
+    def take_decode_entry(self, request_id: str, pos: int) -> tuple[int, list[int], int]:
+        """`take_table_change(request_id)` plus `slot(request_id, pos)` in one call: the plan
+        builder's path for a request computing one token (a decode)."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise InvariantError("unknown request", (request_id,))
+        table = req.block_ids
+        bs = self.block_size
+        slot = table[pos // bs] * bs + pos % bs
+        start = req.change_start
+        if start is None:
+            return len(table), [], slot
+        req.change_start = None
+        return start, table[start:], slot
 
     def take_block_ops(self) -> BlockOps:
         """Drain the swap-out, swap-in and copy pairs queued since the last call (once per

@@ -55,60 +55,65 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
             forks.append(wire.Fork(parent.seq_id, child.seq_id, child.index))
             child.on_executor = True
 
-    n = len(out.scheduled)
     request_ids: list[str] = []
-    num_computed = np.empty(n, dtype=np.int32)
-    num_new = np.empty(n, dtype=np.int32)
-    do_sample = np.empty(n, dtype=np.uint8)
-    table_starts = np.empty(n, dtype=np.int32)
-    table_lens = np.empty(n, dtype=np.int32)
+    num_computed: list[int] = []
+    num_new: list[int] = []
+    do_sample: list[bool] = []
+    table_starts: list[int] = []
+    table_lens: list[int] = []
     table_ids: list[int] = []
     token_ids: list[int] = []
     slot_chunks: list = []  # ints (decodes) and arrays (prefill chunks), in token order
-    positions = np.empty(out.num_tokens, dtype=np.int32)
-    t = 0
-    for i, item in enumerate(out.scheduled):
+    positions: list = []  # likewise: ints and ranges
+    all_decodes = True
+    for item in out.scheduled:
         seq = item.seq
         k = item.num_new_tokens
         end = seq.num_computed_tokens  # already advanced by the scheduler
         start = end - k
+        seq_id = seq.seq_id
         if not seq.on_executor:
             new_requests.append(_new_request(seq, eos_token_ids))
             seq.on_executor = True
-        request_ids.append(seq.seq_id)
-        num_computed[i] = start
-        num_new[i] = k
-        do_sample[i] = end == len(seq.token_ids)
-        change_start, change_ids = kv.take_table_change(seq.seq_id)
-        table_starts[i] = change_start
-        table_lens[i] = len(change_ids)
-        table_ids.extend(change_ids)
+        request_ids.append(seq_id)
+        num_computed.append(start)
+        num_new.append(k)
+        tokens = seq.token_ids
+        do_sample.append(end == len(tokens))
         if k == 1:
-            token_ids.append(seq.token_ids[start])
-            slot_chunks.append(kv.slot(seq.seq_id, start))
-            positions[t] = start
+            change_start, change_ids, slot = kv.take_decode_entry(seq_id, start)
+            token_ids.append(tokens[start])
+            slot_chunks.append(slot)
+            positions.append(start)
         else:
-            token_ids.extend(seq.token_ids[start:end])
-            slot_chunks.append(kv.slot_mapping(seq.seq_id, start, k))
-            positions[t : t + k] = np.arange(start, end, dtype=np.int32)
-        t += k
+            change_start, change_ids = kv.take_table_change(seq_id)
+            token_ids.extend(tokens[start:end])
+            slot_chunks.append(kv.slot_mapping(seq_id, start, k))
+            positions.append(range(start, end))
+            all_decodes = False
+        table_starts.append(change_start)
+        table_lens.append(len(change_ids))
+        if change_ids:
+            table_ids.extend(change_ids)
 
-    slot_mapping = _concat_slots(slot_chunks, out.num_tokens)
+    slot_mapping = np.array(slot_chunks, dtype=np.int64) if all_decodes \
+        else _concat_slots(slot_chunks, out.num_tokens)
     ops = kv.take_block_ops()
     return wire.StepPlan(
         step_id=step_id,
         new_requests=new_requests,
         forks=forks,
         request_ids=request_ids,
-        num_computed_tokens=num_computed,
-        num_new_tokens=num_new,
-        do_sample=do_sample,
-        token_ids=np.asarray(token_ids, dtype=np.int32),
-        positions=positions,
+        num_computed_tokens=np.array(num_computed, dtype=np.int32),
+        num_new_tokens=np.array(num_new, dtype=np.int32),
+        do_sample=np.array(do_sample, dtype=np.uint8),
+        token_ids=np.array(token_ids, dtype=np.int32),
+        positions=np.array(positions, dtype=np.int32) if all_decodes
+        else _concat_positions(positions, out.num_tokens),
         slot_mapping=slot_mapping,
-        block_table_starts=table_starts,
-        block_table_lens=table_lens,
-        block_table_ids=np.asarray(table_ids, dtype=np.int32),
+        block_table_starts=np.array(table_starts, dtype=np.int32),
+        block_table_lens=np.array(table_lens, dtype=np.int32),
+        block_table_ids=np.array(table_ids, dtype=np.int32),
         swap_out=ops.swap_out,
         swap_in=ops.swap_in,
         copy=ops.copy,
@@ -116,9 +121,20 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
     )
 
 
+def _concat_positions(chunks: list, num_tokens: int) -> np.ndarray:
+    result = np.empty(num_tokens, dtype=np.int32)
+    t = 0
+    for c in chunks:
+        if type(c) is int:
+            result[t] = c
+            t += 1
+        else:
+            result[t : t + len(c)] = np.arange(c.start, c.stop, dtype=np.int32)
+            t += len(c)
+    return result
+
+
 def _concat_slots(chunks: list, num_tokens: int) -> np.ndarray:
-    if all(type(c) is int for c in chunks):
-        return np.asarray(chunks, dtype=np.int64)
     result = np.empty(num_tokens, dtype=np.int64)
     t = 0
     for c in chunks:
