@@ -54,7 +54,7 @@ from pagedserve.protos.wire import (
     WireError,
 )
 
-POLL_MS = 20
+POLL_MS = 5
 WELCOME_TIMEOUT_S = 3.0
 MAX_BACKOFF_S = 4.0
 
@@ -124,6 +124,7 @@ class FakeExecutor:
                     "do_sample": [] if p.do_sample is None else p.do_sample.tolist(),
                     "new_requests": [r.request_id for r in p.new_requests]}
         state = {"steps_done": self.steps_done, "held": held, "known": len(self.requests),
+                 "swapped_ids": [r for r, q in self.requests.items() if q.swapped],
                  "violations": self.violations[-50:], "num_violations": len(self.violations),
                  "registrations": self.registrations, "pid": os.getpid()}
         tmp = self.args.state_file + ".tmp"
@@ -379,6 +380,7 @@ class FakeExecutor:
         slots = plan.slot_mapping.tolist()
         ofs, t = 0, 0
         ok: list[tuple[str, _Request, int, bool]] = []
+        ok_starts: list[int] = []
         written: dict[int, str] = {}  # device block -> request writing it this step
         for i, rid in enumerate(plan.request_ids):
             change = ids[ofs:ofs + lens[i]]
@@ -398,7 +400,9 @@ class FakeExecutor:
                 problem = "scheduled while swapped out without a full table"
             elif any(b < 0 or b >= self.args.num_gpu_blocks for b in change):
                 problem = "block id out of range"
-            elif computed[i] != req.num_computed:
+            elif computed[i] != req.num_computed and not (
+                    req.num_computed == 0 and not req.table and starts[i] == 0
+                    and computed[i] % bs == 0):  # a fresh request may start at a cached prefix
                 problem = f"num_computed {computed[i]}, executor has {req.num_computed}"
             elif pos_i != list(range(computed[i], computed[i] + k)):
                 problem = "positions are not consecutive from num_computed"
@@ -424,6 +428,7 @@ class FakeExecutor:
             for s in slot_i:
                 written.setdefault(s // bs, rid)
             ok.append((rid, req, k, bool(do_sample[i])))
+            ok_starts.append(computed[i])
         # No block written this step may belong to another live (device-resident) request.
         for other_id, other in self.requests.items():
             if other.swapped:
@@ -433,8 +438,8 @@ class FakeExecutor:
                 if writer is not None and writer != other_id:
                     self._violation(step, f"{writer} writes block {b} that {other_id} holds")
         sampled_ids, sampled = [], []
-        for rid, req, k, sample in ok:
-            req.num_computed += k
+        for (rid, req, k, sample), start in zip(ok, ok_starts, strict=True):
+            req.num_computed = start + k
             if sample:
                 tok = fake_token(len(req.tokens), self.args.vocab_size, req.banned)
                 req.tokens.append(tok)
@@ -527,7 +532,7 @@ class FakeControl:
             st = self.state()
             if st and predicate(st):
                 return st
-            time.sleep(0.02)
+            time.sleep(0.005)
         raise TimeoutError(f"fake executor: no {what} within {timeout_s} s: {self.state()}")
 
     def wait_held(self, timeout_s: float = 20.0) -> dict:
