@@ -10,23 +10,30 @@ send -> executor decode/answer/encode -> receive -> decode result. Target: p50 <
 Cases:
 1. codec: the four Codec calls in one process (plan encode/decode, result encode/decode).
 2. zmq_sync_ping: a Heartbeat echoed (the transport floor on this machine).
-3. zmq_sync: a plain blocking zmq ROUTER in this process.
-4. router_link: the router's own `ExecutorLink` (zmq.asyncio ROUTER, asyncio event loop,
+3. zmq_sync: a plain blocking zmq ROUTER in this process, frames received as zmq.Frame
+   (copy=False) on both sides, as the router and the executor do today.
+4. zmq_sync_copy (not in --quick): the same, frames received as bytes (copy=True) on both sides.
+5. zmq_sync_ipc (not in --quick): as zmq_sync_copy over ipc:// instead of tcp loopback.
+6. router_link: the router's own `ExecutorLink` (zmq.asyncio ROUTER, asyncio event loop,
    dispatch to `on_result`, future resolved), as the engine uses it.
+7. asyncio_reader (not in --quick): a proposed link receive path: a plain zmq socket whose FD is watched
+   with `loop.add_reader`, drained with recv_multipart(NOBLOCK, copy=True), same dispatch.
 
 Usage: .venv/bin/python benchmarks/hop_bench.py [--iters 3000] [--warmup 300]
-       [--num-requests 256] [--quick]
+       [--rounds 3] [--num-requests 256] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -76,7 +83,7 @@ def answer(plan: wire.StepPlan, executor_id: str) -> wire.StepResult:
 # ----------------------------------------------------------------------------- echo side
 
 
-def echo(address: str) -> int:
+def echo(address: str, copy: bool = False) -> int:
     """The executor stand-in: Hello, then answer plans and echo heartbeats until Shutdown."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -89,7 +96,7 @@ def echo(address: str) -> int:
         block_size=BLOCK_SIZE, num_gpu_blocks=40000, num_cpu_blocks=0, max_model_len=2048,
     )), copy=False)
     while True:
-        msg = codec.decode(sock.recv_multipart(copy=False))
+        msg = codec.decode(sock.recv_multipart(copy=copy))
         if isinstance(msg, wire.StepPlan):
             sock.send_multipart(codec.encode(answer(msg, executor_id)), copy=False)
         elif isinstance(msg, wire.Heartbeat):  # the ping case: echo it
@@ -101,8 +108,15 @@ def echo(address: str) -> int:
     return 0
 
 
-def _spawn_echo(address: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo", address])
+def _spawn_echo(address: str, copy: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo", address,
+                             *(["--echo-copy"] if copy else [])])
+
+
+def _endpoint(transport: str) -> str:
+    if transport == "ipc":
+        return f"ipc://{tempfile.gettempdir()}/pagedserve-hop-{os.getpid()}.sock"
+    return "tcp://127.0.0.1:0"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -161,19 +175,19 @@ def bench_codec(plans: list[wire.StepPlan], iters: int) -> dict:
 
 
 def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
-                   ping: bool = False) -> dict:
+                   ping: bool = False, copy: bool = False, transport: str = "tcp") -> dict:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:0")
+    sock.bind(_endpoint(transport))
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-    proc = _spawn_echo(address)
+    proc = _spawn_echo(address, copy)
     codec = wire.Codec()
     try:
         if not sock.poll(30_000):
             raise RuntimeError("echo process did not say hello")
-        frames = sock.recv_multipart(copy=False)
-        rid = frames[0].bytes
+        frames = sock.recv_multipart()
+        rid = frames[0]
         codec.decode(frames[1:])  # Hello
         times = []
         pc = time.perf_counter
@@ -182,7 +196,7 @@ def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
                 plans[i % len(plans)]
             t0 = pc()
             sock.send_multipart([rid, *codec.encode(msg)], copy=False)
-            reply = sock.recv_multipart(copy=False)
+            reply = sock.recv_multipart(copy=copy)
             result = codec.decode(reply[1:])
             t1 = pc()
             assert type(result) is (wire.Heartbeat if ping else wire.StepResult)
@@ -195,11 +209,17 @@ def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
             proc.kill()
         sock.close(0)
         ctx.term()
+        if transport == "ipc":
+            with contextlib.suppress(OSError):
+                os.unlink(address.removeprefix("ipc://"))
+    where = "tcp loopback" if transport == "tcp" else "ipc"
     if ping:
-        return _summary("zmq_sync_ping", times, transport="tcp loopback",
+        return _summary("zmq_sync_ping", times, transport=where,
                         note="a Heartbeat echoed: the transport floor")
-    return _summary("zmq_sync", times, num_requests=len(plans[0].request_ids),
-                    transport="tcp loopback")
+    case = "zmq_sync" + ("_copy" if copy and transport == "tcp" else "") + \
+        ("_ipc" if transport == "ipc" else "")
+    return _summary(case, times, num_requests=len(plans[0].request_ids), transport=where,
+                    recv="bytes (copy=True)" if copy else "zmq.Frame (copy=False)")
 
 
 async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> dict:
@@ -250,17 +270,77 @@ async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> di
                     transport="tcp loopback, zmq.asyncio")
 
 
+async def _bench_reader(plans: list[wire.StepPlan], iters: int, warmup: int) -> dict:
+    """Like router_link, but a plain zmq socket watched with loop.add_reader (no zmq.asyncio)
+    and drained with NOBLOCK copy=True receives: a candidate for the link's recv loop."""
+    loop = asyncio.get_running_loop()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    codec_in, codec_out = wire.Codec(), wire.Codec()
+    hello: asyncio.Future = loop.create_future()
+    pending: dict[int, asyncio.Future] = {}
+
+    def drain() -> None:
+        # The zmq FD is edge-triggered: read until EVENTS says nothing is left.
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            msg = codec_in.decode(frames[1:])
+            if isinstance(msg, wire.Hello):
+                if not hello.done():
+                    hello.set_result(frames[0])
+            elif isinstance(msg, wire.StepResult):
+                fut = pending.pop(msg.step_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    fd = sock.getsockopt(zmq.FD)
+    loop.add_reader(fd, drain)
+    proc = _spawn_echo(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), copy=True)
+    try:
+        loop.call_soon(drain)
+        rid = await asyncio.wait_for(hello, 30)
+        times = []
+        pc = time.perf_counter
+        for i in range(warmup + iters):
+            plan = plans[i % len(plans)]
+            fut = loop.create_future()
+            t0 = pc()
+            pending[plan.step_id] = fut
+            sock.send_multipart([rid, *codec_out.encode(plan)], copy=False, flags=zmq.NOBLOCK)
+            loop.call_soon(drain)  # a send can consume the FD's edge: look once more
+            await fut
+            t1 = pc()
+            if i >= warmup:
+                times.append(t1 - t0)
+        sock.send_multipart([rid, *codec_out.encode(wire.Shutdown(reason="bench done"))])
+        await loop.run_in_executor(None, proc.wait, 10)
+    finally:
+        loop.remove_reader(fd)
+        if proc.poll() is None:
+            proc.kill()
+        sock.close(0)
+        ctx.term()
+    return _summary("asyncio_reader", times, num_requests=len(plans[0].request_ids),
+                    transport="tcp loopback, loop.add_reader on the zmq FD")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--echo", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--echo-copy", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--quick", action="store_true", help="200 iterations, 20 warm-up")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of each transport case, in turn; the median run is kept")
+    ap.add_argument("--quick", action="store_true", help="200 iterations, 20 warm-up, 1 round")
     args = ap.parse_args(argv)
     if args.echo:
-        return echo(args.echo)
+        return echo(args.echo, args.echo_copy)
     iters, warmup = (200, 20) if args.quick else (args.iters, args.warmup)
+    rounds = 1 if args.quick else max(1, args.rounds)
     # Distinct plans (different step ids and block-table changes), reused in turn.
     plans = [make_decode_plan(s, args.num_requests) for s in range(1, 65)]
     # step ids must be unique per round trip for the link's future map: renumber as we go.
@@ -272,19 +352,36 @@ def main(argv=None) -> int:
             return wire.StepPlan(**{**{f: getattr(p, f) for f in p.__struct_fields__},
                                     "step_id": next(seq)})
 
-    results = [
-        bench_codec(plans, iters),
-        bench_zmq_sync(_Plans(plans), iters, warmup, ping=True),
-        bench_zmq_sync(_Plans(plans), iters, warmup),
-        asyncio.run(_bench_link(_Plans(plans), iters, warmup)),
+    cases = [
+        lambda: bench_zmq_sync(_Plans(plans), iters, warmup, ping=True),
+        lambda: bench_zmq_sync(_Plans(plans), iters, warmup),
+        lambda: asyncio.run(_bench_link(_Plans(plans), iters, warmup)),
     ]
+    if not args.quick:  # the alternatives measured for the findings
+        cases[2:2] = [
+            lambda: bench_zmq_sync(_Plans(plans), iters, warmup, copy=True),
+            lambda: bench_zmq_sync(_Plans(plans), iters, warmup, copy=True, transport="ipc"),
+        ]
+        cases.append(lambda: asyncio.run(_bench_reader(_Plans(plans), iters, warmup)))
+    # The machine is shared: run the cases in turn `rounds` times and keep, per case, the
+    # round with the median p50 (all rounds' p50s are listed).
+    runs: list[list[dict]] = [[] for _ in cases]
+    for _ in range(rounds):
+        for i, case in enumerate(cases):
+            runs[i].append(case())
+    results = [bench_codec(plans, iters)]
+    for case_runs in runs:
+        case_runs.sort(key=lambda r: r["rtt_us_p50"])
+        median = dict(case_runs[(len(case_runs) - 1) // 2])
+        median["rtt_us_p50_rounds"] = [r["rtt_us_p50"] for r in case_runs]
+        results.append(median)
     for r in results:
         if "rtt_us_p50" in r:
             r["target_rtt_us_p50"] = 200
         print(json.dumps(r), flush=True)
     for r in results:
         figures = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("bench", "case"))
-        print(f"{r['case']:<12} {figures}", file=sys.stderr)
+        print(f"{r['case']:<14} {figures}", file=sys.stderr)
     return 0
 
 
