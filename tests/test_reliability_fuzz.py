@@ -86,21 +86,47 @@ def params(draw):
 
 
 @st.composite
+def valid_params(draw):
+    """Values inside every range (DESIGN §3), then at most one wild field."""
+    p = pb.SamplingParams(
+        max_tokens=draw(st.integers(1, 8)), n=draw(st.integers(1, 2)),
+        temperature=draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])),
+        top_p=draw(st.sampled_from([0.1, 0.9, 1.0])), top_k=draw(st.integers(-1, 50)),
+        min_p=draw(st.sampled_from([0.0, 0.05, 1.0])), seed=draw(st.integers(0, 2**64 - 1)),
+        ignore_eos=draw(st.booleans()),
+        presence_penalty=draw(st.sampled_from([-2.0, 0.0, 1.5])),
+        frequency_penalty=draw(st.sampled_from([-2.0, 0.0, 2.0])),
+        repetition_penalty=draw(st.sampled_from([0.5, 1.0, 1.3])))
+    if draw(st.booleans()):
+        p.logprobs = draw(st.integers(0, 5))
+    p.stop.extend(draw(st.lists(st.text(min_size=1, max_size=5), max_size=3)))
+    p.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
+    if draw(st.booleans()):
+        wild = draw(params())
+        field = draw(st.sampled_from([f.name for f in pb.SamplingParams.DESCRIPTOR.fields]))
+        if field in ("stop", "stop_token_ids"):
+            getattr(p, field)[:] = getattr(wild, field)
+        elif wild.HasField(field) if field in _OPTIONAL else True:
+            setattr(p, field, getattr(wild, field))
+    return p
+
+
+_OPTIONAL = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence}
+
+
+@st.composite
 def requests(draw):
-    req = pb.GenerateRequest(params=draw(params()),
+    req = pb.GenerateRequest(params=draw(st.one_of(params(), valid_params())),
                              priority=draw(st.integers(-(2**31), 2**31 - 1)),
                              cache_salt=draw(st.one_of(st.just(""), TEXT)))
     req.request_id = draw(st.one_of(st.just(""), st.sampled_from(["dup", "dup2"]), TEXT))
-    kind = draw(st.sampled_from(["text", "ids", "none"]))
+    kind = draw(st.sampled_from(["text", "ids", "ids", "none"]))
     if kind == "text":
         req.prompt = draw(TEXT)
     elif kind == "ids":
-        req.prompt_token_ids.ids.extend(draw(st.lists(
-            st.one_of(st.integers(0, 511), U32), max_size=draw(st.sampled_from([8, 2000])))))
-    # Small, valid-ish budgets keep the OK cases quick on the fake executor.
-    if draw(st.booleans()):
-        req.params.max_tokens = draw(st.integers(1, 8))
-        req.params.n = draw(st.integers(1, 2))
+        req.prompt_token_ids.ids.extend(draw(st.one_of(
+            st.lists(st.integers(0, 511), min_size=1, max_size=40),
+            st.lists(st.one_of(st.integers(0, 511), U32), max_size=2000))))
     return req
 
 
