@@ -373,12 +373,8 @@ class Codec:
         frames = self._in_frames
         if index >= len(frames):
             raise WireError(f"array frame {index} does not exist")
-        buf = frames[index]
-        if type(buf) is not bytes:
-            buf = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)  # zmq.Frame
-            size = buf.nbytes
-        else:
-            size = len(buf)
+        buf = frames[index]  # bytes, zmq.Frame (len() is its size in bytes) or memoryview
+        size = buf.nbytes if type(buf) is memoryview else len(buf)
         if size != nbytes:
             raise WireError(f"array frame {index} has {size} bytes, expected {nbytes}")
         arr = np.frombuffer(buf, dtype=dt)
@@ -396,7 +392,8 @@ class Codec:
             raise WireError(f"message with {len(frames)} frames")
         self._in_frames = frames
         head = frames[0]
-        head = head.buffer if hasattr(head, "buffer") else head
+        if type(head) is not bytes and hasattr(head, "buffer"):  # zmq.Frame
+            head = head.buffer
         try:
             msg = self._decoder.decode(head)
         except WireError:
