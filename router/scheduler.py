@@ -194,9 +194,12 @@ class Scheduler:
             for seq in group.active_seqs():
                 if budget <= 0:
                     break
-                if seq.num_uncomputed <= 0:
+                remaining = seq.num_uncomputed
+                if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
+                    remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+                if remaining <= 0:
                     continue
-                num_new = min(seq.num_uncomputed, budget)
+                num_new = min(remaining, budget)
                 waits = False
                 while kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
                     if not pins_released:

@@ -251,12 +251,6 @@ def test_abort_swapped(cluster):
     assert swapped_total >= 6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG router/scheduler.py Scheduler.schedule: an n > 1 request whose prompt is longer "
-    "than --max-num-batched-tokens is chunked; the running-loop chunks of sample 0 go up to "
-    "the LAST prompt token (only _admit_waiting stops it one short), so sample 0 samples, "
-    "the fork then gives the other samples nothing left to compute and they never get a "
-    "token: the request hangs until the client's deadline"))
 def test_n2_with_chunked_prompt_completes(cluster):
     cluster.control.resume()
     req = request(token_ids=_ids(150, 2), max_tokens=4, n=2, temperature=0.0)

@@ -172,3 +172,16 @@ def test_cost_model_learns_from_executor_timings():
     assert cost.s_per_token == before
     cost.observe_prefill(num_tokens=512, seconds=0.0512)
     assert cost.s_per_token < before
+
+
+def test_n2_with_a_chunked_prompt_forks_before_the_last_prompt_token():
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=16))
+    g = _group("g", 40, arrival=1, n=2)
+    sched.add(g)
+    chunks = [_scheduled(_step(sched, kv, i)[0]) for i in range(1, 4)]
+    # 39 prompt tokens in chunks of 16, 16, 7: sample 0 never computes the last one itself.
+    assert chunks == [[("g#0", 16)], [("g#0", 16)], [("g#0", 7)]]
+    out, plan = _step(sched, kv, 4)
+    assert [(f.parent_id, f.child_id) for f in plan.forks] == [("g#0", "g#1")]
+    assert _scheduled(out) == [("g#0", 1), ("g#1", 1)] and plan.do_sample.tolist() == [1, 1]
