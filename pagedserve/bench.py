@@ -57,6 +57,7 @@ class RequestOutcome:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    finish_reason: int = 0  # FinishReason of the last sample's last chunk (3 = ABORT)
 
 
 @dataclass
@@ -192,13 +193,15 @@ async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
                     out.itl_s.extend([(now - last) / n] * n)
                 last = now
                 out.output_tokens += n
+            if chunk.finish_reason:
+                out.finish_reason = chunk.finish_reason
             if chunk.HasField("usage"):
                 out.prompt_tokens = chunk.usage.prompt_tokens
                 out.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
         out.e2e_s = time.perf_counter() - start
         out.ok = last is not None
         if not out.ok:
-            out.error = "no tokens"
+            out.error = f"no tokens (finish_reason {out.finish_reason})"
     except grpc.aio.AioRpcError as exc:
         out.error = f"{exc.code().name}: {exc.details()}"
     return out
