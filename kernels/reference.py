@@ -69,7 +69,49 @@ def paged_prefill_attention(
     position ``seq_len - q_len + i`` and attends to positions ``<=`` its own (and, with a
     sliding window ``w``, to positions ``> pos - w``). Prefix-cache hits and chunked prefill
     are the case ``seq_len > q_len``; decode is ``q_len == 1``.
+
+    A mixed step (decodes next to prefill chunks) is split: the decodes run as one padded
+    batch and each prefill chunk on its own, so no sequence is padded to another's query
+    length (one batch padded to a 512-token chunk made 78 decodes cost 39x more).
     """
+    num_seqs = block_tables.shape[0]
+    if num_seqs <= 1:
+        return _attend_padded(query, key_cache, value_cache, block_tables, query_start_loc,
+                              seq_lens, scale, sliding_window, out)
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    if int(q_lens.max()) <= 1:
+        return _attend_padded(query, key_cache, value_cache, block_tables, query_start_loc,
+                              seq_lens, scale, sliding_window, out)
+    result = out if out is not None else query.new_empty(query.shape)
+    decodes = (q_lens == 1).nonzero().flatten()
+    if decodes.numel():
+        rows = starts[decodes]
+        result[rows] = _attend_padded(
+            query[rows], key_cache, value_cache, block_tables[decodes],
+            torch.arange(decodes.numel() + 1, device=query.device, dtype=torch.int32),
+            seq_lens[decodes], scale, sliding_window, None)
+    for i in (q_lens > 1).nonzero().flatten().tolist():
+        a, b = int(starts[i]), int(starts[i + 1])
+        result[a:b] = _attend_padded(
+            query[a:b], key_cache, value_cache, block_tables[i : i + 1],
+            query_start_loc.new_tensor([0, b - a]), seq_lens[i : i + 1], scale,
+            sliding_window, None)
+    return result
+
+
+def _attend_padded(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, prefix sums of query lengths
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All sequences in one batch, padded to the longest query and context."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
