@@ -111,11 +111,14 @@ class RouterEngine:
 
     # ================================================================== lifecycle
 
-    async def start(self, bind: str, allow_insecure: bool = False) -> str:
+    async def start(self, bind: str, allow_insecure: bool = False,
+                    curve_keys: str | None = None) -> str:
+        """Bind the executor socket (CURVE + ZAP with `curve_keys`, a keygen folder);
+        raises ExecutorLinkError for a refused bind or unusable keys."""
         self._link = ExecutorLink(
             bind, on_hello=self._on_hello, on_heartbeat=self._on_heartbeat,
             on_result=self._on_result, on_error=self._on_error, on_goodbye=self._on_goodbye,
-            allow_insecure=allow_insecure,
+            allow_insecure=allow_insecure, curve_keys=curve_keys,
         )
         self._link.start()
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
@@ -348,8 +351,11 @@ class RouterEngine:
         if handle is None or not handle.healthy:
             return False
         log.error("executor %s reported: %s", executor_id, report.message)
-        if report.step_id is not None and report.step_id == handle.pending_step \
-                and handle.pending is not None and not handle.pending.done():
+        pending = handle.pending is not None and not handle.pending.done()
+        # A report naming no step while a plan is out is that plan being rejected (the
+        # executor could not decode it, so it cannot name it): fail the step rather than
+        # wait for a result that will never come.
+        if pending and report.step_id in (None, handle.pending_step):
             handle.pending.set_exception(RuntimeError(report.message))
         return True
 
