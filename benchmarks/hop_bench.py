@@ -16,7 +16,8 @@ Cases:
 5. zmq_sync_ipc (not in --quick): as zmq_sync_copy over ipc:// instead of tcp loopback.
 6. router_link: the router's own `ExecutorLink` (zmq.asyncio ROUTER, asyncio event loop,
    dispatch to `on_result`, future resolved), as the engine uses it.
-7. asyncio_reader (not in --quick): a proposed link receive path: a plain zmq socket whose FD is watched
+7. router_link_ipc (not in --quick): router_link over ipc://.
+8. asyncio_reader (not in --quick): a proposed link receive path: a plain zmq socket whose FD is watched
    with `loop.add_reader`, drained with recv_multipart(NOBLOCK, copy=True), same dispatch.
 
 Usage: .venv/bin/python benchmarks/hop_bench.py [--iters 3000] [--warmup 300]
@@ -222,7 +223,8 @@ def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
                     recv="bytes (copy=True)" if copy else "zmq.Frame (copy=False)")
 
 
-async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> dict:
+async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int,
+                      transport: str = "tcp") -> dict:
     from pagedserve.router.executor_link import ExecutorLink
 
     loop = asyncio.get_running_loop()
@@ -240,7 +242,7 @@ async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> di
             fut.set_result(result)
         return True
 
-    link = ExecutorLink("tcp://127.0.0.1:0", on_hello=on_hello,
+    link = ExecutorLink(_endpoint(transport), on_hello=on_hello,
                         on_heartbeat=lambda _id: True, on_result=on_result,
                         on_error=lambda _id, _r: True)
     link.start()
@@ -266,6 +268,12 @@ async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int) -> di
         if proc.poll() is None:
             proc.kill()
         await link.close()
+        if transport == "ipc":
+            with contextlib.suppress(OSError):
+                os.unlink(link.endpoint.removeprefix("ipc://"))
+    if transport == "ipc":
+        return _summary("router_link_ipc", times, num_requests=len(plans[0].request_ids),
+                        transport="ipc, zmq.asyncio")
     return _summary("router_link", times, num_requests=len(plans[0].request_ids),
                     transport="tcp loopback, zmq.asyncio")
 
@@ -362,6 +370,7 @@ def main(argv=None) -> int:
             lambda: bench_zmq_sync(_Plans(plans), iters, warmup, copy=True),
             lambda: bench_zmq_sync(_Plans(plans), iters, warmup, copy=True, transport="ipc"),
         ]
+        cases.append(lambda: asyncio.run(_bench_link(_Plans(plans), iters, warmup, "ipc")))
         cases.append(lambda: asyncio.run(_bench_reader(_Plans(plans), iters, warmup)))
     # The machine is shared: run the cases in turn `rounds` times and keep, per case, the
     # round with the median p50 (all rounds' p50s are listed).

@@ -30,7 +30,11 @@ import numpy as np
 PROTOCOL_VERSION = 1
 
 # Limits on what a peer may send (DESIGN: limits everywhere).
-MAX_FRAMES = 64
+# A StepPlan takes 1 + 11 fixed frames plus 2 per new request (prompt ids, output ids; an
+# empty array takes a frame too), and a step may admit up to max_num_seqs new requests: the
+# cap allows 4,096 of them (byte size is capped by the socket's MAXMSGSIZE).
+MAX_NEW_REQUESTS_PER_PLAN = 4096
+MAX_FRAMES = 2 * MAX_NEW_REQUESTS_PER_PLAN + 64
 MAX_ARRAY_DIMS = 3
 _ARRAY_EXT_CODE = 1
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "|u1", "|b1", "<u4"}
