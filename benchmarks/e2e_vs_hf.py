@@ -51,12 +51,9 @@ from pagedserve.bench import BenchConfig, BenchRequest, run_bench  # noqa: E402
 BENCH = "e2e_vs_hf"
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
 BLOCK_SIZE = 16
-# Workaround, not a tuning choice: a StepPlan carries two frames per new request and the
-# wire caps a message at 64 frames (protos/wire.py MAX_FRAMES), so a step admitting more than
-# ~27 new requests is rejected by the executor and those requests hang (found by this
-# script: 256 requests at once -> "message with 73 frames"). 2048 tokens per step keeps the
-# admissions per step of this workload (prompts of 16-512 tokens) well under that.
-MAX_NUM_BATCHED_TOKENS = 2048
+# The router's default step budget (DESIGN §4). (An earlier run needed 2048 to dodge the
+# wire's old 64-frame cap on plans admitting many requests; the cap was fixed in 3572485.)
+MAX_NUM_BATCHED_TOKENS = 8192
 REQUEST_TIMEOUT_S = 900.0
 # The tiny model (chosen so the full run takes a few minutes on a 2-core VM): Llama, hidden
 # 256, 4 layers, 8 query heads / 2 KV heads (head dim 32), MLP 512, vocab 512.

@@ -152,7 +152,7 @@ def main() -> int:
             cluster.log.seek(0)
             rejected = [x for x in cluster.log.read().splitlines() if "rejected" in x]
         if rejected:
-            print("server rejected plans (see protos/wire.py MAX_FRAMES):\n"
+            print("the server rejected messages (see its log):\n"
                   + "\n".join(rejected[:3]), file=sys.stderr)
         results[policy] = res
         fig = dict(policy=policy, completed=res["completed"], failed=res["failed"],
