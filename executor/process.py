@@ -200,7 +200,11 @@ class HeartbeatThread(threading.Thread):
 
 
 class ExecutorProcess:
-    def __init__(self, runner, args: argparse.Namespace, hello: Hello) -> None:
+    def __init__(self, runner, args: argparse.Namespace, hello: Hello,
+                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+        """`curve`: (public, secret, router public) as `load_curve_keys` returns; loaded
+        from ``args.curve_keys`` when not given."""
+        self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
         self.args = args
         self.hello = hello
@@ -215,15 +219,13 @@ class ExecutorProcess:
                                          args.heartbeat_timeout / 4, self._configure)
 
     def _configure(self, sock: zmq.Socket) -> None:
-        """CURVE client keys when --curve-keys is given (router.key_secret layout of keygen:
-        ``executor.key_secret`` with our key pair and ``router.key`` with the server's)."""
-        if not self.args.curve_keys:
+        """Both DEALERs (main and heartbeat): a CURVE client with --curve-keys (our pair and
+        the router's public key from the keygen folder, see pagedserve.keygen); the router's
+        ZAP handler admits only authorized keys, so an unauthorized executor never hears a
+        Welcome and keeps retrying (logged)."""
+        if self.curve is None:
             return
-        import zmq.auth
-
-        folder = self.args.curve_keys
-        public, secret = zmq.auth.load_certificate(os.path.join(folder, "executor.key_secret"))
-        server_public, _ = zmq.auth.load_certificate(os.path.join(folder, "router.key"))
+        public, secret, server_public = self.curve
         sock.curve_publickey, sock.curve_secretkey = public, secret
         sock.curve_serverkey = server_public
 
@@ -276,7 +278,9 @@ class ExecutorProcess:
                     raise SystemExit(0)
             backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** attempt)
             attempt += 1
-            log.warning("no Welcome from %s; retrying in %.1f s", self.args.router, backoff)
+            log.warning("no Welcome from %s%s; retrying in %.1f s", self.args.router,
+                        " (is this executor's CURVE key authorized there?)"
+                        if self.curve else "", backoff)
             end = time.monotonic() + backoff
             while time.monotonic() < end:
                 self._check_parent()
@@ -363,6 +367,17 @@ class ExecutorProcess:
             self.ctx.term()
 
 
+def load_curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
+    """(own public, own secret, router public) from ``--curve-keys``; None without it.
+    Raises pagedserve.keygen.KeyFolderError."""
+    if not getattr(args, "curve_keys", None):
+        return None
+    from pagedserve.keygen import KeyFolderError, executor_keys
+    if not zmq.has("curve"):
+        raise KeyFolderError("this libzmq was built without CURVE")
+    return executor_keys(args.curve_keys)
+
+
 def default_executor_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{random.randbytes(3).hex()}"
 
@@ -378,6 +393,12 @@ def run_executor(args: argparse.Namespace) -> int:
     _setup_logging(args.log_format)
     if args.parent_pid is None and os.environ.get("PAGEDSERVE_PARENT_PID"):
         args.parent_pid = int(os.environ["PAGEDSERVE_PARENT_PID"])
+    from pagedserve.keygen import KeyFolderError
+    try:
+        curve = load_curve_keys(args)  # before the model loads: a bad folder fails fast
+    except KeyFolderError as exc:
+        print(f"pagedserve executor: --curve-keys: {exc}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cpu"):
         torch.set_num_threads(max(1, args.cpu_threads))
@@ -408,7 +429,7 @@ def run_executor(args: argparse.Namespace) -> int:
              executor_id, runner.model.config.architecture, hello.device, hello.dtype,
              hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
     try:
-        return ExecutorProcess(runner, args, hello).serve()
+        return ExecutorProcess(runner, args, hello, curve=curve).serve()
     except SystemExit as exc:
         return int(exc.code or 0)
     except KeyboardInterrupt:

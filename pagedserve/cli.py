@@ -99,6 +99,11 @@ def cmd_demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def cmd_keygen(argv: list[str]) -> int:
+    from .keygen import main as keygen_main
+    return keygen_main(argv)
+
+
 def cmd_not_built(name: str):
     def run(argv: list[str]) -> int:
         print(f"pagedserve {name}: not built yet in this version", file=sys.stderr)
@@ -114,7 +119,7 @@ COMMANDS = {
     "healthcheck": cmd_healthcheck,
     "demo": cmd_demo,
     "bench": lambda argv: __import__("pagedserve.bench", fromlist=["main"]).main(argv),
-    "keygen": cmd_not_built("keygen"),
+    "keygen": cmd_keygen,
 }
 
 

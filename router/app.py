@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .engine import EngineConfig, RouterEngine
+from .executor_link import ExecutorLinkError
 from .grpc_server import start_server
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy
@@ -107,7 +108,8 @@ async def serve_router(
     metrics = RouterMetrics()
     engine = RouterEngine(engine_config_from_args(args, fingerprint, info), tokenizer, info,
                           metrics)
-    endpoint = await engine.start(args.executor_bind, allow_insecure=args.allow_insecure)
+    endpoint = await engine.start(args.executor_bind, allow_insecure=args.allow_insecure,
+                                  curve_keys=args.curve_keys)
     limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                     max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
     server, port = await start_server(
@@ -150,6 +152,6 @@ async def serve_router(
 def run_router(args) -> int:
     try:
         return asyncio.run(serve_router(args))
-    except ModelDirError as exc:
+    except (ModelDirError, ExecutorLinkError) as exc:
         print(f"pagedserve router: {exc}", file=sys.stderr)
         return 2

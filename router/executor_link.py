@@ -14,8 +14,13 @@ What the link does with each message (the executor's side is in executor/process
   declared dead) -> Shutdown(exit=False): "register again".
 * a frame that does not decode -> logged and dropped, never executed.
 
-Security: binding beyond loopback is refused unless `allow_insecure` (or CURVE keys, once
-the security issue lands) — DESIGN §2.
+Security (DESIGN §2). With `curve_keys` (a folder from `pagedserve keygen`) the socket is a
+CURVE server: traffic is encrypted and a ZAP handler (`_ZapAuthenticator`, pyzmq's
+AsyncioAuthenticator on this socket's context) admits only clients whose public key is one
+of the folder's executor keys. A client with another key is refused by ZAP; a NULL
+(plaintext) client fails the handshake before ZAP. Both are logged at WARNING from the
+socket monitor (`_monitor_loop`), the unknown key by the ZAP handler too. Without keys,
+binding beyond loopback is refused unless `allow_insecure`, and logged with what it exposes.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
+import time
 import urllib.parse
 from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+import zmq.auth.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ..protos import wire
 
@@ -50,6 +59,42 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
+class ExecutorLinkError(ValueError):
+    """The executor socket cannot be set up as asked (insecure bind, unusable keys)."""
+
+
+_PROTOCOL_ERRORS = {getattr(zmq, name): name.removeprefix("PROTOCOL_ERROR_").lower()
+                    for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
+_HINTS = {"zmtp_mechanism_mismatch": "a client without CURVE",
+          "zmtp_cryptographic": "a client with a wrong router key"}
+_MAX_REFUSAL_LOGS_PER_MIN = 30
+ZAP_DOMAIN = "pagedserve"  # set on the socket and configured in the handler: they must match
+
+
+class _ZapAuthenticator(zmq.auth.asyncio.AsyncioAuthenticator):
+    """ZAP handler admitting exactly the executor public keys of a keygen folder."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, allowed: dict[bytes, str]) -> None:
+        super().__init__(ctx, log=logging.getLogger("pagedserve.router.zap"))
+        self.allowed = allowed  # z85 public key -> key file name
+        self._peer = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # ZAP request frames: version, request id, domain, address, identity, mechanism, ...
+        self._peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        """configure_curve_callback's credentials provider."""
+        name = self.allowed.get(z85_key)
+        if name is None:
+            log.warning("refused an executor connection from %s: CURVE key %s is not "
+                        "authorized", self._peer, z85_key.decode(errors="replace"))
+            return False
+        log.debug("admitted an executor connection from %s (%s)", self._peer, name)
+        return True
+
+
 class ExecutorLink:
     def __init__(
         self,
@@ -61,20 +106,55 @@ class ExecutorLink:
         on_error: Callable[[str, wire.ErrorReport], bool],
         on_goodbye: Callable[[str, str], None] | None = None,
         allow_insecure: bool = False,
+        curve_keys: str | None = None,
     ) -> None:
-        if not is_loopback_endpoint(bind) and not allow_insecure:
-            raise ValueError(
+        """Must be called with the event loop running when `curve_keys` is given (the ZAP
+        handler is a task on it)."""
+        loopback = is_loopback_endpoint(bind)
+        if not loopback and not allow_insecure and not curve_keys:
+            raise ExecutorLinkError(
                 f"refusing to bind the executor socket to {bind}: beyond loopback it accepts "
                 "any executor; use --curve-keys, or --allow-insecure on a private network"
             )
-        if not is_loopback_endpoint(bind):
-            log.warning("executor socket bound to %s without authentication: any host that "
-                        "reaches it can register as an executor and see prompts", bind)
+        keys = None
+        if curve_keys:
+            from pagedserve.keygen import KeyFolderError, router_keys
+            if not zmq.has("curve"):
+                raise ExecutorLinkError("--curve-keys: this libzmq was built without CURVE")
+            try:
+                keys = router_keys(curve_keys)
+            except KeyFolderError as exc:
+                raise ExecutorLinkError(f"--curve-keys: {exc}") from None
+        elif not loopback:
+            log.warning("executor socket bound to %s WITHOUT authentication or encryption "
+                        "(--allow-insecure): any host that reaches it can register as an "
+                        "executor and receive prompts (token ids) and send back outputs; "
+                        "use --curve-keys beyond a private network", bind)
         self._ctx = zmq.asyncio.Context()
+        self._auth: _ZapAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._monitor: zmq.asyncio.Socket | None = None
+        if keys is not None:
+            public, secret, allowed = keys
+            # The ZAP handler must be bound before the first handshake: without one, libzmq
+            # admits every CURVE client that knows the server key.
+            self._auth = _ZapAuthenticator(self._ctx, allowed)
+            self._auth.start()
+            self._auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                                credentials_provider=self._auth)
+            self._sock.curve_server = True
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
+            self._sock.zap_domain = ZAP_DOMAIN.encode()
+            # handshake failures only: a NULL client fails here, before ZAP is asked
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            log.info("executor socket %s: CURVE with %d authorized executor key(s) from %s",
+                     bind, len(allowed), curve_keys)
         self._sock.bind(bind)
         self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._codec_in = wire.Codec()
@@ -85,17 +165,63 @@ class ExecutorLink:
         self._on_error = on_error
         self._on_goodbye = on_goodbye
         self._task: asyncio.Task | None = None
+        self._monitor_task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._recv_loop())
+        if self._monitor is not None:
+            self._monitor_task = loop.create_task(self._monitor_loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._sock.close(0)
         self._ctx.term()
+
+    async def _monitor_loop(self) -> None:
+        """Log refused handshakes (NULL clients, unknown keys); at most
+        _MAX_REFUSAL_LOGS_PER_MIN lines a minute, so a scanner cannot flood the log."""
+        window_start, logged, suppressed = time.monotonic(), 0, 0
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except asyncio.CancelledError:
+                raise
+            except (zmq.ZMQError, ValueError) as exc:
+                log.debug("executor socket monitor: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                log.debug("ZAP refused a CURVE client (%s)", event["value"])
+                continue  # the ZAP handler logged it, with the peer and the key
+            now = time.monotonic()
+            if now - window_start > 60:
+                if suppressed:
+                    log.warning("%d more refused executor connections in the last minute",
+                                suppressed)
+                window_start, logged, suppressed = now, 0, 0
+            if logged >= _MAX_REFUSAL_LOGS_PER_MIN:
+                suppressed += 1
+                continue
+            logged += 1
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                error = _PROTOCOL_ERRORS.get(event["value"], hex(event["value"]))
+                hint = _HINTS.get(error)
+            else:  # NO_DETAIL: the peer hung up first (a NULL client that saw CURVE does)
+                error = f"connection dropped ({os.strerror(event['value'])})"
+                hint = "a client without CURVE, or a port probe"
+            log.warning("refused an executor connection on %s: handshake failed, %s%s",
+                        event["endpoint"].decode(errors="replace"), error,
+                        f" ({hint})" if hint else "")
 
     def send(self, routing_id: bytes, msg) -> None:
         """Queue a message to one executor socket; never blocks the event loop."""
