@@ -52,7 +52,7 @@ def test_docker_compose_config_validates(tmp_path):
 
 def test_services_router_and_scalable_executor(compose):
     services = compose["services"]
-    assert set(services) == {"router", "executor"}
+    assert set(services) == {"keygen", "router", "executor"}
     router, executor = services["router"], services["executor"]
     assert "container_name" not in executor  # `--scale executor=N`
     assert "ports" not in executor  # executors connect out; they open no port
@@ -70,13 +70,24 @@ def test_router_healthcheck_uses_pagedserve_healthcheck(compose):
     assert test[test.index("--service") + 1] == ""
 
 
-def test_wiring_by_service_name_and_insecure_bind_only_inside(compose):
-    router_env = compose["services"]["router"]["environment"]
-    executor_env = compose["services"]["executor"]["environment"]
+def test_wiring_by_service_name_and_curve_on_the_executor_socket(compose):
+    services = compose["services"]
+    router_env = services["router"]["environment"]
+    executor_env = services["executor"]["environment"]
     assert executor_env["PAGEDSERVE_ROUTER"] == "tcp://router:5557"
     assert router_env["PAGEDSERVE_EXECUTOR_BIND"] == "tcp://0.0.0.0:5557"
-    assert str(router_env["PAGEDSERVE_ALLOW_INSECURE"]) == "1"
-    assert "ALLOW_INSECURE" in COMPOSE.read_text().split("services:")[0]  # the comment
+    # CURVE covers the non-loopback bind: keys from the one-shot keygen service, no
+    # --allow-insecure anywhere
+    assert router_env["PAGEDSERVE_CURVE_KEYS"] == executor_env["PAGEDSERVE_CURVE_KEYS"] == "/keys"
+    assert "ALLOW_INSECURE" not in COMPOSE.read_text().split("services:")[1]
+    assert "keys:/keys:ro" in services["router"]["volumes"]
+    assert services["executor"]["volumes"] == services["router"]["volumes"]
+    assert services["router"]["depends_on"]["keygen"]["condition"] == \
+        "service_completed_successfully"
+    keygen = services["keygen"]
+    assert "pagedserve keygen /keys --exist-ok" in " ".join(keygen["command"])  # idempotent
+    assert keygen["volumes"] == ["keys:/keys"] and "ports" not in keygen
+    assert "keys" in compose["volumes"]
 
 
 def test_environment_names_are_real_flags(compose):
