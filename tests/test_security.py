@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq
+import zmq.auth
 from cluster_harness import READY, Cluster, free_port, request
 from pagedserve.protos import wire
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
