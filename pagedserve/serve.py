@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from .router.app import ModelDirError, serve_router
+from .router.executor_link import ExecutorLinkError
 
 log = logging.getLogger("pagedserve.serve")
 
@@ -124,6 +125,6 @@ async def _serve(args, argv: list[str]) -> int:
 def run_serve(args, argv: list[str]) -> int:
     try:
         return asyncio.run(_serve(args, argv))
-    except ModelDirError as exc:
+    except (ModelDirError, ExecutorLinkError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
