@@ -185,7 +185,9 @@ def test_abort_mid_prefill(cluster):
     for k in range(15):
         ctl.pause()
         methods = ["cancel", "abort"] + (["deadline"] if k % 3 == 0 else [])
-        reqs = [Req(cluster, f"p{k}-{m}", m, 150, 4, deadline_s=1.5) for m in methods]
+        # The deadline must outlast stepping the fake executor into mid-prefill even when
+        # the machine is loaded (a full `make test` run): 1.5 s was flaky there.
+        reqs = [Req(cluster, f"p{k}-{m}", m, 150, 4, deadline_s=4.0) for m in methods]
         for r in reqs:
             _advance_until(ctl, lambda h, r=r: _mid_prefill(h, r.seq))
             r.end(cluster)
