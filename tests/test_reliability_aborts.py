@@ -204,7 +204,7 @@ def test_abort_decoding(cluster):
     ctl = cluster.control
     for k in range(3):
         ctl.pause()
-        reqs = [Req(cluster, f"d{k}-{i}", METHODS[(i + k) % 3], 8, 200, deadline_s=2.0)
+        reqs = [Req(cluster, f"d{k}-{i}", METHODS[(i + k) % 3], 8, 200, deadline_s=4.0)
                 for i in range(16)]
         seqs = {r.seq for r in reqs}
 
