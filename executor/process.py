@@ -57,6 +57,7 @@ from pagedserve.protos.wire import (
 log = logging.getLogger("pagedserve.executor")
 
 WELCOME_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
 POLL_MS = 200
 
@@ -222,7 +223,9 @@ class ExecutorProcess:
         """Both DEALERs (main and heartbeat): a CURVE client with --curve-keys (our pair and
         the router's public key from the keygen folder, see pagedserve.keygen); the router's
         ZAP handler admits only authorized keys, so an unauthorized executor never hears a
-        Welcome and keeps retrying (logged)."""
+        Welcome and keeps retrying (logged). Messages over MAX_MESSAGE_BYTES are dropped by
+        ZeroMQ before they are read (a plan for 256 running requests is ~12 KB)."""
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.curve is None:
             return
         public, secret, server_public = self.curve

@@ -352,6 +352,7 @@ def _streams_through_an_executor_stop(cluster, hf, victim: str, sig) -> dict:
     for i, expected in enumerate(sampled_refs):
         assert results[100 + i] == expected, (i, results[100 + i], expected)
     migrated = _metric(cluster.metrics(), "pagedserve_migrations_total") - migrations_before
+    print(f"{victim} stopped by {sig!r}: {migrated:.0f} of {len(prompts) + 4} requests migrated")
     assert migrated > 0
     return results
 
