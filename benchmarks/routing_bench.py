@@ -106,9 +106,9 @@ class ServeCluster:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 4 tenants x 3 questions")
-    p.add_argument("--tenants", type=int, default=12)
-    p.add_argument("--prefix-len", type=int, default=384)
-    p.add_argument("--questions-per-tenant", type=int, default=8)
+    p.add_argument("--tenants", type=int, default=16)
+    p.add_argument("--prefix-len", type=int, default=768)
+    p.add_argument("--questions-per-tenant", type=int, default=6)
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len-range", default="16:32")
     p.add_argument("--request-rate", type=float, default=4.0)
