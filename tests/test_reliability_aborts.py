@@ -185,10 +185,13 @@ def test_abort_mid_prefill(cluster):
     for k in range(15):
         ctl.pause()
         methods = ["cancel", "abort"] + (["deadline"] if k % 3 == 0 else [])
-        # The deadline must outlast stepping the fake executor into mid-prefill even when
-        # the machine is loaded (a full `make test` run): 1.5 s was flaky there.
-        reqs = [Req(cluster, f"p{k}-{m}", m, 150, 4, deadline_s=4.0) for m in methods]
-        for r in reqs:
+        # Each request is sent just before it is stepped into mid-prefill, so a deadline
+        # covers only its own steps (sent up front, a loaded machine could spend the deadline
+        # on the round's earlier requests: flaky in a full `make test` run).
+        reqs = []
+        for m in methods:
+            r = Req(cluster, f"p{k}-{m}", m, 150, 4, deadline_s=4.0)
+            reqs.append(r)
             _advance_until(ctl, lambda h, r=r: _mid_prefill(h, r.seq))
             r.end(cluster)
             COUNTS["mid-prefill", r.method] += 1
