@@ -62,61 +62,6 @@ MAX_BACKOFF_S = 8.0
 POLL_MS = 200
 
 
-# --------------------------------------------------------------------------------- flags
-
-
-def _env(flag: str, default):
-    return os.environ.get("PAGEDSERVE_" + flag.upper().replace("-", "_"), default)
-
-
-def _bool(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("1", "true", "yes"):
-        return True
-    if str(value).lower() in ("0", "false", "no", ""):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
-
-
-def add_executor_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of DESIGN §4 an executor uses; each default comes from PAGEDSERVE_<FLAG>."""
-
-    def add(flag, type_=str, default=None, help_=""):
-        parser.add_argument("--" + flag, type=type_, default=_env(flag, default), help=help_)
-
-    add("model", help_="Hugging Face model directory")
-    add("router", default="tcp://127.0.0.1:5557", help_="the router's ZeroMQ address")
-    add("executor-id", help_="default: host-pid-random")
-    add("device", help_="cuda when available, else cpu")
-    add("dtype", default="auto", help_="auto, float32, float16, bfloat16")
-    add("block-size", int, 16)
-    add("num-gpu-blocks", int, None, "default: memory profiling (CUDA) or --kv-cache-space")
-    add("gpu-memory-utilization", float, 0.9)
-    add("kv-cache-space", float, 1.0, "GiB of KV cache on CPU")
-    add("cpu-threads", int, 1)
-    add("swap-space", float, None, "GiB of CPU swap blocks (4 on CUDA, 0.5 on CPU)")
-    add("num-cpu-blocks", int, None)
-    add("max-model-len", int, None)
-    add("max-num-batched-tokens", int, 8192, "sizes the profiling run")
-    add("heartbeat-timeout", float, 2.0)
-    add("seed", int, 0)
-    add("log-format", default="text", help_="text or json")
-    add("curve-keys", help_="folder from `pagedserve keygen` (CURVE authentication)")
-    add("parent-pid", int, None, "exit when this process dies (set by serve)")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pagedserve executor")
-    add_executor_flags(parser)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # other commands' flags (one environment file configures a cluster)
-        log.debug("ignoring flags %s", unknown)
-    if not args.model:
-        parser.error("--model is required")
-    return args
-
-
 def _setup_logging(fmt: str) -> None:
     from pagedserve.logs import setup_logging
     setup_logging(fmt)
@@ -386,7 +331,7 @@ def default_executor_id() -> str:
 
 
 def run_executor(args: argparse.Namespace) -> int:
-    """Entry point for ``pagedserve executor`` (args from ``add_executor_flags``)."""
+    """Entry point for ``pagedserve executor`` (args from ``pagedserve.flags``)."""
     import torch
     from pagedserve.executor.model_runner import build_runner
     from pagedserve.executor.models import ModelNotSupported
@@ -440,7 +385,11 @@ def run_executor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_executor(parse_args(argv))
+    """`python -m pagedserve.executor.process ...` is `pagedserve executor ...`: one flag table
+    (pagedserve/flags.py, DESIGN §4) for every way of starting an executor."""
+    from pagedserve.cli import main as cli_main
+
+    return cli_main(["executor", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
