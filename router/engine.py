@@ -299,6 +299,9 @@ class RouterEngine:
             reason = f"block size {hello.block_size}, the router uses {self.config.block_size}"
         elif hello.num_gpu_blocks <= 0:
             reason = "no KV-cache blocks"
+        elif hello.max_model_len < self.config.max_model_len:
+            reason = (f"max_model_len {hello.max_model_len} is below the router's "
+                      f"{self.config.max_model_len} (start both with the same --max-model-len)")
         if reason:
             log.warning("refused executor %s: %s", hello.executor_id, reason)
             return wire.Welcome(executor_id=hello.executor_id, accepted=False, reason=reason)

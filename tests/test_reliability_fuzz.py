@@ -216,7 +216,8 @@ def test_malformed_frames_to_router(cluster):
         for hello, why in [(_hello(), "different model"),
                            (_hello(block_size=32), "block size"),
                            (_hello(protocol_version=7), "protocol version"),
-                           (_hello(num_gpu_blocks=0), "no KV-cache blocks")]:
+                           (_hello(num_gpu_blocks=0), "no KV-cache blocks"),
+                           (_hello(max_model_len=64), "max_model_len 64 is below")]:
             if why != "different model":
                 hello = msgspec.structs.replace(
                     hello, model_fingerprint=_fingerprint(cluster))
