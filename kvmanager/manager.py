@@ -386,15 +386,21 @@ class KVCacheManager:
                 req.change_start = num_old_blocks
         req.num_tokens = num_tokens
         if self.enable_prefix_caching:
-            req.token_ids = token_ids
-            # Only a block that filled up has anything to register (most decodes do not).
-            if num_tokens // bs > req.num_cached_blocks:
-                if self._in_step:
-                    self._dirty[request_id] = None
-                else:
-                    self._cache_full_blocks(req, token_ids)
+            self._note_full_blocks(request_id, req, token_ids)
         self._debug_check()
         return new_ids
+
+    def _note_full_blocks(self, request_id: str, req: _Request,
+                          token_ids: Sequence[int]) -> None:
+        """Register blocks the request just filled: at end_step() inside a step (so a plan
+        never reads a block an earlier plan did not write), at once outside one. Only a block
+        that filled up has anything to register (most decodes do not)."""
+        req.token_ids = token_ids
+        if req.num_tokens // self.block_size > req.num_cached_blocks:
+            if self._in_step:
+                self._dirty[request_id] = None
+            else:
+                self._cache_full_blocks(req, token_ids)
 
     def _admit(self, request_id, token_ids, num_new_tokens, hit, block_hashes, cache_salt,
                lookahead):
@@ -440,12 +446,7 @@ class KVCacheManager:
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_tokens += hit.num_tokens
         if self.enable_prefix_caching:
-            req.token_ids = token_ids
-            if num_tokens // bs > req.num_cached_blocks:
-                if self._in_step:
-                    self._dirty[request_id] = None
-                else:
-                    self._cache_full_blocks(req, token_ids)
+            self._note_full_blocks(request_id, req, token_ids)
         self._debug_check()
         return new_ids
 

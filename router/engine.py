@@ -520,12 +520,11 @@ class RouterEngine:
         max_len = self.config.max_model_len
         for i, seq_id in enumerate(result.request_ids):
             k = int(top_counts[i]) if top_counts is not None else 0
-            group = self.live.get(seq_id.rsplit("#", 1)[0])
+            request_id, _, index = seq_id.rpartition("#")
+            group = self.live.get(request_id)
             seq = None
-            if group is not None:
-                idx = int(seq_id.rsplit("#", 1)[1])
-                if idx < len(group.seqs):
-                    seq = group.seqs[idx]
+            if group is not None and int(index) < len(group.seqs):
+                seq = group.seqs[int(index)]
             if seq is None or seq.finished or group.executor_id != handle.id:
                 top_ofs += k
                 continue
