@@ -1,0 +1,99 @@
+"""Request lifecycle at the router's output end: text, stop strings, streams, endings.
+
+    sampled tokens (step_loop) -> text_stage: detokenize, stop strings -> deliver -> stream
+    every sample finished -> complete (usage, final item) | an error -> fail
+
+Nothing here decides what an executor computes; it only turns tokens the router has
+received into what the client sees, and ends requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .sequence import GroupStatus, RequestGroup, Sequence
+from .types import CompletionDelta
+
+if TYPE_CHECKING:
+    from .engine import RouterEngine
+    from .scheduler import Scheduler
+
+log = logging.getLogger("pagedserve.router")
+
+
+class Delivery:
+    """Turns received tokens into stream items and ends requests (one per engine)."""
+
+    def __init__(self, engine: RouterEngine) -> None:
+        self.engine = engine
+        self.metrics = engine.metrics
+        self.live = engine.live
+
+    def text_stage(self, scheduler: Scheduler, touched: list[Sequence]) -> None:
+        """Detokenize, match stop strings, push deltas; finish groups that are done."""
+        done_groups: list[RequestGroup] = []
+        for seq in touched:
+            group = seq.group
+            if group.aborted or seq.assembler.finished:
+                continue
+            start = seq.num_prompt_tokens + seq.num_delivered
+            new_ids = seq.token_ids[start:]
+            text_parts: list[str] = []
+            delivered: list[int] = []
+            update = None
+            for tok in new_ids:
+                update = seq.assembler.append(tok)
+                delivered.append(tok)
+                text_parts.append(update.text)
+                if update.finished:
+                    break
+            seq.num_delivered += len(delivered)
+            lps = tuple(seq.logprobs[: len(delivered)])
+            del seq.logprobs[: len(delivered)]
+            if update is not None and update.finished:
+                if not seq.finished:
+                    scheduler.finish_seq(seq)  # a stop string: at most one token wasted
+                self.deliver(seq, "".join(text_parts), tuple(delivered), lps,
+                             update.finish_reason, update.stop_string, update.stop_token_id)
+                if group.all_finished:
+                    done_groups.append(group)
+            else:
+                self.deliver(seq, "".join(text_parts), tuple(delivered), lps, None)
+        for group in done_groups:
+            if group.request_id in self.live:
+                scheduler.remove(group)
+                self.complete(group)
+
+    def deliver(self, seq: Sequence, text: str, token_ids: tuple, logprobs: tuple,
+                finish_reason, stop_string=None, stop_token_id=None) -> None:
+        """Hand one sample's new text/tokens to its request's stream. (TTFT, inter-token
+        latency and the other client-facing latencies are measured by the gRPC edge when
+        the stream hands them to the client.)"""
+        group = seq.group
+        if token_ids:
+            if group.first_token_time is None:
+                group.first_token_time = time.monotonic()
+            self.metrics.add_generation_tokens(len(token_ids))
+        group.channel.put(CompletionDelta(
+            index=seq.index, text=text, token_ids=token_ids, logprobs=logprobs,
+            finish_reason=finish_reason, stop_string=stop_string, stop_token_id=stop_token_id,
+        ))
+
+    def complete(self, group: RequestGroup) -> None:
+        """Every sample finished: the final item with usage; forget the request."""
+        if self.live.pop(group.request_id, None) is None:
+            return
+        group.channel.finish(group.usage())
+        if group.first_scheduled_time is not None:
+            self.metrics.observe_queue_time(group.first_scheduled_time - group.arrival_time)
+
+    def fail(self, group: RequestGroup, error: Exception) -> None:
+        handle = self.engine.executors.get(group.executor_id or "")
+        if handle is not None and group.status is not GroupStatus.FINISHED:
+            handle.scheduler.remove(group)
+        for seq in group.seqs:
+            seq.finished = True
+        if self.live.pop(group.request_id, None) is not None:
+            group.channel.fail(error)  # the edge maps it to a status and counts the failure

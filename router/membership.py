@@ -1,0 +1,204 @@
+"""Executor membership: who is registered, who is alive, and where work goes when one leaves.
+
+    Hello -> on_hello (accept/refuse; a fresh KV manager, scheduler and step loop)
+    Heartbeat / result -> last_seen;  monitor_loop: silence past --heartbeat-timeout = dead
+    Goodbye (SIGTERM, scale-down), process exit, re-registration, failed step
+        -> executor_lost -> migrate each request (or fail it after a failed step)
+
+The router holds every token of every request, so losing an executor loses no request:
+each one is re-admitted elsewhere with its tokens so far (see `migrate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..kvmanager import KVCacheManager
+from ..protos import wire
+from .errors import Unavailable
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import RequestGroup
+
+if TYPE_CHECKING:
+    from .engine import RouterEngine
+
+log = logging.getLogger("pagedserve.router")
+
+
+@dataclass
+class ExecutorHandle:
+    """One registered executor: its KV manager, scheduler and step loop."""
+
+    hello: wire.Hello
+    routing_id: bytes
+    kv: KVCacheManager
+    scheduler: Scheduler
+    healthy: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: asyncio.Future | None = None
+    pending_step: int = -1
+    step_id: int = 0
+    task: asyncio.Task | None = None
+    prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
+    last_check: float = 0.0  # when the KV invariants were last verified
+    blocks_moved_in_flight: int = 0  # swapped out + in by the plan in flight (cost model)
+    tokens_in_flight: int = 0  # tokens computed by the plan in flight (cost model)
+    num_leaked_blocks: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.hello.executor_id
+
+
+class Membership:
+    """Registration, liveness and migration for one engine's executors."""
+
+    def __init__(self, engine: RouterEngine) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.executors = engine.executors
+
+    def healthy(self) -> list[ExecutorHandle]:
+        return [h for h in self.executors.values() if h.healthy]
+
+    # ------------------------------------------------------------------ registration
+
+    def refusal(self, hello: wire.Hello) -> str:
+        """Why an executor cannot join (empty: it can)."""
+        cfg = self.config
+        if hello.protocol_version != wire.PROTOCOL_VERSION:
+            return f"protocol version {hello.protocol_version}, router speaks " \
+                   f"{wire.PROTOCOL_VERSION}"
+        if hello.model_fingerprint != cfg.model_fingerprint:
+            return "a different model (config.json fingerprint differs from the router's)"
+        if hello.block_size != cfg.block_size:
+            return f"block size {hello.block_size}, the router uses {cfg.block_size}"
+        if hello.num_gpu_blocks <= 0:
+            return "no KV-cache blocks"
+        if hello.max_model_len < cfg.max_model_len:
+            return (f"max_model_len {hello.max_model_len} is below the router's "
+                    f"{cfg.max_model_len} (start both with the same --max-model-len)")
+        return ""
+
+    def on_hello(self, routing_id: bytes, hello: wire.Hello) -> wire.Welcome:
+        reason = self.refusal(hello)
+        if reason:
+            log.warning("refused executor %s: %s", hello.executor_id, reason)
+            return wire.Welcome(executor_id=hello.executor_id, accepted=False, reason=reason)
+        engine = self.engine
+        old = self.executors.get(hello.executor_id)
+        cfg = self.config
+        kv = KVCacheManager(
+            hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching, hash_algo=cfg.hash_algo,
+            watermark=cfg.watermark, max_pinned_fraction=cfg.max_pinned_fraction,
+        )
+        sched = Scheduler(kv, SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, preemption_mode=cfg.preemption_mode,
+        ))
+        handle = ExecutorHandle(hello=hello, routing_id=routing_id, kv=kv, scheduler=sched)
+        self.executors[hello.executor_id] = handle
+        handle.task = asyncio.get_running_loop().create_task(engine.steps.run(handle))
+        if old is not None:  # it re-registered with an empty cache (router loss, restart)
+            self.executor_lost(old, "re-registered with an empty cache")
+        log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d",
+                 hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
+                 hello.num_cpu_blocks)
+        engine.metrics.set_executors_healthy(engine.num_healthy())
+        engine.update_gauges(handle)
+        engine.registered.set()
+        return wire.Welcome(executor_id=hello.executor_id, accepted=True)
+
+    def on_heartbeat(self, executor_id: str) -> bool:
+        handle = self.executors.get(executor_id)
+        if handle is None or not handle.healthy:
+            return False
+        handle.last_seen = time.monotonic()
+        return True
+
+    # ------------------------------------------------------------------ liveness
+
+    async def monitor_loop(self) -> None:
+        timeout = self.config.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(0.1, timeout / 4))
+            now = time.monotonic()
+            for handle in list(self.executors.values()):
+                if handle.healthy and now - handle.last_seen > timeout:
+                    try:
+                        self.executor_lost(handle, f"silent for {now - handle.last_seen:.1f} s")
+                    except Exception:  # the monitor must outlive any bug in one loss
+                        log.exception("handling the loss of executor %s failed", handle.id)
+
+    def executor_exited(self, executor_id: str, returncode: int | None) -> None:
+        """`serve` saw an executor's process exit: it is dead now, not after the timeout."""
+        handle = self.executors.get(executor_id)
+        if handle is not None:
+            self.executor_lost(handle, f"process exited with code {returncode}")
+
+    def on_goodbye(self, executor_id: str, reason: str) -> None:
+        """The executor is stopping (SIGTERM, scale-down): move its requests now."""
+        handle = self.executors.get(executor_id)
+        if handle is not None:
+            self.executor_lost(handle, f"stopping ({reason})")
+
+    # ------------------------------------------------------------------ loss and migration
+
+    def executor_lost(self, handle: ExecutorHandle, why: str, migrate: bool = True) -> None:
+        """An executor died, stopped or forgot its state. Its requests migrate: the router
+        holds every token of every request, so each is re-admitted on a live executor
+        (recomputing prompt and output so far, reusing that executor's prefix cache) and
+        its stream goes on with no duplicated or missing token (sampling is keyed on the
+        output position). Only with no live executor that could fit it does a request end
+        with UNAVAILABLE. With `migrate=False` (a failed step: the request may be what
+        broke it) the requests fail."""
+        if not handle.healthy:
+            return
+        handle.healthy = False
+        log.warning("executor %s left: %s", handle.id, why)
+        if handle.task is not None:
+            handle.task.cancel()
+        if handle.pending is not None and not handle.pending.done():
+            handle.pending.cancel()
+        groups = list(handle.scheduler.groups())
+        for group in groups:
+            handle.scheduler.remove(group)
+        delivery = self.engine.delivery
+        for group in groups:
+            try:
+                if migrate:
+                    self.migrate(group, why)
+                else:
+                    delivery.fail(group, Unavailable(f"executor {handle.id} failed: {why}"))
+            except Exception:  # one request's trouble must not strand the others
+                log.exception("request %s: moving it off executor %s failed", group.request_id,
+                              handle.id)
+                delivery.fail(group, Unavailable(f"executor {handle.id} is gone ({why})"))
+        self.engine.metrics.set_executors_healthy(self.engine.num_healthy())
+
+    def migrate(self, group: RequestGroup, why: str) -> None:
+        """Re-admit a request whose executor is gone on a live one; it keeps its priority
+        and arrival order, its tokens so far, and skips the queue cap."""
+        engine = self.engine
+        need = engine.tokens_needed(group.spec)
+        fitting = [h for h in self.healthy() if h.kv.can_ever_fit(need)]
+        if group.aborted or group.request_id not in engine.live:
+            return
+        if not fitting:
+            engine.delivery.fail(group, Unavailable(
+                f"the executor running the request is gone ({why}) and no live executor "
+                "can take it over"))
+            return
+        for seq in group.seqs:
+            seq.num_computed_tokens = 0
+            seq.on_executor = False
+        group.pinned_tokens = 0
+        engine.place(group, fitting)
+        engine.metrics.inc_migration()
+        log.info("request %s migrated to executor %s", group.request_id, group.executor_id)
