@@ -19,8 +19,9 @@ Step protocol in one picture::
     router  --Hello?--  executor           executor connects, sends Hello
     router  --Welcome-> executor           accepted (or refused, with a reason)
     router  <-Heartbeat executor           every heartbeat interval, from a thread
-    router  --StepPlan-> executor          one per step, in order
-    router  <-StepResult executor          one per plan, same step_id
+    router  --StepPlan-> executor          one per step, in order; up to --pipeline-depth
+                                           plans may be out before the first is answered
+    router  <-StepResult executor          one per plan, same step_id, in plan order
     router  --Shutdown-> executor          drain/exit
 """
 
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pipelined steps (feed_sampled, deadline_s, gap_s)
 
 # Limits on what a peer may send (DESIGN: limits everywhere).
 # A StepPlan takes 1 + 11 fixed frames plus 2 per new request (prompt ids, output ids; an
@@ -157,6 +158,16 @@ class StepPlan(_Message, tag="plan", frozen=True):
 
     The executor applies swap_out, then swap_in, then copy, then creates forks, then runs
     the forward pass. No block is both a source and a destination within one plan.
+
+    Pipelining: the router may send this plan before the result of step ``step_id - 1`` is
+    back. A decode whose input is the token being sampled in that step is marked in
+    ``feed_sampled`` (its ``token_ids`` entry is -1, a placeholder, never a token): the
+    executor feeds it the token it sampled for that request in step ``step_id - 1``. If it
+    sampled none there (that step failed, or the request errored in it), the request is
+    left out of this step and reported as an error of this step; no made-up token is fed.
+    ``deadline_s`` (0: none) is how long the step may take once the executor starts it: an
+    executor still inside the step after that stops heartbeating, so the router declares
+    it dead (a hung kernel) and moves its requests.
     """
 
     step_id: int
@@ -166,6 +177,7 @@ class StepPlan(_Message, tag="plan", frozen=True):
     num_computed_tokens: np.ndarray | None = None  # int32 [S]
     num_new_tokens: np.ndarray | None = None  # int32 [S]; the query length this step
     do_sample: np.ndarray | None = None  # uint8 [S]; 0 for a prefill chunk not ending the prompt
+    feed_sampled: np.ndarray | None = None  # uint8 [S]; 1: input = own sample of step_id - 1
     token_ids: np.ndarray | None = None  # int32 [T]
     positions: np.ndarray | None = None  # int32 [T]
     slot_mapping: np.ndarray | None = None  # int64 [T]
@@ -176,6 +188,7 @@ class StepPlan(_Message, tag="plan", frozen=True):
     swap_in: np.ndarray | None = None  # int64 [P, 2] (cpu block, device block)
     copy: np.ndarray | None = None  # int64 [P, 2] (src device block, dst device block)
     finished_ids: list[str] = []  # drop their state (finished, aborted, preempted, moved)
+    deadline_s: float = 0.0  # seconds the step may run on the executor (0: no deadline)
 
     @property
     def num_seqs(self) -> int:
@@ -199,7 +212,8 @@ class StepPlan(_Message, tag="plan", frozen=True):
         token_arrays = (self.token_ids, self.positions, self.slot_mapping)
         do_sample = self.do_sample
         if s == 0:
-            for arr in (*seq_arrays, do_sample, *token_arrays, self.block_table_ids):
+            for arr in (*seq_arrays, do_sample, self.feed_sampled, *token_arrays,
+                        self.block_table_ids):
                 if arr is not None and (arr.ndim != 1 or arr.shape[0] != 0):
                     raise WireError(f"plan {step}: per-request arrays given without requests")
         else:
@@ -208,6 +222,9 @@ class StepPlan(_Message, tag="plan", frozen=True):
                     raise WireError(f"plan {step}: per-request arrays must be {s} integers")
             if do_sample is None or do_sample.shape != (s,) or do_sample.dtype.kind not in "iub":
                 raise WireError(f"plan {step}: do_sample must have {s} entries")
+            feed = self.feed_sampled
+            if feed is not None and (feed.shape != (s,) or feed.dtype.kind not in "iub"):
+                raise WireError(f"plan {step}: feed_sampled must have {s} entries")
             computed, num_new, starts, lens = seq_arrays
             if (computed | num_new | starts | lens).min() < 0:
                 raise WireError(f"plan {step}: negative token count or block table change")
@@ -264,9 +281,12 @@ class StepResult(_Message, tag="result", frozen=True):
     top_token_ids: np.ndarray | None = None  # int32 [sum(top_counts)]
     top_logprobs: np.ndarray | None = None  # float32 [sum(top_counts)]
     errors: list[RequestError] = []
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # the model forward and logits only
     sample_s: float = 0.0
     swap_s: float = 0.0
+    # From the end of sampling of the executor's previous step to the start of this step's
+    # forward: waiting for the plan, decoding it, block moves, preparing inputs.
+    gap_s: float = 0.0
 
     def validate(self) -> None:
         r = len(self.request_ids)
