@@ -41,6 +41,20 @@ def _block_size(value: str) -> int:
     return n
 
 
+def _pipeline_depth(value: str) -> int:
+    n = int(value)
+    if n not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{n} is not 1 or 2")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x} must be positive")
+    return x
+
+
 def _positive_int(value: str) -> int:
     n = int(value)
     if n <= 0:
@@ -77,6 +91,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("no-prefix-caching", parse_bool, False, "turn prefix caching off"),
     ("preemption-mode", _choice("auto", "recompute", "swap"), "auto", "how to preempt"),
     ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
+    ("pipeline-depth", _pipeline_depth, 2, "plans in flight per executor (1: one at a time)"),
+    ("step-timeout", _positive_float, 30.0, "seconds a plan may go unanswered (plus its work)"),
     ("heartbeat-timeout", float, 2.0, "seconds of executor silence before it counts as dead"),
     ("shutdown-timeout", float, 30.0, "seconds of draining on SIGINT/SIGTERM"),
     ("restart-executors", parse_bool, False, "serve: restart an executor that died"),

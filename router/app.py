@@ -86,6 +86,8 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         preemption_mode=PreemptionMode(args.preemption_mode),
         routing=RoutingPolicy(args.routing),
         heartbeat_timeout_s=args.heartbeat_timeout,
+        pipeline_depth=args.pipeline_depth,
+        step_timeout_s=args.step_timeout,
         debug_checks=bool(getattr(args, "debug_checks", False)),
     )
 
