@@ -5,11 +5,12 @@ Do not add per-token Python loops, per-row device syncs or anything that walks t
 
 Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
 
-1. penalties on the raw logits, over the request's OUTPUT tokens (never the prompt; DESIGN §2
-   "penalties count the request's output tokens as the plan gives them, never twice"):
-   repetition (HF/vLLM: a seen token's logit is divided by the penalty when positive,
-   multiplied when negative), then frequency and presence (OpenAI: subtract
-   ``frequency * count + presence * (count > 0)``);
+1. penalties on the raw logits (DESIGN §2; vLLM's and HF's semantics). Repetition counts
+   the PROMPT and the output: each distinct token of prompt ∪ output has its logit divided by
+   the penalty when positive, multiplied when negative, once (a token in both, or repeated,
+   is penalised once). Frequency and presence count the OUTPUT only (OpenAI: subtract
+   ``frequency * count + presence * (count > 0)``, count = occurrences in the output);
+   repetition is applied first;
 2. min_tokens: while a request has fewer than ``min_tokens`` output tokens, its EOS ids
    (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
 3. greedy rows (temperature < 1e-5, or top_k == 1) take the exact argmax (first index on
@@ -60,15 +61,18 @@ _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal numb
 
 
 class SamplingState:
-    """One request's sampling state on an executor: params, sample index, output tokens."""
+    """One request's sampling state on an executor: params, sample index, output tokens and
+    the prompt's token ids (the repetition penalty counts them; nothing else does)."""
 
-    __slots__ = ("params", "sample_index", "_tokens", "_num_tokens")
+    __slots__ = ("params", "sample_index", "_tokens", "_num_tokens", "_prompt",
+                 "_prompt_distinct")
 
     def __init__(
         self,
         params: SamplingParams,
         sample_index: int = 0,
         output_token_ids: Sequence[int] | np.ndarray = (),
+        prompt_token_ids: Sequence[int] | np.ndarray = (),
     ) -> None:
         ids = np.asarray(output_token_ids, dtype=np.int64).reshape(-1)
         self.params = params
@@ -76,11 +80,29 @@ class SamplingState:
         self._tokens = np.empty(max(16, 2 * ids.shape[0]), dtype=np.int64)
         self._tokens[: ids.shape[0]] = ids
         self._num_tokens = int(ids.shape[0])
+        prompt = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)  # always a copy
+        prompt.flags.writeable = False
+        self._prompt = prompt
+        self._prompt_distinct: np.ndarray | None = None  # computed on first use
 
     @classmethod
     def from_new_request(cls, req: NewRequest) -> SamplingState:
-        """Rebuild the state from the plan; the prompt does not count for penalties."""
-        return cls(req.sampling, req.sample_index, req.output_token_ids)
+        """Rebuild the state from the plan: prompt and output tokens so far."""
+        return cls(req.sampling, req.sample_index, req.output_token_ids, req.prompt_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        """int64 [prompt length], read-only."""
+        return self._prompt
+
+    @property
+    def prompt_distinct_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids, sorted (int64, read-only; cached)."""
+        distinct = self._prompt_distinct
+        if distinct is None:
+            distinct = self._prompt_distinct = np.unique(self._prompt)
+            distinct.flags.writeable = False
+        return distinct
 
     @property
     def num_output_tokens(self) -> int:
@@ -103,8 +125,11 @@ class SamplingState:
         self._num_tokens += 1
 
     def fork(self, sample_index: int) -> SamplingState:
-        """A child with a copy of this state's output tokens and its own sample index."""
-        return SamplingState(self.params, sample_index, self.output_token_ids)
+        """A child with a copy of this state's output tokens, the same prompt (read-only,
+        so shared rather than copied) and its own sample index."""
+        child = SamplingState(self.params, sample_index, self.output_token_ids)
+        child._prompt, child._prompt_distinct = self._prompt, self._prompt_distinct
+        return child
 
     def __repr__(self) -> str:
         return (f"SamplingState(sample_index={self.sample_index}, "
@@ -160,31 +185,53 @@ def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- logit processors
 
 
-def flatten_output_tokens(states: Sequence[SamplingState],
-                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, token_ids), int64 [sum of output lengths]: row i repeated once per output token."""
-    lengths = [s.num_output_tokens for s in states]
-    token_ids = np.concatenate([s.output_token_ids for s in states]) if states else []
-    rows = np.repeat(np.arange(len(states), dtype=np.int64), lengths)
+def _flatten(arrays: Sequence[np.ndarray],
+             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [a.shape[0] for a in arrays]
+    token_ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    rows = np.repeat(np.arange(len(arrays), dtype=np.int64), lengths)
     return (torch.from_numpy(rows).to(device),
             torch.as_tensor(token_ids, dtype=torch.int64).to(device))
 
 
+def flatten_output_tokens(states: Sequence[SamplingState],
+                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token_ids), int64 [sum of output lengths]: row i repeated once per output token."""
+    return _flatten([s.output_token_ids for s in states], device)
+
+
+def flatten_prompt_tokens(states: Sequence[SamplingState],
+                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token_ids), int64: row i once per DISTINCT token of its prompt."""
+    return _flatten([s.prompt_distinct_ids for s in states], device)
+
+
 def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                      repetition: torch.Tensor, presence: torch.Tensor,
-                     frequency: torch.Tensor) -> torch.Tensor:
-    """In place on logits [N, V]; (rows, token_ids) list every output token once per
-    occurrence; repetition/presence/frequency are per row [N]. Repetition first (a seen
-    token's logit / penalty when > 0, * penalty otherwise), then
-    ``- frequency * count - presence``. Work is O(number of output tokens), not O(N * V)."""
+                     frequency: torch.Tensor, prompt_rows: torch.Tensor | None = None,
+                     prompt_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """In place on logits [N, V]; repetition/presence/frequency are per row [N].
+
+    (rows, token_ids) list every OUTPUT token once per occurrence; (prompt_rows,
+    prompt_token_ids) list prompt tokens (any multiplicity), which count for repetition
+    only. Repetition first, once per distinct token of prompt ∪ output (a seen token's
+    logit / penalty when > 0, * penalty otherwise), then ``- frequency * count - presence``
+    over the output tokens. Work is O(number of tokens listed), not O(N * V)."""
     vocab = logits.shape[1]
     keep = (token_ids >= 0) & (token_ids < vocab)
-    keys, counts = torch.unique(rows[keep] * vocab + token_ids[keep], return_counts=True)
-    r, t = keys // vocab, keys % vocab
+    out_keys, counts = torch.unique(rows[keep] * vocab + token_ids[keep], return_counts=True)
+    rep_keys = out_keys
+    if prompt_rows is not None and prompt_rows.numel():
+        keep = (prompt_token_ids >= 0) & (prompt_token_ids < vocab)
+        rep_keys = torch.unique(torch.cat(
+            [out_keys, prompt_rows[keep] * vocab + prompt_token_ids[keep]]))
+    r, t = rep_keys // vocab, rep_keys % vocab
     values = logits[r, t]
     rep = repetition[r]
-    values = torch.where(values > 0, values / rep, values * rep)
-    logits[r, t] = values - frequency[r] * counts.to(values.dtype) - presence[r]
+    logits[r, t] = torch.where(values > 0, values / rep, values * rep)
+    if out_keys.numel():
+        r, t = out_keys // vocab, out_keys % vocab
+        logits[r, t] = logits[r, t] - frequency[r] * counts.to(logits.dtype) - presence[r]
     return logits
 
 
@@ -245,8 +292,10 @@ def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
 
 def _has_penalty(state: SamplingState) -> bool:
     p = state.params
+    if p.repetition_penalty != 1.0 and (state.num_output_tokens or state.prompt_token_ids.size):
+        return True
     return state.num_output_tokens > 0 and (
-        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
 
 def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
@@ -306,12 +355,17 @@ class Sampler:
         if pen_rows or mask_rows:
             x = self._buffer(0, raw.shape, device).copy_(raw)
         if pen_rows:
+            pen_index = torch.tensor(pen_rows, device=device)
             rows, token_ids = flatten_output_tokens([states[i] for i in pen_rows], device)
-            rows = torch.tensor(pen_rows, device=device)[rows]
-            apply_penalties_(x, rows, token_ids,
+            rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
+            prompt_rows, prompt_ids = flatten_prompt_tokens([states[i] for i in rep_rows],
+                                                            device)
+            apply_penalties_(x, pen_index[rows], token_ids,
                              torch.tensor([p.repetition_penalty for p in params], device=device),
                              torch.tensor([p.presence_penalty for p in params], device=device),
-                             torch.tensor([p.frequency_penalty for p in params], device=device))
+                             torch.tensor([p.frequency_penalty for p in params], device=device),
+                             torch.tensor(rep_rows, dtype=torch.int64, device=device)[prompt_rows],
+                             prompt_ids)
         if mask_rows:
             x[torch.tensor(mask_rows, device=device),
               torch.tensor(mask_ids, device=device)] = float("-inf")

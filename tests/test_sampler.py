@@ -16,6 +16,7 @@ from pagedserve.executor.sampler import (
     SamplingState,
     apply_penalties_,
     flatten_output_tokens,
+    flatten_prompt_tokens,
     keyed_uniform,
     sample_from_probs_,
 )
@@ -25,8 +26,9 @@ torch.set_num_threads(1)
 NEG_INF = float("-inf")
 
 
-def state(output=(), sample_index=0, **params) -> SamplingState:
-    return SamplingState(SamplingParams(**params), sample_index, np.asarray(output, np.int64))
+def state(output=(), sample_index=0, prompt=(), **params) -> SamplingState:
+    return SamplingState(SamplingParams(**params), sample_index, np.asarray(output, np.int64),
+                         np.asarray(prompt, np.int64))
 
 
 def sample(logits, states):
@@ -173,13 +175,15 @@ def test_preempted_request_rebuilt_from_the_plan_samples_the_same_tokens():
     logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(3))
     params = dict(seed=42, temperature=1.3, repetition_penalty=1.2, presence_penalty=0.3,
                   frequency_penalty=0.1)
-    full = run([state(sample_index=1, **params)], logits, 20)[:, 0]
-    first = run([state(sample_index=1, **params)], logits, 8)[:, 0]
-    req = NewRequest(request_id="r", prompt_token_ids=np.arange(5, dtype=np.int32),
+    prompt = np.arange(5, dtype=np.int32)
+    full = run([state(sample_index=1, prompt=prompt, **params)], logits, 20)[:, 0]
+    first = run([state(sample_index=1, prompt=prompt, **params)], logits, 8)[:, 0]
+    req = NewRequest(request_id="r", prompt_token_ids=prompt,
                      output_token_ids=first.astype(np.int32),
                      sampling=SamplingParams(**params), sample_index=1)
     rebuilt = SamplingState.from_new_request(req)
     assert rebuilt.num_output_tokens == 8
+    assert rebuilt.prompt_token_ids.tolist() == prompt.tolist()
     rest = run([rebuilt], logits, 12)[:, 0]
     np.testing.assert_array_equal(full, np.concatenate([first, rest]))
 
@@ -239,15 +243,69 @@ def test_penalties_change_exactly_the_seen_logits():
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
 
-def test_repetition_penalty_below_one_boosts_and_prompt_does_not_count():
+def test_repetition_penalty_below_one_boosts_and_counts_the_prompt():
     logits = torch.tensor([[1.0, -1.0, 0.9]])
     out = apply_penalties_(logits.clone(), torch.tensor([0, 0]), torch.tensor([0, 1]),
                            torch.tensor([0.5]), torch.tensor([0.0]), torch.tensor([0.0]))
     torch.testing.assert_close(out, torch.tensor([[2.0, -0.5, 0.9]]))
+    # A prompt token counts for repetition (vLLM and HF do), not for presence/frequency.
     req = NewRequest(request_id="r", prompt_token_ids=np.array([0, 0, 0], np.int32),
                      output_token_ids=np.zeros(0, np.int32),
                      sampling=SamplingParams(temperature=0.0, repetition_penalty=100.0))
-    assert sample(logits, [SamplingState.from_new_request(req)]).token_ids[0] == 0
+    assert sample(logits, [SamplingState.from_new_request(req)]).token_ids[0] == 2
+    assert sample(logits, [state(prompt=[0, 0, 0], temperature=0.0, presence_penalty=2.0,
+                                 frequency_penalty=2.0)]).token_ids[0] == 0
+
+
+def test_repetition_counts_a_token_once_across_prompt_and_output():
+    """Token 0 is in the prompt twice and the output twice: divided by the penalty once;
+    frequency and presence see only its two output occurrences."""
+    logits = torch.tensor([[4.0, -2.0, 3.0, 1.0], [4.0, -2.0, 3.0, 1.0]])
+    states = [state(prompt=[0, 1, 0], output=[0, 0], repetition_penalty=2.0,
+                    presence_penalty=0.5, frequency_penalty=0.25),
+              state(prompt=[3, 3])]  # repetition 1: its prompt is not even listed
+    prompt_rows, prompt_ids = flatten_prompt_tokens(states[:1])
+    assert prompt_rows.tolist() == [0, 0] and prompt_ids.tolist() == [0, 1]
+    rows, ids = flatten_output_tokens(states)
+    out = apply_penalties_(logits.clone(), rows, ids, torch.tensor([2.0, 1.0]),
+                           torch.tensor([0.5, 0.0]), torch.tensor([0.25, 0.0]),
+                           prompt_rows, prompt_ids)
+    expected = torch.tensor([[4.0 / 2 - 0.5 - 0.5, -2.0 * 2, 3.0, 1.0],
+                             [4.0, -2.0, 3.0, 1.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    fork = states[0].fork(1)
+    assert fork.prompt_token_ids.tolist() == [0, 1, 0]
+    assert fork.output_token_ids.tolist() == [0, 0]
+
+
+def test_repetition_penalty_matches_hf_processor_over_a_greedy_run():
+    """Greedy decoding over 12 steps of fixed random logits (a model that keeps proposing
+    the same few tokens): our sampler and transformers' RepetitionPenaltyLogitsProcessor on
+    input_ids = prompt + output pick the same tokens and penalise the same logits."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, prompt = 64, [3, 9, 9, 17, 40]
+    step_logits = torch.randn(12, vocab, generator=gen) * 2
+    step_logits[:, prompt] += 3.0  # prompt tokens tempting: only the prompt rule stops them
+    for penalty in (1.8, 0.7):
+        hf = RepetitionPenaltyLogitsProcessor(penalty)
+        ours = state(prompt=prompt, temperature=0.0, repetition_penalty=penalty, logprobs=1)
+        hf_ids, sampler = list(prompt), Sampler()
+        for logits in step_logits:
+            ref = hf(torch.tensor([hf_ids]), logits.unsqueeze(0).clone())
+            out = sampler(logits.unsqueeze(0), [ours])
+            assert int(out.token_ids[0]) == int(ref.argmax(-1))
+            rows, ids = flatten_output_tokens([ours])
+            p_rows, p_ids = flatten_prompt_tokens([ours])
+            mine = apply_penalties_(logits.unsqueeze(0).clone(), rows, ids,
+                                    torch.tensor([penalty]), torch.tensor([0.0]),
+                                    torch.tensor([0.0]), p_rows, p_ids)
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+            ours.append(int(out.token_ids[0]))
+            hf_ids.append(int(out.token_ids[0]))
+        unpenalised = step_logits.argmax(-1).tolist()
+        assert ours.output_token_ids.tolist() != unpenalised  # the penalty mattered
 
 
 def test_sampler_applies_penalties_on_output_tokens_before_greedy_argmax():
@@ -350,19 +408,22 @@ def test_sampled_token_is_always_in_the_allowed_support(
     logits = torch.tensor(data.draw(st.lists(
         st.floats(-20, 20, allow_nan=False, width=32), min_size=vocab, max_size=vocab)))
     output = data.draw(st.lists(st.integers(0, vocab - 1), max_size=5))
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=5))
     eos = (0,)
     stop = (vocab - 1,) if vocab > 2 else ()
-    s = state(output=output, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
+    s = state(output=output, prompt=prompt, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
               min_p=min_p, repetition_penalty=repetition, presence_penalty=presence,
               frequency_penalty=frequency, min_tokens=min_tokens, eos_token_ids=eos,
               stop_token_ids=stop, logprobs=2)
     token = int(sample(logits.unsqueeze(0), [s]).token_ids[0])
 
-    # reference in float64: penalties, min_tokens mask, then the filters' conditions
+    # reference in float64: penalties (repetition over prompt and output, once per token;
+    # frequency and presence over the output), min_tokens mask, then the filters' conditions
     x = logits.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
     counts = np.bincount(output, minlength=vocab)
     for t in np.nonzero(counts)[0]:
-        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
         x[t] -= frequency * counts[t] + presence
     if len(output) < min_tokens:
         x[list(eos + stop)] = NEG_INF
