@@ -1,7 +1,7 @@
 """Helpers shared by the router benchmarks: synthetic requests and a fake executor.
 
 The fake executor does no model work: for every request a plan samples (`do_sample`), it
-returns one token. Results are applied the way `RouterEngine._apply_tokens` does (append the
+returns one token. Results are applied the way `StepLoop.apply_tokens` does (append the
 token, cheap stops by `max_tokens` / `max_model_len`, `finish_seq`, then `remove` once every
 sample is done); text detokenization is skipped (the vLLM reference excludes it too), so each
 sample carries a do-nothing assembler.
@@ -48,8 +48,8 @@ def fake_execute(plan: wire.StepPlan, step: int) -> wire.StepResult:
 
 
 class ResultApplier:
-    """The router's result path without the text stage (mirrors RouterEngine._apply_tokens
-    and the group-completion part of _text_stage)."""
+    """The router's result path without the text stage (mirrors StepLoop.apply_result /
+    apply_tokens and the group-completion part of Delivery.text_stage)."""
 
     def __init__(self, scheduler: Scheduler, max_model_len: int) -> None:
         self.scheduler = scheduler
@@ -62,7 +62,11 @@ class ResultApplier:
         self.live[group.request_id] = group
         self.scheduler.add(group)
 
-    def apply(self, result: wire.StepResult) -> None:
+    def apply(self, result: wire.StepResult, sampled: list[Sequence] = ()) -> None:
+        """`sampled`: the samples the answered plan sampled for (`SchedulerOutput.sampled`),
+        pending until now."""
+        for seq in sampled:
+            seq.num_pending -= 1
         if not result.request_ids:
             return
         sched = self.scheduler

@@ -4,7 +4,7 @@ request. JSON lines on stdout, a table on stderr.
 
 Per step, timed: `Scheduler.schedule()`, `build_plan()`, `KVCacheManager.end_step()`,
 `Codec.encode(plan)` (the frames the router would send), `Codec.decode()` of the executor's
-StepResult frames and applying its tokens as `RouterEngine._apply_tokens` does (append,
+StepResult frames and applying its tokens as `StepLoop.apply_tokens` does (append,
 cheap stop by max_tokens, `finish_seq`, `remove`). Not timed: the fake executor (building
 and encoding its StepResult). Text detokenization is skipped (the reference skips it too).
 Requests, and their prompt block hashes (`kv.hash_blocks`), are built before timing; every
@@ -135,7 +135,7 @@ class Router:
         result_frames = [bytes(f) for f in self.exec_codec.encode(fake_execute(plan, self.step_id))]
         # ----
         t4 = pc()
-        self.applier.apply(self.codec_in.decode(result_frames))
+        self.applier.apply(self.codec_in.decode(result_frames), out.sampled)
         t5 = pc()
         ph = self.phase_ns
         ph["schedule"] += t1 - t0

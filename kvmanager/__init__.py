@@ -35,7 +35,12 @@ Rules the caller relies on:
 - New admissions leave `watermark_blocks` device blocks free; running requests may use them.
 - Step boundary: between `begin_step()` and `end_step()` a freed block is deferred, so one
   plan never hands a block out again after freeing it (no block is both a source and a
-  destination in one plan). Outside a step, frees go straight to the free queue.
+  destination in one plan). Outside a step, frees go straight to the free queue, unless
+  plans are in flight (pipelined steps): `end_step(sent_step)` records each plan sent and
+  `plan_answered(step)` each result; a block freed while plans are in flight is handed out
+  again only once the newest of them has been answered (a plan in flight may name it).
+  Blocks whose last filled slot holds a token the router has not received yet are not
+  registered: registration reads only the tokens the caller's list holds.
 - Prefix hits are verified by tokens and by chain, never trusted on the hash alone, and
   leave at least one token to compute. A block enters the prefix cache when the plan that
   computes it is sent (`end_step`; at once outside a step), so no plan reads a block that

@@ -16,14 +16,21 @@ object yet. The queue is "ids [fresh_next, num_blocks) that were never used" fol
 linked list; those fresh ids are older than anything in the list (free since creation), so
 taking them first is exactly LRU. A Block object is created when its id is first taken.
 
-Step boundary: while `deferring` is set (between the manager's begin_step and end_step), a
-block whose ref count drops to 0 goes to `deferred` instead of the queue, so it cannot be
-handed out again in the plan being built; `flush_deferred` appends them to the queue in the
-order they were freed.
+Step boundary: while `deferring` is set (between the manager's begin_step and end_step, and
+while plans are in flight), a block whose ref count drops to 0 goes to `deferred` instead of
+the queue, so it cannot be handed out again in the plan being built; `flush_deferred` appends
+them to the queue in the order they were freed.
+
+Fences (pipelined steps): a block freed while plans are in flight may still be named by one
+of them. `fence(step)` moves the deferred blocks into a batch held until the result of plan
+`step` is back; `release_fenced(answered)` frees every batch whose plan has been answered
+(results come back in plan order). A block freed again after a cache hit is held by its
+latest fence only.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 
@@ -89,6 +96,8 @@ class BlockPool:
         self.cached: dict = {}  # block hash -> Block
         self.deferred: list[Block] = []
         self.deferring = False
+        self.fenced: deque[tuple[int, list[Block]]] = deque()  # (plan step, blocks), in order
+        self._fence_of: dict[int, int] = {}  # block id -> the latest fence holding it
         self.num_evictions = 0
         self.events = events  # list of KVEvent tuples to append to, or None
 
@@ -215,8 +224,36 @@ class BlockPool:
         a deferred block touched since (a cache hit) and not freed again is skipped."""
         self.deferring = False
         deferred, self.deferred = self.deferred, []
+        self._enqueue(deferred, None)
+
+    def fence(self, step: int) -> None:
+        """Hold the blocks deferred so far until the result of plan `step` is back."""
+        if not self.deferred:
+            return
+        batch, self.deferred = self.deferred, []
+        fence_of = self._fence_of
+        for b in batch:
+            fence_of[b.block_id] = step
+        self.fenced.append((step, batch))
+
+    def release_fenced(self, answered: int) -> None:
+        """Free the blocks held for plans up to `answered` (in the order they were freed)."""
+        fenced = self.fenced
+        while fenced and fenced[0][0] <= answered:
+            self._enqueue(fenced.popleft()[1], answered)
+
+    def _enqueue(self, blocks: list[Block], answered: int | None) -> None:
+        """Append the blocks still free (ref count 0, not queued) to the queue tail; with
+        `answered`, only those whose latest fence is answered."""
+        fence_of = self._fence_of
         last = self.tail.prev_free
-        for b in deferred:
+        for b in blocks:
+            if answered is not None:
+                fence = fence_of.get(b.block_id)
+                if fence is not None:
+                    if fence > answered:
+                        continue  # freed again later: a later fence holds it
+                    del fence_of[b.block_id]
             if b.ref_cnt == 0 and b.prev_free is None:
                 last.next_free = b
                 b.prev_free = last
@@ -224,3 +261,10 @@ class BlockPool:
                 self.num_free += 1
         last.next_free = self.tail
         self.tail.prev_free = last
+
+    def held_free_ids(self) -> set[int]:
+        """Blocks at ref count 0 that are not in the queue yet: deferred or fenced."""
+        held = {b.block_id for b in self.deferred if b.ref_cnt == 0 and b.prev_free is None}
+        for _, batch in self.fenced:
+            held.update(b.block_id for b in batch if b.ref_cnt == 0 and b.prev_free is None)
+        return held

@@ -57,7 +57,8 @@ class BlockOps(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class DeviceStats:
     num_total_blocks: int
-    num_free_blocks: int  # held by no request or pin: free or cached-evictable (or deferred)
+    num_free_blocks: int  # held by no request or pin: free, cached-evictable, deferred or
+    # held for a plan in flight (allocatable once that plan is answered)
     num_cached_blocks: int  # blocks in the prefix cache (held or evictable)
     usage_ratio: float  # 1 - free / total
     num_evictions: int  # cached blocks reused for other content
@@ -155,6 +156,8 @@ class KVCacheManager:
         self._swap_in: list[tuple[int, int]] = []
         self._in_step = False
         self._dirty: dict[str, None] = {}  # allocated this step: register them at end_step
+        self._last_sent = 0  # step id of the newest plan sent (pipelined steps)
+        self._last_answered = 0  # step id of the newest plan whose result is back
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -679,7 +682,8 @@ class KVCacheManager:
 
     @property
     def num_deferred_gpu_blocks(self) -> int:
-        """Device blocks freed during the plan being built: free once end_step() runs."""
+        """Device blocks freed during the plan being built: free once end_step() runs (or,
+        with plans in flight, once the newest of them is answered)."""
         return sum(1 for b in self.gpu.deferred if b.ref_cnt == 0)
 
     def num_tokens(self, request_id: str) -> int:
@@ -759,23 +763,61 @@ class KVCacheManager:
 
     def begin_step(self) -> None:
         """Start building a plan: from now on a freed block is deferred, not handed out
-        again, and newly full blocks wait to enter the prefix cache, until end_step()."""
+        again, and newly full blocks wait to enter the prefix cache, until end_step().
+        Blocks freed since the last plan was sent stay held for the plans in flight."""
+        if self._last_sent > self._last_answered:
+            self.gpu.fence(self._last_sent)
+            self.cpu.fence(self._last_sent)
         self._in_step = True
         self.gpu.deferring = True
         self.cpu.deferring = True
 
-    def end_step(self) -> None:
-        """The plan was sent: the blocks it fills enter the prefix cache (requests still on
-        the device only), then deferred blocks join the free queue (in the order freed)."""
+    def end_step(self, sent_step: int | None = None) -> None:
+        """The plan was built (and sent as plan `sent_step`; None: no plan was sent): the
+        blocks it fills enter the prefix cache (requests still on the device only). Blocks
+        freed while building it join the free queue now when no plan is in flight, else
+        when the newest plan in flight has been answered (`plan_answered`)."""
         self._in_step = False
         dirty, self._dirty = self._dirty, {}
         for rid in dirty:
             req = self._reqs.get(rid)
             if req is not None and req.on_gpu:
                 self._cache_full_blocks(req, req.token_ids)
-        self.gpu.flush_deferred()
-        self.cpu.flush_deferred()
+        if sent_step is not None:
+            if sent_step <= self._last_sent:
+                raise InvariantError(f"plan {sent_step} sent after plan {self._last_sent}")
+            self._last_sent = sent_step
+        self._settle_frees()
         self._debug_check()
+
+    def plan_answered(self, step: int) -> None:
+        """The result of plan `step` is back (results come in plan order): the blocks held
+        for it and for earlier plans join the free queue."""
+        if self._last_sent > self._last_answered:
+            self.gpu.fence(self._last_sent)
+            self.cpu.fence(self._last_sent)
+        if step > self._last_answered:
+            self._last_answered = step
+        self.gpu.release_fenced(step)
+        self.cpu.release_fenced(step)
+        if not self._in_step:
+            self._settle_frees()
+        self._debug_check()
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        return self._last_sent - self._last_answered
+
+    def _settle_frees(self) -> None:
+        """Outside a plan build: with plans in flight, frees are held for the newest one
+        (and keep being deferred); without, they are free at once."""
+        in_flight = self._last_sent > self._last_answered
+        for pool in (self.gpu, self.cpu):
+            if in_flight:
+                pool.fence(self._last_sent)
+                pool.deferring = True
+            else:
+                pool.flush_deferred()
 
     # ================================================================== accounting
 
@@ -790,8 +832,7 @@ class KVCacheManager:
 
     @staticmethod
     def _device_stats(pool: BlockPool) -> DeviceStats:
-        free = pool.num_free + len({b.block_id for b in pool.deferred
-                                    if b.ref_cnt == 0 and b.prev_free is None})
+        free = pool.num_free + len(pool.held_free_ids())
         total = pool.num_blocks
         return DeviceStats(
             num_total_blocks=total,
@@ -874,6 +915,8 @@ class KVCacheManager:
                     f"{pool.device} num_free {pool.num_free} != queue {len(in_queue) + num_fresh}"
                 )
             deferred = {d.block_id for d in pool.deferred if d.ref_cnt == 0}
+            for _, batch in pool.fenced:
+                deferred.update(d.block_id for d in batch if d.ref_cnt == 0)
             used = 0
             for bid in range(pool.fresh_next):
                 blk = pool.blocks[bid]

@@ -3,7 +3,10 @@
 Each child gets `--router` (the bound ZeroMQ endpoint), its own `--executor-id` and
 `--parent-pid` (it exits when this process dies). Its output is relayed to stderr, each line
 prefixed with its name. When a child exits the router counts its executor dead at once;
-with --restart-executors a new one is started. On SIGINT/SIGTERM the router drains, asks
+with --restart-executors a new one is started. A child the router declares dead while its
+process still runs (it stopped heartbeating, or left a plan unanswered past its deadline: a
+hung kernel looks like this) is killed, so it is restarted (with --restart-executors) rather
+than left holding its device. On SIGINT/SIGTERM the router drains, asks
 the executors to shut down, and every child is waited for (then terminated, then killed).
 """
 
@@ -64,10 +67,18 @@ class ExecutorChildren:
         return cmd
 
     async def start_all(self, endpoint: str, engine) -> None:
+        engine.membership.on_hung = self.kill_hung
         host = socket.gethostname()
         for i in range(self.args.executors):
             executor_id = f"{host}-serve{i}-{os.getpid()}"
             await self._spawn(i, endpoint, executor_id, engine)
+
+    def kill_hung(self, executor_id: str, why: str) -> None:
+        proc = self.procs.get(executor_id)
+        if proc is None or proc.returncode is not None or self.stopping:
+            return
+        log.warning("killing executor %s (pid %d): %s", executor_id, proc.pid, why)
+        proc.kill()
 
     async def _spawn(self, index: int, endpoint: str, executor_id: str, engine) -> None:
         proc = await asyncio.create_subprocess_exec(

@@ -1,7 +1,8 @@
 """Executor membership: who is registered, who is alive, and where work goes when one leaves.
 
     Hello -> on_hello (accept/refuse; a fresh KV manager, scheduler and step loop)
-    Heartbeat / result -> last_seen;  monitor_loop: silence past --heartbeat-timeout = dead
+    Heartbeat / result -> last_seen;  monitor_loop: silence past --heartbeat-timeout, or
+        the oldest plan unanswered past its deadline (a hung executor), = dead
     Goodbye (SIGTERM, scale-down), process exit, re-registration, failed step
         -> executor_lost -> migrate each request (or fail it after a failed step)
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +28,7 @@ from .sequence import RequestGroup
 
 if TYPE_CHECKING:
     from .engine import RouterEngine
+    from .step_loop import InFlightPlan
 
 log = logging.getLogger("pagedserve.router")
 
@@ -40,14 +44,12 @@ class ExecutorHandle:
     healthy: bool = True
     last_seen: float = field(default_factory=time.monotonic)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: asyncio.Future | None = None
-    pending_step: int = -1
-    step_id: int = 0
+    in_flight: deque[InFlightPlan] = field(default_factory=deque)  # oldest first
+    head_since: float = 0.0  # when the oldest plan in flight became the oldest
+    step_id: int = 0  # of the newest plan sent
     task: asyncio.Task | None = None
     prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
     last_check: float = 0.0  # when the KV invariants were last verified
-    blocks_moved_in_flight: int = 0  # swapped out + in by the plan in flight (cost model)
-    tokens_in_flight: int = 0  # tokens computed by the plan in flight (cost model)
     num_leaked_blocks: int = 0
 
     @property
@@ -62,6 +64,9 @@ class Membership:
         self.engine = engine
         self.config = engine.config
         self.executors = engine.executors
+        # Called with (executor id, why) when an executor is declared dead while its process
+        # may still run (silent, or a plan unanswered): `serve` kills such a child.
+        self.on_hung: Callable[[str, str], None] | None = None
 
     def healthy(self) -> list[ExecutorHandle]:
         return [h for h in self.executors.values() if h.healthy]
@@ -130,9 +135,16 @@ class Membership:
             await asyncio.sleep(min(0.1, timeout / 4))
             now = time.monotonic()
             for handle in list(self.executors.values()):
-                if handle.healthy and now - handle.last_seen > timeout:
+                if not handle.healthy:
+                    continue
+                why = self.engine.steps.overdue(handle, now)
+                if not why and now - handle.last_seen > timeout:
+                    why = f"silent for {now - handle.last_seen:.1f} s"
+                if why:
                     try:
-                        self.executor_lost(handle, f"silent for {now - handle.last_seen:.1f} s")
+                        self.executor_lost(handle, why)
+                        if self.on_hung is not None:
+                            self.on_hung(handle.id, why)
                     except Exception:  # the monitor must outlive any bug in one loss
                         log.exception("handling the loss of executor %s failed", handle.id)
 
@@ -164,8 +176,12 @@ class Membership:
         log.warning("executor %s left: %s", handle.id, why)
         if handle.task is not None:
             handle.task.cancel()
-        if handle.pending is not None and not handle.pending.done():
-            handle.pending.cancel()
+        for plan in handle.in_flight:  # their tokens never come: requests resume from the
+            if not plan.future.done():  # last token the router received
+                plan.future.cancel()
+            for seq in plan.sampled:
+                seq.num_pending = 0
+        handle.in_flight.clear()
         groups = list(handle.scheduler.groups())
         for group in groups:
             handle.scheduler.remove(group)
@@ -197,6 +213,7 @@ class Membership:
             return
         for seq in group.seqs:
             seq.num_computed_tokens = 0
+            seq.num_pending = 0
             seq.on_executor = False
         group.pinned_tokens = 0
         engine.place(group, fitting)

@@ -22,6 +22,9 @@ LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075,
     0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+# The executor's idle time between steps (gap_s): from 0.01 ms, where pipelining lives.
+GAP_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                 0.1, 0.25, 0.5, 1.0)
 REQUEST_BUCKETS_S = LATENCY_BUCKETS_S + (20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 FINISH_REASONS = ("length", "stop", "abort")
@@ -59,6 +62,7 @@ class RouterMetrics:
         self.e2e_request_latency = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to the request's last output.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.queue_time = Histogram("pagedserve_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.step_forward = Histogram("pagedserve_step_forward_seconds", "Executor model forward time per step (forward_s).", ex, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.executor_gap = Histogram("pagedserve_executor_gap_seconds", "Executor idle time before a step's forward (gap_s: waiting for the plan, decoding, preparing inputs).", ex, buckets=GAP_BUCKETS_S, registry=r)
         for reason in FINISH_REASONS:
             self.request_success.labels(finish_reason=reason)
         self.executors_healthy.set(0)
@@ -142,6 +146,10 @@ class RouterMetrics:
     def observe_step_forward(self, executor_id: str, seconds: float) -> None:
         """The executor's forward_s of one step."""
         self.step_forward.labels(executor=executor_id).observe(seconds)
+
+    def observe_executor_gap(self, executor_id: str, seconds: float) -> None:
+        """The executor's gap_s before one step."""
+        self.executor_gap.labels(executor=executor_id).observe(seconds)
 
     # ------------------------------------------------------------------ exposition
 

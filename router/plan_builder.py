@@ -4,6 +4,11 @@ Hot path: runs once per step per executor. Per scheduled sequence a handful of l
 operations; token ids, positions and slots go into flat Python lists turned into numpy arrays
 once at the end. Decodes (one new token) compute their slot inline instead of calling into
 the KV manager.
+
+Pipelined steps: a decode whose input token is still being sampled by the previous plan (the
+sequence has it pending, so its position is past the tokens received) goes out marked in
+`feed_sampled` with -1 in `token_ids`; the executor feeds it its own sample. A sequence that
+samples in this plan gets one more pending token, taken back when the plan's result is in.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ def _new_request(seq: Sequence, eos_token_ids: tuple[int, ...]) -> wire.NewReque
 
 
 def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
-               eos_token_ids: tuple[int, ...]) -> wire.StepPlan:
-    """Turn one step's decisions into the StepPlan (and mark what the executor now knows)."""
+               eos_token_ids: tuple[int, ...], deadline_s: float = 0.0) -> wire.StepPlan:
+    """Turn one step's decisions into the StepPlan (and mark what the executor now knows:
+    requests sent, samples pending in `out.sampled`)."""
     forks: list[wire.Fork] = []
     new_requests: list[wire.NewRequest] = []
     for parent, child in out.forks:
@@ -65,6 +71,8 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
     token_ids: list[int] = []
     slot_chunks: list = []  # ints (decodes) and arrays (prefill chunks), in token order
     positions: list = []  # likewise: ints and ranges
+    feed: list[int] = []  # indices of decodes fed the executor's own previous sample
+    sampled = out.sampled
     all_decodes = True
     for item in out.scheduled:
         seq = item.seq
@@ -75,14 +83,22 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         if not seq.on_executor:
             new_requests.append(_new_request(seq, eos_token_ids))
             seq.on_executor = True
+        tokens = seq.token_ids
+        if end == len(tokens) + seq.num_pending:
+            do_sample.append(True)
+            sampled.append(seq)
+        else:
+            do_sample.append(False)
         request_ids.append(seq_id)
         num_computed.append(start)
         num_new.append(k)
-        tokens = seq.token_ids
-        do_sample.append(end == len(tokens))
         if k == 1:
             change_start, change_ids, slot = kv.take_decode_entry(seq_id, start)
-            token_ids.append(tokens[start])
+            if start < len(tokens):
+                token_ids.append(tokens[start])
+            else:  # its input is being sampled by the plan before this one
+                feed.append(len(request_ids) - 1)
+                token_ids.append(-1)
             slot_chunks.append(slot)
             positions.append(start)
         else:
@@ -96,8 +112,14 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         if change_ids:
             table_ids.extend(change_ids)
 
+    for seq in sampled:
+        seq.num_pending += 1
     slot_mapping = np.array(slot_chunks, dtype=np.int64) if all_decodes \
         else _concat_slots(slot_chunks, out.num_tokens)
+    feed_sampled = None
+    if feed:
+        feed_sampled = np.zeros(len(request_ids), dtype=np.uint8)
+        feed_sampled[feed] = 1
     ops = kv.take_block_ops()
     return wire.StepPlan(
         step_id=step_id,
@@ -107,6 +129,7 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         num_computed_tokens=np.array(num_computed, dtype=np.int32),
         num_new_tokens=np.array(num_new, dtype=np.int32),
         do_sample=np.array(do_sample, dtype=np.uint8),
+        feed_sampled=feed_sampled,
         token_ids=np.array(token_ids, dtype=np.int32),
         positions=np.array(positions, dtype=np.int32) if all_decodes
         else _concat_positions(positions, out.num_tokens),
@@ -118,6 +141,7 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         swap_in=ops.swap_in,
         copy=ops.copy,
         finished_ids=list(out.dropped_seq_ids),
+        deadline_s=deadline_s,
     )
 
 

@@ -52,6 +52,7 @@ class SchedulerOutput:
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
     num_tokens: int = 0
+    sampled: list[Sequence] = field(default_factory=list)  # build_plan: samples this step
 
     @property
     def empty(self) -> bool:
@@ -170,11 +171,17 @@ class Scheduler:
         2. Only if nothing was preempted: swapped and waiting groups in (priority, arrival)
            order, swapped first among equals, are brought in while blocks (above the
            watermark for new admissions), `max_num_seqs` and the token budget allow; the
-           first one that does not fit stops admission, so order is kept. A new group's
+           first one that does not fit (or that still has a token in flight from before its
+           preemption) stops admission, so order is kept. A new group's
            prompt starts after its cached prefix; n > 1 groups compute the prompt once in
            sample 0 (all but the last token), then fork the other samples from it in a later
            step (copy-on-write shares every block) and every sample computes the last prompt
            token itself and samples from it.
+
+        Pipelined steps: a sample whose last token is still being sampled by a plan in
+        flight (`num_pending`) is decoded with that token as its input (the plan marks it;
+        the executor feeds its own sample), unless the tokens in flight already reach
+        max_tokens or max_model_len. Its slot is allocated like any other.
         """
         kv = self.kv
         cfg = self.config
@@ -197,6 +204,11 @@ class Scheduler:
                 remaining = seq.num_uncomputed
                 if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
                     remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+                if seq.num_pending:
+                    if self._ends_with_pending(seq):
+                        continue
+                    if remaining > 1:  # a chunk never reaches past the tokens received
+                        remaining = len(seq.token_ids) - seq.num_computed_tokens
                 if remaining <= 0:
                     continue
                 num_new = min(remaining, budget)
@@ -235,6 +247,13 @@ class Scheduler:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
         return out
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """The tokens in flight already take the sequence to max_tokens or max_model_len:
+        known ahead, so it is never scheduled past them."""
+        n = seq.num_tokens
+        return (n - seq.num_prompt_tokens >= seq.group.spec.sampling.max_tokens
+                or n >= self.config.max_model_len)
 
     def _commit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -317,6 +336,8 @@ class Scheduler:
                 not self.waiting or self.swapped[0].sort_key <= self.waiting[0].sort_key
             )
             group = self.swapped[0] if take_swapped else self.waiting[0]
+            if group.has_pending:  # preempted with a token in flight: wait for it, in order
+                return
             seqs = group.active_seqs()
             if num_seqs + len(seqs) > cfg.max_num_seqs:
                 return

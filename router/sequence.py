@@ -1,10 +1,16 @@
 """The router's view of a request while it runs: one `RequestGroup` per request, one
 `Sequence` per sample, and the `OutputChannel` the gRPC edge reads from.
 
-A sequence's `token_ids` is prompt + output so far; `num_computed_tokens` counts the tokens
-whose keys/values are in the executor's cache or scheduled in the plan in flight (the
-scheduler advances it when it schedules, as vLLM V1 does). Every token the sequence ever had
-is here, so preemption by recompute or a move to another executor loses nothing.
+A sequence's `token_ids` is prompt + output so far, tokens the router has received only;
+`num_computed_tokens` counts the tokens whose keys/values are in the executor's cache or
+scheduled in a plan in flight (the scheduler advances it when it schedules, as vLLM V1 does).
+Every token the sequence ever had is here, so preemption by recompute or a move to another
+executor loses nothing.
+
+Pipelined steps: `num_pending` counts tokens being sampled for the sequence by plans in
+flight, not received yet. They are a count, never a placeholder id: the sequence's length as
+the scheduler sees it is `len(token_ids) + num_pending` (`num_tokens`), and a decode of a
+pending token is sent marked, for the executor to feed its own sample.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_hashes", "on_executor", "assembler", "finished", "num_delivered",
-        "last_token_time", "logprobs",
+        "last_token_time", "logprobs", "num_pending",
     )
 
     def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
@@ -40,6 +46,7 @@ class Sequence:
         self.token_ids: list[int] = list(group.spec.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_pending = 0  # tokens sampled by plans in flight, not received yet
         self.block_hashes: list = []  # prefix-cache hashes of full blocks, extended in place
         self.on_executor = False  # the executor holds its state (NewRequest sent, not dropped)
         self.assembler = assembler
@@ -53,12 +60,17 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens received plus tokens being sampled in plans in flight."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, tokens={len(self.token_ids)}, " \
-               f"computed={self.num_computed_tokens})"
+               f"pending={self.num_pending}, computed={self.num_computed_tokens})"
 
 
 class OutputChannel:
@@ -155,6 +167,11 @@ class RequestGroup:
         if not self.forked:
             return [self.seqs[0]]
         return [s for s in self.seqs if not s.finished]
+
+    @property
+    def has_pending(self) -> bool:
+        """A plan in flight samples for one of its samples (not re-admittable until back)."""
+        return any(s.num_pending for s in self.seqs)
 
     @property
     def all_finished(self) -> bool:

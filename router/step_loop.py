@@ -1,13 +1,32 @@
 """The per-executor step loop: schedule -> StepPlan -> executor ... StepResult -> tokens.
 
 Each executor has its own asyncio task running `StepLoop.run`, so a slow executor never
-stalls another. The loop is ordered so the executor waits least: when a StepResult arrives
-the sampled tokens are appended and the cheap stops (EOS, stop ids, max_tokens,
-max_model_len) applied, the next plan is built and sent, and only then is the text work done
-(detokenization, stop strings, deltas to the streams). A stop string found then has cost at
-most one wasted token, which is dropped.
+stalls another.
 
-HOT PATH: `send_next_plan` and `apply_tokens` run once per step per executor. No logging per
+Pipelining (`--pipeline-depth`, default 2). The loop keeps up to `depth` plans in flight:
+plan N+1 is built and sent right after plan N, before N's result is back, so the executor
+finds its next plan waiting when it finishes a step. A decode in N+1 whose input is the
+token being sampled in N is marked, and the executor feeds it its own sample; the router
+counts that token as pending (`Sequence.num_pending`) until the result brings it. When the
+result of the oldest plan arrives:
+
+    result N -> KV: blocks held for plan N are free -> tokens appended, cheap stops
+             -> next plan(s) built and sent (the executor is busy with N+1 meanwhile)
+             -> text stage (detokenization, stop strings, deltas to the streams)
+
+A request that ended in step N (EOS, stop id, stop string, abort, deadline) may be in every
+plan sent before the router knew: the tokens those plans sample for it are dropped (never
+streamed, counted or cached), and the blocks freed for it are handed out again only when the
+last plan naming them has been answered (the KV manager's fences). At depth 1 it is the
+one-plan-at-a-time loop.
+
+A plan's deadline: `--step-timeout` plus its tokens x the learned seconds per token x
+`DEADLINE_SAFETY`, and `WARMUP_FACTOR` x the timeout for the first `WARMUP_PLANS` plans of a
+registration (compilation, caches warming). It is sent with the plan (an executor still
+inside the step after it stops heartbeating) and checked here by `overdue`: a plan that has
+been the oldest unanswered one for longer than its deadline means the executor is hung.
+
+HOT PATH: `send_next_plan` and `apply_result` run once per step per executor. No logging per
 request, no per-token Python beyond appending the sampled token.
 """
 
@@ -15,8 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..protos import wire
@@ -31,6 +53,44 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.router")
 
+DEADLINE_SAFETY = 8.0  # x the learned prefill seconds per token, on top of --step-timeout
+WARMUP_PLANS = 4  # the first plans of a registration get WARMUP_FACTOR x --step-timeout
+WARMUP_FACTOR = 4.0
+RETRY_S = 0.05  # work that cannot be scheduled now (no blocks): look again this soon
+
+
+@dataclass
+class InFlightPlan:
+    """A plan sent and not answered yet; results are matched to plans by step id."""
+
+    step_id: int
+    future: asyncio.Future
+    sampled: list[Sequence]  # samples this plan samples for (each counts it as pending)
+    num_tokens: int  # tokens it computes (the cost model pairs them with its forward_s)
+    num_blocks_moved: int  # swapped out + in (the cost model pairs them with its swap_s)
+    deadline_s: float
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+class StepTrace:
+    """`PAGEDSERVE_STEP_TRACE=<path>`: one JSON line per StepResult with the executor's raw
+    timings (benchmarks compute percentiles from these, not from histogram buckets)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (lives with the engine)
+
+    def write(self, executor_id: str, plan: InFlightPlan, result: wire.StepResult) -> None:
+        self._file.write(json.dumps({
+            "executor": executor_id, "step_id": result.step_id, "forward_s": result.forward_s,
+            "sample_s": result.sample_s, "swap_s": result.swap_s, "gap_s": result.gap_s,
+            "num_tokens": plan.num_tokens, "num_sampled": len(result.request_ids),
+            "t_sent": plan.sent_at, "t_recv": time.monotonic(),
+        }) + "\n")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+
 
 class StepLoop:
     """Runs every executor's steps and applies their results (one per engine)."""
@@ -39,36 +99,56 @@ class StepLoop:
         self.engine = engine
         self.config = engine.config
         self.metrics = engine.metrics
+        self.depth = max(1, engine.config.pipeline_depth)
+        path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        self.trace = StepTrace(path) if path else None
 
     # ------------------------------------------------------------------ the loop
 
     async def run(self, handle: ExecutorHandle) -> None:
-        """schedule -> plan -> send; result -> tokens/cheap stops -> next plan -> text."""
+        """Fill the pipeline; result of the oldest plan -> tokens/cheap stops -> refill ->
+        text. Waits for new work when nothing is in flight."""
         engine = self.engine
-        result: wire.StepResult | None = None
+        in_flight = handle.in_flight
         try:
             while handle.healthy:
-                touched: list[Sequence] = []
-                if result is not None:
-                    touched = self.apply_tokens(handle, result)
-                future = self.send_next_plan(handle)
-                if result is not None:
-                    engine.delivery.text_stage(handle.scheduler, touched)
-                    engine.update_gauges(handle)
-                result = None
-                if future is None:
+                self._fill(handle)
+                if not in_flight:
                     engine.update_gauges(handle)  # aborts may have freed blocks since
                     handle.wakeup.clear()
                     if not self._has_work(handle):
                         await handle.wakeup.wait()
-                    else:  # work that cannot be scheduled now (no blocks): retry soon
+                    else:
                         with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(handle.wakeup.wait(), 0.05)
+                            await asyncio.wait_for(handle.wakeup.wait(), RETRY_S)
                     continue
+                head = in_flight[0]
+                if len(in_flight) < self.depth and self._has_work(handle) \
+                        and not head.future.done():
+                    # Room in the pipeline: new work (a request, an abort) may go out before
+                    # the oldest plan is answered.
+                    handle.wakeup.clear()
+                    woken = asyncio.ensure_future(handle.wakeup.wait())
+                    try:
+                        await asyncio.wait((head.future, woken),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        woken.cancel()
+                    if not head.future.done():
+                        continue
                 try:
-                    result = await future
+                    result = await head.future
                 except RuntimeError as exc:  # the executor reported the whole step failed
                     self.step_failed(handle, str(exc))
+                    return
+                in_flight.popleft()
+                handle.head_since = time.monotonic()
+                touched = self.apply_result(handle, head, result)
+                if not handle.healthy:
+                    return
+                self._fill(handle)
+                engine.delivery.text_stage(handle.scheduler, touched)
+                engine.update_gauges(handle)
         except asyncio.CancelledError:
             pass
         except Exception:
@@ -76,34 +156,65 @@ class StepLoop:
             engine.membership.executor_lost(handle, "router-side step loop error",
                                             migrate=False)
 
+    def _fill(self, handle: ExecutorHandle) -> None:
+        """Send plans until `depth` are in flight or there is nothing to schedule."""
+        while handle.healthy and len(handle.in_flight) < self.depth:
+            if not self.send_next_plan(handle):
+                return
+
     @staticmethod
     def _has_work(handle: ExecutorHandle) -> bool:
         s = handle.scheduler
         return bool(s.running or s.waiting or s.swapped)
 
-    def send_next_plan(self, handle: ExecutorHandle) -> asyncio.Future | None:
+    def _deadline(self, handle: ExecutorHandle, num_tokens: int) -> float:
+        timeout = self.config.step_timeout_s
+        if handle.step_id <= WARMUP_PLANS:
+            timeout *= WARMUP_FACTOR
+        return timeout + num_tokens * handle.scheduler.cost.s_per_token * DEADLINE_SAFETY
+
+    def send_next_plan(self, handle: ExecutorHandle) -> bool:
+        """Schedule one step and send its plan; False when there was nothing to send."""
         sched = handle.scheduler
+        kv = handle.kv
         out = sched.schedule()
         for group, mode in out.preempted:
             self.metrics.inc_preemption(handle.id, mode.value)
             log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
+        if out.empty:
+            kv.end_step()
+            return False
         try:
-            if out.empty:
-                return None
-            handle.step_id += 1
-            plan = build_plan(handle.step_id, out, handle.kv, self.engine.eos_token_ids)
-        finally:
-            handle.kv.end_step()
+            step_id = handle.step_id + 1
+            deadline_s = self._deadline(handle, out.num_tokens)
+            plan = build_plan(step_id, out, kv, self.engine.eos_token_ids, deadline_s)
+        except BaseException:
+            kv.end_step()
+            raise
+        handle.step_id = step_id
+        kv.end_step(step_id)
         self.check_accounting(handle)
-        future = asyncio.get_running_loop().create_future()
-        handle.pending, handle.pending_step = future, handle.step_id
+        if not handle.in_flight:
+            handle.head_since = time.monotonic()
+        handle.in_flight.append(InFlightPlan(
+            step_id, asyncio.get_running_loop().create_future(), out.sampled, out.num_tokens,
+            int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
-        handle.blocks_moved_in_flight = int(plan.swap_out.shape[0] + plan.swap_in.shape[0])
-        handle.tokens_in_flight = out.num_tokens
         self.prefix_metrics(handle)
-        return future
+        return True
+
+    def overdue(self, handle: ExecutorHandle, now: float) -> str:
+        """Why the executor counts as hung (its oldest plan unanswered past its deadline),
+        or ''."""
+        if not handle.in_flight:
+            return ""
+        head = handle.in_flight[0]
+        waited = now - max(handle.head_since, head.sent_at)
+        if waited <= head.deadline_s:
+            return ""
+        return f"step {head.step_id} unanswered for {waited:.1f} s (deadline {head.deadline_s:.1f} s)"
 
     # ------------------------------------------------------------------ results
 
@@ -112,12 +223,14 @@ class StepLoop:
         if handle is None or not handle.healthy:
             return False
         handle.last_seen = time.monotonic()
-        if handle.pending is not None and result.step_id == handle.pending_step:
-            if not handle.pending.done():
-                handle.pending.set_result(result)
-        else:
-            log.warning("executor %s sent a result for step %d (expected %d); dropped",
-                        executor_id, result.step_id, handle.pending_step)
+        for plan in handle.in_flight:
+            if plan.step_id == result.step_id:
+                if not plan.future.done():
+                    plan.future.set_result(result)
+                return True
+        log.warning("executor %s sent a result for step %d (in flight: %s); dropped",
+                    executor_id, result.step_id,
+                    [p.step_id for p in handle.in_flight] or "none")
         return True
 
     def on_error(self, executor_id: str, report: wire.ErrorReport) -> bool:
@@ -125,25 +238,42 @@ class StepLoop:
         if handle is None or not handle.healthy:
             return False
         log.error("executor %s reported: %s", executor_id, report.message)
-        pending = handle.pending is not None and not handle.pending.done()
-        # A report naming no step while a plan is out is that plan being rejected (the
-        # executor could not decode it, so it cannot name it): fail the step rather than
-        # wait for a result that will never come.
-        if pending and report.step_id in (None, handle.pending_step):
-            handle.pending.set_exception(RuntimeError(report.message))
+        # A report naming a plan in flight fails that step; one naming no step while plans
+        # are out is a plan being rejected (the executor could not decode it, so it cannot
+        # name it): fail the oldest rather than wait for a result that will never come.
+        for plan in handle.in_flight:
+            if report.step_id in (None, plan.step_id) and not plan.future.done():
+                plan.future.set_exception(RuntimeError(report.message))
+                break
         return True
+
+    def apply_result(self, handle: ExecutorHandle, plan: InFlightPlan,
+                     result: wire.StepResult) -> list[Sequence]:
+        """The result of the oldest plan: its held blocks are free, its pending samples are
+        no longer pending, timings teach the cost model; then the tokens (`apply_tokens`)."""
+        sched = handle.scheduler
+        handle.kv.plan_answered(plan.step_id)
+        for seq in plan.sampled:
+            seq.num_pending -= 1
+        self.metrics.observe_step_forward(handle.id, result.forward_s)
+        self.metrics.observe_executor_gap(handle.id, result.gap_s)
+        if self.trace is not None:
+            self.trace.write(handle.id, plan, result)
+        if result.swap_s > 0:
+            sched.cost.observe_swap(plan.num_blocks_moved, result.swap_s)
+        if result.forward_s > 0:  # steps of >= 32 tokens teach the recompute rate
+            sched.cost.observe_prefill(plan.num_tokens, result.forward_s)
+        for err in result.errors:
+            self.request_error(handle, err)
+            if not handle.healthy:
+                return []
+        return self.apply_tokens(handle, result)
 
     def apply_tokens(self, handle: ExecutorHandle, result: wire.StepResult) -> list[Sequence]:
         """Append sampled tokens and apply the cheap stops; returns the sequences that got a
-        token (for the text stage). A sequence that stopped is freed at once."""
+        token (for the text stage). A sequence that stopped is freed at once; a token for a
+        sequence that had already ended (a late stop) is dropped."""
         sched = handle.scheduler
-        self.metrics.observe_step_forward(handle.id, result.forward_s)
-        if result.swap_s > 0:
-            sched.cost.observe_swap(handle.blocks_moved_in_flight, result.swap_s)
-        if result.forward_s > 0:  # steps of >= 32 tokens teach the recompute rate
-            sched.cost.observe_prefill(handle.tokens_in_flight, result.forward_s)
-        for err in result.errors:
-            self.request_error(handle, err)
         touched: list[Sequence] = []
         if not result.request_ids:
             return touched

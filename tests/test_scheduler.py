@@ -27,11 +27,11 @@ def _step(sched: Scheduler, kv: KVCacheManager, step: int = 1):
     plan = build_plan(step, out, kv, (1,))
     kv.end_step()
     kv.check_invariants()
-    # The fake executor samples token 7 for every sequence that reached its end.
-    for item in out.scheduled:
-        seq = item.seq
-        if seq.num_computed_tokens == len(seq.token_ids):
-            seq.token_ids.append(7)
+    # The result (depth 1): the fake executor samples token 7 for every sequence that
+    # reached its end.
+    for seq in out.sampled:
+        seq.num_pending -= 1
+        seq.token_ids.append(7)
     return out, plan
 
 
