@@ -216,10 +216,9 @@ def test_grace_periods_exceed_the_drain(rendered, overlay):
     drain_s = float(config.get("PAGEDSERVE_SHUTDOWN_TIMEOUT", DEFAULTS["shutdown-timeout"]))
     router = _one(objects, "Deployment", "pagedserve-router")
     assert _pod(router)["terminationGracePeriodSeconds"] > drain_s
-    # an executor says goodbye after the step in hand, which the router waits for at most
-    # --step-timeout (DESIGN §4 default 30 s; the flag lands with pipelined steps)
-    step_timeout_s = float(config.get("PAGEDSERVE_STEP_TIMEOUT",
-                                      DEFAULTS.get("step-timeout", 30.0)))
+    # an executor says goodbye after the step in hand, which the router waits for about
+    # --step-timeout before it counts the executor dead
+    step_timeout_s = float(config.get("PAGEDSERVE_STEP_TIMEOUT", DEFAULTS["step-timeout"]))
     executor = _one(objects, "Deployment", "pagedserve-executor")
     assert _pod(executor)["terminationGracePeriodSeconds"] > step_timeout_s
 
