@@ -682,9 +682,9 @@ class KVCacheManager:
 
     @property
     def num_deferred_gpu_blocks(self) -> int:
-        """Device blocks freed during the plan being built: free once end_step() runs (or,
-        with plans in flight, once the newest of them is answered)."""
-        return sum(1 for b in self.gpu.deferred if b.ref_cnt == 0)
+        """Device blocks freed but not allocatable yet: during the plan being built (free
+        once end_step() runs) or held for plans in flight (free once they are answered)."""
+        return len(self.gpu.held_free_ids())
 
     def num_tokens(self, request_id: str) -> int:
         """Token positions of the request that have a slot (computed or scheduled)."""

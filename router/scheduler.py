@@ -219,9 +219,11 @@ class Scheduler:
                         pins_released = True
                         continue
                     # Blocks freed by this step's preemptions are handed out only from the
-                    # next plan on (step boundary). When they already cover this sample's
-                    # need, it waits one step instead of preempting yet another group.
-                    if out.preempted and kv.num_deferred_gpu_blocks >= \
+                    # next plan on (step boundary), blocks freed while plans are in flight
+                    # once those are answered. When they already cover this sample's need,
+                    # it waits a step instead of preempting yet another group.
+                    if (out.preempted or kv.num_plans_in_flight) and \
+                            kv.num_deferred_gpu_blocks >= \
                             kv.num_blocks_needed(seq.seq_id, num_new) + 1:
                         waits = True
                         break
