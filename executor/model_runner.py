@@ -3,6 +3,18 @@
 Hot path: the per-request Python work in ``_prepare`` is O(S) list operations; per-token
 work is numpy/torch. Do not add per-token Python loops or device syncs beyond the one that
 reads the sampled tokens back.
+
+Pipelining (DESIGN §2): the router may send plan N+1 before it has seen step N's tokens. A
+decode marked in ``feed_sampled`` gets as its input the token this executor sampled for
+that request in step N (kept in its ``RequestState``); a request that sampled nothing here
+in step N gets an error in N+1 instead, never a made-up token.
+
+Timings in the StepResult: ``forward_s`` is the forward and logits; ``sample_s`` sampling;
+``swap_s`` block moves; ``gap_s`` runs from the end of sampling of the previous step this
+runner executed to the start of this step's forward (waiting for the plan, decoding it,
+block moves, preparing inputs). The first step after construction or ``reset()`` reports
+``gap_s = 0`` (there is no previous step to measure from; registration time would
+otherwise pollute the figure). A step with no forward measures up to where it would start.
 """
 
 from __future__ import annotations
@@ -24,10 +36,14 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class RequestState:
     """What the executor keeps per request between steps: its block table (the router's
-    copy, updated by the plan's changes) and its sampling state."""
+    copy, updated by the plan's changes), its sampling state, and the token it last sampled
+    here with the step id it was sampled in (a marked decode of step N+1 is fed the token
+    of step N; -1: none sampled on this executor yet)."""
 
     block_table: list[int]
     sampling: SamplingState
+    sampled_token: int = -1
+    sampled_step: int = -1
 
 
 @dataclass(frozen=True)
@@ -62,10 +78,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.steps_done = 0
+        self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
+        self._sampled_at: float | None = None
+        # TESTING HOOK (never set in production): (step_id, seconds) sleeps that long inside
+        # the first step with that id, after its forward timing starts. The executor
+        # process sets it from PAGEDSERVE_FAULT_SLEEP_IN_STEP (see process.py).
+        self.fault_sleep: tuple[int, float] | None = None
 
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
         self.requests.clear()
+        self._prev_end = None
 
     # ------------------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -76,35 +99,55 @@ class ModelRunner:
         2. swap-out, swap-in, copy;
         3. drop finished requests, register new ones (state rebuilt from the record, so any
            executor can take over a request mid-generation), create forked children;
-        4. apply each scheduled request's block-table change; a request that is unknown or
-           names a block, slot, position or token out of range gets an error and is left out
-           of the batch (its state is dropped);
+        4. fill each marked decode's placeholder with the token sampled for it in step
+           ``step_id - 1`` (a marked row that sampled none there is an error), then apply
+           each scheduled request's block-table change; a request that is unknown or names
+           a block, slot, position or token out of range gets an error and is left out of
+           the batch (its state is dropped);
         5. one forward over all scheduled tokens (prefill chunks and decodes mixed), logits
-           only for rows with ``do_sample``, sample, append the tokens to the states.
-        An exception in 5 is reported as a step error (empty request id), never swallowed.
+           only for rows with ``do_sample``, sample, append the tokens to the states and
+           remember them for the next step's marked decodes.
+        An exception in 5 is reported as a step error (empty request id), never swallowed;
+        then no request sampled in this step, so the next plan's marked decodes all fail.
         """
+        self._sampled_at = None
+        try:
+            return self._execute(plan, self._prev_end)
+        finally:  # the next step's gap starts at the end of this one's sampling
+            self._prev_end = self._sampled_at or time.perf_counter()
+
+    def _execute(self, plan: StepPlan, prev_end: float | None) -> StepResult:
         step = plan.step_id
+
+        def gap_s(now: float) -> float:
+            return 0.0 if prev_end is None else now - prev_end
+
         error = self._check_block_moves(plan)
         if error:
             log.error("step %d rejected: %s", step, error)
             return StepResult(step_id=step, executor_id=self.executor_id,
-                              errors=[RequestError("", error)])
+                              errors=[RequestError("", error)], gap_s=gap_s(time.perf_counter()))
         swap_s = self._move_blocks(plan)
         errors = self._update_requests(plan)
         batch = self._prepare(plan, errors)
         result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
         if batch is None:
             self.steps_done += 1
-            return StepResult(**result, errors=errors)
+            return StepResult(**result, errors=errors, gap_s=gap_s(time.perf_counter()))
+        t0 = time.perf_counter()
+        result["gap_s"] = gap_s(t0)
         try:
-            t0 = time.perf_counter()
+            if self.fault_sleep is not None and self.fault_sleep[0] == step:
+                seconds, self.fault_sleep = self.fault_sleep[1], None
+                log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
+                time.sleep(seconds)
             hidden = self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             _sync(self.device)
             t1 = time.perf_counter()
-            states = [self.requests[r].sampling for r in batch.sample_ids]
-            out = self.sampler(logits, states) if states else None
-            t2 = time.perf_counter()
+            reqs = [self.requests[r] for r in batch.sample_ids]
+            out = self.sampler(logits, [r.sampling for r in reqs]) if reqs else None
+            t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
             errors.append(RequestError("", f"step {step} failed: {type(exc).__name__}: {exc}"))
@@ -112,8 +155,9 @@ class ModelRunner:
         self.steps_done += 1
         if out is None:
             return StepResult(**result, errors=errors, forward_s=t1 - t0)
-        for state, token in zip(states, out.token_ids.tolist(), strict=True):
-            state.append(token)
+        for req, token in zip(reqs, out.token_ids.tolist(), strict=True):
+            req.sampling.append(token)
+            req.sampled_token, req.sampled_step = token, step
         return StepResult(
             **result, request_ids=batch.sample_ids, token_ids=out.token_ids,
             logprobs=out.logprobs, top_counts=out.top_counts, top_token_ids=out.top_token_ids,
@@ -158,8 +202,11 @@ class ModelRunner:
             if parent is None:
                 errors.append(RequestError(fork.child_id, f"fork of unknown {fork.parent_id!r}"))
                 continue
+            # The child inherits the parent's last sample too: a fork planned while that
+            # token was in flight feeds it to both (their common input).
             self.requests[fork.child_id] = RequestState(
-                list(parent.block_table), parent.sampling.fork(fork.sample_index))
+                list(parent.block_table), parent.sampling.fork(fork.sample_index),
+                parent.sampled_token, parent.sampled_step)
         return errors
 
     def _prepare(self, plan: StepPlan, errors: list[RequestError]) -> _Batch | None:
@@ -175,21 +222,30 @@ class ModelRunner:
         ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
         offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
 
+        # Marked decodes first: their placeholders (-1) become real tokens before the range
+        # checks below, which still reject any -1 left (unmarked, or marked but not fed).
+        token_ids, unfed = plan.token_ids, {}
+        if plan.feed_sampled is not None and plan.feed_sampled.any():
+            token_ids, unfed = self._feed_sampled(plan, num_new)
+
         # Per-token checks, vectorised; a bad token condemns its request.
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         slots = plan.slot_mapping.astype(np.int64)
         bad_token = (
             (slots < -1) | (slots >= self.cache.num_gpu_blocks * bs)
             | (plan.positions < 0) | (plan.positions >= self.max_model_len)
-            | (plan.token_ids < 0) | (plan.token_ids >= self.vocab_size)
+            | (token_ids < 0) | (token_ids >= self.vocab_size)
         )
         bad = dict.fromkeys(row_of_token[bad_token].tolist(), "a slot, position or token id "
                                                                "out of range")
+        bad.update(unfed)
         tables = []
         for i, rid in enumerate(plan.request_ids):
             state = self.requests.get(rid)
             new_ids = ids[offsets[i]:offsets[i + 1]]
-            if state is None:
+            if i in unfed:
+                pass
+            elif state is None:
                 bad[i] = "unknown request (never sent as a new request)"
             elif i in bad:
                 pass
@@ -230,7 +286,7 @@ class ModelRunner:
                 self.device, non_blocking=True)
 
         return _Batch(
-            input_ids=dev(plan.token_ids[keep_token], np.int64),
+            input_ids=dev(token_ids[keep_token], np.int64),
             positions=dev(plan.positions[keep_token], np.int64),
             attn=AttentionMetadata(
                 slot_mapping=dev(slots[keep_token], np.int64),
@@ -242,6 +298,34 @@ class ModelRunner:
             sample_rows=dev(query_start_loc[1:][do_sample] - 1, np.int64),
             sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
         )
+
+
+    def _feed_sampled(self, plan: StepPlan,
+                      num_new: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+        """(token ids with each marked decode's placeholder replaced by the token this
+        executor sampled for it in step ``step_id - 1``, {row: error} for the marked rows
+        that cannot be fed). O(marked rows) Python, one numpy scatter."""
+        prev = plan.step_id - 1
+        first_token = (np.cumsum(num_new) - num_new).tolist()
+        token_ids = plan.token_ids.copy()  # the plan's arrays are read-only message buffers
+        unfed: dict[int, str] = {}
+        at, fed = [], []
+        for i in np.flatnonzero(plan.feed_sampled).tolist():
+            state = self.requests.get(plan.request_ids[i])
+            if num_new[i] != 1:
+                unfed[i] = (f"marked to be fed its sample of step {prev} but scheduled with "
+                            f"{num_new[i]} tokens (a marked row is a decode of one token)")
+            elif state is None:
+                unfed[i] = (f"marked to be fed its sample of step {prev}, but the request is "
+                            "unknown here (never sent, or dropped after an error)")
+            elif state.sampled_step != prev:
+                unfed[i] = (f"marked to be fed its sample of step {prev}, but it sampled "
+                            f"nothing in step {prev} (that step failed or did not sample it)")
+            else:
+                at.append(first_token[i])
+                fed.append(state.sampled_token)
+        token_ids[at] = fed
+        return token_ids, unfed
 
 
 def build_runner(

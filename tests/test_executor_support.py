@@ -93,8 +93,12 @@ class Driver:
         seq.cpu_table, seq.synced = [], 0
         return pairs
 
-    def plan(self, schedule: dict[str, int | None], **moves) -> StepPlan:
-        """``schedule``: request id -> tokens to compute (None: all that are left)."""
+    def plan(self, schedule: dict[str, int | None], feed=(), **moves) -> StepPlan:
+        """``schedule``: request id -> tokens to compute (None: all that are left).
+
+        ``feed``: requests whose decode input is the token being sampled in the previous
+        step, not yet accepted (pipelining): one token each, marked in ``feed_sampled``,
+        a -1 placeholder in ``token_ids``."""
         new_requests, rows, tokens, positions, slots, table_ids = [], [], [], [], [], []
         for rid, n in schedule.items():
             seq = self.seqs[rid]
@@ -104,17 +108,22 @@ class Driver:
                     output_token_ids=int32(seq.outputs), sampling=seq.sampling,
                     sample_index=seq.sample_index))
                 seq.known, seq.synced = True, 0
-            n = len(seq.tokens) - seq.num_computed if n is None else n
+            if rid in feed:
+                assert seq.num_computed == len(seq.tokens), "feed: the input is in flight"
+                n, new_tokens, sample = 1, [-1], 1
+            else:
+                n = len(seq.tokens) - seq.num_computed if n is None else n
+                new_tokens = seq.tokens[seq.num_computed:seq.num_computed + n]
+                sample = int(seq.num_computed + n == len(seq.tokens))
             end = seq.num_computed + n
             while len(seq.table) * self.block_size < end:
                 seq.table.append(self.free.pop(0))
             pos = np.arange(seq.num_computed, end)
-            tokens += seq.tokens[seq.num_computed:end]
+            tokens += new_tokens
             positions += pos.tolist()
             slots += (np.array(seq.table)[pos // self.block_size] * self.block_size
                       + pos % self.block_size).tolist()
-            rows.append((seq.num_computed, n, int(end == len(seq.tokens)), seq.synced,
-                         len(seq.table) - seq.synced))
+            rows.append((seq.num_computed, n, sample, seq.synced, len(seq.table) - seq.synced))
             table_ids += seq.table[seq.synced:]
             seq.synced = len(seq.table)
             seq.num_computed = end
@@ -125,7 +134,9 @@ class Driver:
             num_new_tokens=int32(cols[1]), do_sample=np.array(cols[2], np.uint8),
             token_ids=int32(tokens), positions=int32(positions),
             slot_mapping=np.array(slots, np.int64), block_table_starts=int32(cols[3]),
-            block_table_lens=int32(cols[4]), block_table_ids=int32(table_ids), **moves)
+            block_table_lens=int32(cols[4]), block_table_ids=int32(table_ids),
+            feed_sampled=np.array([r in feed for r in schedule], np.uint8) if feed else None,
+            **moves)
         self._forks = []
         self.step_id += 1
         plan.validate()
