@@ -103,11 +103,14 @@ def _load(path: str) -> tuple[bytes, bytes | None]:
 
 
 def _check_private(path: str) -> None:
+    """Warn when a secret key file is readable by every user. Group read is allowed: a
+    Kubernetes Secret volume with an fsGroup is mode 0440 (the pod's group only)."""
     mode = os.stat(path).st_mode
-    if mode & 0o077:
+    if mode & 0o007:
         import logging
         logging.getLogger("pagedserve.keys").warning(
-            "%s is readable by other users (mode %o); it should be 0600", path, mode & 0o777)
+            "%s is readable by every user (mode %o); it should be 0600 (or 0640)", path,
+            mode & 0o777)
 
 
 def router_keys(folder: str) -> tuple[bytes, bytes, dict[bytes, str]]:
