@@ -1,0 +1,434 @@
+"""The router's pipelined step loop, in process, against a simulated executor that answers
+plans exactly when the test says so.
+
+`SimExecutor` plays the executor's side of the protocol: it keeps each request's output
+tokens, feeds every marked decode the token it sampled itself in the previous step (and
+checks that it did sample one there), and samples a deterministic token per (request,
+output position), so any lost, duplicated or reordered token shows in the outputs. Tests
+hold plans unanswered to reach the states of issue 11: late stops with plans in flight,
+aborts, preemption with a token in flight, forks, failed steps. KV invariants are checked
+after every plan (`debug_checks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from pagedserve.protos import wire
+from pagedserve.router.engine import EngineConfig, RouterEngine
+from pagedserve.router.scheduler import PreemptionMode
+from pagedserve.router.types import ModelInfoData, RequestSpec, SamplingSpec
+
+VOCAB = 64
+EOS = 63
+BS = 4
+
+
+class CharTokenizer:
+    """Token i is the character chr(65 + i) (EOS is special)."""
+
+    special_token_ids = frozenset({EOS})
+    eos_token_ids = (EOS,)
+
+    def is_special(self, t):
+        return t in self.special_token_ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(65 + i) for i in ids
+                       if not (skip_special_tokens and i in self.special_token_ids))
+
+
+def sim_token(seq_id: str, out_pos: int) -> int:
+    """The token the simulated executor samples at output position `out_pos` (never EOS)."""
+    return (sum(map(ord, seq_id)) * 7 + out_pos * 13) % (VOCAB - 2)
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, routing_id, msg) -> None:
+        self.sent.append(msg)
+
+    async def close(self) -> None:
+        pass
+
+
+class SimExecutor:
+    """The executor's side: request state, fed-back tokens, deterministic samples."""
+
+    def __init__(self, engine: RouterEngine, executor_id: str = "e0") -> None:
+        self.engine = engine
+        self.id = executor_id
+        self.out: dict[str, list[int]] = {}  # seq id -> output tokens on this executor
+        self.last: dict[str, tuple[int, int]] = {}  # seq id -> (step, token sampled)
+        self.answered = 0
+        self.overrides: dict[tuple[str, int], int] = {}  # (seq id, out pos) -> token
+
+    @property
+    def plans(self) -> list[wire.StepPlan]:
+        return [m for m in self.engine.link.sent if isinstance(m, wire.StepPlan)]
+
+    def unanswered(self) -> list[wire.StepPlan]:
+        return self.plans[self.answered:]
+
+    def result_for(self, plan: wire.StepPlan) -> wire.StepResult:
+        for rid in plan.finished_ids:
+            self.out.pop(rid, None)
+        for req in plan.new_requests:
+            self.out[req.request_id] = req.output_token_ids.tolist()
+        for fork in plan.forks:
+            self.out[fork.child_id] = list(self.out[fork.parent_id])
+        ids, tokens, errors = [], [], []
+        feed = plan.feed_sampled if plan.feed_sampled is not None \
+            else np.zeros(plan.num_seqs, np.uint8)
+        for i, rid in enumerate(plan.request_ids):
+            if feed[i]:
+                step, token = self.last.get(rid, (-1, -1))
+                assert plan.token_ids[int(plan.num_new_tokens[:i].sum())] == -1
+                if step != plan.step_id - 1:
+                    errors.append(wire.RequestError(rid, "no sample of the previous step"))
+                    continue
+            if plan.do_sample[i]:
+                pos = len(self.out[rid])
+                tok = self.overrides.get((rid, pos), sim_token(rid, pos))
+                self.out[rid].append(tok)
+                self.last[rid] = (plan.step_id, tok)
+                ids.append(rid)
+                tokens.append(tok)
+        return wire.StepResult(step_id=plan.step_id, executor_id=self.id, request_ids=ids,
+                               token_ids=np.array(tokens, dtype=np.int32), errors=errors,
+                               forward_s=1e-3)
+
+    async def answer(self, count: int = 1) -> None:
+        for _ in range(count):
+            await self.wait_plans(1)
+            plan = self.unanswered()[0]
+            self.answered += 1
+            self.engine.steps.on_result(self.id, self.result_for(plan))
+            await settle()
+
+    async def wait_plans(self, n: int, timeout_s: float = 5.0) -> None:
+        """Until at least `n` plans are unanswered."""
+        end = asyncio.get_running_loop().time() + timeout_s
+        while len(self.unanswered()) < n:
+            assert asyncio.get_running_loop().time() < end, \
+                f"{len(self.unanswered())} plans unanswered, waited for {n}"
+            await asyncio.sleep(0.001)
+
+    async def run_until_done(self, streams: list[Collector], max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if all(s.done for s in streams):
+                return
+            if self.unanswered():
+                await self.answer()
+            else:
+                await asyncio.sleep(0.002)
+        raise AssertionError("requests did not finish")
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Collector:
+    """Drains one request's stream in the background."""
+
+    def __init__(self, stream) -> None:
+        self.outputs = []
+        self.done = False
+        self.error: BaseException | None = None
+        self.task = asyncio.ensure_future(self._run(stream))
+
+    async def _run(self, stream) -> None:
+        try:
+            async for out in stream:
+                self.outputs.append(out)
+        except BaseException as exc:  # noqa: BLE001 (recorded for the test)
+            self.error = exc
+        self.done = True
+
+    def tokens(self, index: int = 0) -> list[int]:
+        return [t for o in self.outputs for d in o.deltas if d.index == index
+                for t in d.token_ids]
+
+    def text(self, index: int = 0) -> str:
+        return "".join(d.text for o in self.outputs for d in o.deltas if d.index == index)
+
+    def finish(self, index: int = 0):
+        reasons = [d for o in self.outputs for d in o.deltas
+                   if d.index == index and d.finish_reason]
+        return reasons[-1] if reasons else None
+
+    @property
+    def usage(self):
+        return self.outputs[-1].usage if self.outputs else None
+
+
+def make_engine(depth: int = 2, num_gpu_blocks: int = 64, num_cpu_blocks: int = 16,
+                mode: PreemptionMode = PreemptionMode.AUTO, **cfg) -> tuple[RouterEngine,
+                                                                             SimExecutor]:
+    config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
+                          pipeline_depth=depth, preemption_mode=mode, debug_checks=True,
+                          watermark=0.0, **cfg)
+    info = ModelInfoData("m", "LlamaForCausalLM", 128, VOCAB, BS, "float32", (EOS,))
+    engine = RouterEngine(config, CharTokenizer(), info)
+    engine.link = FakeLink()
+    hello = wire.Hello(executor_id="e0", model_fingerprint="fp", device="cpu", dtype="float32",
+                       block_size=BS, num_gpu_blocks=num_gpu_blocks,
+                       num_cpu_blocks=num_cpu_blocks, max_model_len=128)
+    assert engine.membership.on_hello(b"e0", hello).accepted
+    return engine, SimExecutor(engine)
+
+
+async def submit(engine, rid, prompt, **sampling) -> Collector:
+    sampling.setdefault("max_tokens", 8)
+    sampling.setdefault("temperature", 0.0)
+    spec = RequestSpec(rid, tuple(prompt), SamplingSpec(**sampling))
+    return Collector(await engine.submit(spec))
+
+
+def expected(seq_id: str, n: int) -> list[int]:
+    return [sim_token(seq_id, p) for p in range(n)]
+
+
+def free_blocks(engine) -> tuple[int, int]:
+    """(allocatable now, held by no request) device blocks."""
+    kv = engine.executors["e0"].kv
+    return kv.num_free_gpu_blocks, kv.stats().gpu.num_free_blocks
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_outputs_identical_at_depth_1_and_2_with_two_plans_in_flight(depth):
+    async def main():
+        engine, ex = make_engine(depth)
+        a = await submit(engine, "a", [1, 2, 3, 4, 5], max_tokens=9)
+        b = await submit(engine, "b", [6, 7], max_tokens=5)
+        await ex.wait_plans(1)
+        if depth == 2:
+            await ex.wait_plans(2)  # plan 2 left before plan 1 was answered
+            plan2 = ex.unanswered()[1]
+            assert plan2.feed_sampled.tolist() == [1, 1]
+            assert plan2.token_ids.tolist() == [-1, -1]
+            assert plan2.positions.tolist() == [5, 2]
+        else:
+            await asyncio.sleep(0.01)
+            assert len(ex.unanswered()) == 1
+        await ex.run_until_done([a, b])
+        assert a.tokens() == expected("a#0", 9) and b.tokens() == expected("b#0", 5)
+        assert a.finish().finish_reason == "length" and a.usage.completion_tokens == 9
+        while ex.unanswered():  # a plan that only drops the finished requests
+            assert not ex.unanswered()[0].request_ids
+            await ex.answer()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+def test_late_eos_streams_nothing_extra_and_frees_blocks_after_the_last_plan():
+    async def main():
+        engine, ex = make_engine(2)
+        ex.overrides[("a#0", 1)] = EOS  # the second output token is EOS
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=10)
+        await ex.answer()  # plan 1 (prefill) -> token 0; plans 2 and 3 go out
+        await ex.wait_plans(2)
+        await ex.answer()  # plan 2 -> EOS: plan 3 (in flight) still decodes a
+        assert a.done and a.tokens() == [sim_token("a#0", 0), EOS]
+        assert a.finish().finish_reason == "stop" and a.usage.completion_tokens == 2
+        assert a.finish().stop_token_id == EOS
+        held = free_blocks(engine)
+        assert held[0] < 64 and held[1] == 64  # a's blocks wait for plan 3's result
+        plan3 = ex.unanswered()[0]
+        assert plan3.request_ids == ["a#0"] and plan3.feed_sampled.tolist() == [1]
+        await ex.answer()  # its token for a is dropped
+        assert a.tokens() == [sim_token("a#0", 0), EOS] and a.usage.completion_tokens == 2
+        assert free_blocks(engine) == (64, 64)
+        assert "pagedserve_generation_tokens_total 2.0" in engine.metrics.render().decode()
+    run(main())
+
+
+def test_late_stop_string_streams_nothing_extra():
+    async def main():
+        engine, ex = make_engine(2)
+        # Output tokens 0..: 'S' 'T' then anything; the stop string "ST" is found by the
+        # text stage after plans 3 and 4 already carry a's decodes.
+        s, t = ord("S") - 65, ord("T") - 65
+        ex.overrides[("a#0", 0)] = s
+        ex.overrides[("a#0", 1)] = t
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=10, stop=("ST",))
+        await ex.answer(2)
+        assert a.done and a.text() == "" and a.finish().stop_string == "ST"
+        assert a.finish().finish_reason == "stop" and a.usage.completion_tokens == 2
+        assert a.tokens() == [s, t]
+        while ex.unanswered():
+            await ex.answer()
+        assert a.tokens() == [s, t] and a.usage.completion_tokens == 2
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+def test_abort_with_two_plans_in_flight():
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3, 4, 5, 6], max_tokens=20)
+        b = await submit(engine, "b", [7, 8], max_tokens=4)
+        await ex.answer()
+        await ex.wait_plans(2)
+        assert engine.abort("a")
+        await settle()
+        assert a.done and a.finish().finish_reason == "abort"
+        n_before = len(a.tokens())
+        assert free_blocks(engine)[0] < 64  # held for the plans in flight
+        await ex.run_until_done([b])
+        while ex.unanswered():
+            await ex.answer()
+        assert len(a.tokens()) == n_before and b.tokens() == expected("b#0", 4)
+        assert any("a#0" in p.finished_ids for p in ex.plans)
+        await settle()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_preemption_with_a_token_in_flight_keeps_that_token(mode):
+    """Six blocks of 4 tokens: a and b grow until one must be preempted while the plan
+    before carries its decode; its output stays token-exact."""
+    async def main():
+        engine, ex = make_engine(2, num_gpu_blocks=6, num_cpu_blocks=8, mode=mode)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=14)
+        b = await submit(engine, "b", [4, 5, 6], max_tokens=14)
+        await ex.run_until_done([a, b])
+        assert a.tokens() == expected("a#0", 14) and b.tokens() == expected("b#0", 14)
+        kinds = engine.executors["e0"].scheduler.num_preemptions
+        assert kinds[mode] >= 1
+        # The victim was preempted while the plan before the preempting one sampled it.
+        for k, plan in enumerate(ex.plans[1:], start=1):
+            dropped_or_swapped = set(plan.finished_ids) or plan.swap_out.shape[0]
+            if dropped_or_swapped and set(ex.plans[k - 1].request_ids) & {"a#0", "b#0"}:
+                break
+        else:
+            raise AssertionError("no preemption with a plan in flight")
+        await settle()
+        assert free_blocks(engine) == (6, 6)
+    run(main())
+
+
+def test_fork_planned_while_the_parent_prefill_is_in_flight():
+    async def main():
+        engine, ex = make_engine(2)
+        c = await submit(engine, "c", [1, 2, 3, 4, 5, 6], max_tokens=5, n=3)
+        await ex.wait_plans(2)
+        plan1, plan2 = ex.unanswered()[:2]
+        assert plan1.request_ids == ["c#0"] and plan1.do_sample.tolist() == [0]
+        assert [(f.parent_id, f.child_id) for f in plan2.forks] == [("c#0", "c#1"),
+                                                                    ("c#0", "c#2")]
+        await ex.run_until_done([c])
+        for i in range(3):
+            assert c.tokens(i) == expected(f"c#{i}", 5)
+        assert c.usage.completion_tokens == 15
+    run(main())
+
+
+def test_failed_step_with_the_next_plan_in_flight_fails_its_requests_once():
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=10)
+        await ex.answer()
+        await ex.wait_plans(2)
+        plan2 = ex.unanswered()[0]
+        ex.answered += 1
+        engine.steps.on_result("e0", wire.StepResult(
+            step_id=plan2.step_id, executor_id="e0",
+            errors=[wire.RequestError("", "CUDA error: an illegal memory access")]))
+        await settle()
+        assert a.done and a.error is not None and "failed" in str(a.error)
+        assert not engine.executors["e0"].healthy
+        resets = [m for m in engine.link.sent if isinstance(m, wire.Shutdown)]
+        assert len(resets) == 1 and not resets[0].exit
+        # The executor's answer to plan 3 (its marked decode errors: no sample in plan 2)
+        # arrives later and is ignored.
+        plan3 = ex.unanswered()[0]
+        result3 = ex.result_for(plan3)
+        assert [e.request_id for e in result3.errors] == ["a#0"]
+        assert engine.steps.on_result("e0", result3) is False
+    run(main())
+
+
+def test_request_error_in_step_n_fails_it_once_and_the_next_plan_error_is_ignored():
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=10)
+        b = await submit(engine, "b", [4, 5, 6], max_tokens=6)
+        await ex.answer()
+        await ex.wait_plans(2)
+        plan2 = ex.unanswered()[0]
+        result = ex.result_for(plan2)
+        keep = [i for i, r in enumerate(result.request_ids) if r != "a#0"]
+        ex.last.pop("a#0")
+        ex.answered += 1
+        engine.steps.on_result("e0", wire.StepResult(
+            step_id=plan2.step_id, executor_id="e0",
+            request_ids=[result.request_ids[i] for i in keep],
+            token_ids=result.token_ids[keep], errors=[wire.RequestError("a#0", "bad slot")]))
+        await settle()
+        assert a.done and a.error is not None
+        await ex.run_until_done([b])
+        assert b.tokens() == expected("b#0", 6)
+        while ex.unanswered():
+            await ex.answer()
+        assert engine.executors["e0"].healthy
+        await settle()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+def test_executor_lost_with_two_plans_in_flight_resumes_from_the_last_received_token():
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=8)
+        await ex.answer(3)
+        await ex.wait_plans(2)
+        received = len(engine.live["a"].seqs[0].token_ids) - 3
+        hello = wire.Hello(executor_id="e1", model_fingerprint="fp", device="cpu",
+                           dtype="float32", block_size=BS, num_gpu_blocks=64,
+                           num_cpu_blocks=8, max_model_len=128)
+        engine.membership.on_hello(b"e1", hello)
+        ex2 = SimExecutor(engine, "e1")
+        ex2.answered = len(ex.plans)
+        engine.membership.executor_lost(engine.executors["e0"], "killed")
+        await ex2.wait_plans(1)
+        new = ex2.unanswered()[0].new_requests[0]
+        assert new.request_id == "a#0" and len(new.output_token_ids) == received
+        await ex2.run_until_done([a])
+        assert a.tokens() == expected("a#0", 8)
+    run(main())
+
+
+def test_overdue_plan_makes_the_executor_dead_and_its_requests_migrate():
+    async def main():
+        engine, ex = make_engine(2, step_timeout_s=0.05, heartbeat_timeout_s=60)
+        hung = []
+        engine.membership.on_hung = lambda eid, why: hung.append((eid, why))
+        monitor = asyncio.ensure_future(engine.membership.monitor_loop())
+        try:
+            await submit(engine, "a", [1, 2, 3], max_tokens=8)
+            await ex.wait_plans(2)
+            assert ex.unanswered()[0].deadline_s > 0.05  # warm-up plans get more
+            for _ in range(200):
+                if hung:
+                    break
+                await asyncio.sleep(0.01)
+            assert hung and hung[0][0] == "e0" and "unanswered" in hung[0][1]
+            assert not engine.executors["e0"].healthy
+        finally:
+            monitor.cancel()
+    run(main())
