@@ -7,23 +7,39 @@ tens of MB, so clusters of fake executors are cheap.
 
 Like `executor/process.py` it registers with a Hello (two DEALER sockets: main + heartbeat
 thread), re-registers with an empty state when the router asks (Shutdown(exit=False)) or goes
-silent, and says goodbye on SIGTERM. Every StepPlan is answered with a StepResult whose
-sampled token is deterministic, ``(position * 31 + 7) % vocab`` (bumped past EOS and stop
-ids, so only max_tokens ends a request), after sleeping ``--step-delay-s``.
+silent, and says goodbye on SIGTERM. Every StepPlan is answered, in order, with a StepResult
+whose sampled token is deterministic, ``(position * 31 + 7) % vocab`` (bumped past EOS and
+stop ids, so only max_tokens ends a request), after sleeping ``--step-delay-s`` (its
+``forward_s``; ``gap_s`` is the time from the end of the previous step to the start of this
+one's "forward", ``sample_s`` the fake's own bookkeeping). With ``--eos-at N`` the token
+sampled at output position N (0 = the first output token) is the model's first EOS id
+(``--eos-token-id``, else read from the model directory as the router does), unless
+min_tokens masks it, as the real sampler does; an ignore_eos request then goes on.
+
+Pipelining (protocol 2): plans are received as they come, also while earlier ones are still
+unanswered (the router may send plan N+1 before N's result is back). A decode marked in
+``feed_sampled`` has the -1 placeholder as its token: the fake feeds it the token it sampled
+for that request in step N-1. If it sampled none there because step N-1 errored the request
+(or failed as a whole), the row is answered with a RequestError in this step, as the real
+executor does; a marked row whose request was simply not sampled in N-1, or a -1 in an
+unmarked row, is a violation.
 
 It tracks requests the way a real executor does (new requests, forks, finished ids, block
 tables from their changes, swapped-out tables) and VERIFIES each plan against that state:
 unknown request ids, block ids out of range, a block both source and destination, a token or
 position that disagrees with what the request holds, a slot that is not where the block table
-says, a write into a block another live request's table holds. A request that fails a check
-gets an error in the result (as a real executor would); every failed check is also kept as a
-"violation" in the state file, so tests double as protocol checks.
+says, a write into a block another live request's table holds, the marked-decode rules above.
+A request that fails a check gets an error in the result (as a real executor would); every
+failed check is also kept as a "violation" in the state file, so tests double as protocol
+checks.
 
 Control (for reaching states deterministically): ``--control-file`` holds an integer, the
-number of steps the executor may have answered in total; a plan beyond it is received and
-held, unanswered, until the file allows it (empty or missing file: no limit). ``--state-file``
-is rewritten (atomically) whenever something changes: steps answered, the held plan, known
-requests, violations, registrations. `FakeControl` wraps both for tests.
+number of steps the executor may have answered in total; plans beyond it are received and
+held, unanswered, until the file allows them (empty or missing file: no limit). Heartbeats go
+on meanwhile, so a held executor looks exactly like a hung one (`FakeControl.hang`).
+``--state-file`` is rewritten (atomically) whenever something changes: steps answered, every
+unanswered plan (``unanswered``, oldest first; ``held`` is the oldest, the next to be
+answered), known requests, violations, registrations. `FakeControl` wraps both for tests.
 """
 
 from __future__ import annotations
@@ -37,8 +53,10 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import zmq
 from pagedserve.protos.wire import (
@@ -53,6 +71,7 @@ from pagedserve.protos.wire import (
     Welcome,
     WireError,
 )
+from pagedserve.router.tokenizer import read_eos_token_ids
 
 POLL_MS = 5
 WELCOME_TIMEOUT_S = 3.0
@@ -68,20 +87,29 @@ def fake_token(position: int, vocab_size: int, banned: set[int]) -> int:
 
 
 class _Request:
-    __slots__ = ("tokens", "num_computed", "table", "swapped", "banned", "logprobs")
+    __slots__ = ("tokens", "num_prompt", "num_computed", "table", "swapped", "banned",
+                 "logprobs", "eos_allowed_from", "last_sampled_step")
 
-    def __init__(self, tokens: list[int], banned: set[int], logprobs: int | None) -> None:
+    def __init__(self, tokens: list[int], num_prompt: int, banned: set[int],
+                 logprobs: int | None, eos_allowed_from: int) -> None:
         self.tokens = tokens
+        self.num_prompt = num_prompt
         self.num_computed = 0
         self.table: list[int] = []
         self.swapped = False  # its device blocks were swapped out; table invalid until start 0
         self.banned = banned
         self.logprobs = logprobs
+        self.eos_allowed_from = eos_allowed_from  # output position (min_tokens masks EOS)
+        self.last_sampled_step = -1  # step id that sampled its last token (-1: none yet)
 
     def fork(self) -> _Request:
-        child = _Request(list(self.tokens), self.banned, self.logprobs)
+        """A child starts as a copy of the parent's state, its last sample included (a
+        marked decode of the child is fed the parent's token)."""
+        child = _Request(list(self.tokens), self.num_prompt, self.banned, self.logprobs,
+                         self.eos_allowed_from)
         child.num_computed, child.table, child.swapped = self.num_computed, list(self.table), \
             self.swapped
+        child.last_sampled_step = self.last_sampled_step
         return child
 
 
@@ -97,7 +125,15 @@ class FakeExecutor:
         self.last_step_id = 0
         self.registrations = 0
         self.violations: list[str] = []
-        self.held: StepPlan | None = None
+        # Received, not yet answered, oldest first (the router may send up to
+        # --pipeline-depth plans before the first is answered).
+        self.unanswered: deque[StepPlan] = deque()
+        self.errored_at: dict[str, int] = {}  # request -> step that errored it (recent ones)
+        self.failed_step = -1  # last step answered with a whole-step error
+        self.last_end = 0.0  # monotonic end of the previous step's sampling (0: none yet)
+        self.num_marked_fed = 0  # marked decodes fed their own previous sample
+        self.num_request_errors = 0
+        self.eos_token_id = self._eos_token_id(args)
         self.stopping = False
         self.registered = threading.Event()
         self.reregister = threading.Event()
@@ -110,27 +146,52 @@ class FakeExecutor:
             num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
             max_model_len=args.max_model_len, pid=os.getpid(), hostname="fake")
 
+    @staticmethod
+    def _eos_token_id(args: argparse.Namespace) -> int | None:
+        """The id --eos-at samples: --eos-token-id, else the model's first EOS id."""
+        if args.eos_at is None:
+            return None
+        if args.eos_token_id is not None:
+            return args.eos_token_id
+        ids = read_eos_token_ids(args.model) if args.model else ()
+        if not ids:
+            raise SystemExit("wire_fake_executor: --eos-at needs --eos-token-id or a --model "
+                             "whose config names an eos_token_id")
+        return ids[0]
+
     # ------------------------------------------------------------------------ state file
+    @staticmethod
+    def _plan_state(p: StepPlan) -> dict:
+        """What a test needs to know about an unanswered plan."""
+        arr = lambda a: [] if a is None else a.tolist()  # noqa: E731
+        marked = arr(p.feed_sampled) or [0] * len(p.request_ids)
+        return {"step_id": p.step_id, "request_ids": list(p.request_ids),
+                "num_computed": arr(p.num_computed_tokens), "num_new": arr(p.num_new_tokens),
+                "do_sample": arr(p.do_sample), "feed_sampled": marked,
+                "marked_ids": [r for r, m in zip(p.request_ids, marked, strict=True) if m],
+                "new_requests": [r.request_id for r in p.new_requests],
+                "finished_ids": list(p.finished_ids), "deadline_s": p.deadline_s}
+
     def write_state(self) -> None:
         if not self.args.state_file:
             return
-        held = None
-        if self.held is not None:
-            p = self.held
-            held = {"step_id": p.step_id, "request_ids": list(p.request_ids),
-                    "num_computed": [] if p.num_computed_tokens is None
-                    else p.num_computed_tokens.tolist(),
-                    "num_new": [] if p.num_new_tokens is None else p.num_new_tokens.tolist(),
-                    "do_sample": [] if p.do_sample is None else p.do_sample.tolist(),
-                    "new_requests": [r.request_id for r in p.new_requests]}
-        state = {"steps_done": self.steps_done, "held": held, "known": len(self.requests),
+        plans = [self._plan_state(p) for p in self.unanswered]
+        state = {"steps_done": self.steps_done, "held": plans[0] if plans else None,
+                 "unanswered": plans, "num_unanswered": len(plans),
+                 "last_step_id": self.last_step_id, "known": len(self.requests),
                  "swapped_ids": [r for r, q in self.requests.items() if q.swapped],
                  "violations": self.violations[-50:], "num_violations": len(self.violations),
+                 "num_marked_fed": self.num_marked_fed,
+                 "num_request_errors": self.num_request_errors,
                  "registrations": self.registrations, "pid": os.getpid()}
         tmp = self.args.state_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)
         os.replace(tmp, self.args.state_file)
+
+    def may_answer(self) -> bool:
+        budget = self.step_budget()
+        return budget is None or self.steps_done < budget
 
     def step_budget(self) -> int | None:
         if not self.args.control_file:
@@ -193,7 +254,10 @@ class FakeExecutor:
     def register(self) -> None:
         self.registered.clear()
         self.requests.clear()
-        self.held = None
+        self.unanswered.clear()
+        self.errored_at.clear()
+        self.failed_step = -1
+        self.last_end = 0.0
         self.last_step_id = 0
         attempt = 0
         while not self.stopping:
@@ -254,19 +318,16 @@ class FakeExecutor:
                 if self.router_lost():
                     self.register()
                     continue
-                if self.held is not None:
-                    budget = self.step_budget()
-                    if budget is None or self.steps_done < budget:
-                        plan, self.held = self.held, None
-                        self.answer(plan)
-                        continue
-                    time.sleep(POLL_MS / 1000)
-                    continue
-                if not self.sock.poll(POLL_MS):
+                # Take in whatever has arrived first (plans queue up behind an unanswered
+                # one), then answer the oldest plan if the budget allows.
+                ready = bool(self.unanswered) and self.may_answer()
+                if not self.sock.poll(0 if ready else POLL_MS):
+                    if ready:
+                        self.answer(self.unanswered.popleft())
                     continue
                 msg = self._recv()
                 if isinstance(msg, StepPlan):
-                    self.held = msg
+                    self.unanswered.append(msg)
                     self.write_state()
                 elif isinstance(msg, Shutdown):
                     if msg.exit:
@@ -284,12 +345,29 @@ class FakeExecutor:
             self.ctx.term()
 
     def answer(self, plan: StepPlan) -> None:
+        """Run one plan: "forward" (sleep --step-delay-s), then check and sample."""
+        t_start = time.monotonic()
+        gap_s = t_start - self.last_end if self.last_end else 0.0
+        forward_s = 0.0
         if self.args.step_delay_s > 0:
             time.sleep(self.args.step_delay_s)
+            forward_s = time.monotonic() - t_start
+        t_sample = time.monotonic()
         result = self.execute(plan)
+        self.last_end = time.monotonic()
+        self.num_request_errors += sum(1 for e in result.errors if e.request_id)
+        if any(not e.request_id for e in result.errors):
+            self.failed_step = plan.step_id
+        for err in result.errors:
+            if err.request_id:
+                self.errored_at[err.request_id] = plan.step_id
+        if len(self.errored_at) > 4096:  # only the previous step's errors matter
+            self.errored_at = {r: s for r, s in self.errored_at.items()
+                               if s >= plan.step_id - 1}
         self.steps_done += 1
-        self._send(result)
-        self.write_state()
+        self.write_state()  # before the result: a test that saw the result sees the state
+        self._send(msgspec.structs.replace(result, forward_s=forward_s,
+                                           sample_s=self.last_end - t_sample, gap_s=gap_s))
 
     # ------------------------------------------------------------------------ execute
     def _violation(self, step: int, text: str) -> str:
@@ -354,9 +432,10 @@ class FakeExecutor:
                 self._violation(step, f"new request {new.request_id} already known")
             sp = new.sampling
             banned = set(sp.eos_token_ids) | set(sp.stop_token_ids)
+            prompt = new.prompt_token_ids.tolist()
             self.requests[new.request_id] = _Request(
-                new.prompt_token_ids.tolist() + new.output_token_ids.tolist(), banned,
-                sp.logprobs)
+                prompt + new.output_token_ids.tolist(), len(prompt), banned, sp.logprobs,
+                0 if sp.ignore_eos else sp.min_tokens)
         for fork in plan.forks:
             parent = self.requests.get(fork.parent_id)
             if parent is None:
@@ -376,7 +455,11 @@ class FakeExecutor:
         lens = plan.block_table_lens.tolist()
         ids = [] if plan.block_table_ids is None else plan.block_table_ids.tolist()
         tokens = plan.token_ids.tolist()
+        feed = [0] * n if plan.feed_sampled is None else plan.feed_sampled.tolist()
         positions = plan.positions.tolist()
+        # Pipelining: a request that step - 1 errored (or all of it, when it failed) may
+        # still be in this plan, sent before the router knew: an error, not a violation.
+        prev_failed = self.failed_step == step - 1
         slots = plan.slot_mapping.tolist()
         ofs, t = 0, 0
         ok: list[tuple[str, _Request, int, bool]] = []
@@ -389,8 +472,27 @@ class FakeExecutor:
             tok_i, pos_i, slot_i = tokens[t:t + k], positions[t:t + k], slots[t:t + k]
             t += k
             req = self.requests.get(rid)
+            if (feed[i] or req is None) and (prev_failed or self.errored_at.get(rid) == step - 1):
+                errors.append(RequestError(rid, f"step {step}: {rid} errored in step "
+                                                f"{step - 1}; its input was not sampled"))
+                self.requests.pop(rid, None)
+                continue
             problem = ""
-            if req is None:
+            if feed[i] and req is not None:
+                if k != 1:
+                    problem = f"marked for feed_sampled with {k} new tokens (a decode has 1)"
+                elif tok_i != [-1]:
+                    problem = f"marked for feed_sampled but its token is {tok_i[0]}, not -1"
+                elif req.last_sampled_step != step - 1:
+                    problem = (f"marked for feed_sampled but not sampled in step {step - 1} "
+                               f"(last sampled in {req.last_sampled_step})")
+                else:
+                    tok_i = [req.tokens[-1]]  # the fake's own sample of step - 1
+            elif not feed[i] and -1 in tok_i:
+                problem = "placeholder token -1 in a row not marked for feed_sampled"
+            if problem:
+                pass
+            elif req is None:
                 problem = "unknown request (never sent as a new request)"
             elif k <= 0:
                 problem = "scheduled with no new tokens"
@@ -429,6 +531,7 @@ class FakeExecutor:
                 written.setdefault(s // bs, rid)
             ok.append((rid, req, k, bool(do_sample[i])))
             ok_starts.append(computed[i])
+            self.num_marked_fed += feed[i]
         # No block written this step may belong to another live (device-resident) request.
         for other_id, other in self.requests.items():
             if other.swapped:
@@ -441,8 +544,13 @@ class FakeExecutor:
         for (rid, req, k, sample), start in zip(ok, ok_starts, strict=True):
             req.num_computed = start + k
             if sample:
-                tok = fake_token(len(req.tokens), self.args.vocab_size, req.banned)
+                out_pos = len(req.tokens) - req.num_prompt
+                if out_pos == self.args.eos_at and out_pos >= req.eos_allowed_from:
+                    tok = self.eos_token_id
+                else:
+                    tok = fake_token(len(req.tokens), self.args.vocab_size, req.banned)
                 req.tokens.append(tok)
+                req.last_sampled_step = step
                 sampled_ids.append(rid)
                 sampled.append(tok)
         if not sampled_ids:
@@ -459,8 +567,7 @@ class FakeExecutor:
                                         for j in range(c)], np.int32),
                 top_logprobs=np.full(sum(counts), -1.0, np.float32))
         return StepResult(step_id=step, executor_id=me, request_ids=sampled_ids,
-                          token_ids=np.array(sampled, np.int32), errors=errors,
-                          forward_s=self.args.step_delay_s, **extra)
+                          token_ids=np.array(sampled, np.int32), errors=errors, **extra)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -474,7 +581,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-fingerprint", default="")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--step-delay-s", type=float, default=0.0)
+    p.add_argument("--step-delay-s", type=float, default=0.0,
+                   help="seconds each step's 'forward' takes (its forward_s)")
+    p.add_argument("--eos-at", type=int, default=None, metavar="N",
+                   help="the token sampled at output position N (0: the first) is EOS "
+                        "(default: never EOS)")
+    p.add_argument("--eos-token-id", type=int, default=None,
+                   help="the EOS id --eos-at samples (default: the model's first EOS id)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--control-file", default="")
     p.add_argument("--state-file", default="")
@@ -514,10 +627,18 @@ class FakeControl:
         return {}
 
     def pause(self) -> int:
-        """Answer no plan beyond those answered already; returns that count."""
+        """Answer no plan beyond those answered already; returns that count. Plans keep
+        arriving and are held (see `unanswered`); heartbeats go on."""
         done = self.state().get("steps_done", 0)
         self.control.write_text(str(done))
         return done
+
+    def hang(self) -> int:
+        """Stop answering plans while heartbeating, as an executor stuck in a GPU kernel
+        looks to the router: every plan sent from now on (both of a depth-2 pipeline) stays
+        unanswered until `resume()`/`allow()`. Returns the steps answered so far. (Same
+        mechanism as `pause`; the name says what a test means.)"""
+        return self.pause()
 
     def allow(self, num_steps: int) -> None:
         """Answer `num_steps` more plans than answered now, then hold again."""
@@ -536,16 +657,32 @@ class FakeControl:
         raise TimeoutError(f"fake executor: no {what} within {timeout_s} s: {self.state()}")
 
     def wait_held(self, timeout_s: float = 20.0) -> dict:
+        """The oldest unanswered plan (the next one to be answered)."""
         return self.wait(lambda s: s.get("held") is not None, timeout_s, "held plan")["held"]
+
+    def unanswered(self) -> list[dict]:
+        """Every plan received and not yet answered, oldest first: step_id, request_ids,
+        num_computed, num_new, do_sample, feed_sampled, marked_ids, new_requests,
+        finished_ids, deadline_s."""
+        return self.state().get("unanswered", [])
+
+    def wait_unanswered(self, num_plans: int = 2, timeout_s: float = 20.0) -> list[dict]:
+        """Wait until at least `num_plans` plans are held unanswered (with --pipeline-depth
+        2 and the fake paused, the router sends a second plan before the first's result)."""
+        return self.wait(lambda s: s.get("num_unanswered", 0) >= num_plans, timeout_s,
+                         f"{num_plans} unanswered plans")["unanswered"]
 
 
 def fake_command(router: str, executor_id: str, model_dir, *, num_gpu_blocks: int = 256,
                  num_cpu_blocks: int = 0, block_size: int = 16, step_delay_s: float = 0.0,
-                 control: FakeControl | None = None, extra: list[str] | None = None) -> list:
+                 eos_at: int | None = None, control: FakeControl | None = None,
+                 extra: list[str] | None = None) -> list:
     cmd = [sys.executable, SCRIPT, "--router", router, "--executor-id", executor_id,
            "--model", str(model_dir), "--num-gpu-blocks", str(num_gpu_blocks),
            "--num-cpu-blocks", str(num_cpu_blocks), "--block-size", str(block_size),
            "--step-delay-s", str(step_delay_s), "--heartbeat-timeout", "1"]
+    if eos_at is not None:
+        cmd += ["--eos-at", str(eos_at)]
     if control is not None:
         cmd += ["--control-file", str(control.control), "--state-file", str(control.state_file)]
     return cmd + list(extra or [])
