@@ -125,8 +125,8 @@ def main() -> int:
     prefix_blocks = -(-args.prefix_len // block_size)
     num_gpu_blocks = args.num_gpu_blocks or (prefix_blocks * (2 * args.tenants) // 3 + 40)
 
-    from pagedserve.tinymodels import ensure_demo_model
-    model_dir = ensure_demo_model()
+    from pagedserve.models import resolve_model
+    model_dir = resolve_model("tiny")  # the random-weight model: offline, fast, same figures
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     cfg = BenchConfig(address="", dataset="shared-prefix", seed=args.seed,
                       num_prompts=args.tenants * args.questions_per_tenant,
@@ -136,7 +136,7 @@ def main() -> int:
                       request_rate=args.request_rate, progress=False,
                       timeout_s=600.0)
     requests = sample_requests(cfg, vocab)
-    print(f"demo model; {len(requests)} requests ({args.tenants} tenants x "
+    print(f"--model tiny; {len(requests)} requests ({args.tenants} tenants x "
           f"{args.questions_per_tenant}), prefix {args.prefix_len} + question "
           f"{args.question_len} tokens, output {lo}-{hi}, {args.request_rate} req/s Poisson; "
           f"2 executors x {num_gpu_blocks} blocks (all prefixes: "

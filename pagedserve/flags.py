@@ -64,7 +64,8 @@ def _positive_int(value: str) -> int:
 
 # (flag, type, default, help). None as default: derived at run time (see help).
 FLAGS: list[tuple[str, object, object, str]] = [
-    ("model", str, None, "Hugging Face model directory (serve: the built-in demo model)"),
+    ("model", str, None, "a Hugging Face directory, a .gguf file, a hub id, `default` (the "
+     "built-in SmolLM2-135M-Instruct; serve's default) or `tiny`"),
     ("executors", _positive_int, 1, "serve: executor processes to start"),
     ("executor-id", str, None, "executor: id (default: host, pid and a random suffix)"),
     ("port", int, 50051, "gRPC port (0: any free port)"),

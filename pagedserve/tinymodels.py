@@ -1,7 +1,7 @@
 """Small random-weight Hugging Face model directories, made locally with no download.
 
 Used by the tests (HF-equivalence needs decisive logits, so weights are drawn with a large
-std and norms/biases are randomised) and by the built-in demo model. Everything is
+std and norms/biases are randomised) and by `--model tiny` (the random-weight demo model). Everything is
 deterministic for a given seed: the byte-level BPE tokenizer is trained in-process on a fixed
 corpus, the weights come from a seeded generator.
 """
@@ -150,22 +150,24 @@ def build_model(
     return out_dir
 
 
-DEMO_MODEL_VERSION = "demo-llama-v1"
+DEMO_MODEL_VERSION = "demo-llama-v1"  # = pagedserve.models.TINY_DIR
+
+
+def build_demo_model(out_dir: str | Path) -> Path:
+    """The `tiny` model: a small random-weight Llama with the byte-level BPE tokenizer,
+    deterministic. Its text is gibberish; it exists to run the serving path offline."""
+    return build_model(out_dir, "llama", hidden_size=256, num_layers=4, num_heads=8,
+                       num_kv_heads=2, intermediate_size=512, max_position_embeddings=2048,
+                       seed=1234)
 
 
 def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
-    """The built-in demo model: a small random-weight Llama with the byte-level BPE
-    tokenizer, built once (deterministically) and cached under the user's cache dir
-    ($XDG_CACHE_HOME or ~/.cache)/pagedserve/. It is honest about what it is: random
-    weights, so its text is gibberish; it exists to show the system working."""
-    import os
+    """The `tiny` model, built once: `cache_dir`/pagedserve/demo-llama-v1 when given (a
+    folder to mount into containers), else what `--model tiny` resolves to (in the cache
+    root of pagedserve.models, built there in a child process under its lock)."""
+    from .models import build_once, ensure_tiny_model
 
-    root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    path = root / "pagedserve" / DEMO_MODEL_VERSION
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return path
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    build_model(tmp, "llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-                intermediate_size=512, max_position_embeddings=2048, seed=1234)
-    tmp.replace(path) if not path.exists() else None
-    return path
+    if cache_dir is None:
+        return ensure_tiny_model()
+    path = Path(cache_dir) / "pagedserve" / DEMO_MODEL_VERSION
+    return build_once(path, build_demo_model, "the tiny model")

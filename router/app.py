@@ -60,8 +60,9 @@ def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
             raise ModelDirError(f"--max-model-len {max_model_len} exceeds the model's "
                                 f"{model_len}")
         model_len = max_model_len
-    if dtype == "auto":
+    if dtype == "auto":  # the checkpoint's, as the executor resolves it (ModelInfo: what runs)
         dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "float32"
     info = ModelInfoData(
         model=str(config.get("_name_or_path") or path.resolve().name),
         architecture=arch,

@@ -1,8 +1,9 @@
-"""`pagedserve demo --quick`: the main job, start to finish, on the built-in demo model.
+"""`pagedserve demo --quick --model tiny`: the main job, start to finish, offline.
 
 One subprocess (the router runs inside it, plus two executor children): it must exit 0,
 say honestly what the model is, show prefix-cache hits and a preemption, print the summary
-and leave no executor process behind.
+and leave no executor process behind. The random-weight `tiny` model keeps this offline;
+tests/test_builtin_model.py runs the demo on the built-in model when it can be prepared.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def demo_run():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PAGEDSERVE_") or k == "PAGEDSERVE_CACHE"}
     env["PYTHONUNBUFFERED"] = "1"
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "demo", "--quick"],
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "demo", "--quick",
+                             "--model", "tiny"],
                             capture_output=True, text=True, env=env, timeout=180)
     return result, time.monotonic() - start
 

@@ -153,11 +153,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` -> the checkpoint's dtype, except float16 on CPU (slow there) -> bfloat16."""
+    """``auto`` -> the checkpoint's dtype (as transformers' ``dtype="auto"``; float32 when
+    config.json names none we run). The router reports the same (router/app.py)."""
     if name == "auto":
         name = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
-        if name == "float16" and device.type == "cpu":
-            name = "bfloat16"
     if name not in DTYPES:
         raise ModelNotSupported(f"dtype {name!r} is not supported (auto, {', '.join(DTYPES)})")
     return DTYPES[name]
