@@ -19,6 +19,7 @@ otherwise pollute the figure). A step with no forward measures up to where it wo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -210,56 +211,59 @@ class ModelRunner:
         return errors
 
     def _prepare(self, plan: StepPlan, errors: list[RequestError]) -> _Batch | None:
-        """Apply the table changes of the valid requests and build the batch tensors."""
+        """Apply the table changes of the valid requests and build the batch tensors.
+
+        Every check that can be is one numpy expression over all rows or tokens; the loop
+        over requests only looks each one up and applies its table change."""
         num_seqs = plan.num_seqs
         if num_seqs == 0:
             return None
-        bs = self.block_size
+        bs, num_blocks = self.block_size, self.cache.num_gpu_blocks
         computed = plan.num_computed_tokens.astype(np.int64)
         num_new = plan.num_new_tokens.astype(np.int64)
         seq_lens = computed + num_new
-        starts, lens = plan.block_table_starts.tolist(), plan.block_table_lens.tolist()
+        starts_np, lens_np = plan.block_table_starts, plan.block_table_lens
+        starts, lens = starts_np.tolist(), lens_np.tolist()
         ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        offsets = np.concatenate([[0], np.cumsum(lens_np)]).tolist()
+        states = list(map(self.requests.get, plan.request_ids))
 
         # Marked decodes first: their placeholders (-1) become real tokens before the range
         # checks below, which still reject any -1 left (unmarked, or marked but not fed).
-        token_ids, unfed = plan.token_ids, {}
+        token_ids, bad = plan.token_ids, {}
         if plan.feed_sampled is not None and plan.feed_sampled.any():
-            token_ids, unfed = self._feed_sampled(plan, num_new)
+            token_ids, bad = self._feed_sampled(plan, num_new, states)
 
-        # Per-token checks, vectorised; a bad token condemns its request.
+        # Vectorised checks; a bad token, block id or length condemns its request.
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         slots = plan.slot_mapping.astype(np.int64)
         bad_token = (
-            (slots < -1) | (slots >= self.cache.num_gpu_blocks * bs)
+            (slots < -1) | (slots >= num_blocks * bs)
             | (plan.positions < 0) | (plan.positions >= self.max_model_len)
             | (token_ids < 0) | (token_ids >= self.vocab_size)
         )
-        bad = dict.fromkeys(row_of_token[bad_token].tolist(), "a slot, position or token id "
-                                                               "out of range")
-        bad.update(unfed)
+        for rows, message in (
+            (row_of_token[bad_token], "a slot, position or token id out of range"),
+            (np.repeat(np.arange(num_seqs), lens_np)[(ids < 0) | (ids >= num_blocks)],
+             f"block id out of range (have {num_blocks})"),
+            (np.flatnonzero(seq_lens > np.minimum(self.max_model_len, (starts_np + lens_np) * bs)),
+             "its tokens do not fit its blocks or max_model_len"),
+            (np.flatnonzero(num_new == 0), "scheduled with no new tokens"),
+        ):
+            if rows.shape[0]:
+                for i in rows.tolist():
+                    bad.setdefault(i, message)
         tables = []
-        for i, rid in enumerate(plan.request_ids):
-            state = self.requests.get(rid)
-            new_ids = ids[offsets[i]:offsets[i + 1]]
-            if i in unfed:
-                pass
-            elif state is None:
-                bad[i] = "unknown request (never sent as a new request)"
+        for i, state in enumerate(states):
+            if state is None:
+                bad.setdefault(i, "unknown request (never sent as a new request)")
             elif i in bad:
                 pass
             elif starts[i] > len(state.block_table):
                 bad[i] = f"block table change at {starts[i]} beyond its {len(state.block_table)}"
-            elif new_ids.shape[0] and (new_ids.min() < 0
-                                       or new_ids.max() >= self.cache.num_gpu_blocks):
-                bad[i] = f"block id out of range (have {self.cache.num_gpu_blocks})"
-            elif seq_lens[i] > min(self.max_model_len, (starts[i] + lens[i]) * bs):
-                bad[i] = f"{seq_lens[i]} tokens do not fit its blocks or max_model_len"
-            elif num_new[i] == 0:
-                bad[i] = "scheduled with no new tokens"
             else:
-                state.block_table[starts[i]:] = new_ids.tolist()
+                if lens[i] or starts[i] < len(state.block_table):
+                    state.block_table[starts[i]:] = ids[offsets[i]:offsets[i + 1]].tolist()
                 tables.append(state.block_table)
         for i, message in sorted(bad.items()):
             rid = plan.request_ids[i]
@@ -267,19 +271,21 @@ class ModelRunner:
             errors.append(RequestError(rid, message))
             self.requests.pop(rid, None)
         keep = np.ones(num_seqs, dtype=bool)
-        keep[list(bad)] = False
-        if not keep.any():
-            return None
+        if bad:
+            keep[list(bad)] = False
+            if not tables:
+                return None
         keep_token = keep[row_of_token]
 
         num_new, seq_lens = num_new[keep], seq_lens[keep]
         query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = table
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        block_tables = np.zeros((len(tables), int(table_lens.max())), dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = list(
+            itertools.chain.from_iterable(tables))
         do_sample = plan.do_sample[keep].astype(bool)
-        kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
+        kept_ids = plan.request_ids if not bad else [
+            r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
 
         def dev(arr, dtype):
             return torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype)).to(
@@ -299,22 +305,23 @@ class ModelRunner:
             sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
         )
 
-
-    def _feed_sampled(self, plan: StepPlan,
-                      num_new: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    def _feed_sampled(self, plan: StepPlan, num_new: np.ndarray,
+                      states: list[RequestState | None]) -> tuple[np.ndarray, dict[int, str]]:
         """(token ids with each marked decode's placeholder replaced by the token this
         executor sampled for it in step ``step_id - 1``, {row: error} for the marked rows
         that cannot be fed). O(marked rows) Python, one numpy scatter."""
         prev = plan.step_id - 1
-        first_token = (np.cumsum(num_new) - num_new).tolist()
+        marked = np.flatnonzero(plan.feed_sampled)
+        first_token = (np.cumsum(num_new) - num_new)[marked].tolist()
         token_ids = plan.token_ids.copy()  # the plan's arrays are read-only message buffers
         unfed: dict[int, str] = {}
         at, fed = [], []
-        for i in np.flatnonzero(plan.feed_sampled).tolist():
-            state = self.requests.get(plan.request_ids[i])
-            if num_new[i] != 1:
+        for i, first, n in zip(marked.tolist(), first_token, num_new[marked].tolist(),
+                               strict=True):
+            state = states[i]
+            if n != 1:
                 unfed[i] = (f"marked to be fed its sample of step {prev} but scheduled with "
-                            f"{num_new[i]} tokens (a marked row is a decode of one token)")
+                            f"{n} tokens (a marked row is a decode of one token)")
             elif state is None:
                 unfed[i] = (f"marked to be fed its sample of step {prev}, but the request is "
                             "unknown here (never sent, or dropped after an error)")
@@ -322,7 +329,7 @@ class ModelRunner:
                 unfed[i] = (f"marked to be fed its sample of step {prev}, but it sampled "
                             f"nothing in step {prev} (that step failed or did not sample it)")
             else:
-                at.append(first_token[i])
+                at.append(first)
                 fed.append(state.sampled_token)
         token_ids[at] = fed
         return token_ids, unfed

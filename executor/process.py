@@ -1,10 +1,26 @@
 """The executor process: registers with the router over ZeroMQ and serves StepPlans.
 
-Sockets. The main DEALER (this thread) carries Hello -> Welcome, StepPlan -> StepResult,
-Shutdown and ErrorReport. A second DEALER, owned by the heartbeat thread (zmq sockets are
-not thread-safe), sends ``Heartbeat(executor_id)`` every ``--heartbeat-timeout / 4`` seconds
-while registered. Neither socket sets a routing id: the router keys executors by the
-``executor_id`` inside the messages and answers on the routing id a message came from.
+Threads and sockets (zmq sockets are not thread-safe: each has one owner at a time).
+* The main thread registers (Hello -> Welcome on a fresh main DEALER), then runs the plans
+  one after another, in the order they came, and never touches the main socket while
+  registered: it reads decoded messages from a queue and hands results to the I/O thread.
+* The I/O thread (``MainSocketIO``, one per registration) owns the registered main DEALER
+  from Welcome until re-registration or exit, when the main thread joins it and takes the
+  socket back. It receives and decodes every message (its own Codec) into the main
+  thread's queue while a step runs (torch releases the GIL in its kernels), so plan N+1 is
+  decoded and waiting when step N ends; and it encodes and sends what the main thread
+  queues (StepResult, ErrorReport, the goodbye), woken through an inproc PAIR socket polled
+  together with the DEALER, so encoding overlaps the next forward. Messages keep their order
+  both ways; a new registration gets a new I/O thread and new queues, so nothing queued for
+  an old registration is ever sent on the new socket or executed after it.
+* The heartbeat thread owns a second DEALER and sends ``Heartbeat(executor_id)`` every
+  ``--heartbeat-timeout / 4`` seconds while registered, except while the main thread is
+  inside a step that has run past its ``deadline_s`` (a hung kernel): then it stays silent
+  (one ERROR line per step), so the router declares this executor dead and moves its
+  requests; heartbeats resume when the step ends (the router then answers
+  ``Shutdown(exit=False)`` and the executor registers again, below).
+Neither DEALER sets a routing id: the router keys executors by the ``executor_id`` inside
+the messages and answers on the routing id a message came from.
 
 Router loss and return (what the router does):
 * it echoes every Heartbeat of a registered executor back on the heartbeat socket (any
@@ -13,7 +29,9 @@ Router loss and return (what the router does):
   or declared the executor dead), it answers ``Shutdown(exit=False)`` on that socket.
 The executor:
 * treats ``Shutdown(exit=False)`` (on either socket) as "register again": it forgets every
-  request, closes its main socket and sends a new Hello (its cache is empty from then on);
+  request, drops the plans not yet run, closes its main socket and sends a new Hello (its
+  cache is empty from then on). On the main socket it is acted on in order, after the plans
+  that came before it;
 * once it has seen one heartbeat echo (ever), declares the router lost after
   ``2.5 * --heartbeat-timeout`` seconds without hearing anything from it (echo or message),
   and re-registers the same way. (A router that never echoes is tolerated: no loss detection.)
@@ -22,9 +40,15 @@ The executor:
   ``Welcome(accepted=False)`` exits with code 3 and the reason on stderr.
 * with ``--parent-pid`` (or ``PAGEDSERVE_PARENT_PID``, set by ``serve``) it exits (code 1)
   within about a second of its parent's death, whatever it is doing between steps.
-* ``Shutdown(exit=True)`` exits with code 0.
+* ``Shutdown(exit=True)`` exits with code 0 (after sending the results of the plans before it).
+* SIGTERM (SIGINT when standalone) ends serving between two steps: it sends
+  ``Shutdown(executor_id)`` ("I am stopping") after the results already due, and exits 0.
 A message that does not decode (unknown type/version, malformed) is logged and answered with
-``ErrorReport``; it is never executed.
+``ErrorReport`` in its place in the order; it is never executed.
+
+Testing hook (never set in production): ``PAGEDSERVE_FAULT_SLEEP_IN_STEP="<step_id>:<s>"``,
+read once at start, makes the first step with that id sleep ``s`` seconds inside its forward
+timing (a hung kernel, for the deadline tests); a malformed value exits with code 2.
 
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """
@@ -32,15 +56,19 @@ Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import itertools
 import logging
 import os
+import queue
 import random
 import signal
 import socket
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import zmq
 from pagedserve.protos.wire import (
@@ -60,11 +88,29 @@ WELCOME_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
 POLL_MS = 200
+IO_JOIN_TIMEOUT_S = 5.0
+FAULT_SLEEP_ENV = "PAGEDSERVE_FAULT_SLEEP_IN_STEP"  # testing hook, see the module docstring
 
 
 def _setup_logging(fmt: str) -> None:
     from pagedserve.logs import setup_logging
     setup_logging(fmt)
+
+
+def fault_sleep_from_env() -> tuple[int, float] | None:
+    """The testing hook ``PAGEDSERVE_FAULT_SLEEP_IN_STEP="<step_id>:<seconds>"``; None when
+    unset. Raises ValueError (one line) when malformed."""
+    value = os.environ.get(FAULT_SLEEP_ENV)
+    if not value:
+        return None
+    try:
+        step, seconds = value.split(":")
+        hook = int(step), float(seconds)
+    except ValueError:
+        raise ValueError(f"{FAULT_SLEEP_ENV}={value!r}: expected <step_id>:<seconds>") from None
+    if not hook[1] >= 0:
+        raise ValueError(f"{FAULT_SLEEP_ENV}={value!r}: seconds must be >= 0")
+    return hook
 
 
 # --------------------------------------------------------------------------------- parent
@@ -96,8 +142,9 @@ class ParentWatch:
 
 
 class HeartbeatThread(threading.Thread):
-    """Sends Heartbeats on its own DEALER while ``registered`` is set; records when the
-    router last answered and whether it asked us to register again."""
+    """Sends Heartbeats on its own DEALER while ``registered`` is set and the current step
+    (``begin_step``/``end_step``, from the main thread) is within its deadline; records
+    when the router last answered and whether it asked us to register again."""
 
     def __init__(self, ctx: zmq.Context, address: str, executor_id: str, interval_s: float,
                  configure) -> None:
@@ -110,6 +157,27 @@ class HeartbeatThread(threading.Thread):
         self.reregister = threading.Event()
         self.last_reply = 0.0  # monotonic; 0 = never
         self.steps_done = 0
+        # (step id, monotonic start, deadline_s) of the step the main thread is in, when it
+        # has a deadline; replaced as a whole (one attribute store), read without a lock.
+        self._step: tuple[int, float, float] | None = None
+        self._overrun_logged: tuple[int, float, float] | None = None
+
+    def begin_step(self, step_id: int, deadline_s: float) -> None:
+        self._step = (step_id, time.monotonic(), deadline_s) if deadline_s > 0 else None
+
+    def end_step(self) -> None:
+        self._step = None
+
+    def overran(self, now: float) -> bool:
+        """Is the main thread inside a step past its deadline? Logs once per step."""
+        step = self._step
+        if step is None or now - step[1] <= step[2]:
+            return False
+        if self._overrun_logged is not step:
+            self._overrun_logged = step
+            log.error("step %d overran its deadline of %.3g s: heartbeats stop until it ends, "
+                      "so the router declares this executor dead", step[0], step[2])
+        return True
 
     def run(self) -> None:
         codec = Codec()
@@ -122,7 +190,7 @@ class HeartbeatThread(threading.Thread):
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
-                if self.registered.is_set() and now >= next_beat:
+                if self.registered.is_set() and now >= next_beat and not self.overran(now):
                     beat = Heartbeat(executor_id=self.executor_id, time_s=time.time(),
                                      steps_done=self.steps_done)
                     with contextlib.suppress(zmq.Again):
@@ -142,25 +210,136 @@ class HeartbeatThread(threading.Thread):
             sock.close(0)
 
 
+# --------------------------------------------------------------------------------- main I/O
+
+
+class Rejected(NamedTuple):
+    """In the inbox in place of a message that did not decode: answer with an ErrorReport."""
+
+    reason: str
+
+
+class IOFailed(NamedTuple):
+    """In the inbox when the I/O thread stopped on an error: register again."""
+
+    reason: str
+
+
+_STOP = object()  # in the outbox: send nothing more, stop the I/O thread
+_IO_IDS = itertools.count()
+
+
+class MainSocketIO(threading.Thread):
+    """The registered main DEALER of one registration, owned by this thread until
+    ``close()`` hands it back.
+
+    Inbound: every message is decoded here and put on ``inbox`` in arrival order (a message
+    that does not decode as ``Rejected``), ``last_heard`` updated. Outbound: ``send(msg)``
+    (main thread) queues a message and wakes this thread through an inproc PAIR; it encodes
+    and sends queued messages in order. No polling sleeps: one ``zmq.Poller`` over the
+    DEALER and the wake-up socket, blocking until either has something.
+    """
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        super().__init__(name="executor-io", daemon=True)
+        self.sock = sock
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_heard = time.monotonic()  # written here, read by the main thread
+        self._outbox: collections.deque = collections.deque()
+        address = f"inproc://pagedserve-executor-io-{next(_IO_IDS)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)  # this thread's, from start()
+        self._wake_rx.setsockopt(zmq.LINGER, 0)
+        self._wake_rx.bind(address)
+        self._wake_tx = ctx.socket(zmq.PAIR)  # the main thread's
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(address)
+
+    # main thread ---------------------------------------------------------------------
+    def send(self, msg) -> None:
+        """Queue ``msg`` to go out after everything queued before it."""
+        self._outbox.append(msg)
+        # Never blocks: if the thread is gone (IOFailed is on its way) nobody needs waking;
+        # if 1,000 wake-ups are unread, the thread will find this message with the others.
+        with contextlib.suppress(zmq.Again):
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread and take the main socket back (the caller
+        closes it). Inbound messages not yet read are dropped."""
+        if self.is_alive():
+            self.send(_STOP)
+            self.join(IO_JOIN_TIMEOUT_S)
+            if self.is_alive():  # a send stuck for seconds: the socket stays with it
+                log.error("main socket I/O thread did not stop; abandoning its socket")
+                self.sock = None
+        self._wake_tx.close(0)
+
+    # this thread ---------------------------------------------------------------------
+    def run(self) -> None:
+        codec = Codec()
+        sock, wake = self.sock, self._wake_rx
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if wake in ready:
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            wake.recv(zmq.NOBLOCK)
+                    while self._outbox:
+                        msg = self._outbox.popleft()
+                        if msg is _STOP:
+                            return
+                        sock.send_multipart(codec.encode(msg), copy=False)
+                if sock in ready:
+                    self._receive(sock, codec)
+        except Exception as exc:  # noqa: BLE001 - handed to the main thread, which re-registers
+            log.exception("main socket I/O failed")
+            self.inbox.put(IOFailed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            wake.close(0)
+
+    def _receive(self, sock: zmq.Socket, codec: Codec) -> None:
+        with contextlib.suppress(zmq.Again):
+            while True:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                self.last_heard = time.monotonic()
+                try:
+                    self.inbox.put(codec.decode(frames))
+                except WireError as exc:
+                    log.error("rejected a message from the router: %s", exc)
+                    self.inbox.put(Rejected(str(exc)))
+
+
 # --------------------------------------------------------------------------------- process
 
 
 class ExecutorProcess:
     def __init__(self, runner, args: argparse.Namespace, hello: Hello,
-                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+                 curve: tuple[bytes, bytes, bytes] | None = None,
+                 fault_sleep: tuple[int, float] | None = None) -> None:
         """`curve`: (public, secret, router public) as `load_curve_keys` returns; loaded
-        from ``args.curve_keys`` when not given."""
+        from ``args.curve_keys`` when not given. `fault_sleep`: the testing hook (see the
+        module docstring), set on the runner."""
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
+        if fault_sleep is not None:
+            runner.fault_sleep = fault_sleep
+            log.warning("testing hook %s: step %d will sleep %.3g s", FAULT_SLEEP_ENV,
+                        *fault_sleep)
         self.args = args
         self.hello = hello
         self.executor_id = hello.executor_id
-        self.codec = Codec()
+        self.codec = Codec()  # the main thread's, for registration
         self.ctx = zmq.Context()
         self.parent = ParentWatch(args.parent_pid)
         self.loss_timeout_s = 2.5 * args.heartbeat_timeout
-        self.sock: zmq.Socket | None = None
+        self.sock: zmq.Socket | None = None  # the main DEALER, when the main thread holds it
+        self.io: MainSocketIO | None = None  # holds the main DEALER while registered
         self.last_heard = 0.0
+        self.stopping = False
         self.heartbeat = HeartbeatThread(self.ctx, args.router, self.executor_id,
                                          args.heartbeat_timeout / 4, self._configure)
 
@@ -179,6 +358,7 @@ class ExecutorProcess:
 
     # ---------------------------------------------------------------------------- sockets
     def _send(self, msg) -> None:
+        """Registration only (the main thread holds the socket then)."""
         self.sock.send_multipart(self.codec.encode(msg), copy=False)
 
     def _new_socket(self) -> None:
@@ -189,16 +369,28 @@ class ExecutorProcess:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.args.router)
 
+    def _take_socket_back(self) -> None:
+        """Stop this registration's I/O thread (it sends what is queued first) and hold
+        the main socket in this thread again."""
+        io, self.io = self.io, None
+        if io is not None:
+            io.close()
+            self.sock = io.sock
+            self.last_heard = max(self.last_heard, io.last_heard)
+
     def _check_parent(self) -> None:
-        if getattr(self, "stopping", False) and not self.heartbeat.registered.is_set():
+        if self.stopping and not self.heartbeat.registered.is_set():
             raise SystemExit(0)  # SIGTERM while (re-)registering: nothing to hand over
         if not self.parent.alive():
             log.error("parent process %s died; exiting", self.parent.pid)
             raise SystemExit(1)
 
     def register(self) -> None:
-        """Hello until Welcome, with backoff; starts from an empty cache state."""
+        """Hello until Welcome, with backoff; starts from an empty cache state. The previous
+        registration's I/O thread is stopped first: nothing queued for it reaches the new
+        socket, and its plans not yet run are dropped."""
         self.heartbeat.registered.clear()
+        self._take_socket_back()
         self.runner.reset()
         attempt = 0
         while True:
@@ -220,6 +412,9 @@ class ExecutorProcess:
                     log.info("registered with %s", self.args.router)
                     self.last_heard = time.monotonic()
                     self.heartbeat.reregister.clear()
+                    self.io = MainSocketIO(self.ctx, self.sock)
+                    self.sock = None  # the I/O thread's until _take_socket_back
+                    self.io.start()
                     self.heartbeat.registered.set()
                     return
                 if isinstance(msg, Shutdown) and msg.exit:
@@ -235,7 +430,8 @@ class ExecutorProcess:
                 time.sleep(min(0.2, max(0.0, end - time.monotonic())))
 
     def _recv(self):
-        """One message from the main socket, or None when it does not decode."""
+        """One message from the main socket while registering, or None when it does not
+        decode."""
         frames = self.sock.recv_multipart(copy=False)
         self.last_heard = time.monotonic()
         try:
@@ -252,7 +448,8 @@ class ExecutorProcess:
             return True
         if hb.last_reply == 0.0:
             return False  # this router never echoed a heartbeat: loss detection off
-        silent = time.monotonic() - max(self.last_heard, hb.last_reply)
+        heard = max(self.last_heard, self.io.last_heard if self.io is not None else 0.0)
+        silent = time.monotonic() - max(heard, hb.last_reply)
         if silent > self.loss_timeout_s:
             log.warning("router silent for %.1f s; registering again", silent)
             return True
@@ -272,42 +469,79 @@ class ExecutorProcess:
 
     def _say_goodbye(self) -> None:
         log.info("stopping: handing my requests back to the router")
+        if self.io is not None:  # after the results already queued
+            self.io.send(Shutdown(reason="executor stopping", executor_id=self.executor_id))
+            self._take_socket_back()
         if self.sock is not None:
-            self.sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye leave before close
-            self._send(Shutdown(reason="executor stopping", executor_id=self.executor_id))
+            self.sock.close(linger=1000)  # let the goodbye leave before the socket goes
+            self.sock = None
+
+    def _execute(self, plan: StepPlan) -> None:
+        """Run one plan; its result goes out through the I/O thread."""
+        hb = self.heartbeat
+        hb.begin_step(plan.step_id, plan.deadline_s)
+        start = time.monotonic()
+        try:
+            result = self.runner.execute(plan)
+        finally:
+            hb.end_step()
+        hb.steps_done = self.runner.steps_done
+        self.io.send(result)
+        if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
+            log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
+                        "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
 
     def serve(self) -> int:
-        """Register, then execute plans in order until Shutdown(exit=True) or SIGTERM."""
+        """Register, then execute plans in order until Shutdown(exit=True) or SIGTERM.
+
+        The main loop blocks on the I/O thread's inbox (no polling sleeps: a plan already
+        decoded is taken at once); every POLL_MS without a message, and between messages at
+        most that often, it checks the parent and the router's liveness."""
         self.stopping = False
         with contextlib.suppress(ValueError):  # not the main thread (in-process tests)
             self._install_signal_handlers()
         self.heartbeat.start()
+        poll_s = POLL_MS / 1000
         try:
             self.register()
+            next_check = 0.0
             while True:
                 if self.stopping:
                     self._say_goodbye()
                     return 0
-                self._check_parent()
-                if self._router_lost():
-                    self.register()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + poll_s
+                    self._check_parent()
+                    if self._router_lost():
+                        self.register()
+                        continue
+                try:
+                    msg = self.io.inbox.get(timeout=poll_s)
+                except queue.Empty:
+                    next_check = 0.0
                     continue
-                if not self.sock.poll(POLL_MS):
-                    continue
-                msg = self._recv()
                 if isinstance(msg, StepPlan):
-                    result = self.runner.execute(msg)
-                    self.heartbeat.steps_done = self.runner.steps_done
-                    self._send(result)
+                    self._execute(msg)
+                elif isinstance(msg, Rejected):
+                    self.io.send(ErrorReport(message=f"rejected: {msg.reason}",
+                                             executor_id=self.executor_id))
                 elif isinstance(msg, Shutdown):
                     if msg.exit:
                         log.info("shutdown: %s", msg.reason or "asked by the router")
+                        self._take_socket_back()
+                        self.sock.close(linger=1000)  # the last results leave first
+                        self.sock = None
                         return 0
                     log.info("router asked us to forget all state: %s", msg.reason)
                     self.register()
-                elif msg is not None and not isinstance(msg, Welcome):
+                elif isinstance(msg, IOFailed):
+                    log.error("main socket failed (%s); registering again", msg.reason)
+                    self.register()
+                elif not isinstance(msg, Welcome):
                     log.warning("ignoring %s on the main socket", type(msg).__name__)
         finally:
+            self._take_socket_back()  # sends the results still queued (Shutdown(exit=True))
             self.heartbeat.stop.set()
             self.heartbeat.join(timeout=2)
             if self.sock is not None:
@@ -347,6 +581,11 @@ def run_executor(args: argparse.Namespace) -> int:
     except KeyFolderError as exc:
         print(f"pagedserve executor: --curve-keys: {exc}", file=sys.stderr)
         return 2
+    try:
+        fault_sleep = fault_sleep_from_env()  # the testing hook, read once
+    except ValueError as exc:
+        print(f"pagedserve executor: {exc}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cpu"):
         torch.set_num_threads(max(1, args.cpu_threads))
@@ -377,7 +616,7 @@ def run_executor(args: argparse.Namespace) -> int:
              executor_id, runner.model.config.architecture, hello.device, hello.dtype,
              hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
     try:
-        return ExecutorProcess(runner, args, hello, curve=curve).serve()
+        return ExecutorProcess(runner, args, hello, curve=curve, fault_sleep=fault_sleep).serve()
     except SystemExit as exc:
         return int(exc.code or 0)
     except KeyboardInterrupt:

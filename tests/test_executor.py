@@ -201,3 +201,40 @@ def test_kv_cache_sizes_from_space(model_dir):
     assert runner.cache.num_gpu_blocks == (1 << 30) // 1000 // 20480
     assert runner.cache.num_cpu_blocks == (1 << 30) // 2000 // 20480
     assert runner.cache.kv_cache.dtype == torch.float32
+
+
+def test_each_bad_row_is_reported_and_the_good_rows_run(driver, fresh):
+    """The vectorised checks: a row with no new tokens, one whose tokens do not fit its
+    blocks, one whose table change starts beyond its table and one with an out-of-range
+    slot each get their own error (state dropped); the good row samples as it would alone."""
+    for rid in ("a", "zero", "long", "gap", "slot"):
+        driver.add(rid, PROMPT if rid == "a" else OTHER)
+    driver.step({rid: None for rid in driver.seqs})
+    good = driver.plan({"a": None, "zero": None, "long": None, "gap": None, "slot": None})
+    num_new = good.num_new_tokens.copy()
+    num_new[1] = 0
+    positions, slots = good.positions.copy(), good.slot_mapping.copy()
+    starts = good.block_table_starts.copy()
+    starts[3] = 5  # "gap" has 2 blocks
+    computed = good.num_computed_tokens.copy()
+    computed[2] = 16  # "long": 17 tokens in 2 blocks of 8
+    slots[4] = 10_000  # "slot" (its one token), beyond the 48 blocks
+    keep = np.ones(good.num_tokens, bool)
+    keep[1] = False  # the token "zero" no longer computes
+    bad = _plan(
+        step_id=good.step_id, request_ids=good.request_ids, num_computed_tokens=computed,
+        num_new_tokens=num_new, do_sample=good.do_sample, token_ids=good.token_ids[keep],
+        positions=positions[keep], slot_mapping=slots[keep], block_table_starts=starts,
+        block_table_lens=good.block_table_lens, block_table_ids=good.block_table_ids)
+    result = driver.runner.execute(bad)
+    errors = {e.request_id: e.message for e in result.errors}
+    assert errors == {
+        "zero": "scheduled with no new tokens",
+        "long": "its tokens do not fit its blocks or max_model_len",
+        "gap": "block table change at 5 beyond its 2",
+        "slot": "a slot, position or token id out of range",
+    }
+    assert result.request_ids == ["a"] and set(driver.runner.requests) == {"a"}
+    driver.accept(result)
+    driver.generate(["a"], 3)
+    assert driver.seqs["a"].outputs == _alone(fresh, PROMPT, 3)

@@ -3,21 +3,32 @@
 In process: plan N+1 built before step N's result is seen, its decodes marked
 ``feed_sampled`` (placeholder -1), gives exactly the tokens and logprobs of the one-plan-at-a-
 time run; a marked decode whose request sampled nothing in step N is skipped with an error
-while the rest of the step proceeds.
+while the rest of the step proceeds. Over ZeroMQ: a real executor process answers plans sent
+back to back, in order, with a small ``gap_s``; and a step that overruns its ``deadline_s``
+(the testing hook PAGEDSERVE_FAULT_SLEEP_IN_STEP) silences the heartbeats until it ends.
 """
 
 from __future__ import annotations
+
+import signal
+import time
 
 import msgspec
 import numpy as np
 import pytest
 from pagedserve.executor.model_runner import build_runner
 from pagedserve.protos.wire import (
+    Heartbeat,
+    Hello,
+    NewRequest,
     SamplingParams,
+    Shutdown,
     StepPlan,
     StepResult,
+    Welcome,
     int32,
 )
+from test_executor_process import FakeRouter, _start
 from test_executor_support import Driver
 
 from pagedserve.tinymodels import build_model
@@ -226,3 +237,117 @@ def test_placeholder_rules(model_dir):
     ref.add("a", PROMPT, sampling=GREEDY_PEN)
     ref_results = _run_script(ref, [{"a": None}, {"a": FEED}], pipelined=False)
     _same_results(fed, ref_results[1])
+# --------------------------------------------------------------------------- the process
+
+
+def _prefill_plan(step_id: int, prompt: list[int], sampling=SamplingParams(temperature=0.0),
+                  deadline_s: float = 0.0) -> StepPlan:
+    n = len(prompt)
+    return StepPlan(
+        step_id=step_id,
+        new_requests=[NewRequest(request_id="r", prompt_token_ids=int32(prompt),
+                                 output_token_ids=int32([]), sampling=sampling)],
+        request_ids=["r"], num_computed_tokens=int32([0]), num_new_tokens=int32([n]),
+        do_sample=np.array([1], np.uint8), token_ids=int32(prompt), positions=int32(range(n)),
+        slot_mapping=np.arange(16, 16 + n, dtype=np.int64), block_table_starts=int32([0]),
+        block_table_lens=int32([1]), block_table_ids=int32([1]), deadline_s=deadline_s)
+
+
+def _decode_plan(step_id: int, position: int, token: int = -1,
+                 deadline_s: float = 0.0) -> StepPlan:
+    """A decode of request "r" (block 1, so position < 16); marked when token is -1."""
+    return StepPlan(
+        step_id=step_id, request_ids=["r"], num_computed_tokens=int32([position]),
+        num_new_tokens=int32([1]), do_sample=np.array([1], np.uint8),
+        feed_sampled=np.array([token == -1], np.uint8), token_ids=int32([token]),
+        positions=int32([position]), slot_mapping=np.array([16 + position], np.int64),
+        block_table_starts=int32([1]), block_table_lens=int32([0]), block_table_ids=int32([]),
+        deadline_s=deadline_s)
+
+
+def _register(router: FakeRouter, executor_id: str) -> bytes:
+    ident, hello = router.recv(want=Hello)
+    assert hello.executor_id == executor_id
+    router.send(ident, Welcome(executor_id=executor_id, accepted=True))
+    return ident
+
+
+def test_process_answers_plans_sent_back_to_back_in_order(model_dir):
+    """Four plans go out without waiting: a prefill and three decodes fed the executor's own
+    samples. Results come back in plan order, with the greedy tokens of a depth-1 run of the
+    same model in this process, and the executor never waited for a plan: small gap_s.
+    SIGTERM then sends the goodbye (after the results) and exits 0."""
+    prompt = [0, 17, 250, 33, 9]
+    ref = _driver(model_dir)
+    ref.add("r", prompt)
+    ref.generate(["r"], 4)
+
+    router = FakeRouter()
+    proc = _start(model_dir, router.address, "--executor-id", "ex-p")
+    try:
+        ident = _register(router, "ex-p")
+        plans = [_prefill_plan(10, prompt)] + [_decode_plan(10 + i, 4 + i) for i in (1, 2, 3)]
+        for plan in plans:
+            router.send(ident, plan)
+        results = [router.recv(timeout_s=30, want=StepResult)[1] for _ in plans]
+        assert [r.step_id for r in results] == [10, 11, 12, 13]
+        assert all(not r.errors and r.request_ids == ["r"] for r in results)
+        assert [int(r.token_ids[0]) for r in results] == ref.seqs["r"].outputs
+        gaps = [r.gap_s for r in results]
+        print(f"gap_s per step (ms): {[round(g * 1e3, 3) for g in gaps]}; "
+              f"forward_s (ms): {[round(r.forward_s * 1e3, 3) for r in results]}")
+        assert gaps[0] == 0.0  # first step after registration
+        assert all(0 < g < 0.05 for g in gaps[1:]), gaps  # no round trip in any of them
+
+        proc.send_signal(signal.SIGTERM)
+        goodbye_ident, goodbye = router.recv(timeout_s=10, want=Shutdown)
+        assert goodbye.executor_id == "ex-p" and goodbye_ident == ident
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        router.close()
+
+
+def test_step_past_its_deadline_silences_heartbeats_until_it_ends(model_dir, monkeypatch):
+    """PAGEDSERVE_FAULT_SLEEP_IN_STEP=21:1.2 sleeps 1.2 s inside step 21, whose deadline is
+    0.2 s: no heartbeat leaves while the step is past its deadline (about 4 would at the
+    0.25 s interval), one ERROR line says so, heartbeats resume once it ends, and the
+    router's Shutdown(exit=False) (it declared the executor dead) makes it register again."""
+    router = FakeRouter()
+    monkeypatch.setenv("PAGEDSERVE_FAULT_SLEEP_IN_STEP", "21:1.2")
+    proc = _start(model_dir, router.address, "--executor-id", "ex-d",
+                  "--heartbeat-timeout", "1.0")
+    try:
+        ident = _register(router, "ex-d")
+        router.send(ident, _prefill_plan(20, [0, 17, 250], deadline_s=5.0))
+        _, first = router.recv(timeout_s=30, want=StepResult)
+        assert not first.errors
+        hb_ident = router.recv(timeout_s=5, want=Heartbeat)[0]
+        sent_at = time.time()
+        router.send(ident, _decode_plan(21, 3, deadline_s=0.2))
+        _, result = router.recv(timeout_s=30, want=StepResult)
+        received_at = time.time()
+        assert result.step_id == 21 and not result.errors and result.forward_s >= 1.2
+        router.recv(timeout_s=5, want=Heartbeat)  # they resume
+        beats = [hb.time_s for _, hb in router.heartbeats]
+        assert [t for t in beats if sent_at + 0.6 < t < sent_at + 1.2] == [], (sent_at, beats)
+        around = [t for t in beats if sent_at - 1.0 < t < received_at + 1.0]
+        assert max(np.diff(around)) > 0.8, around  # the usual spacing is 0.25 s
+        assert any(t > received_at - 0.5 for t in beats)
+
+        router.send(hb_ident, Shutdown(reason="declared dead", exit=False))
+        ident = _register(router, "ex-d")
+        router.send(ident, _prefill_plan(0, [0, 5, 6]))
+        _, again = router.recv(timeout_s=30, want=StepResult)
+        assert not again.errors and again.request_ids == ["r"]
+        router.send(ident, Shutdown(reason="test over", exit=True))
+        assert proc.wait(timeout=20) == 0
+        stderr = proc.stderr.read()
+        assert stderr.count("overran its deadline") == 1, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        router.close()
