@@ -103,7 +103,7 @@ QUICK = DemoPlan(
     stream_prompts=_STREAM_PROMPTS[:1], stream_tokens=24,
     chat_questions=_CHAT_QUESTIONS[:1], chat_tokens=48,
     num_tenants=3, system_prompt_repeats=1, questions_per_tenant=2, answer_tokens=16,
-    burst_requests=6, burst_prompt_tokens=64, burst_max_tokens=240,
+    burst_requests=6, burst_prompt_tokens=192, burst_max_tokens=96,
 )
 
 _TENANTS = ("acme-bank", "globex-shipping", "initech-support", "umbrella-health",

@@ -181,6 +181,12 @@ def ensure_gguf_converted(gguf: Path, *, progress: bool = True) -> Path:
     dest = cache_root() / "gguf" / f"{stem}-{gguf_fingerprint(gguf)[:16]}"
     if dest.is_dir():
         return dest
+    from .modelprep import Refusal, check_gguf  # reads metadata only (gguf, numpy: no torch)
+
+    try:
+        check_gguf(gguf)  # refused before anything is logged, locked or spawned
+    except Refusal as exc:
+        raise ModelSourceError(f"{gguf}: {exc}") from None
 
     def build(tmp: Path) -> None:
         log.info("converting %s to a Hugging Face directory (once) at %s", gguf, dest)
