@@ -57,3 +57,17 @@ def test_hop_bench_quick():
     for k in ("plan_encode_us_p50", "plan_decode_us_p50", "result_decode_us_p50",
               "plan_bytes", "result_bytes"):
         assert codec[k] > 0
+
+
+def test_step_overhead_quick_fake():
+    """The fake-executor case (router + 1 wire fake executor, no torch): the step trace and
+    the CPU probes are read and every promised figure is there (~5 s)."""
+    lines = _run("step_overhead.py", "--quick", "--fake-only")
+    assert [r["case"] for r in lines] == ["fake_e1_r8_d2"]
+    r = lines[0]
+    for k in ("itl_ms_p50", "forward_ms_p50", "gap_ms_p50", "gap_ms_p99", "idle_ms_p50",
+              "output_tok_per_s", "router_cpu_ms_per_step", "text_cpu_ms_per_step",
+              "plan_cpu_ms_per_step", "other_cpu_ms_per_step"):
+        assert r[k] is not None, k
+    assert r["steps"] > 0 and r["forward_ms_p50"] >= 20.0 and r["gap_reported"]
+    assert "stream_errors" not in r
