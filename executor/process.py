@@ -483,9 +483,9 @@ class ExecutorProcess:
         start = time.monotonic()
         try:
             result = self.runner.execute(plan)
-        finally:
+            hb.steps_done = self.runner.steps_done  # before end_step: a beat that says
+        finally:  # "steps_done" N+1 left after step N+1 ended (the deadline test reads it)
             hb.end_step()
-        hb.steps_done = self.runner.steps_done
         self.io.send(result)
         if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
