@@ -48,11 +48,13 @@ class _Reader(threading.Thread):
 class Cluster:
     def __init__(self, model_dir: str | Path, num_executors: int = 2,
                  router_args: list[str] | None = None,
-                 executor_args: list[str] | None = None) -> None:
+                 executor_args: list[str] | None = None,
+                 executor_env: dict[str, dict] | None = None) -> None:
         self.model_dir = str(model_dir)
         self.num_executors = num_executors
         self.router_args = router_args or []
         self.executor_args = executor_args or []
+        self.executor_env = executor_env or {}  # executor id -> extra environment
         self.zmq = f"tcp://127.0.0.1:{free_port()}"
         self.router: subprocess.Popen | None = None
         self.executors: dict[str, subprocess.Popen] = {}
@@ -68,20 +70,21 @@ class Cluster:
         env["TRITON_INTERPRET"] = "1"
         return env
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=self._env(),
+            stderr=subprocess.STDOUT, text=True, env={**self._env(), **(env or {})},
         )
         reader = _Reader(proc, name)
         reader.start()
         self.readers.append(reader)
         return proc
 
-    def start_executor(self, executor_id: str) -> subprocess.Popen:
+    def start_executor(self, executor_id: str, env: dict | None = None) -> subprocess.Popen:
+        """`env`: extra environment for this executor only (e.g. a fault-injection hook)."""
         proc = self._spawn(["executor", "--model", self.model_dir, "--router", self.zmq,
                             "--executor-id", executor_id, "--heartbeat-timeout", "1",
-                            *self.executor_args], executor_id)
+                            *self.executor_args], executor_id, env)
         self.executors[executor_id] = proc
         return proc
 
@@ -91,7 +94,7 @@ class Cluster:
              "--executor-bind", self.zmq, "--heartbeat-timeout", "1", "--debug-checks",
              *self.router_args], "router")
         for i in range(self.num_executors):
-            self.start_executor(f"exec{i}")
+            self.start_executor(f"exec{i}", self.executor_env.get(f"exec{i}"))
         reader = self.readers[0]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
