@@ -10,8 +10,8 @@ import threading
 import grpc
 import pytest
 from cluster_harness import Cluster, HFReference, assert_greedy_match, request
-
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
 from pagedserve.tinymodels import build_model
 
 PROMPTS = [
