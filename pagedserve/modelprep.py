@@ -89,10 +89,11 @@ def convert_gguf(src: Path, out: Path, *, name: str | None = None, source: str |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    if quiet:
+    if quiet:  # --log-format json: stderr stays one JSON object per line
         transformers.utils.logging.disable_progress_bar()
-    print(f"converting {src.name}: {meta['architecture']}, {meta['tensors']} tensors, "
-          f"dequantized and stored as {dtype}", file=sys.stderr, flush=True)
+    else:
+        print(f"converting {src.name}: {meta['architecture']}, {meta['tensors']} tensors, "
+              f"dequantized and stored as {dtype}", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                  dtype=torch.float32)

