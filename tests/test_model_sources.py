@@ -161,7 +161,8 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("pagedserve-cache")
 
 
-_RESOLVE = ("import sys; from pagedserve.models import resolve_model; "
+_RESOLVE = ("import logging, sys; from pagedserve.models import resolve_model; "
+            "logging.basicConfig(level=logging.INFO); "
             "print(resolve_model(sys.argv[1])); print('torch' in sys.modules)")
 
 
@@ -285,8 +286,9 @@ def test_gguf_converted_once_under_the_lock_without_torch(converted, cache):
     assert converted["dirs"][0] == converted["dirs"][1]
     assert converted["torch"] == ["False", "False"], "the resolving process imported torch"
     log = converted["stderr"]
-    assert len(re.findall(r"INFO pagedserve.models: converting", log)) <= 1
+    assert len(re.findall(r"INFO:pagedserve.models:converting", log)) == 1, log
     assert log.count("converting tiny-chat.gguf:") == 1, log  # the child's own line
+    assert log.count("waiting for another process to finish preparing tiny-chat.gguf") == 1
     dest = Path(converted["dirs"][0])
     assert dest.parent == cache / "gguf"
     assert not list(dest.parent.glob(".*tmp-*")), "a temporary directory was left behind"
