@@ -36,7 +36,8 @@ checks.
 Control (for reaching states deterministically): ``--control-file`` holds an integer, the
 number of steps the executor may have answered in total; plans beyond it are received and
 held, unanswered, until the file allows them (empty or missing file: no limit). Heartbeats go
-on meanwhile, so a held executor looks exactly like a hung one (`FakeControl.hang`).
+on meanwhile. "N hang" also stops the fake from registering again (`FakeControl.hang`: a
+main thread stuck in a kernel cannot; `pause` re-registers when the router drops it).
 ``--state-file`` is rewritten (atomically) whenever something changes: steps answered, every
 unanswered plan (``unanswered``, oldest first; ``held`` is the oldest, the next to be
 answered), known requests, violations, registrations. `FakeControl` wraps both for tests.
@@ -189,18 +190,19 @@ class FakeExecutor:
             json.dump(state, f)
         os.replace(tmp, self.args.state_file)
 
-    def may_answer(self) -> bool:
-        budget = self.step_budget()
+    def may_answer(self, budget: int | None) -> bool:
         return budget is None or self.steps_done < budget
 
-    def step_budget(self) -> int | None:
+    def read_control(self) -> tuple[int | None, bool]:
+        """(step budget or None, hung): the control file holds "", "N" or "N hang"."""
         if not self.args.control_file:
-            return None
+            return None, False
         try:
-            text = Path(self.args.control_file).read_text().strip()
+            words = Path(self.args.control_file).read_text().split()
         except FileNotFoundError:
-            return None
-        return int(text) if text else None
+            return None, False
+        budget = int(words[0]) if words and words[0].isdigit() else None
+        return budget, "hang" in words
 
     # ------------------------------------------------------------------------ heartbeat
     def heartbeat_loop(self) -> None:
@@ -315,12 +317,16 @@ class FakeExecutor:
                     self._send(Shutdown(reason="executor stopping",
                                         executor_id=self.args.executor_id))
                     return 0
-                if self.router_lost():
+                budget, hung = self.read_control()
+                # Hung: the main thread is "stuck in a kernel": it answers nothing and never
+                # re-registers; plans still arrive (a real executor's I/O thread takes them)
+                # and heartbeats go on.
+                if not hung and self.router_lost():
                     self.register()
                     continue
                 # Take in whatever has arrived first (plans queue up behind an unanswered
                 # one), then answer the oldest plan if the budget allows.
-                ready = bool(self.unanswered) and self.may_answer()
+                ready = bool(self.unanswered) and not hung and self.may_answer(budget)
                 if not self.sock.poll(0 if ready else POLL_MS):
                     if ready:
                         self.answer(self.unanswered.popleft())
@@ -332,7 +338,10 @@ class FakeExecutor:
                 elif isinstance(msg, Shutdown):
                     if msg.exit:
                         return 0
-                    self.register()
+                    if hung:
+                        self.reregister.set()  # done once the main thread is unstuck
+                    else:
+                        self.register()
                 elif msg is not None and not isinstance(msg, Welcome):
                     self.violations.append(f"unexpected {type(msg).__name__} on main socket")
         except SystemExit as exc:
@@ -635,10 +644,14 @@ class FakeControl:
 
     def hang(self) -> int:
         """Stop answering plans while heartbeating, as an executor stuck in a GPU kernel
-        looks to the router: every plan sent from now on (both of a depth-2 pipeline) stays
-        unanswered until `resume()`/`allow()`. Returns the steps answered so far. (Same
-        mechanism as `pause`; the name says what a test means.)"""
-        return self.pause()
+        looks to the router: plans still arrive and are listed (`unanswered`; both of a
+        depth-2 pipeline), none is answered, and unlike `pause` the fake never registers
+        again meanwhile, even when the router declares it dead or asks it to. `resume()` or
+        `allow()` ends the hang (then it answers what it holds and re-registers if the
+        router has dropped it). Returns the steps answered so far."""
+        done = self.state().get("steps_done", 0)
+        self.control.write_text(f"{done} hang")
+        return done
 
     def allow(self, num_steps: int) -> None:
         """Answer `num_steps` more plans than answered now, then hold again."""
