@@ -46,6 +46,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import os
 import re
@@ -67,6 +69,11 @@ WARMUP_TOKENS = 4  # every stream has this many tokens: ramp-up is over
 END_MARGIN_TOKENS = 8  # the window ends this many tokens before a stream could finish
 SETTLE_S = 0.3  # after ramp-up, before the window opens
 SNAPSHOT_TIMEOUT_S = 5.0
+RAMP_TIMEOUT_S = 180.0
+
+
+class RampError(RuntimeError):
+    """The streams never all ran at once (admission slower than the streams' length)."""
 
 
 # ======================================================================== the launcher
@@ -80,12 +87,14 @@ class _Phases:
         self.calls: dict[str, int] = {}
 
     def wrap(self, owner, attr: str, name: str) -> bool:
+        """A plain function: CPU time of each call."""
         fn = getattr(owner, attr, None)
-        if fn is None or asyncio.iscoroutinefunction(fn):
+        if fn is None or asyncio.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
             return False
         cpu, calls, clock = self.cpu_s, self.calls, time.thread_time
         cpu[name], calls[name] = 0.0, 0
 
+        @functools.wraps(fn)
         def timed(*args, **kwargs):
             t0 = clock()
             try:
@@ -94,15 +103,78 @@ class _Phases:
                 cpu[name] += clock() - t0
                 calls[name] += 1
 
-        timed.__wrapped__ = fn
         setattr(owner, attr, timed)
         return True
+
+    def wrap_agen(self, owner, attr: str, name: str) -> bool:
+        """An async generator (a gRPC streaming handler): CPU time of its own steps only,
+        not of whatever runs on the loop while it waits (each step of the inner awaitable
+        is driven here, as an asyncio Task drives a coroutine)."""
+        fn = getattr(owner, attr, None)
+        if fn is None or not inspect.isasyncgenfunction(fn):
+            return False
+        cpu, calls, clock = self.cpu_s, self.calls, time.thread_time
+        cpu[name], calls[name] = 0.0, 0
+
+        class Step:
+            __slots__ = ("aw",)
+
+            def __init__(self, aw) -> None:
+                self.aw = aw
+
+            def __await__(self):
+                aw, value, exc = self.aw, None, None
+                while True:
+                    t0 = clock()
+                    try:
+                        y = aw.throw(exc) if exc is not None else aw.send(value)
+                    except StopIteration as stop:
+                        cpu[name] += clock() - t0
+                        return stop.value
+                    except BaseException:
+                        cpu[name] += clock() - t0
+                        raise
+                    cpu[name] += clock() - t0
+                    try:
+                        value, exc = (yield y), None
+                    except BaseException as e:  # noqa: BLE001 - passed on to the handler
+                        value, exc = None, e
+
+        @functools.wraps(fn)
+        async def timed(*args, **kwargs):
+            agen = fn(*args, **kwargs)
+            try:
+                while True:
+                    try:
+                        item = await Step(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+                    calls[name] += 1
+                    yield item
+            finally:
+                await agen.aclose()
+
+        setattr(owner, attr, timed)
+        return True
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's threads by name (/proc; Linux only)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def launch(trace_path: str, argv: list[str]) -> int:
     """Start `pagedserve <argv>` in this process with the CPU probes (the router writes the
     step trace itself, PAGEDSERVE_STEP_TRACE set by the caller)."""
-    from pagedserve.router import delivery, step_loop
+    from pagedserve.router import delivery, grpc_server, step_loop
 
     phases = _Phases()
     patched = [name for owner, attr, name in (
@@ -110,12 +182,15 @@ def launch(trace_path: str, argv: list[str]) -> int:
         (step_loop.StepLoop, "apply_tokens", "apply"),
         (delivery.Delivery, "text_stage", "text"),
     ) if phases.wrap(owner, attr, name)]
+    if phases.wrap_agen(grpc_server.GeneratorServicer, "Stream", "edge"):
+        patched.append("edge")
     snap_path = trace_path + ".snap"
     seq = [0]
 
-    def snapshot(*_):
+    def snapshot(*_):  # a Python signal handler: runs in the main thread, the loop's
         seq[0] += 1
         data = {"seq": seq[0], "t": time.monotonic(), "cpu_s": time.process_time(),
+                "main_cpu_s": time.thread_time(), "threads_cpu_s": _thread_cpu_s(),
                 "phase_cpu_s": dict(phases.cpu_s), "phase_calls": dict(phases.calls),
                 "patched": patched}
         tmp = snap_path + ".tmp"
@@ -323,7 +398,16 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
         stub = pb_grpc.GeneratorStub(channel)
         tasks = [asyncio.ensure_future(one(i, stub)) for i in range(num_streams)]
         try:
-            await asyncio.wait_for(warm.wait(), timeout=300)
+            ramp = [asyncio.ensure_future(e.wait()) for e in (warm, near_end)]
+            await asyncio.wait(ramp, timeout=RAMP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            for f in ramp:
+                f.cancel()
+            if not warm.is_set():
+                have = sum(st.num_tokens >= WARMUP_TOKENS for st in streams)
+                raise RampError(f"only {have} of {num_streams} streams had {WARMUP_TOKENS} "
+                                f"tokens before {'one could end' if near_end.is_set() else 'the ramp-up timeout'}"
+                                f" ({max(s.num_tokens for s in streams)} tokens at most): no "
+                                "steady state")
             await asyncio.sleep(SETTLE_S)
             snap0 = await asyncio.to_thread(server.snapshot)
             t0 = time.monotonic()
@@ -391,10 +475,17 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         "router_cpu_ms_per_step": round(cpu / n_steps * 1e3, 4),
         "router_cpu_util_ratio": round(cpu / window, 3) if window > 0 else None,
     }
+    per_step = lambda x: round(x / n_steps * 1e3, 4)  # noqa: E731
     for k, v in phase.items():
-        res[f"{k}_cpu_ms_per_step"] = round(v / n_steps * 1e3, 4)
-    if phase:
-        res["other_cpu_ms_per_step"] = round((cpu - sum(phase.values())) / n_steps * 1e3, 4)
+        res[f"{k}_cpu_ms_per_step"] = per_step(v)
+    main = s1["main_cpu_s"] - s0["main_cpu_s"]
+    # The loop's thread outside the probes: gRPC aio writes, the ZeroMQ link and codec,
+    # asyncio itself, metrics; then the other threads (gRPC core, ZeroMQ I/O, /metrics).
+    res["loop_other_cpu_ms_per_step"] = per_step(main - sum(phase.values()))
+    res["threads_cpu_ms_per_step"] = per_step(cpu - main)
+    threads = {k: v - s0["threads_cpu_s"].get(k, 0.0) for k, v in s1["threads_cpu_s"].items()}
+    res["top_threads_cpu_ms_per_step"] = {
+        k: per_step(v) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4]}
     if run["errors"]:
         res["stream_errors"] = run["errors"][:3]
     return res
@@ -422,13 +513,13 @@ def run_real(model: str, path: Path, running: int, depth: int, args, work: Path)
             "executors": 1, **res}
 
 
-def run_fake(path: Path, executors: int, per_executor: int, depth: int, args,
+def run_fake(path: Path, executors: int, running: int, depth: int, args,
              work: Path, stop: list[str]) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from wire_fake_executor import fake_command
 
-    running = executors * per_executor
-    name = f"fake_e{executors}_r{running}_d{depth}{'_stop' if stop else ''}"
+    per_executor = -(-running // executors)
+    name = fake_case(executors, running, depth, stop)
     zmq_addr = f"tcp://127.0.0.1:{free_port()}"
     max_len = args.fake_max_model_len
     blocks = per_executor * (max_len // 16 + 2) + 64
@@ -466,6 +557,10 @@ def run_fake(path: Path, executors: int, per_executor: int, depth: int, args,
     return {"mode": "fake", "model": "fake", "depth": depth, "running": running,
             "executors": executors, "step_delay_ms": args.fake_step_delay_ms,
             "stop_strings": len(stop), **res}
+
+
+def fake_case(executors: int, running: int, depth: int, stop: list[str]) -> str:
+    return f"fake_e{executors}_r{running}_d{depth}" + ("_stop" if stop else "")
 
 
 def wait_executors(address: str, n: int, timeout_s: float = 30.0) -> None:
@@ -525,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fake", action="store_true", help="also the fake-executor cases")
     ap.add_argument("--fake-only", action="store_true")
     ap.add_argument("--fake-executors", default="1,4")
-    ap.add_argument("--fake-running", default="32,256", help="streams per executor")
+    ap.add_argument("--fake-running", default="32,256",
+                    help="streams in all (spread evenly over the executors)")
     ap.add_argument("--fake-step-delay-ms", type=float, default=20.0)
     ap.add_argument("--fake-max-model-len", type=int, default=1024)
     ap.add_argument("--fake-stop-strings", type=int, default=0,
@@ -549,8 +645,16 @@ def run_all(args, work: Path) -> int:
     depths = ints(args.depths)
     rows: list[dict] = []
 
-    def record(case: str, res: dict) -> None:
+    def record(case: str, run) -> dict | None:
+        """One case; a case that fails is a line saying why, and the others still run."""
+        try:
+            res = run()
+        except (RuntimeError, OSError) as exc:
+            emit(case, error=str(exc)[-2000:])
+            print(f"{case}: FAILED: {str(exc)[-300:]}", file=sys.stderr)
+            return None
         rows.append(emit(case, **res))
+        return res
 
     if not args.fake_only:
         for model in [m for m in args.models.split(",") if m]:
@@ -563,10 +667,9 @@ def run_all(args, work: Path) -> int:
             for running in ints(args.running):
                 pair = {}
                 for depth in depths:
-                    res = run_real(model, path, running, depth, args, work)
-                    record(f"{model}_r{running}_d{depth}", res)
-                    pair[depth] = res
-                if 1 in pair and 2 in pair and pair[1]["output_tok_per_s"]:
+                    pair[depth] = record(f"{model}_r{running}_d{depth}", functools.partial(
+                        run_real, model, path, running, depth, args, work))
+                if pair.get(1) and pair.get(2) and pair[1]["output_tok_per_s"]:
                     emit(f"{model}_r{running}_d2_vs_d1", model=model, running=running,
                          tok_per_s_ratio=round(pair[2]["output_tok_per_s"]
                                                / pair[1]["output_tok_per_s"], 3))
@@ -575,12 +678,11 @@ def run_all(args, work: Path) -> int:
         stops = [[]] + ([[f"§never{i}§" for i in range(args.fake_stop_strings)]]
                         if args.fake_stop_strings else [])
         for executors in ints(args.fake_executors):
-            for per in ints(args.fake_running):
+            for running in ints(args.fake_running):
                 for stop in stops:
                     for depth in depths[-1:] if args.quick else depths:
-                        res = run_fake(path, executors, per, depth, args, work, stop)
-                        record(f"fake_e{executors}_r{executors * per}_d{depth}"
-                               + ("_stop" if stop else ""), res)
+                        record(fake_case(executors, running, depth, stop), functools.partial(
+                            run_fake, path, executors, running, depth, args, work, stop))
     table(rows)
     return 0
 

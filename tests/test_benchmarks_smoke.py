@@ -67,7 +67,8 @@ def test_step_overhead_quick_fake():
     r = lines[0]
     for k in ("itl_ms_p50", "forward_ms_p50", "gap_ms_p50", "gap_ms_p99", "idle_ms_p50",
               "output_tok_per_s", "router_cpu_ms_per_step", "text_cpu_ms_per_step",
-              "plan_cpu_ms_per_step", "other_cpu_ms_per_step"):
+              "plan_cpu_ms_per_step", "edge_cpu_ms_per_step", "loop_other_cpu_ms_per_step",
+              "threads_cpu_ms_per_step"):
         assert r[k] is not None, k
     assert r["steps"] > 0 and r["forward_ms_p50"] >= 20.0 and r["gap_reported"]
     assert "stream_errors" not in r
