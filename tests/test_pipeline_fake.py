@@ -67,19 +67,29 @@ def test_late_eos_ends_the_stream_exactly_and_frees_every_block(cluster):
 
 
 def test_cancel_with_two_plans_held(cluster):
-    control = cluster.controls["f0"]
-    control.pause()
+    for control in cluster.controls.values():
+        control.pause()
     stream = cluster.stub.Stream(request(token_ids=list(range(10, 60)), max_tokens=40,
                                          temperature=0.0, ignore_eos=True), timeout=60)
     try:
-        held = control.wait_unanswered(1)
-        rid = held[0]["request_ids"][0]
-        control.allow(1)  # the prefill's result: the router sends the next two plans
+        deadline = time.monotonic() + 20
+        found = None
+        while found is None:  # whichever executor routing chose (a plan that only drops
+            assert time.monotonic() < deadline, cluster.logs()  # ended requests may be
+            for c in cluster.controls.values():  # held before it)
+                plans = c.unanswered()
+                k = next((k for k, p in enumerate(plans) if p["request_ids"]), None)
+                if k is not None:
+                    found = (c, k, plans[k]["request_ids"][0])
+            time.sleep(0.01)
+        control, k, rid = found
+        control.allow(k + 1)  # up to the prefill's result: the router sends two more plans
         held = control.wait_unanswered(2)
         assert [p["marked_ids"] for p in held][-1] == [rid]  # N+1 decodes its pending token
         stream.cancel()
     finally:
-        control.resume()
+        for c in cluster.controls.values():
+            c.resume()
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
