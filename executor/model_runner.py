@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,9 @@ class ModelRunner:
         # the first step with that id, after its forward timing starts. The executor
         # process sets it from PAGEDSERVE_FAULT_SLEEP_IN_STEP (see process.py).
         self.fault_sleep: tuple[int, float] | None = None
+        # Called as each forward starts (the process sends the previous step's result then,
+        # so its encoding overlaps the forward rather than the preparation of this step).
+        self.before_forward: Callable[[], None] | None = None
 
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
@@ -137,6 +141,8 @@ class ModelRunner:
             return StepResult(**result, errors=errors, gap_s=gap_s(time.perf_counter()))
         t0 = time.perf_counter()
         result["gap_s"] = gap_s(t0)
+        if self.before_forward is not None:
+            self.before_forward()
         try:
             if self.fault_sleep is not None and self.fault_sleep[0] == step:
                 seconds, self.fault_sleep = self.fault_sleep[1], None

@@ -82,6 +82,14 @@ from pagedserve.protos.wire import (
     WireError,
 )
 
+from pagedserve.affinity import (
+    AffinityError,
+    available_cores,
+    format_cores,
+    parse_cores,
+    pin_current_thread,
+)
+
 log = logging.getLogger("pagedserve.executor")
 
 WELCOME_TIMEOUT_S = 5.0
@@ -152,6 +160,7 @@ class HeartbeatThread(threading.Thread):
         self.ctx, self.address, self.executor_id = ctx, address, executor_id
         self.interval_s = interval_s
         self.configure = configure
+        self.cores: list[int] = []  # where this thread runs (empty: where it is created)
         self.registered = threading.Event()
         self.stop = threading.Event()
         self.reregister = threading.Event()
@@ -180,6 +189,7 @@ class HeartbeatThread(threading.Thread):
         return True
 
     def run(self) -> None:
+        pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
         codec = Codec()
         sock = self.ctx.socket(zmq.DEALER)
         self.configure(sock)
@@ -240,8 +250,9 @@ class MainSocketIO(threading.Thread):
     DEALER and the wake-up socket, blocking until either has something.
     """
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, cores: list[int] = ()) -> None:
         super().__init__(name="executor-io", daemon=True)
+        self.cores = list(cores)  # where this thread runs (empty: where it is created)
         self.sock = sock
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.last_heard = time.monotonic()  # written here, read by the main thread
@@ -255,9 +266,17 @@ class MainSocketIO(threading.Thread):
         self._wake_tx.connect(address)
 
     # main thread ---------------------------------------------------------------------
-    def send(self, msg) -> None:
-        """Queue ``msg`` to go out after everything queued before it."""
+    def send(self, msg, wake: bool = True) -> None:
+        """Queue ``msg`` to go out after everything queued before it. ``wake=False`` leaves
+        it queued until the next ``flush()`` (or a send that wakes)."""
         self._outbox.append(msg)
+        if wake:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wake this thread to send what is queued (a no-op when nothing is)."""
+        if not self._outbox:
+            return
         # Never blocks: if the thread is gone (IOFailed is on its way) nobody needs waking;
         # if 1,000 wake-ups are unread, the thread will find this message with the others.
         with contextlib.suppress(zmq.Again):
@@ -276,6 +295,7 @@ class MainSocketIO(threading.Thread):
 
     # this thread ---------------------------------------------------------------------
     def run(self) -> None:
+        pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
         codec = Codec()
         sock, wake = self.sock, self._wake_rx
         poller = zmq.Poller()
@@ -319,12 +339,16 @@ class MainSocketIO(threading.Thread):
 class ExecutorProcess:
     def __init__(self, runner, args: argparse.Namespace, hello: Hello,
                  curve: tuple[bytes, bytes, bytes] | None = None,
-                 fault_sleep: tuple[int, float] | None = None) -> None:
+                 fault_sleep: tuple[int, float] | None = None,
+                 io_cores: list[int] = ()) -> None:
         """`curve`: (public, secret, router public) as `load_curve_keys` returns; loaded
         from ``args.curve_keys`` when not given. `fault_sleep`: the testing hook (see the
-        module docstring), set on the runner."""
+        module docstring), set on the runner. `io_cores`: where the I/O and heartbeat
+        threads run when the compute thread is pinned (pagedserve.affinity)."""
+        self.io_cores = list(io_cores)
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
+        runner.before_forward = self._flush_results
         if fault_sleep is not None:
             runner.fault_sleep = fault_sleep
             log.warning("testing hook %s: step %d will sleep %.3g s", FAULT_SLEEP_ENV,
@@ -342,6 +366,11 @@ class ExecutorProcess:
         self.stopping = False
         self.heartbeat = HeartbeatThread(self.ctx, args.router, self.executor_id,
                                          args.heartbeat_timeout / 4, self._configure)
+        self.heartbeat.cores = self.io_cores
+
+    def _flush_results(self) -> None:
+        if self.io is not None:
+            self.io.flush()
 
     def _configure(self, sock: zmq.Socket) -> None:
         """Both DEALERs (main and heartbeat): a CURVE client with --curve-keys (our pair and
@@ -412,7 +441,7 @@ class ExecutorProcess:
                     log.info("registered with %s", self.args.router)
                     self.last_heard = time.monotonic()
                     self.heartbeat.reregister.clear()
-                    self.io = MainSocketIO(self.ctx, self.sock)
+                    self.io = MainSocketIO(self.ctx, self.sock, self.io_cores)
                     self.sock = None  # the I/O thread's until _take_socket_back
                     self.io.start()
                     self.heartbeat.registered.set()
@@ -486,7 +515,12 @@ class ExecutorProcess:
             hb.steps_done = self.runner.steps_done  # before end_step: a beat that says
         finally:  # "steps_done" N+1 left after step N+1 ended (the deadline test reads it)
             hb.end_step()
-        self.io.send(result)
+        # The result leaves when the next forward starts (the runner's before_forward hook),
+        # or at once when no plan is waiting (the main loop flushes before it blocks): the
+        # I/O thread then encodes it while torch computes, instead of taking the GIL from
+        # the main thread while it prepares the next step (the executor's gap). The router
+        # has the next plan out already (pipelining), so it loses nothing by the wait.
+        self.io.send(result, wake=False)
         if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
@@ -517,7 +551,13 @@ class ExecutorProcess:
                         self.register()
                         continue
                 try:
-                    msg = self.io.inbox.get(timeout=poll_s)
+                    msg = self.io.inbox.get_nowait()
+                except queue.Empty:
+                    self.io.flush()  # nothing to run next: results go out now
+                    msg = None
+                try:
+                    if msg is None:
+                        msg = self.io.inbox.get(timeout=poll_s)
                 except queue.Empty:
                     next_check = 0.0
                     continue
@@ -560,6 +600,26 @@ def load_curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | No
     return executor_keys(args.curve_keys)
 
 
+def _pin_compute(spec: str | None) -> list[int]:
+    """`--cpu-affinity CORES`: pin this (the compute) thread, and the torch threads it
+    creates, to CORES; returns the other cores, for the I/O and heartbeat threads. `auto`
+    and `off` pin nothing here (`serve` assigns cores to its executors)."""
+    if not spec or spec in ("auto", "off"):
+        return []
+    cores = parse_cores(spec)
+    online = os.cpu_count() or 0
+    if any(c >= online for c in cores):
+        raise AffinityError(f"--cpu-affinity {spec}: this machine has cores 0-{online - 1}")
+    # The cores this process was started on (serve starts its executors from the router's
+    # cores), less the compute cores: where the I/O and heartbeat threads go.
+    inherited = available_cores()
+    others = [c for c in inherited if c not in cores] or inherited
+    if pin_current_thread(cores):
+        log.info("compute pinned to cores %s; I/O threads on %s", format_cores(cores),
+                 format_cores(others) or "the same cores")
+    return others
+
+
 def default_executor_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{random.randbytes(3).hex()}"
 
@@ -587,7 +647,13 @@ def run_executor(args: argparse.Namespace) -> int:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    io_cores: list[int] = []
     if device.startswith("cpu"):
+        try:
+            io_cores = _pin_compute(args.cpu_affinity)
+        except AffinityError as exc:
+            print(f"pagedserve executor: {exc}", file=sys.stderr)
+            return 2
         torch.set_num_threads(max(1, args.cpu_threads))
     torch.manual_seed(args.seed)
     executor_id = args.executor_id or default_executor_id()
@@ -616,7 +682,8 @@ def run_executor(args: argparse.Namespace) -> int:
              executor_id, runner.model.config.architecture, hello.device, hello.dtype,
              hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
     try:
-        return ExecutorProcess(runner, args, hello, curve=curve, fault_sleep=fault_sleep).serve()
+        return ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
+                               fault_sleep=fault_sleep).serve()
     except SystemExit as exc:
         return int(exc.code or 0)
     except KeyboardInterrupt:

@@ -80,6 +80,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("gpu-memory-utilization", float, 0.9, "CUDA: fraction of device memory to use"),
     ("kv-cache-space", float, 1.0, "CPU device: GiB of KV cache"),
     ("cpu-threads", _positive_int, 1, "torch threads of a CPU executor"),
+    ("cpu-affinity", str, "auto",
+     "CPU executors: cores for compute (serve auto: spare cores; executor: e.g. 2-3; off)"),
     ("swap-space", float, None, "GiB of CPU swap blocks (4 on CUDA, 0.5 on CPU; 0 disables)"),
     ("num-cpu-blocks", int, None, "CPU swap blocks (default: from --swap-space)"),
     ("max-num-seqs", _positive_int, 256, "sequences per step"),

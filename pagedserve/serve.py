@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from .affinity import format_cores, pin_current_thread, plan_serve
 from .router.app import ModelDirError, serve_router
 from .router.executor_link import ExecutorLinkError
 
@@ -49,8 +50,11 @@ class ExecutorChildren:
     `[executor-i]` prefix; `pagedserve demo` keeps them for a failure report instead)."""
 
     def __init__(self, args, argv: list[str],
-                 relay: Callable[[str, str], None] = _relay_to_stderr) -> None:
+                 relay: Callable[[str, str], None] = _relay_to_stderr,
+                 compute_cores: list[list[int]] | None = None) -> None:
+        """`compute_cores`: executor i's compute cores (pagedserve.affinity), or None."""
         self.args = args
+        self.compute_cores = compute_cores
         self.argv = argv
         self.relay = relay
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -64,6 +68,8 @@ class ExecutorChildren:
                "--executor-id", executor_id, "--parent-pid", str(os.getpid())]
         if self.num_gpus:
             cmd += ["--device", f"cuda:{index % self.num_gpus}"]
+        elif self.compute_cores:
+            cmd += ["--cpu-affinity", format_cores(self.compute_cores[index])]
         return cmd
 
     async def start_all(self, endpoint: str, engine) -> None:
@@ -124,8 +130,27 @@ class ExecutorChildren:
             task.cancel()
 
 
+def plan_cpu_affinity(args, num_gpus: int) -> list[list[int]] | None:
+    """CPU executors get cores of their own (`--cpu-affinity auto`, the default) when each
+    one's --cpu-threads cores still leave one for the router; this process (the router and
+    everything it starts besides executors) moves to the remaining cores. None: no pinning."""
+    on_cpu = (args.device or "").startswith("cpu") or (not args.device and not num_gpus)
+    if args.cpu_affinity != "auto" or not on_cpu:
+        return None
+    plan = plan_serve(args.executors, max(1, args.cpu_threads))
+    if plan is None:
+        return None
+    per_executor, rest = plan
+    if not pin_current_thread(rest):
+        return None
+    log.info("CPU affinity: router on cores %s, executors on %s", format_cores(rest),
+             " | ".join(format_cores(c) for c in per_executor))
+    return per_executor
+
+
 async def _serve(args, argv: list[str]) -> int:
-    children = ExecutorChildren(args, argv)
+    compute = plan_cpu_affinity(args, _num_gpus() if not args.device else 0)
+    children = ExecutorChildren(args, argv, compute_cores=compute)
     try:
         return await serve_router(args, wait_for_executors=args.executors,
                                   on_bound=children.start_all)

@@ -1,0 +1,45 @@
+"""CPU affinity planning for CPU executors (pagedserve.affinity) and the executor flag."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagedserve.affinity import AffinityError, format_cores, parse_cores, plan_serve
+
+
+def test_parse_and_format_cores():
+    assert parse_cores("1") == [1]
+    assert parse_cores("0,2-3") == [0, 2, 3]
+    assert parse_cores(" 4-5 , 1") == [1, 4, 5]
+    assert format_cores([0, 2, 3]) == "0,2,3"
+    for bad in ("", "a", "3-1", "-1", "1,,2"):
+        with pytest.raises(AffinityError):
+            parse_cores(bad)
+
+
+def test_plan_serve_takes_executor_cores_from_the_end_and_leaves_one_for_the_router():
+    assert plan_serve(1, 1, [0, 1]) == ([[1]], [0])
+    assert plan_serve(2, 1, [0, 1, 2, 3]) == ([[3], [2]], [0, 1])
+    assert plan_serve(2, 2, [0, 1, 2, 3, 4, 5]) == ([[4, 5], [2, 3]], [0, 1])
+    assert plan_serve(2, 1, [0, 1]) is None  # no core left for the router
+    assert plan_serve(1, 2, [0, 1]) is None
+    assert plan_serve(1, 1, []) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no sched_setaffinity")
+def test_executor_pins_its_compute_thread_and_returns_the_other_cores():
+    from pagedserve.executor.process import _pin_compute
+
+    before = os.sched_getaffinity(0)
+    try:
+        core = max(before)
+        others = _pin_compute(str(core))
+        assert os.sched_getaffinity(0) == {core}
+        assert others == [c for c in sorted(before) if c != core] or others == sorted(before)
+        assert _pin_compute("auto") == [] and _pin_compute("off") == []
+        with pytest.raises(AffinityError):
+            _pin_compute(str((os.cpu_count() or 1) + 7))
+    finally:
+        os.sched_setaffinity(0, before)
