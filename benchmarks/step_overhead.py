@@ -60,6 +60,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.affinity import format_cores, pin_current_thread, plan_serve
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = "step_overhead"
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
@@ -629,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default="",
                     help="keep logs and step traces here (default: a temporary folder)")
     args = ap.parse_args(argv)
+    # The clients run on the router's cores, as `serve` leaves the executor's core to the
+    # executor (--cpu-affinity auto, pagedserve.affinity): a load generator sharing the
+    # core that computes the forward would measure this host, not the server.
+    plan = plan_serve(1, args.cpu_threads)
+    if plan is not None and pin_current_thread(plan[1]):
+        print(f"clients pinned to cores {format_cores(plan[1])} (the router's)", file=sys.stderr)
     if args.quick:
         args.running, args.window_s = "4", 1.0
         args.fake, args.fake_executors, args.fake_running = True, "1", "8"
