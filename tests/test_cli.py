@@ -322,3 +322,47 @@ def test_readme_flag_table_matches_flags():
                                         "job on the built-in model (fetched once)",
                                         "make test   # sets up .venv and runs the test suite",
                                         "```"]
+
+
+# ------------------------------------------------------------------ a hung executor
+
+
+def test_serve_kills_a_hung_executor_and_restarts_it(tiny_model):
+    """The only executor sleeps inside its third step (the testing hook): past the plan's
+    deadline the router counts it dead (the request ends UNAVAILABLE: no other executor),
+    serve kills the child and, with --restart-executors, starts a new one that serves."""
+    zmq_port = free_port()
+    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1",
+                 "--executor-bind", f"tcp://127.0.0.1:{zmq_port}", "--num-gpu-blocks", "128",
+                 "--restart-executors", "--step-timeout", "0.5"],
+                _env(PAGEDSERVE_FAULT_SLEEP_IN_STEP="3:120"))
+    try:
+        address = proc.wait_ready().group(1)
+        (child,) = proc.child_pids()
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.GeneratorStub(channel)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(prompt="hang", params=pb.SamplingParams(
+                max_tokens=20, ignore_eos=True)), timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, proc.logs()
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 30
+        while (_alive(child) or len(proc.child_pids()) < 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child) and len(proc.child_pids()) == 2, proc.logs()
+        assert any("killing executor" in line for line in proc.err), proc.logs()
+        deadline = time.monotonic() + 60
+        while True:  # the restarted executor registers and serves (one step: no hang)
+            try:
+                reply = stub.Generate(pb.GenerateRequest(prompt="again", params=pb.SamplingParams(
+                    max_tokens=1)), timeout=30)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, proc.logs()
+                assert time.monotonic() < deadline, proc.logs()
+                time.sleep(0.3)
+        assert len(reply.completions[0].token_ids) == 1
+        channel.close()
+    finally:
+        proc.stop()
