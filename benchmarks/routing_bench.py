@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pagedserve.bench import BenchConfig, run_bench, sample_requests  # noqa: E402
+from pagedserve.subprocs import stop_process  # noqa: E402
 
 BENCH = "routing_bench"
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
@@ -94,12 +94,7 @@ class ServeCluster:
         raise RuntimeError("pagedserve serve did not start:\n" + self.log.read()[-3000:])
 
     def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 

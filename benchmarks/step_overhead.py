@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.affinity import format_cores, pin_current_thread, plan_serve
+from pagedserve.subprocs import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = "step_overhead"
@@ -325,13 +326,7 @@ class Server:
         raise RuntimeError("the router did not answer SIGUSR1 with a snapshot")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
     def trace_lines(self) -> list[dict]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ import pytest
 from cluster_harness import READY, free_port
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+from pagedserve.subprocs import stop_process
 
 MAX_TOKENS = 96
 CONVERSATIONS = [  # (messages, a word the answer must contain or None)
@@ -138,12 +139,7 @@ class Served:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")
