@@ -47,13 +47,73 @@ def fake_execute(plan: wire.StepPlan, step: int) -> wire.StepResult:
     return wire.StepResult(step_id=plan.step_id, request_ids=ids, token_ids=tokens)
 
 
+class PipelinedFake:
+    """The executor's side with state, for plans sent ahead (pipelined steps): `receive`
+    plans as the router sends them, `answer` the oldest. It feeds every marked decode the
+    token it sampled for that request in the previous step and checks it did sample one
+    there (a -1 in an unmarked row, or a mark without that sample, is a violation); samples
+    `fake_token(request, output position)`, the model's EOS at output position `eos_at`
+    when given; `unanswered` lists the plans not answered yet."""
+
+    def __init__(self, eos_token_id: int | None = None, eos_at: int | None = None) -> None:
+        self.eos_token_id, self.eos_at = eos_token_id, eos_at
+        self.unanswered: list[wire.StepPlan] = []
+        self.outputs: dict[str, list[int]] = {}  # request id -> output tokens sampled here
+        self.last: dict[str, tuple[int, int]] = {}  # request id -> (step, token) sampled
+        self.violations: list[str] = []
+
+    def receive(self, plan: wire.StepPlan) -> None:
+        self.unanswered.append(plan)
+
+    def token(self, request_id: str, position: int) -> int:
+        if position == self.eos_at and self.eos_token_id is not None:
+            return self.eos_token_id
+        tok = (sum(map(ord, request_id)) * 31 + position * 7919) % VOCAB
+        return tok if tok != self.eos_token_id else (tok + 1) % VOCAB
+
+    def answer(self) -> wire.StepResult:
+        plan = self.unanswered.pop(0)
+        for rid in plan.finished_ids:
+            self.outputs.pop(rid, None)
+            self.last.pop(rid, None)
+        for req in plan.new_requests:
+            self.outputs[req.request_id] = req.output_token_ids.tolist()
+        for fork in plan.forks:
+            self.outputs[fork.child_id] = list(self.outputs.get(fork.parent_id, []))
+        feed = plan.feed_sampled
+        first = np.cumsum(plan.num_new_tokens) - plan.num_new_tokens if plan.request_ids \
+            else np.zeros(0, np.int64)
+        ids, tokens, errors = [], [], []
+        for i, rid in enumerate(plan.request_ids):
+            marked = feed is not None and bool(feed[i])
+            placeholder = int(plan.token_ids[first[i]]) == -1
+            if marked != placeholder:
+                self.violations.append(f"step {plan.step_id}: {rid} marked={marked} "
+                                       f"placeholder={placeholder}")
+            if marked and self.last.get(rid, (-1, -1))[0] != plan.step_id - 1:
+                errors.append(wire.RequestError(rid, "no sample of the previous step"))
+                continue
+            if plan.do_sample[i]:
+                out = self.outputs.setdefault(rid, [])
+                tok = self.token(rid, len(out))
+                out.append(tok)
+                self.last[rid] = (plan.step_id, tok)
+                ids.append(rid)
+                tokens.append(tok)
+        return wire.StepResult(step_id=plan.step_id, request_ids=ids,
+                               token_ids=np.array(tokens, dtype=np.int32), errors=errors)
+
+
 class ResultApplier:
     """The router's result path without the text stage (mirrors StepLoop.apply_result /
     apply_tokens and the group-completion part of Delivery.text_stage)."""
 
-    def __init__(self, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # ends a sample (the groups here ignore_eos
+        # unless made otherwise)
         self.live: dict[str, RequestGroup] = {}
         self.num_finished = 0
         self.num_tokens = 0
@@ -82,8 +142,9 @@ class ResultApplier:
                 continue
             seq.token_ids.append(tokens[i])
             self.num_tokens += 1
-            if seq.num_output_tokens >= group.spec.sampling.max_tokens or \
-                    len(seq.token_ids) >= max_len:
+            sp = group.spec.sampling
+            if seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= max_len or (
+                    not sp.ignore_eos and tokens[i] in self.eos_token_ids):
                 sched.finish_seq(seq)
                 if all(s.finished for s in group.seqs):
                     sched.remove(group)

@@ -432,3 +432,57 @@ def test_overdue_plan_makes_the_executor_dead_and_its_requests_migrate():
         finally:
             monitor.cancel()
     run(main())
+
+
+def test_scheduler_at_depth_2_with_the_benchmark_fake_and_eos_positions():
+    """The router core without asyncio (as scheduler_bench drives it) at depth 2: plans are
+    built one ahead of the results, the benchmark fake feeds marked decodes and samples EOS
+    at output position 6; every request ends there, under KV pressure (preemptions), with
+    no protocol violation, and every block is free at the end."""
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from fake_executor import PipelinedFake, ResultApplier, make_groups
+    from pagedserve.kvmanager import KVCacheManager
+    from pagedserve.router.plan_builder import build_plan
+    from pagedserve.router.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.router.sequence import RequestGroup
+
+    eos = 5
+    kv = KVCacheManager(24, 16, BS, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=32, max_model_len=128))
+    applier = ResultApplier(sched, 128, eos_token_ids=(eos,))
+    for g in make_groups([[7 + i, 8, 9 + i, 10, 11] for i in range(12)], max_tokens=20):
+        spec = g.spec
+        g = RequestGroup(replace(spec, sampling=replace(spec.sampling, ignore_eos=False)),
+                         [g.seqs[0].assembler], g.sort_key[1])
+        applier.add(g)
+    fake = PipelinedFake(eos_token_id=eos, eos_at=6)
+    in_flight: list = []
+    step = marked = 0
+    for _ in range(400):
+        while len(in_flight) < 2:
+            out = sched.schedule()
+            if out.empty:
+                kv.end_step()
+                break
+            step += 1
+            plan = build_plan(step, out, kv, (eos,))
+            marked += int(plan.feed_sampled is not None)
+            fake.receive(plan)
+            kv.end_step(step)
+            in_flight.append((step, out.sampled))
+        if not in_flight:
+            break
+        done_step, sampled = in_flight.pop(0)
+        result = fake.answer()
+        assert result.step_id == done_step and not result.errors
+        kv.plan_answered(done_step)
+        applier.apply(result, sampled)
+        kv.check_invariants()
+    assert not applier.live and applier.num_finished == 12 and not fake.violations
+    assert applier.num_tokens == 12 * 7 and marked > 10  # each ended at its EOS
+    assert sum(sched.num_preemptions.values()) > 0
+    assert kv.num_free_gpu_blocks == 24
