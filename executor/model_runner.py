@@ -59,6 +59,31 @@ class _Batch:
     sample_ids: list[str]  # their requests, same order
 
 
+@dataclass(slots=True)
+class PlanInputs:
+    """What `ModelRunner.precompute` finds in a plan alone (no request state)."""
+
+    num_new: np.ndarray  # int64 [S]
+    seq_lens: np.ndarray  # int64 [S]
+    starts: list[int]
+    lens: list[int]
+    ids: np.ndarray
+    offsets: list[int]
+    row_of_token: np.ndarray
+    slots: np.ndarray  # int64 [T]
+    token_ids: np.ndarray  # int64 [T], a copy: the marked decodes' tokens are written in
+    marked: list[tuple[int, int, int]]  # (row, its first token, its token count)
+    bad: dict[int, str]  # rows the plan alone condemns
+    # When no row is condemned by the plan: its tensors, but the input ids.
+    positions: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    seq_lens_t: torch.Tensor | None = None
+    max_query_len: int = 0
+    sample_rows: torch.Tensor | None = None
+    sample_ids: list[str] | None = None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,8 +122,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one plan, in the order DESIGN §2 fixes:
+    def execute(self, plan: StepPlan, inputs: PlanInputs | None = None) -> StepResult:
+        """Run one plan (with `inputs`, its `precompute`, when done ahead), in the order
+        DESIGN §2 fixes:
 
         1. check the block moves; a bad one fails the whole step before anything moves;
         2. swap-out, swap-in, copy;
@@ -117,11 +143,12 @@ class ModelRunner:
         """
         self._sampled_at = None
         try:
-            return self._execute(plan, self._prev_end)
+            return self._execute(plan, self._prev_end, inputs)
         finally:  # the next step's gap starts at the end of this one's sampling
             self._prev_end = self._sampled_at or time.perf_counter()
 
-    def _execute(self, plan: StepPlan, prev_end: float | None) -> StepResult:
+    def _execute(self, plan: StepPlan, prev_end: float | None,
+                 inputs: PlanInputs | None) -> StepResult:
         step = plan.step_id
 
         def gap_s(now: float) -> float:
@@ -134,7 +161,7 @@ class ModelRunner:
                               errors=[RequestError("", error)], gap_s=gap_s(time.perf_counter()))
         swap_s = self._move_blocks(plan)
         errors = self._update_requests(plan)
-        batch = self._prepare(plan, errors)
+        batch = self._prepare(plan, errors, inputs)
         result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
         if batch is None:
             self.steps_done += 1
@@ -216,38 +243,38 @@ class ModelRunner:
                 parent.sampled_token, parent.sampled_step)
         return errors
 
-    def _prepare(self, plan: StepPlan, errors: list[RequestError]) -> _Batch | None:
-        """Apply the table changes of the valid requests and build the batch tensors.
-
-        Every check that can be is one numpy expression over all rows or tokens; the loop
-        over requests only looks each one up and applies its table change."""
+    def precompute(self, plan: StepPlan) -> PlanInputs | None:
+        """The part of a plan's batch that depends on the plan alone: its arrays, every
+        check that needs no request state, and (when no row fails those) the batch tensors
+        but the input ids. Thread-safe (reads only the runner's fixed sizes): the executor's
+        I/O thread calls it on plan N+1 while step N's forward runs, so the main thread is
+        left with the fed tokens and the table changes (the executor's gap)."""
         num_seqs = plan.num_seqs
         if num_seqs == 0:
             return None
         bs, num_blocks = self.block_size, self.cache.num_gpu_blocks
-        computed = plan.num_computed_tokens.astype(np.int64)
         num_new = plan.num_new_tokens.astype(np.int64)
-        seq_lens = computed + num_new
+        seq_lens = plan.num_computed_tokens.astype(np.int64) + num_new
         starts_np, lens_np = plan.block_table_starts, plan.block_table_lens
-        starts, lens = starts_np.tolist(), lens_np.tolist()
         ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lens_np)]).tolist()
-        states = list(map(self.requests.get, plan.request_ids))
-
-        # Marked decodes first: their placeholders (-1) become real tokens before the range
-        # checks below, which still reject any -1 left (unmarked, or marked but not fed).
-        token_ids, bad = plan.token_ids, {}
-        if plan.feed_sampled is not None and plan.feed_sampled.any():
-            token_ids, bad = self._feed_sampled(plan, num_new, states)
-
-        # Vectorised checks; a bad token, block id or length condemns its request.
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
+        first_token = np.cumsum(num_new) - num_new
         slots = plan.slot_mapping.astype(np.int64)
+        token_ids = plan.token_ids.astype(np.int64)  # a copy: fed tokens are written in
+        marked_rows = np.zeros(num_seqs, dtype=bool)
+        if plan.feed_sampled is not None:
+            marked_rows = plan.feed_sampled.astype(bool)
+        marked = [(i, int(first_token[i]), int(num_new[i]))
+                  for i in np.flatnonzero(marked_rows).tolist()]
+
+        # Vectorised checks; a bad token, block id or length condemns its request. The
+        # tokens of marked rows are checked when fed (a -1 left unfed is an error there).
         bad_token = (
             (slots < -1) | (slots >= num_blocks * bs)
             | (plan.positions < 0) | (plan.positions >= self.max_model_len)
-            | (token_ids < 0) | (token_ids >= self.vocab_size)
+            | (((token_ids < 0) | (token_ids >= self.vocab_size)) & ~marked_rows[row_of_token])
         )
+        bad: dict[int, str] = {}
         for rows, message in (
             (row_of_token[bad_token], "a slot, position or token id out of range"),
             (np.repeat(np.arange(num_seqs), lens_np)[(ids < 0) | (ids >= num_blocks)],
@@ -259,6 +286,44 @@ class ModelRunner:
             if rows.shape[0]:
                 for i in rows.tolist():
                     bad.setdefault(i, message)
+        inputs = PlanInputs(
+            num_new=num_new, seq_lens=seq_lens, starts=starts_np.tolist(),
+            lens=lens_np.tolist(), ids=ids,
+            offsets=np.concatenate([[0], np.cumsum(lens_np)]).tolist(),
+            row_of_token=row_of_token, slots=slots, token_ids=token_ids, marked=marked,
+            bad=bad)
+        if not bad:  # the usual case: the tensors of every row, built here
+            query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+            do_sample = plan.do_sample.astype(bool)
+            inputs.positions = self._dev(plan.positions, np.int64)
+            inputs.slot_mapping = self._dev(slots, np.int64)
+            inputs.query_start_loc = self._dev(query_start_loc, np.int32)
+            inputs.seq_lens_t = self._dev(seq_lens, np.int32)
+            inputs.max_query_len = int(num_new.max())
+            inputs.sample_rows = self._dev(query_start_loc[1:][do_sample] - 1, np.int64)
+            inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
+                                                   strict=True) if d]
+        return inputs
+
+    def _dev(self, arr: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype)).to(
+            self.device, non_blocking=True)
+
+    def _prepare(self, plan: StepPlan, errors: list[RequestError],
+                 pre: PlanInputs | None = None) -> _Batch | None:
+        """Feed the marked decodes, apply the table changes of the valid requests and build
+        the batch tensors (the plan-only part from `precompute`, done here when not given).
+        The loop over requests only looks each one up, feeds it and applies its change."""
+        if plan.num_seqs == 0:
+            return None
+        if pre is None:
+            pre = self.precompute(plan)
+        states = list(map(self.requests.get, plan.request_ids))
+        token_ids = pre.token_ids
+        bad = self._feed_sampled(plan, pre, states)
+        for i, message in pre.bad.items():
+            bad.setdefault(i, message)
+        starts, lens, ids, offsets = pre.starts, pre.lens, pre.ids, pre.offsets
         tables = []
         for i, state in enumerate(states):
             if state is None:
@@ -276,54 +341,54 @@ class ModelRunner:
             log.error("step %d: request %s: %s", plan.step_id, rid, message)
             errors.append(RequestError(rid, message))
             self.requests.pop(rid, None)
-        keep = np.ones(num_seqs, dtype=bool)
-        if bad:
-            keep[list(bad)] = False
-            if not tables:
-                return None
-        keep_token = keep[row_of_token]
-
-        num_new, seq_lens = num_new[keep], seq_lens[keep]
-        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+        if not tables:
+            return None
         table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         block_tables = np.zeros((len(tables), int(table_lens.max())), dtype=np.int32)
         block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = list(
             itertools.chain.from_iterable(tables))
+        if not bad:  # every row kept: the tensors precompute built
+            return _Batch(
+                input_ids=self._dev(token_ids, np.int64), positions=pre.positions,
+                attn=AttentionMetadata(
+                    slot_mapping=pre.slot_mapping, block_tables=self._dev(block_tables, np.int32),
+                    query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
+                    max_query_len=pre.max_query_len),
+                sample_rows=pre.sample_rows, sample_ids=pre.sample_ids)
+
+        keep = np.ones(plan.num_seqs, dtype=bool)
+        keep[list(bad)] = False
+        keep_token = keep[pre.row_of_token]
+        num_new, seq_lens = pre.num_new[keep], pre.seq_lens[keep]
+        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
         do_sample = plan.do_sample[keep].astype(bool)
-        kept_ids = plan.request_ids if not bad else [
-            r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
-
-        def dev(arr, dtype):
-            return torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype)).to(
-                self.device, non_blocking=True)
-
+        kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
         return _Batch(
-            input_ids=dev(token_ids[keep_token], np.int64),
-            positions=dev(plan.positions[keep_token], np.int64),
+            input_ids=self._dev(token_ids[keep_token], np.int64),
+            positions=self._dev(plan.positions[keep_token], np.int64),
             attn=AttentionMetadata(
-                slot_mapping=dev(slots[keep_token], np.int64),
-                block_tables=dev(block_tables, np.int32),
-                query_start_loc=dev(query_start_loc, np.int32),
-                seq_lens=dev(seq_lens, np.int32),
+                slot_mapping=self._dev(pre.slots[keep_token], np.int64),
+                block_tables=self._dev(block_tables, np.int32),
+                query_start_loc=self._dev(query_start_loc, np.int32),
+                seq_lens=self._dev(seq_lens, np.int32),
                 max_query_len=int(num_new.max()),
             ),
-            sample_rows=dev(query_start_loc[1:][do_sample] - 1, np.int64),
+            sample_rows=self._dev(query_start_loc[1:][do_sample] - 1, np.int64),
             sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
         )
 
-    def _feed_sampled(self, plan: StepPlan, num_new: np.ndarray,
-                      states: list[RequestState | None]) -> tuple[np.ndarray, dict[int, str]]:
-        """(token ids with each marked decode's placeholder replaced by the token this
-        executor sampled for it in step ``step_id - 1``, {row: error} for the marked rows
-        that cannot be fed). O(marked rows) Python, one numpy scatter."""
+    def _feed_sampled(self, plan: StepPlan, pre: PlanInputs,
+                      states: list[RequestState | None]) -> dict[int, str]:
+        """Write into `pre.token_ids` each marked decode's token: the one this executor
+        sampled for it in step ``step_id - 1``; returns {row: error} for the marked rows
+        that cannot be fed (their placeholder stays, and they are left out). O(marked
+        rows) Python, one numpy scatter."""
+        if not pre.marked:
+            return {}
         prev = plan.step_id - 1
-        marked = np.flatnonzero(plan.feed_sampled)
-        first_token = (np.cumsum(num_new) - num_new)[marked].tolist()
-        token_ids = plan.token_ids.copy()  # the plan's arrays are read-only message buffers
         unfed: dict[int, str] = {}
         at, fed = [], []
-        for i, first, n in zip(marked.tolist(), first_token, num_new[marked].tolist(),
-                               strict=True):
+        for i, first, n in pre.marked:
             state = states[i]
             if n != 1:
                 unfed[i] = (f"marked to be fed its sample of step {prev} but scheduled with "
@@ -337,8 +402,8 @@ class ModelRunner:
             else:
                 at.append(first)
                 fed.append(state.sampled_token)
-        token_ids[at] = fed
-        return token_ids, unfed
+        pre.token_ids[at] = fed
+        return unfed
 
 
 def build_runner(

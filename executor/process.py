@@ -229,6 +229,14 @@ class Rejected(NamedTuple):
     reason: str
 
 
+class PlanReady(NamedTuple):
+    """In the inbox for a StepPlan: the plan and what the I/O thread prepared from it alone
+    (`ModelRunner.precompute`, None when it could not)."""
+
+    plan: StepPlan
+    inputs: object
+
+
 class IOFailed(NamedTuple):
     """In the inbox when the I/O thread stopped on an error: register again."""
 
@@ -250,8 +258,12 @@ class MainSocketIO(threading.Thread):
     DEALER and the wake-up socket, blocking until either has something.
     """
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, cores: list[int] = ()) -> None:
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, cores: list[int] = (),
+                 precompute=None) -> None:
         super().__init__(name="executor-io", daemon=True)
+        # plan -> its plan-only inputs, prepared here while the main thread computes the
+        # step before (ModelRunner.precompute); None: the main thread does it all.
+        self.precompute = precompute
         self.cores = list(cores)  # where this thread runs (empty: where it is created)
         self.sock = sock
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -327,10 +339,20 @@ class MainSocketIO(threading.Thread):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 self.last_heard = time.monotonic()
                 try:
-                    self.inbox.put(codec.decode(frames))
+                    msg = codec.decode(frames)
                 except WireError as exc:
                     log.error("rejected a message from the router: %s", exc)
                     self.inbox.put(Rejected(str(exc)))
+                    continue
+                if isinstance(msg, StepPlan):
+                    inputs = None
+                    if self.precompute is not None:
+                        try:
+                            inputs = self.precompute(msg)
+                        except Exception:  # noqa: BLE001 - the main thread redoes it, reports
+                            log.exception("preparing plan %d ahead failed", msg.step_id)
+                    msg = PlanReady(msg, inputs)
+                self.inbox.put(msg)
 
 
 # --------------------------------------------------------------------------------- process
@@ -441,7 +463,8 @@ class ExecutorProcess:
                     log.info("registered with %s", self.args.router)
                     self.last_heard = time.monotonic()
                     self.heartbeat.reregister.clear()
-                    self.io = MainSocketIO(self.ctx, self.sock, self.io_cores)
+                    self.io = MainSocketIO(self.ctx, self.sock, self.io_cores,
+                                          getattr(self.runner, "precompute", None))
                     self.sock = None  # the I/O thread's until _take_socket_back
                     self.io.start()
                     self.heartbeat.registered.set()
@@ -505,13 +528,13 @@ class ExecutorProcess:
             self.sock.close(linger=1000)  # let the goodbye leave before the socket goes
             self.sock = None
 
-    def _execute(self, plan: StepPlan) -> None:
+    def _execute(self, plan: StepPlan, inputs=None) -> None:
         """Run one plan; its result goes out through the I/O thread."""
         hb = self.heartbeat
         hb.begin_step(plan.step_id, plan.deadline_s)
         start = time.monotonic()
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, inputs)
             hb.steps_done = self.runner.steps_done  # before end_step: a beat that says
         finally:  # "steps_done" N+1 left after step N+1 ended (the deadline test reads it)
             hb.end_step()
@@ -561,8 +584,8 @@ class ExecutorProcess:
                 except queue.Empty:
                     next_check = 0.0
                     continue
-                if isinstance(msg, StepPlan):
-                    self._execute(msg)
+                if isinstance(msg, PlanReady):
+                    self._execute(msg.plan, msg.inputs)
                 elif isinstance(msg, Rejected):
                     self.io.send(ErrorReport(message=f"rejected: {msg.reason}",
                                              executor_id=self.executor_id))

@@ -56,17 +56,20 @@ def _driver(model_dir) -> Driver:
 def _run_script(driver: Driver, script, pipelined: bool) -> list[StepResult]:
     """Run ``script`` (one {request id: tokens | None | FEED} per step). Depth 1: each plan
     is built after the previous result is accepted. Depth 2: each plan is built BEFORE the
-    previous result is accepted, its FEED rows marked (placeholder -1)."""
-    results, pending = [], None
+    previous result is accepted, its FEED rows marked (placeholder -1), and its plan-only
+    inputs prepared before the previous step runs (as the executor's I/O thread does)."""
+    results, pending, ahead = [], None, None
     for schedule in script:
         feed = {r for r, n in schedule.items() if n == FEED} if pipelined else set()
         if pending is not None and not pipelined:
             driver.accept(pending)
         plan = driver.plan({r: None if n == FEED else n for r, n in schedule.items()},
                            feed=feed)
+        if pipelined:
+            ahead = driver.runner.precompute(plan)
         if pending is not None and pipelined:
             driver.accept(pending)
-        pending = driver.runner.execute(plan)
+        pending = driver.runner.execute(plan, ahead)
         results.append(pending)
     driver.accept(pending)
     return results
