@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.affinity import format_cores, pin_current_thread, plan_serve
-from pagedserve.subprocs import stop_process
+from pagedserve.subprocs import stop_process, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = "step_overhead"
@@ -542,14 +542,7 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
                                 args.window_s, server, stop))
     finally:
         server.stop()
-        for p in fakes:
-            p.send_signal(signal.SIGTERM)
-        for p in fakes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(fakes, timeout_s=10)
     res = summarise(run, server.trace_lines())
     return {"mode": "fake", "model": "fake", "depth": depth, "running": running,
             "executors": executors, "step_delay_ms": args.fake_step_delay_ms,

@@ -4,7 +4,8 @@ Threads and sockets (zmq sockets are not thread-safe: each has one owner at a ti
 * The main thread registers (Hello -> Welcome on a fresh main DEALER), then runs the plans
   one after another, in the order they came, and never touches the main socket while
   registered: it reads decoded messages from a queue and hands results to the I/O thread.
-* The I/O thread (``MainSocketIO``, one per registration) owns the registered main DEALER
+* The I/O thread (``MainSocketIO`` in io_threads.py, one per registration) owns the
+  registered main DEALER
   from Welcome until re-registration or exit, when the main thread joins it and takes the
   socket back. It receives and decodes every message (its own Codec) into the main
   thread's queue while a step runs (torch releases the GIL in its kernels), so plan N+1 is
@@ -56,9 +57,7 @@ Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -66,15 +65,20 @@ import random
 import signal
 import socket
 import sys
-import threading
 import time
-from typing import NamedTuple
 
 import zmq
+from pagedserve.executor.io_threads import (
+    POLL_MS,
+    HeartbeatThread,
+    IOFailed,
+    MainSocketIO,
+    PlanReady,
+    Rejected,
+)
 from pagedserve.protos.wire import (
     Codec,
     ErrorReport,
-    Heartbeat,
     Hello,
     Shutdown,
     StepPlan,
@@ -95,8 +99,6 @@ log = logging.getLogger("pagedserve.executor")
 WELCOME_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
-POLL_MS = 200
-IO_JOIN_TIMEOUT_S = 5.0
 FAULT_SLEEP_ENV = "PAGEDSERVE_FAULT_SLEEP_IN_STEP"  # testing hook, see the module docstring
 
 
@@ -144,215 +146,6 @@ class ParentWatch:
         except PermissionError:
             pass
         return True
-
-
-# --------------------------------------------------------------------------------- heartbeat
-
-
-class HeartbeatThread(threading.Thread):
-    """Sends Heartbeats on its own DEALER while ``registered`` is set and the current step
-    (``begin_step``/``end_step``, from the main thread) is within its deadline; records
-    when the router last answered and whether it asked us to register again."""
-
-    def __init__(self, ctx: zmq.Context, address: str, executor_id: str, interval_s: float,
-                 configure) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.ctx, self.address, self.executor_id = ctx, address, executor_id
-        self.interval_s = interval_s
-        self.configure = configure
-        self.cores: list[int] = []  # where this thread runs (empty: where it is created)
-        self.registered = threading.Event()
-        self.stop = threading.Event()
-        self.reregister = threading.Event()
-        self.last_reply = 0.0  # monotonic; 0 = never
-        self.steps_done = 0
-        # (step id, monotonic start, deadline_s) of the step the main thread is in, when it
-        # has a deadline; replaced as a whole (one attribute store), read without a lock.
-        self._step: tuple[int, float, float] | None = None
-        self._overrun_logged: tuple[int, float, float] | None = None
-
-    def begin_step(self, step_id: int, deadline_s: float) -> None:
-        self._step = (step_id, time.monotonic(), deadline_s) if deadline_s > 0 else None
-
-    def end_step(self) -> None:
-        self._step = None
-
-    def overran(self, now: float) -> bool:
-        """Is the main thread inside a step past its deadline? Logs once per step."""
-        step = self._step
-        if step is None or now - step[1] <= step[2]:
-            return False
-        if self._overrun_logged is not step:
-            self._overrun_logged = step
-            log.error("step %d overran its deadline of %.3g s: heartbeats stop until it ends, "
-                      "so the router declares this executor dead", step[0], step[2])
-        return True
-
-    def run(self) -> None:
-        pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
-        codec = Codec()
-        sock = self.ctx.socket(zmq.DEALER)
-        self.configure(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.address)
-        next_beat = 0.0
-        try:
-            while not self.stop.is_set():
-                now = time.monotonic()
-                if self.registered.is_set() and now >= next_beat and not self.overran(now):
-                    beat = Heartbeat(executor_id=self.executor_id, time_s=time.time(),
-                                     steps_done=self.steps_done)
-                    with contextlib.suppress(zmq.Again):
-                        sock.send_multipart(codec.encode(beat), flags=zmq.NOBLOCK, copy=False)
-                    next_beat = now + self.interval_s
-                if sock.poll(min(POLL_MS, int(self.interval_s * 1000))):
-                    frames = sock.recv_multipart(copy=False)
-                    try:
-                        msg = codec.decode(frames)
-                    except WireError as exc:
-                        log.warning("heartbeat socket: rejected message: %s", exc)
-                        continue
-                    self.last_reply = time.monotonic()
-                    if isinstance(msg, Shutdown) and not msg.exit:
-                        self.reregister.set()
-        finally:
-            sock.close(0)
-
-
-# --------------------------------------------------------------------------------- main I/O
-
-
-class Rejected(NamedTuple):
-    """In the inbox in place of a message that did not decode: answer with an ErrorReport."""
-
-    reason: str
-
-
-class PlanReady(NamedTuple):
-    """In the inbox for a StepPlan: the plan and what the I/O thread prepared from it alone
-    (`ModelRunner.precompute`, None when it could not)."""
-
-    plan: StepPlan
-    inputs: object
-
-
-class IOFailed(NamedTuple):
-    """In the inbox when the I/O thread stopped on an error: register again."""
-
-    reason: str
-
-
-_STOP = object()  # in the outbox: send nothing more, stop the I/O thread
-_IO_IDS = itertools.count()
-
-
-class MainSocketIO(threading.Thread):
-    """The registered main DEALER of one registration, owned by this thread until
-    ``close()`` hands it back.
-
-    Inbound: every message is decoded here and put on ``inbox`` in arrival order (a message
-    that does not decode as ``Rejected``), ``last_heard`` updated. Outbound: ``send(msg)``
-    (main thread) queues a message and wakes this thread through an inproc PAIR; it encodes
-    and sends queued messages in order. No polling sleeps: one ``zmq.Poller`` over the
-    DEALER and the wake-up socket, blocking until either has something.
-    """
-
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, cores: list[int] = (),
-                 precompute=None) -> None:
-        super().__init__(name="executor-io", daemon=True)
-        # plan -> its plan-only inputs, prepared here while the main thread computes the
-        # step before (ModelRunner.precompute); None: the main thread does it all.
-        self.precompute = precompute
-        self.cores = list(cores)  # where this thread runs (empty: where it is created)
-        self.sock = sock
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.last_heard = time.monotonic()  # written here, read by the main thread
-        self._outbox: collections.deque = collections.deque()
-        address = f"inproc://pagedserve-executor-io-{next(_IO_IDS)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)  # this thread's, from start()
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(address)
-        self._wake_tx = ctx.socket(zmq.PAIR)  # the main thread's
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(address)
-
-    # main thread ---------------------------------------------------------------------
-    def send(self, msg, wake: bool = True) -> None:
-        """Queue ``msg`` to go out after everything queued before it. ``wake=False`` leaves
-        it queued until the next ``flush()`` (or a send that wakes)."""
-        self._outbox.append(msg)
-        if wake:
-            self.flush()
-
-    def flush(self) -> None:
-        """Wake this thread to send what is queued (a no-op when nothing is)."""
-        if not self._outbox:
-            return
-        # Never blocks: if the thread is gone (IOFailed is on its way) nobody needs waking;
-        # if 1,000 wake-ups are unread, the thread will find this message with the others.
-        with contextlib.suppress(zmq.Again):
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-
-    def close(self) -> None:
-        """Send what is queued, stop the thread and take the main socket back (the caller
-        closes it). Inbound messages not yet read are dropped."""
-        if self.is_alive():
-            self.send(_STOP)
-            self.join(IO_JOIN_TIMEOUT_S)
-            if self.is_alive():  # a send stuck for seconds: the socket stays with it
-                log.error("main socket I/O thread did not stop; abandoning its socket")
-                self.sock = None
-        self._wake_tx.close(0)
-
-    # this thread ---------------------------------------------------------------------
-    def run(self) -> None:
-        pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
-        codec = Codec()
-        sock, wake = self.sock, self._wake_rx
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if wake in ready:
-                    with contextlib.suppress(zmq.Again):
-                        while True:
-                            wake.recv(zmq.NOBLOCK)
-                    while self._outbox:
-                        msg = self._outbox.popleft()
-                        if msg is _STOP:
-                            return
-                        sock.send_multipart(codec.encode(msg), copy=False)
-                if sock in ready:
-                    self._receive(sock, codec)
-        except Exception as exc:  # noqa: BLE001 - handed to the main thread, which re-registers
-            log.exception("main socket I/O failed")
-            self.inbox.put(IOFailed(f"{type(exc).__name__}: {exc}"))
-        finally:
-            wake.close(0)
-
-    def _receive(self, sock: zmq.Socket, codec: Codec) -> None:
-        with contextlib.suppress(zmq.Again):
-            while True:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                self.last_heard = time.monotonic()
-                try:
-                    msg = codec.decode(frames)
-                except WireError as exc:
-                    log.error("rejected a message from the router: %s", exc)
-                    self.inbox.put(Rejected(str(exc)))
-                    continue
-                if isinstance(msg, StepPlan):
-                    inputs = None
-                    if self.precompute is not None:
-                        try:
-                            inputs = self.precompute(msg)
-                        except Exception:  # noqa: BLE001 - the main thread redoes it, reports
-                            log.exception("preparing plan %d ahead failed", msg.step_id)
-                    msg = PlanReady(msg, inputs)
-                self.inbox.put(msg)
 
 
 # --------------------------------------------------------------------------------- process
@@ -464,7 +257,7 @@ class ExecutorProcess:
                     self.last_heard = time.monotonic()
                     self.heartbeat.reregister.clear()
                     self.io = MainSocketIO(self.ctx, self.sock, self.io_cores,
-                                          getattr(self.runner, "precompute", None))
+                                          self.runner.precompute)
                     self.sock = None  # the I/O thread's until _take_socket_back
                     self.io.start()
                     self.heartbeat.registered.set()

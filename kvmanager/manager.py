@@ -765,9 +765,7 @@ class KVCacheManager:
         """Start building a plan: from now on a freed block is deferred, not handed out
         again, and newly full blocks wait to enter the prefix cache, until end_step().
         Blocks freed since the last plan was sent stay held for the plans in flight."""
-        if self._last_sent > self._last_answered:
-            self.gpu.fence(self._last_sent)
-            self.cpu.fence(self._last_sent)
+        self._fence_frees()
         self._in_step = True
         self.gpu.deferring = True
         self.cpu.deferring = True
@@ -793,9 +791,7 @@ class KVCacheManager:
     def plan_answered(self, step: int) -> None:
         """The result of plan `step` is back (results come in plan order): the blocks held
         for it and for earlier plans join the free queue."""
-        if self._last_sent > self._last_answered:
-            self.gpu.fence(self._last_sent)
-            self.cpu.fence(self._last_sent)
+        self._fence_frees()
         if step > self._last_answered:
             self._last_answered = step
         self.gpu.release_fenced(step)
@@ -808,13 +804,21 @@ class KVCacheManager:
     def num_plans_in_flight(self) -> int:
         return self._last_sent - self._last_answered
 
+    def _fence_frees(self) -> bool:
+        """With plans in flight, hold the blocks freed so far for the newest of them;
+        returns whether plans are in flight."""
+        if self._last_sent <= self._last_answered:
+            return False
+        self.gpu.fence(self._last_sent)
+        self.cpu.fence(self._last_sent)
+        return True
+
     def _settle_frees(self) -> None:
         """Outside a plan build: with plans in flight, frees are held for the newest one
         (and keep being deferred); without, they are free at once."""
-        in_flight = self._last_sent > self._last_answered
+        in_flight = self._fence_frees()
         for pool in (self.gpu, self.cpu):
             if in_flight:
-                pool.fence(self._last_sent)
                 pool.deferring = True
             else:
                 pool.flush_deferred()

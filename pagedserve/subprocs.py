@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from collections.abc import Iterable
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """SIGTERM to every process still running (a pagedserve server drains and exits), then
+    SIGKILL to any still running `timeout_s` later; every one is reaped."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    """SIGTERM (a pagedserve server drains and exits), then SIGKILL after `timeout_s`;
-    returns the exit code. A process that already exited is only reaped."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """`stop_processes` for one process; returns its exit code."""
+    stop_processes([proc], timeout_s)
     return proc.wait()

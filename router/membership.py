@@ -176,11 +176,9 @@ class Membership:
         log.warning("executor %s left: %s", handle.id, why)
         if handle.task is not None:
             handle.task.cancel()
-        for plan in handle.in_flight:  # their tokens never come: requests resume from the
-            if not plan.future.done():  # last token the router received
+        for plan in handle.in_flight:  # their tokens never come: a migrated request
+            if not plan.future.done():  # resumes from the last token the router received
                 plan.future.cancel()
-            for seq in plan.sampled:
-                seq.num_pending = 0
         handle.in_flight.clear()
         groups = list(handle.scheduler.groups())
         for group in groups:

@@ -66,7 +66,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, tokens={len(self.token_ids)}, " \

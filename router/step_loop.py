@@ -112,7 +112,8 @@ class StepLoop:
         in_flight = handle.in_flight
         try:
             while handle.healthy:
-                self._fill(handle)
+                if not in_flight:  # (after a result the pipeline was refilled already)
+                    self._fill(handle)
                 if not in_flight:
                     engine.update_gauges(handle)  # aborts may have freed blocks since
                     handle.wakeup.clear()
@@ -135,6 +136,7 @@ class StepLoop:
                     finally:
                         woken.cancel()
                     if not head.future.done():
+                        self._fill(handle)
                         continue
                 try:
                     result = await head.future

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 import grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+from pagedserve.subprocs import stop_processes
 
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
 
@@ -149,16 +150,8 @@ class Cluster:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        procs = [p for p in [self.router, *self.executors.values()] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([p for p in [self.router, *self.executors.values()] if p is not None],
+                       timeout_s=15)
 
 
 def request(prompt: str | None = None, token_ids=None, **params) -> pb.GenerateRequest:
