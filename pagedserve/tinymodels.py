@@ -32,11 +32,41 @@ _CORPUS = [
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 
+# Chat templates for the test models. "chatml": ChatML's layout (its markers are plain text to
+# this tokenizer, so the vocabulary and the weights are those of a model without a template);
+# no BOS, as the rendered chat is tokenized without special tokens. "llama": Llama 2's layout,
+# BOS written by the template itself while the tokenizer also adds BOS by default (so a BOS
+# added twice would show), and roles checked with raise_exception.
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama": (
+        "{{ bos_token }}"
+        "{% for message in messages %}\n"
+        "{% if message['role'] == 'system' %}\n"
+        "<<SYS>>\n{{ message['content'] }}\n<</SYS>>\n\n"
+        "{% elif message['role'] == 'user' %}\n"
+        "[INST] {{ message['content'] | trim }} [/INST]"
+        "{% elif message['role'] == 'assistant' %}\n"
+        " {{ message['content'] | trim }} {{ eos_token }}"
+        "{% else %}\n"
+        "{{ raise_exception('Only system, user and assistant roles are supported!') }}"
+        "{% endif %}\n"
+        "{% endfor %}\n"
+    ),
+}
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
+                    chat_template: str | None = "chatml"):
     """Train a byte-level BPE on the fixed corpus and save it (tokenizer.json plus
     tokenizer_config.json) so both `tokenizers` and transformers' AutoTokenizer load it.
-    BOS ``<s>`` is prepended to every encoded text, as Llama's tokenizer does."""
+    BOS ``<s>`` is prepended to every encoded text, as Llama's tokenizer does.
+    `chat_template`: a name in CHAT_TEMPLATES, or None for a tokenizer without one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,7 +87,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        chat_template=CHAT_TEMPLATES[chat_template] if chat_template else None,
     )
     fast.save_pretrained(str(out_dir))
     return fast
@@ -89,12 +120,14 @@ def build_model(
     dtype: str = "float32",
     seed: int = 0,
     config_overrides: dict | None = None,
+    chat_template: str | None = "chatml",
 ) -> Path:
     """Write a random-weight model directory (config.json, model.safetensors,
     generation_config.json, tokenizer files) and return its path.
 
     The default head dim is hidden_size / num_heads = 40: not a power of two, on purpose.
     Norm weights and attention biases are randomised too, so greedy decoding is decisive.
+    `chat_template` names the tokenizer's (see build_tokenizer); it changes no weight.
     """
     import torch
     import transformers
@@ -102,7 +135,7 @@ def build_model(
     if arch not in _ARCHS:
         raise ValueError(f"unknown arch {arch!r}; known: {sorted(_ARCHS)}")
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(out_dir, vocab_size=vocab_size)
+    tokenizer = build_tokenizer(out_dir, vocab_size=vocab_size, chat_template=chat_template)
     config_cls = getattr(transformers, _ARCHS[arch][0])
     model_cls = getattr(transformers, _ARCHS[arch][1])
     kwargs = dict(
@@ -155,10 +188,11 @@ DEMO_MODEL_VERSION = "demo-llama-v1"  # = pagedserve.models.TINY_DIR
 
 def build_demo_model(out_dir: str | Path) -> Path:
     """The `tiny` model: a small random-weight Llama with the byte-level BPE tokenizer,
-    deterministic. Its text is gibberish; it exists to run the serving path offline."""
+    deterministic. Its text is gibberish; it exists to run the serving path offline. It has no
+    chat template: its files stay those that caches of DEMO_MODEL_VERSION hold."""
     return build_model(out_dir, "llama", hidden_size=256, num_layers=4, num_heads=8,
                        num_kv_heads=2, intermediate_size=512, max_position_embeddings=2048,
-                       seed=1234)
+                       seed=1234, chat_template=None)
 
 
 def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:

@@ -4,7 +4,8 @@
 fallback for a model without one. Encoding adds special tokens the way Hugging Face does
 (BOS per the post-processor, or per tokenizer_config's explicit add_bos_token/add_eos_token,
 which transformers applies by rebuilding the post-processor). EOS ids are the union of
-generation_config.json's and config.json's `eos_token_id` (an int or a list).
+generation_config.json's and config.json's `eos_token_id` (an int or a list). The model's chat
+template (router/chat_template.py) loads with the tokenizer, as `Tokenizer.chat_template`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from .chat_template import ChatTemplate
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -71,12 +74,14 @@ class Tokenizer:
         bos_token_id: int | None = None,
         special_token_ids: Sequence[int] = (),
         is_hf: bool = False,
+        chat_template: ChatTemplate | None = None,
     ):
         self._backend = backend  # tokenizers.Tokenizer, or a transformers tokenizer if is_hf
         self._is_hf = is_hf
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(set(eos_token_ids)))
         self.bos_token_id = bos_token_id
         self.special_token_ids: frozenset[int] = frozenset(special_token_ids)
+        self.chat_template = chat_template  # None: the model has none (chat is rejected)
         if is_hf:
             self.vocab_size: int = len(backend)
         else:
@@ -86,12 +91,14 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load `model_dir`'s tokenizer (tokenizer.json with `tokenizers`, else AutoTokenizer)."""
+        """Load `model_dir`'s tokenizer (tokenizer.json with `tokenizers`, else AutoTokenizer)
+        and its chat template."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model directory {model_dir} does not exist")
         eos = set(read_eos_token_ids(model_dir))
         tok_config = _read_json(model_dir / "tokenizer_config.json")
+        chat_template = ChatTemplate.from_dir(model_dir)
         path = model_dir / "tokenizer.json"
         if path.is_file():
             from tokenizers import Tokenizer as RustTokenizer
@@ -106,7 +113,8 @@ class Tokenizer:
             eos_tok = _token_content(tok_config.get("eos_token"))
             if not eos and eos_tok is not None and backend.token_to_id(eos_tok) is not None:
                 eos.add(backend.token_to_id(eos_tok))
-            return cls(backend, eos_token_ids=eos, bos_token_id=bos_id, special_token_ids=special)
+            return cls(backend, eos_token_ids=eos, bos_token_id=bos_id, special_token_ids=special,
+                       chat_template=chat_template)
         try:
             from transformers import AutoTokenizer
 
@@ -121,15 +129,18 @@ class Tokenizer:
             bos_token_id=hf.bos_token_id,
             special_token_ids=hf.all_special_ids,
             is_hf=True,
+            chat_template=chat_template,
         )
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the tokenizer's default special tokens (BOS as HF adds it)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the tokenizer's default special tokens (BOS as HF adds it)
+        unless `add_special_tokens` is False (a rendered chat template: it wrote its own).
+        Special tokens written in the text are recognised either way, as HF does."""
         if self._is_hf:
-            return list(self._backend.encode(text, add_special_tokens=True))
-        return self._backend.encode(text, add_special_tokens=True).ids
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `token_ids` (incomplete UTF-8 at the ends decodes to U+FFFD)."""

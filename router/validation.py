@@ -13,6 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from .chat_template import render_chat
 from .errors import InvalidRequest
 from .tokenizer import Tokenizer
 from .types import DEFAULT_MAX_TOKENS, RequestSpec, SamplingSpec
@@ -115,6 +116,24 @@ def sampling_from_pb(params, limits: Limits) -> SamplingSpec:
     )
 
 
+def messages_from_pb(chat) -> list[dict]:
+    """ChatMessages (protobuf) → the OpenAI-shaped messages render_chat takes: content a string,
+    or a list of {"type", "text"} parts (checked there; "text" is the only type)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise _bad(f"messages[{i}].role", "required (a non-empty string)")
+        if m.content and m.parts:
+            raise _bad(f"messages[{i}]", "set content or parts, not both")
+        for j, part in enumerate(m.parts):
+            if part.type != "text":
+                raise _bad(f"messages[{i}].parts[{j}].type",
+                           f"content part type {part.type!r} is not supported (only 'text')")
+        content = [{"type": p.type, "text": p.text} for p in m.parts] if m.parts else m.content
+        messages.append({"role": m.role, "content": content})
+    return messages
+
+
 def request_from_pb(
     request,
     *,
@@ -139,6 +158,15 @@ def request_from_pb(
         for t in ids:
             if t >= limits.vocab_size:
                 raise _bad("prompt_token_ids", f"token id {t} ≥ vocab size {limits.vocab_size}")
+    elif which == "messages":
+        chat = render_chat(tokenizer, messages_from_pb(request.messages))
+        prompt_text = chat.text
+        ids = tuple(chat.token_ids)
+        if not ids:
+            raise _bad("messages", "the conversation renders to no tokens")
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise _bad("messages", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
     else:
         if not request.prompt:
             raise _bad("prompt", "empty prompt")

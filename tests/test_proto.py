@@ -40,8 +40,11 @@ def _numbers(message) -> dict[str, int]:
     "message, expected",
     [
         (pb.GenerateRequest, {"request_id": 1, "prompt": 2, "prompt_token_ids": 3, "params": 4,
-                              "priority": 5, "cache_salt": 6}),
+                              "priority": 5, "cache_salt": 6, "messages": 7}),
         (pb.TokenIds, {"ids": 1}),
+        (pb.ChatMessages, {"messages": 1}),
+        (pb.ChatMessage, {"role": 1, "content": 2, "parts": 3}),
+        (pb.ChatContentPart, {"type": 1, "text": 2}),
         (pb.SamplingParams, {"max_tokens": 1, "temperature": 2, "top_p": 3, "top_k": 4, "min_p": 5,
                              "seed": 6, "stop": 7, "stop_token_ids": 8, "ignore_eos": 9,
                              "min_tokens": 10, "n": 11, "logprobs": 12, "repetition_penalty": 13,
@@ -83,7 +86,7 @@ def test_optional_fields_track_presence():
 
 def test_prompt_oneof_and_types():
     oneof = pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"]
-    assert [f.name for f in oneof.fields] == ["prompt", "prompt_token_ids"]
+    assert [f.name for f in oneof.fields] == ["prompt", "prompt_token_ids", "messages"]
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
     assert fields["seed"].type == fields["seed"].TYPE_UINT64
     assert fields["top_k"].type == fields["top_k"].TYPE_INT32

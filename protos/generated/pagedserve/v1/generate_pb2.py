@@ -25,47 +25,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf0\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0e\n\x01n\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x11 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\x10\n\x0e_stop_token_id\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\xa7\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12#\n\x05usage\x18\t \x01(\x0b\x32\x14.pagedserve.v1.UsageB\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"\x16\n\x14\x43lusterStatusRequest\"\xda\x01\n\x0e\x45xecutorStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x0f\n\x07swapped\x18\n \x01(\r\"z\n\rClusterStatus\x12\x30\n\texecutors\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecutorStatus\x12\x1c\n\x14prefix_cache_queries\x18\x02 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x03 \x01(\x04*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\x91\x03\n\tGenerator\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12Q\n\x06Stream\x12\x1e.pagedserve.v1.GenerateRequest\x1a%.pagedserve.v1.GenerateStreamResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12U\n\x10GetClusterStatus\x12#.pagedserve.v1.ClusterStatusRequest\x1a\x1c.pagedserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf0\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0e\n\x01n\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x11 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"-\n\x0f\x43hatContentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12-\n\x05parts\x18\x03 \x03(\x0b\x32\x1e.pagedserve.v1.ChatContentPart\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\xfb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x07 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\x10\n\x0e_stop_token_id\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\xa7\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12#\n\x05usage\x18\t \x01(\x0b\x32\x14.pagedserve.v1.UsageB\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"\x16\n\x14\x43lusterStatusRequest\"\xda\x01\n\x0e\x45xecutorStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x0f\n\x07swapped\x18\n \x01(\r\"z\n\rClusterStatus\x12\x30\n\texecutors\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecutorStatus\x12\x1c\n\x14prefix_cache_queries\x18\x02 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x03 \x01(\x04*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\x91\x03\n\tGenerator\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12Q\n\x06Stream\x12\x1e.pagedserve.v1.GenerateRequest\x1a%.pagedserve.v1.GenerateStreamResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12U\n\x10GetClusterStatus\x12#.pagedserve.v1.ClusterStatusRequest\x1a\x1c.pagedserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2251
-  _globals['_FINISHREASON']._serialized_end=2329
+  _globals['_FINISHREASON']._serialized_start=2502
+  _globals['_FINISHREASON']._serialized_end=2580
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_SAMPLINGPARAMS']._serialized_start=73
   _globals['_SAMPLINGPARAMS']._serialized_end=569
-  _globals['_GENERATEREQUEST']._serialized_start=572
-  _globals['_GENERATEREQUEST']._serialized_end=774
-  _globals['_TOPLOGPROB']._serialized_start=776
-  _globals['_TOPLOGPROB']._serialized_end=823
-  _globals['_TOKENLOGPROB']._serialized_start=825
-  _globals['_TOKENLOGPROB']._serialized_end=914
-  _globals['_USAGE']._serialized_start=916
-  _globals['_USAGE']._serialized_end=1003
-  _globals['_COMPLETION']._serialized_start=1006
-  _globals['_COMPLETION']._serialized_end=1232
-  _globals['_GENERATERESPONSE']._serialized_start=1234
-  _globals['_GENERATERESPONSE']._serialized_end=1357
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1360
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1655
-  _globals['_ABORTREQUEST']._serialized_start=1657
-  _globals['_ABORTREQUEST']._serialized_end=1691
-  _globals['_ABORTRESPONSE']._serialized_start=1693
-  _globals['_ABORTRESPONSE']._serialized_end=1708
-  _globals['_MODELINFOREQUEST']._serialized_start=1710
-  _globals['_MODELINFOREQUEST']._serialized_end=1728
-  _globals['_MODELINFO']._serialized_start=1731
-  _globals['_MODELINFO']._serialized_end=1880
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1882
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1904
-  _globals['_EXECUTORSTATUS']._serialized_start=1907
-  _globals['_EXECUTORSTATUS']._serialized_end=2125
-  _globals['_CLUSTERSTATUS']._serialized_start=2127
-  _globals['_CLUSTERSTATUS']._serialized_end=2249
-  _globals['_GENERATOR']._serialized_start=2332
-  _globals['_GENERATOR']._serialized_end=2733
+  _globals['_CHATCONTENTPART']._serialized_start=571
+  _globals['_CHATCONTENTPART']._serialized_end=616
+  _globals['_CHATMESSAGE']._serialized_start=618
+  _globals['_CHATMESSAGE']._serialized_end=709
+  _globals['_CHATMESSAGES']._serialized_start=711
+  _globals['_CHATMESSAGES']._serialized_end=771
+  _globals['_GENERATEREQUEST']._serialized_start=774
+  _globals['_GENERATEREQUEST']._serialized_end=1025
+  _globals['_TOPLOGPROB']._serialized_start=1027
+  _globals['_TOPLOGPROB']._serialized_end=1074
+  _globals['_TOKENLOGPROB']._serialized_start=1076
+  _globals['_TOKENLOGPROB']._serialized_end=1165
+  _globals['_USAGE']._serialized_start=1167
+  _globals['_USAGE']._serialized_end=1254
+  _globals['_COMPLETION']._serialized_start=1257
+  _globals['_COMPLETION']._serialized_end=1483
+  _globals['_GENERATERESPONSE']._serialized_start=1485
+  _globals['_GENERATERESPONSE']._serialized_end=1608
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1611
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1906
+  _globals['_ABORTREQUEST']._serialized_start=1908
+  _globals['_ABORTREQUEST']._serialized_end=1942
+  _globals['_ABORTRESPONSE']._serialized_start=1944
+  _globals['_ABORTRESPONSE']._serialized_end=1959
+  _globals['_MODELINFOREQUEST']._serialized_start=1961
+  _globals['_MODELINFOREQUEST']._serialized_end=1979
+  _globals['_MODELINFO']._serialized_start=1982
+  _globals['_MODELINFO']._serialized_end=2131
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2133
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2155
+  _globals['_EXECUTORSTATUS']._serialized_start=2158
+  _globals['_EXECUTORSTATUS']._serialized_end=2376
+  _globals['_CLUSTERSTATUS']._serialized_start=2378
+  _globals['_CLUSTERSTATUS']._serialized_end=2500
+  _globals['_GENERATOR']._serialized_start=2583
+  _globals['_GENERATOR']._serialized_end=2984
 # @@protoc_insertion_point(module_scope)
