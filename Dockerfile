@@ -55,7 +55,7 @@ USER pagedserve
 WORKDIR /home/pagedserve
 
 # gRPC, Prometheus /metrics, the router's ZeroMQ socket for executors. Executors open none.
-EXPOSE 50051 9400 5557
+EXPOSE 50051 8000 9400 5557
 
 ENTRYPOINT ["pagedserve"]
 CMD ["--help"]

@@ -82,7 +82,7 @@ def make_prompts(n: int, in_range, out_range, vocab: int, seed: int) -> list[Ben
 def run_pagedserve(model_dir: Path, prompts: list[BenchRequest], num_gpu_blocks: int,
                    max_num_seqs: int, server_log: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model_dir),
-           "--executors", "1", "--port", "0", "--metrics-port", "0",
+           "--executors", "1", "--port", "0", "--metrics-port", "0", "--http-port", "-1",
            "--executor-bind", f"tcp://127.0.0.1:{free_port()}", "--cpu-threads", "1",
            "--num-gpu-blocks", str(num_gpu_blocks), "--block-size", str(BLOCK_SIZE),
            "--max-num-seqs", str(max_num_seqs), "--swap-space", "0",

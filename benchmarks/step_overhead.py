@@ -493,7 +493,7 @@ def run_real(model: str, path: Path, running: int, depth: int, args, work: Path)
     max_tokens = max_len - PROMPT_LEN - 1
     name = f"{model}_r{running}_d{depth}"
     argv = ["serve", "--model", str(path), "--executors", "1", "--port", "0",
-            "--metrics-port", "0", "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
+            "--metrics-port", "0", "--http-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
             "--cpu-threads", str(args.cpu_threads), "--pipeline-depth", str(depth),
             "--max-model-len", str(max_len), "--max-num-seqs", str(max(running, 1)),
             "--swap-space", "0", "--shutdown-timeout", "5"]
@@ -520,7 +520,7 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
     zmq_addr = f"tcp://127.0.0.1:{free_port()}"
     max_len = args.fake_max_model_len
     blocks = per_executor * (max_len // 16 + 2) + 64
-    argv = ["router", "--model", str(path), "--port", "0", "--metrics-port", "0",
+    argv = ["router", "--model", str(path), "--port", "0", "--metrics-port", "0", "--http-port", "-1",
             "--executor-bind", zmq_addr, "--pipeline-depth", str(depth),
             "--max-model-len", str(max_len), "--max-num-seqs", str(per_executor),
             "--routing", "round-robin", "--shutdown-timeout", "5",

@@ -49,7 +49,7 @@ def _parse_server(prog: str, description: str, argv: list[str]) -> argparse.Name
 def _resolve_model(args, prog: str, default: str | None = None) -> None:
     """Turn `--model` (a directory, a .gguf file, a hub id, `default` or `tiny`; see
     pagedserve.models) into the Hugging Face directory it names, preparing it if needed."""
-    from .models import ModelSourceError, resolve_model
+    from .models import ModelSourceError, model_name, resolve_model
 
     if not args.model and default is None:
         print(f"{prog}: --model is required (or PAGEDSERVE_MODEL)", file=sys.stderr)
@@ -62,6 +62,8 @@ def _resolve_model(args, prog: str, default: str | None = None) -> None:
         raise SystemExit(2) from None
     if args.model != spec:
         log.info("--model %s: %s", spec, args.model)
+    if getattr(args, "served_model_name", None) is None:
+        args.served_model_name = model_name(spec, args.model)
 
 
 def cmd_router(argv: list[str]) -> int:

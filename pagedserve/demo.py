@@ -508,7 +508,7 @@ def _cluster_args(plan: DemoPlan, model: str) -> tuple[argparse.Namespace, list[
                      "--block-size", str(plan.block_size), "--cpu-threads", "1",
                      "--log-format", "text"]
     router_argv = ["--model", model, "--executors", str(plan.num_executors),
-                   "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+                   "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "-1",
                    "--executor-bind", "tcp://127.0.0.1:*", "--shutdown-timeout", "5",
                    "--preemption-mode", "auto", "--routing", "prefix"]
     parser = argparse.ArgumentParser(prog="pagedserve demo")

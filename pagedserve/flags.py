@@ -69,8 +69,12 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("executors", _positive_int, 1, "serve: executor processes to start"),
     ("executor-id", str, None, "executor: id (default: host, pid and a random suffix)"),
     ("port", int, 50051, "gRPC port (0: any free port)"),
-    ("host", str, "127.0.0.1", "gRPC bind address (beyond loopback: see README security)"),
+    ("host", str, "127.0.0.1", "bind address of gRPC, HTTP and metrics (beyond loopback: "
+     "see README security)"),
     ("metrics-port", int, 9400, "Prometheus /metrics port (-1 disables; 0: any free port)"),
+    ("http-port", int, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
+    ("served-model-name", str, None, "the model id of the HTTP API (default: the name of "
+     "--model)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
     ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
     ("device", str, None, "executor: cuda when available, else cpu"),

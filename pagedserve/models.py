@@ -80,6 +80,19 @@ def resolve_model(spec: str | None, *, progress: bool = True) -> Path:
         f"file, a hub id org/name, 'default' or 'tiny')")
 
 
+def model_name(spec: str, resolved: str | Path) -> str:
+    """The name a `--model` value goes by (the OpenAI API's model id by default): the
+    built-in model's name, a hub id as given, a .gguf file's stem, a directory's name."""
+    if spec == "default":
+        return BUILTIN_NAME
+    if spec == "tiny":
+        return "pagedserve-tiny"
+    if is_hub_id(spec) and not Path(spec).expanduser().exists():
+        return spec
+    path = Path(spec)
+    return path.stem if path.suffix.lower() == ".gguf" else Path(resolved).name
+
+
 def is_hub_id(spec: str) -> bool:
     """`org/name` with nothing path-like about it (no leading `.`, `/` or `~`, one slash,
     not a `.gguf` file name)."""

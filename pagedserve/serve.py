@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 
 from .affinity import format_cores, pin_current_thread, plan_serve
-from .router.app import ModelDirError, serve_router
+from .router.app import ModelDirError, ServerBindError, serve_router
 from .router.executor_link import ExecutorLinkError
 
 log = logging.getLogger("pagedserve.serve")
@@ -161,6 +161,6 @@ async def _serve(args, argv: list[str]) -> int:
 def run_serve(args, argv: list[str]) -> int:
     try:
         return asyncio.run(_serve(args, argv))
-    except (ModelDirError, ExecutorLinkError) as exc:
+    except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""The router process: model directory -> engine + gRPC server + metrics, until drained.
+"""The router process: model directory -> engine + gRPC and HTTP servers + metrics, until
+drained.
 
 `run_router(args)` is what `pagedserve router` runs; `serve` runs the same coroutine with
 its executors as child processes. Without torch: the model is known from config.json.
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
+from .frontend import Frontend
 from .grpc_server import start_server
+from .http_server import start_http_server
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy
 from .scheduler import PreemptionMode
@@ -35,6 +38,10 @@ SUPPORTED_ARCHITECTURES = (
 
 class ModelDirError(ValueError):
     """The model directory is missing, unreadable or of an unsupported model."""
+
+
+class ServerBindError(OSError):
+    """A listening address cannot be bound (a port in use): one line, exit code 2."""
 
 
 def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
@@ -103,7 +110,8 @@ async def serve_router(
 ) -> int:
     """Run the router until SIGINT/SIGTERM (or `stop_event`), then drain and exit 0.
 
-    Prints `pagedserve ready grpc=HOST:PORT metrics=HOST:PORT executors=N` once listening
+    Prints `pagedserve ready grpc=HOST:PORT metrics=HOST:PORT executors=N http=HOST:PORT`
+    once listening
     and, with `wait_for_executors`, once that many executors have registered."""
     info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
                                         args.dtype)
@@ -115,13 +123,24 @@ async def serve_router(
                                   curve_keys=args.curve_keys)
     limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                     max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
-    server, port = await start_server(
-        engine, args.host, args.port, tokenizer=tokenizer, limits=limits, metrics=metrics,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-    )
+    frontend = Frontend(engine, tokenizer, limits, metrics)  # shared by gRPC and HTTP
+    tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    server = http = None
+    try:
+        server, port = await start_server(frontend, args.host, args.port, **tls)
+        if args.http_port >= 0:
+            http = await start_http_server(
+                frontend, args.host, args.http_port, max_model_len=info.max_model_len,
+                served_model_name=args.served_model_name or Path(args.model).name, **tls)
+    except OSError as exc:  # a port in use: one line, nothing left running
+        if server is not None:
+            await server.stop(0)
+        await engine.stop()
+        raise ServerBindError(str(exc)) from None
     metrics_port = metrics.serve(args.metrics_port, host=args.host) \
         if args.metrics_port >= 0 else None
-    log.info("router listening: grpc %s:%d, executors join at %s", args.host, port, endpoint)
+    log.info("router listening: grpc %s:%d, http %s, executors join at %s", args.host, port,
+             http.port if http else "off", endpoint)
     if on_bound is not None:
         await on_bound(endpoint, engine)
     stop = stop_event or asyncio.Event()
@@ -138,14 +157,17 @@ async def serve_router(
             waiter.cancel()
     if not stop.is_set():
         metrics_text = f"{args.host}:{metrics_port}" if metrics_port is not None else "off"
+        http_text = f"{args.host}:{http.port}" if http is not None else "off"
         print(f"pagedserve ready grpc={args.host}:{port} metrics={metrics_text} "
-              f"executors={engine.num_healthy()}", flush=True)
+              f"executors={engine.num_healthy()} http={http_text}", flush=True)
         if on_started is not None:
             await on_started(engine)
         await stop.wait()
     log.info("draining for up to %.0f s", args.shutdown_timeout)
-    await server.drain()
-    await engine.drain(args.shutdown_timeout)
+    await server.drain()  # both APIs: new requests UNAVAILABLE / 503, health not serving
+    await engine.drain(args.shutdown_timeout)  # open requests finish or end with abort
+    if http is not None:
+        await http.stop()
     await server.stop(grace=1.0)
     await engine.stop(shutdown_executors=wait_for_executors > 0)
     metrics.shutdown()
@@ -155,6 +177,6 @@ async def serve_router(
 def run_router(args) -> int:
     try:
         return asyncio.run(serve_router(args))
-    except (ModelDirError, ExecutorLinkError) as exc:
+    except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
         print(f"pagedserve router: {exc}", file=sys.stderr)
         return 2

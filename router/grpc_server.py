@@ -1,9 +1,9 @@
 """The gRPC edge: pagedserve.v1.Generator over an `Engine`, plus health and reflection.
 
-This module is the only place that touches protobuf: requests are turned into `RequestSpec`s by
-validation.py (from_pb) and engine outputs into responses here (to_pb). Every error path goes
-through errors.py's mapping; every non-OK ending is counted in
-pagedserve_request_failure_total{code}.
+Requests are turned into `RequestSpec`s by validation.py (from_pb) and engine outputs into
+responses here (to_pb); the request's way through the engine, its metrics and the counting of
+every non-OK ending (pagedserve_request_failure_total{code, api="grpc"}) are frontend.py's,
+shared with the HTTP edge. Every error path goes through errors.py's mapping.
 
 Ending of a request, by cause:
   * finished normally / aborted by the Abort RPC / drained → status OK (finish_reason says);
@@ -29,20 +29,10 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
-from .errors import PagedServeError, Unavailable, grpc_code, grpc_details
-from .metrics import RouterMetrics
-from .tokenizer import Tokenizer
-from .types import (
-    ClusterStatusData,
-    CompletionDelta,
-    Engine,
-    ModelInfoData,
-    RequestOutput,
-    RequestSpec,
-    TokenLogprob,
-    Usage,
-)
-from .validation import Limits, request_from_pb
+from .errors import PagedServeError, grpc_code, grpc_details
+from .frontend import CLIENT_GONE, Frontend
+from .types import ClusterStatusData, CompletionDelta, ModelInfoData, TokenLogprob, Usage
+from .validation import request_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +40,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "pagedse
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HEALTH_POLL_S = 0.25
 THREADED_TOKENIZE_CHARS = 16_384
+API = "grpc"  # the api label of this edge's request metrics
 
 _FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "length": pb.LENGTH, "stop": pb.STOP, "abort": pb.ABORT}
 
@@ -160,61 +151,15 @@ class _SampleAcc:
         return completion
 
 
-class _RequestClock:
-    """Latency metrics of one request, measured when outputs are handed to the client."""
-
-    __slots__ = ("_metrics", "_arrival", "_first", "_last", "_tokens")
-
-    def __init__(self, metrics: RouterMetrics | None, arrival: float):
-        self._metrics = metrics
-        self._arrival = arrival
-        self._first: float | None = None
-        self._last: float | None = None
-        self._tokens: dict[int, int] = {}
-
-    def on_output(self, out: RequestOutput) -> None:
-        if self._metrics is None:
-            return
-        new_tokens = False
-        for delta in out.deltas:
-            if delta.token_ids:
-                new_tokens = True
-                self._tokens[delta.index] = self._tokens.get(delta.index, 0) + len(delta.token_ids)
-            if delta.finish_reason is not None:
-                self._metrics.inc_success(delta.finish_reason)
-        now = time.monotonic()
-        if new_tokens:
-            if self._first is None:
-                self._first = now
-                self._metrics.observe_ttft(now - self._arrival)
-            else:
-                self._metrics.observe_inter_token(now - self._last)
-            self._last = now
-        if out.finished:
-            self._metrics.observe_e2e(now - self._arrival)
-            most = max(self._tokens.values(), default=0)
-            if self._first is not None and most > 1:
-                self._metrics.observe_time_per_output_token((now - self._first) / (most - 1))
-
-
 # --------------------------------------------------------------------------- servicer
 
 
 class GeneratorServicer(pb_grpc.GeneratorServicer):
     """pagedserve.v1.Generator over an Engine (see types.Engine for the contract)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        tokenizer: Tokenizer,
-        limits: Limits,
-        metrics: RouterMetrics | None = None,
-    ):
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._limits = limits
-        self._metrics = metrics
-        self.draining = False
+    def __init__(self, frontend: Frontend):
+        self._frontend = frontend
+        self._engine = frontend.engine
 
     # ------------------------------------------------------------------ RPCs
 
@@ -281,86 +226,32 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def _run(self, request: pb.GenerateRequest, context):
         """Validate, submit and yield (request_id, RequestOutput) until the final output.
-        Maps every failure to a status and aborts the engine request when the client goes."""
+        Maps every failure to a status; the session aborts the engine request and counts the
+        ending when the client goes (frontend.py)."""
         arrival = time.monotonic()
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None else None
         request_id = request.request_id or uuid.uuid4().hex
-        error: BaseException | None = None
-        admitted = finished = False
-        outputs: AsyncIterator[RequestOutput] | None = None
-        clock = _RequestClock(self._metrics, arrival)
-        reserve = getattr(self._engine, "reserve_slot", None)
-        reserved = False
+        fe = self._frontend
+        build = functools.partial(
+            request_from_pb, request, tokenizer=fe.tokenizer, limits=fe.limits,
+            request_id=request_id, arrival_time=arrival, deadline=deadline,
+        )
+        threaded = (len(request.prompt) > THREADED_TOKENIZE_CHARS
+                    or request.WhichOneof("input") == "messages")
         try:
-            if self.draining:
-                raise Unavailable("the router is draining")
-            if reserve is not None:  # a queue place before any tokenizing work
-                reserve()
-                reserved = True
-            convert = functools.partial(
-                request_from_pb,
-                request,
-                tokenizer=self._tokenizer,
-                limits=self._limits,
-                request_id=request_id,
-                arrival_time=arrival,
-                deadline=deadline,
-            )
-            # Tokenizing a long prompt would stall every stream on this loop: use a thread.
-            long_prompt = len(request.prompt) > THREADED_TOKENIZE_CHARS
-            spec: RequestSpec = await asyncio.to_thread(convert) if long_prompt else convert()
-            if reserved:
-                reserved = False  # submit consumes the place, whatever it raises
-                outputs = await self._engine.submit(spec, reserved=True)
-            else:
-                outputs = await self._engine.submit(spec)
-            admitted = True
-            async for out in outputs:
-                clock.on_output(out)
-                finished = out.finished
-                yield request_id, out
-                if finished:
-                    break
-            if not finished:
-                raise RuntimeError("the engine's output stream ended without a final output")
-        except (asyncio.CancelledError, GeneratorExit):
-            # The client cancelled or its deadline passed: grpc cancels the handler (here, or
-            # while it writes a chunk, and then closes the consumer, which closes this).
-            code = (
-                grpc.StatusCode.DEADLINE_EXCEEDED
-                if deadline is not None and time.monotonic() >= deadline - 0.001
-                else grpc.StatusCode.CANCELLED
-            )
-            if not finished:
-                self._count_failure(code)
+            async with fe.request(request_id, build, api=API, arrival=arrival,
+                                  deadline=deadline, threaded=threaded) as session:
+                async for out in session:
+                    yield request_id, out
+        except PagedServeError as exc:  # counted by the session
+            await context.abort(exc.code, exc.message)
+        except CLIENT_GONE:
             raise
-        except Exception as exc:  # noqa: BLE001 - mapped in one place
-            error = exc
-        finally:
-            if reserved:  # failed before submit (bad request, cancelled while tokenizing)
-                self._engine.release_slot()
-            if admitted and not finished:
-                self._abort_quietly(request_id)
-            if outputs is not None and hasattr(outputs, "aclose") and not finished:
-                try:
-                    await outputs.aclose()
-                except Exception:  # noqa: BLE001 - closing a dead stream must not mask the cause
-                    log.debug("closing the output stream of %s failed", request_id, exc_info=True)
-        if error is not None:
-            await self._fail(context, error, request_id=request_id)
-
-    def _abort_quietly(self, request_id: str) -> None:
-        try:
-            self._engine.abort(request_id)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            log.exception("engine.abort(%s) failed", request_id)
+        except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL, logged and counted there
+            await context.abort(grpc_code(exc), grpc_details(exc))
 
     # ------------------------------------------------------------------ errors
-
-    def _count_failure(self, code: grpc.StatusCode) -> None:
-        if self._metrics is not None:
-            self._metrics.inc_failure(code)
 
     async def _fail(self, context, exc: BaseException, request_id: str = "") -> None:
         """End the RPC with the status errors.py maps `exc` to (raises grpc's AbortError)."""
@@ -370,7 +261,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         await self._fail_code(context, code, grpc_details(exc))
 
     async def _fail_code(self, context, code: grpc.StatusCode, details: str) -> None:
-        self._count_failure(code)
+        self._frontend.count_failure(code, API)
         await context.abort(code, details)
 
 
@@ -391,14 +282,15 @@ class GrpcServer:
         port: int,
         servicer: GeneratorServicer,
         health_servicer: health.aio.HealthServicer,
-        engine: Engine,
+        frontend: Frontend,
         poll_s: float,
     ):
         self.server = server
         self.port = port
         self.servicer = servicer
         self.health = health_servicer
-        self._engine = engine
+        self._frontend = frontend
+        self._engine = frontend.engine
         self._poll_s = poll_s
         self._serving: bool | None = None
         self._poller: asyncio.Task | None = None
@@ -410,7 +302,7 @@ class GrpcServer:
 
     async def _refresh(self) -> None:
         try:
-            serving = bool(self._engine.is_serving()) and not self.servicer.draining
+            serving = bool(self._engine.is_serving()) and not self._frontend.draining
         except Exception:  # noqa: BLE001 - a failing engine is not serving
             log.exception("engine.is_serving() failed")
             serving = False
@@ -429,8 +321,9 @@ class GrpcServer:
             await self._refresh()
 
     async def drain(self) -> None:
-        """Start draining: health NOT_SERVING everywhere, new requests UNAVAILABLE."""
-        self.servicer.draining = True
+        """Start draining: health NOT_SERVING everywhere, new requests UNAVAILABLE (on every
+        API: the draining flag is the frontend's)."""
+        self._frontend.draining = True
         self._serving = False
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -472,13 +365,10 @@ def server_credentials(
 
 
 async def start_server(
-    engine: Engine,
+    frontend: Frontend,
     host: str = "127.0.0.1",
     port: int = 50051,
     *,
-    tokenizer: Tokenizer,
-    limits: Limits,
-    metrics: RouterMetrics | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
     tls_client_ca: str | None = None,
@@ -493,7 +383,7 @@ async def start_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    servicer = GeneratorServicer(engine, tokenizer, limits, metrics)
+    servicer = GeneratorServicer(frontend)
     pb_grpc.add_GeneratorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -506,6 +396,6 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot bind the gRPC server to {address}")
     await server.start()
-    handle = GrpcServer(server, bound, servicer, health_servicer, engine, health_poll_s)
+    handle = GrpcServer(server, bound, servicer, health_servicer, frontend, health_poll_s)
     await handle._start()
     return handle, bound

@@ -2,8 +2,9 @@
 
 Who records what:
 
-* the gRPC edge (grpc_server.py): request success/failure, time to first token, inter-token
-  latency (when a token is handed to the client), time per output token, end-to-end latency;
+* the API edges, through frontend.py (one place for gRPC and HTTP): request success/failure
+  (label `api`), time to first token, inter-token latency (when a token is handed to the
+  client), time per output token, end-to-end latency;
 * the engine: queue time (arrival → first scheduled), prompt/generation token counts, executor
   gauges, prefix-cache counters, preemptions, migrations, healthy executors, step forward time.
 
@@ -29,6 +30,7 @@ REQUEST_BUCKETS_S = LATENCY_BUCKETS_S + (20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 FINISH_REASONS = ("length", "stop", "abort")
 PREEMPTION_MODES = ("recompute", "swap")
+APIS = ("grpc", "http")
 
 
 class RouterMetrics:
@@ -53,8 +55,8 @@ class RouterMetrics:
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens_total", "Generated tokens.", registry=r)
-        self.request_success = Counter("pagedserve_request_success_total", "Finished samples, by finish reason.", ["finish_reason"], registry=r)
-        self.request_failure = Counter("pagedserve_request_failure_total", "Requests that ended with a non-OK status, by gRPC status name.", ["code"], registry=r)
+        self.request_success = Counter("pagedserve_request_success_total", "Finished samples, by finish reason and API.", ["finish_reason", "api"], registry=r)
+        self.request_failure = Counter("pagedserve_request_failure_total", "Requests that ended with a non-OK status, by gRPC status name (HTTP errors too) and API.", ["code", "api"], registry=r)
         self.executors_healthy = Gauge("pagedserve_executors_healthy", "Executors registered and heartbeating.", registry=r)
         self.time_to_first_token = Histogram("pagedserve_time_to_first_token_seconds", "Arrival to first token handed out.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.inter_token_latency = Histogram("pagedserve_inter_token_latency_seconds", "Time between tokens handed to a request's client.", buckets=LATENCY_BUCKETS_S, registry=r)
@@ -64,19 +66,21 @@ class RouterMetrics:
         self.step_forward = Histogram("pagedserve_step_forward_seconds", "Executor model forward time per step (forward_s).", ex, buckets=LATENCY_BUCKETS_S, registry=r)
         self.executor_gap = Histogram("pagedserve_executor_gap_seconds", "Executor idle time before a step's forward (gap_s: waiting for the plan, decoding, preparing inputs).", ex, buckets=GAP_BUCKETS_S, registry=r)
         for reason in FINISH_REASONS:
-            self.request_success.labels(finish_reason=reason)
+            for api in APIS:
+                self.request_success.labels(finish_reason=reason, api=api)
         self.executors_healthy.set(0)
 
     # ------------------------------------------------------------------ requests (edge)
 
-    def inc_success(self, finish_reason: str, n: int = 1) -> None:
+    def inc_success(self, finish_reason: str, n: int = 1, *, api: str) -> None:
         """`n` samples finished with `finish_reason` ('length', 'stop', 'abort')."""
-        self.request_success.labels(finish_reason=finish_reason).inc(n)
+        self.request_success.labels(finish_reason=finish_reason, api=api).inc(n)
 
-    def inc_failure(self, code: grpc.StatusCode | str) -> None:
-        """A request ended with a non-OK status (`code`: a StatusCode or its name)."""
+    def inc_failure(self, code: grpc.StatusCode | str, *, api: str) -> None:
+        """A request ended with a non-OK status (`code`: a StatusCode or its name; an HTTP
+        error counts under the status its error maps to, e.g. 400 as INVALID_ARGUMENT)."""
         name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-        self.request_failure.labels(code=name).inc()
+        self.request_failure.labels(code=name, api=api).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .chat_template import render_chat
 from .errors import InvalidRequest
@@ -53,9 +53,10 @@ def random_seed() -> int:
     return secrets.randbits(63)
 
 
-def sampling_from_pb(params, limits: Limits) -> SamplingSpec:
+def sampling_from_pb(params, limits: Limits,
+                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingSpec:
     """SamplingParams (protobuf, may be the default instance) → SamplingSpec, every range checked."""
-    max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else default_max_tokens
     if max_tokens == 0:
         raise _bad("max_tokens", "must be at least 1")
     temperature = params.temperature if params.HasField("temperature") else 1.0
@@ -142,13 +143,18 @@ def request_from_pb(
     request_id: str | None = None,
     arrival_time: float | None = None,
     deadline: float | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> RequestSpec:
     """GenerateRequest → RequestSpec. `request_id` overrides the request's (the edge passes the
-    server-assigned id when the request's is empty)."""
+    server-assigned id when the request's is empty). `default_max_tokens` applies when the
+    request sets none; None means the rest of the context (max_model_len − prompt tokens,
+    the OpenAI API's default as vLLM serves it)."""
     rid = request.request_id if request_id is None else request_id
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise _bad("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
-    sampling = sampling_from_pb(request.params, limits)
+    to_context = default_max_tokens is None and not request.params.HasField("max_tokens")
+    sampling = sampling_from_pb(request.params, limits,
+                                limits.max_model_len if to_context else default_max_tokens)
     which = request.WhichOneof("input")
     prompt_text: str | None = None
     if which == "prompt_token_ids":
@@ -178,6 +184,11 @@ def request_from_pb(
         if bad:
             raise _bad("prompt", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
     field = which or "prompt"
+    if to_context and len(ids) < limits.max_model_len:
+        sampling = replace(sampling, max_tokens=limits.max_model_len - len(ids))
+        if sampling.min_tokens > sampling.max_tokens:
+            raise _bad("min_tokens", f"must be ≤ the {sampling.max_tokens} tokens left in the "
+                       f"context, got {sampling.min_tokens}")
     if len(ids) + sampling.max_tokens > limits.max_model_len:
         culprit = field if len(ids) >= limits.max_model_len else "max_tokens"
         raise _bad(

@@ -21,7 +21,7 @@ from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_gr
 
 from pagedserve.subprocs import stop_processes
 
-READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
+READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
 
 
 def free_port() -> int:
@@ -62,6 +62,7 @@ class Cluster:
         self.readers: list[_Reader] = []
         self.address = ""
         self.metrics_address = ""
+        self.http_address = ""  # host:port of the OpenAI API ("" when off)
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.GeneratorStub | None = None
 
@@ -92,6 +93,7 @@ class Cluster:
     def start(self, timeout_s: float = 90.0) -> Cluster:
         self.router = self._spawn(
             ["router", "--model", self.model_dir, "--port", "0", "--metrics-port", "0",
+             "--http-port", "0",
              "--executor-bind", self.zmq, "--heartbeat-timeout", "1", "--debug-checks",
              *self.router_args], "router")
         for i in range(self.num_executors):
@@ -103,6 +105,7 @@ class Cluster:
                 m = READY.search(line)
                 if m:
                     self.address, self.metrics_address = m.group(1), m.group(2)
+                    self.http_address = "" if m.group(4) == "off" else m.group(4)
                     break
             if self.address:
                 break

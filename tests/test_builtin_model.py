@@ -113,7 +113,7 @@ class Served:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", "serve", "--executors", "2",
-             "--dtype", "float32", "--port", "0", "--metrics-port", "-1",
+             "--dtype", "float32", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
              "--executor-bind", f"tcp://127.0.0.1:{free_port()}", "--num-gpu-blocks", "128",
              "--num-cpu-blocks", "16"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=_env())

@@ -110,7 +110,7 @@ def _generate(address: str, *args: str, env: dict | None = None) -> subprocess.C
 @pytest.fixture(scope="module")
 def served(tiny_model):
     port, zmq_port = free_port(), free_port()
-    proc = Proc(["serve", "--model", tiny_model, "--executors", "1", "--metrics-port", "0",
+    proc = Proc(["serve", "--model", tiny_model, "--executors", "1", "--metrics-port", "0", "--http-port", "-1",
                  "--executor-bind", f"tcp://127.0.0.1:{zmq_port}", "--num-gpu-blocks", "128"],
                 _env(PAGEDSERVE_PORT=str(port), PAGEDSERVE_MAX_N="1"))
     try:
@@ -187,7 +187,7 @@ def test_bad_model_dir_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
                                                       "vocab_size": 10}))
     result = subprocess.run(CLI + ["router", "--model", str(tmp_path), "--port", "0",
-                                   "--metrics-port", "-1"],
+                                   "--metrics-port", "-1", "--http-port", "-1"],
                             capture_output=True, text=True, env=_env(), timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -216,7 +216,7 @@ def _stream(stub, prompt: str, max_tokens: int, first: threading.Event, out: dic
 
 def test_sigterm_drains_finishes_short_aborts_long_and_reaps_children(tiny_model):
     zmq_port = free_port()
-    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1",
+    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                  "--executor-bind", f"tcp://127.0.0.1:{zmq_port}", "--shutdown-timeout", "3",
                  "--num-gpu-blocks", "512", "--log-format", "json"], _env())
     try:
@@ -332,7 +332,7 @@ def test_serve_kills_a_hung_executor_and_restarts_it(tiny_model):
     deadline the router counts it dead (the request ends UNAVAILABLE: no other executor),
     serve kills the child and, with --restart-executors, starts a new one that serves."""
     zmq_port = free_port()
-    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1",
+    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                  "--executor-bind", f"tcp://127.0.0.1:{zmq_port}", "--num-gpu-blocks", "128",
                  "--restart-executors", "--step-timeout", "0.5"],
                 _env(PAGEDSERVE_FAULT_SLEEP_IN_STEP="3:120"))

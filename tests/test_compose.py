@@ -59,7 +59,7 @@ def test_services_router_and_scalable_executor(compose):
     assert executor["command"] == ["executor"] and router["command"] == ["router"]
     assert executor["depends_on"]["router"]["condition"] == "service_healthy"
     published = [str(p).rsplit(":", 1)[-1] for p in router["ports"]]
-    assert sorted(published) == ["50051", "9400"]  # gRPC + metrics; never ZeroMQ 5557
+    assert sorted(published) == ["50051", "8000", "9400"]  # gRPC, HTTP, metrics; never 5557
     assert executor["volumes"] == router["volumes"]
     assert router["volumes"][0].endswith(":/models:ro")
 

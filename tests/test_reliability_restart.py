@@ -57,7 +57,7 @@ def test_router_sigkill_and_restart(tmp_path):
         # A new router on the same gRPC port and ZeroMQ address.
         c.readers = [r for r in c.readers if r.name != "router"]
         c.router = c._spawn(
-            ["router", "--model", str(model_dir), "--port", str(port), "--metrics-port", "0",
+            ["router", "--model", str(model_dir), "--port", str(port), "--metrics-port", "0", "--http-port", "-1",
              "--executor-bind", c.zmq, "--heartbeat-timeout", "1", "--debug-checks"],
             "router")
         router_reader = c.readers[-1]

@@ -14,28 +14,16 @@ import urllib.request
 
 import grpc
 import pytest
+from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
-from pagedserve.router.detokenizer import TextAssembler
-from pagedserve.router.errors import AlreadyExists, QueueFull
+from pagedserve.router.frontend import Frontend
 from pagedserve.router.grpc_server import SERVICE_NAME, start_server
 from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.tokenizer import Tokenizer
-from pagedserve.router.types import (
-    ClusterStatusData,
-    CompletionDelta,
-    ExecutorStatusData,
-    ModelInfoData,
-    RequestOutput,
-    RequestSpec,
-    TokenLogprob,
-    Usage,
-)
 from pagedserve.router.validation import Limits
-
-SCRIPT = "Hello there, 日本語のテキスト 🙂🚀 and more words. " * 4
 
 
 @pytest.fixture(scope="module")
@@ -47,103 +35,13 @@ def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_dir(d)
 
 
-class FakeEngine:
-    """Emits a fixed script of tokens (shifted by sample index) at `step_s` per step."""
-
-    def __init__(self, tokenizer: Tokenizer, step_s: float = 0.002):
-        self.tok = tokenizer
-        self.step_s = step_s
-        self.script = tokenizer.encode(SCRIPT)[1:]
-        self.live: dict[str, asyncio.Event] = {}
-        self.aborted: list[str] = []
-        self.submitted: list[RequestSpec] = []
-        self.serving = True
-        self.queue_full = False
-        self.tasks: list[asyncio.Future] = []
-
-    async def submit(self, spec: RequestSpec):
-        if spec.request_id in self.live:
-            raise AlreadyExists(f"request {spec.request_id!r} is live")
-        if self.queue_full:
-            raise QueueFull("the waiting queue is full")
-        self.submitted.append(spec)
-        abort = self.live[spec.request_id] = asyncio.Event()
-        queue: asyncio.Queue = asyncio.Queue()
-        self.tasks.append(asyncio.ensure_future(self._produce(spec, abort, queue)))
-        return self._consume(queue)
-
-    @staticmethod
-    async def _consume(queue: asyncio.Queue):
-        # Like the real engine: the consumer only reads what the step loop produced.
-        while True:
-            out = await queue.get()
-            yield out
-            if out.finished:
-                return
-
-    async def _produce(self, spec: RequestSpec, abort: asyncio.Event, queue: asyncio.Queue):
-        sp = spec.sampling
-        samples = {
-            i: TextAssembler(self.tok, sp, spec.prompt_token_ids, eos_token_ids=self.tok.eos_token_ids)
-            for i in range(sp.n)
-        }
-        pos = 0
-        total = 0
-        try:
-            while samples:
-                await asyncio.sleep(self.step_s)
-                deltas = []
-                if abort.is_set():
-                    for i, a in samples.items():
-                        deltas.append(CompletionDelta(index=i, text=a.finish("abort"), finish_reason="abort"))
-                    samples.clear()
-                else:
-                    for i, a in list(samples.items()):
-                        t = self.script[(pos + i) % len(self.script)]
-                        u = a.append(t)
-                        total += 1
-                        lp = ()
-                        if sp.logprobs is not None:
-                            lp = (TokenLogprob(t, -0.5, tuple((t + k, -1.0 - k) for k in range(sp.logprobs))),)
-                        deltas.append(CompletionDelta(
-                            index=i, text=u.text, token_ids=(t,), logprobs=lp,
-                            finish_reason=u.finish_reason, stop_string=u.stop_string,
-                            stop_token_id=u.stop_token_id))
-                        if u.finished:
-                            del samples[i]
-                    pos += 1
-                usage = Usage(len(spec.prompt_token_ids), total, 3) if not samples else None
-                queue.put_nowait(RequestOutput(spec.request_id, tuple(deltas), usage))
-        finally:
-            self.live.pop(spec.request_id, None)
-
-    def abort(self, request_id: str) -> bool:
-        ev = self.live.get(request_id)
-        if ev is None:
-            return False
-        self.aborted.append(request_id)
-        ev.set()
-        return True
-
-    def model_info(self) -> ModelInfoData:
-        return ModelInfoData("tiny", "LlamaForCausalLM", 256, self.tok.vocab_size, 16, "float32", (1,))
-
-    def cluster_status(self) -> ClusterStatusData:
-        ex = ExecutorStatusData("e0", "cpu", True, 100, 90, 10, 10, 1, 2, 0)
-        return ClusterStatusData((ex,), prefix_cache_queries=10, prefix_cache_hits=4)
-
-    def is_serving(self) -> bool:
-        return self.serving
-
-
 @contextlib.asynccontextmanager
 async def serve(tok, step_s=0.002, max_model_len=256, **kwargs):
     engine = FakeEngine(tok, step_s=step_s)
     metrics = RouterMetrics()
     limits = Limits(vocab_size=tok.vocab_size, max_model_len=max_model_len)
     server, port = await start_server(
-        engine, "127.0.0.1", 0, tokenizer=tok, limits=limits, metrics=metrics, health_poll_s=0.02,
-        **kwargs,
+        Frontend(engine, tok, limits, metrics), "127.0.0.1", 0, health_poll_s=0.02, **kwargs,
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -158,7 +56,7 @@ def _run(coro):
 
 
 def _failures(metrics: RouterMetrics, code: str) -> float:
-    return metrics.registry.get_sample_value("pagedserve_request_failure_total", {"code": code}) or 0.0
+    return metrics.registry.get_sample_value("pagedserve_request_failure_total", {"code": code, "api": "grpc"}) or 0.0
 
 
 def _req(rid="", prompt="Once upon", **params):
@@ -213,7 +111,7 @@ def test_generate_and_stream_agree(tok):
             assert len(length.completions[0].token_ids) == 5
             assert engine.submitted[-1].request_id == length.request_id != ""
             assert metrics.registry.get_sample_value(
-                "pagedserve_request_success_total", {"finish_reason": "stop"}) == 4
+                "pagedserve_request_success_total", {"finish_reason": "stop", "api": "grpc"}) == 4
             assert metrics.registry.get_sample_value(
                 "pagedserve_time_to_first_token_seconds_count") == 3
 
@@ -433,7 +331,7 @@ def test_metrics_endpoint_serves_the_design_names():
                               num_free_gpu_blocks=4, num_cpu_blocks=8, num_free_cpu_blocks=8)
         m.add_prefix_cache("e0", 32, 16)
         m.inc_preemption("e0", "swap")
-        m.inc_failure(grpc.StatusCode.UNAVAILABLE)
+        m.inc_failure(grpc.StatusCode.UNAVAILABLE, api="grpc")
         m.observe_step_forward("e0", 0.00012)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
@@ -443,7 +341,7 @@ def test_metrics_endpoint_serves_the_design_names():
         assert name in types or name.removesuffix("_total") in types, name
     assert 'pagedserve_kv_cache_usage_ratio{executor="e0"} 0.6' in body
     assert 'pagedserve_preemptions_total{executor="e0",mode="swap"} 1.0' in body
-    assert 'pagedserve_request_failure_total{code="UNAVAILABLE"} 1.0' in body
+    assert 'pagedserve_request_failure_total{api="grpc",code="UNAVAILABLE"} 1.0' in body
     assert 'pagedserve_step_forward_seconds_bucket{executor="e0",le="0.0001"} 0.0' in body
     assert 'pagedserve_step_forward_seconds_bucket{executor="e0",le="0.00025"} 1.0' in body
     with pytest.raises(ValueError):
@@ -496,9 +394,9 @@ def test_mutual_tls(tok, tmp_path):
 
     async def main():
         engine = FakeEngine(tok)
+        limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
         server, port = await start_server(
-            engine, "127.0.0.1", 0, tokenizer=tok,
-            limits=Limits(vocab_size=tok.vocab_size, max_model_len=256),
+            Frontend(engine, tok, limits), "127.0.0.1", 0,
             tls_cert=p["server.pem"], tls_key=p["server.key"], tls_client_ca=p["ca.pem"],
         )
         read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731

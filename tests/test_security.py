@@ -272,7 +272,7 @@ def test_authorized_key_gets_welcome(cluster, model_dir, keys):
 
 def test_tls_round_trip_and_plaintext_refused(model_dir, certs):
     proc = subprocess.Popen(
-        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1",
+        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
                "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
@@ -301,7 +301,7 @@ def test_tls_round_trip_and_plaintext_refused(model_dir, certs):
 
 def test_non_loopback_bind_without_keys_or_allow_insecure_is_one_line(model_dir):
     result = subprocess.run(
-        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1",
+        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                "--executor-bind", f"tcp://0.0.0.0:{free_port()}"],
         capture_output=True, text=True, env=_env(), timeout=60)
     assert result.returncode != 0
@@ -313,7 +313,7 @@ def test_non_loopback_bind_without_keys_or_allow_insecure_is_one_line(model_dir)
 
 def test_unusable_key_folder_is_one_line(model_dir, tmp_path):
     result = subprocess.run(
-        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1",
+        CLI + ["router", "--model", model_dir, "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
                "--curve-keys", str(tmp_path / "missing")],
         capture_output=True, text=True, env=_env(), timeout=60)

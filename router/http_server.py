@@ -1,0 +1,454 @@
+"""The OpenAI-compatible HTTP edge: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+It runs in the router process on the event loop that runs the engine and the gRPC server (an
+aiohttp AppRunner: no extra hop, no extra process, and no signal handlers of its own — draining
+stays the router's, see app.py). A request's way is the gRPC edge's:
+
+    JSON body → openai_protocol (types) → GenerateRequest(s) → validation.request_from_pb
+      → Frontend.request (draining, queue place, submit; metrics with api="http")
+      → RequestOutputs → one JSON response, or server-sent events: `data: {chunk}\\n\\n` …
+        `data: [DONE]\\n\\n`
+
+Errors before the response starts get their HTTP status and OpenAI's error object
+({"error": {"message", "type", "param", "code"}}): 400 bad input, 404 unknown model or route,
+429 queue full, 503 no executor or draining, 500 only for a bug. Once a stream has started, a
+failure is an SSE `data: {"error": …}` event when no token was sent yet; a stream with tokens
+ends its unfinished choices with finish_reason `abort` instead (as a drain or a lost executor
+with nowhere to migrate does through the engine). A client that disconnects cancels its
+handler (handler_cancellation): the session aborts the request and its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import grpc
+import msgspec
+from aiohttp import web
+
+from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
+from .frontend import Frontend, RequestSession
+from .openai_protocol import (
+    ApiRequest,
+    TokenText,
+    add_usage,
+    chat_logprobs_json,
+    chat_request,
+    completion_logprobs_json,
+    completion_request,
+    stop_reason,
+    usage_json,
+)
+from .types import CompletionDelta, RequestOutput, Usage
+from .validation import request_from_pb
+
+log = logging.getLogger(__name__)
+
+API = "http"  # the api label of this edge's request metrics
+MAX_BODY_BYTES = 64 * 1024 * 1024  # as the gRPC edge's message limit
+THREADED_TOKENIZE_CHARS = 16_384
+SHUTDOWN_GRACE_S = 1.0
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error",
+               405: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error", 500: "server_error"}
+_encode = msgspec.json.Encoder().encode
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return _STATUS.get(code, 500)
+
+
+def error_json(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_for(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, error object) for an exception that ended a request."""
+    code = grpc_code(exc)
+    status = http_status(code)
+    param = exc.field if isinstance(exc, InvalidRequest) else None
+    err_code = "model_not_found" if isinstance(exc, ModelNotFound) else code.name.lower()
+    return status, error_json(status, grpc_details(exc), param, err_code)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_for(exc)
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+def _dumps(obj) -> str:
+    return _encode(obj).decode()
+
+
+class ModelNotFound(NotFound):
+    """A request named a model this server does not serve."""
+
+
+# --------------------------------------------------------------------------- app
+
+
+class OpenAIApp:
+    """The routes, over a Frontend shared with the gRPC edge."""
+
+    def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int):
+        self.frontend = frontend
+        self.model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+        self._token_text = TokenText(frontend.tokenizer)
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_post("/v1/completions", functools.partial(self.generate, chat=False))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.generate, chat=True))
+        return app
+
+    # ------------------------------------------------------------------ small routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        fe = self.frontend
+        try:
+            serving = bool(fe.engine.is_serving()) and not fe.draining
+        except Exception:  # noqa: BLE001 - a failing engine is not serving
+            log.exception("engine.is_serving() failed")
+            serving = False
+        if serving:
+            return web.json_response({"status": "ok"})
+        why = "the router is draining" if fe.draining else "no executor is up"
+        return web.json_response(error_json(503, why, code="unavailable"), status=503)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pagedserve", "max_model_len": self.max_model_len}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return error_response(ModelNotFound(f"the model {name!r} does not exist"))
+        return web.json_response(self._model_card())
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
+        fe = self.frontend
+        try:
+            body = await _read_json(request)
+            api = chat_request(body) if chat else completion_request(body)
+            if api.model is not None and api.model != self.model_name:
+                raise ModelNotFound(f"the model {api.model!r} does not exist; this server "
+                                    f"serves {self.model_name!r}")
+        except PagedServeError as exc:
+            fe.count_failure(grpc_code(exc), API)
+            return error_response(exc)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        # Every session is entered (submitted) before the response starts, so a refused
+        # request gets its status; leaving the stack aborts and counts what did not finish.
+        writer = _ChoiceWriter(api, response_id, created, self.model_name, self._token_text)
+        stream: web.StreamResponse | None = None
+        try:
+            async with AsyncExitStack() as stack:
+                sessions = [await stack.enter_async_context(
+                    self._session(pb_request, f"{response_id}-{i}", arrival))
+                    for i, pb_request in enumerate(api.requests)]
+                if not api.stream:
+                    async for i, out in _merge(sessions):
+                        writer.add(i, out)
+                    return web.Response(body=_encode(writer.response()),
+                                        content_type="application/json")
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                     "Cache-Control": "no-cache"})
+                await stream.prepare(request)
+                for chunk in writer.first_chunks():
+                    await _send(stream, chunk)
+                async for i, out in _merge(sessions):
+                    for chunk in writer.chunks(i, out):
+                        await _send(stream, chunk)
+        except PagedServeError as exc:  # counted by the session it ended
+            if stream is None:
+                return error_response(exc)
+            for chunk in writer.failure_chunks(exc):  # the stream had started
+                await _send(stream, chunk)
+        if api.include_usage:
+            await _send(stream, writer.usage_chunk())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    def _session(self, pb_request, request_id: str,
+                 arrival: float) -> RequestSession:
+        fe = self.frontend
+        build = functools.partial(
+            request_from_pb, pb_request, tokenizer=fe.tokenizer, limits=fe.limits,
+            request_id=request_id, arrival_time=arrival,
+            default_max_tokens=None)  # omitted: the rest of the context
+        threaded = (len(pb_request.prompt) > THREADED_TOKENIZE_CHARS
+                    or pb_request.WhichOneof("input") == "messages")
+        return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
+
+
+async def _send(stream: web.StreamResponse, chunk: dict) -> None:
+    await stream.write(b"data: " + _encode(chunk) + b"\n\n")
+
+
+async def _read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+async def _merge(sessions: list[RequestSession]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every session as they come; one session is iterated
+    directly. A failure of any ends the merge (the others are aborted by their sessions)."""
+    if len(sessions) == 1:
+        async for out in sessions[0]:
+            yield 0, out
+        return
+    iters = [aiter(s) for s in sessions]
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(anext(iters[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own errors (unknown route, wrong method, body too large) as OpenAI error
+    objects."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"the body is larger than {MAX_BODY_BYTES} bytes"}.get(exc.status,
+                                                                                exc.reason)
+        return web.json_response(error_json(exc.status, message, code=exc.reason.lower()
+                                            .replace(" ", "_")), status=exc.status)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class _ChoiceWriter:
+    """Builds the response (or the SSE chunks) of one API request from its outputs."""
+
+    def __init__(self, api: ApiRequest, response_id: str, created: int, model: str,
+                 token_text: TokenText):
+        self.api = api
+        self.head = {"id": response_id,
+                     "object": ("chat.completion" if api.chat else "text_completion"),
+                     "created": created, "model": model}
+        if api.stream:
+            self.head["object"] = "chat.completion.chunk" if api.chat else "text_completion"
+        self.token_text = token_text
+        self.num_choices = len(api.requests) * api.n
+        self.text: dict[int, list[str]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.ended: dict[int, CompletionDelta] = {}
+        self.usage: Usage | None = None
+        self.offsets: dict[int, int] = {}
+        self.sent_tokens = False
+
+    def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
+        return prompt_index * self.api.n + delta.index
+
+    # ------------------------------------------------------------------ unary
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        for delta in out.deltas:
+            i = self._index(prompt_index, delta)
+            self.text.setdefault(i, []).append(delta.text)
+            self.logprobs.setdefault(i, []).extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                self.ended[i] = delta
+        self.usage = add_usage(self.usage, out.usage)
+
+    def response(self) -> dict:
+        choices = []
+        for i in range(self.num_choices):
+            text = "".join(self.text.get(i, ()))
+            end = self.ended.get(i)
+            choice: dict = {"index": i}
+            lps = self.logprobs.get(i, [])
+            if self.api.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
+                                      if self.api.logprobs is not None else None)
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (completion_logprobs_json(lps, self.token_text, 0)
+                                      if self.api.logprobs is not None else None)
+            choice["finish_reason"] = end.finish_reason if end else None
+            choice["stop_reason"] = stop_reason(end) if end else None
+            choices.append(choice)
+        return {**self.head, "choices": choices, "usage": usage_json(self.usage)}
+
+    # ------------------------------------------------------------------ stream
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {**self.head, "choices": choices}
+        if self.api.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunks(self) -> list[dict]:
+        """Chat: one chunk per choice whose delta carries the role."""
+        if not self.api.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(self.num_choices)]
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        self.usage = add_usage(self.usage, out.usage)
+        chunks = []
+        for delta in out.deltas:
+            if not (delta.text or delta.token_ids or delta.logprobs
+                    or delta.finish_reason is not None):
+                continue
+            i = self._index(prompt_index, delta)
+            self.sent_tokens = self.sent_tokens or bool(delta.token_ids)
+            choice: dict = {"index": i}
+            want_lp = self.api.logprobs is not None
+            if self.api.chat:
+                choice["delta"] = {"content": delta.text} if delta.text else {}
+                choice["logprobs"] = ({"content": chat_logprobs_json(delta.logprobs,
+                                                                     self.token_text)}
+                                      if want_lp and delta.logprobs else None)
+            else:
+                choice["text"] = delta.text
+                offset = self.offsets.get(i, 0)
+                choice["logprobs"] = (completion_logprobs_json(delta.logprobs, self.token_text,
+                                                               offset)
+                                      if want_lp and delta.logprobs else None)
+                self.offsets[i] = offset + len(delta.text)
+            choice["finish_reason"] = delta.finish_reason
+            choice["stop_reason"] = stop_reason(delta) if delta.finish_reason else None
+            if delta.finish_reason is not None:
+                self.ended[i] = delta
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def failure_chunks(self, exc: PagedServeError) -> list[dict]:
+        """After the stream started: an error event when no token was sent, else an `abort`
+        ending for every unfinished choice."""
+        if not self.sent_tokens:
+            return [error_for(exc)[1]]
+        chunks = []
+        for i in range(self.num_choices):
+            if i in self.ended:
+                continue
+            choice: dict = {"index": i, "finish_reason": "abort", "stop_reason": None,
+                            "logprobs": None}
+            if self.api.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {**self.head, "choices": [], "usage": usage_json(self.usage)}
+
+
+# --------------------------------------------------------------------------- server
+
+
+def ssl_context(tls_cert: str | None, tls_key: str | None,
+                tls_client_ca: str | None = None) -> ssl.SSLContext | None:
+    """The TLS flags as an SSLContext (None for plaintext); ValueError for an incomplete set,
+    as the gRPC edge's server_credentials."""
+    if not tls_cert and not tls_key:
+        if tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (tls_cert and tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(tls_cert, tls_key)
+        if tls_client_ca:
+            ctx.load_verify_locations(tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot read TLS file: {exc}") from exc
+    return ctx
+
+
+class HttpServer:
+    """A started HTTP server (AppRunner: no signal handlers; the router drains)."""
+
+    def __init__(self, runner: web.AppRunner, port: int):
+        self.runner = runner
+        self.port = port
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_http_server(
+    frontend: Frontend, host: str, port: int, *, served_model_name: str, max_model_len: int,
+    tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+) -> HttpServer:
+    """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
+    message when the address cannot be bound."""
+    app = OpenAIApp(frontend, served_model_name, max_model_len).make_app()
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls_cert, tls_key,
+                                                                   tls_client_ca))
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot bind the HTTP server to {host}:{port}: "
+                      f"{exc.strerror or exc}") from None
+    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port 0 chose
+    return HttpServer(runner, bound)

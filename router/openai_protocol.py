@@ -1,0 +1,382 @@
+"""OpenAI API bodies ↔ the router's own request and output types (the HTTP edge's from/to).
+
+A JSON body is type-checked here and turned into `GenerateRequest`s, the same message the gRPC
+edge receives, so both APIs share one validation path (validation.py: ranges, vocab, lengths,
+the chat template) and one set of error rules. What is OpenAI-specific stays here:
+
+* field names and shapes: `max_completion_tokens` over `max_tokens`, `stop` as a string or a
+  list, chat `logprobs` (bool) + `top_logprobs`, completions `logprobs` (int), vLLM's extra
+  sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+  skip_special_tokens, include_stop_str_in_output, priority, cache_salt);
+* a completions `prompt` may be a list of prompts: each is its own engine request, and choice
+  `index` = prompt index × n + sample index (as OpenAI and vLLM number them);
+* `max_tokens` omitted → the rest of the context (validation computes it once the prompt is
+  tokenized), as vLLM does;
+* unknown fields are ignored; a known field of the wrong type is an InvalidRequest naming it.
+
+Responses are built from RequestOutputs as OpenAI's API reference defines them (`id`,
+`object`, `created`, `model`, choices with `finish_reason`, usage with
+`prompt_tokens_details.cached_tokens`); vLLM's `stop_reason` (the stop string or token id that
+ended a choice) is added to each choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
+from .errors import InvalidRequest
+from .tokenizer import Tokenizer
+from .types import CompletionDelta, TokenLogprob, Usage
+
+UINT32_MAX = 2**32 - 1
+INT32_RANGE = (-(2**31), 2**31 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # a negative seed is taken modulo 2**64
+
+
+def _bad(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {message}", field=param)
+
+
+# --------------------------------------------------------------------------- type checks
+
+
+def _present(body: dict, key: str) -> bool:
+    return body.get(key) is not None  # null means omitted (clients send either)
+
+
+def _int(body: dict, key: str, lo: int = 0, hi: int = UINT32_MAX) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _bad(key, f"must be an integer, got {_json_type(value)}")
+    if not lo <= value <= hi:
+        raise _bad(key, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _number(body: dict, key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(key, f"must be a number, got {_json_type(value)}")
+    if not math.isfinite(value):
+        raise _bad(key, "must be a finite number")
+    return float(value)
+
+
+def _bool(body: dict, key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise _bad(key, f"must be a boolean, got {_json_type(value)}")
+    return value
+
+
+def _str(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(key, f"must be a string, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), "null")
+
+
+def _token_ids(value: Any, param: str) -> list[int] | None:
+    """`value` as a list of token ids, or None when it is not a list of integers."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        for t in value:
+            if not 0 <= t <= UINT32_MAX:
+                raise _bad(param, f"token id {t} is out of range")
+        return value
+    return None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class ApiRequest:
+    """A checked OpenAI body: the engine requests to run and how to answer."""
+
+    chat: bool
+    model: str | None
+    requests: list[pb.GenerateRequest]  # one per prompt (chat: exactly one)
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
+    max_tokens_given: bool
+    extra: dict = field(default_factory=dict)
+
+
+def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None, bool]:
+    """The body's sampling fields → (SamplingParams, logprobs k, whether max tokens was given).
+    Ranges are validation.py's; only types and representability are checked here."""
+    params = pb.SamplingParams()
+    max_tokens = _int(body, "max_tokens")
+    if chat and _present(body, "max_completion_tokens"):
+        max_tokens = _int(body, "max_completion_tokens")
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    for key in ("temperature", "top_p", "repetition_penalty"):
+        value = _number(body, key)
+        if value is not None:
+            setattr(params, key, value)
+    for key in ("presence_penalty", "frequency_penalty", "min_p"):
+        value = _number(body, key)
+        if value is not None:
+            setattr(params, key, value)
+    top_k = _int(body, "top_k", *INT32_RANGE)
+    if top_k is not None:
+        params.top_k = top_k
+    seed = _int(body, "seed", *SEED_RANGE)
+    if seed is not None:
+        params.seed = seed % 2**64
+    n = _int(body, "n")
+    if n is not None:
+        params.n = n
+    min_tokens = _int(body, "min_tokens")
+    if min_tokens is not None:
+        params.min_tokens = min_tokens
+    for key in ("ignore_eos", "include_stop_str_in_output"):
+        value = _bool(body, key)
+        if value is not None:
+            setattr(params, key, value)
+    skip_special = _bool(body, "skip_special_tokens")
+    params.keep_special_tokens = skip_special is False
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        params.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        params.stop.extend(stop)
+    elif stop is not None:
+        raise _bad("stop", f"must be a string or an array of strings, got {_json_type(stop)}")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        ids = _token_ids(stop_ids, "stop_token_ids") if stop_ids else []
+        if ids is None:
+            raise _bad("stop_token_ids", "must be an array of token ids")
+        params.stop_token_ids.extend(ids)
+    if chat:
+        want = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs")
+        if top is not None and not want:
+            raise _bad("top_logprobs", "needs logprobs set to true")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _int(body, "logprobs")
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params, logprobs, max_tokens is not None
+
+
+def _common(body: dict) -> dict:
+    common: dict[str, Any] = {}
+    priority = _int(body, "priority", *INT32_RANGE)
+    if priority is not None:
+        common["priority"] = priority
+    salt = _str(body, "cache_salt")
+    if salt is not None:
+        common["cache_salt"] = salt
+    _str(body, "user")  # accepted (type-checked), not used
+    return common
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(_bool(body, "stream"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options", f"must be an object, got {_json_type(options)}")
+        if not stream:
+            raise _bad("stream_options", "is only allowed with stream set to true")
+        include_usage = bool(_bool(options, "include_usage"))
+    return stream, include_usage
+
+
+def completion_request(body: dict) -> ApiRequest:
+    """POST /v1/completions body → ApiRequest (raises InvalidRequest)."""
+    if _bool(body, "echo"):
+        raise _bad("echo", "echo is not supported")
+    if _present(body, "suffix"):
+        raise _bad("suffix", "suffix is not supported")
+    params, logprobs, given = _sampling(body, chat=False)
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
+        raise _bad("best_of", "best_of other than n is not supported")
+    stream, include_usage = _stream_flags(body)
+    common = _common(body)
+    prompt = body.get("prompt")
+    requests: list[pb.GenerateRequest] = []
+    if isinstance(prompt, str):
+        requests.append(pb.GenerateRequest(prompt=prompt, params=params, **common))
+    elif _token_ids(prompt, "prompt") is not None:
+        requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
+                                           params=params, **common))
+    elif isinstance(prompt, list) and prompt:
+        for i, item in enumerate(prompt):
+            if isinstance(item, str):
+                requests.append(pb.GenerateRequest(prompt=item, params=params, **common))
+            elif (ids := _token_ids(item, f"prompt[{i}]")) is not None:
+                requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                                   params=params, **common))
+            else:
+                raise _bad("prompt", f"prompt[{i}] must be a string or an array of token ids")
+    elif prompt is None:
+        raise _bad("prompt", "is required")
+    else:
+        raise _bad("prompt", "must be a string, an array of strings, an array of token ids "
+                   "or an array of arrays of token ids (and not empty)")
+    n = params.n if params.HasField("n") else 1
+    return ApiRequest(False, _str(body, "model"), requests, n, stream, include_usage, logprobs,
+                      given)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The `messages` array, shape-checked (roles, text content); the template checks more."""
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("messages", "is required")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty array of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}]", "must be an object with role and content")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise _bad(f"messages[{i}].role", "is required (a string)")
+    return messages
+
+
+def chat_request(body: dict) -> ApiRequest:
+    """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
+    messages = chat_messages(body)
+    params, logprobs, given = _sampling(body, chat=True)
+    stream, include_usage = _stream_flags(body)
+    request = pb.GenerateRequest(messages=messages_to_pb(messages), params=params,
+                                 **_common(body))
+    n = params.n if params.HasField("n") else 1
+    return ApiRequest(True, _str(body, "model"), [request], n, stream, include_usage, logprobs,
+                      given)
+
+
+def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
+    """OpenAI messages → the gRPC chat form. Content: a string, null (an assistant turn with
+    none) or an array of text parts (another part type is rejected here, named by its JSON
+    path; validation.py checks the rest for both APIs)."""
+    out = pb.ChatMessages()
+    for i, message in enumerate(messages):
+        m = out.messages.add(role=message["role"])
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            m.content = content or ""
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(f"messages[{i}].content[{j}]", "must be an object with a type")
+                if part["type"] != "text":
+                    raise _bad(f"messages[{i}].content[{j}].type",
+                               f"content part type {part['type']!r} is not supported "
+                               f"(only 'text')")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _bad(f"messages[{i}].content[{j}].text", "must be a string")
+                m.parts.add(type="text", text=text)
+        else:
+            raise _bad(f"messages[{i}].content",
+                       f"must be a string or an array of parts, got {_json_type(content)}")
+    return out
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def usage_json(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def add_usage(total: Usage | None, usage: Usage | None) -> Usage | None:
+    if usage is None:
+        return total
+    if total is None:
+        return usage
+    return Usage(total.prompt_tokens + usage.prompt_tokens,
+                 total.completion_tokens + usage.completion_tokens,
+                 total.cached_prompt_tokens + usage.cached_prompt_tokens)
+
+
+def stop_reason(delta: CompletionDelta) -> str | int | None:
+    """vLLM's stop_reason: the stop string or the stop token id (None for EOS or length)."""
+    if delta.stop_string:
+        return delta.stop_string
+    return delta.stop_token_id
+
+
+class TokenText:
+    """Token id → its text (cached), for logprobs."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText) -> list[dict]:
+    """One chat `logprobs.content` entry per token."""
+    def entry(token_id: int, logprob: float) -> dict:
+        s = text(token_id)
+        return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode())}
+
+    return [{**entry(lp.token_id, lp.logprob),
+             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+
+
+def completion_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText,
+                             offset: int) -> dict:
+    """The legacy completions `logprobs` object for a run of tokens starting at text `offset`."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        s = text(lp.token_id)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+        "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf (vLLM writes -9999.0 too)
