@@ -4,7 +4,10 @@ Pure Python (+ numpy). The router owns every block table; this package decides w
 holds which token, shares prefix blocks between requests (prefix caching), shares a forked
 request's blocks until one side writes (copy-on-write) and moves requests between the
 device pool ("gpu") and the CPU swap pool. Modules: `block_pool` (Block, the intrusive free
-queue, one pool per device), `hashing` (chained block hashes), `manager` (KVCacheManager).
+queue, one pool per device), `hashing` (chained block hashes), `manager` (KVCacheManager: its
+state and the step boundary; its other methods live along its seams in `prefix` (lookup,
+pins, prefix registration), `allocation`, `swap` and `accounting` (stats, invariants), with
+the shared records in `state`).
 
 Usage, per executor::
 

@@ -1,0 +1,320 @@
+"""Allocation: admission, slots for new tokens (with copy-on-write), free, fork, and the
+per-request plan data the plan builder reads (tables, slots, table changes).
+
+Functions of the KVCacheManager (bound as its methods in manager.py; `self` is the manager).
+HOT PATH: `allocate`, `free`, `slot_mapping` and `take_decode_entry` run for every request of
+every step: no logging, no per-block method calls, no defensive copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .state import EMPTY_HIT, InvariantError, PrefixHit, RequestState, cdiv
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+
+# ------------------------------------------------------------------ allocation
+
+
+def can_ever_fit(self: KVCacheManager, num_tokens: int) -> bool:
+    """Whether a request of `num_tokens` tokens could be admitted on an empty cache."""
+    return cdiv(num_tokens, self.block_size) <= self.gpu.num_blocks - self.watermark_blocks
+
+
+def allocate(
+    self: KVCacheManager,
+    request_id: str,
+    token_ids: Sequence[int],
+    num_new_tokens: int,
+    *,
+    hit: PrefixHit | None = None,
+    block_hashes: list | None = None,
+    cache_salt: str | None = None,
+    lookahead: int = 0,
+    num_computed_tokens: int | None = None,
+) -> list[int] | None:
+    """Give `request_id` slots for `num_new_tokens` more tokens (plus `lookahead` spare
+    slots). Returns the ids of the blocks newly added to its table ([] when none were
+    needed), or None when the device is short of blocks; None leaves no trace.
+
+    `token_ids` is the request's whole token list so far (prompt + output; the manager
+    keeps a reference and reads only its first num_tokens). Its newly full blocks are
+    registered in the prefix cache when the plan computing them is sent (`end_step`),
+    or at once when called outside a step; so a lookup never hits a block whose keys
+    and values are not computed by an earlier plan, and a request preempted in the
+    step it was scheduled (free or swap_out before end_step) registers nothing new.
+
+    A request seen for the first time is admitted: its computed prefix is its pin
+    (`pin(request_id, ...)`, which wins) or `hit` (from `lookup` just before, else the
+    hit is stale and this raises), it must leave `watermark_blocks` free, and it counts
+    in the prefix-cache query/hit stats. Its `block_hashes` list (from `hash_blocks`) is
+    kept and extended in place as blocks fill; `cache_salt` is remembered.
+
+    A running request's next tokens are written from position `num_computed_tokens`
+    on (default: its num_tokens, i.e. right after the last slot given; pass it to
+    recompute slots that were given but never computed, e.g. after a preemption in
+    the step they were scheduled). Its slot count becomes max(num_tokens,
+    num_computed_tokens + num_new_tokens). A block written into that is shared (ref
+    count > 1, after `fork`) is replaced by a fresh block and a (src, dst) copy is
+    queued for the plan (copy-on-write)."""
+    req = self._reqs.get(request_id)
+    if req is None:
+        return self._admit(
+            request_id, token_ids, num_new_tokens, hit, block_hashes, cache_salt, lookahead
+        )
+    if not req.on_gpu:
+        raise InvariantError("allocate on a swapped-out request", (request_id,))
+    bs = self.block_size
+    gpu = self.gpu
+    table = req.block_ids
+    old_tokens = req.num_tokens
+    start = old_tokens
+    if num_computed_tokens is not None:
+        if not 0 <= num_computed_tokens <= old_tokens:
+            raise InvariantError(
+                f"num_computed_tokens {num_computed_tokens} outside [0, {old_tokens}]",
+                (request_id,),
+            )
+        start = num_computed_tokens
+    end = start + num_new_tokens
+    num_tokens = end if end > old_tokens else old_tokens
+    num_old_blocks = len(table)
+    need = -(-(end + lookahead) // bs) - num_old_blocks  # ceil division, inlined
+    if need < 0:
+        need = 0
+    # Copy-on-write: existing blocks this call writes into that others share.
+    cow: list[int] = []
+    if num_new_tokens == 1:  # a decode writes into one block at most
+        i = start // bs
+        if i < num_old_blocks and gpu.blocks[table[i]].ref_cnt > 1:
+            cow.append(i)
+    elif num_new_tokens > 0:
+        blocks = gpu.blocks
+        last = -(-end // bs)
+        if last > num_old_blocks:
+            last = num_old_blocks
+        for i in range(start // bs, last):
+            if blocks[table[i]].ref_cnt > 1:
+                cow.append(i)
+    if need + len(cow) > gpu.num_free:
+        return None
+    new_ids: list[int] = []
+    if cow:
+        fresh = gpu.take(len(cow))
+        old = []
+        for i, dst in zip(cow, fresh, strict=True):
+            src = table[i]
+            if i * bs < old_tokens:  # holds written tokens: copy them
+                self._copies.append((src, dst))
+            old.append(src)
+            table[i] = dst
+        gpu.release(old)  # ref counts were > 1: nothing is freed here
+        new_ids.extend(fresh)
+        req.change_start = cow[0] if req.change_start is None else min(req.change_start, cow[0])
+    if need:
+        fresh = gpu.take(need)
+        table.extend(fresh)
+        new_ids.extend(fresh)
+        if req.change_start is None:
+            req.change_start = num_old_blocks
+    req.num_tokens = num_tokens
+    if self.enable_prefix_caching:
+        self._note_full_blocks(request_id, req, token_ids)
+    self._debug_check()
+    return new_ids
+
+
+def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, block_hashes,
+           cache_salt, lookahead):
+    bs = self.block_size
+    gpu = self.gpu
+    pinned = self._pins.get(request_id)
+    if pinned is not None:
+        hit = pinned
+    elif hit is None or not hit.block_ids:
+        hit = EMPTY_HIT
+    elif not self._is_valid(hit):
+        raise InvariantError("stale prefix hit: lookup and allocate in one go, or pin",
+                             (request_id,))
+    hit_ids = hit.block_ids
+    num_tokens = hit.num_tokens + num_new_tokens
+    need = cdiv(num_tokens + lookahead, bs) - len(hit_ids)
+    if need < 0:
+        need = 0
+    from_queue = 0
+    if pinned is None:
+        blocks = gpu.blocks
+        for bid in hit_ids:
+            b = blocks[bid]
+            if b.ref_cnt == 0 and b.prev_free is not None:
+                from_queue += 1
+    if need + from_queue > gpu.num_free - self.watermark_blocks:
+        return None
+    if pinned is None:
+        gpu.touch(hit_ids)  # first, so that take() cannot evict them
+    else:  # the pin's references become the request's: no window for eviction
+        del self._pins[request_id]
+        self._num_pinned -= len(hit_ids)
+    new_ids = gpu.take(need) if need else []
+    table = list(hit_ids)
+    table.extend(new_ids)
+    if block_hashes is None:
+        block_hashes = []
+    req = RequestState(table, num_tokens, block_hashes, cache_salt)
+    req.num_cached_blocks = len(hit_ids)
+    if hit_ids:
+        req.chain_serial = hit.serials[-1]
+    self._reqs[request_id] = req
+    self.prefix_query_tokens += len(token_ids)
+    self.prefix_hit_tokens += hit.num_tokens
+    if self.enable_prefix_caching:
+        self._note_full_blocks(request_id, req, token_ids)
+    self._debug_check()
+    return new_ids
+
+
+def free(self: KVCacheManager, request_id: str) -> None:
+    """Drop the request's blocks (tail first, so its last blocks are evicted first) and
+    any pin held under its id. Raises InvariantError for an unknown id."""
+    req = self._reqs.pop(request_id, None)
+    self._dirty.pop(request_id, None)
+    if req is None:
+        if self.unpin(request_id):
+            return
+        raise InvariantError("free of an unknown request", (request_id,))
+    if request_id in self._pins:
+        self.unpin(request_id)
+    pool = self.gpu if req.on_gpu else self.cpu
+    try:
+        pool.release(reversed(req.block_ids))
+    except AssertionError as e:
+        raise InvariantError(str(e), (request_id,)) from None
+    self._debug_check()
+
+
+def fork(self: KVCacheManager, parent_id: str, child_id: str) -> None:
+    """The child shares every block of the parent (ref counts go up); the first write
+    into a shared partial block copies it (see allocate). The child's table change
+    starts at 0."""
+    parent = self._reqs.get(parent_id)
+    if parent is None:
+        raise InvariantError("fork of an unknown request", (parent_id,))
+    if child_id in self._reqs:
+        raise InvariantError("fork into an existing request", (child_id,))
+    pool = self.gpu if parent.on_gpu else self.cpu
+    pool.touch(parent.block_ids)
+    child = RequestState(
+        list(parent.block_ids), parent.num_tokens, list(parent.block_hashes),
+        parent.cache_salt,
+    )
+    child.num_cached_blocks = parent.num_cached_blocks
+    child.chain_serial = parent.chain_serial
+    child.on_gpu = parent.on_gpu
+    self._reqs[child_id] = child
+    self._debug_check()
+
+
+# ------------------------------------------------------------------ plan data
+
+
+def block_table(self: KVCacheManager, request_id: str) -> list[int]:
+    """The request's block ids (a copy), on the device it is on."""
+    return list(self._req(request_id).block_ids)
+
+
+def request_ids(self: KVCacheManager) -> list[str]:
+    return list(self._reqs)
+
+
+def slot(self: KVCacheManager, request_id: str, pos: int) -> int:
+    """The slot of one token position (no table copy: the plan builder's decode path)."""
+    return self._req(request_id).block_ids[pos // self.block_size] * self.block_size \
+        + pos % self.block_size
+
+
+def num_blocks_needed(self: KVCacheManager, request_id: str, num_new_tokens: int) -> int:
+    """Device blocks `allocate(request_id, ..., num_new_tokens)` would add (a running
+    request's table growth, not counting copy-on-write replacements)."""
+    req = self._req(request_id)
+    bs = self.block_size
+    return max(0, -(-(req.num_tokens + num_new_tokens) // bs) - len(req.block_ids))
+
+
+def num_tokens(self: KVCacheManager, request_id: str) -> int:
+    """Token positions of the request that have a slot (computed or scheduled)."""
+    return self._req(request_id).num_tokens
+
+
+def block_hashes(self: KVCacheManager, request_id: str) -> list:
+    """The request's block-hash list (the manager's own, extended in place)."""
+    return self._req(request_id).block_hashes
+
+
+def is_swapped(self: KVCacheManager, request_id: str) -> bool:
+    return not self._req(request_id).on_gpu
+
+
+def has_request(self: KVCacheManager, request_id: str) -> bool:
+    return request_id in self._reqs
+
+
+def _req(self: KVCacheManager, request_id: str) -> RequestState:
+    req = self._reqs.get(request_id)
+    if req is None:
+        raise InvariantError("unknown request", (request_id,))
+    return req
+
+
+def slot_mapping(self: KVCacheManager, request_id: str, start_pos: int,
+                 num_tokens: int) -> np.ndarray:
+    """Cache slots (block id * block_size + offset) of positions [start_pos,
+    start_pos + num_tokens) of the request, as an int64 array."""
+    req = self._req(request_id)
+    bs = self.block_size
+    if num_tokens <= 0:
+        return np.empty(0, dtype=np.int64)
+    end = start_pos + num_tokens
+    if start_pos < 0 or end > len(req.block_ids) * bs:
+        raise InvariantError(
+            f"slot_mapping [{start_pos}, {end}) outside {len(req.block_ids)} blocks",
+            (request_id,),
+        )
+    first = start_pos // bs
+    ids = np.asarray(req.block_ids[first : cdiv(end, bs)], dtype=np.int64)
+    pos = np.arange(start_pos, end, dtype=np.int64)
+    return ids[pos // bs - first] * bs + pos % bs
+
+
+def take_table_change(self: KVCacheManager, request_id: str) -> tuple[int, list[int]]:
+    """(start, ids): table[start:] was replaced by `ids` since the last call (append:
+    start == previous length; copy-on-write of the last block: start == len - 1; first
+    allocation, fork child or swap-in: start 0). No change: (len(table), [])."""
+    req = self._req(request_id)
+    start = req.change_start
+    if start is None:
+        return len(req.block_ids), []
+    req.change_start = None
+    return start, req.block_ids[start:]
+
+
+def take_decode_entry(self: KVCacheManager, request_id: str,
+                      pos: int) -> tuple[int, list[int], int]:
+    """`take_table_change(request_id)` plus `slot(request_id, pos)` in one call: the plan
+    builder's path for a request computing one token (a decode)."""
+    req = self._reqs.get(request_id)
+    if req is None:
+        raise InvariantError("unknown request", (request_id,))
+    table = req.block_ids
+    bs = self.block_size
+    slot = table[pos // bs] * bs + pos % bs
+    start = req.change_start
+    if start is None:
+        return len(table), [], slot
+    req.change_start = None
+    return start, table[start:], slot

@@ -1,0 +1,99 @@
+"""The manager's records: its errors, the results it returns (PrefixHit, BlockOps, stats) and
+the per-request state (`RequestState`) that the other modules of the package share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+class InvariantError(AssertionError):
+    """A broken invariant or a caller bug (double free, unknown request, negative ref
+    count). `request_ids` names the requests involved."""
+
+    def __init__(self, message: str, request_ids: Iterable[str] = ()) -> None:
+        self.request_ids = tuple(request_ids)
+        if self.request_ids:
+            message = f"{message} (requests: {', '.join(self.request_ids)})"
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached prefix of a prompt: `block_ids` (device blocks, in order) hold its first
+    `num_tokens` tokens (= len(block_ids) * block_size). `serials` identify the cache
+    entries, so a stale hit (a block evicted and reused since the lookup) is detected."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    serials: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+EMPTY_HIT = PrefixHit()
+
+
+class BlockOps(NamedTuple):
+    """The block transfers a step plan carries, each an int64 array of shape [P, 2]:
+    swap_out (device, cpu), swap_in (cpu, device), copy (src device, dst device)."""
+
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    copy: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    num_total_blocks: int
+    num_free_blocks: int  # held by no request or pin: free, cached-evictable, deferred or
+    # held for a plan in flight (allocatable once that plan is answered)
+    num_cached_blocks: int  # blocks in the prefix cache (held or evictable)
+    usage_ratio: float  # 1 - free / total
+    num_evictions: int  # cached blocks reused for other content
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    gpu: DeviceStats
+    cpu: DeviceStats
+    prefix_query_tokens: int  # prompt tokens looked up at admissions
+    prefix_hit_tokens: int  # of which served from the prefix cache
+    num_pinned_blocks: int
+    num_requests: int
+
+
+class RequestState:
+    __slots__ = (
+        "block_ids",
+        "num_tokens",
+        "block_hashes",
+        "cache_salt",
+        "num_cached_blocks",
+        "on_gpu",
+        "change_start",
+        "token_ids",
+        "chain_serial",
+    )
+
+    def __init__(self, block_ids, num_tokens, block_hashes, cache_salt) -> None:
+        self.block_ids: list[int] = block_ids
+        self.num_tokens: int = num_tokens  # positions with a slot (computed or scheduled)
+        self.block_hashes: list = block_hashes
+        self.cache_salt = cache_salt
+        self.num_cached_blocks = 0  # blocks [0, n) went through prefix-cache registration
+        self.on_gpu = True
+        self.change_start: int | None = 0  # table[change_start:] changed since last taken
+        self.token_ids: Sequence[int] = ()  # the caller's token list (a reference)
+        # serial of the cache entry standing for block num_cached_blocks - 1 (-1: the
+        # chain is broken, nothing later can be registered)
+        self.chain_serial = -1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
