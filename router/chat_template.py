@@ -154,7 +154,7 @@ class ChatTemplate:
     """One model's chat template, compiled once; `render` is thread-safe."""
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None, *,
-                 origin: str = "chat template") -> None:
+                 origin: str = "") -> None:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self.origin = origin
@@ -166,7 +166,9 @@ class ChatTemplate:
             self._template = env.from_string(ast)
         except jinja2.TemplateSyntaxError as exc:
             self._template = None
-            self.error = f"{origin} does not compile: line {exc.lineno}: {exc.message}"
+            where = f" ({origin})" if origin else ""
+            self.error = f"chat template{where} does not compile: line {exc.lineno}: " \
+                         f"{exc.message}"
             return
         self.content_as_parts = _iterates_content(ast)
 
@@ -317,7 +319,7 @@ def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str, str] |
     origin = str(model_dir / "chat_template.json")
     if not isinstance(value, str):
         value = config.get("chat_template")
-        origin = f"{model_dir / 'tokenizer_config.json'}'s chat_template"
+        origin = str(model_dir / "tokenizer_config.json")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
