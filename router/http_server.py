@@ -294,6 +294,7 @@ class _ChoiceWriter:
         self.usage: Usage | None = None
         self.offsets: dict[int, int] = {}
         self.sent_tokens = False
+        self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
 
     def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.api.n + delta.index
@@ -325,7 +326,7 @@ class _ChoiceWriter:
                 choice["logprobs"] = (completion_logprobs_json(lps, self.token_text, 0)
                                       if self.api.logprobs is not None else None)
             choice["finish_reason"] = end.finish_reason if end else None
-            choice["stop_reason"] = stop_reason(end) if end else None
+            choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
             choices.append(choice)
         return {**self.head, "choices": choices, "usage": usage_json(self.usage)}
 
@@ -369,7 +370,8 @@ class _ChoiceWriter:
                                       if want_lp and delta.logprobs else None)
                 self.offsets[i] = offset + len(delta.text)
             choice["finish_reason"] = delta.finish_reason
-            choice["stop_reason"] = stop_reason(delta) if delta.finish_reason else None
+            choice["stop_reason"] = (stop_reason(delta, self.stop_token_ids)
+                                     if delta.finish_reason else None)
             if delta.finish_reason is not None:
                 self.ended[i] = delta
             chunks.append(self._chunk([choice]))

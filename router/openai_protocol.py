@@ -330,11 +330,12 @@ def add_usage(total: Usage | None, usage: Usage | None) -> Usage | None:
                  total.cached_prompt_tokens + usage.cached_prompt_tokens)
 
 
-def stop_reason(delta: CompletionDelta) -> str | int | None:
-    """vLLM's stop_reason: the stop string or the stop token id (None for EOS or length)."""
+def stop_reason(delta: CompletionDelta, stop_token_ids: Sequence[int]) -> str | int | None:
+    """vLLM's stop_reason: the stop string or the requested stop token id that ended a
+    choice; None for the model's EOS or a length ending."""
     if delta.stop_string:
         return delta.stop_string
-    return delta.stop_token_id
+    return delta.stop_token_id if delta.stop_token_id in stop_token_ids else None
 
 
 class TokenText:
