@@ -198,6 +198,16 @@ def test_a_second_router_beside_this_one(cluster, model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+    taken = cluster.http_address.rsplit(":", 1)[1]  # this cluster's HTTP port: one line, exit 2
+    busy = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
+         "--port", "0", "--metrics-port", "-1", "--http-port", taken,
+         "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 2, busy.stderr
+    assert busy.stderr.strip().splitlines()[-1].startswith(
+        f"pagedserve router: cannot bind the HTTP server to 127.0.0.1:{taken}"), busy.stderr
+    assert "Traceback" not in busy.stderr
 
 
 def test_draining_503_and_abort_endings(cluster, model_name):

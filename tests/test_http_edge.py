@@ -383,3 +383,61 @@ def test_stream_failure_before_the_first_token_is_an_error_event(tok):
             assert events[0]["error"]["code"] == "unavailable"
 
     _run(main())
+
+
+def test_mutual_tls_applies_to_http(tok, tmp_path):
+    import ssl
+    import subprocess
+
+    from test_router_edge_grpc import _make_certs
+    try:
+        _make_certs(tmp_path)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("openssl is not available")
+    p = {n: str(tmp_path / n) for n in ("server.pem", "server.key", "ca.pem", "client.pem",
+                                        "client.key")}
+
+    async def main():
+        frontend = Frontend(FakeEngine(tok), tok, Limits(vocab_size=tok.vocab_size,
+                                                         max_model_len=256))
+        server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
+                                         max_model_len=256, tls_cert=p["server.pem"],
+                                         tls_key=p["server.key"], tls_client_ca=p["ca.pem"])
+        url = f"https://127.0.0.1:{server.port}/v1/completions"
+        body = {"prompt": "Once upon", "max_tokens": 3}
+        try:
+            good = ssl.create_default_context(cafile=p["ca.pem"])
+            good.load_cert_chain(p["client.pem"], p["client.key"])
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url, json=body, ssl=good) as r:
+                    assert r.status == 200
+                    assert (await r.json())["usage"]["completion_tokens"] == 3
+                no_cert = ssl.create_default_context(cafile=p["ca.pem"])
+                with pytest.raises(aiohttp.ClientError):
+                    async with http.post(url, json=body, ssl=no_cert) as r:
+                        await r.read()
+                with pytest.raises(aiohttp.ClientError):  # plaintext to a TLS port
+                    async with http.post(url.replace("https", "http"), json=body) as r:
+                        await r.read()
+        finally:
+            await server.stop()
+
+    _run(main())
+
+
+def test_a_port_in_use_is_one_clear_error(tok):
+    import socket
+
+    async def main():
+        frontend = Frontend(FakeEngine(tok), tok, Limits(vocab_size=tok.vocab_size,
+                                                         max_model_len=256))
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(OSError, match=f"cannot bind the HTTP server to "
+                                              f"127.0.0.1:{port}"):
+                await start_http_server(frontend, "127.0.0.1", port, served_model_name=MODEL,
+                                        max_model_len=256)
+
+    _run(main())
