@@ -441,3 +441,42 @@ def test_a_port_in_use_is_one_clear_error(tok):
                                         max_model_len=256)
 
     _run(main())
+
+
+# ------------------------------------------------------------------ any JSON: 400 or a request
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+           "top_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty",
+           "frequency_penalty", "logprobs", "top_logprobs", "user", "top_k", "min_p",
+           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+           "skip_special_tokens", "priority", "cache_salt", "echo", "best_of"]
+_GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(chat=st.booleans(), body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=5))
+def test_any_json_body_is_a_request_or_a_400(tok, chat, body):
+    """Whatever the field values: a clean InvalidRequest (400 with the field), never another
+    exception (a 500)."""
+    from pagedserve.router.errors import InvalidRequest
+    from pagedserve.router.openai_protocol import chat_request, completion_request
+    from pagedserve.router.validation import request_from_pb
+
+    body = {**{k: v for k, v in _GOOD.items() if k == ("messages" if chat else "prompt")},
+            **body}
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    try:
+        api = chat_request(body) if chat else completion_request(body)
+        for request in api.requests:
+            request_from_pb(request, tokenizer=tok, limits=limits, request_id="r",
+                            default_max_tokens=None)
+    except InvalidRequest as exc:
+        assert exc.field and str(exc).startswith(exc.field), exc
