@@ -154,6 +154,7 @@ def check_invariants(self: KVCacheManager) -> None:
             raise InvariantError(
                 f"{pool.device}: free {free} + used {used} != total {pool.num_blocks}"
             )
+    self._check_intents()
     if self._num_pinned != sum(len(h.block_ids) for h in self._pins.values()):
         raise InvariantError("pinned block count drifted")
     if self._num_pinned > self.max_pinned_blocks:

@@ -124,7 +124,7 @@ def allocate(
         if req.change_start is None:
             req.change_start = num_old_blocks
     req.num_tokens = num_tokens
-    if self.enable_prefix_caching:
+    if self.enable_prefix_caching or req.intent is not None:
         self._note_full_blocks(request_id, req, token_ids)
     self._debug_check()
     return new_ids
@@ -173,19 +173,29 @@ def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, blo
     self._reqs[request_id] = req
     self.prefix_query_tokens += len(token_ids)
     self.prefix_hit_tokens += hit.num_tokens
-    if self.enable_prefix_caching:
+    intent = self._intents.get(request_id)
+    if intent is not None:
+        req.intent = intent
+    elif num_tokens < len(token_ids) and self.enable_prefix_caching:
+        # A chunked prefill: its later chunks are intended (intents.py), so routing and
+        # other admissions see them before they are scheduled.
+        self._add_intent(request_id, token_ids, block_hashes, cache_salt, (), len(hit_ids))
+    if self.enable_prefix_caching or req.intent is not None:
         self._note_full_blocks(request_id, req, token_ids)
     self._debug_check()
     return new_ids
 
 
 def free(self: KVCacheManager, request_id: str) -> None:
-    """Drop the request's blocks (tail first, so its last blocks are evicted first) and
-    any pin held under its id. Raises InvariantError for an unknown id."""
+    """Drop the request's blocks (tail first, so its last blocks are evicted first), any
+    pin held under its id and its intent. Raises InvariantError for an id with none of
+    them."""
+    released = self._release_intent(request_id) if self._intents else False
     req = self._reqs.pop(request_id, None)
     self._dirty.pop(request_id, None)
     if req is None:
-        if self.unpin(request_id):
+        if self.unpin(request_id) or released:
+            self._debug_check()
             return
         raise InvariantError("free of an unknown request", (request_id,))
     if request_id in self._pins:

@@ -25,7 +25,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from . import accounting, allocation, prefix, swap
+from . import accounting, allocation, intents, prefix, swap
 from .block_pool import Block, BlockPool, KVEvent  # noqa: F401 (Block re-exported)
 from .hashing import HashFn, get_hash_fn
 from .state import (  # noqa: F401 (re-exported)
@@ -94,6 +94,12 @@ class KVCacheManager:
         self._last_answered = 0  # step id of the newest plan whose result is back
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # Intended prefixes (intents.py): request id -> Intent, and block hash -> ids of the
+        # requests intending that (uncached) block.
+        self._intents: dict[str, intents.Intent] = {}
+        self._intended: dict[Hashable, list[str]] = {}
+        self._num_intent_entries = 0  # sum of the index's list lengths
+        self._num_intent_tail_tokens = 0  # sum of the intents' tails
 
     # ------------------------------------------------------------------ prefix.py
     hash_blocks = prefix.hash_blocks
@@ -106,6 +112,18 @@ class KVCacheManager:
     _is_valid = prefix._is_valid
     _note_full_blocks = prefix._note_full_blocks
     _cache_full_blocks = prefix._cache_full_blocks
+    _register = prefix._register
+
+    # ------------------------------------------------------------------ intents.py
+    intend = intents.intend
+    drop_intent = intents.drop_intent
+    intended_tokens = intents.intended_tokens
+    intent_ids = intents.intent_ids
+    has_intent = intents.has_intent
+    num_intended_tokens = intents.num_intended_tokens
+    _add_intent = intents._add_intent
+    _release_intent = intents._release_intent
+    _check_intents = intents.check_intents
 
     # ------------------------------------------------------------------ allocation.py
     can_ever_fit = allocation.can_ever_fit
@@ -167,7 +185,9 @@ class KVCacheManager:
 
     def end_step(self, sent_step: int | None = None) -> None:
         """The plan was built (and sent as plan `sent_step`; None: no plan was sent): the
-        blocks it fills enter the prefix cache (requests still on the device only). Blocks
+        blocks it fills enter the prefix cache (requests still on the device only; see
+        `_register`: they leave the intended index, and an intent scheduled through its end
+        is released). Blocks
         freed while building it join the free queue now when no plan is in flight, else
         when the newest plan in flight has been answered (`plan_answered`)."""
         self._in_step = False
@@ -175,7 +195,7 @@ class KVCacheManager:
         for rid in dirty:
             req = self._reqs.get(rid)
             if req is not None and req.on_gpu:
-                self._cache_full_blocks(req, req.token_ids)
+                self._register(rid, req)
         if sent_step is not None:
             if sent_step <= self._last_sent:
                 raise InvariantError(f"plan {sent_step} sent after plan {self._last_sent}")

@@ -159,13 +159,27 @@ def _note_full_blocks(self: KVCacheManager, request_id: str, req: RequestState,
                       token_ids: Sequence[int]) -> None:
     """Register blocks the request just filled: at end_step() inside a step (so a plan
     never reads a block an earlier plan did not write), at once outside one. Only a block
-    that filled up has anything to register (most decodes do not)."""
+    that filled up has anything to register (most decodes do not), and only an intent
+    scheduled through its end has anything to release."""
     req.token_ids = token_ids
-    if req.num_tokens // self.block_size > req.num_cached_blocks:
+    intent = req.intent
+    if (self.enable_prefix_caching and req.num_tokens // self.block_size > req.num_cached_blocks) \
+            or (intent is not None and req.num_tokens >= intent.num_tokens):
         if self._in_step:
             self._dirty[request_id] = None
         else:
-            self._cache_full_blocks(req, token_ids)
+            self._register(request_id, req)
+
+
+def _register(self: KVCacheManager, request_id: str, req: RequestState) -> None:
+    """The plan computing the request's new slots is sent (or no step is being built): its
+    full blocks enter the prefix cache, and its intent, once scheduled through its end, is
+    released (intents.py)."""
+    if self.enable_prefix_caching:
+        self._cache_full_blocks(req, req.token_ids)
+    intent = req.intent
+    if intent is not None and req.num_tokens >= intent.num_tokens:
+        self._release_intent(request_id)
 
 
 def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Sequence[int]) -> None:
@@ -191,6 +205,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
     cached = self.gpu.cached
     table = req.block_ids
     events = self._events
+    intended = self._intended  # a registered hash is no longer intended (intents.py)
     parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
     serial = self._serial
     setdefault = cached.setdefault
@@ -213,6 +228,8 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
             # e.g. after a swap-in): chain on from it. A collision ends the walk.
             if other.parent_serial == parent and other.token_ids == toks:
                 parent = other.serial
+                if intended and h in intended:
+                    self._num_intent_entries -= len(intended.pop(h))
                 continue
             parent = -1
             break
@@ -221,6 +238,8 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
         b.parent_serial = parent
         serial += 1
         b.serial = parent = serial
+        if intended and h in intended:
+            self._num_intent_entries -= len(intended.pop(h))
         if events is not None:
             events.append(KVEvent("stored", "gpu", h, b.block_id))
     self._serial = serial

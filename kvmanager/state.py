@@ -69,6 +69,9 @@ class KVCacheStats:
 
 
 class RequestState:
+    """The manager's record of one admitted request (its block table and registration
+    progress)."""
+
     __slots__ = (
         "block_ids",
         "num_tokens",
@@ -79,6 +82,7 @@ class RequestState:
         "change_start",
         "token_ids",
         "chain_serial",
+        "intent",
     )
 
     def __init__(self, block_ids, num_tokens, block_hashes, cache_salt) -> None:
@@ -93,6 +97,7 @@ class RequestState:
         # serial of the cache entry standing for block num_cached_blocks - 1 (-1: the
         # chain is broken, nothing later can be registered)
         self.chain_serial = -1
+        self.intent = None  # its Intent (intents.py) while it has one
 
 
 def cdiv(a: int, b: int) -> int:

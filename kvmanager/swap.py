@@ -76,6 +76,7 @@ def swap_out(self: KVCacheManager, request_ids: Sequence[str]) -> list[tuple[int
     pairs = [(copy_src.get(g, g), c) for g, c in mapping.items()]
     for rid in request_ids:  # its blocks of this step are not computed: never cache
         self._dirty.pop(rid, None)
+        self._release_intent(rid)  # preempted: it computes nothing until swapped in
     self._rehome(reqs, mapping, self.gpu, on_gpu=False)
     self._swap_out.extend(pairs)
     self._debug_check()

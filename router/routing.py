@@ -49,11 +49,13 @@ def choose(
 ) -> RouteDecision:
     """Pick an executor.
 
-    prefix: cost(e) = uncached prompt tokens on e
+    prefix: cost(e) = uncached prompt tokens on e (neither cached nor intended there)
                       + QUEUED_TOKEN_WEIGHT x tokens already queued on e
                       + MEMORY_SHORT_PENALTY_TOKENS if e's free blocks can't hold the
                         uncached part now.
-      The uncached part is exact (each executor's KV manager answers the lookup). The
+      The uncached part is exact: each executor's KV manager answers the lookup, and its
+      intended prefixes (`KVCacheManager.intended_tokens`: blocks that requests routed
+      there will compute, waiting or mid-prefill) count as cached. The
       lowest cost wins: a long cached prefix attracts a request until the queue it would
       join costs more than recomputing the prefix elsewhere. Ties (e.g. no executor holds
       any of the prompt and all are idle) go to the least loaded (fewest live requests),
@@ -73,7 +75,8 @@ def choose(
     for i in order:
         c = candidates[i]
         hit = c.kv.lookup(token_ids, block_hashes, cache_salt)
-        uncached = len(token_ids) - hit.num_tokens
+        intended = c.kv.intended_tokens(token_ids, block_hashes, cache_salt, len(hit))
+        uncached = len(token_ids) - hit.num_tokens - intended
         cost = uncached + QUEUED_TOKEN_WEIGHT * c.queued_tokens
         need_blocks = -(-uncached // c.kv.block_size)
         if need_blocks > c.kv.num_free_gpu_blocks:

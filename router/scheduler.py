@@ -106,8 +106,16 @@ class Scheduler:
     # ------------------------------------------------------------------ queues
 
     def add(self, group: RequestGroup) -> None:
+        """Queue a group (new, migrated here, or preempted by recompute). Its prompt (its
+        tokens so far) is intended here from now on (`KVCacheManager.intend`), so routing
+        and later admissions see the prefix it will compute before it runs."""
         group.status = GroupStatus.WAITING
         bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
+        seqs = group.active_seqs()
+        if seqs:
+            seq = seqs[0]
+            self.kv.intend(seq.seq_id, seq.token_ids, seq.block_hashes,
+                           group.spec.cache_salt or None, group.sort_key)
 
     def groups(self) -> Iterable[RequestGroup]:
         yield from self.running
@@ -125,12 +133,14 @@ class Scheduler:
 
     def num_leaked_blocks(self) -> tuple[int, list[str]]:
         """Device blocks in use that no live sample here holds (nor a pin), and the KV
-        manager's request ids that belong to no live sample (the likely owners)."""
+        manager's request ids and intents ("intent:<id>") that belong to no live sample
+        (the likely owners; an orphan intent holds no block but would misinform routing)."""
         live = {s.seq_id for g in self.groups() for s in g.seqs}
         stats = self.kv.stats().gpu
         used = stats.num_total_blocks - stats.num_free_blocks
         leaked = max(0, used - self.kv.held_gpu_blocks(live))
         orphans = [rid for rid in self.kv.request_ids() if rid not in live]
+        orphans += [f"intent:{rid}" for rid in self.kv.intent_ids() if rid not in live]
         return leaked, orphans
 
     def remove(self, group: RequestGroup) -> None:
@@ -152,7 +162,9 @@ class Scheduler:
 
     def _release_seq(self, seq: Sequence) -> None:
         if self.kv.has_request(seq.seq_id):
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id)  # its intent too
+        else:
+            self.kv.drop_intent(seq.seq_id)
         if seq.on_executor:
             self._pending_drops.append(seq.seq_id)
             seq.on_executor = False

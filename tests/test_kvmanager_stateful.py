@@ -7,6 +7,11 @@ destination in the plan, and every live request reads back exactly its own token
 its block table, so a wrong prefix hit, a missed copy-on-write or a bad swap shows up as
 wrong contents. A tiny vocabulary makes prefixes (and, with the weak hash, collisions)
 common.
+
+Intended prefixes: a request pinned for later also intends its prompt (as a routed, waiting
+request does); admitting it links the intent, which is released once its blocks register.
+After every step the intended index is checked (check_invariants), and a probe's intended
+tokens are sound: each block counted is one a live intender's own tokens and salt match.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ class KVMachine(RuleBasedStateMachine):
         self._check_hit(prompt, hit, salt)
         pinned = self.m.pin(rid, hit)
         assert pinned.block_ids == hit.block_ids[: len(pinned.block_ids)]
+        self.m.intend(rid, prompt, self.m.hash_blocks(prompt, cache_salt=salt), salt,
+                      order=(self.n,))
         self.pending[rid] = (prompt, salt)
 
     @precondition(lambda self: self.pending)
@@ -141,8 +148,30 @@ class KVMachine(RuleBasedStateMachine):
     def drop_pending(self, data):
         rid = data.draw(st.sampled_from(sorted(self.pending)))
         del self.pending[rid]
-        if self.m.pinned(rid) is not None:
+        if self.m.pinned(rid) is not None or self.m.has_intent(rid):
             self.m.free(rid)
+        assert not self.m.has_intent(rid)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def drop_intent(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.pending)))
+        self.m.drop_intent(rid)
+
+    @rule(prompt=prompts, salt=salts, waiting_key=st.integers(0, 30))
+    def probe_intended(self, prompt, salt, waiting_key):
+        hashes = self.m.hash_blocks(prompt, cache_salt=salt)
+        hit = self.m.lookup(prompt, hashes, salt)
+        for before in (None, (waiting_key,)):
+            n = self.m.intended_tokens(prompt, hashes, salt, len(hit), before=before)
+            assert n % BS == 0 and hit.num_tokens + n <= max(0, (len(prompt) - 1) // BS * BS)
+            for i in range(len(hit), len(hit) + n // BS):
+                hi = (i + 1) * BS
+                assert any(
+                    self.pending.get(r, (None, None))[1] == salt
+                    and list(self.pending[r][0][:hi]) == list(prompt[:hi])
+                    for r in self.m.intent_ids()
+                ), (prompt, i)
 
     @rule()
     def release_pins(self):
@@ -270,6 +299,16 @@ class KVMachine(RuleBasedStateMachine):
             assert got == [self._kv(rid, p) for p in range(n)], (rid, device, table)
         s = self.m.stats()
         assert s.gpu.num_free_blocks <= s.gpu.num_total_blocks
+
+    def teardown(self):
+        for rid in list(self.tokens):
+            self.m.free(rid)
+        for rid in list(self.pending):
+            if self.m.pinned(rid) is not None or self.m.has_intent(rid):
+                self.m.free(rid)
+        assert self.m.intent_ids() == [] and self.m.num_intended_tokens == 0
+        self.m.check_invariants()
+        assert self.m.num_free_gpu_blocks == self.m.stats().gpu.num_total_blocks
 
 
 class WeakHashKVMachine(KVMachine):
