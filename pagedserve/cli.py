@@ -3,7 +3,8 @@
     pagedserve serve [--model M] [--executors N]     router + N executors on this machine
     pagedserve router --model M                      the router alone; executors join it
     pagedserve executor --model M --router ADDR      one executor
-    pagedserve generate "prompt" [--stream] [--json] a client
+    pagedserve generate "prompt" [--stream] [--json] a client ([--chat] [--system TEXT])
+    pagedserve chat [--address HOST:PORT]            interactive chat with a running server
     pagedserve healthcheck [--service NAME]          exit 0 when SERVING
     pagedserve demo [--quick]                        the main job on the built-in model
 
@@ -99,6 +100,11 @@ def cmd_generate(argv: list[str]) -> int:
     return client_main(argv)
 
 
+def cmd_chat(argv: list[str]) -> int:
+    from .chat_client import main as chat_main
+    return chat_main(argv)
+
+
 def cmd_healthcheck(argv: list[str]) -> int:
     from .client import healthcheck_main
     return healthcheck_main(argv)
@@ -126,6 +132,7 @@ COMMANDS = {
     "router": cmd_router,
     "executor": cmd_executor,
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "healthcheck": cmd_healthcheck,
     "demo": cmd_demo,
     "bench": lambda argv: __import__("pagedserve.bench", fromlist=["main"]).main(argv),

@@ -1,4 +1,5 @@
-"""`pagedserve generate` and `pagedserve healthcheck`: small gRPC clients."""
+"""`pagedserve generate` and `pagedserve healthcheck`: small gRPC clients (`pagedserve chat`:
+chat_client.py)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,14 @@ def build_request(args):
         params.seed = args.seed
     if args.logprobs is not None:
         params.logprobs = args.logprobs
-    return pb.GenerateRequest(request_id=args.request_id or "", prompt=args.prompt,
-                              params=params, priority=args.priority,
-                              cache_salt=args.cache_salt or "")
+    request = pb.GenerateRequest(request_id=args.request_id or "", params=params,
+                                 priority=args.priority, cache_salt=args.cache_salt or "")
+    if args.chat:  # one user turn, rendered with the model's chat template by the server
+        from .chat_client import chat_messages
+        request.messages.CopyFrom(chat_messages([("user", args.prompt)], args.system))
+    else:
+        request.prompt = args.prompt
+    return request
 
 
 def main(argv: list[str]) -> int:
@@ -42,6 +48,9 @@ def main(argv: list[str]) -> int:
     p = _parser("pagedserve generate")
     p.add_argument("prompt")
     p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message (the model's chat template)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--json", action="store_true", help="print the response as protobuf JSON")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -60,6 +69,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--request-id", default=None)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     args = p.parse_args(argv)
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
     request = build_request(args)
     with _channel(args.address) as channel:
         stub = pb_grpc.GeneratorStub(channel)

@@ -159,6 +159,76 @@ def test_healthcheck(served):
         assert result.stdout.strip() == "SERVING"
 
 
+# ------------------------------------------------------------------ chat clients
+
+
+def _greedy_chat(address: str, turns: list[tuple[str, str]], max_tokens: int) -> str:
+    """The greedy answer to `turns` ((role, content) pairs) by a direct Generate."""
+    from pagedserve.chat_client import chat_messages
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.GeneratorStub(channel).Generate(pb.GenerateRequest(
+            messages=chat_messages(turns), params=pb.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0)), timeout=60)
+    return reply.completions[0].text
+
+
+def test_generate_chat_is_one_turn_with_the_template(served):
+    result = _generate(served["grpc"], "Hello there", "--chat", "--system", "Be brief.",
+                       "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    want = _greedy_chat(served["grpc"], [("system", "Be brief."), ("user", "Hello there")], 8)
+    assert result.stdout == want + "\n"
+    plain = _generate(served["grpc"], "Hello there", "--max-tokens", "8")  # old form: text
+    assert plain.returncode == 0 and plain.stdout != result.stdout
+
+
+def test_chat_from_piped_stdin_keeps_history_and_resets(served):
+    lines = "Hello there\nAnd then?\n/reset\nHello there\n"
+    result = subprocess.run(CLI + ["chat", "--address", served["grpc"], "--temperature", "0",
+                                   "--max-tokens", "6"], input=lines, capture_output=True,
+                            text=True, env=_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    a1 = _greedy_chat(served["grpc"], [("user", "Hello there")], 6)
+    a2 = _greedy_chat(served["grpc"], [("user", "Hello there"), ("assistant", a1),
+                                       ("user", "And then?")], 6)
+    assert result.stdout == f"{a1}\n{a2}\n[history cleared]\n{a1}\n"
+
+
+def test_chat_ctrl_c_aborts_the_answer_and_stays_in_the_chat(served):
+    proc = subprocess.Popen(CLI + ["chat", "--address", served["grpc"], "--max-tokens", "1500",
+                                   "--ignore-eos"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    channel = grpc.insecure_channel(served["grpc"])
+    stub = pb_grpc.GeneratorStub(channel)
+
+    def running_and_held_blocks() -> tuple[int, int]:
+        executors = stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=5).executors
+        return (sum(e.running for e in executors),
+                sum(e.num_gpu_blocks - e.num_free_gpu_blocks for e in executors))
+
+    try:
+        proc.stdin.write("Tell me a long story.\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 30
+        while running_and_held_blocks()[0] == 0:
+            assert time.monotonic() < deadline and proc.poll() is None, "no answer started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while running_and_held_blocks() != (0, 0):
+            assert time.monotonic() < deadline, "the answer was not aborted on the server"
+            time.sleep(0.05)
+        out, err = proc.communicate("/reset\n", timeout=20)  # then end of input: leave
+        assert proc.returncode == 0, err
+        assert out.endswith("\n[stopped]\n[history cleared]\n") and "Traceback" not in err
+    finally:
+        channel.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ------------------------------------------------------------------ bad flags: one line
 
 
