@@ -338,6 +338,19 @@ class GrpcServer:
         return await self.server.wait_for_termination(timeout)
 
 
+def tls_enabled(tls_cert: str | None, tls_key: str | None,
+                tls_client_ca: str | None = None) -> bool:
+    """Whether the TLS flags ask for TLS (both APIs read them alike); ValueError for an
+    incomplete set."""
+    if not tls_cert and not tls_key:
+        if tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return False
+    if not (tls_cert and tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return True
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -348,12 +361,8 @@ def server_credentials(
 ) -> grpc.ServerCredentials | None:
     """TLS (cert + key) or mutual TLS (plus a client CA: client certificates required);
     None for plaintext. Raises ValueError for an incomplete set."""
-    if not tls_cert and not tls_key:
-        if tls_client_ca:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if not tls_enabled(tls_cert, tls_key, tls_client_ca):
         return None
-    if not (tls_cert and tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
     try:
         pair = (_read(tls_key), _read(tls_cert))
         client_ca = _read(tls_client_ca) if tls_client_ca else None

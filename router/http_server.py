@@ -36,6 +36,7 @@ from aiohttp import web
 
 from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 from .frontend import Frontend, RequestSession
+from .grpc_server import tls_enabled
 from .openai_protocol import (
     ApiRequest,
     TokenText,
@@ -406,12 +407,8 @@ def ssl_context(tls_cert: str | None, tls_key: str | None,
                 tls_client_ca: str | None = None) -> ssl.SSLContext | None:
     """The TLS flags as an SSLContext (None for plaintext); ValueError for an incomplete set,
     as the gRPC edge's server_credentials."""
-    if not tls_cert and not tls_key:
-        if tls_client_ca:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if not tls_enabled(tls_cert, tls_key, tls_client_ca):
         return None
-    if not (tls_cert and tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(tls_cert, tls_key)

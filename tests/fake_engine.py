@@ -20,6 +20,16 @@ from pagedserve.router.types import (
     Usage,
 )
 
+
+def make_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The test tokenizer (pagedserve.tinymodels, ChatML template) in a fresh folder."""
+    from pagedserve.tinymodels import build_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
 SCRIPT = "Hello there, 日本語のテキスト 🙂🚀 and more words. " * 4
 
 

@@ -10,7 +10,7 @@ import json
 
 import aiohttp
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, make_tokenizer
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_server import start_http_server
 from pagedserve.router.metrics import RouterMetrics
@@ -22,11 +22,7 @@ MODEL = "tiny-chat"
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    from pagedserve.tinymodels import build_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer(d)
-    return Tokenizer.from_dir(d)
+    return make_tokenizer(tmp_path_factory)
 
 
 @contextlib.asynccontextmanager

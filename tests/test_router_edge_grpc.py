@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, make_tokenizer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -28,11 +28,7 @@ from pagedserve.router.validation import Limits
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    from pagedserve.tinymodels import build_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer(d)
-    return Tokenizer.from_dir(d)
+    return make_tokenizer(tmp_path_factory)
 
 
 @contextlib.asynccontextmanager
