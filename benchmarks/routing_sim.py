@@ -39,7 +39,10 @@ Figures per workload and policy: `hit_ratio` = prompt tokens served from cache a
 counters (they count a recompute-preempted request's re-admission again); TTFT p50/p99
 (virtual ms, arrival to the first token handed to the stream); output tok/s over the run
 (first arrival to last finish); `busy_ratio` = executor busy time / (executors x run);
-preemptions. One JSON line per (workload, policy), one `targets` line per workload (issue 14's
+preemptions; `left_cache_ratio`: requests routed to an executor that held less of the
+prompt in its cache than another did at that moment (`left_cache_tokens_ratio`: the cached
+tokens given up that way / prompt tokens: why a policy's hit ratio falls short). One JSON line
+per (workload, policy), one `targets` line per workload (issue 14's
 simulator targets), then one table on stderr.
 
 Calibration (CPU_TINY, the only executor measured here): `executor_bench.py --cpu-only`
@@ -402,6 +405,8 @@ class Simulation:
         self.records: dict[str, Record] = {}
         self.open_groups: dict[str, object] = {}  # request id -> group, not finished yet
         self.tree = ApproxTree(w.num_executors) if policy == "approx-tree" else None
+        self.num_left_cache = 0  # requests routed where less of the prompt was cached
+        self.left_cache_tokens = 0  # cached prompt tokens given up that way
 
     # ---------------------------------------------------------------- events
 
@@ -503,6 +508,9 @@ class Simulation:
                            sampling=SamplingSpec(max_tokens=turn.max_tokens, temperature=0.0,
                                                  ignore_eos=True),
                            arrival_time=now)
+        # What each executor holds of the prompt now (lookup takes no references).
+        hashes = self.handles[0].kv.hash_blocks(prompt)
+        held = [h.kv.lookup(prompt, hashes).num_tokens for h in self.handles]
         restore = None
         if self.tree is not None:
             hashes = chain_hashes(prompt, len(prompt) // BLOCK_SIZE)
@@ -522,6 +530,10 @@ class Simulation:
                 engine.place = restore
         group = engine.live[turn.request_id]
         self.records[turn.request_id] = Record(turn.request_id, now, prompt, group.executor_id)
+        chosen = held[[h.id for h in self.handles].index(group.executor_id)]
+        if chosen < max(held):
+            self.num_left_cache += 1
+            self.left_cache_tokens += max(held) - chosen
         self.open_groups[turn.request_id] = (group, turn)
         handle = engine.executors[group.executor_id]
         if len(handle.in_flight) < engine.steps.depth:
@@ -580,6 +592,8 @@ class Simulation:
             duration_s=round(span, 3),
             busy_ratio=round(busy / (span * len(self.handles)), 3) if span > 0 else None,
             preemptions=preemptions, requests_per_executor=per_exec,
+            left_cache_ratio=round(self.num_left_cache / max(len(recs), 1), 4),
+            left_cache_tokens_ratio=round(self.left_cache_tokens / max(prompt_tokens, 1), 4),
         )
 
 
@@ -695,7 +709,7 @@ def main(argv=None) -> int:
 def print_table(lines, target_rows) -> None:
     """One table: every workload and policy; then the targets per workload."""
     head = (f"{'workload':<16} {'policy':<13} {'hit':>6} {'of bound':>8} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'out tok/s':>9} {'busy':>5} {'preempt':>7}")
+            f"{'TTFT p99':>9} {'out tok/s':>9} {'busy':>5} {'preempt':>7} {'left':>5}")
     out = [head, "-" * len(head)]
     last = None
     bound = 1.0
@@ -710,7 +724,8 @@ def print_table(lines, target_rows) -> None:
         out.append(f"{label:<16} {policy:<13} {f['hit_ratio']:>6.3f} "
                    f"{f['hit_ratio'] / max(bound, 1e-9):>8.2f} {f['ttft_ms_p50']:>9.1f} "
                    f"{f['ttft_ms_p99']:>9.1f} {f['output_tok_per_s']:>9.0f} "
-                   f"{f['busy_ratio']:>5.2f} {f['preemptions']:>7}")
+                   f"{f['busy_ratio']:>5.2f} {f['preemptions']:>7} "
+                   f"{f['left_cache_ratio']:>5.2f}")
     if target_rows:
         out += ["", f"{'prefix routing':<16} {'best hit':>8} {'best p50':>8} {'p50/best':>8} "
                     f"{'fits':>5} {'>=0.9 bound':>11} {'p99/LL':>7} {'met':>4}"]
