@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo lint bench-kv bench-kernels clean protos
+.PHONY: setup test demo lint bench-kv bench-kernels clean protos gpu-wheels
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ bench-kv: setup
 
 bench-kernels: setup
 	$(PY) benchmarks/kernels_bench.py
+
+# Wheels the CUDA machine's image lacks (cp312, manylinux x86_64), for scripts/gpu_check.sh.
+gpu-wheels: setup
+	$(PY) scripts/gpu_wheels.py --dest .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

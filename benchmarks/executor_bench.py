@@ -7,11 +7,15 @@ Cases:
 * ``gpu_qwen2.5-0.5b_decode_b{64,256}`` (CUDA only, else one ``skipped`` line): decode
   tokens/s of a random-weight Qwen2.5-0.5B-shaped model (bf16) at context 1k, next to the
   bandwidth bound ``batch / ((weight bytes + KV bytes read) / measured copy bandwidth)``.
+  With ``--model-dir`` the model is that directory loaded as the executor loads it (the GPU
+  check builds a random-weight Qwen2.5-0.5B-shape one: scripts/gpu_steps.py build-model);
+  without, the same shape is initialised in place on the device.
 
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed.
 
-    .venv/bin/python benchmarks/executor_bench.py [--steps N] [--cpu-only]
+    .venv/bin/python benchmarks/executor_bench.py [--steps N] [--cpu-only] [--gpu-only]
+        [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -115,20 +119,26 @@ def copy_bandwidth_bytes_per_s(device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes * 10 / (time.perf_counter() - t0)  # read + write
 
 
-def bench_gpu(steps: int) -> None:
+def bench_gpu(steps: int, model_dir: str | None = None) -> None:
     if not torch.cuda.is_available():
         emit("gpu_qwen2.5-0.5b_decode", skipped="no CUDA device")
         return
     device, dtype = torch.device("cuda", 0), torch.bfloat16
-    cfg = qwen25_05b_config()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    model.cos_sin_cache = LlamaForCausalLM.rope_cache(cfg).to(device)
-    model.eval().requires_grad_(False)
+    if model_dir:
+        from pagedserve.executor.models import load_config, load_model
+
+        cfg = load_config(model_dir)
+        model = load_model(model_dir, dtype, device, cfg, progress=False)
+    else:
+        cfg = qwen25_05b_config()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        model.cos_sin_cache = LlamaForCausalLM.rope_cache(cfg).to(device)
+        model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth_bytes_per_s(device)
     context, block_size = 1024, 16
@@ -148,7 +158,8 @@ def bench_gpu(steps: int) -> None:
              bound_tok_per_s=round(batch / bound_s, 1), of_bound_ratio=round(bound_s / p50, 3),
              weight_bytes=weight_bytes, kv_read_bytes=bytes_read - weight_bytes,
              copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
-             device=torch.cuda.get_device_name(device))
+             device=torch.cuda.get_device_name(device),
+             model="loaded" if model_dir else "initialised in place")
         del cache, runner
         torch.cuda.empty_cache()
 
@@ -158,11 +169,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--cpu-only", action="store_true")
     parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument("--model-dir", default=None,
+                        help="GPU cases: load this model directory (bf16) instead")
     args = parser.parse_args(argv)
     if not args.gpu_only:
         bench_cpu(args.steps)
     if not args.cpu_only:
-        bench_gpu(args.steps)
+        bench_gpu(args.steps, args.model_dir)
     return 0
 
 

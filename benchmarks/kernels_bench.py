@@ -1,9 +1,10 @@
-"""Paged decode attention: latency, achieved bandwidth, share of the device's copy bandwidth,
+"""Paged attention kernels: latency, achieved bandwidth, share of the device's copy bandwidth,
 and time relative to torch SDPA on the same keys/values stored contiguously (DESIGN §8).
 
     python benchmarks/kernels_bench.py             # GPU: the full grid below
     python benchmarks/kernels_bench.py --dry-run   # CPU: tiny sizes through the Triton
                                                    # interpreter, to check the script itself
+    python benchmarks/kernels_bench.py --cases decode,prefill,cache   # a subset (default all)
 
 Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv heads, head dim
 128, i.e. GQA 8:1; and Qwen2.5-0.5B, 14 q / 2 kv heads, head dim 64), block size 16, bf16.
@@ -16,6 +17,14 @@ bandwidth, measured here as (read + write bytes) / time of a 1 GiB device-to-dev
 ``paged_vs_contiguous_ratio`` = our latency / SDPA latency on contiguous [B, Hkv, L, D] K/V.
 Targets (H100-class): copy_bw_ratio >= 0.85 for batch >= 64 and context >= 1k; >= 0.60 with
 split-K at batch 1, context 16k; paged_vs_contiguous_ratio <= 1.10.
+
+Prefill cases (``prefill/...``): whole prompts (causal) of batch x length through the paged
+prefill kernel, ``tflop_per_s`` (causal attention: 2 * 2 * B * H * L^2 * D / 2 flops) and
+``paged_vs_contiguous_ratio`` against SDPA with is_causal on contiguous K/V; ``extend/...``:
+a chunk of new tokens after a cached prefix (no SDPA twin: a non-square causal mask).
+Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
+(copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
+``copy_bw_ratio`` against the same copy bandwidth.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
+    p.add_argument("--cases", default="decode,prefill,cache",
+                   help="comma-separated subset of decode, prefill, cache")
     return p.parse_args()
 
 
@@ -97,75 +108,185 @@ def main() -> int:
     _emit({"case": "device_copy", "device": device_name, "bytes": copy_bytes,
            "latency_us_p50": round(copy_us, 2), "gb_per_s": round(copy_gb_per_s, 1)})
 
-    elem = torch.tensor([], dtype=dtype).element_size()
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    if "decode" in cases:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
+            for context in contexts:
+                for batch in batches:
+                    case = f"decode/{shape_name}/b{batch}/ctx{context}"
+                    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elem
+                    if 2 * kv_bytes > args.max_gib * (1 << 30):
+                        _emit({"case": case, "skipped": f"needs > {args.max_gib} GiB"})
+                        continue
+                    blocks_per_seq = (context + block_size - 1) // block_size
+                    num_blocks = batch * blocks_per_seq
+                    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+                    key_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+                    value_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+                    # Shuffled block ids: pages scattered across the cache as in a live server.
+                    block_tables = torch.randperm(num_blocks, device=device).view(
+                        batch, blocks_per_seq).int()
+                    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                    query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+                    out = torch.empty_like(query)
+                    scale = head_dim**-0.5
+                    num_splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq * block_size,
+                                                   _num_sms(device))
+
+                    def paged(splits=None, query=query, key_cache=key_cache,
+                              value_cache=value_cache, block_tables=block_tables,
+                              seq_lens=seq_lens, out=out, scale=scale):
+                        ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                                   seq_lens, scale, out=out, backend="triton",
+                                                   num_splits=splits)
+
+                    latency = timed(paged)
+                    record = {
+                        "case": case, "dtype": str(dtype).removeprefix("torch."),
+                        "block_size": block_size, "num_splits": num_splits,
+                        "latency_us_p50": round(latency, 2),
+                        "gb_per_s": float(f"{kv_bytes / latency / 1e3:.4g}"),
+                    }
+                    record["copy_bw_ratio"] = float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}")
+                    if num_splits > 1:
+                        plain = timed(lambda paged=paged: paged(1))
+                        record["plain_latency_us_p50"] = round(plain, 2)
+                        record["split_k_speedup_ratio"] = round(plain / latency, 3)
+
+                    # The same K/V stored contiguously, [B, Hkv, L, D], through SDPA (GQA native).
+                    table = block_tables.long()
+                    k_contig = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                        :, :context].transpose(1, 2).contiguous()
+                    v_contig = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                        :, :context].transpose(1, 2).contiguous()
+                    q_sdpa = query[:, :, None, :]
+                    try:
+                        def sdpa(q_sdpa=q_sdpa, k_contig=k_contig, v_contig=v_contig, scale=scale):
+                            torch.nn.functional.scaled_dot_product_attention(
+                                q_sdpa, k_contig, v_contig, scale=scale, enable_gqa=True)
+
+                        sdpa_latency = timed(sdpa)
+                        record["sdpa_latency_us_p50"] = round(sdpa_latency, 2)
+                        record["paged_vs_contiguous_ratio"] = round(latency / sdpa_latency, 3)
+                    except (RuntimeError, TypeError) as exc:  # old torch without enable_gqa, OOM
+                        record["sdpa_error"] = str(exc).splitlines()[0][:120]
+                    _emit(record)
+                    print(f"{case:40s} {latency:10.1f} us {record['gb_per_s']:8.1f} GB/s "
+                          f"{record['copy_bw_ratio']:6.1%} of copy, splits {num_splits}",
+                          file=sys.stderr)
+                    del key_cache, value_cache, k_contig, v_contig
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    if "prefill" in cases:
+        bench_prefill(torch, ops, device, dtype, timed, shapes, args.dry_run)
+    if "cache" in cases:
+        bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s, args.dry_run)
+    return 0
+
+
+def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> None:
+    """Whole prompts through the paged prefill kernel against SDPA (is_causal) on contiguous
+    K/V, then a chunk after a cached prefix (extend)."""
+    block_size = 16
+    grid = ([(1, 40), (2, 19)] if dry_run else [(1, 8192), (8, 2048), (32, 512)])
+    extend = [(1, 8, 40)] if dry_run else [(1, 512, 8192), (16, 256, 2048)]
     for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
-        for context in contexts:
-            for batch in batches:
-                case = f"decode/{shape_name}/b{batch}/ctx{context}"
-                kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elem
-                if 2 * kv_bytes > args.max_gib * (1 << 30):
-                    _emit({"case": case, "skipped": f"needs > {args.max_gib} GiB"})
-                    continue
-                blocks_per_seq = (context + block_size - 1) // block_size
-                num_blocks = batch * blocks_per_seq
-                cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-                key_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-                value_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-                # Shuffled block ids: pages scattered across the cache as in a live server.
-                block_tables = torch.randperm(num_blocks, device=device).view(
-                    batch, blocks_per_seq).int()
-                seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-                query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
-                out = torch.empty_like(query)
-                scale = head_dim**-0.5
-                num_splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq * block_size,
-                                               _num_sms(device))
+        scale = head_dim**-0.5
+        for batch, q_len, prefix in [(b, n, 0) for b, n in grid] + extend:
+            seq_len = prefix + q_len
+            blocks_per_seq = -(-seq_len // block_size)
+            num_blocks = batch * blocks_per_seq
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            key_cache = torch.randn(shape, device=device, dtype=dtype)
+            value_cache = torch.randn(shape, device=device, dtype=dtype)
+            tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+            query = torch.randn(batch * q_len, num_heads, head_dim, device=device, dtype=dtype)
+            starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+            seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+            out = torch.empty_like(query)
 
-                def paged(splits=None, query=query, key_cache=key_cache,
-                          value_cache=value_cache, block_tables=block_tables,
-                          seq_lens=seq_lens, out=out, scale=scale):
-                    ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                               seq_lens, scale, out=out, backend="triton",
-                                               num_splits=splits)
+            def paged(query=query, key_cache=key_cache, value_cache=value_cache, tables=tables,
+                      starts=starts, seq_lens=seq_lens, out=out, scale=scale, q_len=q_len):
+                ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts,
+                                            seq_lens, scale, out=out, backend="triton",
+                                            max_query_len=q_len)
 
-                latency = timed(paged)
-                record = {
-                    "case": case, "dtype": str(dtype).removeprefix("torch."),
-                    "block_size": block_size, "num_splits": num_splits,
-                    "latency_us_p50": round(latency, 2),
-                    "gb_per_s": float(f"{kv_bytes / latency / 1e3:.4g}"),
-                }
-                record["copy_bw_ratio"] = float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}")
-                if num_splits > 1:
-                    plain = timed(lambda paged=paged: paged(1))
-                    record["plain_latency_us_p50"] = round(plain, 2)
-                    record["split_k_speedup_ratio"] = round(plain / latency, 3)
-
-                # The same K/V stored contiguously, [B, Hkv, L, D], through SDPA (GQA native).
-                table = block_tables.long()
-                k_contig = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
-                    :, :context].transpose(1, 2).contiguous()
-                v_contig = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
-                    :, :context].transpose(1, 2).contiguous()
-                q_sdpa = query[:, :, None, :]
+            latency = timed(paged)
+            # Causal: query i attends to prefix + i + 1 keys; 2 matmuls of 2 flops per MAC.
+            macs = batch * num_heads * head_dim * (q_len * prefix + q_len * (q_len + 1) / 2)
+            kind = "extend" if prefix else "prefill"
+            record = {"case": f"{kind}/{shape_name}/b{batch}/q{q_len}/ctx{seq_len}",
+                      "dtype": str(dtype).removeprefix("torch."), "block_size": block_size,
+                      "latency_us_p50": round(latency, 2),
+                      "tflop_per_s": float(f"{4 * macs / latency / 1e6:.4g}")}
+            if not prefix:
+                table = tables.long()
+                k = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                    :, :seq_len].transpose(1, 2).contiguous()
+                v = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[
+                    :, :seq_len].transpose(1, 2).contiguous()
+                q = query.view(batch, q_len, num_heads, head_dim).transpose(1, 2).contiguous()
                 try:
-                    def sdpa(q_sdpa=q_sdpa, k_contig=k_contig, v_contig=v_contig, scale=scale):
+                    def sdpa(q=q, k=k, v=v, scale=scale):
                         torch.nn.functional.scaled_dot_product_attention(
-                            q_sdpa, k_contig, v_contig, scale=scale, enable_gqa=True)
+                            q, k, v, scale=scale, is_causal=True, enable_gqa=True)
 
                     sdpa_latency = timed(sdpa)
                     record["sdpa_latency_us_p50"] = round(sdpa_latency, 2)
                     record["paged_vs_contiguous_ratio"] = round(latency / sdpa_latency, 3)
                 except (RuntimeError, TypeError) as exc:  # old torch without enable_gqa, OOM
                     record["sdpa_error"] = str(exc).splitlines()[0][:120]
-                _emit(record)
-                print(f"{case:40s} {latency:10.1f} us {record['gb_per_s']:8.1f} GB/s "
-                      f"{record['copy_bw_ratio']:6.1%} of copy, splits {num_splits}",
-                      file=sys.stderr)
-                del key_cache, value_cache, k_contig, v_contig
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    return 0
+                del k, v, q
+            _emit(record)
+            print(f"{record['case']:40s} {latency:10.1f} us {record['tflop_per_s']:8.1f} "
+                  f"TFLOP/s", file=sys.stderr)
+            del key_cache, value_cache, query, out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s: float, dry_run: bool) -> None:
+    """reshape_and_cache and copy_blocks: bytes read + written per second."""
+    block_size, num_kv_heads, head_dim = 16, 2, 64  # Qwen2.5-0.5B's K/V per layer
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for num_tokens in ([17, 100] if dry_run else [256, 4096, 32768]):
+        num_blocks = 2 * num_tokens // block_size + 8
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache = torch.zeros(shape, device=device, dtype=dtype)
+        value_cache = torch.zeros_like(key_cache)
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)
+        value = torch.randn_like(key)
+        slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+
+        def write(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                  slots=slots):
+            ops.reshape_and_cache(key, value, key_cache, value_cache, slots, backend="triton")
+
+        latency = timed(write)
+        moved = 2 * 2 * key.numel() * elem  # K and V, read and written
+        gb_per_s = moved / latency / 1e3
+        _emit({"case": f"reshape_and_cache/t{num_tokens}", "dtype": str(dtype).removeprefix(
+               "torch."), "latency_us_p50": round(latency, 2),
+               "gb_per_s": float(f"{gb_per_s:.4g}"),
+               "copy_bw_ratio": float(f"{gb_per_s / copy_gb_per_s:.4g}")})
+        del key_cache, value_cache, key, value
+    num_layers = 2 if dry_run else 24
+    for pairs in ([3] if dry_run else [16, 256]):
+        num_blocks = 2 * pairs + 4
+        kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                               device=device, dtype=dtype)
+        perm = torch.randperm(num_blocks, device=device)
+        mapping = torch.stack([perm[:pairs], perm[pairs:2 * pairs]], dim=1)
+        latency = timed(lambda kv_cache=kv_cache, mapping=mapping: ops.copy_blocks(
+            kv_cache, mapping, backend="triton"))
+        moved = 2 * pairs * num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+        gb_per_s = moved / latency / 1e3
+        _emit({"case": f"copy_blocks/p{pairs}/l{num_layers}",
+               "dtype": str(dtype).removeprefix("torch."), "latency_us_p50": round(latency, 2),
+               "gb_per_s": float(f"{gb_per_s:.4g}"),
+               "copy_bw_ratio": float(f"{gb_per_s / copy_gb_per_s:.4g}")})
+        del kv_cache
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """Triton kernels on a CUDA device against their twins: the interpreter cases at native speed,
-bf16 computed natively (tensor cores), and large shapes. Skipped without CUDA (conftest)."""
+bf16 computed natively (tensor cores), and large shapes. Skipped without CUDA (conftest).
+
+The *_grid tests compile every kernel natively over pairwise combinations (kernels.testing
+.pairwise) of block sizes 8-128, head dims 64/80/128, GQA 1/4/8, fp32/fp16/bf16, forced
+split-K counts and context lengths that are not multiples of the block size (the GPU check,
+scripts/gpu_check.py, runs them in its `kernels` stage).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,55 @@ import pytest
 import torch
 from pagedserve.kernels import ops, reference
 from pagedserve.kernels.decode_attention import paged_decode_attention_triton
-from pagedserve.kernels.testing import DECODE_CASES, PREFILL_CASES, case_id, make_paged_batch
+from pagedserve.kernels.testing import (
+    DECODE_CASES,
+    PREFILL_CASES,
+    case_id,
+    make_paged_batch,
+    pairwise,
+)
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # tf32-free, bf16 dots
+DEVICE = "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCK_SIZES = [8, 16, 32, 64, 128]
+HEAD_DIMS = [64, 80, 128]
+GROUPS = [1, 4, 8]
+
+DECODE_GRID = pairwise({
+    "context_len": [1, 17, 37, 97, 1000, 4097],
+    "block_size": BLOCK_SIZES,
+    "group": GROUPS,
+    "head_dim": HEAD_DIMS,
+    "dtype": DTYPES,
+    "num_splits": [None, 1, 3, 8],
+})
+# (q_len, seq_len) per sequence: what the prefill/extend kernel meets in a step.
+PREFILL_SHAPES = {
+    "prefill": [(17, 17), (37, 37), (97, 97)],
+    "prefix_hit": [(17, 97), (5, 37), (64, 1000)],
+    "mixed": [(1, 37), (13, 13), (37, 97), (1, 4097)],
+    "empty_chunk": [(3, 3), (0, 5), (2, 64), (200, 200)],
+}
+PREFILL_GRID = pairwise({
+    "shape": list(PREFILL_SHAPES),
+    "block_size": BLOCK_SIZES,
+    "group": GROUPS,
+    "head_dim": HEAD_DIMS,
+    "dtype": DTYPES,
+    "window": [None, 33],
+})
+CACHE_GRID = pairwise({
+    "num_tokens": [1, 17, 97, 1000],
+    "block_size": BLOCK_SIZES,
+    "head_dim": HEAD_DIMS,
+    "dtype": DTYPES,
+})
+
+
+def grid_id(case: dict) -> str:
+    return "-".join(f"{k}{str(v).removeprefix('torch.')}" for k, v in case.items())
 
 
 def _close(actual, expected, dtype):
@@ -23,7 +74,7 @@ def test_decode_gpu(case, num_splits):
     batch = make_paged_batch(
         [(1, case["context_len"]), (1, 300), (1, 1000)], num_kv_heads=2, group=case["group"],
         head_dim=case["head_dim"], block_size=case["block_size"], dtype=case["dtype"],
-        device="cuda",
+        device=DEVICE,
     )
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
@@ -35,7 +86,7 @@ def test_decode_gpu(case, num_splits):
                          PREFILL_CASES)
 def test_prefill_gpu(seqs, block_size, kv_heads, group, head_dim, dtype, window):
     batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                             block_size=block_size, dtype=dtype, device="cuda")
+                             block_size=block_size, dtype=dtype, device=DEVICE)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
             batch.query_start_loc, batch.seq_lens, batch.scale)
     _close(ops.paged_attention(*args, max_query_len=batch.max_query_len, sliding_window=window),
@@ -47,7 +98,7 @@ def test_prefill_gpu(seqs, block_size, kv_heads, group, head_dim, dtype, window)
 def test_large_decode_gpu(dtype, block_size):
     seqs = [(1, n) for n in (4096, 1, 2049, 16000, 777, 3333, 128, 8191)]
     batch = make_paged_batch(seqs, num_kv_heads=4, group=8, head_dim=128, block_size=block_size,
-                             dtype=dtype, device="cuda")
+                             dtype=dtype, device=DEVICE)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
     want = reference.paged_decode_attention(*args)
@@ -60,7 +111,7 @@ def test_large_decode_gpu(dtype, block_size):
 def test_large_prefill_gpu(head_dim, group):
     seqs = [(1024, 1024), (500, 3000), (1, 2000), (77, 77)]
     batch = make_paged_batch(seqs, num_kv_heads=2, group=group, head_dim=head_dim,
-                             block_size=16, dtype=torch.bfloat16, device="cuda")
+                             block_size=16, dtype=torch.bfloat16, device=DEVICE)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
             batch.query_start_loc, batch.seq_lens, batch.scale)
     _close(ops.paged_attention(*args, max_query_len=batch.max_query_len),
@@ -68,15 +119,15 @@ def test_large_prefill_gpu(head_dim, group):
 
 
 def test_cache_ops_gpu():
-    kv_cache = torch.randn(4, 2, 64, 16, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kv_cache = torch.randn(4, 2, 64, 16, 4, 128, device=DEVICE, dtype=torch.bfloat16)
     expected = kv_cache.clone()
-    key = torch.randn(100, 4, 128, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm(64 * 16, device="cuda")[:100]
+    key = torch.randn(100, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device=DEVICE)[:100]
     slots[::7] = -1
     ops.reshape_and_cache(key, key, kv_cache[2, 0], kv_cache[2, 1], slots)
     reference.reshape_and_cache(key, key, expected[2, 0], expected[2, 1], slots)
     assert torch.equal(kv_cache, expected)
-    mapping = torch.tensor([[0, 10], [3, 11], [5, 63]], device="cuda")
+    mapping = torch.tensor([[0, 10], [3, 11], [5, 63]], device=DEVICE)
     ops.copy_blocks(kv_cache, mapping)
     reference.copy_blocks(expected, mapping)
     assert torch.equal(kv_cache, expected)
@@ -89,3 +140,59 @@ def test_cache_ops_gpu():
     torch.cuda.synchronize()
     assert torch.equal(kv_cache[:, :, 40], kv_cache[:, :, 10])
     assert torch.equal(kv_cache[:, :, 41], kv_cache[:, :, 63])
+
+
+@pytest.mark.parametrize("case", DECODE_GRID, ids=grid_id)
+def test_decode_grid_gpu(case):
+    seqs = [(1, case["context_len"]), (1, 1), (1, 300), (1, case["context_len"] + 5)]
+    batch = make_paged_batch(seqs, num_kv_heads=2, group=case["group"],
+                             head_dim=case["head_dim"], block_size=case["block_size"],
+                             dtype=case["dtype"], device=DEVICE, seed=3)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    _close(paged_decode_attention_triton(*args, num_splits=case["num_splits"]),
+           reference.paged_decode_attention(*args), case["dtype"])
+
+
+@pytest.mark.parametrize("case", PREFILL_GRID, ids=grid_id)
+def test_prefill_grid_gpu(case):
+    batch = make_paged_batch(PREFILL_SHAPES[case["shape"]], num_kv_heads=2, group=case["group"],
+                             head_dim=case["head_dim"], block_size=case["block_size"],
+                             dtype=case["dtype"], device=DEVICE, seed=4)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    window = case["window"]
+    _close(ops.paged_prefill_attention(*args, sliding_window=window, backend="triton",
+                                       max_query_len=batch.max_query_len),
+           reference.paged_prefill_attention(*args, sliding_window=window), case["dtype"])
+
+
+@pytest.mark.parametrize("case", CACHE_GRID, ids=grid_id)
+def test_reshape_and_cache_grid_gpu(case):
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, num_kv_heads = 64 + case["num_tokens"] // case["block_size"], 2
+    shape = (num_blocks, case["block_size"], num_kv_heads, case["head_dim"])
+    key_cache = torch.randn(shape, generator=gen).to(case["dtype"]).to(DEVICE)
+    value_cache = torch.randn(shape, generator=gen).to(case["dtype"]).to(DEVICE)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    tokens = (case["num_tokens"], num_kv_heads, case["head_dim"])
+    key = torch.randn(tokens, generator=gen).to(case["dtype"]).to(DEVICE)
+    value = torch.randn(tokens, generator=gen).to(case["dtype"]).to(DEVICE)
+    slots = torch.randperm(num_blocks * case["block_size"], generator=gen)[:case["num_tokens"]]
+    slots[::5] = -1  # padding tokens are skipped
+    slots = slots.to(DEVICE)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, backend="triton")
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size, head_dim", [(8, 80), (16, 128), (128, 64)])
+def test_copy_blocks_grid_gpu(dtype, block_size, head_dim):
+    gen = torch.Generator().manual_seed(6)
+    kv_cache = torch.randn(3, 2, 40, block_size, 2, head_dim, generator=gen).to(dtype).to(DEVICE)
+    expected = kv_cache.clone()
+    mapping = torch.tensor([[0, 39], [7, 9], [8, 20], [33, 1]], device=DEVICE)  # no block both
+    ops.copy_blocks(kv_cache, mapping, backend="triton")
+    reference.copy_blocks(expected, mapping)
+    assert torch.equal(kv_cache, expected)

@@ -1,0 +1,304 @@
+"""Cluster checks of the GPU check: `pagedserve serve` on CUDA against transformers on the
+same GPU, one check per invocation (each starts its own server), JSON lines (bench
+"gpu_cluster"), exit 1 when a check fails.
+
+    gpu_cluster.py bf16-migration    --model-dir DIR   2 executors sharing the GPU at
+        --gpu-memory-utilization 0.4 each (both must get blocks), greedy bf16 outputs equal to
+        HF bf16 up to a near tie (--bf16-tie), then the same requests again with SIGKILL of
+        an executor once every stream has its first tokens: all complete on the other one,
+        still equal, migrations counted
+    gpu_cluster.py fp32-exact        --model-dir DIR   1 executor, float32: equal to HF float32
+        (a first difference only where HF's top two logits are within --fp32-tie)
+    gpu_cluster.py preempt-swap      --model-dir DIR   a small --num-gpu-blocks: requests are
+        swapped out to pinned CPU memory and back; outputs equal to HF float32
+    gpu_cluster.py preempt-recompute --model-dir DIR   the same with recompute preemption
+
+Prompts are token ids (the random model's tokenizer does not matter), in groups of one
+length each (odd lengths, not multiples of the block size) so transformers generates each
+group as one batch with no padding. HF references use output_logits for the top-two gaps.
+`--small`: the executors on CPU, fewer and shorter requests (checks the script, not CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
+
+BENCH = "gpu_cluster"
+PROMPT_LENGTHS = (13, 77, 200)  # one HF batch per length
+
+
+def emit(case: str, **figures) -> dict:
+    record = {"bench": BENCH, "case": case, **figures}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def make_prompts(per_length: int, lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths for _ in range(per_length)]
+
+
+def hf_references(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str,
+                  device: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations (EOS ignored) with HF's top-2 logit gap at each position; the
+    prompts of one length run as one batch. The model is freed before returning."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    with torch.inference_mode():
+        for length, idx in by_len.items():
+            ids = torch.tensor([prompts[i] for i in idx], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, eos_token_id=None,
+                                 pad_token_id=0)
+            top2 = torch.stack([step.float().topk(2, dim=-1).values for step in gen.logits], 1)
+            gaps = (top2[..., 0] - top2[..., 1]).tolist()
+            for row, i in enumerate(idx):
+                out[i] = (gen.sequences[row, length:].tolist(), gaps[row])
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return [out[i] for i in range(len(prompts))]
+
+
+def compare(got: list[int], ref: list[int], gaps: list[float], tie: float) -> dict:
+    """exact, tie (the first difference is where HF's top two are within `tie`), or
+    mismatch (a first difference at a decisive position, or a wrong length)."""
+    for j, (a, b) in enumerate(zip(got, ref, strict=False)):
+        if a != b:
+            kind = "tie" if gaps[j] < tie else "mismatch"
+            return {"verdict": kind, "position": j, "gap": round(gaps[j], 5)}
+    return {"verdict": "exact" if len(got) == len(ref) else "mismatch", "position": None}
+
+
+def tally(results: list, refs, tie: float) -> dict:
+    verdicts = []
+    for r, (ref, gaps) in zip(results, refs, strict=True):
+        if isinstance(r, Exception):
+            verdicts.append({"verdict": "error", "error": str(r)[:200]})
+        else:
+            verdicts.append(compare(r, ref, gaps, tie))
+    count = {k: sum(v["verdict"] == k for v in verdicts) for k in ("exact", "tie", "mismatch",
+                                                                  "error")}
+    bad = [v for v in verdicts if v["verdict"] in ("mismatch", "error")][:3]
+    tie_gaps = [v["gap"] for v in verdicts if v["verdict"] == "tie"]
+    return {"ok": count["mismatch"] + count["error"] == 0, "matched": count["exact"],
+            "tie_accepted": count["tie"], "mismatched": count["mismatch"],
+            "errors": count["error"], "tie": tie,
+            "max_tie_gap": max(tie_gaps) if tie_gaps else None, "first_bad": bad}
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        import grpc
+        from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+        from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+
+    def request(self, ids: list[int], max_tokens: int):
+        req = self.pb.GenerateRequest(params=self.pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        req.prompt_token_ids.ids.extend(ids)
+        return req
+
+    def status(self):
+        return self.stub.GetClusterStatus(self.pb.ClusterStatusRequest(), timeout=10)
+
+    def stream_all(self, prompts, max_tokens: int, on_first=None, timeout_s: float = 300):
+        """Every prompt as a concurrent stream; token ids per prompt (or the exception).
+        With `on_first`, each stream pauses at its first chunk until all have one, then
+        `on_first()` runs (every request is running somewhere) and they go on."""
+        results: list = [None] * len(prompts)
+        barrier = threading.Barrier(len(prompts) + 1, timeout=timeout_s) if on_first else None
+
+        def run(i: int) -> None:
+            tokens: list[int] = []
+            try:
+                for n, chunk in enumerate(self.stub.Stream(self.request(prompts[i], max_tokens),
+                                                           timeout=timeout_s)):
+                    tokens += list(chunk.token_ids)
+                    if n == 0 and barrier is not None:
+                        barrier.wait()
+                results[i] = tokens
+            except Exception as exc:  # grpc.RpcError or a broken barrier: reported per prompt
+                results[i] = exc
+                if barrier is not None:
+                    barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        if barrier is not None:
+            try:
+                barrier.wait()
+                on_first()
+            except threading.BrokenBarrierError:
+                pass
+        for t in threads:
+            t.join(timeout_s)
+        return results
+
+    def wait_all_free(self, timeout_s: float = 15.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = [e for e in self.status().executors if e.healthy]
+            if all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in live):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def device_args(args) -> list[str]:
+    if args.small:
+        return ["--device", "cpu", "--cpu-threads", "1", "--kv-cache-space", "0.05"]
+    return []
+
+
+def check_bf16_migration(args) -> bool:
+    prompts = make_prompts(args.per_length, args.lengths, args.prompt_vocab)
+    refs = hf_references(args.model_dir, prompts, args.max_tokens, "bfloat16", args.hf_device)
+    argv = serve_argv(args.model_dir, "--executors", "2", "--dtype", "bfloat16",
+                      "--gpu-memory-utilization", "0.4", *device_args(args))
+    ok = True
+    with ServeProcess(argv, Path(args.log_dir) / "bf16-migration.log") as server:
+        client = Client(server.address)
+        status = client.status()
+        blocks = {e.id: (e.num_gpu_blocks, e.num_cpu_blocks) for e in status.executors}
+        shared = len(blocks) == 2 and all(g > 0 for g, _ in blocks.values())
+        ok &= shared
+        emit("two_executors_at_0.4", ok=shared, executors=len(blocks),
+             num_gpu_blocks=[g for g, _ in blocks.values()],
+             num_cpu_blocks=[c for _, c in blocks.values()])
+        first = tally(client.stream_all(prompts, args.max_tokens), refs, args.bf16_tie)
+        ok &= first["ok"]
+        emit("bf16_equivalence", requests=len(prompts), max_tokens=args.max_tokens, **first)
+
+        killed: dict = {}
+
+        def kill_one() -> None:
+            running = {e.id: e.running for e in client.status().executors}
+            pids = server.executor_pids()
+            victim = max(pids, key=lambda eid: (running.get(eid, 0), eid))
+            killed.update(id=victim, pid=pids[victim], running=running.get(victim, 0))
+            os.kill(pids[victim], signal.SIGKILL)
+
+        before = metric_sum(server.metrics(), "pagedserve_migrations_total")
+        start = time.perf_counter()
+        second = tally(client.stream_all(prompts, args.max_tokens, on_first=kill_one), refs,
+                       args.bf16_tie)
+        migrated = metric_sum(server.metrics(), "pagedserve_migrations_total") - before
+        health = {e.id: e.healthy for e in client.status().executors}
+        survivor_free = client.wait_all_free()
+        mig_ok = (second["ok"] and migrated > 0 and health.get(killed.get("id")) is False
+                  and survivor_free)
+        ok &= mig_ok
+        emit("migration_sigkill", **{**second, "ok": mig_ok}, migrated=migrated,
+             killed=killed, healthy=health, survivor_blocks_free=survivor_free,
+             wall_s=round(time.perf_counter() - start, 2))
+        client.close()
+    return ok
+
+
+def check_fp32(args) -> bool:
+    prompts = make_prompts(args.per_length, args.lengths, args.prompt_vocab, seed=1)
+    refs = hf_references(args.model_dir, prompts, args.max_tokens, "float32", args.hf_device)
+    argv = serve_argv(args.model_dir, "--executors", "1", "--dtype", "float32",
+                      *device_args(args))
+    with ServeProcess(argv, Path(args.log_dir) / "fp32-exact.log") as server:
+        client = Client(server.address)
+        result = tally(client.stream_all(prompts, args.max_tokens), refs, args.fp32_tie)
+        client.close()
+    emit("fp32_equivalence", requests=len(prompts), max_tokens=args.max_tokens, **result)
+    return result["ok"]
+
+
+def check_preemption(args, mode: str) -> bool:
+    prompts = make_prompts(args.per_length, args.lengths, args.prompt_vocab, seed=2)
+    refs = hf_references(args.model_dir, prompts, args.max_tokens, "float32", args.hf_device)
+    block_size = 16
+    need = [-(-(len(p) + args.max_tokens) // block_size) for p in prompts]
+    # About 40% of what all requests hold at their peak, never less than the largest one.
+    num_blocks = max(max(need) + 2, int(0.4 * sum(need)))
+    swap = ["--swap-space", "0.5"] if mode == "swap" else ["--swap-space", "0"]
+    argv = serve_argv(args.model_dir, "--executors", "1", "--dtype", "float32",
+                      "--num-gpu-blocks", str(num_blocks), "--preemption-mode", mode, *swap,
+                      *device_args(args))
+    with ServeProcess(argv, Path(args.log_dir) / f"preempt-{mode}.log") as server:
+        client = Client(server.address)
+        result = tally(client.stream_all(prompts, args.max_tokens), refs, args.fp32_tie)
+        text = server.metrics()
+        counts = {m: metric_sum(text, "pagedserve_preemptions_total", mode=m)
+                  for m in ("swap", "recompute")}
+        free = client.wait_all_free()
+        status = client.status().executors[0]
+        cpu_free = status.num_free_cpu_blocks == status.num_cpu_blocks
+        client.close()
+    counted = counts[mode] > 0 and (mode == "swap" or counts["swap"] == 0)
+    ok = result["ok"] and counted and free and cpu_free
+    emit(f"preempt_{mode}", **{**result, "ok": ok}, requests=len(prompts),
+         num_gpu_blocks=num_blocks, blocks_needed=sum(need), preemptions=counts,
+         blocks_free_after=free, cpu_blocks_free_after=cpu_free)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("check", choices=["bf16-migration", "fp32-exact", "preempt-swap",
+                                      "preempt-recompute"])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--log-dir", default="cluster-logs")
+    ap.add_argument("--small", action="store_true", help="CPU executors, fewer requests")
+    ap.add_argument("--per-length", type=int, default=None, help="prompts per length group")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--bf16-tie", type=float, default=0.5,
+                    help="HF top-2 logit gap under which a first bf16 difference is a tie")
+    ap.add_argument("--fp32-tie", type=float, default=2e-3)
+    args = ap.parse_args(argv)
+    args.lengths = PROMPT_LENGTHS if not args.small else (13, 37)
+    args.per_length = args.per_length or (2 if args.small else 6)
+    args.max_tokens = args.max_tokens or (40 if args.small else 128)
+    args.hf_device = "cpu" if args.small else "cuda"
+    args.prompt_vocab = 500  # below the tiny tokenizer's size: ids that also decode
+    checks = {"bf16-migration": check_bf16_migration, "fp32-exact": check_fp32,
+              "preempt-swap": lambda a: check_preemption(a, "swap"),
+              "preempt-recompute": lambda a: check_preemption(a, "recompute")}
+    try:
+        ok = checks[args.check](args)
+    except Exception as exc:  # one line for the report, the traceback for the log
+        import traceback
+        traceback.print_exc()
+        emit(args.check.replace("-", "_"), ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+        return 1
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

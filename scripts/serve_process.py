@@ -1,0 +1,115 @@
+"""`pagedserve serve` as a child process for the GPU check and its benchmarks: started in a
+process group of its own with its output in a log file, ready once it prints its ready line
+(DESIGN §4), its executors' pids read from its log, stopped with SIGTERM then SIGKILL.
+
+The HTTP API is switched off (`--http-port -1`) where this checkout's CLI has the flag, so
+several servers (and the router's default port 8000) never collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
+STARTED = re.compile(r"started executor (\S+) \(pid (\d+)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_off_args() -> list[str]:
+    """`--http-port -1` once the CLI knows the flag (the HTTP API is being added)."""
+    import pagedserve.flags as flags
+
+    source = Path(flags.__file__).read_text()
+    return ["--http-port", "-1"] if "--http-port" in source else []
+
+
+def serve_argv(model_dir: str | Path, *extra: str) -> list[str]:
+    """`serve` on loopback with every port chosen free, plus `extra` flags."""
+    return ["serve", "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
+            "--executor-bind", f"tcp://127.0.0.1:{free_port()}", *http_off_args(), *extra]
+
+
+class ServeProcess:
+    def __init__(self, argv: list[str], log_path: str | Path, env: dict | None = None) -> None:
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.metrics_address = ""
+
+    def start(self, timeout_s: float = 300.0) -> ServeProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedserve.cli", *self.argv], stdout=log,
+                stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = READY.search(self.log())
+            if m:
+                self.address, self.metrics_address = m.group(1), m.group(2)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"pagedserve serve did not get ready:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def executor_pids(self) -> dict[str, int]:
+        """Executor id -> pid of each child `serve` started (from its log)."""
+        return {m.group(1): int(m.group(2)) for m in STARTED.finditer(self.log())}
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (the server drains), then SIGKILL to the whole group."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stray executors too
+        return self.proc.wait()
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

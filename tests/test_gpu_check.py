@@ -1,0 +1,190 @@
+"""The GPU check's bookkeeping on CPU (scripts/gpu_check.py, gpu_check.sh, gpu_wheels.py):
+argument parsing, which stage runs next, what a dry run records, steps run with their
+output read back (benchmark lines, pytest counts, a failure, a timeout), the report merged
+across stages, a seed report and a corrupt one. Steps are replaced by tiny Python commands:
+nothing here needs CUDA, a model or the network."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402
+import gpu_wheels  # noqa: E402
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _line(**record) -> str:
+    return f"print({json.dumps(json.dumps(record))})"
+
+
+ENV = _line(bench="gpu_check", case="env", ok=True, torch="2.11.0", device="FakeGPU")
+BENCH = _line(bench="kernels_bench", case="decode/b1", latency_us_p50=12.5, copy_bw_ratio=0.9)
+PYTEST = ("print('tests/test_k.py ...F'); print('FAILED tests/test_k.py::test_x - boom'); "
+          "print('1 failed, 3 passed, 2 skipped in 0.50s'); raise SystemExit(1)")
+
+
+def _fake_plan(steps_by_stage):
+    def plan(name, ctx):
+        return steps_by_stage[name]
+    return plan
+
+
+def _run(tmp_path, *args) -> int:
+    return gpu_check.main([str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"),
+                           "--site", "none", *args])
+
+
+def _report(tmp_path) -> dict:
+    return json.loads((tmp_path / "out" / gpu_check.REPORT).read_text())
+
+
+def test_arguments_and_next_stage():
+    args = gpu_check.parse_args(["out"])
+    assert (args.stage, args.dry_run, args.small, args.budget_s) == (None, False, False, 540.0)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["out", "--stage", "nope"])
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args([])
+    stages = {"kernels": {"status": "failed"}, "executor": {"status": "running"},
+              "cluster": {"status": "passed"}}
+    # A failed stage has run; one left running (a call cut off) or a dry run has not.
+    assert gpu_check.next_stage({"stages": stages}) == "executor"
+    stages["executor"]["status"] = "dry-run"
+    assert gpu_check.next_stage({"stages": stages}) == "executor"
+    stages["executor"]["status"] = "passed"
+    assert gpu_check.next_stage({"stages": stages}) == "throughput"
+    stages["throughput"] = {"status": "passed"}
+    assert gpu_check.next_stage({"stages": stages}) is None
+
+
+def test_dry_run_records_every_stage_and_runs_nothing(tmp_path, capsys):
+    for stage in gpu_check.STAGES:
+        assert _run(tmp_path, "--dry-run", "--stage", stage) == 0
+    report = _report(tmp_path)
+    assert list(report["stages"]) == list(gpu_check.STAGES)
+    for stage, entry in report["stages"].items():
+        assert entry["status"] == "dry-run"
+        assert list(entry["steps"])[0] == "env"
+        for step in entry["steps"].values():
+            assert step["status"] == "dry-run"
+            scripts = [Path(a) for a in step["argv"] if a.endswith(".py")]
+            assert scripts and all(p.is_file() for p in scripts), (stage, step["argv"])
+    kernels = report["stages"]["kernels"]["steps"]
+    assert "gpu" in kernels["pytest_gpu"]["argv"]
+    assert str(ROOT / "tests" / "test_kernels_gpu.py") in kernels["pytest_gpu"]["argv"]
+    assert report["stages"]["kernels"]["env"]["PAGEDSERVE_HTTP_PORT"] == "-1"
+    assert not (tmp_path / "out" / "kernels.log").exists()
+    # Dry runs do not count as done: with no --stage the first stage comes again.
+    capsys.readouterr()
+    assert _run(tmp_path, "--dry-run") == 0
+    assert "[kernels] would run pytest_gpu" in capsys.readouterr().out
+
+
+def test_steps_run_results_read_back_and_stages_merged(tmp_path, monkeypatch, capsys):
+    plan = {
+        "kernels": [
+            gpu_check.Step("env", _py(ENV), 20, required=True),
+            gpu_check.Step("bench", _py(BENCH + "; print('not json {'); print('{\"x\": 1}')"), 20),
+            gpu_check.Step("pytest_gpu", _py(PYTEST), 20, reads="pytest"),
+            gpu_check.Step("slow", _py("import time; print('started', flush=True); "
+                                       "time.sleep(30)"), 0.5),
+        ],
+        "executor": [gpu_check.Step("env", _py(ENV), 20, required=True),
+                     gpu_check.Step("bench", _py(BENCH), 20)],
+    }
+    monkeypatch.setattr(gpu_check, "plan_stage", _fake_plan(plan))
+    assert _run(tmp_path, "--stage", "kernels") == 1
+    out = capsys.readouterr().out
+    assert "== kernels: FAILED" in out and "1 failed, 3 passed, 2 skipped" in out
+    entry = _report(tmp_path)["stages"]["kernels"]
+    steps = entry["steps"]
+    assert entry["status"] == "failed" and entry["wall_s"] < 15
+    assert steps["env"]["status"] == "passed"
+    assert steps["bench"]["records"] == [{"bench": "kernels_bench", "case": "decode/b1",
+                                          "latency_us_p50": 12.5, "copy_bw_ratio": 0.9}]
+    assert steps["pytest_gpu"]["status"] == "failed" and steps["pytest_gpu"]["rc"] == 1
+    assert steps["pytest_gpu"]["pytest"] == {"failed": 1, "passed": 3, "skipped": 2}
+    assert steps["pytest_gpu"]["failures"] == ["FAILED tests/test_k.py::test_x - boom"]
+    assert steps["slow"]["status"] == "timeout" and steps["slow"]["wall_s"] < 10
+    assert steps["slow"]["tail"] == ["started"]
+    assert _report(tmp_path)["env"] == {"ok": True, "torch": "2.11.0", "device": "FakeGPU"}
+    log = (tmp_path / "out" / "kernels.log").read_text()
+    assert "=== pytest_gpu:" in log and "=== slow: timeout" in log and "== kernels: FAILED" in log
+
+    # No --stage: kernels has run (failed), so executor is next; kernels stays in the report.
+    assert _run(tmp_path) == 0
+    report = _report(tmp_path)
+    assert report["stages"]["executor"]["status"] == "passed"
+    assert report["stages"]["kernels"]["steps"]["pytest_gpu"]["pytest"]["passed"] == 3
+    assert gpu_check.next_stage(report) == "cluster"
+    capsys.readouterr()
+    assert _run(tmp_path, "--list") == 0
+    listing = capsys.readouterr().out
+    assert "kernels      failed" in listing and "cluster      -" in listing
+
+
+def test_required_step_failure_and_spent_budget_leave_steps_not_run(tmp_path, monkeypatch):
+    plan = {"cluster": [gpu_check.Step("env", _py("raise SystemExit(3)"), 20, required=True),
+                        gpu_check.Step("check", _py(BENCH), 20)],
+            "throughput": [gpu_check.Step("bench", _py(BENCH), 20)]}
+    monkeypatch.setattr(gpu_check, "plan_stage", _fake_plan(plan))
+    assert _run(tmp_path, "--stage", "cluster") == 1
+    steps = _report(tmp_path)["stages"]["cluster"]["steps"]
+    assert (steps["env"]["status"], steps["env"]["rc"]) == ("failed", 3)
+    assert steps["check"]["status"] == "not-run"
+    assert _run(tmp_path, "--stage", "throughput", "--budget-s", "0") == 1
+    step = _report(tmp_path)["stages"]["throughput"]["steps"]["bench"]
+    assert step == {"argv": plan["throughput"][0].argv, "status": "not-run",
+                    "error": "stage budget spent"}
+
+
+def test_seed_report_and_corrupt_report(tmp_path, monkeypatch):
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"version": 1, "env": {"torch": "2.11.0"},
+                                "stages": {"kernels": {"status": "passed", "steps": {}}}}))
+    monkeypatch.setattr(gpu_check, "plan_stage",
+                        _fake_plan({"executor": [gpu_check.Step("bench", _py(BENCH), 20)]}))
+    assert _run(tmp_path, "--seed-report", str(seed)) == 0
+    report = _report(tmp_path)
+    assert report["stages"]["kernels"]["status"] == "passed"
+    assert report["stages"]["executor"]["status"] == "passed"
+    assert report["env"] == {"torch": "2.11.0"}
+
+    monkeypatch.undo()  # the real plans again
+    path = tmp_path / "out" / gpu_check.REPORT
+    path.write_text("{ cut off")
+    assert _run(tmp_path, "--dry-run") == 0
+    assert (tmp_path / "out" / "gpu_report.json.corrupt").read_text() == "{ cut off"
+    assert list(_report(tmp_path)["stages"]) == ["kernels"]
+
+
+def test_shell_wrapper(tmp_path):
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
+    usage = subprocess.run(["bash", script], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+    done = subprocess.run(["bash", script, str(tmp_path / "o"), "--stage", "cluster",
+                           "--dry-run", "--work-dir", str(tmp_path / "w")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "[cluster] would run bf16_migration" in done.stdout
+
+
+def test_wheel_selection():
+    names = gpu_wheels.first_names(ROOT / "pyproject.toml")
+    for name in ("pyzmq", "msgspec", "grpcio-health-checking", "grpcio-reflection", "gguf",
+                 "grpcio", "protobuf"):
+        assert name in names
+    for name in ("torch", "transformers", "triton", "numpy", "jinja2", "aiohttp"):
+        assert name not in names
+    assert len(set(names)) == len(names)
