@@ -41,7 +41,9 @@ counters (they count a recompute-preempted request's re-admission again); TTFT p
 (first arrival to last finish); `busy_ratio` = executor busy time / (executors x run);
 preemptions; `left_cache_ratio`: requests routed to an executor that held less of the
 prompt in its cache than another did at that moment (`left_cache_tokens_ratio`: the cached
-tokens given up that way / prompt tokens: why a policy's hit ratio falls short). One JSON line
+tokens given up that way / prompt tokens: why a policy's hit ratio falls short);
+`executors_per_tenant`: distinct executors a tenant's requests (a chat's turns) went to, mean
+over tenants (chats). One JSON line
 per (workload, policy), one `targets` line per workload (issue 14's
 simulator targets), then one table on stderr.
 
@@ -204,6 +206,7 @@ class Turn:
     prompt: list[int]  # chats: the new user message only, the history is added on arrival
     max_tokens: int
     chat: Chat | None = None
+    tenant: int = 0  # chats: the chat's id
 
 
 @dataclass
@@ -248,7 +251,7 @@ def build_arrivals(w: Workload, seed: int) -> tuple[list[Turn], list[Chat]]:
                         think_s=[float(rng.exponential(w.think_s)) for _ in range(n)],
                         chat_id=c)
             chats.append(chat)
-            turns.append(Turn(t, f"c{c}.0", [], chat.outputs[0], chat))
+            turns.append(Turn(t, f"c{c}.0", [], chat.outputs[0], chat, c))
         return turns, chats
     if w.kind == "bursty":
         # Every tenant gets bursts in turn order shuffled; requests of a burst arrive at once.
@@ -258,7 +261,8 @@ def build_arrivals(w: Workload, seed: int) -> tuple[list[Turn], list[Chat]]:
         for tenant in order.tolist():
             t += float(rng.exponential(w.burst / rate))
             for _ in range(w.burst):
-                turns.append(Turn(t, f"r{i}", systems[tenant] + question(), out_len()))
+                turns.append(Turn(t, f"r{i}", systems[tenant] + question(), out_len(),
+                                  tenant=tenant))
                 i += 1
         return turns[: w.num_requests], chats
     tenants = rng.choice(w.tenants, size=w.num_requests, p=weights)
@@ -266,7 +270,8 @@ def build_arrivals(w: Workload, seed: int) -> tuple[list[Turn], list[Chat]]:
         tenants = rng.permutation(np.resize(np.arange(w.tenants), w.num_requests))
     for i, tenant in enumerate(tenants.tolist()):
         t += float(rng.exponential(1.0 / rate))
-        turns.append(Turn(t, f"r{i}", systems[tenant] + question(), out_len()))
+        turns.append(Turn(t, f"r{i}", systems[tenant] + question(), out_len(),
+                          tenant=tenant))
     return turns, chats
 
 
@@ -391,6 +396,7 @@ class Record:
     finish: float | None = None
     cached: int = 0
     output: list[int] = field(default_factory=list)
+    tenant: int = 0
 
 
 class Simulation:
@@ -529,7 +535,8 @@ class Simulation:
             if restore is not None:
                 engine.place = restore
         group = engine.live[turn.request_id]
-        self.records[turn.request_id] = Record(turn.request_id, now, prompt, group.executor_id)
+        self.records[turn.request_id] = Record(turn.request_id, now, prompt, group.executor_id,
+                                               tenant=turn.tenant)
         chosen = held[[h.id for h in self.handles].index(group.executor_id)]
         if chosen < max(held):
             self.num_left_cache += 1
@@ -560,7 +567,8 @@ class Simulation:
                 if chat.next_turn < len(chat.messages):
                     k = chat.next_turn
                     self.push(self.clock.now + chat.think_s[k - 1], "arrival",
-                              Turn(0.0, f"c{chat.chat_id}.{k}", [], chat.outputs[k], chat))
+                              Turn(0.0, f"c{chat.chat_id}.{k}", [], chat.outputs[k], chat,
+                                   chat.chat_id))
 
     # ---------------------------------------------------------------- figures
 
@@ -579,6 +587,9 @@ class Simulation:
         busy = sum(ex.busy_s for ex in self.executors.values())
         bound = infinite_bound(recs)
         per_exec = [sum(1 for r in recs if r.executor == h.id) for h in self.handles]
+        spread: dict[int, set] = {}
+        for r in recs:
+            spread.setdefault(r.tenant, set()).add(r.executor)
         return dict(
             requests=len(recs), completed=len(done), prompt_tokens=prompt_tokens,
             cached_tokens=cached, hit_ratio=round(cached / max(prompt_tokens, 1), 4),
@@ -594,6 +605,7 @@ class Simulation:
             preemptions=preemptions, requests_per_executor=per_exec,
             left_cache_ratio=round(self.num_left_cache / max(len(recs), 1), 4),
             left_cache_tokens_ratio=round(self.left_cache_tokens / max(prompt_tokens, 1), 4),
+            executors_per_tenant=round(sum(map(len, spread.values())) / max(len(spread), 1), 3),
         )
 
 
@@ -709,7 +721,8 @@ def main(argv=None) -> int:
 def print_table(lines, target_rows) -> None:
     """One table: every workload and policy; then the targets per workload."""
     head = (f"{'workload':<16} {'policy':<13} {'hit':>6} {'of bound':>8} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'out tok/s':>9} {'busy':>5} {'preempt':>7} {'left':>5}")
+            f"{'TTFT p99':>9} {'out tok/s':>9} {'busy':>5} {'preempt':>7} {'left':>5} "
+            f"{'spread':>6}")
     out = [head, "-" * len(head)]
     last = None
     bound = 1.0
@@ -725,7 +738,7 @@ def print_table(lines, target_rows) -> None:
                    f"{f['hit_ratio'] / max(bound, 1e-9):>8.2f} {f['ttft_ms_p50']:>9.1f} "
                    f"{f['ttft_ms_p99']:>9.1f} {f['output_tok_per_s']:>9.0f} "
                    f"{f['busy_ratio']:>5.2f} {f['preemptions']:>7} "
-                   f"{f['left_cache_ratio']:>5.2f}")
+                   f"{f['left_cache_ratio']:>5.2f} {f['executors_per_tenant']:>6.2f}")
     if target_rows:
         out += ["", f"{'prefix routing':<16} {'best hit':>8} {'best p50':>8} {'p50/best':>8} "
                     f"{'fits':>5} {'>=0.9 bound':>11} {'p99/LL':>7} {'met':>4}"]
