@@ -1,16 +1,20 @@
 """`pagedserve bench`: a load generator against a running router (like `vllm bench serve`).
 
-    pagedserve bench --address HOST:PORT [--metrics-address HOST:PORT]
+    pagedserve bench --address HOST:PORT [--backend grpc|openai] [--metrics-address HOST:PORT]
                      [--dataset random|shared-prefix|file] [--num-prompts N]
                      [--request-rate R|inf] [--burstiness B] [--max-concurrency C] [--json]
 
 Flow: build the request list (`sample_requests`, seeded) → send each over a gRPC `Stream`
+(or, with `--backend openai`, a streamed POST /v1/completions: the same workload against
+pagedserve's HTTP API or any OpenAI-compatible server such as vLLM, SGLang or TGI)
 at its arrival time (Poisson with a gamma burstiness factor, vLLM's definition, or all at
 once) under an optional concurrency cap → record per request the time of every
 token-bearing chunk → summarise (`summarise`). Latencies are measured here, at the client:
 
 - TTFT: request sent → first chunk that carries tokens;
-- ITL: gaps between token-bearing chunks; a chunk with k tokens counts k gaps of gap / k;
+- ITL: gaps between token-bearing chunks; a chunk with k tokens counts k gaps of gap / k
+  (openai: an SSE chunk carries no token count, so each text chunk counts as one token, as
+  vLLM's client counts; output tokens come from the final usage chunk);
 - TPOT: (e2e - TTFT) / (output tokens - 1), per request with more than one token;
 - e2e: request sent → stream ended.
 
@@ -35,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 DATASETS = ("random", "shared-prefix", "file")
+BACKENDS = ("grpc", "openai")
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class BenchConfig:
     ignore_eos: bool = True
     progress: bool = True
     timeout_s: float | None = None
+    backend: str = "grpc"
+    vocab_size: int | None = None  # openai: the token-id range of random prompts
+    model: str | None = None  # openai: the model id (default: the server's first)
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,6 +215,63 @@ async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
     return out
 
 
+def _openai_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict:
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
+            "seed": cfg.seed, "ignore_eos": cfg.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body["prompt"] = list(req.prompt_token_ids) if req.prompt_token_ids is not None \
+        else req.prompt
+    return body
+
+
+async def _one_openai(http, req: BenchRequest, cfg: BenchConfig, model: str) -> RequestOutcome:
+    """One streamed POST /v1/completions; times every chunk that carries text."""
+    import aiohttp
+    out = RequestOutcome(prompt_tokens=req.prompt_len)
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with http.post("/v1/completions", json=_openai_body(req, cfg, model)) as reply:
+            if reply.status != 200:
+                body = await reply.text()
+                out.error = f"HTTP {reply.status}: {body[:200]}"
+                return out
+            async for raw in reply.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.error = str(chunk["error"].get("message", chunk["error"]))
+                    return out
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if last is None:
+                            out.ttft_s = now - start
+                        else:
+                            out.itl_s.append(now - last)
+                        last = now
+                        chunks += 1
+                    if choice.get("finish_reason") == "abort":
+                        out.finish_reason = 3  # as the gRPC enum's ABORT
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
+                    out.output_tokens = usage.get("completion_tokens", chunks)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_prompt_tokens = details.get("cached_tokens") or 0
+        out.e2e_s = time.perf_counter() - start
+        out.output_tokens = out.output_tokens or chunks
+        out.ok = last is not None
+        if not out.ok:
+            out.error = "no tokens"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Metrics and summary
 
@@ -277,6 +342,8 @@ def summarise(outcomes: list[RequestOutcome], duration_s: float,
 
 async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None) -> dict:
     """Run the workload against cfg.address; returns the summary dict (no bench/case keys)."""
+    if cfg.backend == "openai":
+        return await _run_openai(cfg, requests)
     import grpc
 
     from .protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -288,39 +355,61 @@ async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None
                                        wait_for_ready=True)
         if requests is None:
             requests = sample_requests(cfg, info.vocab_size)
-        delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
-        before = read_prefix_counters(cfg.metrics_address) if cfg.metrics_address else None
-        limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = None
-        if cfg.progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(requests), desc="requests", file=sys.stderr,
-                       dynamic_ncols=True)
+        return await _drive(cfg, requests, lambda req: _one(stub, req, cfg))
 
-        async def guarded(req: BenchRequest) -> RequestOutcome:
-            if limit is None:
-                out = await _one(stub, req, cfg)
-            else:
-                async with limit:
-                    out = await _one(stub, req, cfg)
-            if bar is not None:
-                bar.update(1)
-            return out
 
-        start = time.perf_counter()
-        tasks = []
-        for req, delay in zip(requests, delays, strict=True):
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(guarded(req)))
-        outcomes = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - start
+async def _run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> dict:
+    import aiohttp
+    base = cfg.address if "://" in cfg.address else f"http://{cfg.address}"
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
+    async with aiohttp.ClientSession(base, timeout=timeout, connector=connector) as http:
+        model = cfg.model
+        if model is None:
+            async with http.get("/v1/models") as reply:
+                models = (await reply.json())["data"]
+            model = models[0]["id"]
+        if requests is None:
+            if cfg.dataset != "file" and cfg.vocab_size is None:
+                raise ValueError("--backend openai with token-id prompts needs --vocab-size")
+            requests = sample_requests(cfg, cfg.vocab_size or 0)
+        return await _drive(cfg, requests, lambda req: _one_openai(http, req, cfg, model))
+
+
+async def _drive(cfg: BenchConfig, requests: list[BenchRequest], send) -> dict:
+    """Send each request at its arrival time under the concurrency cap; summarise."""
+    delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    before = read_prefix_counters(cfg.metrics_address) if cfg.metrics_address else None
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), desc="requests", file=sys.stderr, dynamic_ncols=True)
+
+    async def guarded(req: BenchRequest) -> RequestOutcome:
+        if limit is None:
+            out = await send(req)
+        else:
+            async with limit:
+                out = await send(req)
         if bar is not None:
-            bar.close()
-        prefix = None
-        if before is not None:
-            after = read_prefix_counters(cfg.metrics_address)
-            prefix = (after[0] - before[0], after[1] - before[1])
+            bar.update(1)
+        return out
+
+    start = time.perf_counter()
+    tasks = []
+    for req, delay in zip(requests, delays, strict=True):
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(guarded(req)))
+    outcomes = await asyncio.gather(*tasks)
+    duration_s = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    prefix = None
+    if before is not None:
+        after = read_prefix_counters(cfg.metrics_address)
+        prefix = (after[0] - before[0], after[1] - before[1])
     return summarise(list(outcomes), duration_s, prefix)
 
 
@@ -363,7 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = P(prog="pagedserve bench", description="Load generator: streams requests to a "
           "router and reports throughput, TTFT, TPOT, ITL, e2e latency and prefix hits.")
-    p.add_argument("--address", default="127.0.0.1:50051", help="router gRPC HOST:PORT")
+    p.add_argument("--address", default=None,
+                   help="router gRPC HOST:PORT (default 127.0.0.1:50051); with --backend "
+                        "openai the HTTP server's HOST:PORT or URL (default 127.0.0.1:8000)")
+    p.add_argument("--backend", choices=BACKENDS, default="grpc",
+                   help="grpc: pagedserve's Stream; openai: streamed POST /v1/completions "
+                        "(pagedserve's HTTP API or another OpenAI-compatible server)")
+    p.add_argument("--model", default=None,
+                   help="openai: the model id (default: the first of GET /v1/models)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="openai: random token-id prompts are drawn below this id")
     p.add_argument("--metrics-address", default=None,
                    help="router metrics HOST:PORT (prefix-cache hit rate before/after)")
     p.add_argument("--dataset", choices=DATASETS, default="random")
@@ -399,8 +497,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     num_prompts = args.num_prompts
     if args.dataset == "shared-prefix":
         num_prompts = args.tenants * args.questions_per_tenant
+    address = args.address or ("127.0.0.1:8000" if args.backend == "openai"
+                               else "127.0.0.1:50051")
     return BenchConfig(
-        address=args.address, metrics_address=args.metrics_address, dataset=args.dataset,
+        address=address, backend=args.backend, model=args.model, vocab_size=args.vocab_size,
+        metrics_address=args.metrics_address, dataset=args.dataset,
         num_prompts=num_prompts, seed=args.seed, input_len_range=args.input_len_range,
         output_len_range=args.output_len_range, tenants=args.tenants,
         prefix_len=args.prefix_len, questions_per_tenant=args.questions_per_tenant,
@@ -430,7 +531,7 @@ def main(argv: list[str]) -> int:
         print(f"pagedserve bench: cannot reach {cfg.address}: {exc.code().name}",
               file=sys.stderr)
         return 1
-    res = {"bench": "pagedserve_bench", "case": cfg.dataset,
+    res = {"bench": "pagedserve_bench", "case": cfg.dataset, "backend": cfg.backend,
            "request_rate_req_per_s": None if math.isinf(cfg.request_rate) else cfg.request_rate,
            "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
            "num_prompts": cfg.num_prompts, **res}

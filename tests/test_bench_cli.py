@@ -27,9 +27,9 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _bench(cluster, *args: str) -> dict:
+def _bench(cluster, *args: str, address: str | None = None) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedserve.cli", "bench", "--address", cluster.address,
+        [sys.executable, "-m", "pagedserve.cli", "bench", "--address", address or cluster.address,
          "--metrics-address", cluster.metrics_address, "--json", *args],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -65,6 +65,23 @@ def test_shared_prefix_dataset_hits_cache(cluster):
     assert res["total_input_tokens"] == 6 * 72
     assert res["prefix_hit_ratio"] > 0.4
     assert res["prefix_cache_queries_tokens"] == 6 * 72
+
+
+def test_openai_backend_runs_the_same_workload_over_http(cluster):
+    """--backend openai: the shared-prefix workload as streamed /v1/completions (token-id
+    prompts) gives the same token counts and cache hits as over gRPC."""
+    res = _bench(cluster, "--backend", "openai", "--vocab-size", "512",
+                 "--dataset", "shared-prefix", "--tenants", "2", "--prefix-len", "64",
+                 "--questions-per-tenant", "3", "--question-len", "8",
+                 "--output-len-range", "4:4", "--max-concurrency", "1", "--seed", "5",
+                 address=cluster.http_address)
+    assert res["backend"] == "openai" and res["completed"] == 6
+    assert res["total_output_tokens"] == 24 and res["total_input_tokens"] == 6 * 72
+    assert res["prefix_hit_ratio"] > 0.4 and res["cached_prompt_tokens"] > 0
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "--backend", "openai",
+                          "--address", cluster.http_address, "--num-prompts", "1", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--vocab-size" in bad.stderr
 
 
 def test_file_dataset(cluster, tmp_path):
