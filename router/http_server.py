@@ -186,19 +186,15 @@ class OpenAIApp:
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                      "Cache-Control": "no-cache"})
                 await stream.prepare(request)
-                for chunk in writer.first_chunks():
-                    await _send(stream, chunk)
+                await _send(stream, writer.first_chunks())
                 async for i, out in _merge(sessions):
-                    for chunk in writer.chunks(i, out):
-                        await _send(stream, chunk)
+                    await _send(stream, writer.chunks(i, out))  # one write per output
         except PagedServeError as exc:  # counted by the session it ended
             if stream is None:
                 return error_response(exc)
-            for chunk in writer.failure_chunks(exc):  # the stream had started
-                await _send(stream, chunk)
-        if api.include_usage:
-            await _send(stream, writer.usage_chunk())
-        await stream.write(b"data: [DONE]\n\n")
+            await _send(stream, writer.failure_chunks(exc))  # the stream had started
+        last = [writer.usage_chunk()] if api.include_usage else []
+        await _send(stream, last, done=True)
         await stream.write_eof()
         return stream
 
@@ -214,8 +210,13 @@ class OpenAIApp:
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
 
 
-async def _send(stream: web.StreamResponse, chunk: dict) -> None:
-    await stream.write(b"data: " + _encode(chunk) + b"\n\n")
+async def _send(stream: web.StreamResponse, chunks: list[dict], done: bool = False) -> None:
+    """Server-sent events for `chunks` (and the closing `[DONE]`), in one write."""
+    events = [b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks]
+    if done:
+        events.append(b"data: [DONE]\n\n")
+    if events:
+        await stream.write(b"".join(events))
 
 
 async def _read_json(request: web.Request) -> dict:
