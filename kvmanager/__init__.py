@@ -6,8 +6,9 @@ request's blocks until one side writes (copy-on-write) and moves requests betwee
 device pool ("gpu") and the CPU swap pool. Modules: `block_pool` (Block, the intrusive free
 queue, one pool per device), `hashing` (chained block hashes), `manager` (KVCacheManager: its
 state and the step boundary; its other methods live along its seams in `prefix` (lookup,
-pins, prefix registration), `allocation`, `swap` and `accounting` (stats, invariants), with
-the shared records in `state`).
+pins, prefix registration), `intents` (intended prefixes: blocks live requests will
+compute, visible before they are cached), `allocation`, `swap` and `accounting` (stats,
+invariants), with the shared records in `state`).
 
 Usage, per executor::
 
@@ -18,6 +19,8 @@ Usage, per executor::
     hashes = mgr.hash_blocks(prompt_ids, cache_salt=salt)     # keep it with the request
     hit = mgr.lookup(prompt_ids, hashes, cache_salt=salt)     # .block_ids, .num_tokens
     hit = mgr.pin(req_id, hit)                                # may shorten it (pin cap)
+    mgr.intend(req_id, prompt_ids, hashes, salt, order=key)   # its prefix, visible now
+    more = mgr.intended_tokens(other_ids, other_hashes, salt, len(other_hit))  # past a hit
     # one step
     mgr.begin_step()                                          # before scheduling
     new = mgr.allocate(req_id, prompt_ids, len(prompt_ids) - hit.num_tokens,
@@ -54,6 +57,10 @@ Rules the caller relies on:
   the request's next allocate (chaining through the old entries when those still exist).
 - Pins hold references (the blocks count as used); together at most
   `max_pinned_fraction` of the device blocks. Release them before preempting anything.
+- Intents hold no block: they only make uncached blocks a live request will compute
+  visible (`intended_tokens`). A block leaves the intended index when it registers; an
+  intent is released when its request is scheduled through its end, freed, swapped out or
+  `drop_intent` is called.
 """
 
 from .block_pool import Block, BlockPool, KVEvent

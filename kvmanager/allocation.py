@@ -173,12 +173,14 @@ def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, blo
     self._reqs[request_id] = req
     self.prefix_query_tokens += len(token_ids)
     self.prefix_hit_tokens += hit.num_tokens
+    # Intended prefixes (intents.py): from now on the request intends exactly the blocks it
+    # computes, those past its hit (some may have been evicted since it intended them); a
+    # chunked prefill without an intent intends its later chunks.
     intent = self._intents.get(request_id)
     if intent is not None:
-        req.intent = intent
+        self._add_intent(request_id, intent.token_ids, block_hashes, cache_salt, intent.order,
+                         len(hit_ids))
     elif num_tokens < len(token_ids) and self.enable_prefix_caching:
-        # A chunked prefill: its later chunks are intended (intents.py), so routing and
-        # other admissions see them before they are scheduled.
         self._add_intent(request_id, token_ids, block_hashes, cache_salt, (), len(hit_ids))
     if self.enable_prefix_caching or req.intent is not None:
         self._note_full_blocks(request_id, req, token_ids)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..kvmanager import EMPTY_HIT, KVCacheManager, PrefixHit
+from ..kvmanager import KVCacheManager, PrefixHit
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")
@@ -111,6 +111,9 @@ class Scheduler:
         and later admissions see the prefix it will compute before it runs."""
         group.status = GroupStatus.WAITING
         bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
+        self._intend(group)
+
+    def _intend(self, group: RequestGroup) -> None:
         seqs = group.active_seqs()
         if seqs:
             seq = seqs[0]
@@ -342,14 +345,16 @@ class Scheduler:
         log.debug("preempted %s by recompute", group.request_id)
 
     def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
-        """Bring in swapped and waiting groups in order until one does not fit."""
+        """Bring in swapped and waiting groups in order until one does not fit; a waiting
+        group that waits for its prefix (`_admit_waiting`) is passed over, not a stop."""
         kv = self.kv
         cfg = self.config
-        while (self.swapped or self.waiting) and budget > 0:
+        w = 0  # index of the next waiting group (those before it wait for their prefix)
+        while (self.swapped or w < len(self.waiting)) and budget > 0:
             take_swapped = bool(self.swapped) and (
-                not self.waiting or self.swapped[0].sort_key <= self.waiting[0].sort_key
+                w >= len(self.waiting) or self.swapped[0].sort_key <= self.waiting[w].sort_key
             )
-            group = self.swapped[0] if take_swapped else self.waiting[0]
+            group = self.swapped[0] if take_swapped else self.waiting[w]
             if group.has_pending:  # preempted with a token in flight: wait for it, in order
                 return
             seqs = group.active_seqs()
@@ -362,7 +367,10 @@ class Scheduler:
                 self.swapped.pop(0)
                 scheduled = []
                 for seq in seqs:
-                    num_new = min(seq.num_uncomputed, budget)
+                    remaining = seq.num_uncomputed
+                    if not group.forked:  # sample 0 of n > 1 stops before the last token
+                        remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+                    num_new = min(remaining, budget)
                     if num_new <= 0:
                         continue
                     if kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
@@ -371,9 +379,12 @@ class Scheduler:
                     budget -= num_new
             else:
                 scheduled = self._admit_waiting(group, budget)
+                if scheduled is _WAITS_FOR_PREFIX:
+                    w += 1
+                    continue
                 if scheduled is None:
                     return
-                self.waiting.pop(0)
+                self.waiting.pop(w)
                 budget -= sum(n for _, n in scheduled)
             group.status = GroupStatus.RUNNING
             bisect.insort(self.running, group, key=lambda g: g.sort_key)
@@ -382,28 +393,62 @@ class Scheduler:
                     self._commit(seq, num_new, out)
             num_seqs += len(seqs)
 
-    def _admit_waiting(self, group: RequestGroup, budget: int) -> list | None:
-        """Allocate a waiting group's samples (all or nothing); None when they don't fit."""
+    def _admit_waiting(self, group: RequestGroup, budget: int) -> list | object | None:
+        """Allocate a waiting group's samples (all or nothing); None when they don't fit,
+        `_WAITS_FOR_PREFIX` when it waits for blocks of its prefix being computed here.
+
+        Prefill dedup. Past its cached prefix, the blocks of the prompt that another request
+        here intends to compute (`KVCacheManager.intended_tokens`) are not computed twice
+        when that request computes them first: it is admitted (running: scheduled before
+        any admission, every step) or waiting ahead of this group in (priority, arrival)
+        order (admitted before it). Either way those blocks are ready no later than this
+        group could compute them itself, so it waits: it is passed over (the groups behind
+        it are still admitted), keeps its place, and pins what is cached of its prompt so
+        far (pins stay under `max_pinned_fraction`). Each step it looks again; once nothing
+        past its cached prefix is intended ahead of it (the blocks registered when their
+        plan was sent; or the request computing them ended, was preempted or moved away,
+        which releases its intent), it is admitted with an ordinary lookup: the waited-for
+        tokens are cache hits (`cached_prompt_tokens`, the prefix hit counters), and what is
+        still missing it computes itself."""
         kv = self.kv
         salt = group.spec.cache_salt or None
+        seqs = group.active_seqs()
+        first = seqs[0]
+        kv.hash_blocks(first.token_ids, salt, first.block_hashes)
+        hit = kv.lookup(first.token_ids, first.block_hashes, salt)
+        waits_for = kv.intended_tokens(first.token_ids, first.block_hashes, salt, len(hit),
+                                       before=group.sort_key, exclude=first.seq_id)
+        group.prefix_wait_tokens = waits_for
+        if waits_for:
+            pinned = kv.pinned(first.seq_id)
+            if len(hit) > (len(pinned) if pinned is not None else 0):
+                group.pinned_tokens = kv.pin(first.seq_id, hit).num_tokens
+            return _WAITS_FOR_PREFIX
         done: list[tuple[Sequence, int]] = []
-        for seq in group.active_seqs():
+        for seq in seqs:
             target = len(seq.token_ids)
             if not group.forked:  # sample 0 of an n > 1 group stops before the last token
                 target = seq.num_prompt_tokens - 1
-            kv.hash_blocks(seq.token_ids, salt, seq.block_hashes)
-            hit = kv.pinned(seq.seq_id) or EMPTY_HIT
-            if not hit.block_ids:
+            if seq is not first:
+                kv.hash_blocks(seq.token_ids, salt, seq.block_hashes)
                 hit = kv.lookup(seq.token_ids, seq.block_hashes, salt)
+            pinned = kv.pinned(seq.seq_id)
+            if pinned is not None and len(pinned) < len(hit):
+                kv.unpin(seq.seq_id)  # more of it is cached now than was pinned
             hit = _clip_hit(hit, target, kv.block_size)
             num_new = max(0, min(target - hit.num_tokens, budget))
-            if (num_new == 0 and target > hit.num_tokens) or kv.allocate(
+            # No budget left: the group waits, unless the first sample got its tokens (the
+            # others, e.g. of a group recomputed after its fork, go on in later steps: one
+            # step may never have room for every sample's whole prompt).
+            if (num_new == 0 and target > hit.num_tokens and seq is first) or kv.allocate(
                 seq.seq_id, seq.token_ids, num_new, hit=hit,
                 block_hashes=seq.block_hashes, cache_salt=salt,
             ) is None:  # no budget or no blocks left: the whole group waits
                 for s, _ in done:
                     kv.free(s.seq_id)
                     s.num_computed_tokens = 0
+                if done:
+                    self._intend(group)  # free released it: it still waits here
                 return None
             seq.num_computed_tokens = hit.num_tokens
             group.pinned_tokens = 0
@@ -412,6 +457,9 @@ class Scheduler:
             done.append((seq, num_new))
             budget -= num_new
         return done
+
+
+_WAITS_FOR_PREFIX = object()  # _admit_waiting: the group waits for its prefix (dedup)
 
 
 def _clip_hit(hit: PrefixHit, max_tokens: int, block_size: int) -> PrefixHit:

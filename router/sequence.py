@@ -152,7 +152,10 @@ class RequestGroup:
         self.num_preemptions = 0
         self.aborted = False
         self.cached_prompt_tokens: int | None = None
-        self.pinned_tokens = 0  # prompt tokens pinned in the prefix cache at routing
+        self.pinned_tokens = 0  # prompt tokens pinned in the prefix cache (routing, waits)
+        # Prompt tokens it waited for at its last admission attempt (prefill dedup: blocks
+        # another request here is computing first); 0 when not waiting for any.
+        self.prefix_wait_tokens = 0
         self.arrival_time = spec.arrival_time or time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,0 +1,177 @@
+"""Stateful property test of the scheduler with intended prefixes and prefill dedup, against
+a simulated executor, at pipeline depth 2.
+
+Requests share a few prefixes (and a tiny vocabulary, so outputs repeat), arrive with
+random priorities, are aborted at random, and run through a small KV cache, so requests
+wait for each other's prefixes, are preempted (swap or recompute) and migrate-like removals
+happen with plans in flight. The simulated executor runs each plan when it is answered, in
+plan order: swap-out, swap-in, copy, then for every scheduled sample it *reads* the keys and
+values of the positions before its chunk (through the slots of its table when the plan was
+built) and writes its chunk. Checked after every rule:
+
+- every position a plan reads holds exactly that request's tokens up to it: a waiter that
+  was admitted on blocks nobody computed, or a hit on a block a plan in flight will still
+  overwrite, shows as wrong contents;
+- `check_invariants()` (the intended index included), no leaked block and no orphan KV
+  request or intent (`Scheduler.num_leaked_blocks`);
+- a waiting request only ever waits for an intent of a live request here.
+
+At the end every request finishes (no waiter waits forever), and then every block is free
+and no intent is left.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from pagedserve.kvmanager import KVCacheManager
+from pagedserve.router.plan_builder import build_plan
+from pagedserve.router.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from pagedserve.router.sequence import RequestGroup
+from pagedserve.router.types import RequestSpec, SamplingSpec
+
+BS = 4
+DEPTH = 2
+PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 32, 33])
+UNKNOWN = "?"  # a position whose input token never reached the router (a late stop)
+
+
+class _Assembler:
+    finished = False
+    num_tokens = 0
+
+
+def _sample(seq_id: str, pos: int) -> int:
+    return (len(seq_id) + pos) % 3
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(12, 6, BS, watermark=0.0, max_pinned_fraction=0.25,
+                                 hash_algo="builtin")
+        self.sched = Scheduler(self.kv, SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64,
+            preemption_mode=PreemptionMode.AUTO))
+        self.live: dict[str, RequestGroup] = {}
+        self.n = 0
+        self.step = 0
+        self.in_flight: list[dict] = []
+        self.gpu: dict[int, list] = {}
+        self.cpu: dict[int, list] = {}
+
+    # ------------------------------------------------------------ the router's side
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=6),
+          priority=st.integers(0, 2), max_tokens=st.integers(1, 5), n=st.sampled_from([1, 1, 2]))
+    def arrive(self, prefix, suffix, priority, max_tokens, n):
+        self.n += 1
+        rid = f"q{self.n}"
+        spec = RequestSpec(rid, tuple(prefix + suffix),
+                           SamplingSpec(max_tokens=max_tokens, n=n), priority=priority)
+        group = RequestGroup(spec, [_Assembler() for _ in range(n)], self.n)
+        seq = group.seqs[0]
+        hit = self.kv.lookup(seq.token_ids, self.kv.hash_blocks(seq.token_ids, None,
+                                                                seq.block_hashes))
+        if hit.block_ids:  # as routing does: pin the cached prefix on the chosen executor
+            group.pinned_tokens = self.kv.pin(seq.seq_id, hit).num_tokens
+        group.executor_id = "e0"
+        self.sched.add(group)
+        self.live[rid] = group
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.sched.remove(self.live.pop(rid))
+
+    @precondition(lambda self: len(self.in_flight) < DEPTH)
+    @rule()
+    def send(self):
+        kv = self.kv
+        out = self.sched.schedule()
+        if out.empty:
+            kv.end_step()
+            return
+        self.step += 1
+        reads = []
+        for item in out.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens - item.num_new_tokens
+            reads.append((seq, kv.slot_mapping(seq.seq_id, 0, start).tolist()))
+        plan = build_plan(self.step, out, kv, (99,))
+        kv.end_step(self.step)
+        self.in_flight.append({"plan": plan, "out": out, "reads": reads})
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def answer(self):
+        """The oldest plan runs on the executor; its result comes back."""
+        entry = self.in_flight.pop(0)
+        plan, out = entry["plan"], entry["out"]
+        gpu, cpu = self.gpu, self.cpu
+        for g, c in plan.swap_out.tolist():
+            cpu[c] = list(gpu.get(g, [None] * BS))
+        for c, g in plan.swap_in.tolist():
+            gpu[g] = list(cpu.get(c, [None] * BS))
+        for s, d in plan.copy.tolist():
+            gpu[d] = list(gpu.get(s, [None] * BS))
+        for seq, slots in entry["reads"]:
+            if seq.group.request_id not in self.live:
+                continue
+            for p, slot in enumerate(slots):
+                got = gpu.get(slot // BS, [None] * BS)[slot % BS]
+                assert got == tuple(seq.token_ids[: p + 1]), (seq.seq_id, p, got)
+        t = 0
+        slots = plan.slot_mapping.tolist()
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            start = int(plan.num_computed_tokens[i])
+            for p in range(start, start + item.num_new_tokens):
+                slot = slots[t]
+                t += 1
+                known = p < len(seq.token_ids)
+                gpu.setdefault(slot // BS, [None] * BS)[slot % BS] = \
+                    tuple(seq.token_ids[: p + 1]) if known else UNKNOWN
+        self.kv.plan_answered(plan.step_id)
+        for seq in out.sampled:
+            seq.num_pending -= 1
+            group = seq.group
+            if group.request_id not in self.live or seq.finished:
+                continue  # ended meanwhile: the token is dropped
+            seq.token_ids.append(_sample(seq.seq_id, len(seq.token_ids)))
+            if seq.num_output_tokens >= group.spec.sampling.max_tokens:
+                self.sched.finish_seq(seq)
+                if all(s.finished for s in group.seqs):
+                    self.sched.remove(self.live.pop(group.request_id))
+
+    # ------------------------------------------------------------ checks
+
+    @invariant()
+    def accounting(self):
+        self.kv.check_invariants()
+        assert self.sched.num_leaked_blocks() == (0, [])
+        live_seqs = {s.seq_id for g in self.live.values() for s in g.seqs}
+        assert set(self.kv.intent_ids()) <= live_seqs
+
+    def teardown(self):
+        for _ in range(400):
+            if not self.live and not self.in_flight:
+                break
+            sent = self.step
+            if len(self.in_flight) < DEPTH and self.live:
+                self.send()
+            if self.step == sent:  # nothing new to send: the oldest plan's result
+                if not self.in_flight:
+                    raise AssertionError(f"nothing scheduled for {sorted(self.live)}")
+                self.answer()
+            self.accounting()
+        assert not self.live, f"requests never finished: {sorted(self.live)}"
+        assert self.kv.intent_ids() == [] and self.kv.num_intended_tokens == 0
+        assert self.kv.num_free_gpu_blocks == self.kv.stats().gpu.num_total_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30,
+                                              deadline=None)
+TestSchedulerMachine = SchedulerMachine.TestCase
