@@ -6,7 +6,11 @@ through `pagedserve bench` over each API in turn (alternating, `--rounds` times 
 Prints one JSON line per run ({"bench": "api_overhead", "case": "grpc"|"http", ...} with
 output tok/s, TTFT and ITL percentiles) and a last line comparing the medians. Both APIs run
 in the router process on one event loop, so the difference is the edge's own work: JSON and
-SSE framing versus protobuf and HTTP/2 frames. Output lengths are fixed (ignore_eos).
+SSE framing versus protobuf and HTTP/2 frames. Output lengths are fixed (ignore_eos); prefix
+caching is off (each round repeats its prompts on both APIs). ITL over HTTP counts one token
+per text chunk (an SSE chunk has no token count): a token whose text is held back (an
+incomplete UTF-8 sequence) merges into the next chunk and shows as one long gap, so HTTP's
+ITL tail reads higher than gRPC's for the same stream.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) h
 
 def start_serve(model: str, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
     argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", model, "--port", "0",
-            "--metrics-port", "0", "--http-port", "0", "--executor-bind",
+            "--metrics-port", "0", "--http-port", "0", "--no-prefix-caching", "--executor-bind",
             f"tcp://127.0.0.1:{_free_port()}", *extra]
     log = open(log_path, "w")  # noqa: SIM115 - the child writes it while we read
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
