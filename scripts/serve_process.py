@@ -2,8 +2,8 @@
 process group of its own with its output in a log file, ready once it prints its ready line
 (DESIGN §4), its executors' pids read from its log, stopped with SIGTERM then SIGKILL.
 
-The HTTP API is switched off (`--http-port -1`) where this checkout's CLI has the flag, so
-several servers (and the router's default port 8000) never collide.
+The HTTP API is switched off (`--http-port -1`), so several servers (and the router's default
+port 8000) never collide.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
+READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
 STARTED = re.compile(r"started executor (\S+) \(pid (\d+)\)")
 
 
@@ -28,18 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_off_args() -> list[str]:
-    """`--http-port -1` once the CLI knows the flag (the HTTP API is being added)."""
-    import pagedserve.flags as flags
-
-    source = Path(flags.__file__).read_text()
-    return ["--http-port", "-1"] if "--http-port" in source else []
-
-
 def serve_argv(model_dir: str | Path, *extra: str) -> list[str]:
     """`serve` on loopback with every port chosen free, plus `extra` flags."""
     return ["serve", "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
-            "--executor-bind", f"tcp://127.0.0.1:{free_port()}", *http_off_args(), *extra]
+            "--http-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}", *extra]
 
 
 class ServeProcess:
