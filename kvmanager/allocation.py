@@ -161,6 +161,9 @@ def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, blo
     else:  # the pin's references become the request's: no window for eviction
         del self._pins[request_id]
         self._num_pinned -= len(hit_ids)
+    blocks = gpu.blocks
+    for bid in hit_ids:  # shared now: what evicting it would cost (routing's memory term)
+        blocks[bid].num_hits += 1
     new_ids = gpu.take(need) if need else []
     table = list(hit_ids)
     table.extend(new_ids)

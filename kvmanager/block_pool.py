@@ -49,7 +49,8 @@ class Block:
     pool's prefix-cache map (full blocks only); `serial` identifies that registration (-1
     when not cached) and `parent_serial` the registration of the block before it in the
     sequence (or the salt's root), so a lookup can verify the whole chain, not just one
-    block's tokens."""
+    block's tokens. `num_hits` counts the admissions that found it in the prefix cache since
+    it was registered (routing values a block shared by later requests)."""
 
     __slots__ = (
         "block_id",
@@ -58,6 +59,7 @@ class Block:
         "token_ids",
         "serial",
         "parent_serial",
+        "num_hits",
         "prev_free",
         "next_free",
     )
@@ -69,6 +71,7 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None
         self.serial = -1
         self.parent_serial = -1
+        self.num_hits = 0
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -155,6 +158,7 @@ class BlockPool:
                     events.append(KVEvent("removed", self.device, h, b.block_id))
                 b.block_hash = b.token_ids = None
                 b.serial = -1
+                b.num_hits = 0
                 num_evicted += 1
             b.ref_cnt = 1
             append(b.block_id)

@@ -108,6 +108,7 @@ class KVCacheManager:
     unpin = prefix.unpin
     release_pins = prefix.release_pins
     pinned = prefix.pinned
+    num_shared_blocks_evicted = prefix.num_shared_blocks_evicted
     _salt_root = prefix._salt_root
     _is_valid = prefix._is_valid
     _note_full_blocks = prefix._note_full_blocks

@@ -7,7 +7,7 @@ HOT PATH: `lookup` and `_note_full_blocks` run for every admission and allocatio
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from . import hashing
@@ -95,6 +95,27 @@ def _is_valid(self: KVCacheManager, hit: PrefixHit) -> bool:
         if b is None or b.serial != serial:
             return False
     return True
+
+
+def num_shared_blocks_evicted(self: KVCacheManager, num_blocks: int,
+                              keep: Collection[int] = ()) -> int:
+    """How many blocks that other requests have hit (`Block.num_hits` > 0: a prefix live
+    requests share, which they would miss) are among the cached blocks that taking
+    `num_blocks` blocks now would evict: the never-used blocks go first, then the free
+    queue from its head (least recently freed first). Blocks in `keep` (the asking request's
+    own hit, which its admission takes out of the queue first) are passed over. O(num_blocks)."""
+    gpu = self.gpu
+    n = num_blocks - (gpu.num_blocks - gpu.fresh_next)
+    count = 0
+    b = gpu.head.next_free
+    tail = gpu.tail
+    while n > 0 and b is not tail:
+        if b.block_id not in keep:
+            if b.num_hits and b.block_hash is not None:
+                count += 1
+            n -= 1
+        b = b.next_free
+    return count
 
 
 # ------------------------------------------------------------------ pins

@@ -24,7 +24,7 @@ from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
-from .routing import Candidate, RoutingPolicy, choose
+from .routing import RoutingPolicy, candidate, choose
 from .scheduler import PreemptionMode
 from .sequence import RequestGroup
 from .step_loop import StepLoop
@@ -240,17 +240,13 @@ class RouterEngine:
         return (prompt_blocks + n * out_blocks) * bs
 
     def place(self, group: RequestGroup, handles: list[ExecutorHandle]) -> None:
-        """Route a group to an executor, pin its cached prefix there, queue it."""
+        """Route a group to an executor (the cost rule above `routing.choose`), pin its
+        cached prefix there and queue it (the scheduler intends its prompt there)."""
         seq0 = group.seqs[0]
         salt = group.spec.cache_salt or None
         kv0 = handles[0].kv
         kv0.hash_blocks(seq0.token_ids, salt, seq0.block_hashes)
-        candidates = [
-            Candidate(h.id, h.kv, h.scheduler.num_queued_tokens(),
-                      len(h.scheduler.running) + len(h.scheduler.waiting)
-                      + len(h.scheduler.swapped))
-            for h in handles
-        ]
+        candidates = [candidate(h.id, h.kv, h.scheduler) for h in handles]
         decision = choose(self.config.routing, candidates, seq0.token_ids, seq0.block_hashes,
                           salt, self._turn)
         self._turn += 1

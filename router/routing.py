@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..kvmanager import EMPTY_HIT, KVCacheManager, PrefixHit
+from .scheduler import DEFAULT_DECODE_S_PER_SEQ, DEFAULT_PREFILL_S_PER_TOKEN, Scheduler
 
 
 class RoutingPolicy(enum.Enum):
@@ -15,14 +16,34 @@ class RoutingPolicy(enum.Enum):
     LEAST_LOADED = "least-loaded"
 
 
+# An executor's prefill rate before anything was measured anywhere: the scheduler cost
+# model's prior. An executor not measured yet while others are is assumed as fast as their
+# mean (a new executor is most likely the same hardware; a prior far from the truth would
+# make it look idle or swamped next to measured ones).
+DEFAULT_PREFILL_TOKENS_PER_S = 1.0 / DEFAULT_PREFILL_S_PER_TOKEN
+
+
 @dataclass
 class Candidate:
-    """One healthy executor that could ever fit the request."""
+    """One healthy executor that could ever fit the request, as `choose` sees it (build it
+    with `candidate` from the executor's KV manager and scheduler)."""
 
     executor_id: str
     kv: KVCacheManager
-    queued_tokens: int  # tokens waiting to be computed there (scheduler.num_queued_tokens)
-    num_groups: int  # requests living there
+    queued_tokens: int  # prefill tokens queued there (Scheduler.num_queued_tokens)
+    num_groups: int  # requests living there (running, waiting, swapped)
+    prefill_tokens_per_s: float | None = None  # its measured prefill rate (None: not yet)
+    num_running_seqs: int = 0  # samples decoding there (Scheduler.num_running_seqs)
+    decode_s_per_seq: float | None = None  # measured step time per decoding sample
+
+
+def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Candidate:
+    """The Candidate of an executor: everything `choose` needs comes from its KV manager
+    and its scheduler (whose cost model holds the measured prefill rate)."""
+    return Candidate(executor_id, kv, scheduler.num_queued_tokens(),
+                     len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped),
+                     scheduler.prefill_tokens_per_s(), scheduler.num_running_seqs(),
+                     scheduler.decode_s_per_seq())
 
 
 @dataclass
@@ -31,12 +52,20 @@ class RouteDecision:
     hit: PrefixHit  # the cached prefix found there (exact: the router owns the tables)
 
 
-# Weight of an already queued token against a token this request must compute itself:
-# queued work delays this request's prefill about as much as its own uncached tokens.
-QUEUED_TOKEN_WEIGHT = 1.0
-# Cost, in tokens, of an executor whose free blocks cannot hold the uncached part now:
-# the request would wait there for memory or force a preemption.
-MEMORY_SHORT_PENALTY_TOKENS = 4096
+# A tenant's requests leave the executor that holds their prefix (cached or intended) only
+# when its queue is longer than another's by more than TENANT_SPILL_FACTOR x the time to
+# recompute that prefix there. 1x is break-even for this request's own time to first token;
+# the second 1x prices the copy the move makes: the prefix then takes as much cache on the
+# other executor, where it evicts about as much of some other tenant's blocks, who will
+# recompute them. Below the threshold the queue drains faster than splitting would pay back.
+# (benchmarks/routing_sim.py, two seeds: 1 lost 5 points of hit rate on bursty tenants and
+# raised the p99 by a third where prefixes exceed the cache 4x; 1.5 still lost 1.5 points
+# on bursty tenants; 2 and 3 gave the same figures.)
+TENANT_SPILL_FACTOR = 2.0
+# Queue time charged, in prefill tokens at the executor's rate, where the free blocks cannot
+# hold the request's uncached part now: it would wait for running requests to free memory
+# or force a preemption (a long prompt's worth of work, either way).
+MEMORY_SHORT_WAIT_TOKENS = 4096
 
 
 def choose(
@@ -47,19 +76,43 @@ def choose(
     cache_salt: str | None,
     turn: int,
 ) -> RouteDecision:
-    """Pick an executor.
+    """Pick an executor for a request of `token_ids` (its prompt, or tokens so far when it
+    migrates), `block_hashes` from `KVCacheManager.hash_blocks(token_ids, cache_salt)`, and
+    `turn`, a counter the caller advances per request (the last tie-break). A caller
+    supplies one Candidate per healthy executor that could ever fit the request:
+    `candidate(executor_id, kv, scheduler)`, i.e. the executor's KVCacheManager, its
+    Scheduler's `num_queued_tokens()`, number of groups and `num_running_seqs()`, its
+    prefill rate in tokens per second (`Scheduler.prefill_tokens_per_s()`) and its seconds
+    per decoding sample (`Scheduler.decode_s_per_seq()`), both learned from StepResults'
+    forward_s (CostModel); a rate not measured yet is None, and the measured candidates'
+    mean is assumed for it (DEFAULT_PREFILL_TOKENS_PER_S / DEFAULT_DECODE_S_PER_SEQ when
+    none is measured). The decision's `hit` is the cached prefix there, for the caller to
+    pin.
 
-    prefix: cost(e) = uncached prompt tokens on e (neither cached nor intended there)
-                      + QUEUED_TOKEN_WEIGHT x tokens already queued on e
-                      + MEMORY_SHORT_PENALTY_TOKENS if e's free blocks can't hold the
-                        uncached part now.
-      The uncached part is exact: each executor's KV manager answers the lookup, and its
-      intended prefixes (`KVCacheManager.intended_tokens`: blocks that requests routed
-      there will compute, waiting or mid-prefill) count as cached. The
-      lowest cost wins: a long cached prefix attracts a request until the queue it would
-      join costs more than recomputing the prefix elsewhere. Ties (e.g. no executor holds
-      any of the prompt and all are idle) go to the least loaded (fewest live requests),
-      then in turn (`turn`, a counter the caller advances per request).
+    prefix: one cost rule, in seconds. For each executor e, with r_e its prefill rate:
+
+        match_e  = prompt tokens cached on e (lookup) + those past them that requests on e
+                   already intend to compute (waiting, admitted this step, later chunks)
+        wait_e   = running samples on e x d_e (the step that runs the prefill runs every
+                   decode there too; d_e its measured step seconds per decoding sample)
+                   + (queued prefill tokens on e, an intended block counted once) / r_e
+                   + MEMORY_SHORT_WAIT_TOKENS / r_e if e's free blocks cannot hold the
+                   uncached part now
+        ttft_e   = wait_e + (len(prompt) - match_e) / r_e          (time to first token)
+        evict_e  = (cached blocks the uncached part would evict on e that other requests
+                   have hit: prefixes live tenants share) x block_size / r_e
+        cost_e   = ttft_e + evict_e
+
+      The request goes to its home h, the executor with the longest match (ties: lowest
+      cost), unless another executor e has a lower cost and h's queue is longer than e's
+      by more than TENANT_SPILL_FACTOR x the time to recompute there what e lacks:
+      wait_h - wait_e > TENANT_SPILL_FACTOR x (match_h - match_e) / r_e. Then (and when no
+      executor holds any of the prompt) the lowest cost wins. So a cold prefix goes where
+      it displaces least (evict_e), a tenant's requests stay together, a second request of
+      a new prefix follows the first before either has run (the first's intent is its
+      match), and a prefix hot enough to overload one executor spreads to a second once the
+      queue there passes the threshold, after which both hold it and the cost balances them.
+      Ties (equal costs) go to fewer live requests, then in turn.
     least-loaded: fewest queued tokens, then fewest live requests, then in turn.
     round-robin: in turn.
     """
@@ -71,17 +124,42 @@ def choose(
         best = min(order, key=lambda i: (candidates[i].queued_tokens, candidates[i].num_groups))
         return RouteDecision(best, EMPTY_HIT)
 
-    best_i, best_key, best_hit = order[0], None, EMPTY_HIT
+    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s]
+    assumed_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
+    measured = [c.decode_s_per_seq for c in candidates if c.decode_s_per_seq]
+    assumed_decode_s = sum(measured) / len(measured) if measured else DEFAULT_DECODE_S_PER_SEQ
+    num_tokens = len(token_ids)
+    hits: dict[int, PrefixHit] = {}
+    match: dict[int, int] = {}
+    wait_s: dict[int, float] = {}
+    cost: dict[int, float] = {}
+    rates: dict[int, float] = {}
     for i in order:
         c = candidates[i]
-        hit = c.kv.lookup(token_ids, block_hashes, cache_salt)
-        intended = c.kv.intended_tokens(token_ids, block_hashes, cache_salt, len(hit))
-        uncached = len(token_ids) - hit.num_tokens - intended
-        cost = uncached + QUEUED_TOKEN_WEIGHT * c.queued_tokens
-        need_blocks = -(-uncached // c.kv.block_size)
-        if need_blocks > c.kv.num_free_gpu_blocks:
-            cost += MEMORY_SHORT_PENALTY_TOKENS
-        key = (cost, c.num_groups)
-        if best_key is None or key < best_key:
-            best_i, best_key, best_hit = i, key, hit
-    return RouteDecision(best_i, best_hit)
+        kv = c.kv
+        rate = c.prefill_tokens_per_s or assumed_rate
+        rates[i] = rate
+        hit = kv.lookup(token_ids, block_hashes, cache_salt)
+        matched = hit.num_tokens + kv.intended_tokens(token_ids, block_hashes, cache_salt,
+                                                      len(hit))
+        uncached = num_tokens - matched
+        need_blocks = -(-uncached // kv.block_size)
+        wait = c.num_running_seqs * (c.decode_s_per_seq or assumed_decode_s) \
+            + c.queued_tokens / rate
+        if need_blocks > kv.num_free_gpu_blocks - kv.watermark_blocks:
+            wait += MEMORY_SHORT_WAIT_TOKENS / rate
+        evicted = kv.num_shared_blocks_evicted(need_blocks, hit.block_ids)
+        hits[i], match[i], wait_s[i] = hit, matched, wait
+        cost[i] = wait + uncached / rate + evicted * kv.block_size / rate
+
+    def key(i: int) -> tuple:
+        return cost[i], candidates[i].num_groups
+
+    home = min(order, key=lambda i: (-match[i],) + key(i))
+    if match[home] == 0:  # a cold prefix
+        chosen = min(order, key=key)
+    else:
+        spill = [i for i in order if cost[i] < cost[home] and wait_s[home] - wait_s[i]
+                 > TENANT_SPILL_FACTOR * (match[home] - match[i]) / rates[i]]
+        chosen = min(spill, key=key) if spill else home
+    return RouteDecision(chosen, hits[chosen])

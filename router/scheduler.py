@@ -52,6 +52,8 @@ class SchedulerOutput:
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
     num_tokens: int = 0
+    num_prefill_tokens: int = 0  # of which in chunks of more than one token
+    num_decode_seqs: int = 0  # sequences computing one token
     sampled: list[Sequence] = field(default_factory=list)  # build_plan: samples this step
 
     @property
@@ -60,27 +62,108 @@ class SchedulerOutput:
         return not self.scheduled and not self.dropped_seq_ids and not self.preempted
 
 
-class CostModel:
-    """Chooses swap or recompute for a victim in `auto` mode.
+# Priors of an executor's rates before its first measurement: 0.2 ms per prefill token
+# (5,000 tokens/s, a small model on one CPU core), 0.5 ms per decoding sequence in a step
+# and 20 us per block moved by a swap. Routing compares executors by these, so a common
+# prior cancels out; it assumes the measured executors' mean for one not measured yet.
+DEFAULT_PREFILL_S_PER_TOKEN = 2e-4
+DEFAULT_DECODE_S_PER_SEQ = 5e-4
+DEFAULT_SWAP_S_PER_BLOCK = 2e-5
+# Each measurement moves a rate this far towards it (an exponential average over about the
+# last 5 steps: it follows a load change within a few steps, one odd step moves it little).
+RATE_EMA_WEIGHT = 0.2
+# Steps that prefill fewer tokens teach nothing about the prefill rate: their forward time is
+# mostly the step's fixed cost and its decodes.
+MIN_PREFILL_TOKENS_OBSERVED = 32
 
+
+class _Ratio:
+    """Exponential averages of seconds and of units (tokens, sequences, blocks); the rate is
+    their ratio, so a large step weighs more than a small one whose time is mostly fixed
+    costs. The first observation replaces the prior."""
+
+    __slots__ = ("seconds", "units", "measured", "prior")
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.seconds = 0.0
+        self.units = 0.0
+        self.measured = False
+
+    def observe(self, units: float, seconds: float) -> None:
+        w = RATE_EMA_WEIGHT if self.measured else 1.0
+        self.seconds = (1 - w) * self.seconds + w * seconds
+        self.units = (1 - w) * self.units + w * units
+        self.measured = True
+
+    @property
+    def s_per_unit(self) -> float:
+        return self.seconds / self.units if self.measured else self.prior
+
+
+class CostModel:
+    """An executor's measured rates, learned from its StepResults' forward_s and swap_s.
+
+    forward_s of a step = decode rows x seconds per decoding sequence + prefill tokens x
+    seconds per prefill token (the step's fixed cost falls on both). Steps without prefill
+    teach the decode rate; steps that prefill at least MIN_PREFILL_TOKENS_OBSERVED tokens
+    teach the prefill rate from what is left of their forward time once their decodes are
+    taken out (at least a tenth of it). Swaps teach seconds per block moved.
+
+    Chooses swap or recompute for a victim in `auto` mode:
     swap cost      = 2 x (blocks the group holds) x seconds per block moved (out, then in)
     recompute cost = (tokens the group has computed) x seconds per token of prefill
-    Both rates start from rough priors and follow the executor's measured timings (an
-    exponential average of swap_s per block moved and forward_s per token in steps that
-    prefill). Swap needs free CPU blocks; without them it is recompute.
+    Swap needs free CPU blocks; without them it is recompute. Routing reads the prefill and
+    decode rates too (`Scheduler.prefill_tokens_per_s`, `Scheduler.decode_s_per_seq`).
     """
 
-    def __init__(self, s_per_block: float = 2e-5, s_per_token: float = 2e-4) -> None:
-        self.s_per_block = s_per_block
-        self.s_per_token = s_per_token
+    def __init__(self, s_per_block: float = DEFAULT_SWAP_S_PER_BLOCK,
+                 s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
+                 s_per_seq: float = DEFAULT_DECODE_S_PER_SEQ) -> None:
+        self._swap = _Ratio(s_per_block)
+        self._prefill = _Ratio(s_per_token)
+        self._decode = _Ratio(s_per_seq)
+
+    @property
+    def s_per_block(self) -> float:
+        return self._swap.s_per_unit
+
+    @property
+    def s_per_token(self) -> float:
+        return self._prefill.s_per_unit
+
+    @property
+    def s_per_seq(self) -> float:
+        return self._decode.s_per_unit
+
+    @property
+    def prefill_measured(self) -> bool:
+        return self._prefill.measured
+
+    @property
+    def decode_measured(self) -> bool:
+        return self._decode.measured
 
     def observe_swap(self, num_blocks: int, seconds: float) -> None:
         if num_blocks > 0 and seconds > 0:
-            self.s_per_block = 0.8 * self.s_per_block + 0.2 * (seconds / num_blocks)
+            self._swap.observe(num_blocks, seconds)
+
+    def observe_step(self, num_prefill_tokens: int, num_decode_seqs: int,
+                     seconds: float) -> None:
+        """`seconds` of forward for a step of `num_prefill_tokens` tokens in prefill chunks
+        and `num_decode_seqs` sequences computing one token."""
+        if seconds <= 0:
+            return
+        if num_prefill_tokens == 0:
+            if num_decode_seqs > 0:
+                self._decode.observe(num_decode_seqs, seconds)
+        elif num_prefill_tokens >= MIN_PREFILL_TOKENS_OBSERVED:
+            decode_s = num_decode_seqs * self.s_per_seq if self._decode.measured else 0.0
+            self._prefill.observe(num_prefill_tokens, max(seconds - decode_s, 0.1 * seconds))
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens >= 32 and seconds > 0:
-            self.s_per_token = 0.8 * self.s_per_token + 0.2 * (seconds / num_tokens)
+        """A step that only prefilled `num_tokens` tokens in `seconds`."""
+        self.observe_step(num_tokens, 0, seconds)
 
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         return 2 * num_blocks * self.s_per_block < num_tokens * self.s_per_token
@@ -126,13 +209,27 @@ class Scheduler:
         yield from self.waiting
 
     def num_queued_tokens(self) -> int:
-        """Tokens waiting to be computed here: the load figure routing weighs."""
-        total = 0
-        for g in self.waiting:  # its pinned prefix is not work: it is already cached
-            total += sum(s.num_uncomputed for s in g.active_seqs()) - g.pinned_tokens
-        for g in self.running:
-            total += sum(s.num_uncomputed for s in g.active_seqs())
-        return total + len(self.swapped)
+        """Prefill tokens queued here: what the prompts (and recomputes) of the waiting and
+        running groups still have to compute, with a block several of them share counted
+        once and cached blocks not at all (`KVCacheManager.num_intended_tokens`: every
+        group intends its prompt from `add` until it is scheduled through it). Routing
+        divides it by the prefill rate. Decodes are left out: their cost is part of the
+        measured rate (steps mix them with prefill)."""
+        return self.kv.num_intended_tokens
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """This executor's measured prefill rate (`CostModel`), None before any
+        measurement (routing then assumes what the other executors measured)."""
+        return 1.0 / self.cost.s_per_token if self.cost.prefill_measured else None
+
+    def decode_s_per_seq(self) -> float | None:
+        """Measured seconds a decoding sequence adds to a step here, None before any."""
+        return self.cost.s_per_seq if self.cost.decode_measured else None
+
+    def num_running_seqs(self) -> int:
+        """Samples running here: each decodes in every step (the step a new request's
+        prefill runs in too)."""
+        return sum(len(g.active_seqs()) for g in self.running)
 
     def num_leaked_blocks(self) -> tuple[int, list[str]]:
         """Device blocks in use that no live sample here holds (nor a pin), and the KV
@@ -188,7 +285,9 @@ class Scheduler:
            watermark for new admissions), `max_num_seqs` and the token budget allow; the
            first one that does not fit (or that still has a token in flight from before its
            preemption) stops admission, so order is kept. A new group's
-           prompt starts after its cached prefix; n > 1 groups compute the prompt once in
+           prompt starts after its cached prefix. A waiting group whose next prompt blocks
+           a request ahead of it is computing waits for them instead (prefill dedup,
+           `_admit_waiting`): it is passed over, not a stop. n > 1 groups compute the prompt once in
            sample 0 (all but the last token), then fork the other samples from it in a later
            step (copy-on-write shares every block) and every sample computes the last prompt
            token itself and samples from it.
@@ -276,6 +375,10 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, num_new))
         seq.num_computed_tokens += num_new
         out.num_tokens += num_new
+        if num_new > 1:
+            out.num_prefill_tokens += num_new
+        else:
+            out.num_decode_seqs += 1
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier
@@ -314,6 +417,8 @@ class Scheduler:
         if mine:  # the group being scheduled preempted itself: undo its part of this step
             out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
             out.num_tokens -= sum(s.num_new_tokens for s in mine)
+            out.num_prefill_tokens -= sum(s.num_new_tokens for s in mine if s.num_new_tokens > 1)
+            out.num_decode_seqs -= sum(1 for s in mine if s.num_new_tokens == 1)
         seq_ids = [s.seq_id for s in group.active_seqs() if kv.has_request(s.seq_id)]
         mode = self.config.preemption_mode
         if mode is PreemptionMode.AUTO:

@@ -70,6 +70,8 @@ class InFlightPlan:
     num_blocks_moved: int  # swapped out + in (the cost model pairs them with its swap_s)
     deadline_s: float
     sent_at: float = field(default_factory=time.monotonic)
+    num_prefill_tokens: int = 0  # of num_tokens, in chunks of more than one token
+    num_decode_seqs: int = 0  # sequences computing one token
 
 
 class StepTrace:
@@ -200,7 +202,8 @@ class StepLoop:
             handle.head_since = time.monotonic()
         handle.in_flight.append(InFlightPlan(
             step_id, asyncio.get_running_loop().create_future(), out.sampled, out.num_tokens,
-            int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s))
+            int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
@@ -263,8 +266,9 @@ class StepLoop:
             self.trace.write(handle.id, plan, result)
         if result.swap_s > 0:
             sched.cost.observe_swap(plan.num_blocks_moved, result.swap_s)
-        if result.forward_s > 0:  # steps of >= 32 tokens teach the recompute rate
-            sched.cost.observe_prefill(plan.num_tokens, result.forward_s)
+        if result.forward_s > 0:  # the prefill and decode rates (routing's too)
+            sched.cost.observe_step(plan.num_prefill_tokens, plan.num_decode_seqs,
+                                    result.forward_s)
         for err in result.errors:
             self.request_error(handle, err)
             if not handle.healthy:

@@ -1,0 +1,165 @@
+"""The routing cost rule (router/routing.py:choose) with real KV managers and schedulers:
+exact decisions at the thresholds the rule names."""
+
+from __future__ import annotations
+
+import pytest
+from pagedserve.kvmanager import KVCacheManager
+from pagedserve.router import routing
+from pagedserve.router.routing import RoutingPolicy, candidate, choose
+from pagedserve.router.scheduler import CostModel, Scheduler, SchedulerConfig
+from pagedserve.router.sequence import RequestGroup
+from pagedserve.router.types import RequestSpec, SamplingSpec
+
+BS = 16
+RATE = 10_000.0  # prefill tokens per second, every executor (measured)
+
+
+class _Assembler:
+    finished = False
+    num_tokens = 0
+
+
+class Executor:
+    def __init__(self, name: str, num_blocks: int = 256, rate: float | None = RATE) -> None:
+        self.name = name
+        self.kv = KVCacheManager(num_blocks, 0, BS, watermark=0.0, debug_checks=True)
+        self.sched = Scheduler(self.kv, SchedulerConfig(max_model_len=4096))
+        if rate is not None:
+            self.sched.cost.observe_prefill(1000, 1000 / rate)
+
+    def cache(self, rid: str, tokens: list[int], num_hits: int = 0) -> None:
+        """Compute `tokens` here and end the request: its blocks stay cached, evictable
+        (`num_hits` later requests found them)."""
+        hashes = self.kv.hash_blocks(tokens)
+        self.kv.allocate(rid, tokens, len(tokens), block_hashes=hashes)
+        self.kv.free(rid)
+        for i in range(num_hits):
+            hit = self.kv.lookup(tokens + [0], self.kv.hash_blocks(tokens + [0]))
+            self.kv.allocate(f"{rid}.hit{i}", tokens + [0], 1, hit=hit,
+                             block_hashes=self.kv.hash_blocks(tokens + [0]))
+            self.kv.free(f"{rid}.hit{i}")
+
+
+def route(executors: list[Executor], rid: str, tokens: list[int], arrival: int,
+          turn: int = 0) -> int:
+    """What RouterEngine.place does: choose, pin the cached prefix, queue the request."""
+    spec = RequestSpec(rid, tuple(tokens), SamplingSpec(max_tokens=16))
+    group = RequestGroup(spec, [_Assembler()], arrival)
+    seq = group.seqs[0]
+    executors[0].kv.hash_blocks(seq.token_ids, None, seq.block_hashes)
+    cands = [candidate(e.name, e.kv, e.sched) for e in executors]
+    d = choose(RoutingPolicy.PREFIX, cands, seq.token_ids, seq.block_hashes, None, turn)
+    chosen = executors[d.index]
+    if d.hit.block_ids:
+        group.pinned_tokens = chosen.kv.pin(seq.seq_id, d.hit).num_tokens
+    chosen.sched.add(group)
+    return d.index
+
+
+def prompt(tenant: int, question: int, prefix_len: int = 1024, question_len: int = 64):
+    return [10_000 + tenant] * prefix_len + [question + 1] * question_len
+
+
+def test_a_tenant_stays_until_its_queue_is_longer_by_the_named_threshold():
+    """Tenant 1's prefix (1,024 tokens) is cached on e0; e1 is idle and empty. Requests of
+    other tenants queue on e0: tenant 1 stays there until e0's queue is longer than e1's by
+    more than TENANT_SPILL_FACTOR x 1,024 tokens of prefill time."""
+    threshold = int(routing.TENANT_SPILL_FACTOR * 1024)
+    for queued, want in ((threshold, 0), (threshold + 1, 1)):
+        e0, e1 = Executor("e0"), Executor("e1")
+        e0.cache("old", prompt(1, 0))
+        filler = [20_000 + i for i in range(queued)]  # another tenant's prompt, queued on e0
+        e0.kv.intend("filler", filler, e0.kv.hash_blocks(filler), order=(0, 0))
+        assert e0.sched.num_queued_tokens() == queued
+        assert route([e0, e1], "r", prompt(1, 1), 1) == want, queued
+
+
+def test_a_cold_prefix_goes_where_the_least_valuable_blocks_would_be_evicted():
+    """Both caches are full of blocks that ended requests left; on e0 the least recently
+    used ones are a prefix other requests have hit, on e1 blocks nobody shared. A new
+    tenant's prompt (66 blocks) would evict them: it goes to e1, and with the roles swapped
+    to e0. Queues are equal (empty)."""
+    for shared_on, want in ((0, 1), (1, 0)):
+        e0, e1 = Executor("e0", num_blocks=80), Executor("e1", num_blocks=80)
+        for i, e in enumerate((e0, e1)):
+            e.cache(f"lru{i}", prompt(50 + i, 0, prefix_len=960, question_len=0),
+                    num_hits=2 if i == shared_on else 0)
+            e.cache(f"mru{i}", prompt(60 + i, 0, prefix_len=320, question_len=0))
+        assert [e.kv.num_free_gpu_blocks for e in (e0, e1)] == [80, 80]
+        assert route([e0, e1], "r", prompt(1, 1), 1) == want
+
+
+def test_a_request_follows_an_intended_prefix_on_a_waiting_request():
+    """Two requests of a new prefix arrive before either has run: the second goes where the
+    first waits (its prefix is intended there), not to the idle executor."""
+    e0, e1 = Executor("e0"), Executor("e1")
+    assert route([e0, e1], "a", prompt(1, 1), 1) == 0
+    assert e0.kv.num_intended_tokens == 1088
+    assert route([e0, e1], "b", prompt(1, 2), 2, turn=1) == 0  # turn alone would say e1
+    assert e0.kv.num_intended_tokens == 1088 + 64  # the shared prefix counted once
+    # The scheduler runs a alone; b waits for a's prefix, then computes its question only.
+    out = e0.sched.schedule()
+    e0.kv.end_step()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [("a#0", 1088)]
+    assert e0.sched.waiting[0].prefix_wait_tokens == 1024
+
+
+def test_a_hot_prefix_spreads_to_a_second_executor_by_the_same_rule():
+    """Tenant 1 sends request after request; its prefix is cached on e0. Each one queues
+    its question (64 tokens) on e0 until e0's queue passes the threshold
+    (TENANT_SPILL_FACTOR x 1,024 tokens: after 32 of them); the next goes to e1, which
+    then intends the prefix too, and from then on the two share the tenant by cost."""
+    e0, e1 = Executor("e0"), Executor("e1")
+    e0.cache("old", prompt(1, 0))
+    where = [route([e0, e1], f"r{i}", prompt(1, i + 1), i + 1, turn=i) for i in range(40)]
+    first_move = where.index(1)
+    assert first_move == 33 and where[:33] == [0] * 33
+    assert e0.sched.num_queued_tokens() == 33 * 64  # above 2 x 1,024: the 34th moved
+    # e1 computes the prefix for the 34th; after it the requests alternate by queue length.
+    assert where[33:] == [1, 1, 1, 1, 1, 1, 1]
+    assert e1.sched.num_queued_tokens() == 1024 + 7 * 64
+
+
+def test_prefill_rate_scales_the_rule_and_an_unmeasured_executor_takes_the_mean():
+    e0, e1, e2 = Executor("e0", rate=20_000.0), Executor("e1", rate=5_000.0), \
+        Executor("e2", rate=None)
+    cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1, e2)]
+    assert [c.prefill_tokens_per_s for c in cands] == [20_000.0, 5_000.0, None]
+    tokens = prompt(1, 1)
+    hashes = e0.kv.hash_blocks(tokens)
+    assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 1).index == 0  # fastest
+    # e2 counts as the measured mean, 12,500 tokens/s: 1,088 tokens take it 87 ms; behind
+    # 1,000 queued tokens e0 takes 104 ms, e1 218 ms.
+    filler = [20_000 + i for i in range(1000)]
+    e0.kv.intend("filler", filler, e0.kv.hash_blocks(filler), order=(0, 0))
+    cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1, e2)]
+    assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 0).index == 2
+
+
+def test_cost_model_learns_decode_then_prefill_rates_from_forward_times():
+    cost = CostModel()
+    assert (cost.prefill_measured, cost.decode_measured) == (False, False)
+    cost.observe_step(8, 0, 1.0)  # too few prefill tokens to say anything
+    cost.observe_step(0, 10, 0.01)  # a decode step: 1 ms per decoding sequence
+    assert cost.decode_measured and cost.s_per_seq == pytest.approx(1e-3)
+    cost.observe_step(1000, 10, 0.06)  # its 10 decodes take 10 ms of it: 50 us per token
+    assert cost.s_per_token == pytest.approx(5e-5)
+    cost.observe_step(40, 0, 0.01)  # a short prefill moves the average of seconds and
+    assert cost.s_per_token == pytest.approx(  # of tokens, so it moves the rate a little
+        (0.8 * 0.05 + 0.2 * 0.01) / (0.8 * 1000 + 0.2 * 40))
+
+
+def test_decoding_samples_count_in_the_wait():
+    """Equal caches and queues: a cold prompt goes where fewer samples decode (the step
+    that runs its prefill runs them too)."""
+    e0, e1 = Executor("e0"), Executor("e1")
+    for e in (e0, e1):
+        e.sched.cost.observe_step(0, 10, 0.01)
+    c0, c1 = (candidate(e.name, e.kv, e.sched) for e in (e0, e1))
+    c0.num_running_seqs = 3
+    tokens = prompt(1, 1)
+    hashes = e0.kv.hash_blocks(tokens)
+    assert choose(RoutingPolicy.PREFIX, [c0, c1], tokens, hashes, None, 0).index == 1
+    c0.num_running_seqs, c1.num_running_seqs = 0, 1
+    assert choose(RoutingPolicy.PREFIX, [c0, c1], tokens, hashes, None, 1).index == 0
