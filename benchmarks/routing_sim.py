@@ -482,14 +482,14 @@ class Simulation:
                 head = handle.in_flight.popleft()
                 assert head.step_id == step_id == result.step_id
                 touched = steps.apply_result(handle, head, result)
-                steps._fill(handle)
+                steps.fill(handle)
                 engine.delivery.text_stage(handle.scheduler, touched)
                 self.collect(touched)
                 self.idle_check(ex)
             elif kind == "retry":
                 data.retry_pending = False
                 if not data.handle.in_flight:
-                    steps._fill(data.handle)
+                    steps.fill(data.handle)
                 self.idle_check(data)
         return self.figures(chats)
 
@@ -544,7 +544,7 @@ class Simulation:
         self.open_groups[turn.request_id] = (group, turn)
         handle = engine.executors[group.executor_id]
         if len(handle.in_flight) < engine.steps.depth:
-            engine.steps._fill(handle)
+            engine.steps.fill(handle)
             self.idle_check(self.executors[handle.routing_id])
 
     def collect(self, touched) -> None:

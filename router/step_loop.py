@@ -115,7 +115,7 @@ class StepLoop:
         try:
             while handle.healthy:
                 if not in_flight:  # (after a result the pipeline was refilled already)
-                    self._fill(handle)
+                    self.fill(handle)
                 if not in_flight:
                     engine.update_gauges(handle)  # aborts may have freed blocks since
                     handle.wakeup.clear()
@@ -138,7 +138,7 @@ class StepLoop:
                     finally:
                         woken.cancel()
                     if not head.future.done():
-                        self._fill(handle)
+                        self.fill(handle)
                         continue
                 try:
                     result = await head.future
@@ -150,7 +150,7 @@ class StepLoop:
                 touched = self.apply_result(handle, head, result)
                 if not handle.healthy:
                     return
-                self._fill(handle)
+                self.fill(handle)
                 engine.delivery.text_stage(handle.scheduler, touched)
                 engine.update_gauges(handle)
         except asyncio.CancelledError:
@@ -160,7 +160,7 @@ class StepLoop:
             engine.membership.executor_lost(handle, "router-side step loop error",
                                             migrate=False)
 
-    def _fill(self, handle: ExecutorHandle) -> None:
+    def fill(self, handle: ExecutorHandle) -> None:
         """Send plans until `depth` are in flight or there is nothing to schedule."""
         while handle.healthy and len(handle.in_flight) < self.depth:
             if not self.send_next_plan(handle):
