@@ -242,23 +242,15 @@ async def stream_ids(stub, pb, ids: list[int], max_tokens: int, seed: int,
     msg.prompt_token_ids.ids.extend(ids)
     tokens: list[int] = []
     start = time.perf_counter()
-    last = None
     async for chunk in stub.Stream(msg, timeout=600.0):
-        n = len(chunk.token_ids)
-        if n:
-            now = time.perf_counter()
-            if last is None:
-                outcome.ttft_s = now - start
-            else:
-                outcome.itl_s.extend([(now - last) / n] * n)
-            last = now
-            outcome.output_tokens += n
+        if chunk.token_ids:
+            outcome.record_tokens(len(chunk.token_ids), start)
             tokens.extend(chunk.token_ids)
         if chunk.HasField("usage"):
             outcome.prompt_tokens = chunk.usage.prompt_tokens
             outcome.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
     outcome.e2e_s = time.perf_counter() - start
-    outcome.ok = last is not None
+    outcome.ok = outcome.last_token_at is not None
     return tokens
 
 

@@ -63,6 +63,18 @@ class RequestOutcome:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     finish_reason: int = 0  # FinishReason of the last sample's last chunk (3 = ABORT)
+    last_token_at: float | None = field(default=None, repr=False)  # perf_counter seconds
+
+    def record_tokens(self, n: int, sent_at: float) -> None:
+        """`n` tokens arrived now, for a request sent at `sent_at` (perf_counter): the
+        first ones give TTFT, later ones n ITL gaps of gap / n each."""
+        now = time.perf_counter()
+        if self.last_token_at is None:
+            self.ttft_s = now - sent_at
+        else:
+            self.itl_s.extend([(now - self.last_token_at) / n] * n)
+        self.last_token_at = now
+        self.output_tokens += n
 
 
 @dataclass
@@ -188,26 +200,18 @@ async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
     import grpc
     out = RequestOutcome(prompt_tokens=req.prompt_len)
     start = time.perf_counter()
-    last = None
     try:
         call = stub.Stream(_grpc_request(req, cfg), timeout=cfg.timeout_s)
         async for chunk in call:
-            n = len(chunk.token_ids)
-            if n:
-                now = time.perf_counter()
-                if last is None:
-                    out.ttft_s = now - start
-                else:
-                    out.itl_s.extend([(now - last) / n] * n)
-                last = now
-                out.output_tokens += n
+            if chunk.token_ids:
+                out.record_tokens(len(chunk.token_ids), start)
             if chunk.finish_reason:
                 out.finish_reason = chunk.finish_reason
             if chunk.HasField("usage"):
                 out.prompt_tokens = chunk.usage.prompt_tokens
                 out.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
         out.e2e_s = time.perf_counter() - start
-        out.ok = last is not None
+        out.ok = out.last_token_at is not None
         if not out.ok:
             out.error = f"no tokens (finish_reason {out.finish_reason})"
     except grpc.aio.AioRpcError as exc:
@@ -229,8 +233,7 @@ async def _one_openai(http, req: BenchRequest, cfg: BenchConfig, model: str) -> 
     import aiohttp
     out = RequestOutcome(prompt_tokens=req.prompt_len)
     start = time.perf_counter()
-    last = None
-    chunks = 0
+    usage_tokens = None
     try:
         async with http.post("/v1/completions", json=_openai_body(req, cfg, model)) as reply:
             if reply.status != 200:
@@ -247,24 +250,19 @@ async def _one_openai(http, req: BenchRequest, cfg: BenchConfig, model: str) -> 
                     return out
                 for choice in chunk.get("choices") or ():
                     if choice.get("text"):
-                        now = time.perf_counter()
-                        if last is None:
-                            out.ttft_s = now - start
-                        else:
-                            out.itl_s.append(now - last)
-                        last = now
-                        chunks += 1
+                        out.record_tokens(1, start)  # an SSE chunk carries no token count
                     if choice.get("finish_reason") == "abort":
                         out.finish_reason = 3  # as the gRPC enum's ABORT
                 usage = chunk.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
-                    out.output_tokens = usage.get("completion_tokens", chunks)
+                    usage_tokens = usage.get("completion_tokens")
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_prompt_tokens = details.get("cached_tokens") or 0
         out.e2e_s = time.perf_counter() - start
-        out.output_tokens = out.output_tokens or chunks
-        out.ok = last is not None
+        if usage_tokens is not None:
+            out.output_tokens = usage_tokens
+        out.ok = out.last_token_at is not None
         if not out.ok:
             out.error = "no tokens"
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
