@@ -283,11 +283,9 @@ class _ChoiceWriter:
     def __init__(self, api: ApiRequest, response_id: str, created: int, model: str,
                  token_text: TokenText):
         self.api = api
-        self.head = {"id": response_id,
-                     "object": ("chat.completion" if api.chat else "text_completion"),
-                     "created": created, "model": model}
-        if api.stream:
-            self.head["object"] = "chat.completion.chunk" if api.chat else "text_completion"
+        kind = ("chat.completion.chunk" if api.stream else "chat.completion") if api.chat \
+            else "text_completion"
+        self.head = {"id": response_id, "object": kind, "created": created, "model": model}
         self.token_text = token_text
         self.num_choices = len(api.requests) * api.n
         self.text: dict[int, list[str]] = {}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -123,12 +123,10 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
-    max_tokens_given: bool
-    extra: dict = field(default_factory=dict)
 
 
-def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None, bool]:
-    """The body's sampling fields → (SamplingParams, logprobs k, whether max tokens was given).
+def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
+    """The body's sampling fields → (SamplingParams, logprobs k).
     Ranges are validation.py's; only types and representability are checked here."""
     params = pb.SamplingParams()
     max_tokens = _int(body, "max_tokens")
@@ -136,11 +134,8 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None,
         max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is not None:
         params.max_tokens = max_tokens
-    for key in ("temperature", "top_p", "repetition_penalty"):
-        value = _number(body, key)
-        if value is not None:
-            setattr(params, key, value)
-    for key in ("presence_penalty", "frequency_penalty", "min_p"):
+    for key in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "min_p"):
         value = _number(body, key)
         if value is not None:
             setattr(params, key, value)
@@ -185,7 +180,7 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None,
         logprobs = _int(body, "logprobs")
     if logprobs is not None:
         params.logprobs = logprobs
-    return params, logprobs, max_tokens is not None
+    return params, logprobs
 
 
 def _common(body: dict) -> dict:
@@ -219,7 +214,7 @@ def completion_request(body: dict) -> ApiRequest:
         raise _bad("echo", "echo is not supported")
     if _present(body, "suffix"):
         raise _bad("suffix", "suffix is not supported")
-    params, logprobs, given = _sampling(body, chat=False)
+    params, logprobs = _sampling(body, chat=False)
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
         raise _bad("best_of", "best_of other than n is not supported")
@@ -247,8 +242,7 @@ def completion_request(body: dict) -> ApiRequest:
         raise _bad("prompt", "must be a string, an array of strings, an array of token ids "
                    "or an array of arrays of token ids (and not empty)")
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(False, _str(body, "model"), requests, n, stream, include_usage, logprobs,
-                      given)
+    return ApiRequest(False, _str(body, "model"), requests, n, stream, include_usage, logprobs)
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -269,13 +263,12 @@ def chat_messages(body: dict) -> list[dict]:
 def chat_request(body: dict) -> ApiRequest:
     """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
     messages = chat_messages(body)
-    params, logprobs, given = _sampling(body, chat=True)
+    params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
     request = pb.GenerateRequest(messages=messages_to_pb(messages), params=params,
                                  **_common(body))
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(True, _str(body, "model"), [request], n, stream, include_usage, logprobs,
-                      given)
+    return ApiRequest(True, _str(body, "model"), [request], n, stream, include_usage, logprobs)
 
 
 def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:

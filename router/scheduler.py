@@ -52,9 +52,17 @@ class SchedulerOutput:
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
     num_tokens: int = 0
-    num_prefill_tokens: int = 0  # of which in chunks of more than one token
-    num_decode_seqs: int = 0  # sequences computing one token
     sampled: list[Sequence] = field(default_factory=list)  # build_plan: samples this step
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Of num_tokens, those in chunks of more than one token (the cost model's split)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """Sequences computing one token this step."""
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
     @property
     def empty(self) -> bool:
@@ -375,10 +383,6 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, num_new))
         seq.num_computed_tokens += num_new
         out.num_tokens += num_new
-        if num_new > 1:
-            out.num_prefill_tokens += num_new
-        else:
-            out.num_decode_seqs += 1
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier
@@ -417,8 +421,6 @@ class Scheduler:
         if mine:  # the group being scheduled preempted itself: undo its part of this step
             out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
             out.num_tokens -= sum(s.num_new_tokens for s in mine)
-            out.num_prefill_tokens -= sum(s.num_new_tokens for s in mine if s.num_new_tokens > 1)
-            out.num_decode_seqs -= sum(1 for s in mine if s.num_new_tokens == 1)
         seq_ids = [s.seq_id for s in group.active_seqs() if kv.has_request(s.seq_id)]
         mode = self.config.preemption_mode
         if mode is PreemptionMode.AUTO:
