@@ -219,57 +219,6 @@ async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
     return out
 
 
-def _openai_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict:
-    body = {"model": model, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
-            "seed": cfg.seed, "ignore_eos": cfg.ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
-    body["prompt"] = list(req.prompt_token_ids) if req.prompt_token_ids is not None \
-        else req.prompt
-    return body
-
-
-async def _one_openai(http, req: BenchRequest, cfg: BenchConfig, model: str) -> RequestOutcome:
-    """One streamed POST /v1/completions; times every chunk that carries text."""
-    import aiohttp
-    out = RequestOutcome(prompt_tokens=req.prompt_len)
-    start = time.perf_counter()
-    usage_tokens = None
-    try:
-        async with http.post("/v1/completions", json=_openai_body(req, cfg, model)) as reply:
-            if reply.status != 200:
-                body = await reply.text()
-                out.error = f"HTTP {reply.status}: {body[:200]}"
-                return out
-            async for raw in reply.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.error = str(chunk["error"].get("message", chunk["error"]))
-                    return out
-                for choice in chunk.get("choices") or ():
-                    if choice.get("text"):
-                        out.record_tokens(1, start)  # an SSE chunk carries no token count
-                    if choice.get("finish_reason") == "abort":
-                        out.finish_reason = 3  # as the gRPC enum's ABORT
-                usage = chunk.get("usage")
-                if usage:
-                    out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
-                    usage_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_prompt_tokens = details.get("cached_tokens") or 0
-        out.e2e_s = time.perf_counter() - start
-        if usage_tokens is not None:
-            out.output_tokens = usage_tokens
-        out.ok = out.last_token_at is not None
-        if not out.ok:
-            out.error = "no tokens"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
-
-
 # ---------------------------------------------------------------------------------------
 # Metrics and summary
 
@@ -341,7 +290,8 @@ def summarise(outcomes: list[RequestOutcome], duration_s: float,
 async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None) -> dict:
     """Run the workload against cfg.address; returns the summary dict (no bench/case keys)."""
     if cfg.backend == "openai":
-        return await _run_openai(cfg, requests)
+        from .bench_openai import run_openai
+        return await run_openai(cfg, requests)
     import grpc
 
     from .protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -353,28 +303,10 @@ async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None
                                        wait_for_ready=True)
         if requests is None:
             requests = sample_requests(cfg, info.vocab_size)
-        return await _drive(cfg, requests, lambda req: _one(stub, req, cfg))
+        return await drive(cfg, requests, lambda req: _one(stub, req, cfg))
 
 
-async def _run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> dict:
-    import aiohttp
-    base = cfg.address if "://" in cfg.address else f"http://{cfg.address}"
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
-    async with aiohttp.ClientSession(base, timeout=timeout, connector=connector) as http:
-        model = cfg.model
-        if model is None:
-            async with http.get("/v1/models") as reply:
-                models = (await reply.json())["data"]
-            model = models[0]["id"]
-        if requests is None:
-            if cfg.dataset != "file" and cfg.vocab_size is None:
-                raise ValueError("--backend openai with token-id prompts needs --vocab-size")
-            requests = sample_requests(cfg, cfg.vocab_size or 0)
-        return await _drive(cfg, requests, lambda req: _one_openai(http, req, cfg, model))
-
-
-async def _drive(cfg: BenchConfig, requests: list[BenchRequest], send) -> dict:
+async def drive(cfg: BenchConfig, requests: list[BenchRequest], send) -> dict:
     """Send each request at its arrival time under the concurrency cap; summarise."""
     delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     before = read_prefix_counters(cfg.metrics_address) if cfg.metrics_address else None
