@@ -10,6 +10,9 @@ Cases:
   With ``--model-dir`` the model is that directory loaded as the executor loads it (the GPU
   check builds a random-weight Qwen2.5-0.5B-shape one: scripts/gpu_steps.py build-model);
   without, the same shape is initialised in place on the device.
+* ``gpu_qwen2.5-0.5b_decode_b{1,8}`` and ``..._b{1,8,64,256}_graphs``: the same at batch
+  1 and 8, and each batch with the decode step replayed as a CUDA graph
+  (executor/cuda_graphs.py; only that batch size captured) instead of launched eagerly.
 
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed.
@@ -30,6 +33,7 @@ import time
 import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model_runner import ModelRunner, build_runner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
@@ -143,24 +147,35 @@ def bench_gpu(steps: int, model_dir: str | None = None) -> None:
     bandwidth = copy_bandwidth_bytes_per_s(device)
     context, block_size = 1024, 16
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    for batch in (64, 256):
-        num_blocks = batch * ((context + steps + block_size) // block_size)
+    blocks_per_seq = (context + steps + block_size) // block_size
+    cases = [(64, False), (256, False), (1, False), (8, False),
+             (1, True), (8, True), (64, True), (256, True)]
+    for batch, graphed in cases:
+        num_blocks = batch * blocks_per_seq
         cache = CacheEngine(cfg, block_size, num_blocks, 0, dtype, device)
         cache.kv_cache.normal_()
-        runner = ModelRunner(model, cache)
+        graphs = None
+        if graphed:
+            graphs = DecodeGraphs(model, cache.kv_cache, block_size,
+                                  blocks_per_seq * block_size, batch)
+            graphs.capture([batch])
+        runner = ModelRunner(model, cache, graphs=graphs)
         times = time_steps(runner, decode_plans(batch, context, block_size, steps,
                                                 cfg.vocab_size))
+        assert runner.graph_steps == (steps if graphed else 0), runner.graph_steps
         p50 = statistics.median(times)
         bytes_read = weight_bytes + batch * (context + steps // 2) * kv_bytes_per_token
         bound_s = bytes_read / bandwidth
-        emit(f"gpu_qwen2.5-0.5b_decode_b{batch}", batch=batch, context_tokens=context,
+        suffix = "_graphs" if graphed else ""
+        emit(f"gpu_qwen2.5-0.5b_decode_b{batch}{suffix}", batch=batch, context_tokens=context,
              step_us_p50=round(p50 * 1e6, 1), decode_tok_per_s=round(batch / p50, 1),
              bound_tok_per_s=round(batch / bound_s, 1), of_bound_ratio=round(bound_s / p50, 3),
              weight_bytes=weight_bytes, kv_read_bytes=bytes_read - weight_bytes,
              copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
              device=torch.cuda.get_device_name(device),
-             model="loaded" if model_dir else "initialised in place")
-        del cache, runner
+             model="loaded" if model_dir else "initialised in place",
+             cuda_graphs=graphed)
+        del cache, runner, graphs
         torch.cuda.empty_cache()
 
 

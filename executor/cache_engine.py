@@ -31,11 +31,21 @@ def blocks_for_space(space_gib: float, cfg: ModelConfig, block_size: int, dtype)
 @torch.inference_mode()
 def profile_num_gpu_blocks(
     model: LlamaForCausalLM, block_size: int, max_num_batched_tokens: int,
-    gpu_memory_utilization: float, device: torch.device,
+    gpu_memory_utilization: float, device: torch.device, reserve_bytes: int = 0,
+    baseline: tuple[int, int] | None = None,
 ) -> int:
     """Run one forward of ``max_num_batched_tokens`` prompt tokens (one sequence per
     max_model_len, so attention scratch is the largest the router may plan) with a scratch
-    cache, then give the KV cache what is left under the utilization target."""
+    cache, then give the KV cache what is left of this executor's budget.
+
+    The budget is ``gpu_memory_utilization`` x the device's memory for this process alone
+    (as in vLLM): two executors at 0.4 share one GPU. It pays for the weights and the
+    largest step's activations (torch's peak), ``reserve_bytes`` (the decode graphs,
+    cuda_graphs.graph_memory_bytes) and what the process grew outside torch's allocator
+    since ``baseline`` = (device memory in use, torch reserved) taken before the model
+    loaded (cuBLAS and Triton workspaces; growth of another process in that time counts
+    too: conservative). The cache also never exceeds what is free on the device now less
+    the activation peak and the graphs, whoever holds the rest."""
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     num_tokens = max(1, max_num_batched_tokens)
@@ -69,9 +79,20 @@ def profile_num_gpu_blocks(
     del scratch, hidden
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_allocated(device)
-    available = total * gpu_memory_utilization - peak - used_by_others
-    return max(0, int(available) // block_bytes(cfg, block_size, dtype))
+    reserved = torch.cuda.memory_reserved(device)
+    used_then, reserved_then = baseline if baseline else (total - free, reserved)
+    outside_torch = max(0, (total - free - used_then) - (reserved - reserved_then))
+    budget = total * gpu_memory_utilization - peak - outside_torch - reserve_bytes
+    activations = max(0, peak - torch.cuda.memory_allocated(device))
+    room = free - activations - reserve_bytes
+    return max(0, int(min(budget, room)) // block_bytes(cfg, block_size, dtype))
+
+
+def memory_baseline(device: torch.device) -> tuple[int, int]:
+    """(device memory in use, torch reserved) now: ``profile_num_gpu_blocks``'s baseline,
+    taken before the model loads."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free, torch.cuda.memory_reserved(device)
 
 
 class CacheEngine:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.sampler import Sampler, SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
@@ -93,8 +94,10 @@ class ModelRunner:
     """Owns the model, the cache and the per-request state of one executor."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, executor_id: str = "",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
+        self.graph_steps = 0  # steps that replayed a graph
         self.cache = cache
         self.executor_id = executor_id
         self.device = cache.device
@@ -175,7 +178,7 @@ class ModelRunner:
                 seconds, self.fault_sleep = self.fault_sleep[1], None
                 log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
                 time.sleep(seconds)
-            hidden = self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
+            hidden = self._forward(batch)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             _sync(self.device)
             t1 = time.perf_counter()
@@ -199,6 +202,14 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------------------ parts
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        """The hidden states of every scheduled token: a captured graph for a decode batch
+        it fits (cuda_graphs.py), else the model eagerly."""
+        if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
+            self.graph_steps += 1
+            return self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+        return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
+
     def _check_block_moves(self, plan: StepPlan) -> str:
         limits = {
             "swap_out": (self.cache.num_gpu_blocks, self.cache.num_cpu_blocks),
@@ -412,10 +423,18 @@ def build_runner(
     kv_cache_space: float = 1.0, swap_space: float | None = None,
     gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
+    max_num_seqs: int = 256, enforce_eager: bool = False,
 ) -> ModelRunner:
-    """Load the model and size the caches (DESIGN §4 flags); raises ModelNotSupported,
+    """Load the model, size the caches (DESIGN §4 flags) and, on CUDA unless
+    ``enforce_eager``, capture the decode graphs for up to ``max_num_seqs`` sequences (their
+    memory is set aside before the KV cache is sized). Raises ModelNotSupported,
     FileNotFoundError or ValueError with a one-line message."""
-    from pagedserve.executor.cache_engine import blocks_for_space, profile_num_gpu_blocks
+    from pagedserve.executor.cache_engine import (
+        blocks_for_space,
+        memory_baseline,
+        profile_num_gpu_blocks,
+    )
+    from pagedserve.executor.cuda_graphs import graph_memory_bytes, graphs_supported
     from pagedserve.executor.models import load_config, load_model, resolve_dtype
 
     device = torch.device(device)
@@ -428,13 +447,17 @@ def build_runner(
     if max_model_len is not None and max_model_len > config.max_model_len:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                          f"{config.max_model_len}")
+    baseline = memory_baseline(device) if device.type == "cuda" else None
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
     max_len = max_model_len or config.max_model_len
+    why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
     if num_gpu_blocks is None:
         if device.type == "cuda":
+            reserve = 0 if why_eager else graph_memory_bytes(
+                model, block_size, max_len, max_num_seqs, device)
             num_gpu_blocks = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
-                gpu_memory_utilization, device)
+                gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
         else:
             num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
     if num_cpu_blocks is None:
@@ -444,4 +467,26 @@ def build_runner(
     if num_gpu_blocks <= 0:
         raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
     cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
-    return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len)
+    graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
+    return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
+                       graphs=graphs)
+
+
+def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,
+                    max_num_seqs: int) -> DecodeGraphs | None:
+    """The decode graphs, or None (logged) when capturing fails: the executor runs eager."""
+    graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs)
+    if not graphs.sizes:
+        return None
+    before = torch.cuda.memory_reserved(cache.device) if cache.device.type == "cuda" else 0
+    try:
+        graphs.capture()
+    except Exception as exc:  # a kernel that cannot be captured: lose speed, not service
+        log.warning("CUDA graphs off, every step eager: capture failed: %s: %s",
+                    type(exc).__name__, exc)
+        return None
+    held = (torch.cuda.memory_reserved(cache.device) - before
+            if cache.device.type == "cuda" else 0)
+    log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (%.0f MiB)",
+             len(graphs.sizes), graphs.max_batch, graphs.capture_s, held / 2**20)
+    return graphs

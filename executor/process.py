@@ -482,6 +482,7 @@ def run_executor(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,
             progress=progress_bars_enabled(args.log_format),
+            max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)

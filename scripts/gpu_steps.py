@@ -126,10 +126,14 @@ def cmd_memory(args) -> int:
                                util, device)
         torch.cuda.synchronize(device)
         free, _ = torch.cuda.mem_get_info(device)
-        others = total - free - torch.cuda.memory_reserved(device)
-        peak = torch.cuda.max_memory_allocated(device) + max(0, others)
+        others = max(0, total - free - torch.cuda.memory_reserved(device))
+        # Reserved, not allocated: the decode graphs' pool is reserved by this process
+        # whether or not its blocks count as allocated between replays.
+        peak = torch.cuda.max_memory_reserved(device) + others
+        peak_allocated = torch.cuda.max_memory_allocated(device) + others
         per_block = block_bytes(runner.model.config, cache.block_size, cache.kv_cache.dtype)
         within = peak <= util * total * 1.02
+        graphs = runner.graphs
         pinned = cache.cpu_cache.is_pinned() if cache.num_cpu_blocks else None
         grows = not blocks_seen or cache.num_gpu_blocks <= blocks_seen[-1]
         case_ok = within and pinned is not False and cache.num_gpu_blocks > 0 and grows
@@ -137,8 +141,12 @@ def cmd_memory(args) -> int:
         emit(f"memory_util_{util}", ok=case_ok, gpu_memory_utilization=util,
              num_gpu_blocks=cache.num_gpu_blocks, num_cpu_blocks=cache.num_cpu_blocks,
              kv_cache_gib=round(cache.num_gpu_blocks * per_block / 2**30, 2),
-             peak_used_gib=round(peak / 2**30, 2), target_gib=round(util * total / 2**30, 2),
-             within_target=within, cpu_cache_pinned=pinned, load_and_profile_s=round(load_s, 1))
+             peak_used_gib=round(peak / 2**30, 2),
+             peak_allocated_gib=round(peak_allocated / 2**30, 2),
+             target_gib=round(util * total / 2**30, 2),
+             within_target=within, cpu_cache_pinned=pinned, load_and_profile_s=round(load_s, 1),
+             cuda_graph_sizes=len(graphs.sizes) if graphs else 0,
+             graph_capture_s=round(graphs.capture_s, 1) if graphs else None)
         blocks_seen.append(cache.num_gpu_blocks)
         del runner, cache
         torch.cuda.empty_cache()

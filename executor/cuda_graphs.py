@@ -1,0 +1,232 @@
+"""Decode steps replayed as CUDA graphs.
+
+Why: a decode step of a small model on a large GPU is bound by kernel launches, not by the
+GPU: the Qwen2.5-0.5B shape launches ~15 kernels per layer x 24 layers, each a few
+microseconds of Python and driver work, while its math at batch 64 takes well under a
+millisecond. Captured once, the whole forward replays with one call.
+
+What is captured: ``model.forward`` (embedding to the final norm) of a decode-only batch
+(one new token per sequence), for each batch size of ``graph_batch_sizes``: 1, 2, 4, 8, then
+multiples of 8 up to the limit. A batch of ``n`` sequences runs in the graph of the smallest
+size ``B >= n``; rows ``n..B`` are padding, made harmless by their inputs: slot -1 (the cache
+write skips it), context length 0 (attention reads nothing and returns 0), token and
+position 0. Their hidden states are computed and dropped. Logits and sampling stay eager
+(only the rows that sample pay the vocabulary matmul).
+
+Static inputs: one set of buffers sized for the largest graph, ``input_ids``, ``positions``,
+``slot_mapping``, ``seq_lens`` [B_max] and ``block_tables`` [B_max, W] with
+W = ceil(max_model_len / block_size); the graph of size B reads the first B rows (views of
+the same storage), so a replay only copies this step's rows in. A block-table row is read
+only up to its context length, so what earlier steps left beyond it needs no clearing.
+The decode kernel picks its split-K partition count from shapes (the table width, the batch
+size), so each graph's count is fixed at capture, with the full width W.
+
+Memory: graphs are captured largest first into one private memory pool, which smaller
+graphs reuse; ``graph_memory_bytes`` measures a capture against a scratch cache before the
+KV cache is sized, so profiling leaves room for it (``cache_engine.profile_num_gpu_blocks``).
+
+Not used for: a step with a prefill token, more sequences than the largest graph, a block
+table wider than W, a non-CUDA device, ``--enforce-eager``, or the torch kernel twins on
+CUDA (``PAGEDSERVE_KERNEL_BACKEND=torch``: they read lengths back to the host, which a
+capture cannot do). A capture that fails is logged and leaves the runner eager.
+
+On a CPU (tests only), ``DecodeGraphs`` works the same way except that "capture" keeps the
+forward as a function of the static buffers and "replay" calls it: the padding, the buffer
+copies and the choice of size are then tested where there is no CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Above this many sequences a decode step is long enough that launches no longer dominate,
+# and each captured size costs start-up time and a little memory.
+MAX_GRAPH_BATCH = 256
+
+
+def graph_batch_sizes(limit: int) -> list[int]:
+    """Captured batch sizes up to ``limit`` (ascending): 1, 2, 4, 8, 16, 24, ... and
+    ``limit`` itself, so every batch of at most ``limit`` sequences has a graph and pads at
+    most 7 rows (or doubles, below 8)."""
+    limit = min(limit, MAX_GRAPH_BATCH)
+    if limit < 1:
+        return []
+    sizes = [s for s in (1, 2, 4) if s < limit] + list(range(8, limit, 8))
+    return sorted(set(sizes) | {limit})
+
+
+def graphs_supported(device: torch.device) -> str:
+    """Why CUDA graphs cannot be used here ("" when they can)."""
+    if device.type != "cuda":
+        return f"device {device.type} (graphs are CUDA only)"
+    backend = os.environ.get("PAGEDSERVE_KERNEL_BACKEND", "auto")
+    if backend == "torch":
+        return "PAGEDSERVE_KERNEL_BACKEND=torch (the twins synchronise with the host)"
+    return ""
+
+
+class _Replay:
+    """One captured size: ``replay()`` reruns it; ``hidden`` is its output buffer."""
+
+    def __init__(self, replay: Callable[[], object], hidden: torch.Tensor,
+                 graph: object = None) -> None:
+        self.replay = replay
+        self.hidden = hidden
+        self.graph = graph  # the torch.cuda.CUDAGraph, kept alive with its pool
+
+
+class DecodeGraphs:
+    """Static decode buffers and one replay per batch size (see the module docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 max_model_len: int, max_batch: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1] if self.sizes else 0
+        self.width = -(-max_model_len // block_size)
+        n, dev = self.max_batch, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._replays: dict[int, _Replay] = {}
+        self._pool = None  # the private memory pool every graph shares
+        self.capture_s = 0.0
+
+    # ------------------------------------------------------------------------- capture
+    def _forward(self, size: int) -> torch.Tensor:
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            max_query_len=1)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, attn)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture the given sizes (default: all), largest first, into the shared pool.
+        The buffers hold padding throughout (slot -1), so the warm-up runs write nothing
+        into the cache."""
+        t0 = time.perf_counter()
+        self._pad(0, self.max_batch)
+        for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+            if self.device.type != "cuda":
+                self._replays[size] = self._capture_twin(size)
+                continue
+            self._replays[size] = replay = self._capture_cuda(size, self._pool)
+            self._pool = replay.graph.pool()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+
+    def _capture_twin(self, size: int) -> _Replay:
+        hidden = self._forward(size)
+        holder = _Replay(lambda: None, hidden)
+
+        def replay() -> None:
+            holder.hidden.copy_(self._forward(size))
+
+        holder.replay = replay
+        return holder
+
+    def _capture_cuda(self, size: int, pool) -> _Replay:
+        # Warm up on a side stream (Triton compiles this size's kernels, cuBLAS picks its
+        # algorithms and workspace) so the capture records launches only.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self._forward(size)
+        return _Replay(graph.replay, hidden, graph)
+
+    # -------------------------------------------------------------------------- replay
+    def size_for(self, num_seqs: int) -> int | None:
+        """The smallest captured size that holds ``num_seqs`` sequences."""
+        for size in sorted(self._replays):
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
+        return (attn.max_query_len == 1 and attn.block_tables.shape[1] <= self.width
+                and 0 < input_ids.shape[0] <= self.max_batch and bool(self._replays))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            attn: AttentionMetadata) -> torch.Tensor:
+        """The hidden states of a decode batch (``can_run`` true): copy its rows in, pad
+        the rest of the graph's rows, replay; a view of the graph's output, valid until
+        the next replay."""
+        n = input_ids.shape[0]
+        size = self.size_for(n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(attn.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(attn.seq_lens, non_blocking=True)
+        self.block_tables[:n, :attn.block_tables.shape[1]].copy_(
+            attn.block_tables, non_blocking=True)
+        if size > n:
+            self._pad(n, size)
+        replay = self._replays[size]
+        replay.replay()
+        return replay.hidden[:n]
+
+    def _pad(self, start: int, stop: int) -> None:
+        self.input_ids[start:stop].zero_()
+        self.positions[start:stop].zero_()
+        self.slot_mapping[start:stop].fill_(-1)
+        self.seq_lens[start:stop].zero_()
+
+
+@torch.inference_mode()
+def graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_model_len: int,
+                       max_batch: int, device: torch.device) -> int:
+    """Device memory the graphs of ``graph_batch_sizes(max_batch)`` will hold, measured
+    before the KV cache exists: capture the largest size, then the smallest, against a
+    one-block scratch cache (padding rows read and write no block). The largest capture
+    holds the shared pool (the activations of the largest batch); the smallest's increase
+    is what each further graph adds, counted once per remaining size. Counted from this
+    process's allocator (the driver's own few bytes per graph node are not). Freed on
+    return."""
+    sizes = graph_batch_sizes(max_batch)
+    if not sizes or graphs_supported(device):
+        return 0
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    scratch = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.num_kv_heads, cfg.head_dim,
+                          dtype=dtype, device=device)
+
+    def reserved() -> int:  # this process's allocator, once the warm-ups' cached blocks
+        torch.cuda.synchronize(device)  # that nothing holds are released (another process
+        torch.cuda.empty_cache()  # on the same GPU does not disturb the figure)
+        return torch.cuda.memory_reserved(device)
+
+    reserved_before = reserved()  # the static buffers count: the real graphs have them too
+    graphs = DecodeGraphs(model, scratch, block_size, max_model_len, sizes[-1])
+
+    def held() -> int:
+        return reserved() - reserved_before
+
+    graphs.capture([sizes[-1]])
+    largest = held()
+    extra_each = 0
+    if len(sizes) > 1:
+        graphs.capture([sizes[0]])
+        extra_each = max(0, held() - largest)
+    del graphs
+    torch.cuda.empty_cache()
+    return max(0, largest) + extra_each * (len(sizes) - 1)

@@ -1,0 +1,150 @@
+"""Decode steps through captured graphs (executor/cuda_graphs.py) against the same steps run
+eagerly: the batch sizes captured, the padding rows (no cache write, nothing read), the
+choice of graph, and when a step stays eager. On a CPU the graphs are the module's twin
+(the forward re-run on the static buffers); the `gpu` tests capture real CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.executor.cuda_graphs import (
+    DecodeGraphs,
+    graph_batch_sizes,
+    graph_memory_bytes,
+    graphs_supported,
+)
+from pagedserve.executor.model_runner import build_runner
+from pagedserve.protos.wire import SamplingParams
+from test_executor_support import Driver
+
+from pagedserve.tinymodels import build_model
+
+PROMPTS = {  # five lengths: tables of 1-3 blocks of 8
+    "a": [0, 17, 250, 33, 9, 480, 77, 5, 61, 300, 12],
+    "b": [0, 400, 3, 3, 3],
+    "c": [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    "d": [0, 99],
+    "e": [0, 1, 2, 3, 4, 5, 6, 7],
+}
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(0) == []
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    full = graph_batch_sizes(256)
+    assert full[:5] == [1, 2, 4, 8, 16] and full[-2:] == [248, 256] and len(full) == 35
+    assert graph_batch_sizes(10_000) == full  # capped at MAX_GRAPH_BATCH
+
+
+def test_graphs_supported(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_KERNEL_BACKEND", raising=False)
+    assert "CUDA only" in graphs_supported(torch.device("cpu"))
+    assert graphs_supported(torch.device("cuda", 0)) == ""
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "torch")
+    assert "PAGEDSERVE_KERNEL_BACKEND=torch" in graphs_supported(torch.device("cuda", 0))
+    assert graph_memory_bytes(None, 16, 64, 8, torch.device("cpu")) == 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("graphs") / "llama", "llama",
+                       initializer_range=0.2)
+
+
+def _runner(model_dir, device="cpu", **kw):
+    kw.setdefault("num_gpu_blocks", 40)
+    return build_runner(str(model_dir), device=device, num_cpu_blocks=0, block_size=8,
+                        max_model_len=64, progress=False, **kw)
+
+
+def _with_twin_graphs(runner, max_batch):
+    graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
+                          runner.max_model_len, max_batch)
+    graphs.capture()
+    runner.graphs = graphs
+    return runner
+
+
+def _drive(runner, sampling=None):
+    """Prefill all five, then 8 decode steps of 5, 4, 3, 3, 2, 2, 1, 1 rows as requests
+    finish (with a limit of 4: the 5-row step eager, the others in graphs of 4, 4, 4, 2,
+    2, 1, 1)."""
+    d = Driver(runner)
+    for rid, prompt in PROMPTS.items():
+        d.add(rid, prompt, **({"sampling": sampling} if sampling else {}))
+    lengths = {"a": 9, "b": 3, "c": 5, "d": 7, "e": 2}
+    d.step({r: None for r in PROMPTS})  # prefill: always eager
+    while live := [r for r in PROMPTS if len(d.seqs[r].outputs) < lengths[r]]:
+        d.step({r: None for r in live})
+    return d
+
+
+def test_twin_graphs_equal_eager_and_write_only_real_slots(model_dir):
+    eager = _drive(_runner(model_dir))
+    graphed = _drive(_with_twin_graphs(_runner(model_dir), max_batch=4))
+    for rid in PROMPTS:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    runner = graphed.runner
+    assert runner.graph_steps == 7 and runner.steps_done == 9
+    assert graphed.runner.graphs.sizes == [1, 2, 4]
+    used = {b for s in graphed.seqs.values() for b in s.table}
+    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    assert unused and not runner.cache.kv_cache[:, :, unused].any()  # padding wrote nothing
+    # the same keys and values, up to the padded matmuls' summation order
+    torch.testing.assert_close(runner.cache.kv_cache, eager.runner.cache.kv_cache,
+                               atol=1e-4, rtol=1e-3)
+
+
+def test_twin_graphs_keep_seeded_sampling(model_dir):
+    eager = _drive(_runner(model_dir), SEEDED)
+    graphed = _drive(_with_twin_graphs(_runner(model_dir), max_batch=8), SEEDED)
+    assert graphed.runner.graph_steps == 8  # every decode step, the 5-row one in the 8
+    for rid in PROMPTS:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+
+
+def test_padding_rows_are_reset_between_replays(model_dir):
+    """A 3-row step after a 4-row one pads row 3 again: its slot goes back to -1."""
+    runner = _with_twin_graphs(_runner(model_dir), max_batch=4)
+    graphs = runner.graphs
+    d = Driver(runner)
+    for rid in "abcd":
+        d.add(rid, PROMPTS[rid])
+    d.step({r: None for r in "abcd"})
+    d.step({r: None for r in "abcd"})
+    assert graphs.slot_mapping[3].item() >= 0 and graphs.seq_lens[3].item() > 0
+    d.step({r: None for r in "abc"})
+    assert graphs.slot_mapping[3].item() == -1 and graphs.seq_lens[3].item() == 0
+    assert graphs.size_for(3) == 4 and graphs.size_for(5) is None
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager(model_dir):
+    """fp32 on the GPU: the same greedy tokens with and without graphs; the graphs were
+    captured (a capture failure would leave runner.graphs None) and their memory counted."""
+    eager = _drive(_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
+    assert eager.runner.graphs is None
+    graphed_runner = _runner(model_dir, "cuda", dtype="float32", max_num_seqs=4)
+    assert graphed_runner.graphs is not None and graphed_runner.graphs.sizes == [1, 2, 4]
+    graphed = _drive(graphed_runner)
+    for rid in PROMPTS:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    assert graphed_runner.graph_steps == 7
+    used = {b for s in graphed.seqs.values() for b in s.table}
+    unused = [b for b in range(graphed_runner.cache.num_gpu_blocks) if b not in used]
+    assert not graphed_runner.cache.kv_cache[:, :, unused].any()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_memory_is_reserved_before_the_cache(model_dir):
+    model = _runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
+    held = graph_memory_bytes(model, 8, 64, 256, torch.device("cuda", 0))
+    assert held > 0
+    profiled = _runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
+                       gpu_memory_utilization=0.5)
+    assert profiled.graphs is not None and profiled.cache.num_gpu_blocks > 0
