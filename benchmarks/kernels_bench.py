@@ -5,6 +5,7 @@ and time relative to torch SDPA on the same keys/values stored contiguously (DES
     python benchmarks/kernels_bench.py --dry-run   # CPU: tiny sizes through the Triton
                                                    # interpreter, to check the script itself
     python benchmarks/kernels_bench.py --cases decode,prefill,cache   # a subset (default all)
+    python benchmarks/kernels_bench.py --cases tune   # decode launch configurations (GPU)
 
 Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv heads, head dim
 128, i.e. GQA 8:1; and Qwen2.5-0.5B, 14 q / 2 kv heads, head dim 64), block size 16, bf16.
@@ -22,6 +23,11 @@ Prefill cases (``prefill/...``): whole prompts (causal) of batch x length throug
 prefill kernel, ``tflop_per_s`` (causal attention: 2 * 2 * B * H * L^2 * D / 2 flops) and
 ``paged_vs_contiguous_ratio`` against SDPA with is_causal on contiguous K/V; ``extend/...``:
 a chunk of new tokens after a cached prefix (no SDPA twin: a non-square causal mask).
+Tune cases (``tune/...``, only when asked for): the decode kernel at the shapes its targets
+name (batch 64 and 256, context 1k and 4k, both head shapes) under every launch configuration
+of ``TUNE_GRID`` (tokens per tile x warps x pipeline stages, the split count from the rule),
+one line per shape with the default configuration's and the best one's latency and
+``copy_bw_ratio``, and the best configuration: what to make the launcher's default.
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -30,6 +36,7 @@ Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,6 +44,9 @@ import sys
 import time
 
 BENCH = "kernels_bench"
+# Decode launch configurations swept by --cases tune: (block_n, num_warps, num_stages).
+TUNE_GRID = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+TUNE_DEFAULT = (64, 4, 2)  # what paged_decode_attention_triton launches with (head dim <= 128)
 
 
 def _emit(record: dict) -> None:
@@ -51,7 +61,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
-                   help="comma-separated subset of decode, prefill, cache")
+                   help="comma-separated subset of decode, prefill, cache, tune (tune: "
+                   "not in the default)")
     return p.parse_args()
 
 
@@ -182,7 +193,59 @@ def main() -> int:
         bench_prefill(torch, ops, device, dtype, timed, shapes, args.dry_run)
     if "cache" in cases:
         bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s, args.dry_run)
+    if "tune" in cases:
+        bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s, shapes, args.dry_run)
     return 0
+
+
+def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes: dict,
+                      dry_run: bool) -> None:
+    """Every TUNE_GRID configuration of the decode kernel at each target shape; one line per
+    shape: the default's figures, the best configuration's, and all latencies."""
+    from pagedserve.kernels.decode_attention import paged_decode_attention_triton
+
+    grid = TUNE_GRID[:2] if dry_run else TUNE_GRID
+    targets = [(2, 600)] if dry_run else [(64, 1024), (256, 1024), (64, 4096), (256, 4096)]
+    block_size, elem = 16, torch.tensor([], dtype=dtype).element_size()
+    for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
+        for batch, context in targets:
+            blocks_per_seq = (context + block_size - 1) // block_size
+            num_blocks = batch * blocks_per_seq
+            cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            key_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+            value_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+            tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+            out = torch.empty_like(query)
+            kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elem
+            latencies: dict[str, float] = {}
+            for block_n, warps, stages in grid:
+                name = f"n{block_n}_w{warps}_s{stages}"
+                call = functools.partial(
+                    paged_decode_attention_triton, query, key_cache, value_cache, tables,
+                    seq_lens, head_dim**-0.5, out=out, block_n=block_n, num_warps=warps,
+                    num_stages=stages)
+                try:
+                    latencies[name] = round(timed(call), 2)
+                except Exception as exc:  # e.g. out of shared memory for a large tile
+                    latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            timings = {k: v for k, v in latencies.items() if isinstance(v, float)}
+            default = "n{}_w{}_s{}".format(*TUNE_DEFAULT)
+            record = {"case": f"tune/{shape_name}/b{batch}/ctx{context}",
+                      "dtype": str(dtype).removeprefix("torch."), "configs": latencies}
+            if timings:
+                best = min(timings, key=timings.get)
+                record.update(best=best, best_latency_us_p50=timings[best],
+                              best_copy_bw_ratio=float(
+                                  f"{kv_bytes / timings[best] / 1e3 / copy_gb_per_s:.4g}"))
+            if default in timings:
+                record.update(default_latency_us_p50=timings[default], copy_bw_ratio=float(
+                    f"{kv_bytes / timings[default] / 1e3 / copy_gb_per_s:.4g}"))
+            _emit(record)
+            del key_cache, value_cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> None:

@@ -266,8 +266,12 @@ def paged_decode_attention_triton(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above."""
+    """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
+    ``block_n`` (tokens per tile), ``num_warps`` and ``num_stages`` override the launch
+    configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -321,7 +325,8 @@ def paged_decode_attention_triton(
         *p_strides,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
-        num_warps=4, num_stages=2 if not interpreting else 1,
+        num_warps=num_warps,
+        num_stages=1 if interpreting else (2 if num_stages is None else num_stages),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
