@@ -484,6 +484,10 @@ class Scheduler:
                         break
                     scheduled.append((seq, num_new))
                     budget -= num_new
+                # Swap-out released the group's intent; one back in the middle of its prompt
+                # intends the rest again, so routing and waiting requests see those blocks.
+                if any(s.num_computed_tokens + n < s.num_prompt_tokens for s, n in scheduled):
+                    self._intend(group)
             else:
                 scheduled = self._admit_waiting(group, budget)
                 if scheduled is _WAITS_FOR_PREFIX:

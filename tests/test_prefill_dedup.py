@@ -240,3 +240,36 @@ def test_waiters_follow_a_migrated_request_to_its_new_executor():
         kv = engine.executors["e1"].kv
         assert kv.intent_ids() == [] and kv.stats().num_pinned_blocks == 0
     run(asyncio.wait_for(main(), 20))
+
+
+def test_a_request_swapped_in_mid_prompt_intends_the_rest_again():
+    """a is prefilling its 28 tokens in chunks when it runs out of blocks and is swapped out
+    (its intent released); swapped back in, with tokens 26-27 still to compute, it intends
+    them again: a request sharing its prompt sees block 6 (tokens 24-27) as coming."""
+    kv = KVCacheManager(8, 8, 4, watermark=0.0, debug_checks=True, max_pinned_fraction=1.0)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=8, max_model_len=256,
+                                          preemption_mode=PreemptionMode.SWAP))
+    prompt = list(range(10, 38))
+    r = group("r", [1, 2, 3, 4], 1, priority=-5, max_tokens=4)
+    a = group("a", prompt, 2, priority=2)
+    sched.add(r)
+    sched.add(a)
+    assert scheduled(step(sched, kv, 1)) == [("r#0", 0, 4), ("a#0", 0, 4)]
+    assert scheduled(step(sched, kv, 2)) == [("r#0", 4, 1), ("a#0", 4, 7)]
+    assert scheduled(step(sched, kv, 3)) == [("r#0", 5, 1), ("a#0", 11, 7)]
+    out = step(sched, kv, 4)  # r ends; a is short of blocks and swaps itself out
+    assert scheduled(out) == [("r#0", 6, 1)]
+    assert [(g.request_id, m) for g, m in out.preempted] == [("a", PreemptionMode.SWAP)]
+    assert not kv.has_intent("a#0")
+    out = step(sched, kv, 5)
+    assert scheduled(out) == [("a#0", 18, 8)]  # swapped in, tokens 18-25
+    assert kv.has_intent("a#0")
+    other = prompt + [99]
+    hashes: list = []
+    kv.hash_blocks(other, None, hashes)
+    hit = kv.lookup(other, hashes)
+    assert len(hit) == 6  # a's blocks 0-5, registered as computed
+    assert kv.intended_tokens(other, hashes, None, len(hit)) == 4  # block 6, a computes next
+    out = step(sched, kv, 6)
+    assert scheduled(out) == [("a#0", 26, 2)]
+    assert not kv.has_intent("a#0")  # scheduled through its prompt: released
