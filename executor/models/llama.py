@@ -110,10 +110,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _on_meta_device() -> bool:
+    """Is the model being built on the meta device (as the loader builds it, then loads
+    every weight)? There, initial values are never used, and computing them costs time:
+    ``normal_`` or ``arange`` of a meta tensor imports torch._dynamo, ~2 s of every
+    executor's start."""
+    return torch.empty(0).device.type == "meta"
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not _on_meta_device():  # initialised as nn.Embedding initialises itself
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -136,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", self.rope_cache(cfg), persistent=False)
+        cache = (torch.empty(cfg.max_model_len, 2, cfg.head_dim, dtype=torch.float32)
+                 if _on_meta_device() else self.rope_cache(cfg))  # meta: the loader sets it
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     @staticmethod
     def rope_cache(cfg: ModelConfig) -> torch.Tensor:
