@@ -10,6 +10,8 @@ determine_num_available_blocks); on CPU ``--kv-cache-space`` GiB. CPU swap block
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
@@ -95,6 +97,18 @@ def memory_baseline(device: torch.device) -> tuple[int, int]:
     return total - free, torch.cuda.memory_reserved(device)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(shape), but in CPU memory as anonymous pages that the kernel zeroes when
+    first touched: torch.zeros writes every byte at once (the default 1 GiB cache and 0.5 GiB
+    of swap took 1-3 s of an executor's start, and as much resident memory, unused)."""
+    device = torch.device(device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # the tensor holds the mapping; it is unmapped when the tensor is freed
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 class CacheEngine:
     """Owns ``kv_cache`` (device) and ``cpu_cache`` (swap space); applies a plan's block
     moves. Block ids are checked by the caller (ModelRunner) before anything runs."""
@@ -111,11 +125,11 @@ class CacheEngine:
         tail = (block_size, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: the attention twins multiply padding slots by probability 0,
         # and 0 * NaN from uninitialised memory would poison a row.
-        self.kv_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=device)
-        self.cpu_cache = torch.zeros(
-            *shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu",
-            pin_memory=torch.cuda.is_available() and device.type == "cuda",
-        )
+        self.kv_cache = _zeros((*shape, num_gpu_blocks, *tail), dtype, device)
+        pinned = torch.cuda.is_available() and device.type == "cuda"
+        self.cpu_cache = (
+            torch.zeros(*shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu", pin_memory=True)
+            if pinned else _zeros((*shape, num_cpu_blocks, *tail), dtype, "cpu"))
 
     def swap_out(self, pairs: torch.Tensor) -> None:
         """(device block, cpu block) rows."""
