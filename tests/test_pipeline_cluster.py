@@ -122,4 +122,7 @@ def test_executor_hung_inside_a_step_is_dead_and_its_requests_move(model_dir, hf
         logs = cluster.logs()
         assert "overran its deadline" in logs or "unanswered" in logs, logs
     finally:
+        hung = cluster.executors.get("exec0")
+        if hung is not None:  # still asleep in its step: SIGTERM would wait 15 s for nothing
+            hung.kill()
         cluster.stop()
