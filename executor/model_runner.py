@@ -1,8 +1,12 @@
 """One step: StepPlan in, StepResult out (DESIGN §2). No sockets here.
 
-Hot path: the per-request Python work in ``_prepare`` is O(S) list operations; per-token
-work is numpy/torch. Do not add per-token Python loops or device syncs beyond the one that
-reads the sampled tokens back.
+Hot path: between two steps (the gap) the main thread does O(1) numpy calls over the
+step's rows plus two C-level passes over the request ids (their states, their rows);
+per-request and per-block state lives in `RequestRows` columns. Plan-only work is done
+ahead by `precompute` on the I/O thread, and appending the sampled tokens to the requests'
+sampling states waits until the next forward is launched. Do not add per-request or
+per-token Python loops to the gap, nor device syncs beyond the one that reads the sampled
+tokens back.
 
 Pipelining (DESIGN §2): the router may send plan N+1 before it has seen step N's tokens. A
 decode marked in ``feed_sampled`` gets as its input the token this executor sampled for
@@ -15,38 +19,75 @@ runner executed to the start of this step's forward (waiting for the plan, decod
 block moves, preparing inputs). The first step after construction or ``reset()`` reports
 ``gap_s = 0`` (there is no previous step to measure from; registration time would
 otherwise pollute the figure). A step with no forward measures up to where it would start.
+The previous step's tokens are appended to the sampling states once this step's forward and
+logits are launched (on a GPU that overlaps the forward; on a CPU, where the forward runs
+as it is called, that time counts in ``forward_s``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import Sampler, SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestState:
-    """What the executor keeps per request between steps: its block table (the router's
-    copy, updated by the plan's changes), its sampling state, and the token it last sampled
-    here with the step id it was sampled in (a marked decode of step N+1 is fed the token
-    of step N; -1: none sampled on this executor yet)."""
+class _PendingSamples:
+    """The tokens sampled in the last step (``step_id``) by the requests in ``rows``, not
+    yet recorded: `apply` appends them to the requests' sampling ``states`` and writes them
+    into the `RequestRows` columns. `ModelRunner` applies them once the next forward is
+    launched, or earlier when something reads those records: a row about to change hands
+    (released, or forked), a step that does not feed from them directly, any read of a
+    `RequestState.sampling`. Until then a marked decode of the next step is fed from here
+    (`ModelRunner._prepare`), so the gap between two steps does neither."""
 
-    block_table: list[int]
-    sampling: SamplingState
-    sampled_token: int = -1
-    sampled_step: int = -1
+    __slots__ = ("table", "states", "token_ids", "rows", "step_id")
+
+    def __init__(self, table: RequestRows) -> None:
+        self.table = table
+        self.states: list[SamplingState] = []  # empty: nothing pending
+        self.token_ids: np.ndarray | None = None
+        self.rows: np.ndarray | None = None
+        self.step_id = -1
+
+    def apply(self) -> None:
+        states, self.states = self.states, []
+        if states:
+            self.table.record_samples(self.rows, self.token_ids, self.step_id)
+            for state, token in zip(states, self.token_ids.tolist(), strict=True):
+                state.append(token)
+
+
+class RequestState:
+    """What the executor keeps per request between steps, besides its row of the runner's
+    `RequestRows` (block table, last sampled token): its sampling state. Reading
+    ``sampling`` first appends the tokens sampled in the last step, when that is still
+    pending, so a reader always sees every token sampled so far."""
+
+    __slots__ = ("row", "_sampling", "_pending")
+
+    def __init__(self, row: int, sampling: SamplingState, pending: _PendingSamples) -> None:
+        self.row = row
+        self._sampling = sampling
+        self._pending = pending
+
+    @property
+    def sampling(self) -> SamplingState:
+        if self._pending.states:
+            self._pending.apply()
+        return self._sampling
 
 
 @dataclass(frozen=True)
@@ -58,23 +99,34 @@ class _Batch:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # index into the hidden states of the tokens that sample
     sample_ids: list[str]  # their requests, same order
+    sample_state_rows: np.ndarray  # their rows in RequestRows, same order
 
 
 @dataclass(slots=True)
 class PlanInputs:
     """What `ModelRunner.precompute` finds in a plan alone (no request state)."""
 
-    num_new: np.ndarray  # int64 [S]
-    seq_lens: np.ndarray  # int64 [S]
-    starts: list[int]
-    lens: list[int]
-    ids: np.ndarray
-    offsets: list[int]
-    row_of_token: np.ndarray
-    slots: np.ndarray  # int64 [T]
-    token_ids: np.ndarray  # int64 [T], a copy: the marked decodes' tokens are written in
-    marked: list[tuple[int, int, int]]  # (row, its first token, its token count)
-    bad: dict[int, str]  # rows the plan alone condemns
+    move_error: str  # a block move out of range: the whole step fails ("" when none)
+    moves: list[tuple[str, np.ndarray]]  # (swap_out | swap_in | copy, pairs), non-empty
+    new_states: list[SamplingState]  # of plan.new_requests, same order
+    # The rows (None when the plan schedules none):
+    num_new: np.ndarray | None = None  # int64 [S]
+    seq_lens: np.ndarray | None = None  # int64 [S]
+    starts: np.ndarray | None = None  # int64 [S]: each table is replaced from there on ...
+    new_len: np.ndarray | None = None  # int64 [S]: ... and has this length after
+    longest: int = 0  # max(new_len)
+    ids: np.ndarray | None = None  # int32: the new block ids, row after row
+    id_seq: np.ndarray | None = None  # int64: the row of each id ...
+    id_cols: np.ndarray | None = None  # int64: ... and its column in that row's table
+    row_of_token: np.ndarray | None = None  # int64 [T]
+    slots: np.ndarray | None = None  # int64 [T]
+    token_ids: np.ndarray | None = None  # int64 [T], a copy: the fed tokens are written in
+    marked: np.ndarray | None = None  # int64: the rows to feed (marked, one token each) ...
+    feed_at: np.ndarray | None = None  # int64: ... and where their token goes in token_ids
+    all_marked: bool = False  # marked is every row
+    do_sample_rows: np.ndarray | None = None  # int64: the rows that sample (None: all)
+    unfed: dict[int, str] | None = None  # marked rows that cannot be fed whatever the state
+    bad: dict[int, str] | None = None  # rows the plan alone condemns
     # When no row is condemned by the plan: its tensors, but the input ids.
     positions: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
@@ -107,6 +159,9 @@ class ModelRunner:
                                  model.config.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
+        self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
+        self._pending = _PendingSamples(self.rows)
         self.steps_done = 0
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
         self._sampled_at: float | None = None
@@ -121,10 +176,31 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
         self.requests.clear()
+        self._row_of.clear()
+        self.rows.clear()
+        self._pending = _PendingSamples(self.rows)
         self._prev_end = None
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The block table this runner holds for a request (KeyError when none)."""
+        return self.rows.table(self.requests[request_id].row)
+
+    def _put(self, request_id: str, state: RequestState) -> None:
+        old = self.requests.get(request_id)
+        if old is not None:
+            self._pending.apply()  # before its row can change hands
+            self.rows.release(old.row)
+        self.requests[request_id] = state
+        self._row_of[request_id] = state.row
+
+    def _drop(self, request_id: str) -> None:
+        old = self.requests.pop(request_id, None)
+        if old is not None:
+            self._pending.apply()  # before its row can change hands
+            self.rows.release(old.row)
+            del self._row_of[request_id]
+
     # ------------------------------------------------------------------------------ step
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, inputs: PlanInputs | None = None) -> StepResult:
         """Run one plan (with `inputs`, its `precompute`, when done ahead), in the order
         DESIGN §2 fixes:
@@ -143,28 +219,36 @@ class ModelRunner:
            remember them for the next step's marked decodes.
         An exception in 5 is reported as a step error (empty request id), never swallowed;
         then no request sampled in this step, so the next plan's marked decodes all fail.
+
+        Runs in inference mode (entered here unless the caller holds it: the executor
+        process enters it once for its whole loop, which keeps it out of the gap).
         """
         self._sampled_at = None
         try:
-            return self._execute(plan, self._prev_end, inputs)
+            if torch.is_inference_mode_enabled():
+                return self._execute(plan, self._prev_end, inputs)
+            with torch.inference_mode():
+                return self._execute(plan, self._prev_end, inputs)
         finally:  # the next step's gap starts at the end of this one's sampling
             self._prev_end = self._sampled_at or time.perf_counter()
 
     def _execute(self, plan: StepPlan, prev_end: float | None,
-                 inputs: PlanInputs | None) -> StepResult:
+                 pre: PlanInputs | None) -> StepResult:
         step = plan.step_id
 
         def gap_s(now: float) -> float:
             return 0.0 if prev_end is None else now - prev_end
 
-        error = self._check_block_moves(plan)
-        if error:
-            log.error("step %d rejected: %s", step, error)
+        if pre is None:
+            pre = self.precompute(plan)
+        if pre.move_error:
+            log.error("step %d rejected: %s", step, pre.move_error)
             return StepResult(step_id=step, executor_id=self.executor_id,
-                              errors=[RequestError("", error)], gap_s=gap_s(time.perf_counter()))
-        swap_s = self._move_blocks(plan)
-        errors = self._update_requests(plan)
-        batch = self._prepare(plan, errors, inputs)
+                              errors=[RequestError("", pre.move_error)],
+                              gap_s=gap_s(time.perf_counter()))
+        swap_s = self._move_blocks(pre.moves)
+        errors = self._update_requests(plan, pre.new_states)
+        batch = self._prepare(plan, errors, pre)
         result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
         if batch is None:
             self.steps_done += 1
@@ -180,10 +264,13 @@ class ModelRunner:
                 time.sleep(seconds)
             hidden = self._forward(batch)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
+            # Launched (on a GPU the host is free until the sync): now the previous step's
+            # tokens go into the sampling states this step's sampling reads.
+            self._pending.apply()
             _sync(self.device)
             t1 = time.perf_counter()
-            reqs = [self.requests[r] for r in batch.sample_ids]
-            out = self.sampler(logits, [r.sampling for r in reqs]) if reqs else None
+            states = [self.requests[r]._sampling for r in batch.sample_ids]
+            out = self.sampler(logits, states) if states else None
             t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
@@ -192,9 +279,10 @@ class ModelRunner:
         self.steps_done += 1
         if out is None:
             return StepResult(**result, errors=errors, forward_s=t1 - t0)
-        for req, token in zip(reqs, out.token_ids.tolist(), strict=True):
-            req.sampling.append(token)
-            req.sampled_token, req.sampled_step = token, step
+        # Recorded after the next forward is launched; its marked decodes are fed from here.
+        pending = self._pending
+        pending.states, pending.token_ids = states, out.token_ids
+        pending.rows, pending.step_id = batch.sample_state_rows, step
         return StepResult(
             **result, request_ids=batch.sample_ids, token_ids=out.token_ids,
             logprobs=out.logprobs, top_counts=out.top_counts, top_token_ids=out.top_token_ids,
@@ -225,9 +313,7 @@ class ModelRunner:
                     return f"{name} names a block out of range (have {limit})"
         return ""
 
-    def _move_blocks(self, plan: StepPlan) -> float:
-        moves = [(name, getattr(plan, name)) for name in ("swap_out", "swap_in", "copy")]
-        moves = [(n, p) for n, p in moves if p is not None and p.shape[0]]
+    def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:
         if not moves:
             return 0.0
         t0 = time.perf_counter()
@@ -236,37 +322,49 @@ class ModelRunner:
         _sync(self.device)
         return time.perf_counter() - t0
 
-    def _update_requests(self, plan: StepPlan) -> list[RequestError]:
+    def _update_requests(self, plan: StepPlan,
+                         new_states: list[SamplingState]) -> list[RequestError]:
         errors = []
         for rid in plan.finished_ids:
-            self.requests.pop(rid, None)
-        for req in plan.new_requests:
-            self.requests[req.request_id] = RequestState([], SamplingState.from_new_request(req))
+            self._drop(rid)
+        for req, sampling in zip(plan.new_requests, new_states, strict=True):
+            self._put(req.request_id, RequestState(self.rows.add(), sampling, self._pending))
+        if plan.forks:
+            self._pending.apply()  # a child copies its parent's records
         for fork in plan.forks:
             parent = self.requests.get(fork.parent_id)
             if parent is None:
                 errors.append(RequestError(fork.child_id, f"fork of unknown {fork.parent_id!r}"))
                 continue
-            # The child inherits the parent's last sample too: a fork planned while that
-            # token was in flight feeds it to both (their common input).
-            self.requests[fork.child_id] = RequestState(
-                list(parent.block_table), parent.sampling.fork(fork.sample_index),
-                parent.sampled_token, parent.sampled_step)
+            # The child inherits the parent's table and last sample too (its row is a copy):
+            # a fork planned while that token was in flight feeds it to both (their common
+            # input).
+            self._put(fork.child_id, RequestState(
+                self.rows.fork(parent.row), parent.sampling.fork(fork.sample_index),
+                self._pending))
         return errors
 
-    def precompute(self, plan: StepPlan) -> PlanInputs | None:
-        """The part of a plan's batch that depends on the plan alone: its arrays, every
-        check that needs no request state, and (when no row fails those) the batch tensors
-        but the input ids. Thread-safe (reads only the runner's fixed sizes): the executor's
-        I/O thread calls it on plan N+1 while step N's forward runs, so the main thread is
-        left with the fed tokens and the table changes (the executor's gap)."""
+    def precompute(self, plan: StepPlan) -> PlanInputs:
+        """The part of a step that depends on the plan alone: the block-move checks, the new
+        requests' sampling states, the rows' arrays (the table changes as one scatter's
+        indices, where the fed tokens go), every check that needs no request state, and
+        (when no row fails those) the batch tensors but the input ids and block tables.
+        Thread-safe (reads only the runner's fixed sizes): the executor's I/O thread calls
+        it on plan N+1 while step N's forward runs, so the main thread is left with the fed
+        tokens and the table changes (the executor's gap)."""
+        inputs = PlanInputs(
+            move_error=self._check_block_moves(plan),
+            moves=[(name, pairs) for name in ("swap_out", "swap_in", "copy")
+                   if (pairs := getattr(plan, name)) is not None and pairs.shape[0]],
+            new_states=[SamplingState.from_new_request(r) for r in plan.new_requests])
         num_seqs = plan.num_seqs
         if num_seqs == 0:
-            return None
+            return inputs
         bs, num_blocks = self.block_size, self.cache.num_gpu_blocks
         num_new = plan.num_new_tokens.astype(np.int64)
         seq_lens = plan.num_computed_tokens.astype(np.int64) + num_new
-        starts_np, lens_np = plan.block_table_starts, plan.block_table_lens
+        starts = plan.block_table_starts.astype(np.int64)
+        lens = plan.block_table_lens.astype(np.int64)
         ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         first_token = np.cumsum(num_new) - num_new
@@ -275,37 +373,50 @@ class ModelRunner:
         marked_rows = np.zeros(num_seqs, dtype=bool)
         if plan.feed_sampled is not None:
             marked_rows = plan.feed_sampled.astype(bool)
-        marked = [(i, int(first_token[i]), int(num_new[i]))
-                  for i in np.flatnonzero(marked_rows).tolist()]
+        marked = np.flatnonzero(marked_rows)
+        prev = plan.step_id - 1
+        one = num_new[marked] == 1
+        unfed = {i: (f"marked to be fed its sample of step {prev} but scheduled with "
+                     f"{num_new[i]} tokens (a marked row is a decode of one token)")
+                 for i in marked[~one].tolist()}
+        if unfed:
+            marked = marked[one]
 
         # Vectorised checks; a bad token, block id or length condemns its request. The
         # tokens of marked rows are checked when fed (a -1 left unfed is an error there).
+        id_seq = np.repeat(np.arange(num_seqs), lens)  # the row each block id belongs to
         bad_token = (
             (slots < -1) | (slots >= num_blocks * bs)
             | (plan.positions < 0) | (plan.positions >= self.max_model_len)
             | (((token_ids < 0) | (token_ids >= self.vocab_size)) & ~marked_rows[row_of_token])
         )
+        new_len = starts + lens
         bad: dict[int, str] = {}
         for rows, message in (
             (row_of_token[bad_token], "a slot, position or token id out of range"),
-            (np.repeat(np.arange(num_seqs), lens_np)[(ids < 0) | (ids >= num_blocks)],
-             f"block id out of range (have {num_blocks})"),
-            (np.flatnonzero(seq_lens > np.minimum(self.max_model_len, (starts_np + lens_np) * bs)),
+            (id_seq[(ids < 0) | (ids >= num_blocks)], f"block id out of range (have {num_blocks})"),
+            (np.flatnonzero(seq_lens > np.minimum(self.max_model_len, new_len * bs)),
              "its tokens do not fit its blocks or max_model_len"),
             (np.flatnonzero(num_new == 0), "scheduled with no new tokens"),
         ):
             if rows.shape[0]:
                 for i in rows.tolist():
                     bad.setdefault(i, message)
-        inputs = PlanInputs(
-            num_new=num_new, seq_lens=seq_lens, starts=starts_np.tolist(),
-            lens=lens_np.tolist(), ids=ids,
-            offsets=np.concatenate([[0], np.cumsum(lens_np)]).tolist(),
-            row_of_token=row_of_token, slots=slots, token_ids=token_ids, marked=marked,
-            bad=bad)
-        if not bad:  # the usual case: the tensors of every row, built here
+        do_sample = plan.do_sample.astype(bool)
+        inputs.num_new, inputs.seq_lens, inputs.starts, inputs.new_len = (
+            num_new, seq_lens, starts, new_len)
+        inputs.longest = int(new_len.max())
+        # Block id j of the changes goes to column starts[row] + (j - the row's first id).
+        inputs.ids, inputs.id_seq = ids, id_seq
+        inputs.id_cols = np.arange(ids.shape[0]) + np.repeat(starts - (np.cumsum(lens) - lens),
+                                                             lens)
+        inputs.row_of_token, inputs.slots, inputs.token_ids = row_of_token, slots, token_ids
+        inputs.marked, inputs.feed_at = marked, first_token[marked]
+        inputs.all_marked = marked.shape[0] == num_seqs
+        inputs.do_sample_rows = None if do_sample.all() else np.flatnonzero(do_sample)
+        inputs.unfed, inputs.bad = unfed, bad
+        if not bad and not unfed:  # the usual case: the tensors of every row, built here
             query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-            do_sample = plan.do_sample.astype(bool)
             inputs.positions = self._dev(plan.positions, np.int64)
             inputs.slot_mapping = self._dev(slots, np.int64)
             inputs.query_start_loc = self._dev(query_start_loc, np.int32)
@@ -317,65 +428,135 @@ class ModelRunner:
         return inputs
 
     def _dev(self, arr: np.ndarray, dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype)).to(
-            self.device, non_blocking=True)
+        if arr.dtype != dtype:
+            arr = arr.astype(dtype)
+        tensor = torch.from_numpy(arr)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.to(self.device, non_blocking=True)
 
     def _prepare(self, plan: StepPlan, errors: list[RequestError],
-                 pre: PlanInputs | None = None) -> _Batch | None:
+                 pre: PlanInputs) -> _Batch | None:
         """Feed the marked decodes, apply the table changes of the valid requests and build
-        the batch tensors (the plan-only part from `precompute`, done here when not given).
-        The loop over requests only looks each one up, feeds it and applies its change."""
-        if plan.num_seqs == 0:
+        the batch tensors (the plan-only part from `precompute`).
+
+        The usual step (every request known, the marked rows exactly the rows that sampled
+        in the previous step and in the same order, every table change starting at the end
+        of its table, nothing condemned by the plan) is a fixed handful of numpy calls,
+        whatever the number of rows: one C-level pass maps the request ids to their rows of
+        `self.rows`; the previous step's tokens (still pending, `_PendingSamples`) are
+        scattered into the input ids as they are; the table changes are one scatter
+        (indices from `precompute`); the batch's tables are one gather. Array equality is
+        tested on bytes (on the cold cache a long forward leaves, the cheapest test). Any
+        other step takes `_prepare_checked`, which finds and reports the rows to leave out.
+        """
+        num_seqs = plan.num_seqs
+        if num_seqs == 0:
             return None
-        if pre is None:
-            pre = self.precompute(plan)
-        states = list(map(self.requests.get, plan.request_ids))
-        token_ids = pre.token_ids
-        bad = self._feed_sampled(plan, pre, states)
-        for i, message in pre.bad.items():
-            bad.setdefault(i, message)
-        starts, lens, ids, offsets = pre.starts, pre.lens, pre.ids, pre.offsets
-        tables = []
-        for i, state in enumerate(states):
-            if state is None:
-                bad.setdefault(i, "unknown request (never sent as a new request)")
-            elif i in bad:
-                pass
-            elif starts[i] > len(state.block_table):
-                bad[i] = f"block table change at {starts[i]} beyond its {len(state.block_table)}"
-            else:
-                if lens[i] or starts[i] < len(state.block_table):
-                    state.block_table[starts[i]:] = ids[offsets[i]:offsets[i + 1]].tolist()
-                tables.append(state.block_table)
+        if pre.unfed or pre.bad:
+            return self._prepare_checked(plan, errors, pre)
+        try:
+            rows = np.fromiter(map(self._row_of.__getitem__, plan.request_ids), np.int64,
+                               num_seqs)
+        except KeyError:  # an unknown request
+            return self._prepare_checked(plan, errors, pre)
+        table, pending, marked = self.rows, self._pending, pre.marked
+        old_len = table.num_blocks[rows]
+        if marked.shape[0] and not (
+                pending.states and pending.step_id == plan.step_id - 1
+                and (rows if pre.all_marked else rows[marked]).tobytes()
+                == pending.rows.tobytes()):
+            return self._prepare_checked(plan, errors, pre, rows, old_len)
+        if pre.starts.tobytes() != old_len.tobytes():  # a change before a table's end
+            return self._prepare_checked(plan, errors, pre, rows, old_len)
+        if marked.shape[0]:
+            pre.token_ids[pre.feed_at] = pending.token_ids
+        table.ensure_width(pre.longest)
+        table.set_tails(rows, pre.new_len, rows[pre.id_seq], pre.id_cols, pre.ids)
+        return self._full_batch(pre, rows)
+
+    def _full_batch(self, pre: PlanInputs, rows: np.ndarray) -> _Batch:
+        """Every row kept: the tensors precompute built, the fed input ids, the tables."""
+        return _Batch(
+            input_ids=self._dev(pre.token_ids, np.int64), positions=pre.positions,
+            attn=AttentionMetadata(
+                slot_mapping=pre.slot_mapping,
+                block_tables=self._dev(self.rows.gather(rows, pre.longest), np.int32),
+                query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
+                max_query_len=pre.max_query_len),
+            sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
+            sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows])
+
+    def _prepare_checked(self, plan: StepPlan, errors: list[RequestError], pre: PlanInputs,
+                         rows: np.ndarray | None = None,
+                         old_len: np.ndarray | None = None) -> _Batch | None:
+        """`_prepare` row by row where it matters: the rows that can be fed are fed; each
+        row that cannot, is condemned by the plan, is unknown (row -1) or whose table change
+        starts beyond its table gets an error and its state is dropped; the others' changes
+        are applied (tables cut shorter zeroed past their end) and they form the batch.
+        (`rows` and `old_len` as `_prepare` found them, when it did.)"""
+        self._pending.apply()  # the records read below
+        table, marked = self.rows, pre.marked
+        if rows is None:
+            rows = np.fromiter(map(self._row_of.get, plan.request_ids,
+                                   repeat(-1, plan.num_seqs)), np.int64, plan.num_seqs)
+            old_len = table.num_blocks[rows]  # -1: the last row's, masked below
+        known = rows >= 0
+        fed = known[marked] & (table.sampled_step[rows[marked]] == plan.step_id - 1)
+        pre.token_ids[pre.feed_at[fed]] = table.sampled_token[rows[marked[fed]]]
+        late = ~known | (pre.starts > old_len)
+        bad = self._condemned(plan, pre, rows, old_len, marked[~fed], late)
+        keep = np.ones(plan.num_seqs, dtype=bool)
+        keep[list(bad)] = False
+        kept = np.flatnonzero(keep)
+        kept_rows, new_len = rows[kept], pre.new_len[kept]
+        table.cut(kept_rows, old_len[kept], new_len)
+        table.ensure_width(pre.longest)
+        by_id = keep[pre.id_seq]
+        table.set_tails(kept_rows, new_len, rows[pre.id_seq[by_id]], pre.id_cols[by_id],
+                        pre.ids[by_id])
         for i, message in sorted(bad.items()):
             rid = plan.request_ids[i]
             log.error("step %d: request %s: %s", plan.step_id, rid, message)
             errors.append(RequestError(rid, message))
-            self.requests.pop(rid, None)
-        if not tables:
+            self._drop(rid)
+        if not bad:
+            return self._full_batch(pre, rows)
+        if not kept.shape[0]:
             return None
-        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        block_tables = np.zeros((len(tables), int(table_lens.max())), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = list(
-            itertools.chain.from_iterable(tables))
-        if not bad:  # every row kept: the tensors precompute built
-            return _Batch(
-                input_ids=self._dev(token_ids, np.int64), positions=pre.positions,
-                attn=AttentionMetadata(
-                    slot_mapping=pre.slot_mapping, block_tables=self._dev(block_tables, np.int32),
-                    query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
-                    max_query_len=pre.max_query_len),
-                sample_rows=pre.sample_rows, sample_ids=pre.sample_ids)
+        return self._batch_of(plan, pre, keep, kept_rows, table.gather(kept_rows))
 
-        keep = np.ones(plan.num_seqs, dtype=bool)
-        keep[list(bad)] = False
+    def _condemned(self, plan: StepPlan, pre: PlanInputs, rows: np.ndarray,
+                   old_len: np.ndarray, unfed: np.ndarray,
+                   late: np.ndarray) -> dict[int, str]:
+        """{row: error} of the rows left out, one message each (the first that applies:
+        cannot be fed, condemned by the plan alone, unknown, table change too late)."""
+        prev = plan.step_id - 1
+        bad = dict(pre.unfed)
+        for i in unfed.tolist():
+            bad[i] = (f"marked to be fed its sample of step {prev}, but the request is "
+                      "unknown here (never sent, or dropped after an error)"
+                      if rows[i] < 0 else
+                      f"marked to be fed its sample of step {prev}, but it sampled "
+                      f"nothing in step {prev} (that step failed or did not sample it)")
+        for i, message in pre.bad.items():
+            bad.setdefault(i, message)
+        for i in np.flatnonzero(late).tolist():
+            bad.setdefault(i, "unknown request (never sent as a new request)" if rows[i] < 0
+                           else f"block table change at {pre.starts[i]} beyond its {old_len[i]}")
+        return bad
+
+    def _batch_of(self, plan: StepPlan, pre: PlanInputs, keep: np.ndarray,
+                  kept_rows: np.ndarray, block_tables: np.ndarray) -> _Batch:
+        """The batch of the rows in `keep` (when some rows are left out, or precompute built
+        no tensors)."""
         keep_token = keep[pre.row_of_token]
         num_new, seq_lens = pre.num_new[keep], pre.seq_lens[keep]
         query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
         do_sample = plan.do_sample[keep].astype(bool)
         kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
         return _Batch(
-            input_ids=self._dev(token_ids[keep_token], np.int64),
+            input_ids=self._dev(pre.token_ids[keep_token], np.int64),
             positions=self._dev(plan.positions[keep_token], np.int64),
             attn=AttentionMetadata(
                 slot_mapping=self._dev(pre.slots[keep_token], np.int64),
@@ -386,35 +567,8 @@ class ModelRunner:
             ),
             sample_rows=self._dev(query_start_loc[1:][do_sample] - 1, np.int64),
             sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
+            sample_state_rows=kept_rows[do_sample],
         )
-
-    def _feed_sampled(self, plan: StepPlan, pre: PlanInputs,
-                      states: list[RequestState | None]) -> dict[int, str]:
-        """Write into `pre.token_ids` each marked decode's token: the one this executor
-        sampled for it in step ``step_id - 1``; returns {row: error} for the marked rows
-        that cannot be fed (their placeholder stays, and they are left out). O(marked
-        rows) Python, one numpy scatter."""
-        if not pre.marked:
-            return {}
-        prev = plan.step_id - 1
-        unfed: dict[int, str] = {}
-        at, fed = [], []
-        for i, first, n in pre.marked:
-            state = states[i]
-            if n != 1:
-                unfed[i] = (f"marked to be fed its sample of step {prev} but scheduled with "
-                            f"{n} tokens (a marked row is a decode of one token)")
-            elif state is None:
-                unfed[i] = (f"marked to be fed its sample of step {prev}, but the request is "
-                            "unknown here (never sent, or dropped after an error)")
-            elif state.sampled_step != prev:
-                unfed[i] = (f"marked to be fed its sample of step {prev}, but it sampled "
-                            f"nothing in step {prev} (that step failed or did not sample it)")
-            else:
-                at.append(first)
-                fed.append(state.sampled_token)
-        pre.token_ids[at] = fed
-        return unfed
 
 
 def build_runner(

@@ -499,8 +499,11 @@ def run_executor(args: argparse.Namespace) -> int:
              executor_id, runner.model.config.architecture, hello.device, hello.dtype,
              hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
     try:
-        return ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
-                               fault_sleep=fault_sleep).serve()
+        # Inference mode for the whole loop: ModelRunner.execute then skips entering it,
+        # a few microseconds of the gap between two steps.
+        with torch.inference_mode():
+            return ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
+                                   fault_sleep=fault_sleep).serve()
     except SystemExit as exc:
         return int(exc.code or 0)
     except KeyboardInterrupt:
