@@ -245,3 +245,27 @@ def test_pending_tokens_reach_the_states_before_anything_reads_them(model_dir):
     d.runner.reset()
     assert not d.runner.requests and d.runner.rows.num_free == d.runner.rows.capacity
     assert not d.runner._pending.states
+
+
+def test_a_step_is_freed_once_the_next_forward_is_launched(model_dir):
+    """Freeing a step's plan, inputs and batch waits for the next forward (out of the gap);
+    a reset drops them."""
+    d = _driver(model_dir)
+    d.add("a", [3, 1, 4, 1, 5])
+    first = d.plan({"a": None})
+    d.accept(d.runner.execute(first))
+    assert d.runner._retired[0] is first
+    launched = []
+    forward = d.runner._forward
+
+    def spy(batch):
+        launched.append(d.runner._retired)
+        return forward(batch)
+
+    d.runner._forward = spy
+    second = d.plan({"a": None})
+    d.accept(d.runner.execute(second))
+    assert len(launched) == 1 and launched[0][0] is first  # still held at the launch
+    assert d.runner._retired[0] is second
+    d.runner.reset()
+    assert d.runner._retired is None
