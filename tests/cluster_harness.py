@@ -151,10 +151,14 @@ class Cluster:
         return "\n".join(r.tail() for r in self.readers)
 
     def stop(self) -> None:
+        """Executors first, so that each one's goodbye reaches a live router (an executor
+        whose router is gone waits out its socket's 1 s linger before exiting), then the
+        router."""
         if self.channel is not None:
             self.channel.close()
-        stop_processes([p for p in [self.router, *self.executors.values()] if p is not None],
-                       timeout_s=15)
+        stop_processes(self.executors.values(), timeout_s=15)
+        if self.router is not None:
+            stop_processes([self.router], timeout_s=15)
 
 
 def request(prompt: str | None = None, token_ids=None, **params) -> pb.GenerateRequest:
