@@ -14,21 +14,34 @@ Cases:
   1 and 8, and each batch with the decode step replayed as a CUDA graph
   (executor/cuda_graphs.py; only that batch size captured) instead of launched eagerly.
 
+* ``cpu_tiny_gap_b{32,256}`` (``--gap`` only: not in the default run): the executor's gap
+  between decode steps (``StepResult.gap_s``, from the end of a step's sampling to the
+  next forward) in the executor's pipelined loop without sockets: the `pagedserve serve`
+  tiny model (``--model tiny``), 16-token prompts, then greedy decodes; plan N+1 is built
+  before step N runs (its decodes marked ``feed_sampled``, as the router pipelines), and
+  a second thread decodes it from MessagePack and runs ``ModelRunner.precompute`` once
+  step N's forward starts (``before_forward``, where the executor's I/O thread does it),
+  encoding the previous result there too. Figures: gap p50/p90/p99, forward p50, and a
+  checksum of the sampled tokens (equal before and after a host-side change).
+
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
-already "in the cache" (random), so no prefill is timed or needed.
+already "in the cache" (random), so no prefill is timed or needed (not in the gap cases).
 
     .venv/bin/python benchmarks/executor_bench.py [--steps N] [--cpu-only] [--gpu-only]
-        [--model-dir DIR]
+        [--model-dir DIR] [--gap [--gap-steps N]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -36,7 +49,7 @@ from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model_runner import ModelRunner, build_runner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
-from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
+from pagedserve.protos.wire import Codec, NewRequest, SamplingParams, StepPlan, int32
 
 BENCH = "executor_bench"
 
@@ -100,6 +113,117 @@ def bench_cpu(steps: int) -> None:
             emit(f"cpu_tiny_decode_b{batch}", batch=batch, context_tokens=context,
                  step_us_p50=round(p50 * 1e6, 1), decode_tok_per_s=round(batch / p50, 1),
                  threads=1, device="cpu")
+
+
+def pipelined_decode_plans(batch: int, prompt_len: int, block_size: int, steps: int,
+                           vocab: int):
+    """Step 0 prefills ``batch`` prompts (each samples); every later step decodes one token
+    per request, marked ``feed_sampled`` (placeholder -1: the executor feeds its own
+    sample), with a block appended to a table whenever its tokens need one. Block ids
+    interleave across requests, as a shared free list hands them out."""
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    ids = [f"req-{i:06d}" for i in range(batch)]
+    max_blocks = (prompt_len + steps) // block_size + 2
+    tables = np.arange(batch * max_blocks, dtype=np.int32).reshape(max_blocks, batch).T
+    synced = np.zeros(batch, np.int64)  # table entries the executor holds
+    computed = np.zeros(batch, np.int64)
+    for step in range(steps):
+        new, feed = [], None
+        if step == 0:
+            num_new = np.full(batch, prompt_len)
+            new = [NewRequest(request_id=r, prompt_token_ids=int32(rng.integers(0, vocab,
+                                                                                prompt_len)),
+                              output_token_ids=int32([]), sampling=greedy) for r in ids]
+            tokens = np.concatenate([q.prompt_token_ids for q in new]).astype(np.int32)
+        else:
+            num_new = np.ones(batch, np.int64)
+            tokens = np.full(batch, -1, np.int32)
+            feed = np.ones(batch, np.uint8)
+        end = computed + num_new
+        need = -(-end // block_size)
+        row = np.repeat(np.arange(batch), num_new)
+        pos = computed[row] + np.arange(int(num_new.sum())) - (np.cumsum(num_new) - num_new)[row]
+        yield StepPlan(
+            step_id=step, new_requests=new, request_ids=list(ids),
+            num_computed_tokens=int32(computed), num_new_tokens=int32(num_new),
+            do_sample=np.ones(batch, np.uint8), feed_sampled=feed, token_ids=tokens,
+            positions=int32(pos),
+            slot_mapping=(tables[row, pos // block_size].astype(np.int64) * block_size
+                          + pos % block_size),
+            block_table_starts=int32(synced), block_table_lens=int32(need - synced),
+            block_table_ids=np.concatenate([tables[i, synced[i]:need[i]]
+                                            for i in range(batch)]).astype(np.int32))
+        synced, computed = need, end
+
+
+def bench_gap(steps: int) -> None:
+    """The ``cpu_tiny_gap_b*`` cases (module docstring)."""
+    from pagedserve.models import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    for batch in (32, 256):
+        gaps, forwards, crc = _gap_case(str(ensure_tiny_model()), batch, steps)
+        gaps.sort()
+
+        def q(values: list[float], p: float) -> float:
+            return round(values[min(len(values) - 1, int(p * len(values)))] * 1e3, 4)
+
+        emit(f"cpu_tiny_gap_b{batch}", batch=batch, steps=len(gaps), gap_ms_p50=q(gaps, 0.5),
+             gap_ms_p90=q(gaps, 0.9), gap_ms_p99=q(gaps, 0.99),
+             forward_ms_p50=round(statistics.median(forwards) * 1e3, 3), tokens_crc32=crc,
+             threads=1, device="cpu")
+
+
+def _gap_case(model_dir: str, batch: int, steps: int,
+              warmup: int = 5) -> tuple[list[float], list[float], str]:
+    """(gap_s and forward_s of the steps after ``warmup``, crc32 of every sampled token)."""
+    prompt_len, block_size = 16, 16
+    runner = build_runner(model_dir, num_gpu_blocks=batch * ((prompt_len + steps) // 16 + 3),
+                          num_cpu_blocks=0, block_size=block_size, max_model_len=1024,
+                          progress=False)
+    encoder = Codec()
+    frames = [[bytes(f) for f in encoder.encode(plan)] for plan in pipelined_decode_plans(
+        batch, prompt_len, block_size, steps, runner.vocab_size)]
+    inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def io_thread() -> None:  # the executor's I/O thread, without the socket
+        decoder, result_encoder = Codec(), Codec()
+        for frame in frames:
+            item = wake.get()
+            if item is None:
+                return
+            if item is not True:
+                result_encoder.encode(item)
+            plan = decoder.decode(frame)
+            inbox.put((plan, runner.precompute(plan)))
+
+    # Depth 2: plan N+1 comes in while step N runs (the router sends it on result N-1).
+    queued: list = [True]
+
+    def before_forward() -> None:  # the previous result goes out, the next plan comes in
+        for item in queued:
+            wake.put(item)
+        queued.clear()
+
+    runner.before_forward = before_forward
+    thread = threading.Thread(target=io_thread, daemon=True)
+    thread.start()
+    wake.put(True)  # plan 0
+    gaps, forwards, tokens = [], [], []
+    with torch.inference_mode():  # as the executor process runs its loop
+        for step in range(steps):
+            plan, inputs = inbox.get()
+            result = runner.execute(plan, inputs)
+            assert not result.errors, result.errors
+            queued.append(result)
+            tokens.append(result.token_ids)
+            if step >= warmup:
+                gaps.append(result.gap_s)
+                forwards.append(result.forward_s)
+    wake.put(None)
+    thread.join()
+    return gaps, forwards, f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
 
 
 def qwen25_05b_config() -> ModelConfig:
@@ -186,7 +310,13 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--model-dir", default=None,
                         help="GPU cases: load this model directory (bf16) instead")
+    parser.add_argument("--gap", action="store_true",
+                        help="only the cpu_tiny_gap_b* cases (the gap between decode steps)")
+    parser.add_argument("--gap-steps", type=int, default=100)
     args = parser.parse_args(argv)
+    if args.gap:
+        bench_gap(args.gap_steps)
+        return 0
     if not args.gpu_only:
         bench_cpu(args.steps)
     if not args.cpu_only:

@@ -269,3 +269,23 @@ def test_a_step_is_freed_once_the_next_forward_is_launched(model_dir):
     assert d.runner._retired[0] is second
     d.runner.reset()
     assert d.runner._retired is None
+
+
+def test_executor_bench_gap_cases_run():
+    """benchmarks/executor_bench.py --gap (the in-process measure of this gap) still runs:
+    both cases, every figure, no step error (a short run; no timing asserted)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "executor_bench.py"), "--gap",
+         "--gap-steps", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["case"] for r in lines] == ["cpu_tiny_gap_b32", "cpu_tiny_gap_b256"]
+    for r in lines:
+        assert r["steps"] == 3 and r["gap_ms_p50"] > 0 and r["forward_ms_p50"] > 0
+        assert len(r["tokens_crc32"]) == 8
