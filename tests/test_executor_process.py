@@ -167,21 +167,26 @@ def test_refused_and_bad_model_exit_nonzero(model_dir, tmp_path):
     assert len(err) == 1 and "GPT2LMHeadModel" in err[0]
 
 
-def test_exits_when_parent_dies(model_dir):
+def test_exits_when_parent_dies(model_dir, tmp_path):
     """Started by a parent (as ``serve`` does), the executor exits when the parent dies,
     even while it is still waiting for a router that never answers."""
+    log = tmp_path / "executor.log"
     code = (
         "import subprocess, sys, time\n"
         f"p = subprocess.Popen([sys.executable, '-m', 'pagedserve.executor.process', "
         f"'--model', {str(model_dir)!r}, '--router', 'tcp://127.0.0.1:1', '--device', 'cpu', "
         "'--num-gpu-blocks', '8', '--swap-space', '0'], "
+        f"stderr=open({str(log)!r}, 'w'), "
         "env={**__import__('os').environ, 'PAGEDSERVE_PARENT_PID': str(__import__('os').getpid())})\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(120)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
-    time.sleep(3)  # let it load the model and start registering
+    deadline = time.monotonic() + 60  # until it has loaded the model and is registering
+    while "registering with" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "registering with" in log.read_text(), log.read_text()
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 30
