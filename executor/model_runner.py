@@ -127,7 +127,12 @@ class PlanInputs:
     do_sample_rows: np.ndarray | None = None  # int64: the rows that sample (None: all)
     unfed: dict[int, str] | None = None  # marked rows that cannot be fed whatever the state
     bad: dict[int, str] | None = None  # rows the plan alone condemns
-    # When no row is condemned by the plan: its tensors, but the input ids.
+    # When no row is condemned by the plan: its tensors; the input ids and block tables as
+    # host tensors over arrays the main thread fills in place (token_ids, fed; tables,
+    # gathered), so that no tensor is made between two steps on a CPU.
+    input_ids_host: torch.Tensor | None = None
+    tables: np.ndarray | None = None  # int32 [S, longest], filled by RequestRows.gather
+    tables_host: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
@@ -431,10 +436,16 @@ class ModelRunner:
             inputs.query_start_loc = self._dev(query_start_loc, np.int32)
             inputs.seq_lens_t = self._dev(seq_lens, np.int32)
             inputs.max_query_len = int(num_new.max())
+            inputs.input_ids_host = torch.from_numpy(token_ids)
+            inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
+            inputs.tables_host = torch.from_numpy(inputs.tables)
             inputs.sample_rows = self._dev(query_start_loc[1:][do_sample] - 1, np.int64)
             inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                    strict=True) if d]
         return inputs
+
+    def _to_dev(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
 
     def _dev(self, arr: np.ndarray, dtype) -> torch.Tensor:
         if arr.dtype != dtype:
@@ -486,11 +497,14 @@ class ModelRunner:
 
     def _full_batch(self, pre: PlanInputs, rows: np.ndarray) -> _Batch:
         """Every row kept: the tensors precompute built, the fed input ids, the tables."""
+        self.rows.gather(rows, pre.longest, out=pre.tables)
+        on_host = self.device.type == "cpu"
         return _Batch(
-            input_ids=self._dev(pre.token_ids, np.int64), positions=pre.positions,
+            input_ids=pre.input_ids_host if on_host else self._to_dev(pre.input_ids_host),
+            positions=pre.positions,
             attn=AttentionMetadata(
                 slot_mapping=pre.slot_mapping,
-                block_tables=self._dev(self.rows.gather(rows, pre.longest), np.int32),
+                block_tables=pre.tables_host if on_host else self._to_dev(pre.tables_host),
                 query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
                 max_query_len=pre.max_query_len),
             sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,

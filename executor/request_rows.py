@@ -108,12 +108,14 @@ class RequestRows:
         for i in np.flatnonzero(new_len < old_len).tolist():
             self.tables[rows[i], new_len[i]:old_len[i]] = 0
 
-    def gather(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
-        """int32 [len(rows), width]: their tables, zero-padded; ``width`` defaults to the
-        longest of them."""
+    def gather(self, rows: np.ndarray, width: int | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """int32 [len(rows), width]: their tables, zero-padded (into ``out`` when given);
+        ``width`` defaults to the longest of them."""
         if width is None:
             width = int(self.num_blocks[rows].max()) if rows.shape[0] else 0
-        return self.tables[:, :width].take(rows, axis=0)  # take: lighter than [rows, :width]
+        # take: lighter than self.tables[rows, :width]
+        return self.tables[:, :width].take(rows, axis=0, out=out)
 
     def record_samples(self, rows: np.ndarray, token_ids: np.ndarray, step_id: int) -> None:
         self.sampled_token[rows] = token_ids
