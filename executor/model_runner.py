@@ -1,8 +1,8 @@
 """One step: StepPlan in, StepResult out (DESIGN §2). No sockets here.
 
-Hot path: between two steps (the gap) the main thread does O(1) numpy calls over the
-step's rows plus two C-level passes over the request ids (their states, their rows);
-per-request and per-block state lives in `RequestRows` columns. Plan-only work is done
+Hot path: between two steps (the gap) the main thread does a fixed number of numpy calls
+over the step's rows plus one C-level pass over the request ids (their rows); per-request
+and per-block state lives in `RequestRows` columns. Plan-only work is done
 ahead by `precompute` on the I/O thread, and appending the sampled tokens to the requests'
 sampling states waits until the next forward is launched. Do not add per-request or
 per-token Python loops to the gap, nor device syncs beyond the one that reads the sampled
@@ -10,8 +10,8 @@ tokens back.
 
 Pipelining (DESIGN §2): the router may send plan N+1 before it has seen step N's tokens. A
 decode marked in ``feed_sampled`` gets as its input the token this executor sampled for
-that request in step N (kept in its ``RequestState``); a request that sampled nothing here
-in step N gets an error in N+1 instead, never a made-up token.
+that request in step N (pending, then in its `RequestRows` row); a request that sampled
+nothing here in step N gets an error in N+1 instead, never a made-up token.
 
 Timings in the StepResult: ``forward_s`` is the forward and logits; ``sample_s`` sampling;
 ``swap_s`` block moves; ``gap_s`` runs from the end of sampling of the previous step this
