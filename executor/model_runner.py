@@ -37,6 +37,7 @@ import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute, to_device
 from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import Sampler, SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
@@ -102,46 +103,6 @@ class _Batch:
     sample_state_rows: np.ndarray  # their rows in RequestRows, same order
 
 
-@dataclass(slots=True)
-class PlanInputs:
-    """What `ModelRunner.precompute` finds in a plan alone (no request state)."""
-
-    move_error: str  # a block move out of range: the whole step fails ("" when none)
-    moves: list[tuple[str, np.ndarray]]  # (swap_out | swap_in | copy, pairs), non-empty
-    new_states: list[SamplingState]  # of plan.new_requests, same order
-    # The rows (None when the plan schedules none):
-    num_new: np.ndarray | None = None  # int64 [S]
-    seq_lens: np.ndarray | None = None  # int64 [S]
-    starts: np.ndarray | None = None  # int64 [S]: each table is replaced from there on ...
-    new_len: np.ndarray | None = None  # int64 [S]: ... and has this length after
-    longest: int = 0  # max(new_len)
-    ids: np.ndarray | None = None  # int32: the new block ids, row after row
-    id_seq: np.ndarray | None = None  # int64: the row of each id ...
-    id_cols: np.ndarray | None = None  # int64: ... and its column in that row's table
-    row_of_token: np.ndarray | None = None  # int64 [T]
-    slots: np.ndarray | None = None  # int64 [T]
-    token_ids: np.ndarray | None = None  # int64 [T], a copy: the fed tokens are written in
-    marked: np.ndarray | None = None  # int64: the rows to feed (marked, one token each) ...
-    feed_at: np.ndarray | None = None  # int64: ... and where their token goes in token_ids
-    all_marked: bool = False  # marked is every row
-    do_sample_rows: np.ndarray | None = None  # int64: the rows that sample (None: all)
-    unfed: dict[int, str] | None = None  # marked rows that cannot be fed whatever the state
-    bad: dict[int, str] | None = None  # rows the plan alone condemns
-    # When no row is condemned by the plan: its tensors; the input ids and block tables as
-    # host tensors over arrays the main thread fills in place (token_ids, fed; tables,
-    # gathered), so that no tensor is made between two steps on a CPU.
-    input_ids_host: torch.Tensor | None = None
-    tables: np.ndarray | None = None  # int32 [S, longest], filled by RequestRows.gather
-    tables_host: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    slot_mapping: torch.Tensor | None = None
-    query_start_loc: torch.Tensor | None = None
-    seq_lens_t: torch.Tensor | None = None
-    max_query_len: int = 0
-    sample_rows: torch.Tensor | None = None
-    sample_ids: list[str] | None = None
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -163,6 +124,8 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model.config.max_model_len,
                                  model.config.max_model_len)
         self.sampler = Sampler()
+        self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
+                                 self.max_model_len, self.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
@@ -310,21 +273,6 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
 
-    def _check_block_moves(self, plan: StepPlan) -> str:
-        limits = {
-            "swap_out": (self.cache.num_gpu_blocks, self.cache.num_cpu_blocks),
-            "swap_in": (self.cache.num_cpu_blocks, self.cache.num_gpu_blocks),
-            "copy": (self.cache.num_gpu_blocks, self.cache.num_gpu_blocks),
-        }
-        for name, (src_limit, dst_limit) in limits.items():
-            pairs = getattr(plan, name)
-            if pairs is None or pairs.shape[0] == 0:
-                continue
-            for col, limit in ((0, src_limit), (1, dst_limit)):
-                if pairs[:, col].min() < 0 or pairs[:, col].max() >= limit:
-                    return f"{name} names a block out of range (have {limit})"
-        return ""
-
     def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:
         if not moves:
             return 0.0
@@ -359,102 +307,14 @@ class ModelRunner:
         return errors
 
     def precompute(self, plan: StepPlan) -> PlanInputs:
-        """The part of a step that depends on the plan alone: the block-move checks, the new
-        requests' sampling states, the rows' arrays (the table changes as one scatter's
-        indices, where the fed tokens go), every check that needs no request state, and
-        (when no row fails those) the batch tensors but the input ids and block tables.
-        Thread-safe (reads only the runner's fixed sizes): the executor's I/O thread calls
-        it on plan N+1 while step N's forward runs, so the main thread is left with the fed
-        tokens and the table changes (the executor's gap)."""
-        inputs = PlanInputs(
-            move_error=self._check_block_moves(plan),
-            moves=[(name, pairs) for name in ("swap_out", "swap_in", "copy")
-                   if (pairs := getattr(plan, name)) is not None and pairs.shape[0]],
-            new_states=[SamplingState.from_new_request(r) for r in plan.new_requests])
-        num_seqs = plan.num_seqs
-        if num_seqs == 0:
-            return inputs
-        bs, num_blocks = self.block_size, self.cache.num_gpu_blocks
-        num_new = plan.num_new_tokens.astype(np.int64)
-        seq_lens = plan.num_computed_tokens.astype(np.int64) + num_new
-        starts = plan.block_table_starts.astype(np.int64)
-        lens = plan.block_table_lens.astype(np.int64)
-        ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
-        row_of_token = np.repeat(np.arange(num_seqs), num_new)
-        first_token = np.cumsum(num_new) - num_new
-        slots = plan.slot_mapping.astype(np.int64)
-        token_ids = plan.token_ids.astype(np.int64)  # a copy: fed tokens are written in
-        marked_rows = np.zeros(num_seqs, dtype=bool)
-        if plan.feed_sampled is not None:
-            marked_rows = plan.feed_sampled.astype(bool)
-        marked = np.flatnonzero(marked_rows)
-        prev = plan.step_id - 1
-        one = num_new[marked] == 1
-        unfed = {i: (f"marked to be fed its sample of step {prev} but scheduled with "
-                     f"{num_new[i]} tokens (a marked row is a decode of one token)")
-                 for i in marked[~one].tolist()}
-        if unfed:
-            marked = marked[one]
-
-        # Vectorised checks; a bad token, block id or length condemns its request. The
-        # tokens of marked rows are checked when fed (a -1 left unfed is an error there).
-        id_seq = np.repeat(np.arange(num_seqs), lens)  # the row each block id belongs to
-        bad_token = (
-            (slots < -1) | (slots >= num_blocks * bs)
-            | (plan.positions < 0) | (plan.positions >= self.max_model_len)
-            | (((token_ids < 0) | (token_ids >= self.vocab_size)) & ~marked_rows[row_of_token])
-        )
-        new_len = starts + lens
-        bad: dict[int, str] = {}
-        for rows, message in (
-            (row_of_token[bad_token], "a slot, position or token id out of range"),
-            (id_seq[(ids < 0) | (ids >= num_blocks)], f"block id out of range (have {num_blocks})"),
-            (np.flatnonzero(seq_lens > np.minimum(self.max_model_len, new_len * bs)),
-             "its tokens do not fit its blocks or max_model_len"),
-            (np.flatnonzero(num_new == 0), "scheduled with no new tokens"),
-        ):
-            if rows.shape[0]:
-                for i in rows.tolist():
-                    bad.setdefault(i, message)
-        do_sample = plan.do_sample.astype(bool)
-        inputs.num_new, inputs.seq_lens, inputs.starts, inputs.new_len = (
-            num_new, seq_lens, starts, new_len)
-        inputs.longest = int(new_len.max())
-        # Block id j of the changes goes to column starts[row] + (j - the row's first id).
-        inputs.ids, inputs.id_seq = ids, id_seq
-        inputs.id_cols = np.arange(ids.shape[0]) + np.repeat(starts - (np.cumsum(lens) - lens),
-                                                             lens)
-        inputs.row_of_token, inputs.slots, inputs.token_ids = row_of_token, slots, token_ids
-        inputs.marked, inputs.feed_at = marked, first_token[marked]
-        inputs.all_marked = marked.shape[0] == num_seqs
-        inputs.do_sample_rows = None if do_sample.all() else np.flatnonzero(do_sample)
-        inputs.unfed, inputs.bad = unfed, bad
-        if not bad and not unfed:  # the usual case: the tensors of every row, built here
-            query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-            inputs.positions = self._dev(plan.positions, np.int64)
-            inputs.slot_mapping = self._dev(slots, np.int64)
-            inputs.query_start_loc = self._dev(query_start_loc, np.int32)
-            inputs.seq_lens_t = self._dev(seq_lens, np.int32)
-            inputs.max_query_len = int(num_new.max())
-            inputs.input_ids_host = torch.from_numpy(token_ids)
-            inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
-            inputs.tables_host = torch.from_numpy(inputs.tables)
-            inputs.sample_rows = self._dev(query_start_loc[1:][do_sample] - 1, np.int64)
-            inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
-                                                   strict=True) if d]
-        return inputs
-
+        """`plan_inputs.precompute` against this runner's sizes (thread-safe: the I/O thread
+        calls it on plan N+1 while step N's forward runs)."""
+        return precompute(plan, self.limits)
     def _to_dev(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)
 
     def _dev(self, arr: np.ndarray, dtype) -> torch.Tensor:
-        if arr.dtype != dtype:
-            arr = arr.astype(dtype)
-        tensor = torch.from_numpy(arr)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.to(self.device, non_blocking=True)
-
+        return to_device(arr, dtype, self.device)
     def _prepare(self, plan: StepPlan, errors: list[RequestError],
                  pre: PlanInputs) -> _Batch | None:
         """Feed the marked decodes, apply the table changes of the valid requests and build
