@@ -130,19 +130,28 @@ def test_the_waiter_of_an_aborted_request_computes_what_is_missing():
     assert b.cached_prompt_tokens == 16
 
 
+def _short_of_blocks(mode: PreemptionMode):
+    """8 blocks of 4 tokens (8 CPU blocks for swap), 8 tokens a step: r (priority -5, 4
+    tokens, 4 outputs) and a (priority 2, a 28-token prompt prefilled in chunks), queued;
+    a runs out of blocks in step 4 and preempts itself."""
+    kv = KVCacheManager(8, 8 if mode is PreemptionMode.SWAP else 0, 4, watermark=0.0,
+                        debug_checks=True, max_pinned_fraction=1.0)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=8, max_model_len=256,
+                                          preemption_mode=mode))
+    prompt = list(range(10, 38))
+    r = group("r", [1, 2, 3, 4], 1, priority=-5, max_tokens=4)
+    a = group("a", prompt, 2, priority=2)
+    sched.add(r)
+    sched.add(a)
+    return kv, sched, prompt, r, a
+
+
 def test_the_waiter_computes_what_is_missing_when_the_first_request_is_preempted():
     """a (priority 2) is prefilling P in chunks when b (priority 0, sharing P's first 20
     tokens) arrives: a intends them. Out of blocks, a preempts itself (recompute) and queues
     again behind b: b computes what is missing, then a waits for b."""
-    kv = KVCacheManager(8, 0, 4, watermark=0.0, debug_checks=True, max_pinned_fraction=1.0)
-    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=8, max_model_len=256,
-                                          preemption_mode=PreemptionMode.RECOMPUTE))
-    prompt = list(range(10, 38))
-    r = group("r", [1, 2, 3, 4], 1, priority=-5, max_tokens=4)
-    a = group("a", prompt, 2, priority=2)
+    kv, sched, prompt, r, a = _short_of_blocks(PreemptionMode.RECOMPUTE)
     b = group("b", prompt[:20] + [50, 51, 52, 53], 3, priority=0)
-    sched.add(r)
-    sched.add(a)
 
     def b_waits_for() -> int:
         s = b.seqs[0]
@@ -246,14 +255,7 @@ def test_a_request_swapped_in_mid_prompt_intends_the_rest_again():
     """a is prefilling its 28 tokens in chunks when it runs out of blocks and is swapped out
     (its intent released); swapped back in, with tokens 26-27 still to compute, it intends
     them again: a request sharing its prompt sees block 6 (tokens 24-27) as coming."""
-    kv = KVCacheManager(8, 8, 4, watermark=0.0, debug_checks=True, max_pinned_fraction=1.0)
-    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=8, max_model_len=256,
-                                          preemption_mode=PreemptionMode.SWAP))
-    prompt = list(range(10, 38))
-    r = group("r", [1, 2, 3, 4], 1, priority=-5, max_tokens=4)
-    a = group("a", prompt, 2, priority=2)
-    sched.add(r)
-    sched.add(a)
+    kv, sched, prompt, r, a = _short_of_blocks(PreemptionMode.SWAP)
     assert scheduled(step(sched, kv, 1)) == [("r#0", 0, 4), ("a#0", 0, 4)]
     assert scheduled(step(sched, kv, 2)) == [("r#0", 4, 1), ("a#0", 4, 7)]
     assert scheduled(step(sched, kv, 3)) == [("r#0", 5, 1), ("a#0", 11, 7)]
