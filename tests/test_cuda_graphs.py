@@ -5,6 +5,7 @@ choice of graph, and when a step stays eager. On a CPU the graphs are the module
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pagedserve.executor.cuda_graphs import (
@@ -120,6 +121,43 @@ def test_padding_rows_are_reset_between_replays(model_dir):
     d.step({r: None for r in "abc"})
     assert graphs.slot_mapping[3].item() == -1 and graphs.seq_lens[3].item() == 0
     assert graphs.size_for(3) == 4 and graphs.size_for(5) is None
+
+
+def test_twin_graphs_with_pipelined_marked_decodes(model_dir):
+    """Depth 2 (marked decodes fed the previous step's tokens, plan-only inputs prepared
+    ahead) with graphs gives depth 1's tokens without them, penalties and logprobs
+    included (logprobs up to the padded matmuls' rounding); the decode-only steps of the
+    script (2, 5, 6 and 7) replay graphs."""
+    from test_executor_pipeline import (
+        GREEDY_PEN,
+        OTHER,
+        PROMPT,
+        SCRIPT,
+        SEEDED_PEN,
+        THIRD,
+        _run_script,
+    )
+
+    runs = []
+    for pipelined, graphed in ((False, False), (True, True)):
+        runner = _runner(model_dir)
+        if graphed:
+            _with_twin_graphs(runner, max_batch=4)
+        d = Driver(runner)
+        d.add("a", PROMPT, sampling=GREEDY_PEN)
+        d.add("b", OTHER, sampling=SEEDED_PEN, sample_index=1)
+        d.add("c", THIRD, sampling=SEEDED_PEN)
+        runs.append((runner, _run_script(d, SCRIPT, pipelined)))
+    (_, eager), (graphed_runner, graphed) = runs
+    for a, b in zip(eager, graphed, strict=True):
+        assert (a.step_id, a.request_ids, a.errors) == (b.step_id, b.request_ids, b.errors)
+        for name in ("token_ids", "top_counts", "top_token_ids"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        for name in ("logprobs", "top_logprobs"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), atol=1e-4,
+                                       err_msg=name)
+        assert not b.errors
+    assert graphed_runner.graph_steps == 4
 
 
 # ------------------------------------------------------------------------------ CUDA
