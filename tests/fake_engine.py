@@ -5,6 +5,7 @@ step, `finish("abort")` on abort."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from pagedserve.router.detokenizer import TextAssembler
 from pagedserve.router.errors import AlreadyExists, QueueFull, Unavailable
@@ -31,6 +32,15 @@ def make_tokenizer(tmp_path_factory) -> Tokenizer:
 
 
 SCRIPT = "Hello there, 日本語のテキスト 🙂🚀 and more words. " * 4
+
+
+async def eventually(condition, timeout_s: float = 10.0) -> None:
+    """Poll `condition()` every 10 ms until it holds or `timeout_s` has passed; the caller
+    then asserts it. What a test checks is that it happens, not how fast: a bound of a few
+    dozen polls failed on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 

@@ -10,7 +10,7 @@ import json
 
 import aiohttp
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
+from fake_engine import FakeEngine, eventually, make_tokenizer
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_server import start_http_server
 from pagedserve.router.metrics import RouterMetrics
@@ -336,16 +336,10 @@ def test_client_disconnect_aborts_the_request(tok):
                 await r.content.readline()
                 rid = next(iter(engine.live))
             # the connection is closed here, mid-stream
-            for _ in range(200):
-                if rid in engine.aborted and not engine.live:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: rid in engine.aborted and not engine.live)
             assert rid in engine.aborted and not engine.live
-            for _ in range(100):
-                if _metric(metrics, "pagedserve_request_failure_total", code="CANCELLED",
-                           api="http"):
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: _metric(metrics, "pagedserve_request_failure_total",
+                                             code="CANCELLED", api="http"))
             assert _metric(metrics, "pagedserve_request_failure_total", code="CANCELLED",
                            api="http") == 1
             # a unary request whose client goes away is aborted too
@@ -355,10 +349,7 @@ def test_client_disconnect_aborts_the_request(tok):
                 await asyncio.sleep(0.01)
             rid = next(iter(engine.live))
             task.cancel()
-            for _ in range(200):
-                if rid in engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: rid in engine.aborted)
             assert rid in engine.aborted
 
     _run(main())

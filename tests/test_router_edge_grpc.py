@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
+from fake_engine import FakeEngine, eventually, make_tokenizer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -202,19 +202,13 @@ def test_client_cancel_aborts_the_request(tok):
             call = stub.Stream(_req("c1", max_tokens=200))
             await call.read()
             call.cancel()
-            for _ in range(100):
-                if "c1" in engine.aborted and not engine.live:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: "c1" in engine.aborted and not engine.live)
             assert "c1" in engine.aborted and not engine.live
             assert _failures(metrics, "CANCELLED") == 1
             task = asyncio.ensure_future(stub.Generate(_req("c2", max_tokens=200)))
             await asyncio.sleep(0.1)
             task.cancel()
-            for _ in range(100):
-                if "c2" in engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: "c2" in engine.aborted)
             assert "c2" in engine.aborted
 
     _run(main())
@@ -226,16 +220,10 @@ def test_deadline_exceeded_aborts_the_request(tok):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Generate(_req("d1", max_tokens=200), timeout=0.2)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(100):
-                if "d1" in engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: "d1" in engine.aborted)
             assert "d1" in engine.aborted
             assert engine.submitted[0].deadline is not None
-            for _ in range(50):
-                if _failures(metrics, "DEADLINE_EXCEEDED") == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: _failures(metrics, "DEADLINE_EXCEEDED") == 1)
             assert _failures(metrics, "DEADLINE_EXCEEDED") == 1
 
     _run(main())
