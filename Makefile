@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): whole modules per worker, so a module's shared cluster and
+# fixtures start once; tests/conftest.py starts the slowest modules first. 0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup test demo lint bench-kv bench-kernels clean protos gpu-wheels
 
@@ -23,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/pagedserve demo

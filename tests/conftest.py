@@ -31,7 +31,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The slowest modules, run first (tests keep their order within a module). `make test` runs
+# whole modules on two pytest-xdist workers (-n 2 --dist loadfile --no-loadscope-reorder): a
+# long module started last would leave one worker idle while the other finishes it. Seconds
+# are one serial run on the 2-core VM; the rest follow in collection order.
+SLOWEST_MODULES_FIRST = (
+    "test_builtin_model.py",  # 112 s: demo --quick on the built-in model, then its cluster
+    "test_reliability_soak.py",  # 56 s: a 45 s soak
+    "test_reliability_aborts.py",  # 55 s, mostly waiting out deadlines
+    "test_cli.py",  # 26 s
+    "test_router_preemption.py",  # 24 s
+    "test_router_cluster.py",  # 17 s
+    "test_pipeline_cluster.py",  # 15 s
+    "test_bench_cli.py",  # 15 s
+    "test_reliability_restart.py",  # 13 s
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
