@@ -37,6 +37,7 @@ copies and the choice of size are then tested where there is no CUDA.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -102,6 +103,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._replays: dict[int, _Replay] = {}
+        self._captured: list[int] = []  # sorted(self._replays), kept for the per-step lookup
         self._pool = None  # the private memory pool every graph shares
         self.capture_s = 0.0
 
@@ -126,6 +128,7 @@ class DecodeGraphs:
                 continue
             self._replays[size] = replay = self._capture_cuda(size, self._pool)
             self._pool = replay.graph.pool()
+        self._captured = sorted(self._replays)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
@@ -157,14 +160,13 @@ class DecodeGraphs:
     # -------------------------------------------------------------------------- replay
     def size_for(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds ``num_seqs`` sequences."""
-        for size in sorted(self._replays):
-            if size >= num_seqs:
-                return size
-        return None
+        i = bisect.bisect_left(self._captured, num_seqs)
+        return self._captured[i] if i < len(self._captured) else None
 
     def can_run(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
+        captured = self._captured
         return (attn.max_query_len == 1 and attn.block_tables.shape[1] <= self.width
-                and 0 < input_ids.shape[0] <= self.max_batch and bool(self._replays))
+                and bool(captured) and 0 < input_ids.shape[0] <= captured[-1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata) -> torch.Tensor:
