@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 # connection gone.
 CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, ConnectionError)
 
+# A client whose own deadline fires cancels the call; that cancel can reach us before our copy
+# of the deadline (the grpc-timeout header, counted from when the server read it) has passed.
+# A client that goes away this close to its deadline is counted as DEADLINE_EXCEEDED.
+DEADLINE_SLACK_S = 0.1
+
 
 class RequestClock:
     """Latency metrics of one request, measured when outputs are handed to the client."""
@@ -104,7 +109,7 @@ class Frontend:
     def ending_code(self, exc: BaseException, deadline: float | None) -> grpc.StatusCode:
         """The status a request ended by `exc` counts under."""
         if isinstance(exc, CLIENT_GONE):
-            if deadline is not None and time.monotonic() >= deadline - 0.001:
+            if deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S:
                 return grpc.StatusCode.DEADLINE_EXCEEDED
             return grpc.StatusCode.CANCELLED
         return grpc_code(exc)

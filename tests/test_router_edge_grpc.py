@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import math
 import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -225,8 +226,22 @@ def test_deadline_exceeded_aborts_the_request(tok):
             assert engine.submitted[0].deadline is not None
             await eventually(lambda: _failures(metrics, "DEADLINE_EXCEEDED") == 1)
             assert _failures(metrics, "DEADLINE_EXCEEDED") == 1
+            assert _failures(metrics, "CANCELLED") == 0
 
     _run(main())
+
+
+def test_client_gone_near_its_deadline_counts_as_deadline_exceeded(tok):
+    """The client's own deadline timer cancels the call; that cancel can arrive a little
+    before the server's copy of the deadline passes (CI saw CANCELLED counted once)."""
+    fe = Frontend(FakeEngine(tok), tok, Limits(vocab_size=tok.vocab_size, max_model_len=64))
+    now = time.monotonic()
+    gone = asyncio.CancelledError()
+    assert fe.ending_code(gone, now + 0.03) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fe.ending_code(gone, now - 1.0) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fe.ending_code(gone, now + 5.0) == grpc.StatusCode.CANCELLED
+    assert fe.ending_code(gone, None) == grpc.StatusCode.CANCELLED
+    assert fe.ending_code(ConnectionResetError(), now + 0.03) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_model_info_and_cluster_status(tok):
