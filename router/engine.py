@@ -12,6 +12,7 @@ state: the executors (`executors`, by id) and the live requests (`live`, by requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -205,7 +206,13 @@ class RouterEngine:
         return True
 
     def model_info(self) -> ModelInfoData:
-        return self.info
+        """ModelInfo; its dtype is what the live executors compute in (each registers
+        its own: `--dtype auto` may run float32 on a CPU without native bfloat16), joined
+        with "," if they differ; the router's reading of config.json before any joins."""
+        dtypes = sorted({h.hello.dtype for h in self.executors.values() if h.healthy})
+        if not dtypes or dtypes == [self.info.dtype]:
+            return self.info
+        return dataclasses.replace(self.info, dtype=",".join(dtypes))
 
     def cluster_status(self) -> ClusterStatusData:
         rows, queries, hits = [], 0, 0

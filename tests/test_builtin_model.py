@@ -71,6 +71,10 @@ def test_demo_quick_chats_with_the_builtin_model(model_dir):
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "the built-in SmolLM2-135M-Instruct (Apache-2.0" in out
     assert "RANDOM" not in out
+    from pagedserve.cpu_dtypes import auto_dtype
+    running, why = auto_dtype("bfloat16", on_cpu=True)  # what auto runs on this CPU
+    assert "stored in bfloat16" in out
+    assert f"computing in {running}" in out and ("no native bfloat16" in out) == bool(why)
     chat = out.split("== 1. streaming chat answers")[1].split("== 2.")[0]
     assert "> What is the capital of France?" in chat and "Paris" in chat, chat
     assert re.search(r"\[\d+ tokens, STOP at <\|im_end\|>, TTFT \d+ ms", chat), chat

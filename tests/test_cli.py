@@ -194,11 +194,17 @@ def test_chat_from_piped_stdin_keeps_history_and_resets(served):
     assert result.stdout == f"{a1}\n{a2}\n[history cleared]\n{a1}\n"
 
 
+def _default_sigint() -> None:
+    """A suite started from a shell that ignores SIGINT (a background job) would hand the
+    chat an ignored SIGINT, and Python keeps it ignored: give the child the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_chat_ctrl_c_aborts_the_answer_and_stays_in_the_chat(served):
     proc = subprocess.Popen(CLI + ["chat", "--address", served["grpc"], "--max-tokens", "1500",
                                    "--ignore-eos"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=_env(), preexec_fn=_default_sigint)
     channel = grpc.insecure_channel(served["grpc"])
     stub = pb_grpc.GeneratorStub(channel)
 

@@ -46,6 +46,7 @@ def test_demo_quick_exits_0(demo_run):
 def test_demo_is_honest_and_shows_the_main_job(demo_run):
     out = demo_run[0].stdout
     assert "RANDOM weights" in out and "gibberish" in out
+    assert "stored in float32" in out and "computing in float32\n" in out
     assert re.search(r"pagedserve ready grpc=\S+ metrics=\S+ executors=2", out)
     for heading in ("1. streaming completions", "2. multi-tenant shared prefixes",
                     "3. a burst that cannot fit", "== summary =="):

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from pagedserve.cpu_dtypes import auto_dtype
+
+log = logging.getLogger(__name__)
 
 # architecture -> (q/k/v bias always on, per-head q/k RMSNorm)
 ARCHITECTURES = {
@@ -154,9 +159,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
     """``auto`` -> the checkpoint's dtype (as transformers' ``dtype="auto"``; float32 when
-    config.json names none we run). The router reports the same (router/app.py)."""
+    config.json names none we run), except float32 for a 16-bit checkpoint on a CPU without
+    native arithmetic for it (pagedserve/cpu_dtypes.py). The executor registers what it runs
+    and the router's ModelInfo reports that."""
     if name == "auto":
-        name = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
+        stored = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
+        name, why = auto_dtype(stored, on_cpu=torch.device(device).type == "cpu")
+        if why:
+            log.info("--dtype auto runs float32, not the checkpoint's %s: %s", stored, why)
     if name not in DTYPES:
         raise ModelNotSupported(f"dtype {name!r} is not supported (auto, {', '.join(DTYPES)})")
     return DTYPES[name]
