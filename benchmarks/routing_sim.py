@@ -75,6 +75,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import pagedserve  # noqa: E402
+
+# The router code simulated is this tree's, also when it is a snapshot (git archive) and
+# another tree is installed in editable mode: pagedserve.router, .kvmanager, ... resolve to
+# ROOT/router, ROOT/kvmanager, ... before the editable install's mapping is consulted.
+pagedserve.__path__.append(str(ROOT))
 
 from fake_executor import PipelinedFake  # noqa: E402
 from pagedserve.protos import wire  # noqa: E402
