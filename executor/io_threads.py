@@ -29,6 +29,7 @@ from pagedserve.affinity import pin_current_thread
 log = logging.getLogger("pagedserve.executor")
 
 POLL_MS = 200
+IDLE_WAKE_MS = 50  # the executor's idle main loop looks at its stop flag this often
 IO_JOIN_TIMEOUT_S = 5.0
 
 
@@ -102,6 +103,8 @@ class HeartbeatThread(threading.Thread):
                     self.last_reply = time.monotonic()
                     if isinstance(msg, Shutdown) and not msg.exit:
                         self.reregister.set()
+        except zmq.ContextTerminated:  # the process is stopping (ExecutorProcess.serve)
+            pass
         finally:
             sock.close(0)
 

@@ -70,6 +70,7 @@ import time
 
 import zmq
 from pagedserve.executor.io_threads import (
+    IDLE_WAKE_MS,
     POLL_MS,
     HeartbeatThread,
     IOFailed,
@@ -346,13 +347,16 @@ class ExecutorProcess:
         """Register, then execute plans in order until Shutdown(exit=True) or SIGTERM.
 
         The main loop blocks on the I/O thread's inbox (no polling sleeps: a plan already
-        decoded is taken at once); every POLL_MS without a message, and between messages at
-        most that often, it checks the parent and the router's liveness."""
+        decoded is taken at once); every IDLE_WAKE_MS without a message, and between
+        messages at most every POLL_MS, it checks the parent and the router's liveness. An
+        idle wait also ends IDLE_WAKE_MS after SIGTERM at most (a signal handler cannot
+        safely put on the inbox: the main thread may hold its lock)."""
         self.stopping = False
         with contextlib.suppress(ValueError):  # not the main thread (in-process tests)
             self._install_signal_handlers()
         self.heartbeat.start()
         poll_s = POLL_MS / 1000
+        idle_s = IDLE_WAKE_MS / 1000
         try:
             self.register()
             next_check = 0.0
@@ -374,7 +378,7 @@ class ExecutorProcess:
                     msg = None
                 try:
                     if msg is None:
-                        msg = self.io.inbox.get(timeout=poll_s)
+                        msg = self.io.inbox.get(timeout=idle_s)
                 except queue.Empty:
                     next_check = 0.0
                     continue
@@ -400,10 +404,12 @@ class ExecutorProcess:
         finally:
             self._take_socket_back()  # sends the results still queued (Shutdown(exit=True))
             self.heartbeat.stop.set()
-            self.heartbeat.join(timeout=2)
             if self.sock is not None:
                 self.sock.close(0)
+            # Terminating the context ends the heartbeat thread's poll at once (ETERM), and
+            # returns when its socket is closed.
             self.ctx.term()
+            self.heartbeat.join(timeout=2)
 
 
 def load_curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
@@ -508,12 +514,19 @@ def run_executor(args: argparse.Namespace) -> int:
         # Inference mode for the whole loop: ModelRunner.execute then skips entering it,
         # a few microseconds of the gap between two steps.
         with torch.inference_mode():
-            return ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
-                                   fault_sleep=fault_sleep).serve()
+            rc = ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
+                                 fault_sleep=fault_sleep).serve()
     except SystemExit as exc:
-        return int(exc.code or 0)
+        rc = int(exc.code or 0)
     except KeyboardInterrupt:
-        return 0
+        rc = 0
+    # Served and handed back: the sockets are closed and the context terminated. The
+    # interpreter's teardown of torch and the model would add ~270 ms to every stop (a
+    # rolling restart waits for it), with nothing left to write but the logs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -306,6 +306,8 @@ def test_process_answers_plans_sent_back_to_back_in_order(model_dir):
         goodbye_ident, goodbye = router.recv(timeout_s=10, want=Shutdown)
         assert goodbye.executor_id == "ex-p" and goodbye_ident == ident
         assert proc.wait(timeout=20) == 0
+        err = proc.stderr.read()  # the process ends with os._exit: its logs still flushed
+        assert "stopping: handing my requests back" in err and "Traceback" not in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
