@@ -68,13 +68,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import pagedserve  # noqa: E402
-
-# The router code simulated is this tree's, also when it is a snapshot (git archive) and
-# another tree is installed in editable mode: pagedserve.router, .kvmanager, ... resolve to
-# ROOT/router, ROOT/kvmanager, ... before the editable install's mapping is consulted.
-# (routing_cluster and routing_runner import the router: they are imported after this.)
-pagedserve.__path__.append(str(ROOT))
+# With ROOT first, `pagedserve` and so its router (pagedserve/__init__.py) are this tree's,
+# also in a snapshot (git archive) while another tree is installed in editable mode.
 
 # Record, infinite_bound and BLOCK_SIZE are re-exported: tests/test_routing_sim.py and
 # routing_bench.py import them from here.
