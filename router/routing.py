@@ -35,6 +35,7 @@ class Candidate:
     prefill_tokens_per_s: float | None = None  # its measured prefill rate (None: not yet)
     num_running_seqs: int = 0  # samples decoding there (Scheduler.num_running_seqs)
     decode_s_per_seq: float | None = None  # measured step time per decoding sample
+    step_fixed_s: float | None = None  # measured time of a step whatever it computes
 
 
 def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Candidate:
@@ -43,7 +44,7 @@ def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Can
     return Candidate(executor_id, kv, scheduler.num_queued_tokens(),
                      len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped),
                      scheduler.prefill_tokens_per_s(), scheduler.num_running_seqs(),
-                     scheduler.decode_s_per_seq())
+                     scheduler.decode_s_per_seq(), scheduler.step_fixed_s())
 
 
 @dataclass
@@ -82,11 +83,13 @@ def choose(
     supplies one Candidate per healthy executor that could ever fit the request:
     `candidate(executor_id, kv, scheduler)`, i.e. the executor's KVCacheManager, its
     Scheduler's `num_queued_tokens()`, number of groups and `num_running_seqs()`, its
-    prefill rate in tokens per second (`Scheduler.prefill_tokens_per_s()`) and its seconds
-    per decoding sample (`Scheduler.decode_s_per_seq()`), both learned from StepResults'
-    forward_s (CostModel); a rate not measured yet is None, and the measured candidates'
-    mean is assumed for it (DEFAULT_PREFILL_TOKENS_PER_S / DEFAULT_DECODE_S_PER_SEQ when
-    none is measured). The decision's `hit` is the cached prefix there, for the caller to
+    prefill rate in tokens per second (`Scheduler.prefill_tokens_per_s()`), its seconds
+    per decoding sample (`Scheduler.decode_s_per_seq()`) and its steps' fixed seconds
+    (`Scheduler.step_fixed_s()`), all fitted to StepResults' forward_s (cost_model.py:
+    what one more token or sample adds to a step, and what a step costs anyway); a value
+    not measured yet is None, and the measured candidates' mean is assumed for it
+    (DEFAULT_PREFILL_TOKENS_PER_S / DEFAULT_DECODE_S_PER_SEQ / no fixed cost when none is
+    measured). The decision's `hit` is the cached prefix there, for the caller to
     pin.
 
     prefix: one cost rule, in seconds. For each executor e, with r_e its prefill rate:
@@ -98,7 +101,8 @@ def choose(
                    + (queued prefill tokens on e, an intended block counted once) / r_e
                    + MEMORY_SHORT_WAIT_TOKENS / r_e if e's free blocks cannot hold the
                    uncached part now
-        ttft_e   = wait_e + (len(prompt) - match_e) / r_e          (time to first token)
+        ttft_e   = wait_e + f_e + (len(prompt) - match_e) / r_e     (time to first token;
+                   f_e the fixed time of e's steps, r_e and d_e its marginal rates: CostModel)
         evict_e  = (cached blocks the uncached part would evict on e that other requests
                    have hit: prefixes live tenants share) x block_size / r_e
         cost_e   = ttft_e + evict_e
@@ -128,6 +132,8 @@ def choose(
     assumed_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
     measured = [c.decode_s_per_seq for c in candidates if c.decode_s_per_seq]
     assumed_decode_s = sum(measured) / len(measured) if measured else DEFAULT_DECODE_S_PER_SEQ
+    measured = [c.step_fixed_s for c in candidates if c.step_fixed_s is not None]
+    assumed_fixed_s = sum(measured) / len(measured) if measured else 0.0
     num_tokens = len(token_ids)
     hits: dict[int, PrefixHit] = {}
     match: dict[int, int] = {}
@@ -150,7 +156,8 @@ def choose(
             wait += MEMORY_SHORT_WAIT_TOKENS / rate
         evicted = kv.num_shared_blocks_evicted(need_blocks, hit.block_ids)
         hits[i], match[i], wait_s[i] = hit, matched, wait
-        cost[i] = wait + uncached / rate + evicted * kv.block_size / rate
+        fixed = c.step_fixed_s if c.step_fixed_s is not None else assumed_fixed_s
+        cost[i] = wait + fixed + uncached / rate + evicted * kv.block_size / rate
 
     def key(i: int) -> tuple:
         return cost[i], candidates[i].num_groups

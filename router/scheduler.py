@@ -15,6 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..kvmanager import KVCacheManager, PrefixHit
+from .cost_model import (  # noqa: F401 - re-exported: routing and tests import them here
+    DEFAULT_DECODE_S_PER_SEQ,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    CostModel,
+)
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")
@@ -68,113 +73,6 @@ class SchedulerOutput:
     def empty(self) -> bool:
         """Nothing for the executor: no tokens, no drops, no swap-outs from preemptions."""
         return not self.scheduled and not self.dropped_seq_ids and not self.preempted
-
-
-# Priors of an executor's rates before its first measurement: 0.2 ms per prefill token
-# (5,000 tokens/s, a small model on one CPU core), 0.5 ms per decoding sequence in a step
-# and 20 us per block moved by a swap. Routing compares executors by these, so a common
-# prior cancels out; it assumes the measured executors' mean for one not measured yet.
-DEFAULT_PREFILL_S_PER_TOKEN = 2e-4
-DEFAULT_DECODE_S_PER_SEQ = 5e-4
-DEFAULT_SWAP_S_PER_BLOCK = 2e-5
-# Each measurement moves a rate this far towards it (an exponential average over about the
-# last 5 steps: it follows a load change within a few steps, one odd step moves it little).
-RATE_EMA_WEIGHT = 0.2
-# Steps that prefill fewer tokens teach nothing about the prefill rate: their forward time is
-# mostly the step's fixed cost and its decodes.
-MIN_PREFILL_TOKENS_OBSERVED = 32
-
-
-class _Ratio:
-    """Exponential averages of seconds and of units (tokens, sequences, blocks); the rate is
-    their ratio, so a large step weighs more than a small one whose time is mostly fixed
-    costs. The first observation replaces the prior."""
-
-    __slots__ = ("seconds", "units", "measured", "prior")
-
-    def __init__(self, prior: float) -> None:
-        self.prior = prior
-        self.seconds = 0.0
-        self.units = 0.0
-        self.measured = False
-
-    def observe(self, units: float, seconds: float) -> None:
-        w = RATE_EMA_WEIGHT if self.measured else 1.0
-        self.seconds = (1 - w) * self.seconds + w * seconds
-        self.units = (1 - w) * self.units + w * units
-        self.measured = True
-
-    @property
-    def s_per_unit(self) -> float:
-        return self.seconds / self.units if self.measured else self.prior
-
-
-class CostModel:
-    """An executor's measured rates, learned from its StepResults' forward_s and swap_s.
-
-    forward_s of a step = decode rows x seconds per decoding sequence + prefill tokens x
-    seconds per prefill token (the step's fixed cost falls on both). Steps without prefill
-    teach the decode rate; steps that prefill at least MIN_PREFILL_TOKENS_OBSERVED tokens
-    teach the prefill rate from what is left of their forward time once their decodes are
-    taken out (at least a tenth of it). Swaps teach seconds per block moved.
-
-    Chooses swap or recompute for a victim in `auto` mode:
-    swap cost      = 2 x (blocks the group holds) x seconds per block moved (out, then in)
-    recompute cost = (tokens the group has computed) x seconds per token of prefill
-    Swap needs free CPU blocks; without them it is recompute. Routing reads the prefill and
-    decode rates too (`Scheduler.prefill_tokens_per_s`, `Scheduler.decode_s_per_seq`).
-    """
-
-    def __init__(self, s_per_block: float = DEFAULT_SWAP_S_PER_BLOCK,
-                 s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
-                 s_per_seq: float = DEFAULT_DECODE_S_PER_SEQ) -> None:
-        self._swap = _Ratio(s_per_block)
-        self._prefill = _Ratio(s_per_token)
-        self._decode = _Ratio(s_per_seq)
-
-    @property
-    def s_per_block(self) -> float:
-        return self._swap.s_per_unit
-
-    @property
-    def s_per_token(self) -> float:
-        return self._prefill.s_per_unit
-
-    @property
-    def s_per_seq(self) -> float:
-        return self._decode.s_per_unit
-
-    @property
-    def prefill_measured(self) -> bool:
-        return self._prefill.measured
-
-    @property
-    def decode_measured(self) -> bool:
-        return self._decode.measured
-
-    def observe_swap(self, num_blocks: int, seconds: float) -> None:
-        if num_blocks > 0 and seconds > 0:
-            self._swap.observe(num_blocks, seconds)
-
-    def observe_step(self, num_prefill_tokens: int, num_decode_seqs: int,
-                     seconds: float) -> None:
-        """`seconds` of forward for a step of `num_prefill_tokens` tokens in prefill chunks
-        and `num_decode_seqs` sequences computing one token."""
-        if seconds <= 0:
-            return
-        if num_prefill_tokens == 0:
-            if num_decode_seqs > 0:
-                self._decode.observe(num_decode_seqs, seconds)
-        elif num_prefill_tokens >= MIN_PREFILL_TOKENS_OBSERVED:
-            decode_s = num_decode_seqs * self.s_per_seq if self._decode.measured else 0.0
-            self._prefill.observe(num_prefill_tokens, max(seconds - decode_s, 0.1 * seconds))
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step that only prefilled `num_tokens` tokens in `seconds`."""
-        self.observe_step(num_tokens, 0, seconds)
-
-    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
-        return 2 * num_blocks * self.s_per_block < num_tokens * self.s_per_token
 
 
 class Scheduler:
@@ -233,6 +131,11 @@ class Scheduler:
     def decode_s_per_seq(self) -> float | None:
         """Measured seconds a decoding sequence adds to a step here, None before any."""
         return self.cost.s_per_seq if self.cost.decode_measured else None
+
+    def step_fixed_s(self) -> float | None:
+        """Measured seconds of any step here whatever it computes, None before any step."""
+        return self.cost.fixed_s if self.cost.decode_measured or self.cost.prefill_measured \
+            else None
 
     def num_running_seqs(self) -> int:
         """Samples running here: each decodes in every step (the step a new request's

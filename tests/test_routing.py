@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.kvmanager import KVCacheManager
-from pagedserve.router import routing
+from pagedserve.router import routing, scheduler
 from pagedserve.router.routing import RoutingPolicy, candidate, choose
 from pagedserve.router.scheduler import CostModel, Scheduler, SchedulerConfig
 from pagedserve.router.sequence import RequestGroup
@@ -25,8 +25,9 @@ class Executor:
         self.name = name
         self.kv = KVCacheManager(num_blocks, 0, BS, watermark=0.0, debug_checks=True)
         self.sched = Scheduler(self.kv, SchedulerConfig(max_model_len=4096))
-        if rate is not None:
+        if rate is not None:  # two prompt sizes: the step-time fit sees no fixed cost
             self.sched.cost.observe_prefill(1000, 1000 / rate)
+            self.sched.cost.observe_prefill(500, 500 / rate)
 
     def cache(self, rid: str, tokens: list[int], num_hits: int = 0) -> None:
         """Compute `tokens` here and end the request: its blocks stay cached, evictable
@@ -125,7 +126,8 @@ def test_prefill_rate_scales_the_rule_and_an_unmeasured_executor_takes_the_mean(
     e0, e1, e2 = Executor("e0", rate=20_000.0), Executor("e1", rate=5_000.0), \
         Executor("e2", rate=None)
     cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1, e2)]
-    assert [c.prefill_tokens_per_s for c in cands] == [20_000.0, 5_000.0, None]
+    assert [c.prefill_tokens_per_s for c in cands] == \
+        [pytest.approx(20_000.0, rel=1e-3), pytest.approx(5_000.0, rel=1e-3), None]
     tokens = prompt(1, 1)
     hashes = e0.kv.hash_blocks(tokens)
     assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 1).index == 0  # fastest
@@ -137,17 +139,42 @@ def test_prefill_rate_scales_the_rule_and_an_unmeasured_executor_takes_the_mean(
     assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 0).index == 2
 
 
-def test_cost_model_learns_decode_then_prefill_rates_from_forward_times():
+def test_cost_model_fits_a_fixed_cost_and_per_token_and_per_sequence_costs():
+    """forward_s = fixed + tokens x s_per_token + sequences x s_per_seq, fitted from steps
+    of different shapes (here exact: 10 ms + 50 us per prefill token + 1 ms per sequence);
+    the ridge towards the priors costs a few percent."""
     cost = CostModel()
     assert (cost.prefill_measured, cost.decode_measured) == (False, False)
-    cost.observe_step(8, 0, 1.0)  # too few prefill tokens to say anything
-    cost.observe_step(0, 10, 0.01)  # a decode step: 1 ms per decoding sequence
-    assert cost.decode_measured and cost.s_per_seq == pytest.approx(1e-3)
-    cost.observe_step(1000, 10, 0.06)  # its 10 decodes take 10 ms of it: 50 us per token
-    assert cost.s_per_token == pytest.approx(5e-5)
-    cost.observe_step(40, 0, 0.01)  # a short prefill moves the average of seconds and
-    assert cost.s_per_token == pytest.approx(  # of tokens, so it moves the rate a little
-        (0.8 * 0.05 + 0.2 * 0.01) / (0.8 * 1000 + 0.2 * 40))
+    assert cost.s_per_token == scheduler.DEFAULT_PREFILL_S_PER_TOKEN and cost.fixed_s == 0
+    for _ in range(3):
+        for seqs in (4, 8, 16):
+            cost.observe_step(0, seqs, 0.010 + 1e-3 * seqs)
+    assert cost.decode_measured and not cost.prefill_measured
+    assert cost.fixed_s == pytest.approx(0.010, rel=0.03)
+    assert cost.s_per_seq == pytest.approx(1e-3, rel=0.03)
+    cost.observe_step(8, 0, 0.010 + 8 * 5e-5)  # enters the fit, too short to be "measured"
+    assert not cost.prefill_measured
+    cost.observe_step(1000, 10, 0.010 + 1000 * 5e-5 + 10e-3)
+    cost.observe_step(200, 10, 0.010 + 200 * 5e-5 + 10e-3)
+    assert cost.prefill_measured
+    assert cost.s_per_token == pytest.approx(5e-5, rel=0.01)
+    assert cost.fixed_s == pytest.approx(0.010, rel=0.03)
+
+
+def test_a_short_first_prompt_teaches_the_same_prefill_rate_as_long_ones():
+    """The demo's case on a 2-core CPU: steps take 95 ms + 3.5 ms per prompt token + 0.5 ms
+    per decoding sequence on both executors. e1's only prompt had 37 tokens, e0's 100; then
+    each decoded one sequence 8 times. As ratios of seconds to tokens they read 164 against
+    226 tokens/s, and routing sent e1 nothing; fitted with a fixed cost, the same."""
+    def run(cost: CostModel, prompt: int, prompts: int) -> None:
+        for shape in [(prompt, 0)] * prompts + [(0, 1)] * 8:
+            cost.observe_step(*shape, 0.095 + 3.5e-3 * shape[0] + 0.5e-3 * shape[1])
+    e0, e1 = Executor("e0", rate=None), Executor("e1", rate=None)
+    run(e0.sched.cost, 100, 3)
+    run(e1.sched.cost, 37, 1)
+    r0, r1 = e0.sched.prefill_tokens_per_s(), e1.sched.prefill_tokens_per_s()
+    assert r0 == pytest.approx(1 / 3.5e-3, rel=0.05) and r1 == pytest.approx(r0, rel=0.02)
+    assert e1.sched.step_fixed_s() == pytest.approx(0.095, rel=0.02)
 
 
 def test_decoding_samples_count_in_the_wait():

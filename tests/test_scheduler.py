@@ -158,6 +158,7 @@ def test_leaked_blocks_are_counted_and_their_owner_named():
 
 def test_cost_model_learns_from_executor_timings():
     from pagedserve.router.scheduler import CostModel
+    from pytest import approx
     cost = CostModel(s_per_block=1e-3, s_per_token=1e-3)
     # 10 blocks to move out and in (20 ms) vs 100 tokens to recompute (100 ms): swap.
     assert cost.prefer_swap(num_blocks=10, num_tokens=100)
@@ -166,12 +167,13 @@ def test_cost_model_learns_from_executor_timings():
         cost.observe_swap(num_blocks=4, seconds=0.2)
     assert cost.s_per_block > 0.04
     assert not cost.prefer_swap(num_blocks=10, num_tokens=100)
-    # Small steps (decodes) do not teach the prefill rate.
-    before = cost.s_per_token
-    cost.observe_prefill(num_tokens=8, seconds=1.0)
-    assert cost.s_per_token == before
+    # Prefill turns out fast (0.1 ms per token): recomputing 100 tokens (10 ms) beats the
+    # slow link again.
     cost.observe_prefill(num_tokens=512, seconds=0.0512)
-    assert cost.s_per_token < before
+    cost.observe_prefill(num_tokens=128, seconds=0.0128)
+    assert cost.s_per_token == approx(1e-4, rel=0.01)
+    assert not cost.prefer_swap(num_blocks=10, num_tokens=100)
+    assert cost.prefer_swap(num_blocks=1, num_tokens=2000)
 
 
 def test_n2_with_a_chunked_prompt_forks_before_the_last_prompt_token():
