@@ -256,6 +256,11 @@ class KVCacheManager:
     def num_free_cpu_blocks(self) -> int:
         return self.cpu.num_free
 
+    @property
+    def num_cached_gpu_blocks(self) -> int:
+        """Device blocks in the prefix cache (held or evictable)."""
+        return len(self.gpu.cached)
+
 
 __all__ = [
     "Block",

@@ -67,6 +67,10 @@ TENANT_SPILL_FACTOR = 2.0
 # hold the request's uncached part now: it would wait for running requests to free memory
 # or force a preemption (a long prompt's worth of work, either way).
 MEMORY_SHORT_WAIT_TOKENS = 4096
+# A cold prefix goes to the executor with the fewest cached blocks among those whose cost is
+# within this fraction of the cheapest: measured rates of the same hardware differ by a few
+# percent, and that noise would otherwise send every new prefix to the same idle executor.
+COLD_PREFIX_TIE = 0.1
 
 
 def choose(
@@ -110,9 +114,12 @@ def choose(
       The request goes to its home h, the executor with the longest match (ties: lowest
       cost), unless another executor e has a lower cost and h's queue is longer than e's
       by more than TENANT_SPILL_FACTOR x the time to recompute there what e lacks:
-      wait_h - wait_e > TENANT_SPILL_FACTOR x (match_h - match_e) / r_e. Then (and when no
-      executor holds any of the prompt) the lowest cost wins. So a cold prefix goes where
-      it displaces least (evict_e), a tenant's requests stay together, a second request of
+      wait_h - wait_e > TENANT_SPILL_FACTOR x (match_h - match_e) / r_e. Then the lowest
+      cost wins. When no executor holds any of the prompt (a cold prefix), of the executors
+      within COLD_PREFIX_TIE of the lowest cost the one with the fewest cached blocks wins
+      (then the lowest cost). So a cold prefix goes where it displaces least (evict_e now,
+      the emptier cache later: rate noise between idle twins does not send every new
+      prefix to the same one), a tenant's requests stay together, a second request of
       a new prefix follows the first before either has run (the first's intent is its
       match), and a prefix hot enough to overload one executor spreads to a second once the
       queue there passes the threshold, after which both hold it and the cost balances them.
@@ -163,8 +170,10 @@ def choose(
         return cost[i], candidates[i].num_groups
 
     home = min(order, key=lambda i: (-match[i],) + key(i))
-    if match[home] == 0:  # a cold prefix
-        chosen = min(order, key=key)
+    if match[home] == 0:  # a cold prefix: where it displaces least, among the near-cheapest
+        best = min(cost.values())
+        near = [i for i in order if cost[i] <= best * (1 + COLD_PREFIX_TIE)]
+        chosen = min(near, key=lambda i: (candidates[i].kv.num_cached_gpu_blocks,) + key(i))
     else:
         spill = [i for i in order if cost[i] < cost[home] and wait_s[home] - wait_s[i]
                  > TENANT_SPILL_FACTOR * (match[home] - match[i]) / rates[i]]

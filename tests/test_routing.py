@@ -190,3 +190,21 @@ def test_decoding_samples_count_in_the_wait():
     assert choose(RoutingPolicy.PREFIX, [c0, c1], tokens, hashes, None, 0).index == 1
     c0.num_running_seqs, c1.num_running_seqs = 0, 1
     assert choose(RoutingPolicy.PREFIX, [c0, c1], tokens, hashes, None, 1).index == 0
+
+
+def test_a_cold_prefix_goes_to_the_emptier_cache_among_the_near_cheapest():
+    """Both idle; e0 measured 5% faster and holds tenant 1's prefix (cached, evictable). A
+    new tenant's prefix goes to the emptier e1 whatever the turn: within COLD_PREFIX_TIE,
+    rate noise does not decide. 1.5x apart, the faster one takes it."""
+    e0, e1 = Executor("e0", rate=10_500.0), Executor("e1", rate=10_000.0)
+    e0.cache("t1", prompt(1, 0))
+    tokens = prompt(2, 0)
+    hashes = e0.kv.hash_blocks(tokens)
+    for turn in (0, 1):
+        cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1)]
+        assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, turn).index == 1
+    e0, e1 = Executor("e0", rate=15_000.0), Executor("e1", rate=10_000.0)
+    e0.cache("t1", prompt(1, 0))
+    cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1)]
+    assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 1).index == 0
+    assert e0.kv.num_cached_gpu_blocks == (1024 + 64) // BS and e1.kv.num_cached_gpu_blocks == 0
