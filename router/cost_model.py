@@ -58,6 +58,14 @@ RIDGE = (0.01, 1e-4, 0.05)  # fixed, per token, per sequence
 # The fitted per-unit costs never go below this share of their prior (noise, or a fit that
 # gave the fixed cost too much, must not make prefill look free).
 MIN_RATE_SHARE_OF_PRIOR = 1e-3
+# Nor does the per-token cost go below this share of the plain ratio of prefill seconds to
+# prefill tokens (an exponential average, the step's decodes taken out). Where a step's
+# fixed cost dwarfs its prompt (a small model, short prompts) the marginal cost is a small
+# difference of noisy times and can come out near zero; routing would then think moving a
+# tenant's prefix free. The ratio overstates the cost by at most the fixed cost per token,
+# so half of it is a floor the true cost stays above unless prompts are shorter than the
+# fixed cost's worth of tokens.
+MIN_TOKEN_COST_SHARE_OF_RATIO = 0.5
 # A step that prefills fewer tokens does not make the prefill rate "measured" for routing
 # (it still enters the fit).
 MIN_PREFILL_TOKENS_OBSERVED = 32
@@ -154,6 +162,7 @@ class CostModel:
                  s_per_seq: float = DEFAULT_DECODE_S_PER_SEQ) -> None:
         self._swap = _Ratio(s_per_block)
         self._steps = StepTimeFit(s_per_token, s_per_seq)
+        self._prefill_ratio = _Ratio(s_per_token)
         self.prefill_measured = False  # a step with MIN_PREFILL_TOKENS_OBSERVED seen
         self.decode_measured = False  # a step with a decoding sequence seen
 
@@ -163,8 +172,11 @@ class CostModel:
 
     @property
     def s_per_token(self) -> float:
-        """Seconds one more prefill token adds to a step."""
-        return self._steps.s_per_token
+        """Seconds one more prefill token adds to a step (at least
+        MIN_TOKEN_COST_SHARE_OF_RATIO of the plain ratio)."""
+        floor = MIN_TOKEN_COST_SHARE_OF_RATIO * self._prefill_ratio.s_per_unit \
+            if self._prefill_ratio.measured else 0.0
+        return max(self._steps.s_per_token, floor)
 
     @property
     def s_per_seq(self) -> float:
@@ -189,6 +201,9 @@ class CostModel:
         self._steps.observe(num_prefill_tokens, num_decode_seqs, seconds)
         if num_prefill_tokens >= MIN_PREFILL_TOKENS_OBSERVED:
             self.prefill_measured = True
+            decode_s = num_decode_seqs * self.s_per_seq
+            self._prefill_ratio.observe(num_prefill_tokens, max(seconds - decode_s,
+                                                                0.1 * seconds))
         if num_decode_seqs > 0:
             self.decode_measured = True
 

@@ -208,3 +208,26 @@ def test_a_cold_prefix_goes_to_the_emptier_cache_among_the_near_cheapest():
     cands = [candidate(e.name, e.kv, e.sched) for e in (e0, e1)]
     assert choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 1).index == 0
     assert e0.kv.num_cached_gpu_blocks == (1024 + 64) // BS and e1.kv.num_cached_gpu_blocks == 0
+
+
+def test_the_per_token_cost_never_drops_below_half_the_plain_ratio():
+    """A small model's short prompts: a 4 ms step, 30 us per prompt token, timing noise of
+    0.5 ms. The fitted marginal cost is a small difference of noisy times; were it to come
+    out near zero, routing would think moving a tenant's prefix free (a cluster test's wave
+    once left its prefix's executor so). Half the plain seconds-per-token ratio bounds it."""
+    import random
+    rng = random.Random(3)
+    cost = CostModel()
+    for i in range(60):
+        shape = (rng.randint(35, 45), rng.randint(0, 2)) if i % 6 == 0 else \
+            (0, rng.randint(1, 3))
+        cost.observe_step(*shape, 0.004 + 30e-6 * shape[0] + 0.2e-3 * shape[1]
+                          + rng.gauss(0, 0.0005))
+    ratio = cost._prefill_ratio.s_per_unit
+    assert ratio > 100e-6  # the fixed cost spread over ~40 tokens
+    assert cost.s_per_token == pytest.approx(0.5 * ratio)
+    cost = CostModel()  # a fit that gives everything to the fixed cost
+    for _ in range(20):
+        cost.observe_step(40, 0, 0.004)
+        cost.observe_step(0, 1, 0.004)
+    assert cost.s_per_token >= 0.5 * 0.004 / 40
