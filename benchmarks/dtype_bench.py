@@ -34,9 +34,10 @@ import time
 import numpy as np
 import torch
 from executor_bench import decode_plans
-from pagedserve.cpu_dtypes import checkpoint_dtype
 from pagedserve.executor.model_runner import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
+
+from pagedserve.cpu_dtypes import checkpoint_dtype
 
 BENCH = "dtype_bench"
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         del runner
     emit("greedy_agreement", prompts=len(CHATS), tokens_each=32,
          **agreement(outputs["float32"], outputs["bfloat16"]))
-    stored = checkpoint_dtype(json.load(open(os.path.join(model_dir, "config.json"))))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        stored = checkpoint_dtype(json.load(f))
     if stored != "float32":  # rounding a bfloat16 checkpoint to bfloat16 would compare a copy
         emit("storage_agreement", skipped=f"the model is stored in {stored}; pass --model "
              "with a float32 checkpoint to measure what storing it in bfloat16 changes")

@@ -162,9 +162,13 @@ class CostModel:
                  s_per_seq: float = DEFAULT_DECODE_S_PER_SEQ) -> None:
         self._swap = _Ratio(s_per_block)
         self._steps = StepTimeFit(s_per_token, s_per_seq)
-        self._prefill_ratio = _Ratio(s_per_token)
-        self.prefill_measured = False  # a step with MIN_PREFILL_TOKENS_OBSERVED seen
+        self._prefill_ratio = _Ratio(s_per_token)  # steps of MIN_PREFILL_TOKENS_OBSERVED
         self.decode_measured = False  # a step with a decoding sequence seen
+
+    @property
+    def prefill_measured(self) -> bool:
+        """A step that prefilled at least MIN_PREFILL_TOKENS_OBSERVED tokens was seen."""
+        return self._prefill_ratio.measured
 
     @property
     def s_per_block(self) -> float:
@@ -175,7 +179,7 @@ class CostModel:
         """Seconds one more prefill token adds to a step (at least
         MIN_TOKEN_COST_SHARE_OF_RATIO of the plain ratio)."""
         floor = MIN_TOKEN_COST_SHARE_OF_RATIO * self._prefill_ratio.s_per_unit \
-            if self._prefill_ratio.measured else 0.0
+            if self.prefill_measured else 0.0
         return max(self._steps.s_per_token, floor)
 
     @property
@@ -200,7 +204,6 @@ class CostModel:
             return
         self._steps.observe(num_prefill_tokens, num_decode_seqs, seconds)
         if num_prefill_tokens >= MIN_PREFILL_TOKENS_OBSERVED:
-            self.prefill_measured = True
             decode_s = num_decode_seqs * self.s_per_seq
             self._prefill_ratio.observe(num_prefill_tokens, max(seconds - decode_s,
                                                                 0.1 * seconds))

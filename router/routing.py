@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..kvmanager import EMPTY_HIT, KVCacheManager, PrefixHit
-from .scheduler import DEFAULT_DECODE_S_PER_SEQ, DEFAULT_PREFILL_S_PER_TOKEN, Scheduler
+from .cost_model import DEFAULT_DECODE_S_PER_SEQ, DEFAULT_PREFILL_S_PER_TOKEN
+from .scheduler import Scheduler
 
 
 class RoutingPolicy(enum.Enum):

@@ -15,11 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..kvmanager import KVCacheManager, PrefixHit
-from .cost_model import (  # noqa: F401 - re-exported: routing and tests import them here
-    DEFAULT_DECODE_S_PER_SEQ,
-    DEFAULT_PREFILL_S_PER_TOKEN,
-    CostModel,
-)
+from .cost_model import CostModel
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")

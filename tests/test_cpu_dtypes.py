@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from pagedserve import cpu_dtypes
-from pagedserve.cpu_dtypes import auto_dtype, checkpoint_dtype, computes_natively, cpu_flags
 from pagedserve.executor.models import resolve_dtype
 from pagedserve.protos import wire
 from test_router_pipeline import make_engine
+
+from pagedserve import cpu_dtypes
+from pagedserve.cpu_dtypes import auto_dtype, checkpoint_dtype, computes_natively, cpu_flags
 
 X86_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n"
 X86_BF16 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"

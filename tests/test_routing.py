@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.kvmanager import KVCacheManager
-from pagedserve.router import routing, scheduler
+from pagedserve.router import cost_model, routing
+from pagedserve.router.cost_model import CostModel
 from pagedserve.router.routing import RoutingPolicy, candidate, choose
-from pagedserve.router.scheduler import CostModel, Scheduler, SchedulerConfig
+from pagedserve.router.scheduler import Scheduler, SchedulerConfig
 from pagedserve.router.sequence import RequestGroup
 from pagedserve.router.types import RequestSpec, SamplingSpec
 
@@ -145,7 +146,7 @@ def test_cost_model_fits_a_fixed_cost_and_per_token_and_per_sequence_costs():
     the ridge towards the priors costs a few percent."""
     cost = CostModel()
     assert (cost.prefill_measured, cost.decode_measured) == (False, False)
-    assert cost.s_per_token == scheduler.DEFAULT_PREFILL_S_PER_TOKEN and cost.fixed_s == 0
+    assert cost.s_per_token == cost_model.DEFAULT_PREFILL_S_PER_TOKEN and cost.fixed_s == 0
     for _ in range(3):
         for seqs in (4, 8, 16):
             cost.observe_step(0, seqs, 0.010 + 1e-3 * seqs)

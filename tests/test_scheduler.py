@@ -157,7 +157,7 @@ def test_leaked_blocks_are_counted_and_their_owner_named():
 
 
 def test_cost_model_learns_from_executor_timings():
-    from pagedserve.router.scheduler import CostModel
+    from pagedserve.router.cost_model import CostModel
     from pytest import approx
     cost = CostModel(s_per_block=1e-3, s_per_token=1e-3)
     # 10 blocks to move out and in (20 ms) vs 100 tokens to recompute (100 ms): swap.
