@@ -58,13 +58,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import logging
 import os
 import queue
-import random
 import signal
-import socket
 import sys
 import time
 
@@ -86,14 +83,6 @@ from pagedserve.protos.wire import (
     StepPlan,
     Welcome,
     WireError,
-)
-
-from pagedserve.affinity import (
-    AffinityError,
-    available_cores,
-    format_cores,
-    parse_cores,
-    pin_current_thread,
 )
 
 log = logging.getLogger("pagedserve.executor")
@@ -421,112 +410,6 @@ def load_curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | No
     if not zmq.has("curve"):
         raise KeyFolderError("this libzmq was built without CURVE")
     return executor_keys(args.curve_keys)
-
-
-def _pin_compute(spec: str | None) -> list[int]:
-    """`--cpu-affinity CORES`: pin this (the compute) thread, and the torch threads it
-    creates, to CORES; returns the other cores, for the I/O and heartbeat threads. `auto`
-    and `off` pin nothing here (`serve` assigns cores to its executors)."""
-    if not spec or spec in ("auto", "off"):
-        return []
-    cores = parse_cores(spec)
-    online = os.cpu_count() or 0
-    if any(c >= online for c in cores):
-        raise AffinityError(f"--cpu-affinity {spec}: this machine has cores 0-{online - 1}")
-    # The cores this process was started on (serve starts its executors from the router's
-    # cores), less the compute cores: where the I/O and heartbeat threads go.
-    inherited = available_cores()
-    others = [c for c in inherited if c not in cores] or inherited
-    if pin_current_thread(cores):
-        log.info("compute pinned to cores %s; I/O threads on %s", format_cores(cores),
-                 format_cores(others) or "the same cores")
-    return others
-
-
-def default_executor_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{random.randbytes(3).hex()}"
-
-
-def run_executor(args: argparse.Namespace) -> int:
-    """Entry point for ``pagedserve executor`` (args from ``pagedserve.flags``)."""
-    import torch
-    from pagedserve.executor.model_runner import build_runner
-    from pagedserve.executor.models import ModelNotSupported
-
-    from pagedserve.logs import progress_bars_enabled
-
-    _setup_logging(args.log_format)
-    if args.parent_pid is None and os.environ.get("PAGEDSERVE_PARENT_PID"):
-        args.parent_pid = int(os.environ["PAGEDSERVE_PARENT_PID"])
-    from pagedserve.keygen import KeyFolderError
-    try:
-        curve = load_curve_keys(args)  # before the model loads: a bad folder fails fast
-    except KeyFolderError as exc:
-        print(f"pagedserve executor: --curve-keys: {exc}", file=sys.stderr)
-        return 2
-    try:
-        fault_sleep = fault_sleep_from_env()  # the testing hook, read once
-    except ValueError as exc:
-        print(f"pagedserve executor: {exc}", file=sys.stderr)
-        return 2
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    io_cores: list[int] = []
-    if device.startswith("cpu"):
-        try:
-            io_cores = _pin_compute(args.cpu_affinity)
-        except AffinityError as exc:
-            print(f"pagedserve executor: {exc}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(max(1, args.cpu_threads))
-    torch.manual_seed(args.seed)
-    executor_id = args.executor_id or default_executor_id()
-    try:
-        runner = build_runner(
-            args.model, device=device, dtype=args.dtype, block_size=args.block_size,
-            num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
-            kv_cache_space=args.kv_cache_space, swap_space=args.swap_space,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,
-            progress=progress_bars_enabled(args.log_format),
-            max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-        )
-    except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
-        print(f"pagedserve executor: {exc}", file=sys.stderr)
-        return 2
-    cache = runner.cache
-    hello = Hello(
-        executor_id=executor_id, model_fingerprint=runner.model.config.fingerprint,
-        device=str(cache.device), dtype=str(cache.kv_cache.dtype).removeprefix("torch."),
-        block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks,
-        num_cpu_blocks=cache.num_cpu_blocks, max_model_len=runner.max_model_len,
-        pid=os.getpid(), hostname=socket.gethostname(),
-    )
-    log.info("executor %s: %s on %s (%s), %d device blocks, %d cpu blocks of %d tokens",
-             executor_id, runner.model.config.architecture, hello.device, hello.dtype,
-             hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
-    # Everything allocated so far (the model, torch, the imports: ~170k objects) lives as
-    # long as the process: moved out of the collector's reach, so that a full collection
-    # while serving scans only what serving allocates (it took ~110 ms, a stalled step).
-    gc.collect()
-    gc.freeze()
-    try:
-        # Inference mode for the whole loop: ModelRunner.execute then skips entering it,
-        # a few microseconds of the gap between two steps.
-        with torch.inference_mode():
-            rc = ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
-                                 fault_sleep=fault_sleep).serve()
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    except KeyboardInterrupt:
-        rc = 0
-    # Served and handed back: the sockets are closed and the context terminated. The
-    # interpreter's teardown of torch and the model would add ~270 ms to every stop (a
-    # rolling restart waits for it), with nothing left to write but the logs.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,7 @@ def cmd_executor(argv: list[str]) -> int:
                          "device's KV cache and runs the router's step plans.", argv)
     setup_logging(args.log_format)  # run_executor sets it up again, the same way
     _resolve_model(args, "pagedserve executor")
-    from .executor.process import run_executor
+    from .executor.startup import run_executor
     return run_executor(args)
 
 

@@ -30,7 +30,7 @@ def test_plan_serve_takes_executor_cores_from_the_end_and_leaves_one_for_the_rou
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no sched_setaffinity")
 def test_executor_pins_its_compute_thread_and_returns_the_other_cores():
-    from pagedserve.executor.process import _pin_compute
+    from pagedserve.executor.startup import _pin_compute
 
     before = os.sched_getaffinity(0)
     try:
