@@ -3,7 +3,11 @@
 Every Triton kernel in this package has a twin here with the same signature. The twins are
 the CPU executor's implementation and the oracle of the kernel tests; they are themselves
 checked against dense causal attention. They are vectorised: keys and values are gathered by
-block table for the whole batch at once, with no per-token Python loop.
+block table for many sequences at once (a group of decodes of similar length, or one
+prefill chunk), with Python loops only over such groups and over KV heads, never over
+tokens. On a CPU they are the attention, so they are written for its memory system: gathers
+into reused buffers, matmuls on strided views instead of permuted copies, fused attention
+for prefill chunks (figures: benchmarks/README.md, "e2e_vs_hf.py").
 
 KV-cache layout (see kernels/__init__.py): one tensor per executor,
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; a layer's key cache is
@@ -15,7 +19,10 @@ lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; it
 
 from __future__ import annotations
 
+import threading
+
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache(
@@ -37,18 +44,52 @@ def reshape_and_cache(
     )
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers the gathers below reuse across layers and steps.
+
+    A decode step gathers every sequence's keys and values into a dense tensor, layer after
+    layer: megabytes each time. Fresh tensors that size come from the C allocator's mmap and
+    go back to the kernel when freed, so every gather paid page faults and the kernel's
+    zeroing of fresh pages (a fresh 64 MB tensor filled at 1.2 GB/s on the 2-core VM, an
+    existing one at 8 GB/s). A buffer per (slot, dtype, device) grows to the largest gather
+    seen and is reused; what a gather returns is a view into it, valid until the same slot's
+    next gather on this thread. The memory stays held: at most what the old code allocated
+    afresh for its largest step (decode groups keep a gather within about twice the keys
+    or values of the context it covers)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device):
+        key = (slot, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:  # 25% headroom: contexts grow step by step
+            # a normal tensor even in inference mode (the executor's), so that a later call
+            # outside it may write into it too
+            with torch.inference_mode(False):
+                buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+
+_scratch = _Scratch()
+
+
 def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, slot: int
 ) -> torch.Tensor:
-    """[num_seqs, max_len, num_kv_heads, head_dim] gathered through the block tables."""
+    """[num_seqs, max_len, num_kv_heads, head_dim] gathered through the block tables, a view
+    into this thread's scratch buffer ``slot``. One ``index_select`` of whole blocks (rows
+    of ``block_size * num_kv_heads * head_dim`` contiguous elements); table entries past a
+    sequence's end are clamped to block 0 and masked by the caller."""
     num_seqs = block_tables.shape[0]
-    block_size = cache.shape[1]
+    num_blocks, block_size = cache.shape[:2]
     num_blocks_needed = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks_needed].long().clamp_min(0)
-    gathered = cache[table]  # [S, nb, B, H, D]
-    return gathered.reshape(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[
-        :, :max_len
-    ]
+    table = block_tables[:, :num_blocks_needed].reshape(-1).long().clamp_min(0)
+    flat = cache.view(num_blocks, -1)
+    out = _scratch.get(slot, table.numel() * flat.shape[1], cache.dtype, cache.device)
+    torch.index_select(flat, 0, table, out=out.view(table.numel(), flat.shape[1]))
+    return out.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
 
 
 def paged_prefill_attention(
@@ -70,95 +111,173 @@ def paged_prefill_attention(
     sliding window ``w``, to positions ``> pos - w``). Prefix-cache hits and chunked prefill
     are the case ``seq_len > q_len``; decode is ``q_len == 1``.
 
-    A mixed step (decodes next to prefill chunks) is split: the decodes run as one padded
-    batch and each prefill chunk on its own, so no sequence is padded to another's query
-    length (one batch padded to a 512-token chunk made 78 decodes cost 39x more).
+    A mixed step (decodes next to prefill chunks) is split: the decodes run as one batch
+    (``_attend_decode``) and each prefill chunk on its own, so no sequence is padded to
+    another's query length (one batch padded to a 512-token chunk made 78 decodes cost 39x
+    more).
     """
     num_seqs = block_tables.shape[0]
-    if num_seqs <= 1:
-        return _attend_padded(query, key_cache, value_cache, block_tables, query_start_loc,
-                              seq_lens, scale, sliding_window, out)
+    if query.shape[0] == 0 or num_seqs == 0:
+        return query.new_empty(query.shape) if out is None else out
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
-    if int(q_lens.max()) <= 1:
-        return _attend_padded(query, key_cache, value_cache, block_tables, query_start_loc,
-                              seq_lens, scale, sliding_window, out)
+    if query.shape[0] == num_seqs and bool((q_lens == 1).all()):
+        return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                              sliding_window, out)
     result = out if out is not None else query.new_empty(query.shape)
     decodes = (q_lens == 1).nonzero().flatten()
     if decodes.numel():
-        rows = starts[decodes]
-        result[rows] = _attend_padded(
-            query[rows], key_cache, value_cache, block_tables[decodes],
-            torch.arange(decodes.numel() + 1, device=query.device, dtype=torch.int32),
+        result[starts[decodes]] = _attend_decode(
+            query[starts[decodes]], key_cache, value_cache, block_tables[decodes],
             seq_lens[decodes], scale, sliding_window, None)
     for i in (q_lens > 1).nonzero().flatten().tolist():
         a, b = int(starts[i]), int(starts[i + 1])
-        result[a:b] = _attend_padded(
-            query[a:b], key_cache, value_cache, block_tables[i : i + 1],
-            query_start_loc.new_tensor([0, b - a]), seq_lens[i : i + 1], scale,
-            sliding_window, None)
+        result[a:b] = _attend_chunk(query[a:b], key_cache, value_cache, block_tables[i],
+                                    int(seq_lens[i]), scale, sliding_window)
     return result
 
 
-def _attend_padded(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
+# Decode rows are grouped by context length (see _decode_groups); a group has at least this
+# many rows, so a batch of few sequences is one group.
+DECODE_GROUP_MIN_SEQS = 8
+
+
+def _attend_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, prefix sums of query lengths
-    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the new one
     scale: float,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """All sequences in one batch, padded to the longest query and context."""
-    num_tokens, num_heads, head_dim = query.shape
+    """One query token per sequence: each group of similar context lengths is one padded
+    batch (``_attend_decode_padded``)."""
+    groups = _decode_groups(seq_lens.long())
+    if len(groups) == 1:
+        result = _attend_decode_padded(query, key_cache, value_cache, block_tables, seq_lens,
+                                       scale, sliding_window)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+    result = out if out is not None else query.new_empty(query.shape)
+    for rows in groups:
+        result.index_copy_(0, rows, _attend_decode_padded(
+            query[rows], key_cache, value_cache, block_tables[rows], seq_lens[rows], scale,
+            sliding_window))
+    return result
+
+
+def _decode_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices of the decode batch in groups of similar context length.
+
+    Padding every sequence to the batch's longest context reads (and gathers) keys and
+    values that are masked away: with contexts spread evenly up to L, about half of what is
+    read. Rows are put in octaves of length below the longest (``(L/2, L]``, ``(L/4, L/2]``,
+    ...), so no row is padded to more than twice its length; walking from the longest
+    octave, rows accumulate until a group holds ``DECODE_GROUP_MIN_SEQS`` (each group costs
+    a dozen more small ops per layer), and a short remainder joins the last group."""
+    num_seqs = seq_lens.shape[0]
+    if num_seqs < 2 * DECODE_GROUP_MIN_SEQS:
+        return [torch.arange(num_seqs, device=seq_lens.device)]
+    longest = max(int(seq_lens.max()), 1)
+    # clamp: log2 of exactly 1.0 came out a hair below 0 in an executor (vectorised log2)
+    octave = torch.log2(longest / seq_lens.clamp_min(1).double()).floor_().clamp_min_(0).long()
+    order = torch.argsort(octave, stable=True)
+    groups: list[torch.Tensor] = []
+    start = size = 0
+    for count in torch.bincount(octave).tolist():
+        size += count
+        if size >= DECODE_GROUP_MIN_SEQS:
+            groups.append(order[start:start + size])
+            start, size = start + size, 0
+    if size:
+        if groups:
+            groups[-1] = order[start - groups[-1].numel():]
+        else:
+            groups.append(order)
+    return groups
+
+
+def _attend_decode_padded(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the new one
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query token per sequence, the batch padded to its longest context.
+
+    Keys and values are gathered once per layer ([S, L, Hkv, D], scratch buffers), then each
+    KV head is two batched matmuls over strided views of them: ``[S, G, D] x [S, D, L]`` for
+    the scores of the head's G query heads, ``[S, G, L] x [S, L, D]`` for the context. A
+    strided view with a unit-stride last dimension goes to BLAS as it is, so nothing is
+    copied again (permuting the gathered tensor for one 4-D matmul copied it twice more).
+    Positions past a sequence's length (and outside a sliding window) are masked; a sequence
+    of length 0 (a padding row) gets zeros."""
+    num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_seqs = block_tables.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return query.new_empty(query.shape) if out is None else out
-    device = query.device
-
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
     seq_lens_l = seq_lens.long()
-    max_q = int(q_lens.max())
-    max_len = int(seq_lens_l.max())
-
-    # Pad queries to [S, max_q, H, D]: token t of sequence s goes to (s, t - start[s]).
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-    idx_in_seq = torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim, dtype=torch.float32)
-    q[seq_of_token, idx_in_seq] = query.float()
-
-    k = _gather_context(key_cache, block_tables, max_len).float()  # [S, L, Hkv, D]
-    v = _gather_context(value_cache, block_tables, max_len).float()
-
-    # Grouped-query attention without copying K/V: [S, Hkv, G*max_q, D] x [S, Hkv, D, L].
-    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [S, Hkv, G*max_q, L]
-    scores = scores.view(num_seqs, num_kv_heads, group, max_q, max_len)
-
-    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
-    k_pos = torch.arange(max_len, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]
-    allowed &= k_pos[None, None, :] < seq_lens_l[:, None, None]
+    max_len = max(int(seq_lens_l.max()), 1)
+    k = _gather_context(key_cache, block_tables, max_len, slot=0)
+    v = _gather_context(value_cache, block_tables, max_len, slot=1)
+    if k.dtype != torch.float32:  # half-precision caches are computed in float32
+        k, v = k.float(), v.float()
+    k_pos = torch.arange(max_len, device=query.device)
+    masked = k_pos[None, :] >= seq_lens_l[:, None]  # [S, L]
     if sliding_window is not None and sliding_window > 0:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows are all -inf
-    probs = probs.view(num_seqs, num_kv_heads, group * max_q, max_len)
-    ctx = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [S, Hkv, G*max_q, D]
-    ctx = ctx.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    ctx = ctx.reshape(num_seqs, max_q, num_heads, head_dim)
+        masked |= k_pos[None, :] <= (seq_lens_l - 1 - sliding_window)[:, None]
+    masked = masked[:, None, :]
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    ctx = torch.empty(num_kv_heads, num_seqs, group, head_dim, device=query.device)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))  # [S, G, L]
+        scores.mul_(scale).masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
+        torch.bmm(probs, v[:, :, h], out=ctx[h])
+    return ctx.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
-    result = ctx[seq_of_token, idx_in_seq].to(query.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+
+def _attend_chunk(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim], one sequence's new tokens
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+    seq_len: int,  # tokens in the cache incl. these
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence's chunk of new tokens (prefill, chunked prefill, a prefix-cache hit's
+    rest): causal attention to its context, queries at the last ``q_len`` positions.
+
+    torch's fused scaled-dot-product attention on the gathered context: it never writes the
+    ``[heads, q_len, seq_len]`` scores to memory (a 512-token chunk's masked fill and softmax
+    cost as much as the attention's matmuls). A whole prompt is plain causal attention;
+    a chunk after cached tokens, or a sliding window, passes its mask."""
+    q_len, num_heads, head_dim = query.shape
+    k = _gather_context(key_cache, block_table[None], seq_len, slot=0)[0]  # [L, Hkv, D]
+    v = _gather_context(value_cache, block_table[None], seq_len, slot=1)[0]
+    q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
+    k = k.float().permute(1, 0, 2)[None]  # [1, Hkv, L, D]
+    v = v.float().permute(1, 0, 2)[None]
+    windowed = sliding_window is not None and sliding_window > 0
+    if q_len == seq_len and not windowed:
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if windowed:
+            allowed &= k_pos > q_pos - sliding_window
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                             enable_gqa=True)
+    return ctx[0].permute(1, 0, 2).to(query.dtype)
 
 
 def paged_decode_attention(
@@ -172,12 +291,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence to its cached context (decode)."""
-    num_seqs = query.shape[0]
-    query_start_loc = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    return paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window=sliding_window, out=out,
-    )
+    if query.shape[0] == 0:
+        return query.new_empty(query.shape) if out is None else out
+    return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                          sliding_window, out)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -7,8 +7,12 @@ against the plainest possible attention.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedserve.kernels import reference
 from pagedserve.kernels.testing import make_paged_batch
 
@@ -58,3 +62,118 @@ def test_twin_bf16_close_to_dense_fp32():
     )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), _dense(batch).float(), atol=2e-2, rtol=2e-2)
+
+
+# A decode batch wide enough to be grouped by context length (_decode_groups), with lengths
+# spread over several octaves, one row in a group of its own octave that is merged into the
+# group before it, and a mixed step of the same decodes next to prefill chunks.
+WIDE = [(1, n) for n in (700, 650, 640, 600, 580, 520, 500, 360, 351, 300, 290, 250, 200,
+                         190, 181, 150, 120, 90, 64, 33, 17, 9, 3, 1)]
+
+
+def test_decode_groups_split_by_octave_exactly():
+    lens = torch.tensor([100] * 10 + [40] * 10)
+    groups = reference._decode_groups(lens)
+    assert [g.tolist() for g in groups] == [list(range(10)), list(range(10, 20))]
+    # 8 rows below the longest octave plus 3 further down: the 3 join the last group
+    lens = torch.tensor([100] * 9 + [40] * 8 + [5] * 3)
+    assert [g.numel() for g in reference._decode_groups(lens)] == [9, 11]
+    # too few rows for two groups: one group, in order
+    assert [g.tolist() for g in reference._decode_groups(torch.arange(1, 13))] == [
+        list(range(12))]
+
+
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_decode_groups_partition_the_rows(lens):
+    groups = reference._decode_groups(torch.tensor(lens))
+    rows = sorted(r for g in groups for r in g.tolist())
+    assert rows == list(range(len(lens)))
+    assert len(groups) == 1 or all(g.numel() >= reference.DECODE_GROUP_MIN_SEQS for g in groups)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_grouped_decode_matches_dense(window):
+    batch = make_paged_batch(WIDE, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             seed=3)
+    assert len(reference._decode_groups(batch.seq_lens.long())) > 1
+    out = torch.empty_like(batch.query)
+    got = reference.paged_decode_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.scale, sliding_window=window, out=out,
+    )
+    assert got is out
+    torch.testing.assert_close(got, _dense(batch, window), atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_with_grouped_decodes_matches_dense():
+    seqs = WIDE[:12] + [(64, 300), (128, 128)] + WIDE[12:] + [(5, 480)]
+    batch = make_paged_batch(seqs, num_kv_heads=2, group=4, head_dim=32, block_size=16,
+                             seed=4)
+    got = reference.paged_prefill_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+        batch.query_start_loc, batch.seq_lens, batch.scale,
+    )
+    torch.testing.assert_close(got, _dense(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_row_of_length_zero_reads_nothing():
+    """A padding row (context 0, as CUDA-graph padding rows have) gets zeros; the rest are
+    unaffected, in a grouped batch and in a small one."""
+    for seqs in (WIDE, WIDE[:5]):
+        batch = make_paged_batch(seqs, num_kv_heads=2, group=2, head_dim=32, block_size=16,
+                                 seed=5)
+        seq_lens = batch.seq_lens.clone()
+        seq_lens[1] = 0
+        got = reference.paged_decode_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_tables, seq_lens,
+            batch.scale)
+        assert torch.count_nonzero(got[1]) == 0
+        want = _dense(batch)
+        keep = [i for i in range(len(seqs)) if i != 1]
+        torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_results_do_not_alias_the_scratch_buffers():
+    """The gathers reuse per-thread buffers: a result stays as it was after later calls,
+    larger and smaller, and threads computing at once get their own buffers."""
+    small = make_paged_batch(WIDE[-6:], num_kv_heads=1, group=4, head_dim=32, block_size=8,
+                             seed=6)
+    large = make_paged_batch(WIDE, num_kv_heads=1, group=4, head_dim=32, block_size=8, seed=7)
+
+    def decode(batch):
+        return reference.paged_decode_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens, batch.scale)
+
+    first = decode(small)
+    kept = first.clone()
+    decode(large)
+    decode(small)
+    assert torch.equal(first, kept)
+
+    want = {id(b): _dense(b) for b in (small, large)}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda b: (b, decode(b)), [small, large] * 8))
+    for batch, got in results:
+        torch.testing.assert_close(got, want[id(batch)], atol=1e-5, rtol=1e-5)
+
+
+def test_scratch_made_in_inference_mode_serves_calls_outside_it():
+    """The executor runs in inference mode, tests and tools outside it, in one thread."""
+    batch = make_paged_batch(WIDE, num_kv_heads=1, group=2, head_dim=16, block_size=8, seed=8)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens, batch.scale)
+
+    def fresh_thread(fn):
+        with ThreadPoolExecutor(1) as pool:  # a thread of its own: its scratch starts empty
+            return pool.submit(fn).result()
+
+    def inside_then_outside():
+        with torch.inference_mode():
+            inside = reference.paged_decode_attention(*args)
+        return inside.clone(), reference.paged_decode_attention(*args)
+
+    inside, outside = fresh_thread(inside_then_outside)
+    torch.testing.assert_close(outside, inside)
+    torch.testing.assert_close(outside, _dense(batch), atol=1e-5, rtol=1e-5)
