@@ -92,6 +92,14 @@ def _gather_context(
     return out.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
 
 
+def _in_float32(t: torch.Tensor, slot: int) -> torch.Tensor:
+    """``t`` itself when float32, else its float32 copy in scratch buffer ``slot``: the
+    twins compute half-precision caches in float32, as the kernels accumulate."""
+    if t.dtype == torch.float32:
+        return t
+    return _scratch.get(slot, t.numel(), torch.float32, t.device).view(t.shape).copy_(t)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -226,8 +234,7 @@ def _attend_decode_padded(
     max_len = max(int(seq_lens_l.max()), 1)
     k = _gather_context(key_cache, block_tables, max_len, slot=0)
     v = _gather_context(value_cache, block_tables, max_len, slot=1)
-    if k.dtype != torch.float32:  # half-precision caches are computed in float32
-        k, v = k.float(), v.float()
+    k, v = _in_float32(k, slot=2), _in_float32(v, slot=3)
     k_pos = torch.arange(max_len, device=query.device)
     masked = k_pos[None, :] >= seq_lens_l[:, None]  # [S, L]
     if sliding_window is not None and sliding_window > 0:
@@ -263,8 +270,8 @@ def _attend_chunk(
     k = _gather_context(key_cache, block_table[None], seq_len, slot=0)[0]  # [L, Hkv, D]
     v = _gather_context(value_cache, block_table[None], seq_len, slot=1)[0]
     q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
-    k = k.float().permute(1, 0, 2)[None]  # [1, Hkv, L, D]
-    v = v.float().permute(1, 0, 2)[None]
+    k = _in_float32(k, slot=2).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
+    v = _in_float32(v, slot=3).permute(1, 0, 2)[None]
     windowed = sliding_window is not None and sliding_window > 0
     if q_len == seq_len and not windowed:
         ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,

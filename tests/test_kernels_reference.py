@@ -92,18 +92,20 @@ def test_decode_groups_partition_the_rows(lens):
     assert len(groups) == 1 or all(g.numel() >= reference.DECODE_GROUP_MIN_SEQS for g in groups)
 
 
-@pytest.mark.parametrize("window", [None, 100])
-def test_grouped_decode_matches_dense(window):
+@pytest.mark.parametrize("window,dtype", [(None, torch.float32), (100, torch.float32),
+                                          (None, torch.bfloat16)])
+def test_grouped_decode_matches_dense(window, dtype):
     batch = make_paged_batch(WIDE, num_kv_heads=2, group=3, head_dim=64, block_size=16,
-                             seed=3)
+                             seed=3, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert len(reference._decode_groups(batch.seq_lens.long())) > 1
     out = torch.empty_like(batch.query)
     got = reference.paged_decode_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
         batch.scale, sliding_window=window, out=out,
     )
-    assert got is out
-    torch.testing.assert_close(got, _dense(batch, window), atol=1e-5, rtol=1e-5)
+    assert got is out and got.dtype == dtype
+    torch.testing.assert_close(got.float(), _dense(batch, window).float(), atol=tol, rtol=tol)
 
 
 def test_mixed_step_with_grouped_decodes_matches_dense():
