@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 from executor_bench import decode_plans
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 
 from pagedserve.cpu_dtypes import checkpoint_dtype

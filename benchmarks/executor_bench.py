@@ -47,8 +47,9 @@ import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
-from pagedserve.executor.model_runner import ModelRunner, build_runner
+from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import Codec, NewRequest, SamplingParams, StepPlan, int32
 
 BENCH = "executor_bench"

@@ -62,8 +62,8 @@ def default_executor_id() -> str:
 def run_executor(args: argparse.Namespace) -> int:
     """Entry point for ``pagedserve executor`` (args from ``pagedserve.flags``)."""
     import torch
-    from pagedserve.executor.model_runner import build_runner
     from pagedserve.executor.models import ModelNotSupported
+    from pagedserve.executor.runner_setup import build_runner
 
     from pagedserve.logs import progress_bars_enabled
 

@@ -107,7 +107,7 @@ def cmd_memory(args) -> int:
         emit("memory_profile", skipped="no CUDA device")
         return 0 if args.small else 1
     from pagedserve.executor.cache_engine import block_bytes, profile_num_gpu_blocks
-    from pagedserve.executor.model_runner import build_runner
+    from pagedserve.executor.runner_setup import build_runner
 
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory

@@ -14,7 +14,7 @@ from pagedserve.executor.cuda_graphs import (
     graph_memory_bytes,
     graphs_supported,
 )
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams
 from test_executor_support import Driver
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32, int64_pairs
 from test_executor_support import Driver
 

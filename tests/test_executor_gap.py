@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams, StepPlan, StepResult
 from test_executor_support import Driver
 

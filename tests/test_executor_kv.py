@@ -5,7 +5,7 @@ tokens equal a run of that request alone."""
 from __future__ import annotations
 
 import pytest
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams
 from test_executor_support import KVDriver
 

@@ -16,7 +16,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from pagedserve.executor.model_runner import build_runner
+from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import (
     Heartbeat,
     Hello,

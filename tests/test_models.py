@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from pagedserve.executor.model_runner import build_runner
 from pagedserve.executor.models import ModelConfig, ModelNotSupported, load_config
+from pagedserve.executor.runner_setup import build_runner
 from test_executor_support import Driver, assert_greedy_equal, hf_reference
 
 from pagedserve.tinymodels import build_model

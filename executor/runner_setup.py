@@ -1,0 +1,90 @@
+"""Making a ModelRunner from the executor's flags: load the model, size the device KV cache
+and the CPU swap space (memory profiling on CUDA, ``--kv-cache-space`` on CPU), and on CUDA
+capture the decode graphs, whose memory is set aside before the cache is sized."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pagedserve.executor.cache_engine import CacheEngine
+from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.executor.models import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(
+    model_dir: str, *, device: str | torch.device = "cpu", dtype: str = "auto",
+    block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+    kv_cache_space: float = 1.0, swap_space: float | None = None,
+    gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+    max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
+    max_num_seqs: int = 256, enforce_eager: bool = False,
+) -> ModelRunner:
+    """Load the model, size the caches (DESIGN §4 flags) and, on CUDA unless
+    ``enforce_eager``, capture the decode graphs for up to ``max_num_seqs`` sequences (their
+    memory is set aside before the KV cache is sized). Raises ModelNotSupported,
+    FileNotFoundError or ValueError with a one-line message."""
+    from pagedserve.executor.cache_engine import (
+        blocks_for_space,
+        memory_baseline,
+        profile_num_gpu_blocks,
+    )
+    from pagedserve.executor.cuda_graphs import graph_memory_bytes, graphs_supported
+    from pagedserve.executor.models import load_config, load_model, resolve_dtype
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    config = load_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    if block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size {block_size}: must be one of 8, 16, 32, 64, 128")
+    if max_model_len is not None and max_model_len > config.max_model_len:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                         f"{config.max_model_len}")
+    baseline = memory_baseline(device) if device.type == "cuda" else None
+    model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    max_len = max_model_len or config.max_model_len
+    why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
+    if num_gpu_blocks is None:
+        if device.type == "cuda":
+            reserve = 0 if why_eager else graph_memory_bytes(
+                model, block_size, max_len, max_num_seqs, device)
+            num_gpu_blocks = profile_num_gpu_blocks(
+                model, block_size, min(max_num_batched_tokens, 8 * max_len),
+                gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
+        else:
+            num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
+    if num_cpu_blocks is None:
+        if swap_space is None:
+            swap_space = 4.0 if device.type == "cuda" else 0.5
+        num_cpu_blocks = blocks_for_space(swap_space, config, block_size, torch_dtype)
+    if num_gpu_blocks <= 0:
+        raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
+    cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
+    graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
+    return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
+                       graphs=graphs)
+
+
+def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,
+                    max_num_seqs: int) -> DecodeGraphs | None:
+    """The decode graphs, or None (logged) when capturing fails: the executor runs eager."""
+    graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs)
+    if not graphs.sizes:
+        return None
+    before = torch.cuda.memory_reserved(cache.device) if cache.device.type == "cuda" else 0
+    try:
+        graphs.capture()
+    except Exception as exc:  # a kernel that cannot be captured: lose speed, not service
+        log.warning("CUDA graphs off, every step eager: capture failed: %s: %s",
+                    type(exc).__name__, exc)
+        return None
+    held = (torch.cuda.memory_reserved(cache.device) - before
+            if cache.device.type == "cuda" else 0)
+    log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (%.0f MiB)",
+             len(graphs.sizes), graphs.max_batch, graphs.capture_s, held / 2**20)
+    return graphs
