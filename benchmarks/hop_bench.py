@@ -14,11 +14,13 @@ Cases:
    (copy=False) on both sides, as the router and the executor do today.
 4. zmq_sync_copy (not in --quick): the same, frames received as bytes (copy=True) on both sides.
 5. zmq_sync_ipc (not in --quick): as zmq_sync_copy over ipc:// instead of tcp loopback.
-6. router_link: the router's own `ExecutorLink` (zmq.asyncio ROUTER, asyncio event loop,
-   dispatch to `on_result`, future resolved), as the engine uses it.
+6. router_link: the router's own `ExecutorLink` (a ROUTER socket whose FD the asyncio event
+   loop watches, since 2026-11-23; zmq.asyncio before; dispatch to `on_result`, future
+   resolved), as the engine uses it.
 7. router_link_ipc (not in --quick): router_link over ipc://.
-8. asyncio_reader (not in --quick): a proposed link receive path: a plain zmq socket whose FD is watched
-   with `loop.add_reader`, drained with recv_multipart(NOBLOCK, copy=True), same dispatch.
+8. asyncio_reader (not in --quick): the receive path the link adopted, stripped down: a plain zmq
+   socket whose FD is watched with `loop.add_reader`, drained with recv_multipart(NOBLOCK,
+   copy=True), same dispatch.
 
 Usage: .venv/bin/python benchmarks/hop_bench.py [--iters 3000] [--warmup 300]
        [--rounds 3] [--num-requests 256] [--quick]
@@ -273,9 +275,9 @@ async def _bench_link(plans: list[wire.StepPlan], iters: int, warmup: int,
                 os.unlink(link.endpoint.removeprefix("ipc://"))
     if transport == "ipc":
         return _summary("router_link_ipc", times, num_requests=len(plans[0].request_ids),
-                        transport="ipc, zmq.asyncio")
+                        transport="ipc, event-loop reader")
     return _summary("router_link", times, num_requests=len(plans[0].request_ids),
-                    transport="tcp loopback, zmq.asyncio")
+                    transport="tcp loopback, event-loop reader")
 
 
 async def _bench_reader(plans: list[wire.StepPlan], iters: int, warmup: int) -> dict:

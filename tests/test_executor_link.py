@@ -1,0 +1,155 @@
+"""The router's ExecutorLink on its own: receiving on the event loop's reader.
+
+The link's socket is a plain ZeroMQ socket whose descriptor the event loop watches. ZeroMQ's
+descriptor is edge-triggered, and a send on the socket can take the signal for messages that
+arrived meanwhile: a link that missed either would stall with messages waiting. These tests
+push bursts much larger than one drain turn while the link answers every message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+from pagedserve.protos import wire
+from pagedserve.router.executor_link import _DRAIN_BATCH, ExecutorLink
+
+
+def _link(seen: list, errors: list | None = None) -> ExecutorLink:
+    return ExecutorLink(
+        "tcp://127.0.0.1:0",
+        on_hello=lambda rid, hello: wire.Welcome(executor_id=hello.executor_id, accepted=True),
+        on_heartbeat=lambda eid: seen.append(eid) or True,
+        on_result=lambda eid, result: True,
+        on_error=lambda eid, report: (errors if errors is not None else []).append(
+            report.message) or True,
+    )
+
+
+async def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("rounds", [1, 5])
+def test_bursts_are_all_received_and_echoed(rounds):
+    count = 10 * _DRAIN_BATCH + 3
+
+    async def main() -> None:
+        seen: list[str] = []
+        link = _link(seen)
+        link.start()
+        ctx = zmq.Context()
+        dealers = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        codec = wire.Codec()
+        try:
+            for dealer in dealers:
+                dealer.connect(link.endpoint)
+            expected = 0
+            for r in range(rounds):
+                for i in range(count):  # two executors interleaved, no waiting
+                    for d, dealer in enumerate(dealers):
+                        beat = wire.Heartbeat(executor_id=f"e{d}-{r}-{i}", time_s=0.0)
+                        dealer.send_multipart(codec.encode(beat))
+                expected += 2 * count
+                await _wait_for(lambda n=expected: len(seen) >= n)
+                assert len(seen) == expected
+            # every heartbeat was echoed on the socket it came from, in order
+            for d, dealer in enumerate(dealers):
+                echoed = []
+                while dealer.poll(2000):
+                    echoed.append(codec.decode(dealer.recv_multipart()).executor_id)
+                    if len(echoed) == rounds * count:
+                        break
+                assert echoed == [f"e{d}-{r}-{i}" for r in range(rounds) for i in range(count)]
+        finally:
+            for dealer in dealers:
+                dealer.close(0)
+            ctx.term()
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_burst_the_link_does_not_answer_is_all_received():
+    """Error reports get no answer, so no send wakes the link: after each turn of
+    _DRAIN_BATCH messages the drain must come back by itself."""
+    count = 5 * _DRAIN_BATCH + 1
+
+    async def main() -> None:
+        errors: list[str] = []
+        link = _link([], errors)
+        link.start()
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        codec = wire.Codec()
+        try:
+            dealer.connect(link.endpoint)
+            for i in range(count):
+                dealer.send_multipart(codec.encode(wire.ErrorReport(message=f"m{i}",
+                                                                    executor_id="e")))
+            await _wait_for(lambda: len(errors) >= count)
+            assert errors == [f"m{i}" for i in range(count)]
+        finally:
+            dealer.close(0)
+            ctx.term()
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
+    """Ping-pong, one message at a time: after each echo (a send on the link's socket) the
+    next heartbeat must still wake the link."""
+
+    async def main() -> None:
+        seen: list[str] = []
+        link = _link(seen)
+        link.start()
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        codec = wire.Codec()
+        try:
+            dealer.connect(link.endpoint)
+            for i in range(300):
+                dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id=f"p{i}",
+                                                                  time_s=0.0)))
+                await _wait_for(lambda n=i + 1: len(seen) >= n, timeout_s=5.0)
+                assert len(seen) == i + 1, f"heartbeat {i} was never received"
+                while not dealer.poll(0):
+                    await asyncio.sleep(0.001)
+                assert codec.decode(dealer.recv_multipart()).executor_id == f"p{i}"
+        finally:
+            dealer.close(0)
+            ctx.term()
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_malformed_frames_are_dropped_and_the_link_keeps_receiving(caplog):
+    async def main() -> None:
+        seen: list[str] = []
+        link = _link(seen)
+        link.start()
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        codec = wire.Codec()
+        try:
+            dealer.connect(link.endpoint)
+            dealer.send_multipart([b"\x00not msgpack"])
+            dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id="after",
+                                                              time_s=0.0)))
+            await _wait_for(lambda: seen == ["after"])
+            assert seen == ["after"]
+        finally:
+            dealer.close(0)
+            ctx.term()
+            await link.close()
+
+    with caplog.at_level("WARNING", logger="pagedserve.router.link"):
+        asyncio.run(main())
+    assert "rejected a malformed message" in caplog.text
