@@ -10,7 +10,10 @@ that are not cached (by block hash, in an index shared by every intent), and
 `intended_tokens(...)` extends a prefix hit through blocks that live requests intend.
 
 An intended block leaves the index when its hash registers in the prefix cache (from then on
-`lookup` finds it; a collision with other tokens does not count). A whole intent is released
+`lookup` finds it; a collision with other tokens does not count). Its intenders are parked
+under the hash: if the block is evicted before they compute it, `end_step` indexes them
+again (a request that waits while the block that another computed for it is evicted would
+otherwise be invisible to routing until its admission). A whole intent is released
 when its request has been scheduled through its last intended token (its blocks then
 register as today, at `end_step`), and when the request is freed (finished, aborted,
 preempted by recompute, migrated), swapped out, or `drop_intent` is called. An intent holds
@@ -120,15 +123,21 @@ def _release_intent(self: KVCacheManager, request_id: str) -> bool:
     if intent is None:
         return False
     index = self._intended
+    parked = self._parked
     removed = 0
     for h in intent.hashes:
         rids = index.get(h)
-        if rids is None or request_id not in rids:
-            continue  # registered since (the hash left the index)
-        rids.remove(request_id)
-        removed += 1
-        if not rids:
-            del index[h]
+        if rids is not None and request_id in rids:
+            rids.remove(request_id)
+            removed += 1
+            if not rids:
+                del index[h]
+            continue
+        rids = parked.get(h)  # registered since (the hash left the index)
+        if rids is not None and request_id in rids:
+            rids.remove(request_id)
+            if not rids:
+                del parked[h]
     self._num_intent_entries -= removed
     self._num_intent_tail_tokens -= intent.num_tail_tokens
     req = self._reqs.get(request_id)
@@ -137,11 +146,22 @@ def _release_intent(self: KVCacheManager, request_id: str) -> bool:
     return True
 
 
-def _unindex_registered(self: KVCacheManager, block_hash: Hashable) -> None:
-    """A block registered under `block_hash`: it is cached now, no longer intended."""
-    rids = self._intended.pop(block_hash, None)
-    if rids is not None:
-        self._num_intent_entries -= len(rids)
+def _park_registered(self: KVCacheManager, block_hash: Hashable) -> None:
+    """A block registered under `block_hash`: it is cached now, no longer intended; its
+    intenders wait in `_parked` in case it is evicted before they compute it."""
+    rids = self._intended.pop(block_hash)
+    self._num_intent_entries -= len(rids)
+    self._parked.setdefault(block_hash, []).extend(rids)
+
+
+def _reindex_evicted(self: KVCacheManager) -> None:
+    """Parked hashes no longer in the prefix cache go back into the intended index."""
+    cached = self.gpu.cached
+    index = self._intended
+    for h in [h for h in self._parked if h not in cached]:
+        rids = self._parked.pop(h)
+        index.setdefault(h, []).extend(rids)
+        self._num_intent_entries += len(rids)
 
 
 def intended_tokens(
@@ -233,6 +253,15 @@ def check_intents(self: KVCacheManager) -> None:
         entries += len(rids)
     if entries != self._num_intent_entries:
         raise InvariantError(f"intent entries {self._num_intent_entries} != indexed {entries}")
+    for h, rids in self._parked.items():
+        if not rids:
+            raise InvariantError("empty parked entry")
+        for rid in rids:
+            intent = self._intents.get(rid)
+            if intent is None or h not in intent.hashes:
+                raise InvariantError("parked block not in a live intent", (rid,))
+            if rid in self._intended.get(h, ()):
+                raise InvariantError("block both intended and parked", (rid,))
     tails = sum(i.num_tail_tokens for i in self._intents.values())
     if tails != self._num_intent_tail_tokens:
         raise InvariantError("intent tail tokens drifted")

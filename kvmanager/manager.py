@@ -99,6 +99,9 @@ class KVCacheManager:
         self._intents: dict[str, intents.Intent] = {}
         self._intended: dict[Hashable, list[str]] = {}
         self._num_intent_entries = 0  # sum of the index's list lengths
+        # intended blocks that registered since: hash -> their intenders, indexed again if
+        # the block is evicted before they compute it (intents.py, `_reindex_evicted`)
+        self._parked: dict[Hashable, list[str]] = {}
         self._num_intent_tail_tokens = 0  # sum of the intents' tails
 
     # ------------------------------------------------------------------ prefix.py
@@ -124,6 +127,8 @@ class KVCacheManager:
     num_intended_tokens = intents.num_intended_tokens
     _add_intent = intents._add_intent
     _release_intent = intents._release_intent
+    _park_registered = intents._park_registered
+    _reindex_evicted = intents._reindex_evicted
     _check_intents = intents.check_intents
 
     # ------------------------------------------------------------------ allocation.py
@@ -188,7 +193,7 @@ class KVCacheManager:
         """The plan was built (and sent as plan `sent_step`; None: no plan was sent): the
         blocks it fills enter the prefix cache (requests still on the device only; see
         `_register`: they leave the intended index, and an intent scheduled through its end
-        is released). Blocks
+        is released; intended blocks evicted while building it are indexed again). Blocks
         freed while building it join the free queue now when no plan is in flight, else
         when the newest plan in flight has been answered (`plan_answered`)."""
         self._in_step = False
@@ -201,6 +206,8 @@ class KVCacheManager:
             if sent_step <= self._last_sent:
                 raise InvariantError(f"plan {sent_step} sent after plan {self._last_sent}")
             self._last_sent = sent_step
+        if self._parked:
+            self._reindex_evicted()
         self._settle_frees()
         self._debug_check()
 

@@ -250,7 +250,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
             if other.parent_serial == parent and other.token_ids == toks:
                 parent = other.serial
                 if intended and h in intended:
-                    self._num_intent_entries -= len(intended.pop(h))
+                    self._park_registered(h)
                 continue
             parent = -1
             break
@@ -260,7 +260,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
         serial += 1
         b.serial = parent = serial
         if intended and h in intended:
-            self._num_intent_entries -= len(intended.pop(h))
+            self._park_registered(h)
         if events is not None:
             events.append(KVEvent("stored", "gpu", h, b.block_id))
     self._serial = serial

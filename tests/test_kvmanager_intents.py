@@ -141,3 +141,49 @@ def test_a_colliding_hash_never_counts_as_intended():
     assert seen(m, P + [2]) == (0, 12)
     m.free("a")
     m.check_invariants()
+
+
+def test_an_intended_block_computed_by_another_then_evicted_is_intended_again():
+    """w waits for P + X; c computes P (its blocks register: P leaves the intended index,
+    w is parked under it); c finishes, and a later allocation evicts P before w runs. From
+    that step's end routing sees w's P as intended again, as it was before c."""
+    m = make(num_gpu=6, num_cpu=0)
+    w = P + [1, 2, 3, 4, 5]  # P (3 blocks) + 1 more full block + a tail of 1
+    m.intend("w", w, m.hash_blocks(w), order=(0, 1))
+    assert seen(m, w + [0]) == (0, 16) and m.num_intended_tokens == 17
+    m.begin_step()
+    c = P + [9]
+    m.allocate("c", c, len(c), block_hashes=m.hash_blocks(c))
+    m.end_step(1)
+    assert seen(m, w + [0]) == (12, 4)  # P cached, the 4th block still intended
+    assert m.num_intended_tokens == 4 + 1
+    m.plan_answered(1)
+    m.free("c")  # P stays cached (free, evictable)
+    m.begin_step()
+    big = list(range(200, 224))  # 6 blocks: evicts every cached block
+    m.allocate("d", big, len(big))
+    assert seen(m, w + [0]) == (0, 0)  # mid-step: P gone, not yet indexed again
+    m.end_step(2)
+    assert seen(m, w + [0]) == (0, 16) and m.num_intended_tokens == 17
+    m.plan_answered(2)
+    m.free("d")
+    m.free("w")
+    assert m.num_intended_tokens == 0
+    m.check_invariants()
+
+
+def test_a_parked_intender_released_leaves_nothing_behind():
+    m = make(num_gpu=6, num_cpu=0)
+    w = P + [1]
+    m.intend("w", w, m.hash_blocks(w), order=(0, 1))
+    m.begin_step()
+    m.allocate("c", P + [9], 13, block_hashes=m.hash_blocks(P + [9]))
+    m.end_step(1)
+    assert m.drop_intent("w")  # parked under P's hashes: released from there too
+    m.plan_answered(1)
+    m.free("c")
+    m.begin_step()
+    m.allocate("d", list(range(200, 224)), 24)
+    m.end_step(2)
+    assert seen(m, P + [1, 0]) == (0, 0) and m.num_intended_tokens == 0
+    m.check_invariants()
