@@ -9,6 +9,7 @@ push bursts much larger than one drain turn while the link answers every message
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -28,6 +29,24 @@ def _link(seen: list, errors: list | None = None) -> ExecutorLink:
     )
 
 
+@contextlib.asynccontextmanager
+async def _linked(num_dealers: int, seen: list, errors: list | None = None):
+    """A started link and DEALER sockets connected to it (executors without a model)."""
+    link = _link(seen, errors)
+    link.start()
+    ctx = zmq.Context()
+    dealers = [ctx.socket(zmq.DEALER) for _ in range(num_dealers)]
+    try:
+        for dealer in dealers:
+            dealer.connect(link.endpoint)
+        yield dealers
+    finally:
+        for dealer in dealers:
+            dealer.close(0)
+        ctx.term()
+        await link.close()
+
+
 async def _wait_for(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate() and time.monotonic() < deadline:
@@ -40,14 +59,8 @@ def test_bursts_are_all_received_and_echoed(rounds):
 
     async def main() -> None:
         seen: list[str] = []
-        link = _link(seen)
-        link.start()
-        ctx = zmq.Context()
-        dealers = [ctx.socket(zmq.DEALER) for _ in range(2)]
         codec = wire.Codec()
-        try:
-            for dealer in dealers:
-                dealer.connect(link.endpoint)
+        async with _linked(2, seen) as dealers:
             expected = 0
             for r in range(rounds):
                 for i in range(count):  # two executors interleaved, no waiting
@@ -65,11 +78,6 @@ def test_bursts_are_all_received_and_echoed(rounds):
                     if len(echoed) == rounds * count:
                         break
                 assert echoed == [f"e{d}-{r}-{i}" for r in range(rounds) for i in range(count)]
-        finally:
-            for dealer in dealers:
-                dealer.close(0)
-            ctx.term()
-            await link.close()
 
     asyncio.run(main())
 
@@ -81,22 +89,13 @@ def test_a_burst_the_link_does_not_answer_is_all_received():
 
     async def main() -> None:
         errors: list[str] = []
-        link = _link([], errors)
-        link.start()
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
         codec = wire.Codec()
-        try:
-            dealer.connect(link.endpoint)
+        async with _linked(1, [], errors) as (dealer,):
             for i in range(count):
                 dealer.send_multipart(codec.encode(wire.ErrorReport(message=f"m{i}",
                                                                     executor_id="e")))
             await _wait_for(lambda: len(errors) >= count)
             assert errors == [f"m{i}" for i in range(count)]
-        finally:
-            dealer.close(0)
-            ctx.term()
-            await link.close()
 
     asyncio.run(main())
 
@@ -107,13 +106,8 @@ def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
 
     async def main() -> None:
         seen: list[str] = []
-        link = _link(seen)
-        link.start()
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
         codec = wire.Codec()
-        try:
-            dealer.connect(link.endpoint)
+        async with _linked(1, seen) as (dealer,):
             for i in range(300):
                 dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id=f"p{i}",
                                                                   time_s=0.0)))
@@ -122,10 +116,6 @@ def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
                 while not dealer.poll(0):
                     await asyncio.sleep(0.001)
                 assert codec.decode(dealer.recv_multipart()).executor_id == f"p{i}"
-        finally:
-            dealer.close(0)
-            ctx.term()
-            await link.close()
 
     asyncio.run(main())
 
@@ -133,22 +123,13 @@ def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
 def test_malformed_frames_are_dropped_and_the_link_keeps_receiving(caplog):
     async def main() -> None:
         seen: list[str] = []
-        link = _link(seen)
-        link.start()
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
         codec = wire.Codec()
-        try:
-            dealer.connect(link.endpoint)
+        async with _linked(1, seen) as (dealer,):
             dealer.send_multipart([b"\x00not msgpack"])
             dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id="after",
                                                               time_s=0.0)))
             await _wait_for(lambda: seen == ["after"])
             assert seen == ["after"]
-        finally:
-            dealer.close(0)
-            ctx.term()
-            await link.close()
 
     with caplog.at_level("WARNING", logger="pagedserve.router.link"):
         asyncio.run(main())
