@@ -133,10 +133,10 @@ def _release_intent(self: KVCacheManager, request_id: str) -> bool:
             if not rids:
                 del index[h]
             continue
-        rids = parked.get(h)  # registered since (the hash left the index)
-        if rids is not None and request_id in rids:
-            rids.remove(request_id)
-            if not rids:
+        parked_rids = parked.get(h)  # registered since (the hash left the index)
+        if parked_rids is not None and request_id in parked_rids:
+            del parked_rids[request_id]
+            if not parked_rids:
                 del parked[h]
     self._num_intent_entries -= removed
     self._num_intent_tail_tokens -= intent.num_tail_tokens
@@ -151,7 +151,7 @@ def _park_registered(self: KVCacheManager, block_hash: Hashable) -> None:
     intenders wait in `_parked` in case it is evicted before they compute it."""
     rids = self._intended.pop(block_hash)
     self._num_intent_entries -= len(rids)
-    self._parked.setdefault(block_hash, []).extend(rids)
+    self._parked.setdefault(block_hash, {}).update(dict.fromkeys(rids))
 
 
 def _reindex_evicted(self: KVCacheManager) -> None:
@@ -162,6 +162,7 @@ def _reindex_evicted(self: KVCacheManager) -> None:
         rids = self._parked.pop(h)
         index.setdefault(h, []).extend(rids)
         self._num_intent_entries += len(rids)
+    self._parked_evictions = self.gpu.num_evictions
 
 
 def intended_tokens(

@@ -101,7 +101,8 @@ class KVCacheManager:
         self._num_intent_entries = 0  # sum of the index's list lengths
         # intended blocks that registered since: hash -> their intenders, indexed again if
         # the block is evicted before they compute it (intents.py, `_reindex_evicted`)
-        self._parked: dict[Hashable, list[str]] = {}
+        self._parked: dict[Hashable, dict[str, None]] = {}  # ordered sets: O(1) release
+        self._parked_evictions = 0  # gpu.num_evictions when the parked hashes were checked
         self._num_intent_tail_tokens = 0  # sum of the intents' tails
 
     # ------------------------------------------------------------------ prefix.py
@@ -206,8 +207,8 @@ class KVCacheManager:
             if sent_step <= self._last_sent:
                 raise InvariantError(f"plan {sent_step} sent after plan {self._last_sent}")
             self._last_sent = sent_step
-        if self._parked:
-            self._reindex_evicted()
+        if self._parked and self.gpu.num_evictions != self._parked_evictions:
+            self._reindex_evicted()  # only evictions take a hash out of the prefix cache
         self._settle_frees()
         self._debug_check()
 
