@@ -166,10 +166,7 @@ def _attend_decode(
     if len(groups) == 1:
         result = _attend_decode_padded(query, key_cache, value_cache, block_tables, seq_lens,
                                        scale, sliding_window)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
+        return result if out is None else out.copy_(result)
     result = out if out is not None else query.new_empty(query.shape)
     for rows in groups:
         result.index_copy_(0, rows, _attend_decode_padded(

@@ -31,7 +31,8 @@ position that disagrees with what the request holds, a slot that is not where th
 says, a write into a block another live request's table holds, the marked-decode rules above.
 A request that fails a check gets an error in the result (as a real executor would); every
 failed check is also kept as a "violation" in the state file, so tests double as protocol
-checks.
+checks. That model and its checks are `fake_plan_checker.PlanChecker`; this file is the
+process around it (sockets, heartbeats, registration, control and state files).
 
 Control (for reaching states deterministically): ``--control-file`` holds an integer, the
 number of steps the executor may have answered in total; plans beyond it are received and
@@ -58,17 +59,15 @@ from collections import deque
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import zmq
+from fake_plan_checker import PlanChecker
 from pagedserve.protos.wire import (
     Codec,
     ErrorReport,
     Heartbeat,
     Hello,
-    RequestError,
     Shutdown,
     StepPlan,
-    StepResult,
     Welcome,
     WireError,
 )
@@ -79,62 +78,19 @@ WELCOME_TIMEOUT_S = 3.0
 MAX_BACKOFF_S = 4.0
 
 
-def fake_token(position: int, vocab_size: int, banned: set[int]) -> int:
-    """The token sampled for output position `position` (never an id in `banned`)."""
-    tok = (position * 31 + 7) % vocab_size
-    while tok in banned:
-        tok = (tok + 1) % vocab_size
-    return tok
-
-
-class _Request:
-    __slots__ = ("tokens", "num_prompt", "num_computed", "table", "swapped", "banned",
-                 "logprobs", "eos_allowed_from", "last_sampled_step")
-
-    def __init__(self, tokens: list[int], num_prompt: int, banned: set[int],
-                 logprobs: int | None, eos_allowed_from: int) -> None:
-        self.tokens = tokens
-        self.num_prompt = num_prompt
-        self.num_computed = 0
-        self.table: list[int] = []
-        self.swapped = False  # its device blocks were swapped out; table invalid until start 0
-        self.banned = banned
-        self.logprobs = logprobs
-        self.eos_allowed_from = eos_allowed_from  # output position (min_tokens masks EOS)
-        self.last_sampled_step = -1  # step id that sampled its last token (-1: none yet)
-
-    def fork(self) -> _Request:
-        """A child starts as a copy of the parent's state, its last sample included (a
-        marked decode of the child is fed the parent's token)."""
-        child = _Request(list(self.tokens), self.num_prompt, self.banned, self.logprobs,
-                         self.eos_allowed_from)
-        child.num_computed, child.table, child.swapped = self.num_computed, list(self.table), \
-            self.swapped
-        child.last_sampled_step = self.last_sampled_step
-        return child
-
-
 class FakeExecutor:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.bs = args.block_size
         self.codec = Codec()
         self.ctx = zmq.Context()
         self.sock: zmq.Socket | None = None
-        self.requests: dict[str, _Request] = {}
         self.steps_done = 0
-        self.last_step_id = 0
         self.registrations = 0
-        self.violations: list[str] = []
         # Received, not yet answered, oldest first (the router may send up to
         # --pipeline-depth plans before the first is answered).
         self.unanswered: deque[StepPlan] = deque()
-        self.errored_at: dict[str, int] = {}  # request -> step that errored it (recent ones)
-        self.failed_step = -1  # last step answered with a whole-step error
         self.last_end = 0.0  # monotonic end of the previous step's sampling (0: none yet)
-        self.num_marked_fed = 0  # marked decodes fed their own previous sample
-        self.num_request_errors = 0
-        self.eos_token_id = self._eos_token_id(args)
+        self.checker = PlanChecker(args, self._eos_token_id(args))
         self.stopping = False
         self.registered = threading.Event()
         self.reregister = threading.Event()
@@ -178,12 +134,7 @@ class FakeExecutor:
             return
         plans = [self._plan_state(p) for p in self.unanswered]
         state = {"steps_done": self.steps_done, "held": plans[0] if plans else None,
-                 "unanswered": plans, "num_unanswered": len(plans),
-                 "last_step_id": self.last_step_id, "known": len(self.requests),
-                 "swapped_ids": [r for r, q in self.requests.items() if q.swapped],
-                 "violations": self.violations[-50:], "num_violations": len(self.violations),
-                 "num_marked_fed": self.num_marked_fed,
-                 "num_request_errors": self.num_request_errors,
+                 "unanswered": plans, "num_unanswered": len(plans), **self.checker.state(),
                  "registrations": self.registrations, "pid": os.getpid()}
         tmp = self.args.state_file + ".tmp"
         with open(tmp, "w") as f:
@@ -246,7 +197,7 @@ class FakeExecutor:
         try:
             return self.codec.decode(frames)
         except WireError as exc:
-            self.violations.append(f"undecodable message: {exc}")
+            self.checker.violations.append(f"undecodable message: {exc}")
             print(f"fake {self.args.executor_id}: rejected a message: {exc}", file=sys.stderr,
                   flush=True)
             self._send(ErrorReport(message=f"rejected: {exc}",
@@ -255,12 +206,9 @@ class FakeExecutor:
 
     def register(self) -> None:
         self.registered.clear()
-        self.requests.clear()
+        self.checker.reset()
         self.unanswered.clear()
-        self.errored_at.clear()
-        self.failed_step = -1
         self.last_end = 0.0
-        self.last_step_id = 0
         attempt = 0
         while not self.stopping:
             if self.sock is not None:
@@ -343,7 +291,8 @@ class FakeExecutor:
                     else:
                         self.register()
                 elif msg is not None and not isinstance(msg, Welcome):
-                    self.violations.append(f"unexpected {type(msg).__name__} on main socket")
+                    self.checker.violations.append(
+                        f"unexpected {type(msg).__name__} on main socket")
         except SystemExit as exc:
             return int(exc.code or 0)
         finally:
@@ -362,221 +311,13 @@ class FakeExecutor:
             time.sleep(self.args.step_delay_s)
             forward_s = time.monotonic() - t_start
         t_sample = time.monotonic()
-        result = self.execute(plan)
+        result = self.checker.execute(plan)
         self.last_end = time.monotonic()
-        self.num_request_errors += sum(1 for e in result.errors if e.request_id)
-        if any(not e.request_id for e in result.errors):
-            self.failed_step = plan.step_id
-        for err in result.errors:
-            if err.request_id:
-                self.errored_at[err.request_id] = plan.step_id
-        if len(self.errored_at) > 4096:  # only the previous step's errors matter
-            self.errored_at = {r: s for r, s in self.errored_at.items()
-                               if s >= plan.step_id - 1}
+        self.checker.record(plan.step_id, result)
         self.steps_done += 1
         self.write_state()  # before the result: a test that saw the result sees the state
         self._send(msgspec.structs.replace(result, forward_s=forward_s,
                                            sample_s=self.last_end - t_sample, gap_s=gap_s))
-
-    # ------------------------------------------------------------------------ execute
-    def _violation(self, step: int, text: str) -> str:
-        message = f"step {step}: {text}"
-        self.violations.append(message)
-        print(f"fake {self.args.executor_id}: VIOLATION {message}", file=sys.stderr,
-              flush=True)
-        return message
-
-    def _check_moves(self, plan: StepPlan) -> str:
-        g, c = self.args.num_gpu_blocks, self.args.num_cpu_blocks
-        limits = {"swap_out": (g, c), "swap_in": (c, g), "copy": (g, g)}
-        pairs = {}
-        for name, (src_limit, dst_limit) in limits.items():
-            arr = getattr(plan, name)
-            pairs[name] = np.zeros((0, 2), np.int64) if arr is None else arr
-            p = pairs[name]
-            if p.shape[0] and (p[:, 0].min() < 0 or p[:, 0].max() >= src_limit
-                               or p[:, 1].min() < 0 or p[:, 1].max() >= dst_limit):
-                return f"{name} names a block out of range"
-        dev_src = set(pairs["swap_out"][:, 0].tolist()) | set(pairs["copy"][:, 0].tolist())
-        dev_dst = set(pairs["swap_in"][:, 1].tolist()) | set(pairs["copy"][:, 1].tolist())
-        cpu_dst = set(pairs["swap_out"][:, 1].tolist())
-        cpu_src = set(pairs["swap_in"][:, 0].tolist())
-        if dev_src & dev_dst:
-            return f"device blocks both source and destination: {sorted(dev_src & dev_dst)}"
-        if cpu_src & cpu_dst:
-            return f"cpu blocks both source and destination: {sorted(cpu_src & cpu_dst)}"
-        for name in ("swap_out", "swap_in", "copy"):
-            dst = pairs[name][:, 1].tolist()
-            if len(set(dst)) != len(dst):
-                return f"{name} names one destination twice"
-        return ""
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        step = plan.step_id
-        me = self.args.executor_id
-        if self.args.verbose:
-            print(f"fake {me}: plan {step} new={[r.request_id for r in plan.new_requests]} "
-                  f"forks={[(f.parent_id, f.child_id) for f in plan.forks]} "
-                  f"reqs={plan.request_ids} computed={plan.num_computed_tokens} "
-                  f"new={plan.num_new_tokens} sample={plan.do_sample} "
-                  f"finished={plan.finished_ids}", file=sys.stderr, flush=True)
-        if step <= self.last_step_id:
-            self._violation(step, f"step id not increasing (last {self.last_step_id})")
-        self.last_step_id = step
-        error = self._check_moves(plan)
-        if error:
-            return StepResult(step_id=step, executor_id=me,
-                              errors=[RequestError("", self._violation(step, error))])
-        # Swap-out invalidates the device tables that held those blocks.
-        if plan.swap_out is not None and plan.swap_out.shape[0]:
-            out_blocks = set(plan.swap_out[:, 0].tolist())
-            for req in self.requests.values():
-                if not req.swapped and out_blocks & set(req.table):
-                    req.swapped = True
-        errors: list[RequestError] = []
-        for rid in plan.finished_ids:
-            self.requests.pop(rid, None)
-        for new in plan.new_requests:
-            if new.request_id in self.requests:
-                self._violation(step, f"new request {new.request_id} already known")
-            sp = new.sampling
-            banned = set(sp.eos_token_ids) | set(sp.stop_token_ids)
-            prompt = new.prompt_token_ids.tolist()
-            self.requests[new.request_id] = _Request(
-                prompt + new.output_token_ids.tolist(), len(prompt), banned, sp.logprobs,
-                0 if sp.ignore_eos else sp.min_tokens)
-        for fork in plan.forks:
-            parent = self.requests.get(fork.parent_id)
-            if parent is None:
-                errors.append(RequestError(fork.child_id, self._violation(
-                    step, f"fork of unknown {fork.parent_id}")))
-                continue
-            self.requests[fork.child_id] = parent.fork()
-
-        n = plan.num_seqs
-        if n == 0:
-            return StepResult(step_id=step, executor_id=me, errors=errors)
-        bs = self.bs
-        computed = plan.num_computed_tokens.tolist()
-        num_new = plan.num_new_tokens.tolist()
-        do_sample = plan.do_sample.tolist()
-        starts = plan.block_table_starts.tolist()
-        lens = plan.block_table_lens.tolist()
-        ids = [] if plan.block_table_ids is None else plan.block_table_ids.tolist()
-        tokens = plan.token_ids.tolist()
-        feed = [0] * n if plan.feed_sampled is None else plan.feed_sampled.tolist()
-        positions = plan.positions.tolist()
-        # Pipelining: a request that step - 1 errored (or all of it, when it failed) may
-        # still be in this plan, sent before the router knew: an error, not a violation.
-        prev_failed = self.failed_step == step - 1
-        slots = plan.slot_mapping.tolist()
-        ofs, t = 0, 0
-        ok: list[tuple[str, _Request, int, bool]] = []
-        ok_starts: list[int] = []
-        written: dict[int, str] = {}  # device block -> request writing it this step
-        for i, rid in enumerate(plan.request_ids):
-            change = ids[ofs:ofs + lens[i]]
-            ofs += lens[i]
-            k = num_new[i]
-            tok_i, pos_i, slot_i = tokens[t:t + k], positions[t:t + k], slots[t:t + k]
-            t += k
-            req = self.requests.get(rid)
-            if (feed[i] or req is None) and (prev_failed or self.errored_at.get(rid) == step - 1):
-                errors.append(RequestError(rid, f"step {step}: {rid} errored in step "
-                                                f"{step - 1}; its input was not sampled"))
-                self.requests.pop(rid, None)
-                continue
-            problem = ""
-            if feed[i] and req is not None:
-                if k != 1:
-                    problem = f"marked for feed_sampled with {k} new tokens (a decode has 1)"
-                elif tok_i != [-1]:
-                    problem = f"marked for feed_sampled but its token is {tok_i[0]}, not -1"
-                elif req.last_sampled_step != step - 1:
-                    problem = (f"marked for feed_sampled but not sampled in step {step - 1} "
-                               f"(last sampled in {req.last_sampled_step})")
-                else:
-                    tok_i = [req.tokens[-1]]  # the fake's own sample of step - 1
-            elif not feed[i] and -1 in tok_i:
-                problem = "placeholder token -1 in a row not marked for feed_sampled"
-            if problem:
-                pass
-            elif req is None:
-                problem = "unknown request (never sent as a new request)"
-            elif k <= 0:
-                problem = "scheduled with no new tokens"
-            elif starts[i] > len(req.table):
-                problem = f"table change at {starts[i]} beyond its {len(req.table)} blocks"
-            elif req.swapped and starts[i] != 0:
-                problem = "scheduled while swapped out without a full table"
-            elif any(b < 0 or b >= self.args.num_gpu_blocks for b in change):
-                problem = "block id out of range"
-            elif computed[i] != req.num_computed and not (
-                    req.num_computed == 0 and not req.table and starts[i] == 0
-                    and computed[i] % bs == 0):  # a fresh request may start at a cached prefix
-                problem = f"num_computed {computed[i]}, executor has {req.num_computed}"
-            elif pos_i != list(range(computed[i], computed[i] + k)):
-                problem = "positions are not consecutive from num_computed"
-            elif computed[i] + k > len(req.tokens):
-                problem = f"computes {computed[i] + k} tokens, request holds {len(req.tokens)}"
-            elif tok_i != req.tokens[computed[i]:computed[i] + k]:
-                problem = "token ids differ from the request's tokens"
-            elif bool(do_sample[i]) != (computed[i] + k == len(req.tokens)):
-                problem = f"do_sample={do_sample[i]} at {computed[i] + k}/{len(req.tokens)}"
-            if not problem:
-                table = req.table[:starts[i]] + change
-                if (computed[i] + k) > len(table) * bs:
-                    problem = f"{computed[i] + k} tokens do not fit {len(table)} blocks"
-                else:
-                    want = [table[p // bs] * bs + p % bs for p in pos_i]
-                    if slot_i != want:
-                        problem = "slot_mapping disagrees with the block table"
-            if problem:
-                errors.append(RequestError(rid, self._violation(step, f"{rid}: {problem}")))
-                self.requests.pop(rid, None)
-                continue
-            req.table, req.swapped = table, False
-            for s in slot_i:
-                written.setdefault(s // bs, rid)
-            ok.append((rid, req, k, bool(do_sample[i])))
-            ok_starts.append(computed[i])
-            self.num_marked_fed += feed[i]
-        # No block written this step may belong to another live (device-resident) request.
-        for other_id, other in self.requests.items():
-            if other.swapped:
-                continue
-            for b in other.table:
-                writer = written.get(b)
-                if writer is not None and writer != other_id:
-                    self._violation(step, f"{writer} writes block {b} that {other_id} holds")
-        sampled_ids, sampled = [], []
-        for (rid, req, k, sample), start in zip(ok, ok_starts, strict=True):
-            req.num_computed = start + k
-            if sample:
-                out_pos = len(req.tokens) - req.num_prompt
-                if out_pos == self.args.eos_at and out_pos >= req.eos_allowed_from:
-                    tok = self.eos_token_id
-                else:
-                    tok = fake_token(len(req.tokens), self.args.vocab_size, req.banned)
-                req.tokens.append(tok)
-                req.last_sampled_step = step
-                sampled_ids.append(rid)
-                sampled.append(tok)
-        if not sampled_ids:
-            return StepResult(step_id=step, executor_id=me, errors=errors)
-        want_lp = [self.requests[r].logprobs for r in sampled_ids]
-        extra = {}
-        if any(k is not None for k in want_lp):
-            counts = [k or 0 for k in want_lp]
-            extra = dict(
-                logprobs=np.array([0.0 if k is not None else np.nan for k in want_lp],
-                                  np.float32),
-                top_counts=np.array(counts, np.int32),
-                top_token_ids=np.array([j % self.args.vocab_size for c in counts
-                                        for j in range(c)], np.int32),
-                top_logprobs=np.full(sum(counts), -1.0, np.float32))
-        return StepResult(step_id=step, executor_id=me, request_ids=sampled_ids,
-                          token_ids=np.array(sampled, np.int32), errors=errors, **extra)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
