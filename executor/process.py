@@ -85,6 +85,8 @@ from pagedserve.protos.wire import (
     WireError,
 )
 
+from pagedserve.subprocs import ParentWatch
+
 log = logging.getLogger("pagedserve.executor")
 
 WELCOME_TIMEOUT_S = 5.0
@@ -112,31 +114,6 @@ def fault_sleep_from_env() -> tuple[int, float] | None:
     if not hook[1] >= 0:
         raise ValueError(f"{FAULT_SLEEP_ENV}={value!r}: seconds must be >= 0")
     return hook
-
-
-# --------------------------------------------------------------------------------- parent
-
-
-class ParentWatch:
-    """Is the process that started us alive? Reparenting (our parent pid changed) or a
-    failed signal-0 probe means no."""
-
-    def __init__(self, parent_pid: int | None) -> None:
-        self.pid = parent_pid
-        self.direct = parent_pid is not None and parent_pid == os.getppid()
-
-    def alive(self) -> bool:
-        if not self.pid:
-            return True
-        if self.direct and os.getppid() != self.pid:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 # --------------------------------------------------------------------------------- process

@@ -62,6 +62,13 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
 # (flag, type, default, help). None as default: derived at run time (see help).
 FLAGS: list[tuple[str, object, object, str]] = [
     ("model", str, None, "a Hugging Face directory, a .gguf file, a hub id, `default` (the "
@@ -75,6 +82,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("http-port", int, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
     ("served-model-name", str, None, "the model id of the HTTP API (default: the name of "
      "--model)"),
+    ("api-workers", _non_negative_int, 0, "router: processes serving the gRPC and HTTP APIs "
+     "on shared ports, apart from the engine (0: the router process serves them)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
     ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
     ("device", str, None, "executor: cuda when available, else cpu"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections.abc import Iterable
@@ -26,3 +27,25 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     """`stop_processes` for one process; returns its exit code."""
     stop_processes([proc], timeout_s)
     return proc.wait()
+
+
+class ParentWatch:
+    """Is the process that started us alive? Reparenting (our parent pid changed) or a
+    failed signal-0 probe means no."""
+
+    def __init__(self, parent_pid: int | None) -> None:
+        self.pid = parent_pid
+        self.direct = parent_pid is not None and parent_pid == os.getppid()
+
+    def alive(self) -> bool:
+        if not self.pid:
+            return True
+        if self.direct and os.getppid() != self.pid:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True

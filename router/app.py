@@ -18,11 +18,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..cpu_dtypes import checkpoint_dtype
+from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
-from .frontend import Frontend
-from .grpc_server import start_server
-from .http_server import start_http_server
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy
 from .scheduler import PreemptionMode
@@ -82,6 +80,11 @@ def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
     return info, hashlib.sha256(raw).hexdigest()
 
 
+def limits_from_args(args, info: ModelInfoData) -> Limits:
+    return Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                  max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
+
+
 def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> EngineConfig:
     return EngineConfig(
         model_fingerprint=fingerprint,
@@ -121,26 +124,21 @@ async def serve_router(
                           metrics)
     endpoint = await engine.start(args.executor_bind, allow_insecure=args.allow_insecure,
                                   curve_keys=args.curve_keys)
-    limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                    max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
-    frontend = Frontend(engine, tokenizer, limits, metrics)  # shared by gRPC and HTTP
-    tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
-    server = http = None
     try:
-        server, port = await start_server(frontend, args.host, args.port, **tls)
-        if args.http_port >= 0:
-            http = await start_http_server(
-                frontend, args.host, args.http_port, max_model_len=info.max_model_len,
-                served_model_name=args.served_model_name or Path(args.model).name, **tls)
-    except OSError as exc:  # a port in use: one line, nothing left running
-        if server is not None:
-            await server.stop(0)
+        if getattr(args, "api_workers", 0) > 0:
+            edges = await WorkerEdges.start(args, engine, metrics)
+        else:
+            edges = await LocalEdges.start(args, engine, tokenizer, info,
+                                           limits_from_args(args, info), metrics)
+    except EdgeBindError as exc:  # one line, nothing left running
         await engine.stop()
         raise ServerBindError(str(exc)) from None
     metrics_port = metrics.serve(args.metrics_port, host=args.host) \
         if args.metrics_port >= 0 else None
-    log.info("router listening: grpc %s:%d, http %s, executors join at %s", args.host, port,
-             http.port if http else "off", endpoint)
+    port, http_port = edges.grpc_port, edges.http_port
+    log.info("router listening: grpc %s:%d, http %s, executors join at %s%s", args.host, port,
+             http_port if http_port is not None else "off", endpoint,
+             f" ({args.api_workers} API workers)" if isinstance(edges, WorkerEdges) else "")
     if on_bound is not None:
         await on_bound(endpoint, engine)
     stop = stop_event or asyncio.Event()
@@ -157,18 +155,16 @@ async def serve_router(
             waiter.cancel()
     if not stop.is_set():
         metrics_text = f"{args.host}:{metrics_port}" if metrics_port is not None else "off"
-        http_text = f"{args.host}:{http.port}" if http is not None else "off"
+        http_text = f"{args.host}:{http_port}" if http_port is not None else "off"
         print(f"pagedserve ready grpc={args.host}:{port} metrics={metrics_text} "
               f"executors={engine.num_healthy()} http={http_text}", flush=True)
         if on_started is not None:
             await on_started(engine)
         await stop.wait()
     log.info("draining for up to %.0f s", args.shutdown_timeout)
-    await server.drain()  # both APIs: new requests UNAVAILABLE / 503, health not serving
+    await edges.drain()  # both APIs: new requests UNAVAILABLE / 503, health not serving
     await engine.drain(args.shutdown_timeout)  # open requests finish or end with abort
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=1.0)
+    await edges.stop()
     await engine.stop(shutdown_executors=wait_for_executors > 0)
     metrics.shutdown()
     return 0

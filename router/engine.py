@@ -27,7 +27,7 @@ from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy, candidate, choose
 from .scheduler import PreemptionMode
-from .sequence import RequestGroup
+from .sequence import OutputChannel, OutputSink, RequestGroup
 from .step_loop import StepLoop
 from .tokenizer import Tokenizer
 from .types import (
@@ -157,6 +157,15 @@ class RouterEngine:
 
     async def submit(self, spec: RequestSpec,
                      reserved: bool = False) -> AsyncIterator[RequestOutput]:
+        channel = OutputChannel()
+        self.admit(spec, reserved, channel)
+        return channel.stream(spec.request_id)
+
+    def admit(self, spec: RequestSpec, reserved: bool = False,
+              channel: OutputSink | None = None) -> RequestGroup:
+        """`submit` without the stream: the request is live and queued on return (raises as
+        `submit` does). `channel` replaces the group's OutputChannel (an API worker's
+        forwarding channel, edge_hub.py)."""
         if reserved:  # the reserved place becomes this request's (or is given back)
             self.release_slot()
         if self.draining:
@@ -183,10 +192,12 @@ class RouterEngine:
         ]
         self._arrivals += 1
         group = RequestGroup(spec, assemblers, self._arrivals)
+        if channel is not None:
+            group.channel = channel
         self.place(group, fitting)
         self.live[spec.request_id] = group
         self.metrics.add_prompt_tokens(len(spec.prompt_token_ids))
-        return group.channel.stream(spec.request_id)
+        return group
 
     def abort(self, request_id: str) -> bool:
         group = self.live.get(request_id)

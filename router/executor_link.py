@@ -40,11 +40,11 @@ import zmq.auth.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protos import wire
+from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.link")
 
 MAX_MESSAGE_BYTES = 256 << 20
-_DRAIN_BATCH = 64  # messages received per event-loop turn before yielding (see _drain)
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -133,7 +133,7 @@ class ExecutorLink:
                         "use --curve-keys beyond a private network", bind)
         self._ctx = zmq.asyncio.Context()  # the ZAP handler and the monitor run on it
         self._auth: _ZapAuthenticator | None = None
-        # A plain (not zmq.asyncio) socket: the event loop watches its FD (see _drain).
+        # A plain (not zmq.asyncio) socket read from the event loop (zmq_reader.py).
         self._sock = zmq.Socket(self._ctx, zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -166,23 +166,16 @@ class ExecutorLink:
         self._on_result = on_result
         self._on_error = on_error
         self._on_goodbye = on_goodbye
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd: int | None = None
-        self._drain_scheduled = False
+        self._reader = SocketReader(self._sock, self._receive, log)
         self._monitor_task: asyncio.Task | None = None
 
     def start(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
-        self._fd = self._sock.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._drain)
-        self._schedule_drain()  # anything that arrived before the reader was added
+        self._reader.start()
         if self._monitor is not None:
-            self._monitor_task = loop.create_task(self._monitor_loop())
+            self._monitor_task = asyncio.get_running_loop().create_task(self._monitor_loop())
 
     async def close(self) -> None:
-        if self._loop is not None and self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
+        self._reader.stop()
         if self._monitor_task is not None:
             self._monitor_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -238,38 +231,7 @@ class ExecutorLink:
             self._sock.send_multipart([routing_id, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("send queue to an executor is full; message dropped")
-        # A send processes the socket's pending commands and can take the FD's signal for
-        # messages that arrived meanwhile: look at the socket itself.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._schedule_drain()
-
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        """Receive and dispatch what the socket holds, on the event loop's thread.
-
-        The ROUTER socket is a plain one whose file descriptor the loop watches
-        (``add_reader``); zmq.asyncio's future per receive cost ~50 µs a round trip
-        (benchmarks/hop_bench.py). ZeroMQ's descriptor is edge-triggered: it signals a change,
-        not a level, so each wake-up reads until the socket says it is empty (and after a
-        send, ``send`` checks the socket, since a send can consume the signal). At most
-        ``_DRAIN_BATCH`` messages a turn: then the loop runs its other callbacks (the step
-        loop, gRPC) and this drain comes back."""
-        self._drain_scheduled = False
-        for _ in range(_DRAIN_BATCH):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:
-                if self._fd is not None:  # else closing
-                    log.error("executor socket error: %s", exc)
-                return
-            self._receive(frames)
-        self._schedule_drain()
+        self._reader.poke()  # a send can take the signal of messages that arrived
 
     def _receive(self, frames: list) -> None:
         routing_id = frames[0].bytes

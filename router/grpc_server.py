@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 import uuid
@@ -201,7 +202,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:
-            found = self._engine.abort(request.request_id)
+            # With API workers the request may run on another worker: ask the core.
+            abort_anywhere = getattr(self._engine, "abort_anywhere", None)
+            found = await abort_anywhere(request.request_id) if abort_anywhere is not None \
+                else self._engine.abort(request.request_id)
         except Exception as exc:  # noqa: BLE001 - mapped in one place
             await self._fail(context, exc)
         if not found:
@@ -218,7 +222,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def GetClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatus:
         try:
-            return cluster_status_to_pb(self._engine.cluster_status())
+            status = self._engine.cluster_status()  # a round trip to the core in a worker
+            if inspect.isawaitable(status):
+                status = await status
+            return cluster_status_to_pb(status)
         except Exception as exc:  # noqa: BLE001 - mapped in one place
             await self._fail(context, exc)
 
@@ -383,13 +390,15 @@ async def start_server(
     tls_client_ca: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     health_poll_s: float = HEALTH_POLL_S,
+    reuse_port: bool = False,
 ) -> tuple[GrpcServer, int]:
     """Start the router's gRPC server on host:port (0 → any free port); return it and the
-    bound port. Call from the event loop that runs the engine."""
+    bound port. Call from the event loop that runs the engine. `reuse_port`: SO_REUSEPORT,
+    for API workers sharing the port (off otherwise, so a port in use is an error)."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
     server = grpc.aio.server(options=options)
     servicer = GeneratorServicer(frontend)

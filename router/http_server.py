@@ -433,15 +433,17 @@ class HttpServer:
 async def start_http_server(
     frontend: Frontend, host: str, port: int, *, served_model_name: str, max_model_len: int,
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+    reuse_port: bool = False,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
-    message when the address cannot be bound."""
+    message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
+    sharing the port (the kernel spreads connections over them)."""
     app = OpenAIApp(frontend, served_model_name, max_model_len).make_app()
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls_cert, tls_key,
-                                                                   tls_client_ca))
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None,
+                       ssl_context=ssl_context(tls_cert, tls_key, tls_client_ca))
     try:
         await site.start()
     except OSError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from typing import Protocol
 
 from .detokenizer import TextAssembler
 from .types import CompletionDelta, RequestOutput, RequestSpec, TokenLogprob, Usage
@@ -71,6 +72,19 @@ class Sequence:
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, tokens={len(self.token_ids)}, " \
                f"pending={self.num_pending}, computed={self.num_computed_tokens})"
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go: `OutputChannel` (an edge in this process reads it) or an
+    API worker's forwarding channel (edge_hub.py). Never blocks the producer."""
+
+    closed: bool
+
+    def put(self, delta: CompletionDelta) -> None: ...
+
+    def finish(self, usage: Usage) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 class OutputChannel:
@@ -159,7 +173,7 @@ class RequestGroup:
         self.arrival_time = spec.arrival_time or time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.channel = OutputChannel()
+        self.channel: OutputSink = OutputChannel()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,8 @@ import time
 import pytest
 import zmq
 from pagedserve.protos import wire
-from pagedserve.router.executor_link import _DRAIN_BATCH, ExecutorLink
+from pagedserve.router.executor_link import ExecutorLink
+from pagedserve.router.zmq_reader import DRAIN_BATCH
 
 
 def _link(seen: list, errors: list | None = None) -> ExecutorLink:
@@ -55,7 +56,7 @@ async def _wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 @pytest.mark.parametrize("rounds", [1, 5])
 def test_bursts_are_all_received_and_echoed(rounds):
-    count = 10 * _DRAIN_BATCH + 3
+    count = 10 * DRAIN_BATCH + 3
 
     async def main() -> None:
         seen: list[str] = []
@@ -84,8 +85,8 @@ def test_bursts_are_all_received_and_echoed(rounds):
 
 def test_a_burst_the_link_does_not_answer_is_all_received():
     """Error reports get no answer, so no send wakes the link: after each turn of
-    _DRAIN_BATCH messages the drain must come back by itself."""
-    count = 5 * _DRAIN_BATCH + 1
+    DRAIN_BATCH messages the drain must come back by itself."""
+    count = 5 * DRAIN_BATCH + 1
 
     async def main() -> None:
         errors: list[str] = []

@@ -1,0 +1,311 @@
+"""The router core's side of its API workers (`--api-workers N`, router/api_worker.py).
+
+With API workers the public edges (gRPC, HTTP: parsing, validation, tokenizing, chat
+templates, one stream write per token) run in N processes of their own, and the router
+process keeps the engine: admission, routing, scheduling, StepPlans, applying results, text
+assembly and stop strings. Per step, every output of a worker's requests leaves the core as
+one message, so the core's cost per step no longer grows with a gRPC write per stream.
+
+    worker: Submit(spec) -> hub: engine.admit(spec, channel=ForwardChannel) -> Reply
+    step:   text stage -> ForwardChannel.put/finish/fail -> the worker's outbox
+            -> one Outputs per worker, sent when the loop turn ends (call_soon)
+    worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status
+    worker: MetricsBatch -> replayed on the core's RouterMetrics (one /metrics for all)
+    hub:    EdgeStatus to every worker on hello and whenever serving/draining/dtype change
+
+The socket is an ipc:// path in a private (0700) temporary folder. A worker whose process
+exits loses its clients' connections; the hub aborts its requests (`worker_lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from .edge_wire import (
+    EDGE_PROTOCOL_VERSION,
+    AbortCall,
+    EdgeCodec,
+    EdgeHello,
+    EdgeStatus,
+    EdgeStop,
+    Forget,
+    MetricsBatch,
+    OutputItem,
+    Outputs,
+    Reply,
+    StatusCall,
+    Submit,
+)
+from .errors import PagedServeError
+from .zmq_reader import SocketReader
+
+log = logging.getLogger("pagedserve.router.edge")
+
+STATUS_POLL_S = 0.05
+# RouterMetrics methods a worker may have replayed here (the request metrics of the edges).
+RELAYED_METRICS = frozenset({"inc_success", "inc_failure", "observe_ttft",
+                             "observe_inter_token", "observe_e2e",
+                             "observe_time_per_output_token"})
+
+
+@dataclass
+class WorkerConn:
+    """One API worker as the hub sees it."""
+
+    index: int
+    routing_id: bytes = b""
+    hello: EdgeHello | None = None
+    hello_event: asyncio.Event = field(default_factory=asyncio.Event)
+    outbox: dict[str, OutputItem] = field(default_factory=dict)  # request id -> outputs
+    requests: set[str] = field(default_factory=set)  # live requests submitted through it
+
+
+class ForwardChannel:
+    """A request's output sink in the core when its client is on an API worker: what the text
+    stage puts goes to the worker's outbox (merged per request until the flush)."""
+
+    __slots__ = ("_hub", "_worker", "request_id", "closed")
+
+    def __init__(self, hub: EdgeHub, worker: WorkerConn, request_id: str) -> None:
+        self._hub = hub
+        self._worker = worker
+        self.request_id = request_id
+        self.closed = False
+
+    def put(self, delta) -> None:
+        if not self.closed:
+            self._hub.item(self._worker, self.request_id).deltas.append(delta)
+
+    def finish(self, usage) -> None:
+        if not self.closed:
+            self._hub.item(self._worker, self.request_id).usage = usage
+            self._close()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.closed:
+            item = self._hub.item(self._worker, self.request_id)
+            item.error = type(error).__name__ if isinstance(error, PagedServeError) else "Internal"
+            item.message = getattr(error, "message", None) or str(error)
+            self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._worker.requests.discard(self.request_id)
+
+
+class EdgeHub:
+    """The ROUTER socket API workers connect to, and what the core does for them."""
+
+    def __init__(self, engine, metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-edge-")  # 0700: this user only
+        self.address = f"ipc://{os.path.join(self._dir, 'core.sock')}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id over
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped for a live worker
+        self._sock.bind(self.address)
+        self._codec_in = EdgeCodec(to_core=True)
+        self._codec_out = EdgeCodec(to_core=False)
+        self._reader = SocketReader(self._sock, self._receive, log)
+        self.workers: dict[int, WorkerConn] = {}
+        self._by_routing_id: dict[bytes, WorkerConn] = {}
+        self._flush_scheduled = False
+        self._status: EdgeStatus | None = None
+        self._status_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reader.start()
+        self._status_task = self._loop.create_task(self._status_loop())
+
+    def worker(self, index: int) -> WorkerConn:
+        conn = self.workers.get(index)
+        if conn is None:
+            conn = self.workers[index] = WorkerConn(index)
+        return conn
+
+    def stop_workers(self) -> None:
+        """Tell every worker to close its servers and exit (after the drain)."""
+        self._flush()
+        for conn in self.workers.values():
+            if conn.routing_id:
+                self._send(conn, EdgeStop())
+
+    async def close(self) -> None:
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_task
+        self._reader.stop()
+        self._sock.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def worker_lost(self, index: int) -> int:
+        """The worker's process is gone, and with it its clients' connections: abort their
+        requests (blocks freed). Returns how many."""
+        conn = self.workers.get(index)
+        if conn is None:
+            return 0
+        lost = list(conn.requests)
+        for request_id in lost:
+            self.engine.abort(request_id)
+        conn.requests.clear()
+        conn.outbox.clear()
+        conn.hello = None
+        conn.hello_event.clear()
+        if conn.routing_id:
+            self._by_routing_id.pop(conn.routing_id, None)
+            conn.routing_id = b""
+        return len(lost)
+
+    # ------------------------------------------------------------------ status
+
+    def current_status(self) -> EdgeStatus:
+        engine = self.engine
+        return EdgeStatus(serving=bool(engine.is_serving()), draining=bool(engine.draining),
+                          dtype=engine.model_info().dtype)
+
+    def push_status(self) -> None:
+        """Send the status to every worker if it changed (the drain calls it at once)."""
+        status = self.current_status()
+        if status == self._status:
+            return
+        self._status = status
+        for conn in self.workers.values():
+            if conn.routing_id:
+                self._send(conn, status)
+
+    async def _status_loop(self) -> None:
+        while True:
+            try:
+                self.push_status()
+            except Exception:  # noqa: BLE001 - keep pushing
+                log.exception("API worker status push failed")
+            await asyncio.sleep(STATUS_POLL_S)
+
+    # ------------------------------------------------------------------ outputs
+
+    def item(self, conn: WorkerConn, request_id: str) -> OutputItem:
+        """The outbox entry of a request (created on first use in this loop turn)."""
+        item = conn.outbox.get(request_id)
+        if item is None:
+            item = conn.outbox[request_id] = OutputItem(request_id, [])
+            if not self._flush_scheduled and self._loop is not None:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+        return item
+
+    def _flush(self) -> None:
+        """Every worker's outbox as one Outputs message each."""
+        self._flush_scheduled = False
+        for conn in self.workers.values():
+            if conn.outbox:
+                items = list(conn.outbox.values())
+                conn.outbox.clear()
+                if conn.routing_id:
+                    self._send(conn, Outputs(items))
+
+    def _send(self, conn: WorkerConn, msg) -> None:
+        try:
+            self._sock.send_multipart([conn.routing_id, self._codec_out.encode(msg)],
+                                      flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("API worker %d: %s not sent (%s)", conn.index, type(msg).__name__, exc)
+        self._reader.poke()
+
+    # ------------------------------------------------------------------ calls
+
+    def _receive(self, frames: list) -> None:
+        if len(frames) != 2:
+            log.warning("rejected a message of %d frames on the API worker socket", len(frames))
+            return
+        routing_id = frames[0].bytes
+        try:
+            msg = self._codec_in.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("rejected a malformed message on the API worker socket: %s", exc)
+            return
+        try:
+            self._dispatch(routing_id, msg)
+        except Exception:  # a bug in a handler must not stop the hub
+            log.exception("error while handling %s from an API worker", type(msg).__name__)
+
+    def _dispatch(self, routing_id: bytes, msg) -> None:
+        if isinstance(msg, EdgeHello):
+            self._on_hello(routing_id, msg)
+            return
+        conn = self._by_routing_id.get(routing_id)
+        if conn is None:
+            log.warning("%s from an API worker that did not say hello; ignored",
+                        type(msg).__name__)
+            return
+        engine = self.engine
+        if isinstance(msg, Submit):
+            self._send(conn, self._submit(conn, msg))
+        elif isinstance(msg, Forget):
+            engine.abort(msg.request_id)
+        elif isinstance(msg, AbortCall):
+            self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
+        elif isinstance(msg, StatusCall):
+            self._send(conn, Reply(msg.call, status=engine.cluster_status()))
+        elif isinstance(msg, MetricsBatch):
+            self._replay_metrics(conn, msg)
+
+    def _on_hello(self, routing_id: bytes, hello: EdgeHello) -> None:
+        if hello.version != EDGE_PROTOCOL_VERSION:
+            log.error("API worker %d speaks edge protocol %d, not %d; ignored", hello.worker,
+                      hello.version, EDGE_PROTOCOL_VERSION)
+            return
+        conn = self.worker(hello.worker)
+        if conn.routing_id and conn.routing_id != routing_id:
+            self._by_routing_id.pop(conn.routing_id, None)
+        conn.routing_id = routing_id
+        conn.hello = hello
+        self._by_routing_id[routing_id] = conn
+        self._status = self._status or self.current_status()
+        self._send(conn, self._status)
+        conn.hello_event.set()
+        log.info("API worker %d (pid %d) connected: grpc port %d, http port %s", hello.worker,
+                 hello.pid, hello.grpc_port, hello.http_port if hello.http_port >= 0 else "off")
+
+    def _submit(self, conn: WorkerConn, msg: Submit) -> Reply:
+        request_id = msg.spec.request_id
+        try:
+            self.engine.admit(msg.spec, channel=ForwardChannel(self, conn, request_id))
+        except PagedServeError as exc:
+            return Reply(msg.call, error=type(exc).__name__, message=exc.message)
+        except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL for this request only
+            log.exception("admitting request %s failed", request_id)
+            return Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)
+        conn.requests.add(request_id)
+        return Reply(msg.call)
+
+    def _replay_metrics(self, conn: WorkerConn, batch: MetricsBatch) -> None:
+        for name, args, api in batch.calls:
+            if name not in RELAYED_METRICS:
+                log.warning("API worker %d sent an unknown metric call %r; ignored",
+                            conn.index, name)
+                continue
+            method = getattr(self.metrics, name)
+            try:
+                method(*args, api=api) if api else method(*args)
+            except (TypeError, ValueError) as exc:
+                log.warning("API worker %d: metric call %s%r failed: %s", conn.index, name,
+                            tuple(args), exc)

@@ -1,0 +1,109 @@
+"""Messages between the router core and its API workers (`--api-workers N`), on one ZeroMQ
+ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
+
+    worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall (answered by a
+                     Reply with the same `call`), Forget (a request the worker gave up: no
+                     answer), MetricsBatch (the worker's request metrics, replayed in the core)
+    core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
+                     message), EdgeStatus (serving, draining, the dtype executors run; sent on
+                     hello and when it changes), EdgeStop (drain done: close and exit)
+
+MessagePack through msgspec, typed on both sides; the router's request and output types
+(frozen dataclasses, router/types.py) travel as they are. Never pickle. A frame that does not
+decode is logged and dropped by the receiver.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .types import ClusterStatusData, CompletionDelta, RequestSpec, Usage
+
+EDGE_PROTOCOL_VERSION = 1
+
+
+class EdgeHello(msgspec.Struct, tag=True):
+    worker: int
+    pid: int
+    grpc_port: int
+    http_port: int  # -1: HTTP off
+    version: int = EDGE_PROTOCOL_VERSION
+
+
+class Submit(msgspec.Struct, tag=True):
+    call: int
+    spec: RequestSpec
+
+
+class AbortCall(msgspec.Struct, tag=True):
+    call: int
+    request_id: str
+
+
+class StatusCall(msgspec.Struct, tag=True):
+    call: int
+
+
+class Forget(msgspec.Struct, tag=True):
+    """The worker's client went away (or the worker stopped reading): abort, no answer."""
+
+    request_id: str
+
+
+class MetricsBatch(msgspec.Struct, tag=True):
+    """RouterMetrics calls made by the worker's edges since the last batch:
+    (method name, positional args, api label or "")."""
+
+    calls: list[tuple[str, list[int | float | str], str]]
+
+
+class Reply(msgspec.Struct, tag=True):
+    call: int
+    error: str = ""  # the PagedServeError class name; "" = ok
+    message: str = ""
+    found: bool = False  # AbortCall
+    status: ClusterStatusData | None = None  # StatusCall
+
+
+class OutputItem(msgspec.Struct, array_like=True):
+    """One request's outputs since the last Outputs: deltas, then `usage` when it finished,
+    or `error` (a PagedServeError class name) when the engine failed it."""
+
+    request_id: str
+    deltas: list[CompletionDelta]
+    usage: Usage | None = None
+    error: str = ""
+    message: str = ""
+
+
+class Outputs(msgspec.Struct, tag=True):
+    items: list[OutputItem]
+
+
+class EdgeStatus(msgspec.Struct, tag=True):
+    serving: bool
+    draining: bool
+    dtype: str
+
+
+class EdgeStop(msgspec.Struct, tag=True):
+    pass
+
+
+ToCore = EdgeHello | Submit | AbortCall | StatusCall | Forget | MetricsBatch
+ToWorker = Reply | Outputs | EdgeStatus | EdgeStop
+
+
+class EdgeCodec:
+    """Encoder/decoder for one direction's messages (`to_core` picks which)."""
+
+    def __init__(self, *, to_core: bool) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ToCore if to_core else ToWorker)
+
+    def encode(self, msg) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview):
+        """Raises msgspec.DecodeError / ValidationError for a frame that is not a message."""
+        return self._decoder.decode(data)

@@ -1,0 +1,87 @@
+"""Where the router's public edges (gRPC, OpenAI HTTP) run: in the router process
+(`LocalEdges`, the default) or in `--api-workers N` processes of their own (`WorkerEdges`,
+edge_hub.py / api_workers.py). Both start listening, drain and stop the same way for app.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .api_workers import ApiWorkerError, ApiWorkers
+from .edge_hub import EdgeHub
+from .frontend import Frontend
+from .grpc_server import start_server
+from .http_server import start_http_server
+from .validation import Limits
+
+
+class EdgeBindError(OSError):
+    """A public port cannot be bound, or an API worker could not start."""
+
+
+class LocalEdges:
+    """gRPC and HTTP on the router's own event loop, one Frontend shared by both."""
+
+    def __init__(self, server, http) -> None:
+        self.server = server
+        self.http = http
+        self.grpc_port: int = server.port
+        self.http_port: int | None = http.port if http is not None else None
+
+    @classmethod
+    async def start(cls, args, engine, tokenizer, info, limits: Limits, metrics) -> LocalEdges:
+        frontend = Frontend(engine, tokenizer, limits, metrics)
+        tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key,
+                   tls_client_ca=args.tls_client_ca)
+        server = None
+        try:
+            server, _ = await start_server(frontend, args.host, args.port, **tls)
+            http = None
+            if args.http_port >= 0:
+                http = await start_http_server(
+                    frontend, args.host, args.http_port, max_model_len=info.max_model_len,
+                    served_model_name=args.served_model_name or Path(args.model).name, **tls)
+        except OSError as exc:  # a port in use: one line, nothing left running
+            if server is not None:
+                await server.stop(0)
+            raise EdgeBindError(str(exc)) from None
+        return cls(server, http)
+
+    async def drain(self) -> None:
+        await self.server.drain()  # both APIs: new requests UNAVAILABLE, health not serving
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.server.stop(grace=1.0)
+
+
+class WorkerEdges:
+    """gRPC and HTTP in API worker processes; the router process keeps the engine."""
+
+    def __init__(self, engine, hub: EdgeHub, workers: ApiWorkers) -> None:
+        self.engine = engine
+        self.hub = hub
+        self.workers = workers
+        self.grpc_port: int = workers.grpc_port
+        self.http_port: int | None = workers.http_port if workers.http_port >= 0 else None
+
+    @classmethod
+    async def start(cls, args, engine, metrics) -> WorkerEdges:
+        hub = EdgeHub(engine, metrics)
+        hub.start()
+        workers = ApiWorkers(hub, args, args.api_workers)
+        try:
+            await workers.start()
+        except ApiWorkerError as exc:
+            await hub.close()
+            raise EdgeBindError(str(exc)) from None
+        return cls(engine, hub, workers)
+
+    async def drain(self) -> None:
+        self.engine.draining = True  # the workers hear it now, not at the next status poll
+        self.hub.push_status()
+
+    async def stop(self) -> None:
+        await self.workers.stop()
+        await self.hub.close()

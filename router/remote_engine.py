@@ -1,0 +1,235 @@
+"""An API worker's view of the engine: the `Engine` interface (router/types.py) over the
+worker's DEALER socket to the router core (edge_hub.py is the other end).
+
+    submit(spec)   a local OutputChannel first, then Submit -> Reply (the core's admission
+                   error re-raised here as the same PagedServeError) -> the channel's stream
+    Outputs        each item goes to its request's channel: deltas, then finish(usage) or
+                   fail(error); the core sends one Outputs per step for all of them
+    abort(id)      a request of this worker: Forget (no answer; the stream is dropped here)
+    abort_anywhere(id), cluster_status()   round trips (the Abort RPC may name a request
+                   another worker runs; the status is the core's)
+    model_info(), is_serving()   from the core's EdgeStatus pushes
+
+`MetricsRelay` stands in for RouterMetrics in the worker's Frontend: the request metrics
+the edges record are sent to the core in batches and counted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+import zmq
+
+from .edge_wire import (
+    AbortCall,
+    EdgeCodec,
+    EdgeHello,
+    EdgeStatus,
+    EdgeStop,
+    Forget,
+    MetricsBatch,
+    Outputs,
+    Reply,
+    StatusCall,
+    Submit,
+)
+from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError, QueueFull, Unavailable
+from .sequence import OutputChannel
+from .types import ClusterStatusData, ModelInfoData, RequestOutput, RequestSpec
+from .zmq_reader import SocketReader
+
+log = logging.getLogger("pagedserve.router.worker")
+
+ERRORS = {cls.__name__: cls for cls in (InvalidRequest, AlreadyExists, NotFound, QueueFull,
+                                        Unavailable, PagedServeError)}
+METRICS_FLUSH_S = 0.05
+
+
+def error_from(name: str, message: str) -> Exception:
+    """The core's error, rebuilt: a PagedServeError by class name, else an internal error."""
+    cls = ERRORS.get(name)
+    return cls(message) if cls is not None else RuntimeError(f"router core: {message}")
+
+
+class RemoteEngine:
+    """Implements `router.types.Engine` in an API worker (see the module docstring)."""
+
+    def __init__(self, core_address: str, worker: int, info: ModelInfoData) -> None:
+        self.worker = worker
+        self.info = info
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IDENTITY, f"api-worker-{worker}".encode())
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.connect(core_address)
+        self._codec_out = EdgeCodec(to_core=True)
+        self._codec_in = EdgeCodec(to_core=False)
+        self._reader = SocketReader(self._sock, self._receive, log)
+        self._streams: dict[str, OutputChannel] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self.status = EdgeStatus(serving=False, draining=False, dtype=info.dtype)
+        self.status_changed = asyncio.Event()
+        self.stopped = asyncio.Event()  # the core said EdgeStop
+        self.connected = asyncio.Event()  # the core answered the hello
+
+    def start(self, grpc_port: int, http_port: int, pid: int) -> None:
+        self._reader.start()
+        self.send(EdgeHello(worker=self.worker, pid=pid, grpc_port=grpc_port,
+                            http_port=http_port))
+
+    def close(self) -> None:
+        self._reader.stop()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(Unavailable("the router core is gone"))
+        self._sock.close(0)
+        self._ctx.term()
+
+    def send(self, msg) -> None:
+        self._sock.send(self._codec_out.encode(msg), flags=zmq.NOBLOCK)
+        self._reader.poke()
+
+    async def _call(self, msg_of_call) -> Reply:
+        call = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call] = fut
+        try:
+            self.send(msg_of_call(call))
+            return await fut
+        finally:
+            self._calls.pop(call, None)
+
+    # ------------------------------------------------------------------ Engine
+
+    async def submit(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        request_id = spec.request_id
+        if request_id in self._streams:
+            raise AlreadyExists(f"request {request_id!r} is already running")
+        channel = self._streams[request_id] = OutputChannel()
+        try:
+            reply = await self._call(lambda call: Submit(call, spec))
+        except BaseException:  # cancelled while waiting: the core may have admitted it
+            if self._streams.pop(request_id, None) is not None:
+                self.send(Forget(request_id))
+            raise
+        if reply.error:
+            self._streams.pop(request_id, None)
+            raise error_from(reply.error, reply.message)
+        return channel.stream(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """A request of this worker: the core aborts it; its stream here is dropped (the edge
+        that calls this has stopped reading it)."""
+        if self._streams.pop(request_id, None) is None:
+            return False
+        self.send(Forget(request_id))
+        return True
+
+    async def abort_anywhere(self, request_id: str) -> bool:
+        """The Abort RPC: the request may run on another worker; the core knows. The stream
+        of a request of this worker stays: it ends with the abort's final item."""
+        reply = await self._call(lambda call: AbortCall(call, request_id))
+        return reply.found
+
+    def model_info(self) -> ModelInfoData:
+        if self.status.dtype == self.info.dtype:
+            return self.info
+        return dataclasses.replace(self.info, dtype=self.status.dtype)
+
+    async def cluster_status(self) -> ClusterStatusData:
+        reply = await self._call(lambda call: StatusCall(call))
+        return reply.status or ClusterStatusData()
+
+    def is_serving(self) -> bool:
+        return self.status.serving
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ from the core
+
+    def _receive(self, frames: list) -> None:
+        try:
+            msg = self._codec_in.decode(frames[-1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("rejected a malformed message from the router core: %s", exc)
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:  # noqa: BLE001 - a bug here must not stop the worker's socket
+            log.exception("error while handling %s from the router core", type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Outputs):
+            streams = self._streams
+            for item in msg.items:
+                channel = streams.get(item.request_id)
+                if channel is None:  # the client went away: the core was told
+                    continue
+                for delta in item.deltas:
+                    channel.put(delta)
+                if item.usage is not None:
+                    channel.finish(item.usage)
+                    del streams[item.request_id]
+                elif item.error:
+                    channel.fail(error_from(item.error, item.message))
+                    del streams[item.request_id]
+        elif isinstance(msg, Reply):
+            fut = self._calls.get(msg.call)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EdgeStatus):
+            self.status = msg
+            self.connected.set()
+            self.status_changed.set()
+        elif isinstance(msg, EdgeStop):
+            self.stopped.set()
+
+
+class MetricsRelay:
+    """The request metrics of RouterMetrics (the methods frontend.py calls), batched to the
+    core every METRICS_FLUSH_S."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+        self._calls: list[tuple[str, list, str]] = []
+        self._handle: asyncio.TimerHandle | None = None
+
+    def _record(self, name: str, args: list, api: str = "") -> None:
+        self._calls.append((name, args, api))
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(METRICS_FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        self._handle = None
+        if self._calls:
+            calls, self._calls = self._calls, []
+            self._engine.send(MetricsBatch(calls))
+
+    def inc_success(self, finish_reason: str, n: int = 1, *, api: str) -> None:
+        self._record("inc_success", [finish_reason, n], api)
+
+    def inc_failure(self, code: grpc.StatusCode | str, *, api: str) -> None:
+        self._record("inc_failure", [code.name if isinstance(code, grpc.StatusCode) else code],
+                     api)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._record("observe_ttft", [seconds])
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._record("observe_inter_token", [seconds])
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self._record("observe_time_per_output_token", [seconds])
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._record("observe_e2e", [seconds])

@@ -1,0 +1,327 @@
+"""`--api-workers 2`: a real router whose gRPC and HTTP edges run in two worker processes on
+shared ports, one executor. Greedy outputs equal HF's token for token through both APIs and
+many connections (so both workers serve); the Abort RPC reaches a request another worker
+runs; a duplicate id on another worker is ALREADY_EXISTS; bad input, a full queue; the
+workers' request metrics reach the router's /metrics; a client gone and a killed worker leak
+no block and the worker comes back; last, draining: UNAVAILABLE for new requests, ABORT for
+an open stream, exit code 0 and no worker left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_harness import Cluster, HFReference, assert_greedy_match, request
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+from pagedserve.tinymodels import build_model
+
+PROMPTS = ["The paged cache", "Routers route", "A block table maps", "Copy on write",
+           "Prefix hashes chain", "Swap or recompute"]
+WORKER_MARK = "pagedserve.router.api_worker"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("workers"), "llama", num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "256"],
+                router_args=["--api-workers", "2", "--max-queue-len", "6",
+                             "--shutdown-timeout", "3"])
+    try:
+        c.start()
+    except Exception:
+        c.stop()
+        raise
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return HFReference(model_dir)
+
+
+def worker_pids(router_pid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == router_pid and WORKER_MARK.encode() in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def new_stub(cluster) -> tuple[grpc.Channel, pb_grpc.GeneratorStub]:
+    """A channel of its own (a new TCP connection: the kernel picks a worker for it)."""
+    channel = grpc.insecure_channel(cluster.address,
+                                    options=[("grpc.use_local_subchannel_pool", 1)])
+    return channel, pb_grpc.GeneratorStub(channel)
+
+
+def metric(text: str, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix))
+
+
+def test_two_workers_listen_and_answer(cluster):
+    assert len(worker_pids(cluster.router.pid)) == 2
+    info = cluster.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info.vocab_size > 0 and info.dtype == "float32"
+    assert [e.healthy for e in cluster.status().executors] == [True]
+
+
+def test_greedy_equals_hf_over_many_connections(cluster, hf):
+    expected = {p: hf.greedy(hf.encode(p), 12) for p in PROMPTS}
+
+    def one(i: int):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        channel, stub = new_stub(cluster)
+        try:
+            req = request(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+            if i % 2:
+                chunks = list(stub.Stream(req, timeout=60))
+                ids = [t for c in chunks for t in c.token_ids]
+                assert chunks[-1].finish_reason == pb.LENGTH
+            else:
+                ids = list(stub.Generate(req, timeout=60).completions[0].token_ids)
+            return prompt, ids
+        finally:
+            channel.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(24)))
+    for prompt, ids in results:
+        tokens, gaps = expected[prompt]
+        assert_greedy_match(ids, tokens, gaps)
+    # HTTP, also on the workers' shared port
+    body = json.dumps({"model": Path(cluster.model_dir).name, "prompt": PROMPTS[0],
+                       "max_tokens": 12, "temperature": 0, "ignore_eos": True}).encode()
+    reply = urllib.request.urlopen(urllib.request.Request(
+        f"http://{cluster.http_address}/v1/completions", body,
+        {"Content-Type": "application/json"}), timeout=60)
+    choice = json.loads(reply.read())["choices"][0]
+    assert choice["text"] == hf.tokenizer.decode(expected[PROMPTS[0]][0])
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
+
+
+def _open_stream(stub, request_id: str, chunks: list, ended: threading.Event):
+    """A long greedy stream in a thread: chunks (or the RpcError that ended it) go to
+    `chunks`; `ended` is set when it is over."""
+    req = request("Abort me", max_tokens=900, ignore_eos=True, temperature=0)
+    req.request_id = request_id
+
+    def run():
+        try:
+            for chunk in stub.Stream(req, timeout=120):
+                chunks.append(chunk)
+        except grpc.RpcError as exc:
+            chunks.append(exc)
+        ended.set()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for_tokens(chunks: list, n: int = 2, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(chunks) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(chunks) >= n, chunks
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(int(link[len("socket:["):-1]))
+    return inodes
+
+
+def connections_by_worker(cluster) -> dict[int, int]:
+    """Established gRPC connections each worker holds (server side: local port = gRPC's)."""
+    port = int(cluster.address.rsplit(":", 1)[1])
+    established = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                    established.add(int(f[9]))
+    return {pid: len(_socket_inodes(pid) & established)
+            for pid in worker_pids(cluster.router.pid)}
+
+
+def _new_owner(before: dict[int, int], after: dict[int, int]) -> int | None:
+    grown = [pid for pid, n in after.items() if n > before.get(pid, 0)]
+    return grown[0] if len(grown) == 1 else None
+
+
+def _stub_on(cluster, want_other_than: int | None, want: int | None = None):
+    """A fresh channel with one call made on it, and the worker that got its connection;
+    retried until it is on a worker other than `want_other_than` (or on `want`)."""
+    for _ in range(24):
+        before = connections_by_worker(cluster)
+        channel, stub = new_stub(cluster)
+        stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        owner = _new_owner(before, connections_by_worker(cluster))
+        if owner is not None and owner != want_other_than and want in (None, owner):
+            return channel, stub, owner
+        channel.close()
+    raise AssertionError("no connection landed where wanted in 24 tries")
+
+
+def test_abort_and_duplicate_id_on_the_same_and_the_other_worker(cluster):
+    for case in ("other", "other", "same"):
+        request_id = f"cross-{case}-{time.monotonic_ns()}"
+        ch_a, stub_a, owner_a = _stub_on(cluster, None)
+        chunks: list = []
+        ended = threading.Event()
+        thread = _open_stream(stub_a, request_id, chunks, ended)
+        _wait_for_tokens(chunks)
+        ch_b, stub_b, owner_b = _stub_on(cluster, owner_a if case == "other" else None,
+                                         want=owner_a if case == "same" else None)
+        assert (owner_a != owner_b) == (case == "other")
+        with pytest.raises(grpc.RpcError) as dup:
+            stub_b.Generate(_with_id(request("dup", max_tokens=2), request_id), timeout=10)
+        assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        stub_b.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        assert ended.wait(30)
+        thread.join(5)
+        assert not isinstance(chunks[-1], grpc.RpcError), chunks[-1]
+        assert chunks[-1].finish_reason == pb.ABORT
+        with pytest.raises(grpc.RpcError) as gone:
+            stub_b.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        ch_a.close()
+        ch_b.close()
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
+
+
+def _with_id(req: pb.GenerateRequest, request_id: str) -> pb.GenerateRequest:
+    req.request_id = request_id
+    return req
+
+
+def test_bad_input_and_a_full_queue(cluster):
+    with pytest.raises(grpc.RpcError) as bad:
+        cluster.stub.Generate(request(token_ids=[10**6], max_tokens=2), timeout=10)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def one(_):
+        channel, stub = new_stub(cluster)
+        try:
+            stub.Generate(request("burst", max_tokens=40, ignore_eos=True), timeout=60)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+        finally:
+            channel.close()
+
+    with ThreadPoolExecutor(24) as pool:
+        codes = set(pool.map(one, range(24)))
+    assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    cluster.wait_blocks_free()
+
+
+def test_worker_request_metrics_reach_the_router(cluster):
+    time.sleep(0.2)  # the workers batch their metrics every 50 ms
+    text = cluster.metrics()
+    assert metric(text, 'pagedserve_request_success_total{api="grpc",finish_reason="length"}') \
+        >= 24
+    assert metric(text, 'pagedserve_request_success_total{api="http"') >= 1
+    assert metric(text, 'pagedserve_request_success_total{api="grpc",finish_reason="abort"}') >= 3
+    assert metric(text, 'pagedserve_request_failure_total{api="grpc",code="ALREADY_EXISTS"}') \
+        >= 3
+    assert metric(text, 'pagedserve_request_failure_total{api="grpc",code="RESOURCE_EXHAUSTED"}') \
+        >= 1
+    assert metric(text, "pagedserve_time_to_first_token_seconds_count") >= 25
+    assert metric(text, "pagedserve_inter_token_latency_seconds_count") > 0
+
+
+def test_a_killed_worker_is_replaced_and_leaks_nothing(cluster):
+    """SIGKILL a worker with streams open on both: its streams break (the clients see an
+    error), the core aborts their requests, the other worker's streams go on, a new worker
+    takes the dead one's place, and no block leaks."""
+    victim = None
+    streams = []
+    for i, case in enumerate(("any", "other")):
+        channel, stub, owner = _stub_on(cluster, victim if case == "other" else None)
+        victim = victim or owner
+        chunks: list = []
+        ended = threading.Event()
+        _open_stream(stub, f"kill-{i}", chunks, ended)
+        streams.append((channel, owner, chunks, ended))
+    for _, _, chunks, _ in streams:
+        _wait_for_tokens(chunks)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = worker_pids(cluster.router.pid)
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(0.2)
+    assert len(worker_pids(cluster.router.pid)) == 2, cluster.logs()
+    cluster.channel.close()  # it may have been on the dead worker
+    cluster.channel, cluster.stub = new_stub(cluster)
+    (ch0, _, broken, broken_end), (ch1, _, alive, alive_end) = streams
+    assert broken_end.wait(30)
+    assert isinstance(broken[-1], grpc.RpcError), broken[-1]
+    assert not alive_end.is_set()  # the other worker's stream goes on
+    cluster.stub.Abort(pb.AbortRequest(request_id="kill-1"), timeout=10)
+    assert alive_end.wait(30) and alive[-1].finish_reason == pb.ABORT
+    with pytest.raises(grpc.RpcError) as gone:  # the core aborted the broken one itself
+        cluster.stub.Abort(pb.AbortRequest(request_id="kill-0"), timeout=10)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    assert cluster.wait_blocks_free(timeout_s=20).executors[0].num_free_gpu_blocks == 256
+    ch0.close()
+    ch1.close()
+    for _ in range(4):  # fresh connections: served whichever worker takes them
+        channel, stub = new_stub(cluster)
+        assert len(stub.Generate(request("after", max_tokens=3), timeout=30)
+                   .completions[0].token_ids) == 3
+        channel.close()
+    assert metric(cluster.metrics(), "pagedserve_kv_blocks_leaked{") == 0
+
+
+def test_draining_then_exit_with_no_worker_left(cluster):
+    """Runs last: SIGTERM the router with a stream open."""
+    pids = worker_pids(cluster.router.pid)
+    chunks: list = []
+    ended = threading.Event()
+    channel, stub = new_stub(cluster)
+    _open_stream(stub, "drain-me", chunks, ended)
+    _wait_for_tokens(chunks)
+    cluster.router.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as late:
+        stub.Generate(request("late", max_tokens=2), timeout=10)
+    assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert ended.wait(30)
+    assert chunks[-1].finish_reason == pb.ABORT
+    channel.close()
+    assert cluster.router.wait(timeout=30) == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
