@@ -1,0 +1,258 @@
+"""The router core's hub and two API workers' RemoteEngines in one event loop, over the real
+ipc socket, with a fake core engine: outputs of a loop turn leave as one message per worker,
+admission errors keep their class and message, aborts (local, from another worker, unknown),
+status pushes, the metrics relay, a lost worker's requests aborted, malformed frames."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import zmq
+from pagedserve.router.edge_hub import EdgeHub
+from pagedserve.router.edge_wire import MetricsBatch, Outputs
+from pagedserve.router.errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
+from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.remote_engine import MetricsRelay, RemoteEngine
+from pagedserve.router.types import (
+    ClusterStatusData,
+    CompletionDelta,
+    ExecutorStatusData,
+    ModelInfoData,
+    RequestSpec,
+    Usage,
+)
+from prometheus_client import CollectorRegistry
+
+INFO = ModelInfoData(model="m", architecture="LlamaForCausalLM", max_model_len=64,
+                     vocab_size=100, block_size=16, dtype="bfloat16", eos_token_ids=(2,))
+STATUS = ClusterStatusData((ExecutorStatusData("e0", "cpu", True, 10, 7, 4, 4, 1, 2, 0),), 30, 12)
+
+
+class FakeCore:
+    """What the hub needs of RouterEngine: admit, abort, status, serving, draining, info."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, object] = {}
+        self.draining = False
+        self.up = True
+        self.dtype = "bfloat16"
+        self.refuse: Exception | None = None
+
+    def admit(self, spec, reserved=False, channel=None):
+        if self.refuse is not None:
+            raise self.refuse
+        if spec.request_id in self.live:
+            raise AlreadyExists(f"request {spec.request_id!r} is already running")
+        self.live[spec.request_id] = channel
+
+    def abort(self, request_id: str) -> bool:
+        channel = self.live.pop(request_id, None)
+        if channel is None:
+            return False
+        channel.put(CompletionDelta(0, finish_reason="abort"))
+        channel.finish(Usage(3, 0))
+        return True
+
+    def cluster_status(self):
+        return STATUS
+
+    def is_serving(self) -> bool:
+        return self.up and not self.draining
+
+    def model_info(self):
+        return dataclasses.replace(INFO, dtype=self.dtype)
+
+
+def spec(request_id: str) -> RequestSpec:
+    return RequestSpec(request_id, (5, 6, 7))
+
+
+async def settle(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+class Rig:
+    """A hub on a FakeCore and two connected RemoteEngines (workers 0 and 1)."""
+
+    async def __aenter__(self) -> Rig:
+        self.core = FakeCore()
+        self.metrics = RouterMetrics(registry=CollectorRegistry())
+        self.hub = EdgeHub(self.core, self.metrics)
+        self.hub.start()
+        self.sent: list[tuple[int, object]] = []
+        send = self.hub._send
+
+        def spy(conn, msg):
+            self.sent.append((conn.index, msg))
+            send(conn, msg)
+        self.hub._send = spy
+        self.workers = [RemoteEngine(self.hub.address, i, INFO) for i in range(2)]
+        for i, w in enumerate(self.workers):
+            w.start(grpc_port=50000, http_port=-1 if i else 8000, pid=1000 + i)
+        for w in self.workers:
+            await asyncio.wait_for(w.connected.wait(), 5)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for w in self.workers:
+            w.close()
+        await self.hub.close()
+
+    def outputs_to(self, index: int) -> list[Outputs]:
+        return [m for i, m in self.sent if i == index and isinstance(m, Outputs)]
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_one_outputs_message_per_worker_per_turn_and_streams_in_order():
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            a, b = await w0.submit(spec("a")), await w0.submit(spec("b"))
+            c = await w1.submit(spec("c"))
+            assert sorted(rig.core.live) == ["a", "b", "c"]
+            assert rig.hub.workers[0].requests == {"a", "b"}
+            ch = rig.core.live
+            # one loop turn of the core's text stage: deltas for three requests
+            ch["a"].put(CompletionDelta(0, "he", (1,)))
+            ch["b"].put(CompletionDelta(0, "x", (9,)))
+            ch["a"].put(CompletionDelta(0, "llo", (2,), finish_reason="length"))
+            ch["a"].finish(Usage(3, 2))
+            ch["c"].put(CompletionDelta(0, "y", (8,)))
+            await settle(lambda: rig.outputs_to(0) and rig.outputs_to(1))
+            assert len(rig.outputs_to(0)) == 1 and len(rig.outputs_to(1)) == 1
+            assert [it.request_id for it in rig.outputs_to(0)[0].items] == ["a", "b"]
+            outs = await asyncio.wait_for(collect(a), 5)
+            assert len(outs) == 1 and outs[0].usage == Usage(3, 2)
+            (delta,) = outs[0].deltas  # merged by the worker's channel
+            assert (delta.text, delta.token_ids, delta.finish_reason) == ("hello", (1, 2),
+                                                                           "length")
+            assert rig.hub.workers[0].requests == {"b"}
+            assert w0.num_streams == 1 and w1.num_streams == 1
+            ch["b"].finish(Usage(3, 1))
+            ch["c"].fail(Unavailable("the executor died"))
+            assert (await asyncio.wait_for(collect(b), 5))[-1].usage == Usage(3, 1)
+            with pytest.raises(Unavailable, match="the executor died"):
+                await asyncio.wait_for(collect(c), 5)
+            assert w0.num_streams == 0 and w1.num_streams == 0
+            assert rig.hub.workers[1].requests == set()
+    asyncio.run(main())
+
+
+def test_admission_errors_keep_their_class_and_message():
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            for refusal, cls in ((QueueFull("the waiting queue is full (4 requests)"), QueueFull),
+                                 (InvalidRequest("needs 900 tokens"), InvalidRequest),
+                                 (Unavailable("no executor is up"), Unavailable)):
+                rig.core.refuse = refusal
+                with pytest.raises(cls) as err:
+                    await w0.submit(spec("r"))
+                assert err.value.message == refusal.message
+            rig.core.refuse = KeyError("bug")
+            with pytest.raises(RuntimeError, match="router core: 'bug'"):
+                await w0.submit(spec("r"))
+            rig.core.refuse = None
+            assert w0.num_streams == 0 and rig.hub.workers[0].requests == set()
+            await w0.submit(spec("dup"))
+            with pytest.raises(AlreadyExists):  # this worker's own: no round trip
+                await w0.submit(spec("dup"))
+            with pytest.raises(AlreadyExists):  # another worker's: the core says so
+                await w1.submit(spec("dup"))
+            assert w1.num_streams == 0
+    asyncio.run(main())
+
+
+def test_aborts_local_from_another_worker_and_unknown():
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            gone = await w0.submit(spec("gone"))
+            assert w0.abort("gone") is True  # the client left: Forget, stream dropped here
+            await settle(lambda: "gone" not in rig.core.live)
+            assert w0.num_streams == 0 and not w0.abort("gone")
+            await gone.aclose()
+            kept = await w0.submit(spec("kept"))
+            assert await w1.abort_anywhere("kept") is True
+            outs = await asyncio.wait_for(collect(kept), 5)
+            assert outs[-1].deltas[-1].finish_reason == "abort" and outs[-1].finished
+            assert await w1.abort_anywhere("kept") is False
+            assert await w0.abort_anywhere("never") is False
+    asyncio.run(main())
+
+
+def test_status_pushes_and_cluster_status():
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            assert w0.is_serving() and w0.model_info() == INFO
+            assert await w1.cluster_status() == STATUS
+            rig.core.dtype = "float32"  # a CPU executor registered what it runs
+            await settle(lambda: w0.model_info().dtype == "float32")
+            assert w0.model_info().vocab_size == INFO.vocab_size
+            rig.core.draining = True
+            rig.hub.push_status()
+            await settle(lambda: w1.status.draining and not w1.is_serving())
+    asyncio.run(main())
+
+
+def test_metrics_relay_replays_known_calls_only():
+    async def main():
+        async with Rig() as rig:
+            relay = MetricsRelay(rig.workers[0])
+            relay.observe_ttft(0.25)
+            relay.inc_success("stop", api="http")
+            relay.inc_failure(grpc.StatusCode.CANCELLED, api="grpc")
+            relay.observe_inter_token(0.01)
+            rig.workers[1].send(MetricsBatch([("set_executor_gauges", ["e0"], ""),
+                                              ("observe_e2e", ["not a number"], ""),
+                                              ("observe_e2e", [1.5], "")]))
+            relay.flush()
+            value = rig.metrics.registry.get_sample_value
+            await settle(lambda: value("pagedserve_e2e_request_latency_seconds_count") == 1
+                         and value("pagedserve_inter_token_latency_seconds_count") == 1)
+            assert value("pagedserve_e2e_request_latency_seconds_sum") == 1.5
+            assert value("pagedserve_time_to_first_token_seconds_sum") == 0.25
+            assert value("pagedserve_request_success_total",
+                         {"finish_reason": "stop", "api": "http"}) == 1
+            assert value("pagedserve_request_failure_total",
+                         {"code": "CANCELLED", "api": "grpc"}) == 1
+            assert value("pagedserve_requests_running", {"executor": "e0"}) is None  # refused
+
+
+def test_a_lost_worker_aborts_its_requests_only():
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            await w0.submit(spec("a"))
+            await w0.submit(spec("b"))
+            await w1.submit(spec("c"))
+            assert rig.hub.worker_lost(0) == 2
+            assert list(rig.core.live) == ["c"]
+            assert rig.hub.workers[0].routing_id == b""
+    asyncio.run(main())
+
+
+def test_malformed_frames_are_dropped():
+    async def main():
+        async with Rig() as rig:
+            ctx = zmq.Context.instance()
+            rogue = ctx.socket(zmq.DEALER)
+            rogue.connect(rig.hub.address)
+            rogue.send(b"\xc1 not msgpack")
+            rogue.send_multipart([b"a", b"b"])
+            await asyncio.sleep(0.1)
+            rogue.close(0)
+            stream = await rig.workers[0].submit(spec("ok"))  # the hub still answers
+            rig.core.live["ok"].finish(Usage(3, 0))
+            assert (await asyncio.wait_for(collect(stream), 5))[-1].finished
+    asyncio.run(main())
