@@ -12,6 +12,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_harness import Cluster, HFReference, assert_greedy_match, request
+from cluster_harness import Cluster, HFReference, assert_greedy_match, free_port, request
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -305,6 +308,19 @@ def test_a_killed_worker_is_replaced_and_leaks_nothing(cluster):
     assert metric(cluster.metrics(), "pagedserve_kv_blocks_leaked{") == 0
 
 
+def test_a_port_in_use_is_one_line_and_exit_2(cluster, model_dir):
+    taken = cluster.http_address.rsplit(":", 1)[1]
+    busy = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
+         "--api-workers", "2", "--port", "0", "--metrics-port", "-1", "--http-port", taken,
+         "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 2, busy.stderr
+    assert busy.stderr.strip().splitlines()[-1] == (
+        f"pagedserve router: cannot bind 127.0.0.1:{taken}: Address already in use")
+    assert "Traceback" not in busy.stderr
+
+
 def test_draining_then_exit_with_no_worker_left(cluster):
     """Runs last: SIGTERM the router with a stream open."""
     pids = worker_pids(cluster.router.pid)
@@ -318,6 +334,9 @@ def test_draining_then_exit_with_no_worker_left(cluster):
     with pytest.raises(grpc.RpcError) as late:
         stub.Generate(request("late", max_tokens=2), timeout=10)
     assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="pagedserve.v1.Generator"), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert ended.wait(30)
     assert chunks[-1].finish_reason == pb.ABORT
     channel.close()
