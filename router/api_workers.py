@@ -41,9 +41,11 @@ class ApiWorkerError(OSError):
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise ApiWorkerError if host:port cannot be bound by a socket without SO_REUSEPORT."""
+    """Raise ApiWorkerError if host:port cannot be bound by a socket without SO_REUSEPORT
+    (SO_REUSEADDR, as the servers set it: a closed connection's TIME_WAIT is no conflict)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

@@ -204,6 +204,10 @@ class Engine(Protocol):
       raises; `release_slot()` gives it back when the request fails before submit.
     * `is_serving()` is True while at least one executor is registered and heartbeating and the
       router is not draining (it drives the health status of "pagedserve.v1.Generator").
+    * In an API worker (`--api-workers`, remote_engine.py) the engine is in another process:
+      `cluster_status()` is a coroutine there (the edge awaits what it returns when it is
+      awaitable), `abort()` knows only this worker's requests, and the Abort RPC uses the
+      optional `abort_anywhere(request_id)` coroutine when the engine has one.
     """
 
     async def submit(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]: ...
