@@ -23,6 +23,11 @@ Figures (per case, over the window; raw per-step values, never histogram buckets
                         the executor reports no gap_s);
   output_tok_per_s      tokens the clients received in the window / window;
   router_cpu_ms_per_step  router process CPU time (all threads) / results received;
+  worker_cpu_ms_per_step, total_cpu_ms_per_step   with `--api-workers N`: the API worker
+                        processes' CPU time (all threads) / results received, and router +
+                        workers (router_cpu_ms_per_step is then the engine process alone,
+                        and its `edge` probe reads nothing: the gRPC handlers run in the
+                        workers);
   {plan,apply,text}_cpu_ms_per_step  main-thread CPU inside the router's plan path
                         (schedule, build, send), token application, and text stage
                         (detokenize, stop strings, stream deltas); other = the rest (ZeroMQ
@@ -39,6 +44,7 @@ edges through SIGUSR1.
 
     .venv/bin/python benchmarks/step_overhead.py [--quick] [--models tiny,default]
         [--running 1,32,256] [--depths 1,2] [--window-s 8] [--fake] [--fake-only]
+        [--api-workers N]
 """
 
 from __future__ import annotations
@@ -77,15 +83,19 @@ def emit(case: str, **figures) -> dict:
     return line
 
 
+def workers_suffix(args) -> str:
+    return f"_w{args.api_workers}" if args.api_workers else ""
+
+
 def run_real(model: str, path: Path, running: int, depth: int, args, work: Path) -> dict:
     max_len = min(model_max_len(path), args.max_model_len)
     max_tokens = max_len - PROMPT_LEN - 1
-    name = f"{model}_r{running}_d{depth}"
+    name = f"{model}_r{running}_d{depth}{workers_suffix(args)}"
     argv = ["serve", "--model", str(path), "--executors", "1", "--port", "0",
             "--metrics-port", "0", "--http-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
             "--cpu-threads", str(args.cpu_threads), "--pipeline-depth", str(depth),
             "--max-model-len", str(max_len), "--max-num-seqs", str(max(running, 1)),
-            "--swap-space", "0", "--shutdown-timeout", "5"]
+            "--swap-space", "0", "--shutdown-timeout", "5", "--api-workers", str(args.api_workers)]
     server = Server(argv, work, name)
     try:
         server.wait_ready()
@@ -96,7 +106,7 @@ def run_real(model: str, path: Path, running: int, depth: int, args, work: Path)
         server.stop()
     res = summarise(run, server.trace_lines())
     return {"mode": "real", "model": model, "depth": depth, "running": running,
-            "executors": 1, **res}
+            "executors": 1, "api_workers": args.api_workers, **res}
 
 
 def run_fake(path: Path, executors: int, running: int, depth: int, args,
@@ -105,7 +115,7 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
     from wire_fake_executor import fake_command
 
     per_executor = -(-running // executors)
-    name = fake_case(executors, running, depth, stop)
+    name = fake_case(executors, running, depth, stop) + workers_suffix(args)
     zmq_addr = f"tcp://127.0.0.1:{free_port()}"
     max_len = args.fake_max_model_len
     blocks = per_executor * (max_len // 16 + 2) + 64
@@ -113,7 +123,7 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
             "--executor-bind", zmq_addr, "--pipeline-depth", str(depth),
             "--max-model-len", str(max_len), "--max-num-seqs", str(per_executor),
             "--routing", "round-robin", "--shutdown-timeout", "5",
-            "--max-queue-len", str(max(1024, running))]
+            "--max-queue-len", str(max(1024, running)), "--api-workers", str(args.api_workers)]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     server = Server(argv, work, name)
     fakes: list[subprocess.Popen] = []
@@ -134,7 +144,8 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
         stop_processes(fakes, timeout_s=10)
     res = summarise(run, server.trace_lines())
     return {"mode": "fake", "model": "fake", "depth": depth, "running": running,
-            "executors": executors, "step_delay_ms": args.fake_step_delay_ms,
+            "executors": executors, "api_workers": args.api_workers,
+            "step_delay_ms": args.fake_step_delay_ms,
             "stop_strings": len(stop), **res}
 
 
@@ -168,6 +179,7 @@ def table(rows: list[dict]) -> None:
             ("gap p50", "gap_ms_p50", 8), ("gap p99", "gap_ms_p99", 8),
             ("idle p50", "idle_ms_p50", 8), ("idle p99", "idle_ms_p99", 8),
             ("tok/s", "output_tok_per_s", 9), ("cpu/step", "router_cpu_ms_per_step", 8),
+            ("wrk/step", "worker_cpu_ms_per_step", 8),
             ("text/stp", "text_cpu_ms_per_step", 8), ("util", "router_cpu_util_ratio", 6),
             ("steps", "steps", 6)]
     print("  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, _, w) in enumerate(cols))
@@ -207,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run each fake case with this many never-matching stop strings")
     ap.add_argument("--work-dir", default="",
                     help="keep logs and step traces here (default: a temporary folder)")
+    ap.add_argument("--api-workers", type=int, default=0,
+                    help="the router's --api-workers (0: gRPC served by the router process)")
     args = ap.parse_args(argv)
     # The clients run on the router's cores, as `serve` leaves the executor's core to the
     # executor (--cpu-affinity auto, pagedserve.affinity): a load generator sharing the
@@ -252,7 +266,8 @@ def run_all(args, work: Path) -> int:
             for running in ints(args.running):
                 pair = {}
                 for depth in depths:
-                    pair[depth] = record(f"{model}_r{running}_d{depth}", functools.partial(
+                    pair[depth] = record(f"{model}_r{running}_d{depth}{workers_suffix(args)}",
+                                         functools.partial(
                         run_real, model, path, running, depth, args, work))
                 if pair.get(1) and pair.get(2) and pair[1]["output_tok_per_s"]:
                     emit(f"{model}_r{running}_d2_vs_d1", model=model, running=running,
@@ -266,7 +281,8 @@ def run_all(args, work: Path) -> int:
             for running in ints(args.fake_running):
                 for stop in stops:
                     for depth in depths[-1:] if args.quick else depths:
-                        record(fake_case(executors, running, depth, stop), functools.partial(
+                        record(fake_case(executors, running, depth, stop)
+                               + workers_suffix(args), functools.partial(
                             run_fake, path, executors, running, depth, args, work, stop))
     table(rows)
     return 0

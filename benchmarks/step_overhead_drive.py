@@ -177,6 +177,10 @@ def summarise(run: dict, trace: list[dict]) -> dict:
     threads = {k: v - s0["threads_cpu_s"].get(k, 0.0) for k, v in s1["threads_cpu_s"].items()}
     res["top_threads_cpu_ms_per_step"] = {
         k: per_step(v) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4]}
+    if "api_workers_cpu_s" in s1 and s1["api_workers_cpu_s"]:
+        workers = s1["api_workers_cpu_s"] - s0.get("api_workers_cpu_s", 0.0)
+        res["worker_cpu_ms_per_step"] = per_step(workers)
+        res["total_cpu_ms_per_step"] = per_step(cpu + workers)
     if run["errors"]:
         res["stream_errors"] = run["errors"][:3]
     return res

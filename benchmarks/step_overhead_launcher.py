@@ -1,7 +1,8 @@
 """Step overhead's launcher (benchmarks/step_overhead.py): runs inside the router process
 (`step_overhead.py --launch TRACE -- <pagedserve args>`), starts `pagedserve` there with
 CPU probes around the router's plan, apply and text functions and its gRPC stream handler,
-and answers SIGUSR1 with a snapshot of the process's CPU time and the probes' counters."""
+and answers SIGUSR1 with a snapshot of the process's CPU time and the probes' counters, and
+of its API worker children's CPU time (`--api-workers`)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,22 @@ def _thread_cpu_s() -> dict[str, float]:
     return out
 
 
+def _api_workers_cpu_s() -> float:
+    """CPU seconds (all threads) of this process's API worker children (`--api-workers`)."""
+    me, total, tick = os.getpid(), 0.0, os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            text = (proc / "stat").read_text()
+            fields = text[text.rindex(")") + 2:].split()
+            if int(fields[1]) != me or b"pagedserve.router.api_worker" not in \
+                    (proc / "cmdline").read_bytes():
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def launch(trace_path: str, argv: list[str]) -> int:
     """Start `pagedserve <argv>` in this process with the CPU probes (the router writes the
     step trace itself, PAGEDSERVE_STEP_TRACE set by the caller)."""
@@ -128,6 +145,7 @@ def launch(trace_path: str, argv: list[str]) -> int:
         seq[0] += 1
         data = {"seq": seq[0], "t": time.monotonic(), "cpu_s": time.process_time(),
                 "main_cpu_s": time.thread_time(), "threads_cpu_s": _thread_cpu_s(),
+                "api_workers_cpu_s": _api_workers_cpu_s(),
                 "phase_cpu_s": dict(phases.cpu_s), "phase_calls": dict(phases.calls),
                 "patched": patched}
         tmp = snap_path + ".tmp"

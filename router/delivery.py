@@ -34,6 +34,7 @@ class Delivery:
     def text_stage(self, scheduler: Scheduler, touched: list[Sequence]) -> None:
         """Detokenize, match stop strings, push deltas; finish groups that are done."""
         done_groups: list[RequestGroup] = []
+        num_tokens = 0
         for seq in touched:
             group = seq.group
             if group.aborted or seq.assembler.finished:
@@ -50,6 +51,7 @@ class Delivery:
                 if update.finished:
                     break
             seq.num_delivered += len(delivered)
+            num_tokens += len(delivered)
             lps = tuple(seq.logprobs[: len(delivered)])
             del seq.logprobs[: len(delivered)]
             if update is not None and update.finished:
@@ -61,6 +63,8 @@ class Delivery:
                     done_groups.append(group)
             else:
                 self.deliver(seq, "".join(text_parts), tuple(delivered), lps, None)
+        if num_tokens:  # one counter update a step, not one a sequence
+            self.metrics.add_generation_tokens(num_tokens)
         for group in done_groups:
             if group.request_id in self.live:
                 scheduler.remove(group)
@@ -68,14 +72,13 @@ class Delivery:
 
     def deliver(self, seq: Sequence, text: str, token_ids: tuple, logprobs: tuple,
                 finish_reason, stop_string=None, stop_token_id=None) -> None:
-        """Hand one sample's new text/tokens to its request's stream. (TTFT, inter-token
+        """Hand one sample's new text/tokens to its request's stream (the text stage counts
+        them in pagedserve_generation_tokens_total). (TTFT, inter-token
         latency and the other client-facing latencies are measured by the gRPC edge when
         the stream hands them to the client.)"""
         group = seq.group
-        if token_ids:
-            if group.first_token_time is None:
-                group.first_token_time = time.monotonic()
-            self.metrics.add_generation_tokens(len(token_ids))
+        if token_ids and group.first_token_time is None:
+            group.first_token_time = time.monotonic()
         group.channel.put(CompletionDelta(
             index=seq.index, text=text, token_ids=token_ids, logprobs=logprobs,
             finish_reason=finish_reason, stop_string=stop_string, stop_token_id=stop_token_id,
