@@ -62,6 +62,21 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _port(value: str) -> int:
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port (0-65535; 0: any free port)")
+    return n
+
+
+def _port_or_off(value: str) -> int:
+    n = int(value)
+    if not -1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port (0-65535; 0: any free port; "
+                                         "-1: off)")
+    return n
+
+
 def _non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -75,11 +90,11 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "built-in SmolLM2-135M-Instruct; serve's default) or `tiny`"),
     ("executors", _positive_int, 1, "serve: executor processes to start"),
     ("executor-id", str, None, "executor: id (default: host, pid and a random suffix)"),
-    ("port", int, 50051, "gRPC port (0: any free port)"),
+    ("port", _port, 50051, "gRPC port (0: any free port)"),
     ("host", str, "127.0.0.1", "bind address of gRPC, HTTP and metrics (beyond loopback: "
      "see README security)"),
-    ("metrics-port", int, 9400, "Prometheus /metrics port (-1 disables; 0: any free port)"),
-    ("http-port", int, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
+    ("metrics-port", _port_or_off, 9400, "Prometheus /metrics port (-1 disables; 0: any free port)"),
+    ("http-port", _port_or_off, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
     ("served-model-name", str, None, "the model id of the HTTP API (default: the name of "
      "--model)"),
     ("api-workers", _non_negative_int, 0, "router: processes serving the gRPC and HTTP APIs "
