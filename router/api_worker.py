@@ -45,7 +45,7 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
                      http_port: int, parent: ParentWatch) -> int:
     info, _ = read_model_info(args.model, args.block_size, args.max_model_len, args.dtype)
     tokenizer = Tokenizer.from_dir(args.model)
-    engine = RemoteEngine(core, worker, info)
+    engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)
     frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay)
     tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)

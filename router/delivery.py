@@ -18,6 +18,7 @@ from .types import CompletionDelta
 
 if TYPE_CHECKING:
     from .engine import RouterEngine
+    from .membership import ExecutorHandle
     from .scheduler import Scheduler
 
 log = logging.getLogger("pagedserve.router")
@@ -69,6 +70,25 @@ class Delivery:
             if group.request_id in self.live:
                 scheduler.remove(group)
                 self.complete(group)
+
+    def finish_by_edge(self, handle: ExecutorHandle | None, seq: Sequence) -> bool:
+        """A sample the API worker ended (a stop string in the text it assembles): as the
+        text stage ends one, without a delta (the worker has handed out its ending)."""
+        if seq.assembler.finished:
+            return False
+        seq.assembler.finish("stop")
+        group = seq.group
+        if handle is not None and not seq.finished:
+            handle.scheduler.finish_seq(seq)
+        seq.finished = True
+        if group.all_finished and group.request_id in self.live:
+            if handle is not None:
+                handle.scheduler.remove(group)
+            self.complete(group)
+        if handle is not None:
+            self.engine.update_gauges(handle)
+            handle.wakeup.set()
+        return True
 
     def deliver(self, seq: Sequence, text: str, token_ids: tuple, logprobs: tuple,
                 finish_reason, stop_string=None, stop_token_id=None) -> None:

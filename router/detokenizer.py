@@ -118,17 +118,20 @@ class TextAssembler:
         *,
         eos_token_ids: Sequence[int] | None = None,
         max_model_len: int | None = None,
+        text: bool = True,
     ):
         self._sampling = sampling
+        # text=False: the token rules only (stop ids, EOS, lengths), no text and no stop
+        # strings; an API worker assembles the text (router/remote_engine.py).
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=not sampling.keep_special_tokens
-        )
+        ) if text else None
         eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(eos)
         self._stop_token_ids = frozenset(stop_ids)
-        self._stops = tuple(sampling.stop)
+        self._stops = tuple(sampling.stop) if text else ()
         self._include_stop = sampling.include_stop_str_in_output
         self._tail_len = max((len(s) for s in self._stops), default=1) - 1
         self._max_len = (
@@ -152,7 +155,7 @@ class TextAssembler:
         checks = self.num_tokens >= sp.min_tokens
         if checks and token_id in self._stop_token_ids:
             return self._end("stop", self._flush_all(), stop_token_id=token_id)
-        new = self._detok.push(token_id)
+        new = self._detok.push(token_id) if self._detok is not None else ""
         if new and checks and self._stops:
             update = self._match_stop(new)
             if update is not None:
@@ -180,7 +183,7 @@ class TextAssembler:
         return TextUpdate(text=text, finish_reason=reason, **fields)
 
     def _flush_all(self) -> str:
-        text = self._pending + self._detok.flush()
+        text = self._pending + (self._detok.flush() if self._detok is not None else "")
         self._pending = ""
         return text
 

@@ -1,14 +1,17 @@
 """The router core's side of its API workers (`--api-workers N`, router/api_worker.py).
 
 With API workers the public edges (gRPC, HTTP: parsing, validation, tokenizing, chat
-templates, one stream write per token) run in N processes of their own, and the router
-process keeps the engine: admission, routing, scheduling, StepPlans, applying results, text
-assembly and stop strings. Per step, every output of a worker's requests leaves the core as
-one message, so the core's cost per step no longer grows with a gRPC write per stream.
+templates, detokenizing, stop strings, one stream write per token) run in N processes of
+their own, and the router process keeps the engine: admission, routing, scheduling,
+StepPlans, applying results and the token stops (EOS, stop ids, lengths). Per step, every
+output of a worker's requests leaves the core as one message, so the core's cost per step no
+longer grows with a gRPC write and a detokenization per stream.
 
-    worker: Submit(spec) -> hub: engine.admit(spec, channel=ForwardChannel) -> Reply
-    step:   text stage -> ForwardChannel.put/finish/fail -> the worker's outbox
+    worker: Submit(spec) -> hub: engine.admit(spec, channel=ForwardChannel, text=False)
+    step:   text stage (token stops only) -> ForwardChannel.put/finish/fail -> the outbox
             -> one Outputs per worker, sent when the loop turn ends (call_soon)
+    worker: StopSample(id, index) -> engine.finish_sample: a stop string ended that sample
+            (the tokens sampled for it meanwhile are dropped there, as the worker drops them)
     worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status
     worker: MetricsBatch -> replayed on the core's RouterMetrics (one /metrics for all)
     hub:    EdgeStatus to every worker on hello and whenever serving/draining/dtype change
@@ -43,6 +46,7 @@ from .edge_wire import (
     Outputs,
     Reply,
     StatusCall,
+    StopSample,
     Submit,
 )
 from .errors import PagedServeError
@@ -261,6 +265,8 @@ class EdgeHub:
             self._send(conn, self._submit(conn, msg))
         elif isinstance(msg, Forget):
             engine.abort(msg.request_id)
+        elif isinstance(msg, StopSample):
+            engine.finish_sample(msg.request_id, msg.index)
         elif isinstance(msg, AbortCall):
             self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
         elif isinstance(msg, StatusCall):
@@ -288,7 +294,8 @@ class EdgeHub:
     def _submit(self, conn: WorkerConn, msg: Submit) -> Reply:
         request_id = msg.spec.request_id
         try:
-            self.engine.admit(msg.spec, channel=ForwardChannel(self, conn, request_id))
+            self.engine.admit(msg.spec, channel=ForwardChannel(self, conn, request_id),
+                              text=False)
         except PagedServeError as exc:
             return Reply(msg.call, error=type(exc).__name__, message=exc.message)
         except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL for this request only

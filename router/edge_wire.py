@@ -3,9 +3,10 @@ ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
 
     worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall (answered by a
                      Reply with the same `call`), Forget (a request the worker gave up: no
-                     answer), MetricsBatch (the worker's request metrics, replayed in the core)
+                     answer), StopSample (a stop string in a sample's text: no answer),
+                     MetricsBatch (the worker's request metrics, replayed in the core)
     core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
-                     message), EdgeStatus (serving, draining, the dtype executors run; sent on
+                     message: token ids, logprobs and the token stops; no text), EdgeStatus (serving, draining, the dtype executors run; sent on
                      hello and when it changes), EdgeStop (drain done: close and exit)
 
 MessagePack through msgspec, typed on both sides; the router's request and output types
@@ -19,7 +20,7 @@ import msgspec
 
 from .types import ClusterStatusData, CompletionDelta, RequestSpec, Usage
 
-EDGE_PROTOCOL_VERSION = 1
+EDGE_PROTOCOL_VERSION = 2
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -48,6 +49,13 @@ class Forget(msgspec.Struct, tag=True):
     """The worker's client went away (or the worker stopped reading): abort, no answer."""
 
     request_id: str
+
+
+class StopSample(msgspec.Struct, tag=True):
+    """The worker's text for sample `index` hit a stop string: end that sample (no answer)."""
+
+    request_id: str
+    index: int
 
 
 class MetricsBatch(msgspec.Struct, tag=True):
@@ -90,7 +98,7 @@ class EdgeStop(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = EdgeHello | Submit | AbortCall | StatusCall | Forget | MetricsBatch
+ToCore = EdgeHello | Submit | AbortCall | StatusCall | Forget | StopSample | MetricsBatch
 ToWorker = Reply | Outputs | EdgeStatus | EdgeStop
 
 

@@ -162,10 +162,12 @@ class RouterEngine:
         return channel.stream(spec.request_id)
 
     def admit(self, spec: RequestSpec, reserved: bool = False,
-              channel: OutputSink | None = None) -> RequestGroup:
+              channel: OutputSink | None = None, text: bool = True) -> RequestGroup:
         """`submit` without the stream: the request is live and queued on return (raises as
         `submit` does). `channel` replaces the group's OutputChannel (an API worker's
-        forwarding channel, edge_hub.py)."""
+        forwarding channel, edge_hub.py). `text=False`: deltas carry tokens and the token
+        stops only; the API worker assembles text and finds stop strings
+        (`finish_sample`)."""
         if reserved:  # the reserved place becomes this request's (or is given back)
             self.release_slot()
         if self.draining:
@@ -187,7 +189,7 @@ class RouterEngine:
         assemblers = [
             TextAssembler(self.tokenizer, spec.sampling, spec.prompt_token_ids,
                           eos_token_ids=self.eos_token_ids,
-                          max_model_len=self.config.max_model_len)
+                          max_model_len=self.config.max_model_len, text=text)
             for _ in range(spec.sampling.n)
         ]
         self._arrivals += 1
@@ -215,6 +217,16 @@ class RouterEngine:
                 self.delivery.deliver(seq, seq.assembler.finish("abort"), (), (), "abort")
         self.delivery.complete(group)
         return True
+
+    def finish_sample(self, request_id: str, index: int) -> bool:
+        """An API worker found a stop string in sample `index`: the sample ends (its blocks
+        freed; tokens sampled for it meanwhile are dropped) and, when it was the last, the
+        request completes. False if the request or sample is not live."""
+        group = self.live.get(request_id)
+        if group is None or not 0 <= index < len(group.seqs) or group.aborted:
+            return False
+        handle = self.executors.get(group.executor_id or "")
+        return self.delivery.finish_by_edge(handle, group.seqs[index])
 
     def model_info(self) -> ModelInfoData:
         """ModelInfo; its dtype is what the live executors compute in (each registers

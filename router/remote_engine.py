@@ -4,7 +4,12 @@ worker's DEALER socket to the router core (edge_hub.py is the other end).
     submit(spec)   a local OutputChannel first, then Submit -> Reply (the core's admission
                    error re-raised here as the same PagedServeError) -> the channel's stream
     Outputs        each item goes to its request's channel: deltas, then finish(usage) or
-                   fail(error); the core sends one Outputs per step for all of them
+                   fail(error); the core sends one Outputs per step for all of them.
+                   The core sends token ids and the token stops only; each sample's text is
+                   assembled here (`TextAssembler`, the same rules as in the router process),
+                   and a stop string found here ends the sample in the core (StopSample);
+                   tokens the core sampled for it meanwhile are dropped here, and the usage's
+                   completion_tokens is what this side handed out
     abort(id)      a request of this worker: Forget (no answer; the stream is dropped here)
     abort_anywhere(id), cluster_status()   round trips (the Abort RPC may name a request
                    another worker runs; the status is the core's)
@@ -26,6 +31,7 @@ import grpc
 import msgspec
 import zmq
 
+from .detokenizer import TextAssembler
 from .edge_wire import (
     AbortCall,
     EdgeCodec,
@@ -37,11 +43,20 @@ from .edge_wire import (
     Outputs,
     Reply,
     StatusCall,
+    StopSample,
     Submit,
 )
 from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError, QueueFull, Unavailable
 from .sequence import OutputChannel
-from .types import ClusterStatusData, ModelInfoData, RequestOutput, RequestSpec
+from .tokenizer import Tokenizer
+from .types import (
+    ClusterStatusData,
+    CompletionDelta,
+    ModelInfoData,
+    RequestOutput,
+    RequestSpec,
+    Usage,
+)
 from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.worker")
@@ -57,12 +72,24 @@ def error_from(name: str, message: str) -> Exception:
     return cls(message) if cls is not None else RuntimeError(f"router core: {message}")
 
 
+class RemoteRequest:
+    """One request of this worker: its output channel and each sample's text assembly."""
+
+    __slots__ = ("channel", "assemblers")
+
+    def __init__(self, channel: OutputChannel, assemblers: list[TextAssembler]) -> None:
+        self.channel = channel
+        self.assemblers = assemblers
+
+
 class RemoteEngine:
     """Implements `router.types.Engine` in an API worker (see the module docstring)."""
 
-    def __init__(self, core_address: str, worker: int, info: ModelInfoData) -> None:
+    def __init__(self, core_address: str, worker: int, info: ModelInfoData,
+                 tokenizer: Tokenizer) -> None:
         self.worker = worker
         self.info = info
+        self.tokenizer = tokenizer
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -72,7 +99,7 @@ class RemoteEngine:
         self._codec_out = EdgeCodec(to_core=True)
         self._codec_in = EdgeCodec(to_core=False)
         self._reader = SocketReader(self._sock, self._receive, log)
-        self._streams: dict[str, OutputChannel] = {}
+        self._streams: dict[str, RemoteRequest] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self.status = EdgeStatus(serving=False, draining=False, dtype=info.dtype)
@@ -113,7 +140,12 @@ class RemoteEngine:
         request_id = spec.request_id
         if request_id in self._streams:
             raise AlreadyExists(f"request {request_id!r} is already running")
-        channel = self._streams[request_id] = OutputChannel()
+        channel = OutputChannel()
+        self._streams[request_id] = RemoteRequest(channel, [
+            TextAssembler(self.tokenizer, spec.sampling, spec.prompt_token_ids,
+                          eos_token_ids=self.info.eos_token_ids,
+                          max_model_len=self.info.max_model_len)
+            for _ in range(spec.sampling.n)])
         try:
             reply = await self._call(lambda call: Submit(call, spec))
         except BaseException:  # cancelled while waiting: the core may have admitted it
@@ -172,16 +204,19 @@ class RemoteEngine:
         if isinstance(msg, Outputs):
             streams = self._streams
             for item in msg.items:
-                channel = streams.get(item.request_id)
-                if channel is None:  # the client went away: the core was told
+                req = streams.get(item.request_id)
+                if req is None:  # the client went away: the core was told
                     continue
                 for delta in item.deltas:
-                    channel.put(delta)
+                    self._assemble(item.request_id, req, delta)
                 if item.usage is not None:
-                    channel.finish(item.usage)
+                    usage = item.usage
+                    req.channel.finish(Usage(  # tokens handed out here (see module doc)
+                        usage.prompt_tokens, sum(a.num_tokens for a in req.assemblers),
+                        usage.cached_prompt_tokens))
                     del streams[item.request_id]
                 elif item.error:
-                    channel.fail(error_from(item.error, item.message))
+                    req.channel.fail(error_from(item.error, item.message))
                     del streams[item.request_id]
         elif isinstance(msg, Reply):
             fut = self._calls.get(msg.call)
@@ -193,6 +228,38 @@ class RemoteEngine:
             self.status_changed.set()
         elif isinstance(msg, EdgeStop):
             self.stopped.set()
+
+
+    def _assemble(self, request_id: str, req: RemoteRequest, delta: CompletionDelta) -> None:
+        """A sample's new tokens from the core -> text, stop strings -> its stream (as the
+        router process's text stage does, delivery.py)."""
+        asm = req.assemblers[delta.index]
+        if asm.finished:  # ended here by a stop string: the core's later tokens are dropped
+            return
+        parts: list[str] = []
+        ids: list[int] = []
+        update = None
+        for tok in delta.token_ids:
+            update = asm.append(tok)
+            ids.append(tok)
+            parts.append(update.text)
+            if update.finished:
+                break
+        if update is not None and update.finished:
+            reason, stop_string, stop_id = (update.finish_reason, update.stop_string,
+                                            update.stop_token_id)
+            if delta.finish_reason is None or len(ids) < len(delta.token_ids):
+                self.send(StopSample(request_id, delta.index))  # the core did not stop it
+        elif delta.finish_reason is not None:  # abort, drain: decided in the core
+            parts.append(asm.finish(delta.finish_reason))
+            reason, stop_string, stop_id = (delta.finish_reason, delta.stop_string,
+                                            delta.stop_token_id)
+        else:
+            reason = stop_string = stop_id = None
+        req.channel.put(CompletionDelta(
+            index=delta.index, text="".join(parts), token_ids=tuple(ids),
+            logprobs=delta.logprobs[:len(ids)], finish_reason=reason, stop_string=stop_string,
+            stop_token_id=stop_id))
 
 
 class MetricsRelay:

@@ -127,6 +127,41 @@ def test_greedy_equals_hf_over_many_connections(cluster, hf):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
 
 
+def test_stop_strings_found_in_the_workers_text(cluster):
+    """The core sends tokens; each worker assembles the text and finds stop strings: the cut,
+    include_stop_str_in_output, streams equal to unary, usage = tokens handed out, n = 2."""
+    stub = cluster.stub
+    base = stub.Generate(request("Stop strings", max_tokens=40, temperature=0,
+                                 ignore_eos=True), timeout=60).completions[0]
+    text = base.text
+    stops = [text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+             if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3]]
+    assert stops, text
+    stop = stops[0]
+    cut_at = text.index(stop)
+    kw = dict(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    cut = stub.Generate(request("Stop strings", **kw), timeout=60)
+    c = cut.completions[0]
+    assert (c.text, c.finish_reason, c.stop_string) == (text[:cut_at], pb.STOP, stop)
+    assert list(c.token_ids) == list(base.token_ids[:len(c.token_ids)])
+    assert len(c.token_ids) < len(base.token_ids)
+    assert cut.usage.completion_tokens == len(c.token_ids)
+    chunks = list(stub.Stream(request("Stop strings", **kw), timeout=60))
+    assert "".join(ch.text for ch in chunks) == c.text
+    assert [t for ch in chunks for t in ch.token_ids] == list(c.token_ids)
+    assert chunks[-1].usage.completion_tokens == len(c.token_ids)
+    incl = stub.Generate(request("Stop strings", include_stop_str_in_output=True, **kw),
+                         timeout=60).completions[0]
+    assert incl.text == text[:cut_at + len(stop)]
+    sampled = stub.Generate(request("Stop strings", max_tokens=40, temperature=1.0, seed=3,
+                                    n=2, ignore_eos=True, stop=[stop, text[:2]]), timeout=60)
+    assert sum(len(x.token_ids) for x in sampled.completions) == \
+        sampled.usage.completion_tokens
+    for x in sampled.completions:
+        assert stop not in x.text and text[:2] not in x.text
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
+
+
 def _open_stream(stub, request_id: str, chunks: list, ended: threading.Event):
     """A long greedy stream in a thread: chunks (or the RpcError that ended it) go to
     `chunks`; `ended` is set when it is over."""

@@ -22,12 +22,31 @@ from pagedserve.router.types import (
     ExecutorStatusData,
     ModelInfoData,
     RequestSpec,
+    SamplingSpec,
     Usage,
 )
 from prometheus_client import CollectorRegistry
 
 INFO = ModelInfoData(model="m", architecture="LlamaForCausalLM", max_model_len=64,
-                     vocab_size=100, block_size=16, dtype="bfloat16", eos_token_ids=(2,))
+                     vocab_size=100, block_size=16, dtype="bfloat16", eos_token_ids=(0,))
+PIECES = ["<eos>", "he", "llo", "x", "y", " wor", "ld", "ST", "OP", "z"]
+
+
+class PieceTokenizer:
+    """Token i is the string PIECES[i] (exact text and stop-string expectations)."""
+
+    special_token_ids = frozenset({0})
+    eos_token_ids = (0,)
+
+    def is_special(self, t):
+        return t in self.special_token_ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(PIECES[i] for i in ids)
+
+
+def ids(*pieces):
+    return tuple(PIECES.index(p) for p in pieces)
 STATUS = ClusterStatusData((ExecutorStatusData("e0", "cpu", True, 10, 7, 4, 4, 1, 2, 0),), 30, 12)
 
 
@@ -40,8 +59,10 @@ class FakeCore:
         self.up = True
         self.dtype = "bfloat16"
         self.refuse: Exception | None = None
+        self.stopped: list[tuple[str, int]] = []
 
-    def admit(self, spec, reserved=False, channel=None):
+    def admit(self, spec, reserved=False, channel=None, text=True):
+        assert text is False  # the worker assembles the text
         if self.refuse is not None:
             raise self.refuse
         if spec.request_id in self.live:
@@ -56,6 +77,10 @@ class FakeCore:
         channel.finish(Usage(3, 0))
         return True
 
+    def finish_sample(self, request_id: str, index: int) -> bool:
+        self.stopped.append((request_id, index))
+        return request_id in self.live
+
     def cluster_status(self):
         return STATUS
 
@@ -66,8 +91,8 @@ class FakeCore:
         return dataclasses.replace(INFO, dtype=self.dtype)
 
 
-def spec(request_id: str) -> RequestSpec:
-    return RequestSpec(request_id, (5, 6, 7))
+def spec(request_id: str, **sampling) -> RequestSpec:
+    return RequestSpec(request_id, (5, 6, 7), SamplingSpec(**sampling))
 
 
 async def settle(predicate, timeout_s: float = 5.0) -> None:
@@ -92,7 +117,8 @@ class Rig:
             self.sent.append((conn.index, msg))
             send(conn, msg)
         self.hub._send = spy
-        self.workers = [RemoteEngine(self.hub.address, i, INFO) for i in range(2)]
+        self.workers = [RemoteEngine(self.hub.address, i, INFO, PieceTokenizer())
+                        for i in range(2)]
         for i, w in enumerate(self.workers):
             w.start(grpc_port=50000, http_port=-1 if i else 8000, pid=1000 + i)
         for w in self.workers:
@@ -116,25 +142,25 @@ def test_one_outputs_message_per_worker_per_turn_and_streams_in_order():
     async def main():
         async with Rig() as rig:
             w0, w1 = rig.workers
-            a, b = await w0.submit(spec("a")), await w0.submit(spec("b"))
+            a, b = await w0.submit(spec("a", max_tokens=2)), await w0.submit(spec("b"))
             c = await w1.submit(spec("c"))
             assert sorted(rig.core.live) == ["a", "b", "c"]
             assert rig.hub.workers[0].requests == {"a", "b"}
             ch = rig.core.live
             # one loop turn of the core's text stage: deltas for three requests
-            ch["a"].put(CompletionDelta(0, "he", (1,)))
-            ch["b"].put(CompletionDelta(0, "x", (9,)))
-            ch["a"].put(CompletionDelta(0, "llo", (2,), finish_reason="length"))
+            ch["a"].put(CompletionDelta(0, "", ids("he")))  # the core sends no text
+            ch["b"].put(CompletionDelta(0, "", ids("x")))
+            ch["a"].put(CompletionDelta(0, "", ids("llo"), finish_reason="length"))
             ch["a"].finish(Usage(3, 2))
-            ch["c"].put(CompletionDelta(0, "y", (8,)))
+            ch["c"].put(CompletionDelta(0, "", ids("y")))
             await settle(lambda: rig.outputs_to(0) and rig.outputs_to(1))
             assert len(rig.outputs_to(0)) == 1 and len(rig.outputs_to(1)) == 1
             assert [it.request_id for it in rig.outputs_to(0)[0].items] == ["a", "b"]
             outs = await asyncio.wait_for(collect(a), 5)
             assert len(outs) == 1 and outs[0].usage == Usage(3, 2)
             (delta,) = outs[0].deltas  # merged by the worker's channel
-            assert (delta.text, delta.token_ids, delta.finish_reason) == ("hello", (1, 2),
-                                                                           "length")
+            assert (delta.text, delta.token_ids, delta.finish_reason) == (
+                "hello", ids("he", "llo"), "length")
             assert rig.hub.workers[0].requests == {"b"}
             assert w0.num_streams == 1 and w1.num_streams == 1
             ch["b"].finish(Usage(3, 1))
@@ -255,4 +281,35 @@ def test_malformed_frames_are_dropped():
             stream = await rig.workers[0].submit(spec("ok"))  # the hub still answers
             rig.core.live["ok"].finish(Usage(3, 0))
             assert (await asyncio.wait_for(collect(stream), 5))[-1].finished
+    asyncio.run(main())
+
+
+def test_a_stop_string_is_found_by_the_worker_and_ends_the_sample_in_the_core():
+    """The core sends tokens only; the worker's text hits "STOP" mid-delta: the sample ends
+    there (text cut, the stopping token kept), the core is told, tokens the core sampled
+    meanwhile are dropped, and usage counts what the client got. The other sample goes on."""
+    async def main():
+        async with Rig() as rig:
+            w0 = rig.workers[0]
+            stream = await w0.submit(spec("s", n=2, stop=("STOP",)))
+            ch = rig.core.live["s"]
+            ch.put(CompletionDelta(0, "", ids("he", "ST", "OP", "x")))
+            ch.put(CompletionDelta(1, "", ids(" wor", "ST")))  # held: may start "STOP"
+            await settle(lambda: rig.core.stopped == [("s", 0)])
+            ch.put(CompletionDelta(0, "", ids("y")))  # sampled before the core knew
+            ch.put(CompletionDelta(1, "", ids("z"), finish_reason="length"))
+            ch.finish(Usage(3, 7))
+            outs = await asyncio.wait_for(collect(stream), 5)
+            by_index: dict[int, list] = {0: [], 1: []}
+            for out in outs:
+                for d in out.deltas:
+                    by_index[d.index].append(d)
+            s0, s1 = by_index[0], by_index[1]
+            assert "".join(d.text for d in s0) == "he"
+            assert sum((d.token_ids for d in s0), ()) == ids("he", "ST", "OP")
+            assert (s0[-1].finish_reason, s0[-1].stop_string) == ("stop", "STOP")
+            assert "".join(d.text for d in s1) == " worSTz"
+            assert s1[-1].finish_reason == "length"
+            assert outs[-1].usage == Usage(3, 3 + 3)
+            assert rig.core.stopped == [("s", 0)]
     asyncio.run(main())
