@@ -4,6 +4,7 @@ that nothing accumulated: every block back, nothing leaked, and the RSS of the r
 each executor in the second half within 10% (+ 20 MB) of the first half, warm-up excluded.
 
     .venv/bin/python benchmarks/soak.py --duration 180 [--executors 2] [--concurrency 16]
+        [--api-workers N]
 
 Load: `concurrency` client threads, each looping: a streaming request (random prompt of
 8-200 token ids, max_tokens 4-64, n 1-2 sometimes), ended in one of four ways, in turn:
@@ -92,6 +93,23 @@ class Load:
                 self.count(f"{mode}:{exc.code().name}")
 
 
+API_WORKER_MARK = b"pagedserve.router.api_worker"
+
+
+def child_pids(parent: int, mark: bytes) -> list[int]:
+    """Children of `parent` whose command line contains `mark` (the router's API workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent \
+                    and mark in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+    return sorted(pids)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of load")
@@ -102,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-delay-s", type=float, default=0.002)
     ap.add_argument("--rss-ratio", type=float, default=0.10)
     ap.add_argument("--rss-slack-mb", type=float, default=20.0)
+    ap.add_argument("--api-workers", type=int, default=0,
+                    help="the router's --api-workers (their RSS is checked too)")
     args = ap.parse_args(argv)
     warmup = args.duration * 0.15 if args.warmup is None else args.warmup
 
@@ -109,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(work / "llama", "llama", num_kv_heads=2)
     cluster, controls = fake_cluster(
         model, work, args.executors,
-        router_args=["--max-num-batched-tokens", "256", "--preemption-mode", "swap"],
+        router_args=["--max-num-batched-tokens", "256", "--preemption-mode", "swap",
+                     "--api-workers", str(args.api_workers)],
         num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=256, step_delay_s=args.step_delay_s)
     cluster.start()
     procs = {"router": cluster.router.pid,
-             **{name: p.pid for name, p in cluster.executors.items()}}
+             **{name: p.pid for name, p in cluster.executors.items()},
+             **{f"api-worker-{i}": pid
+                for i, pid in enumerate(child_pids(cluster.router.pid, API_WORKER_MARK))}}
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in procs}
     load = Load(cluster, 0)
     threads = [threading.Thread(target=load.worker, args=(w,), daemon=True)
@@ -162,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "bench": "soak", "case": "summary", "duration_s": args.duration,
             "warmup_s": warmup, "executors": args.executors, "concurrency": args.concurrency,
+            "api_workers": args.api_workers,
             "requests": total, "requests_per_s": round(total / args.duration, 2),
             "outcomes": dict(sorted(load.counts.items())), "blocks_all_free": free_ok,
             "kv_blocks_leaked": leaked, "accounting_broken_logged": broken,

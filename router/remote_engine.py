@@ -125,6 +125,9 @@ class RemoteEngine:
         self._reader.poke()
 
     async def _call(self, msg_of_call) -> Reply:
+        # The servers listen a moment before the hello is answered: the core ignores
+        # messages from a worker it has not met yet.
+        await self.connected.wait()
         call = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call] = fut
@@ -278,6 +281,9 @@ class MetricsRelay:
 
     def flush(self) -> None:
         self._handle = None
+        if self._calls and not self._engine.connected.is_set():  # see RemoteEngine._call
+            self._handle = asyncio.get_running_loop().call_later(METRICS_FLUSH_S, self.flush)
+            return
         if self._calls:
             calls, self._calls = self._calls, []
             self._engine.send(MetricsBatch(calls))

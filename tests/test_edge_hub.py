@@ -313,3 +313,26 @@ def test_a_stop_string_is_found_by_the_worker_and_ends_the_sample_in_the_core():
             assert outs[-1].usage == Usage(3, 3 + 3)
             assert rig.core.stopped == [("s", 0)]
     asyncio.run(main())
+
+
+def test_a_request_before_the_hello_waits_for_it():
+    """The worker's servers listen a moment before its hello is answered; a request in that
+    moment waits instead of going to a core that would ignore it."""
+    async def main():
+        async with Rig() as rig:
+            late = RemoteEngine(rig.hub.address, 7, INFO, PieceTokenizer())
+            try:
+                submit = asyncio.ensure_future(late.submit(spec("early")))
+                relay = MetricsRelay(late)
+                relay.observe_ttft(0.5)
+                await asyncio.sleep(0.1)
+                assert not submit.done() and "early" not in rig.core.live
+                late.start(grpc_port=50000, http_port=-1, pid=1007)
+                stream = await asyncio.wait_for(submit, 5)
+                rig.core.live["early"].finish(Usage(3, 0))
+                assert (await asyncio.wait_for(collect(stream), 5))[-1].finished
+                value = rig.metrics.registry.get_sample_value
+                await settle(lambda: value("pagedserve_time_to_first_token_seconds_count") == 1)
+            finally:
+                late.close()
+    asyncio.run(main())
