@@ -97,6 +97,9 @@ class TextUpdate:
         return self.finish_reason is not None
 
 
+_NOTHING = TextUpdate()  # most tokens of a text=False assembler, and held-back text
+
+
 class TextAssembler:
     """One sample's text and stop conditions. The engine makes one per sample when a request is
     admitted and calls `append(token_id)` for every token the executor samples for it, in
@@ -166,7 +169,8 @@ class TextAssembler:
             self._max_len is not None and self.num_tokens >= self._max_len
         ):
             return self._end("length", self._flush_all())
-        return TextUpdate(text=self._release())
+        text = self._release()
+        return TextUpdate(text=text) if text else _NOTHING
 
     def finish(self, reason: FinishReason = "abort") -> str:
         """End the sample for a reason decided outside (abort, drain); return held-back text."""
