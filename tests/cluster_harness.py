@@ -6,6 +6,7 @@ so start one cluster per module and share it. HF reference generation is here to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -118,6 +119,20 @@ class Cluster:
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.wait_executors(self.num_executors, timeout_s=deadline - time.monotonic())
         return self
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 90.0):
+        """`with cluster.running():` started (stopped again if the start fails) and stopped
+        at the end: a test module's cluster fixture."""
+        try:
+            self.start(timeout_s)
+        except Exception:
+            self.stop()
+            raise
+        try:
+            yield self
+        finally:
+            self.stop()
 
     def status(self) -> pb.ClusterStatus:
         return self.stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=10)

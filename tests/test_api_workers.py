@@ -44,13 +44,8 @@ def cluster(model_dir):
     c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "256"],
                 router_args=["--api-workers", "2", "--max-queue-len", "6",
                              "--shutdown-timeout", "3"])
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    with c.running():
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -40,13 +40,8 @@ def model_dir(tmp_path_factory):
 def cluster(model_dir):
     c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "256"],
                 router_args=["--max-queue-len", "2", "--shutdown-timeout", "3"])
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    with c.running():
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -29,14 +29,9 @@ def cluster(model_dir, tmp_path_factory):
         model_dir, tmp_path_factory.mktemp("fake"), 2,
         router_args=["--step-timeout", "1", "--routing", "round-robin"],
         num_gpu_blocks=64, num_cpu_blocks=0, step_delay_s=0.002, eos_at=EOS_AT)
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
     c.controls = controls
-    yield c
-    c.stop()
+    with c.running():
+        yield c
 
 
 def _no_violations(cluster) -> None:

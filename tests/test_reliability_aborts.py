@@ -38,14 +38,9 @@ def cluster(model_dir, tmp_path_factory):
         router_args=["--max-num-seqs", "16", "--max-num-batched-tokens", str(BUDGET),
                      "--preemption-mode", "swap", "--max-queue-len", "1024"],
         num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=CPU_BLOCKS, step_delay_s=0.002)
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    c.control = controls["f0"]
-    yield c
-    c.stop()
+    with c.running():
+        c.control = controls["f0"]  # made when the fake executor starts
+        yield c
     print("\nabort storm:", dict(sorted(COUNTS.items())), "total", sum(COUNTS.values()))
 
 

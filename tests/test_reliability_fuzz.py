@@ -38,13 +38,8 @@ def model_dir(tmp_path_factory):
 def cluster(model_dir, tmp_path_factory):
     c, _ = fake_cluster(model_dir, tmp_path_factory.mktemp("fake"), 1,
                         router_args=["--max-queue-len", "64"], num_gpu_blocks=BLOCKS)
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    with c.running():
+        yield c
 
 
 def _healthy(cluster) -> None:

@@ -35,13 +35,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     c = Cluster(model_dir, num_executors=2, executor_args=["--num-gpu-blocks", "512"])
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    with c.running():
+        yield c
 
 
 @pytest.fixture(scope="module")
