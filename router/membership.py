@@ -49,7 +49,8 @@ class ExecutorHandle:
     step_id: int = 0  # of the newest plan sent
     task: asyncio.Task | None = None
     prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
-    last_check: float = 0.0  # when the KV invariants were last verified
+    last_check: float = 0.0  # when the KV accounting was last checked
+    next_full_check: float = 0.0  # when the O(blocks) invariant check may run again
     num_leaked_blocks: int = 0
 
     @property

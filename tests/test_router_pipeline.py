@@ -486,3 +486,41 @@ def test_scheduler_at_depth_2_with_the_benchmark_fake_and_eos_positions():
     assert applier.num_tokens == 12 * 7 and marked > 10  # each ended at its EOS
     assert sum(sched.num_preemptions.values()) > 0
     assert kv.num_free_gpu_blocks == 24
+
+
+def test_the_periodic_invariant_check_takes_a_bounded_share_of_the_loop(monkeypatch):
+    """The O(blocks) KV invariant check runs at most INVARIANT_CPU_SHARE of the time (a
+    100 ms check: again after 50 s, not every 5 s); leaks are still counted every interval;
+    with debug_checks it runs after every step."""
+    from types import SimpleNamespace
+
+    from pagedserve.router import step_loop
+
+    clock = {"now": 1000.0, "perf": 0.0}
+    checks: list[float] = []
+    leak_counts: list[float] = []
+
+    class KV:
+        def check_invariants(self):
+            checks.append(clock["now"])
+            clock["perf"] += 0.1  # what the check cost
+
+    def leaked():
+        leak_counts.append(clock["now"])
+        return 0, []
+
+    monkeypatch.setattr(step_loop, "time", SimpleNamespace(
+        monotonic=lambda: clock["now"], perf_counter=lambda: clock["perf"]))
+    config = EngineConfig(model_fingerprint="x", invariant_check_interval_s=5.0)
+    loop = step_loop.StepLoop(SimpleNamespace(config=config, metrics=None))
+    handle = SimpleNamespace(id="e0", kv=KV(), scheduler=SimpleNamespace(
+        num_leaked_blocks=leaked), last_check=0.0, next_full_check=0.0, num_leaked_blocks=0)
+    for t in (1000.0, 1001.0, 1006.0, 1030.0, 1049.0, 1055.0, 1056.0):
+        clock["now"] = t
+        loop.check_accounting(handle)
+    assert checks == [1000.0, 1055.0]  # the first interval tick 50 s after a 0.1 s check
+    assert leak_counts == [1000.0, 1006.0, 1030.0, 1049.0, 1055.0]  # every 5 s
+    config.debug_checks = True
+    clock["now"] = 1056.5
+    loop.check_accounting(handle)
+    assert checks[-1] == 1056.5
