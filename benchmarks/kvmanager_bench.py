@@ -119,12 +119,57 @@ def bench_pool_create(num_blocks: int = 1_000_000) -> dict:
     }
 
 
+def bench_invariants(num_blocks: int, requests: int = 256, tokens: int = 1000,
+                     seed: int = 0) -> dict:
+    """`check_invariants()` (O(blocks); the router runs it on its event loop, step_loop.py
+    `check_accounting`) with `requests` live requests of `tokens` tokens, at first use and
+    after every block has been handed out once (a long run's steady state)."""
+    rng = random.Random(seed)
+    mgr = KVCacheManager(num_gpu_blocks=num_blocks, block_size=16)
+
+    def add(rid: str, n: int) -> bool:
+        toks = [rng.randrange(1000) for _ in range(n)]
+        hashes: list = []
+        mgr.hash_blocks(toks, None, hashes)
+        return mgr.allocate(rid, toks, n, block_hashes=hashes) is not None
+
+    for r in range(requests):
+        assert add(f"r{r}", tokens), "the pool is too small for the live requests"
+    mgr.end_step()
+
+    def timed_ms() -> float:
+        t0 = time.perf_counter()
+        mgr.check_invariants()
+        return round((time.perf_counter() - t0) * 1e3, 2)
+
+    first = [timed_ms() for _ in range(2)]
+    cycle = 0
+    while mgr.gpu.fresh_next < mgr.gpu.num_blocks and add(f"c{cycle}", 2000):
+        mgr.free(f"c{cycle}")
+        mgr.end_step()
+        cycle += 1
+    steady = [timed_ms() for _ in range(2)]
+    return {"bench": BENCH, "case": f"check_invariants_{num_blocks}", "num_blocks": num_blocks,
+            "blocks_in_use": num_blocks - mgr.num_free_gpu_blocks,
+            "first_use_ms": first, "steady_ms": steady}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=20000)
     ap.add_argument("--hash-algo", default="sha256")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--invariants", default="",
+                    help="only time check_invariants at these device block counts "
+                         "(comma-separated, e.g. 17000,100000,350000)")
     args = ap.parse_args(argv)
+    if args.invariants:
+        for n in (int(x) for x in args.invariants.split(",") if x):
+            r = bench_invariants(n)
+            print(json.dumps(r), flush=True)
+            print(f"{r['case']:<28} first use {r['first_use_ms']} ms, steady "
+                  f"{r['steady_ms']} ms", file=sys.stderr)
+        return 0
     # The machine is shared: run the throughput case a few times and report the median.
     runs = [bench_alloc_free(args.cycles, args.hash_algo) for _ in range(args.repeats)]
     alloc = sorted(runs, key=lambda r: r["ops_per_s"])[len(runs) // 2]
