@@ -72,14 +72,18 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, lambda: None)
 
+    orphaned = False
+
     async def follow_core() -> None:
         """Draining when the core says so; stop on EdgeStop or when the router is gone."""
+        nonlocal orphaned
         drained = False
         while not stop.is_set():
             if engine.status.draining and not drained:
                 drained = True
                 await server.drain()  # health NOT_SERVING, new requests UNAVAILABLE
-            if engine.stopped.is_set() or not parent.alive():
+            orphaned = not parent.alive()
+            if engine.stopped.is_set() or orphaned:
                 stop.set()
                 return
             engine.status_changed.clear()
@@ -89,10 +93,12 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
     follower = loop.create_task(follow_core())
     await stop.wait()
     follower.cancel()
-    log.info("API worker %d stopping (%d open streams)", worker, engine.num_streams)
+    log.info("API worker %d stopping (%d open streams%s)", worker, engine.num_streams,
+             "; the router is gone" if orphaned else "")
     if http is not None:
         await http.stop()
-    await server.stop(grace=1.0)
+    # Without a router its streams are dead: free the ports at once for the next router.
+    await server.stop(grace=0 if orphaned else 1.0)
     relay.flush()
     engine.close()
     return 0

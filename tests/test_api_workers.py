@@ -351,6 +351,42 @@ def test_a_port_in_use_is_one_line_and_exit_2(cluster, model_dir):
     assert "Traceback" not in busy.stderr
 
 
+def _start_router(model_dir, port: int, http_port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
+         "--api-workers", "2", "--port", str(port), "--http-port", str(http_port),
+         "--metrics-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "pagedserve ready" in line or not line:
+            assert "pagedserve ready" in line, f"router exited: {proc.poll()}"
+            return proc
+    raise AssertionError("router not ready")
+
+
+def test_a_killed_router_takes_its_workers_and_frees_the_ports(model_dir):
+    """SIGKILL of the router (no drain): its workers exit at once (within the parent check,
+    no grace), and a new router binds the same ports."""
+    port, http_port = free_port(), free_port()
+    first = _start_router(model_dir, port, http_port)
+    workers = worker_pids(first.pid)
+    assert len(workers) == 2
+    first.kill()
+    first.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{p}").exists() for p in workers)
+    second = _start_router(model_dir, port, http_port)
+    try:
+        assert len(worker_pids(second.pid)) == 2
+    finally:
+        second.terminate()
+        assert second.wait(30) == 0
+
+
 def test_draining_then_exit_with_no_worker_left(cluster):
     """Runs last: SIGTERM the router with a stream open."""
     pids = worker_pids(cluster.router.pid)
