@@ -18,6 +18,7 @@ Cases (JSON lines, DESIGN §8): `pagedserve`, `hf_generate_batch`, `summary`
 (`pagedserve_vs_hf_ratio` = pagedserve output tok/s / HF active output tok/s).
 
     python benchmarks/hf_batch_bench.py --model-dir DIR [--num-prompts 256] [--small]
+        [--api-workers N]
 
 `--small`: CPU, float32, 8 short requests, no HF warm-up (checks the script, not a GPU).
 """
@@ -58,7 +59,7 @@ def run_pagedserve(args, prompts: list[list[int]], warmup: list[list[int]]) -> d
               if args.small else [])
     argv = serve_argv(args.model_dir, "--executors", "1", "--dtype", args.dtype,
                       "--max-num-seqs", str(max(len(prompts), WARMUP_PROMPTS)),
-                      "--swap-space", "0", *device)
+                      "--swap-space", "0", "--api-workers", str(args.api_workers), *device)
     log = Path(args.log_dir or tempfile.mkdtemp()) / "hf_batch_bench_serve.log"
     with ServeProcess(argv, log) as server:
         def reqs(ps):
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --small)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default=None, help="the server's log goes here")
+    ap.add_argument("--api-workers", type=int, default=0,
+                    help="the server's --api-workers (0: gRPC served by the router process)")
     ap.add_argument("--small", action="store_true", help="CPU, few short requests")
     args = ap.parse_args(argv)
     if args.small:
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     emit("pagedserve", ok=ps_ok, requests=len(prompts), output_len=args.output_len,
          dtype=args.dtype, output_tokens=ps["total_output_tokens"], wall_s=ps["duration_s"],
          output_tok_per_s=round(ps_tok_s, 1), ttft_ms_p50=ps["ttft_ms_p50"],
-         tpot_ms_p50=ps["tpot_ms_p50"], failed=ps["failed"])
+         tpot_ms_p50=ps["tpot_ms_p50"], failed=ps["failed"], api_workers=args.api_workers)
 
     hf = run_hf(args, prompts, warmup)
     hf_ok = hf["errors"] == 0 and hf["output_tokens"] == expected
