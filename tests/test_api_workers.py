@@ -157,6 +157,33 @@ def test_stop_strings_found_in_the_workers_text(cluster):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
 
 
+def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
+    """The OpenAI SDK on the workers' HTTP port: a chat stream concatenates to the unary
+    reply with usage; a client that disconnects mid-stream leaks no block."""
+    import openai
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    model = Path(cluster.model_dir).name
+    kw = dict(model=model, messages=[{"role": "user", "content": "Route me"}],
+              max_completion_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    unary = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == unary.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens == 10
+    stream = client.completions.create(model=model, prompt="A long story", stream=True,
+                                       max_tokens=400, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert cluster.wait_blocks_free(timeout_s=20).executors[0].num_free_gpu_blocks == 256
+    time.sleep(0.2)  # the workers batch their metrics every 50 ms
+    assert metric(cluster.metrics(),
+                  'pagedserve_request_failure_total{api="http",code="CANCELLED"}') >= 1
+
+
 def _open_stream(stub, request_id: str, chunks: list, ended: threading.Event):
     """A long greedy stream in a thread: chunks (or the RpcError that ended it) go to
     `chunks`; `ended` is set when it is over."""
