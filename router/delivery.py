@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING
 
 from .sequence import GroupStatus, RequestGroup, Sequence
-from .types import CompletionDelta
 
 if TYPE_CHECKING:
     from .engine import RouterEngine
@@ -99,10 +98,8 @@ class Delivery:
         group = seq.group
         if token_ids and group.first_token_time is None:
             group.first_token_time = time.monotonic()
-        group.channel.put(CompletionDelta(
-            index=seq.index, text=text, token_ids=token_ids, logprobs=logprobs,
-            finish_reason=finish_reason, stop_string=stop_string, stop_token_id=stop_token_id,
-        ))
+        group.channel.deliver(seq.index, text, token_ids, logprobs, finish_reason,
+                              stop_string, stop_token_id)
 
     def complete(self, group: RequestGroup) -> None:
         """Every sample finished: the final item with usage; forget the request."""

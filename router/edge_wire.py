@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import msgspec
 
-from .types import ClusterStatusData, CompletionDelta, RequestSpec, Usage
+from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 2
+EDGE_PROTOCOL_VERSION = 3
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -73,12 +73,23 @@ class Reply(msgspec.Struct, tag=True):
     status: ClusterStatusData | None = None  # StatusCall
 
 
+class TokenDelta(msgspec.Struct, array_like=True):
+    """A sample's new tokens as the engine sends them to an API worker: no text (the worker
+    assembles it), and the finish decided in the engine (token stops, abort) if any."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+
+
 class OutputItem(msgspec.Struct, array_like=True):
     """One request's outputs since the last Outputs: deltas, then `usage` when it finished,
     or `error` (a PagedServeError class name) when the engine failed it."""
 
     request_id: str
-    deltas: list[CompletionDelta]
+    deltas: list[TokenDelta]
     usage: Usage | None = None
     error: str = ""
     message: str = ""

@@ -45,6 +45,7 @@ from .edge_wire import (
     StatusCall,
     StopSample,
     Submit,
+    TokenDelta,
 )
 from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError, QueueFull, Unavailable
 from .sequence import OutputChannel
@@ -233,7 +234,7 @@ class RemoteEngine:
             self.stopped.set()
 
 
-    def _assemble(self, request_id: str, req: RemoteRequest, delta: CompletionDelta) -> None:
+    def _assemble(self, request_id: str, req: RemoteRequest, delta: TokenDelta) -> None:
         """A sample's new tokens from the core -> text, stop strings -> its stream (as the
         router process's text stage does, delivery.py)."""
         asm = req.assemblers[delta.index]
@@ -255,8 +256,7 @@ class RemoteEngine:
                 self.send(StopSample(request_id, delta.index))  # the core did not stop it
         elif delta.finish_reason is not None:  # abort, drain: decided in the core
             parts.append(asm.finish(delta.finish_reason))
-            reason, stop_string, stop_id = (delta.finish_reason, delta.stop_string,
-                                            delta.stop_token_id)
+            reason, stop_string, stop_id = delta.finish_reason, None, delta.stop_token_id
         else:
             reason = stop_string = stop_id = None
         req.channel.put(CompletionDelta(

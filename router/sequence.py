@@ -82,6 +82,10 @@ class OutputSink(Protocol):
 
     def put(self, delta: CompletionDelta) -> None: ...
 
+    def deliver(self, index: int, text: str, token_ids: tuple, logprobs: tuple,
+                finish_reason, stop_string, stop_token_id) -> None:
+        """`put` of a delta with these fields (a sink may skip making the object)."""
+
     def finish(self, usage: Usage) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
@@ -103,6 +107,11 @@ class OutputChannel:
             return
         self._pending.setdefault(delta.index, []).append(delta)
         self._event.set()
+
+    def deliver(self, index: int, text: str, token_ids: tuple, logprobs: tuple,
+                finish_reason, stop_string, stop_token_id) -> None:
+        self.put(CompletionDelta(index, text, token_ids, logprobs, finish_reason, stop_string,
+                                 stop_token_id))
 
     def finish(self, usage: Usage) -> None:
         if self.closed:
