@@ -8,7 +8,7 @@ output of a worker's requests leaves the core as one message, so the core's cost
 longer grows with a gRPC write and a detokenization per stream.
 
     worker: Submit(spec) -> hub: engine.admit(spec, channel=ForwardChannel, text=False)
-    step:   text stage (token stops only) -> ForwardChannel.put/finish/fail -> the outbox
+    step:   text stage (token stops only) -> ForwardChannel.deliver/finish/fail -> outbox
             -> one Outputs per worker, sent when the loop turn ends (call_soon)
     worker: StopSample(id, index) -> engine.finish_sample: a stop string ended that sample
             (the tokens sampled for it meanwhile are dropped there, as the worker drops them)

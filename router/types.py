@@ -197,7 +197,8 @@ class Engine(Protocol):
       reading the stream), so the engine must not block on a consumer that went away.
     * Text assembly: the engine produces `CompletionDelta.text` with one
       `pagedserve.router.detokenizer.TextAssembler` per sample (stop strings end generation,
-      so they are checked where tokens are appended, after every step).
+      so they are checked where tokens are appended, after every step). In an API worker the
+      RemoteEngine does it, from the router engine's token deltas.
     * Optional: `reserve_slot()` / `release_slot()`. When the engine has them the edge
       reserves a waiting-queue place before tokenizing (QueueFull / Unavailable raised
       there) and calls `submit(spec, reserved=True)`, which consumes the place whatever it
