@@ -84,7 +84,8 @@ def emit(case: str, **figures) -> dict:
 
 
 def workers_suffix(args) -> str:
-    return f"_w{args.api_workers}" if args.api_workers else ""
+    return (f"_w{args.api_workers}" if args.api_workers else "") + \
+        (f"_c{args.client_channels}" if args.client_channels != 1 else "")
 
 
 def run_real(model: str, path: Path, running: int, depth: int, args, work: Path) -> dict:
@@ -101,12 +102,13 @@ def run_real(model: str, path: Path, running: int, depth: int, args, work: Path)
         server.wait_ready()
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         run = asyncio.run(drive(server.address, running, max_tokens, vocab, args.window_s,
-                                server, []))
+                                server, [], channels=args.client_channels))
     finally:
         server.stop()
     res = summarise(run, server.trace_lines())
     return {"mode": "real", "model": model, "depth": depth, "running": running,
-            "executors": 1, "api_workers": args.api_workers, **res}
+            "executors": 1, "api_workers": args.api_workers,
+            "client_channels": args.client_channels, **res}
 
 
 def run_fake(path: Path, executors: int, running: int, depth: int, args,
@@ -138,13 +140,14 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
                                           stderr=subprocess.DEVNULL, cwd=ROOT))
         wait_executors(server.address, executors)
         run = asyncio.run(drive(server.address, running, max_len - PROMPT_LEN - 1, vocab,
-                                args.window_s, server, stop))
+                                args.window_s, server, stop, channels=args.client_channels))
     finally:
         server.stop()
         stop_processes(fakes, timeout_s=10)
     res = summarise(run, server.trace_lines())
     return {"mode": "fake", "model": "fake", "depth": depth, "running": running,
             "executors": executors, "api_workers": args.api_workers,
+            "client_channels": args.client_channels,
             "step_delay_ms": args.fake_step_delay_ms,
             "stop_strings": len(stop), **res}
 
@@ -221,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep logs and step traces here (default: a temporary folder)")
     ap.add_argument("--api-workers", type=int, default=0,
                     help="the router's --api-workers (0: gRPC served by the router process)")
+    ap.add_argument("--client-channels", type=int, default=1,
+                    help="gRPC channels (connections) the streams are spread over; API "
+                         "workers share connections, not streams")
     args = ap.parse_args(argv)
     # The clients run on the router's cores, as `serve` leaves the executor's core to the
     # executor (--cpu-affinity auto, pagedserve.affinity): a load generator sharing the

@@ -42,8 +42,11 @@ class Stream:
 
 
 async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
-                window_s: float, server: Server, stop: list[str], seed: int = 0) -> dict:
-    """Start the streams, wait for ramp-up, measure a window, cancel everything."""
+                window_s: float, server: Server, stop: list[str], seed: int = 0,
+                channels: int = 1) -> dict:
+    """Start the streams, wait for ramp-up, measure a window, cancel everything. The
+    streams go round robin over `channels` gRPC channels (each its own connection: with API
+    workers the kernel spreads connections, not streams, over them)."""
     import grpc
     import numpy as np
     from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -85,9 +88,15 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
             st.error = f"{exc.code().name}: {exc.details()}"
             near_end.set()
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GeneratorStub(channel)
-        tasks = [asyncio.ensure_future(one(i, stub)) for i in range(num_streams)]
+    # A local subchannel pool per channel: otherwise channels to one address share a
+    # connection (the default of 1 channel is the client as it always was).
+    options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
+    opened = [grpc.aio.insecure_channel(address, options=options)
+              for _ in range(max(1, channels))]
+    try:
+        stubs = [pb_grpc.GeneratorStub(ch) for ch in opened]
+        tasks = [asyncio.ensure_future(one(i, stubs[i % len(stubs)]))
+                 for i in range(num_streams)]
         try:
             ramp = [asyncio.ensure_future(e.wait()) for e in (warm, near_end)]
             await asyncio.wait(ramp, timeout=RAMP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -111,6 +120,9 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for ch in opened:
+            await ch.close()
     errors = [s.error for s in streams if s.error]
     return {"streams": streams, "t0": t0, "t1": t1, "snap0": snap0, "snap1": snap1,
             "errors": errors}
