@@ -233,7 +233,6 @@ class RemoteEngine:
         elif isinstance(msg, EdgeStop):
             self.stopped.set()
 
-
     def _assemble(self, request_id: str, req: RemoteRequest, delta: TokenDelta) -> None:
         """A sample's new tokens from the core -> text, stop strings -> its stream (as the
         router process's text stage does, delivery.py)."""
