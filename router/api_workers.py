@@ -122,6 +122,7 @@ class ApiWorkers:
             if self.stopping:
                 return
             lost = self.hub.worker_lost(index)
+            self.hub.metrics.inc_api_worker_restart()
             log.error("API worker %d (pid %d) exited with code %s; %d of its requests "
                       "aborted; starting it again", index, proc.pid, rc, lost)
             if time.monotonic() - self.started_at[index] > STABLE_S:

@@ -53,6 +53,7 @@ class RouterMetrics:
         self.prefix_cache_hits = Counter("pagedserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", ex, registry=r)
         self.preemptions = Counter("pagedserve_preemptions_total", "Preemptions, per executor and mode.", ["executor", "mode"], registry=r)
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
+        self.api_worker_restarts = Counter("pagedserve_api_worker_restarts_total", "API worker processes (--api-workers) that died and were started again.", registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens_total", "Generated tokens.", registry=r)
         self.request_success = Counter("pagedserve_request_success_total", "Finished samples, by finish reason and API.", ["finish_reason", "api"], registry=r)
@@ -143,6 +144,9 @@ class RouterMetrics:
 
     def inc_migration(self, n: int = 1) -> None:
         self.migrations.inc(n)
+
+    def inc_api_worker_restart(self) -> None:
+        self.api_worker_restarts.inc()
 
     def set_executors_healthy(self, n: int) -> None:
         self.executors_healthy.set(n)

@@ -355,7 +355,9 @@ def test_a_killed_worker_is_replaced_and_leaks_nothing(cluster):
         assert len(stub.Generate(request("after", max_tokens=3), timeout=30)
                    .completions[0].token_ids) == 3
         channel.close()
-    assert metric(cluster.metrics(), "pagedserve_kv_blocks_leaked{") == 0
+    text = cluster.metrics()
+    assert metric(text, "pagedserve_kv_blocks_leaked{") == 0
+    assert metric(text, "pagedserve_api_worker_restarts_total") == 1
 
 
 def test_a_port_in_use_is_one_line_and_exit_2(cluster, model_dir):
