@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import re
@@ -101,6 +102,7 @@ class BenchConfig:
     backend: str = "grpc"
     vocab_size: int | None = None  # openai: the token-id range of random prompts
     model: str | None = None  # openai: the model id (default: the server's first)
+    connections: int = 1  # grpc: channels (TCP connections) the requests are spread over
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,13 +299,23 @@ async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None
     from .protos.generated.pagedserve.v1 import generate_pb2 as pb
     from .protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(cfg.address) as channel:
-        stub = pb_grpc.GeneratorStub(channel)
-        info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=15,
-                                       wait_for_ready=True)
+    # One gRPC channel multiplexes every stream on one connection; a server whose API is
+    # served by several processes (--api-workers) gets connections, not streams, spread.
+    options = [("grpc.use_local_subchannel_pool", 1)] if cfg.connections > 1 else []
+    channels = [grpc.aio.insecure_channel(cfg.address, options=options)
+                for _ in range(max(1, cfg.connections))]
+    try:
+        stubs = [pb_grpc.GeneratorStub(ch) for ch in channels]
+        info = await stubs[0].GetModelInfo(pb.ModelInfoRequest(), timeout=15,
+                                           wait_for_ready=True)
         if requests is None:
             requests = sample_requests(cfg, info.vocab_size)
-        return await drive(cfg, requests, lambda req: _one(stub, req, cfg))
+        turn = itertools.count()  # round robin over the connections
+        return await drive(cfg, requests,
+                           lambda req: _one(stubs[next(turn) % len(stubs)], req, cfg))
+    finally:
+        for ch in channels:
+            await ch.close()
 
 
 async def drive(cfg: BenchConfig, requests: list[BenchRequest], send) -> dict:
@@ -368,6 +380,13 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be 1 or more")
+    return n
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -418,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="let EOS end a request (default: ignore_eos, fixed output lengths)")
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline (s)")
+    p.add_argument("--connections", type=_positive_int, default=1,
+                   help="grpc: connections to spread the requests over (a server with "
+                        "--api-workers serves each connection from one worker)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -438,7 +460,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         question_len=args.question_len, file=args.file, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
-        progress=not args.no_progress and not args.json, timeout_s=args.timeout)
+        progress=not args.no_progress and not args.json, timeout_s=args.timeout,
+        connections=args.connections)
 
 
 def main(argv: list[str]) -> int:

@@ -84,6 +84,16 @@ def test_openai_backend_runs_the_same_workload_over_http(cluster):
     assert bad.returncode == 1 and "--vocab-size" in bad.stderr
 
 
+def test_requests_spread_over_several_connections(cluster):
+    res = _bench(cluster, "--num-prompts", "6", "--input-len-range", "8:16",
+                 "--output-len-range", "3:3", "--connections", "3", "--seed", "5")
+    assert res["completed"] == 6 and res["total_output_tokens"] == 18
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "--connections",
+                          "0"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--connections" in bad.stderr
+
+
 def test_file_dataset(cluster, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('hello world\n{"prompt": "The quick brown fox", "max_tokens": 5}\n\n')
