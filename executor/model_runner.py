@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute, to_device
 from pagedserve.executor.request_rows import RequestRows
@@ -112,7 +113,8 @@ class ModelRunner:
     """Owns the model, the cache and the per-request state of one executor."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, executor_id: str = "",
-                 max_model_len: int | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 max_model_len: int | None = None, graphs: DecodeGraphs | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.model = model
         self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
@@ -125,7 +127,7 @@ class ModelRunner:
                                  model.config.max_model_len)
         self.sampler = Sampler()
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
-                                 self.max_model_len, self.vocab_size, self.device)
+                                 self.max_model_len, self.vocab_size, self.device, grammars)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.executor.grammar import GrammarCompiler, GrammarError
 from pagedserve.executor.sampler import SamplingState
 from pagedserve.protos.wire import StepPlan
 
@@ -28,6 +29,7 @@ class PlanLimits:
     max_model_len: int
     vocab_size: int
     device: torch.device
+    grammars: GrammarCompiler | None = None  # structured output (None: not available)
 
 
 @dataclass(slots=True)
@@ -106,11 +108,12 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     Thread-safe (reads only the plan and `limits`): the executor's I/O thread calls
     it on plan N+1 while step N's forward runs, so the main thread is left with the fed
     tokens and the table changes (the executor's gap)."""
+    new_states, state_errors = _new_states(plan, limits)
     inputs = PlanInputs(
         move_error=check_block_moves(plan, limits),
         moves=[(name, pairs) for name in ("swap_out", "swap_in", "copy")
                if (pairs := getattr(plan, name)) is not None and pairs.shape[0]],
-        new_states=[SamplingState.from_new_request(r) for r in plan.new_requests])
+        new_states=new_states)
     num_seqs = plan.num_seqs
     if num_seqs == 0:
         return inputs
@@ -156,6 +159,11 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
         if rows.shape[0]:
             for i in rows.tolist():
                 bad.setdefault(i, message)
+    if state_errors:  # a new request is scheduled in the plan that sends it
+        row = {rid: i for i, rid in enumerate(plan.request_ids)}
+        for rid, message in state_errors.items():
+            if rid in row:
+                bad.setdefault(row[rid], message)
     do_sample = plan.do_sample.astype(bool)
     inputs.num_new, inputs.seq_lens, inputs.starts, inputs.new_len = (
         num_new, seq_lens, starts, new_len)
@@ -183,3 +191,19 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
         inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                strict=True) if d]
     return inputs
+
+
+def _new_states(plan: StepPlan, limits: PlanLimits) -> tuple[list[SamplingState], dict[str, str]]:
+    """The new requests' sampling states (grammar matchers built here, off the step) and the
+    requests whose state could not be built (a grammar this executor cannot use): those get
+    a plain state and are condemned in this plan."""
+    states: list[SamplingState] = []
+    errors: dict[str, str] = {}
+    for req in plan.new_requests:
+        try:
+            states.append(SamplingState.from_new_request(req, limits.grammars))
+        except GrammarError as exc:
+            errors[req.request_id] = str(exc)
+            states.append(SamplingState(req.sampling, req.sample_index, req.output_token_ids,
+                                        req.prompt_token_ids))
+    return states, errors

@@ -5,10 +5,12 @@ capture the decode graphs, whose memory is set aside before the cache is sized."
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
 
@@ -66,8 +68,12 @@ def build_runner(
         raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
     cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
     graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
+    # Structured output: llguidance's mask threads take the CPU executor's thread budget.
+    grammars = GrammarCompiler(Path(model_dir) / "tokenizer.json", config.vocab_size,
+                               num_threads=torch.get_num_threads() if device.type == "cpu"
+                               else None)
     return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
-                       graphs=graphs)
+                       graphs=graphs, grammars=grammars)
 
 
 def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,

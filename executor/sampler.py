@@ -5,6 +5,8 @@ Do not add per-token Python loops, per-row device syncs or anything that walks t
 
 Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
 
+0. logit_bias: the request's bias added to its tokens' logits (OpenAI; HF's sequence_bias of
+   single tokens, which transformers also applies before the penalties);
 1. penalties on the raw logits (DESIGN §2; vLLM's and HF's semantics). Repetition counts
    the PROMPT and the output: each distinct token of prompt ∪ output has its logit divided by
    the penalty when positive, multiplied when negative, once (a token in both, or repeated,
@@ -13,6 +15,8 @@ Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
    repetition is applied first;
 2. min_tokens: while a request has fewer than ``min_tokens`` output tokens, its EOS ids
    (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+2b. structured output: every token the request's grammar cannot take next is set to -inf
+   (grammar.py; one bitmask for all constrained rows);
 3. greedy rows (temperature < 1e-5, or top_k == 1) take the exact argmax (first index on
    ties) and stop here;
 4. the other rows: divide by the temperature, keep the top-k logits, then the top-p nucleus
@@ -49,6 +53,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.executor.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    apply_grammar_masks_,
+)
 from pagedserve.protos.wire import NewRequest, SamplingParams
 
 _GREEDY_EPS = 1e-5
@@ -61,11 +71,12 @@ _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal numb
 
 
 class SamplingState:
-    """One request's sampling state on an executor: params, sample index, output tokens and
-    the prompt's token ids (the repetition penalty counts them; nothing else does)."""
+    """One request's sampling state on an executor: params, sample index, output tokens,
+    the prompt's token ids (the repetition penalty counts them; nothing else does) and, for
+    structured output, its grammar matcher (advanced by every appended token)."""
 
     __slots__ = ("params", "sample_index", "_tokens", "_num_tokens", "_prompt",
-                 "_prompt_distinct")
+                 "_prompt_distinct", "grammar")
 
     def __init__(
         self,
@@ -84,11 +95,21 @@ class SamplingState:
         prompt.flags.writeable = False
         self._prompt = prompt
         self._prompt_distinct: np.ndarray | None = None  # computed on first use
+        self.grammar: GrammarMatcher | None = None
 
     @classmethod
-    def from_new_request(cls, req: NewRequest) -> SamplingState:
-        """Rebuild the state from the plan: prompt and output tokens so far."""
-        return cls(req.sampling, req.sample_index, req.output_token_ids, req.prompt_token_ids)
+    def from_new_request(cls, req: NewRequest,
+                         grammars: GrammarCompiler | None = None) -> SamplingState:
+        """Rebuild the state from the plan: prompt and output tokens so far (replayed into
+        a fresh grammar matcher for structured output). Raises GrammarError when the
+        request's grammar cannot be used here."""
+        state = cls(req.sampling, req.sample_index, req.output_token_ids, req.prompt_token_ids)
+        if req.sampling.grammar:
+            if grammars is None:
+                raise GrammarError("structured output is not available on this executor")
+            state.grammar = grammars.matcher(req.sampling.grammar, req.sampling.eos_token_ids,
+                                             req.output_token_ids.tolist())
+        return state
 
     @property
     def prompt_token_ids(self) -> np.ndarray:
@@ -123,12 +144,16 @@ class SamplingState:
             self._tokens = grown
         self._tokens[self._num_tokens] = token_id
         self._num_tokens += 1
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
 
     def fork(self, sample_index: int) -> SamplingState:
         """A child with a copy of this state's output tokens, the same prompt (read-only,
         so shared rather than copied) and its own sample index."""
         child = SamplingState(self.params, sample_index, self.output_token_ids)
         child._prompt, child._prompt_distinct = self._prompt, self._prompt_distinct
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     def __repr__(self) -> str:
@@ -290,6 +315,23 @@ def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
         idx = torch.tensor(rows, device=x.device)
         x[idx] = fn(x[idx], *params)
 
+def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
+                      params: Sequence[SamplingParams]) -> torch.Tensor:
+    """In place: row rows[i] gets params[i]'s bias added to its tokens' logits (ids past
+    the vocabulary are skipped; the router checked them against the same one)."""
+    vocab = logits.shape[1]
+    counts = [len(p.logit_bias_ids) for p in params]
+    r = np.repeat(np.asarray(rows, dtype=np.int64), counts)
+    t = np.fromiter((t for p in params for t in p.logit_bias_ids), np.int64, r.shape[0])
+    v = np.fromiter((v for p in params for v in p.logit_bias_values), np.float32, r.shape[0])
+    keep = (t >= 0) & (t < vocab)
+    r_t, t_t = torch.from_numpy(r[keep]), torch.from_numpy(t[keep])
+    if logits.device.type != "cpu":
+        r_t, t_t = r_t.to(logits.device), t_t.to(logits.device)
+    logits[r_t, t_t] += torch.from_numpy(v[keep]).to(logits.device)  # ids distinct per row
+    return logits
+
+
 def _has_penalty(state: SamplingState) -> bool:
     p = state.params
     if p.repetition_penalty != 1.0 and (state.num_output_tokens or state.prompt_token_ids.size):
@@ -344,16 +386,20 @@ class Sampler:
             ids = _min_tokens_masked_ids(s, vocab)
             mask_rows += [i] * len(ids)
             mask_ids += ids
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias_ids]
+        grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
         raw = logits
         if logits.dtype != torch.float32:  # argmax of bf16 is slow on CPU; convert once
             raw = self._buffer(2, logits.shape, device).copy_(logits)
-        if (all(greedy) and not pen_rows and not mask_rows
-                and all(p.logprobs is None for p in params)):
+        if (all(greedy) and not pen_rows and not mask_rows and not bias_rows
+                and not grammar_rows and all(p.logprobs is None for p in params)):
             return self._output(raw, raw.argmax(-1), params)  # fast path
 
         x = raw
-        if pen_rows or mask_rows:
+        if pen_rows or mask_rows or bias_rows or grammar_rows:
             x = self._buffer(0, raw.shape, device).copy_(raw)
+        if bias_rows:
+            apply_logit_bias_(x, bias_rows, [params[i] for i in bias_rows])
         if pen_rows:
             pen_index = torch.tensor(pen_rows, device=device)
             rows, token_ids = flatten_output_tokens([states[i] for i in pen_rows], device)
@@ -369,6 +415,9 @@ class Sampler:
         if mask_rows:
             x[torch.tensor(mask_rows, device=device),
               torch.tensor(mask_ids, device=device)] = float("-inf")
+        if grammar_rows:
+            apply_grammar_masks_(x, grammar_rows, [states[i].grammar for i in grammar_rows],
+                                 [params[i].eos_token_ids for i in grammar_rows])
 
         if all(greedy):
             tokens = x.argmax(-1)

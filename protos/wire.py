@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: pipelined steps (feed_sampled, deadline_s, gap_s)
+PROTOCOL_VERSION = 3  # 2: pipelined steps (feed_sampled, deadline_s, gap_s); 3: logit_bias, grammar
 
 # Limits on what a peer may send (DESIGN: limits everywhere).
 # A StepPlan takes 1 + 11 fixed frames plus 2 per new request (prompt ids, output ids; an
@@ -122,6 +122,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # masked with EOS while below min_tokens
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias_ids: tuple[int, ...] = ()  # added to these tokens' logits before penalties
+    logit_bias_values: tuple[float, ...] = ()  # same length and order
+    grammar: str = ""  # structured output: an llguidance grammar; "" = free text
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias_ids)
 
 
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):

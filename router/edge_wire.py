@@ -20,7 +20,7 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 3
+EDGE_PROTOCOL_VERSION = 4  # 4: SamplingSpec.logit_bias, grammar
 
 
 class EdgeHello(msgspec.Struct, tag=True):

@@ -7,7 +7,8 @@ the chat template) and one set of error rules. What is OpenAI-specific stays her
 * field names and shapes: `max_completion_tokens` over `max_tokens`, `stop` as a string or a
   list, chat `logprobs` (bool) + `top_logprobs`, completions `logprobs` (int), vLLM's extra
   sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-  skip_special_tokens, include_stop_str_in_output, priority, cache_salt);
+  skip_special_tokens, include_stop_str_in_output, priority, cache_salt); `logit_bias` and
+  the structured-output formats (openai_formats.py);
 * a completions `prompt` may be a list of prompts: each is its own engine request, and choice
   `index` = prompt index × n + sample index (as OpenAI and vLLM number them);
 * `max_tokens` omitted → the rest of the context (validation computes it once the prompt is
@@ -29,85 +30,21 @@ from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
-from .errors import InvalidRequest
+from .openai_fields import (
+    INT32_RANGE,
+    SEED_RANGE,
+    bad,
+    json_type,
+    number,
+    optional_bool,
+    optional_int,
+    optional_str,
+    present,
+    token_ids,
+)
+from .openai_formats import check_tools, logit_bias, structured_output
 from .tokenizer import Tokenizer
 from .types import CompletionDelta, TokenLogprob, Usage
-
-UINT32_MAX = 2**32 - 1
-INT32_RANGE = (-(2**31), 2**31 - 1)
-SEED_RANGE = (-(2**63), 2**64 - 1)  # a negative seed is taken modulo 2**64
-
-
-def _bad(param: str, message: str) -> InvalidRequest:
-    return InvalidRequest(f"{param}: {message}", field=param)
-
-
-# --------------------------------------------------------------------------- type checks
-
-
-def _present(body: dict, key: str) -> bool:
-    return body.get(key) is not None  # null means omitted (clients send either)
-
-
-def _int(body: dict, key: str, lo: int = 0, hi: int = UINT32_MAX) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise _bad(key, f"must be an integer, got {_json_type(value)}")
-    if not lo <= value <= hi:
-        raise _bad(key, f"must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _number(body: dict, key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(key, f"must be a number, got {_json_type(value)}")
-    if not math.isfinite(value):
-        raise _bad(key, "must be a finite number")
-    return float(value)
-
-
-def _bool(body: dict, key: str) -> bool | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise _bad(key, f"must be a boolean, got {_json_type(value)}")
-    return value
-
-
-def _str(body: dict, key: str) -> str | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise _bad(key, f"must be a string, got {_json_type(value)}")
-    return value
-
-
-def _json_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(value), "null")
-
-
-def _token_ids(value: Any, param: str) -> list[int] | None:
-    """`value` as a list of token ids, or None when it is not a list of integers."""
-    if not isinstance(value, list) or not value:
-        return None
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        for t in value:
-            if not 0 <= t <= UINT32_MAX:
-                raise _bad(param, f"token id {t} is out of range")
-        return value
-    return None
-
 
 # --------------------------------------------------------------------------- requests
 
@@ -129,33 +66,33 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
     """The body's sampling fields → (SamplingParams, logprobs k).
     Ranges are validation.py's; only types and representability are checked here."""
     params = pb.SamplingParams()
-    max_tokens = _int(body, "max_tokens")
-    if chat and _present(body, "max_completion_tokens"):
-        max_tokens = _int(body, "max_completion_tokens")
+    max_tokens = optional_int(body, "max_tokens")
+    if chat and present(body, "max_completion_tokens"):
+        max_tokens = optional_int(body, "max_completion_tokens")
     if max_tokens is not None:
         params.max_tokens = max_tokens
     for key in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "min_p"):
-        value = _number(body, key)
+        value = number(body, key)
         if value is not None:
             setattr(params, key, value)
-    top_k = _int(body, "top_k", *INT32_RANGE)
+    top_k = optional_int(body, "top_k", *INT32_RANGE)
     if top_k is not None:
         params.top_k = top_k
-    seed = _int(body, "seed", *SEED_RANGE)
+    seed = optional_int(body, "seed", *SEED_RANGE)
     if seed is not None:
         params.seed = seed % 2**64
-    n = _int(body, "n")
+    n = optional_int(body, "n")
     if n is not None:
         params.n = n
-    min_tokens = _int(body, "min_tokens")
+    min_tokens = optional_int(body, "min_tokens")
     if min_tokens is not None:
         params.min_tokens = min_tokens
     for key in ("ignore_eos", "include_stop_str_in_output"):
-        value = _bool(body, key)
+        value = optional_bool(body, key)
         if value is not None:
             setattr(params, key, value)
-    skip_special = _bool(body, "skip_special_tokens")
+    skip_special = optional_bool(body, "skip_special_tokens")
     params.keep_special_tokens = skip_special is False
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -163,112 +100,115 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         params.stop.extend(stop)
     elif stop is not None:
-        raise _bad("stop", f"must be a string or an array of strings, got {_json_type(stop)}")
+        raise bad("stop", f"must be a string or an array of strings, got {json_type(stop)}")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        ids = _token_ids(stop_ids, "stop_token_ids") if stop_ids else []
+        ids = token_ids(stop_ids, "stop_token_ids") if stop_ids else []
         if ids is None:
-            raise _bad("stop_token_ids", "must be an array of token ids")
+            raise bad("stop_token_ids", "must be an array of token ids")
         params.stop_token_ids.extend(ids)
     if chat:
-        want = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs")
+        want = optional_bool(body, "logprobs")
+        top = optional_int(body, "top_logprobs")
         if top is not None and not want:
-            raise _bad("top_logprobs", "needs logprobs set to true")
+            raise bad("top_logprobs", "needs logprobs set to true")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _int(body, "logprobs")
+        logprobs = optional_int(body, "logprobs")
     if logprobs is not None:
         params.logprobs = logprobs
+    logit_bias(body, params)
+    structured_output(body, params)
     return params, logprobs
 
 
 def _common(body: dict) -> dict:
     common: dict[str, Any] = {}
-    priority = _int(body, "priority", *INT32_RANGE)
+    priority = optional_int(body, "priority", *INT32_RANGE)
     if priority is not None:
         common["priority"] = priority
-    salt = _str(body, "cache_salt")
+    salt = optional_str(body, "cache_salt")
     if salt is not None:
         common["cache_salt"] = salt
-    _str(body, "user")  # accepted (type-checked), not used
+    optional_str(body, "user")  # accepted (type-checked), not used
     return common
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = bool(_bool(body, "stream"))
+    stream = bool(optional_bool(body, "stream"))
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise _bad("stream_options", f"must be an object, got {_json_type(options)}")
+            raise bad("stream_options", f"must be an object, got {json_type(options)}")
         if not stream:
-            raise _bad("stream_options", "is only allowed with stream set to true")
-        include_usage = bool(_bool(options, "include_usage"))
+            raise bad("stream_options", "is only allowed with stream set to true")
+        include_usage = bool(optional_bool(options, "include_usage"))
     return stream, include_usage
 
 
 def completion_request(body: dict) -> ApiRequest:
     """POST /v1/completions body → ApiRequest (raises InvalidRequest)."""
-    if _bool(body, "echo"):
-        raise _bad("echo", "echo is not supported")
-    if _present(body, "suffix"):
-        raise _bad("suffix", "suffix is not supported")
+    if optional_bool(body, "echo"):
+        raise bad("echo", "echo is not supported")
+    if present(body, "suffix"):
+        raise bad("suffix", "suffix is not supported")
     params, logprobs = _sampling(body, chat=False)
-    best_of = _int(body, "best_of")
+    best_of = optional_int(body, "best_of")
     if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
-        raise _bad("best_of", "best_of other than n is not supported")
+        raise bad("best_of", "best_of other than n is not supported")
     stream, include_usage = _stream_flags(body)
     common = _common(body)
     prompt = body.get("prompt")
     requests: list[pb.GenerateRequest] = []
     if isinstance(prompt, str):
         requests.append(pb.GenerateRequest(prompt=prompt, params=params, **common))
-    elif _token_ids(prompt, "prompt") is not None:
+    elif token_ids(prompt, "prompt") is not None:
         requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
                                            params=params, **common))
     elif isinstance(prompt, list) and prompt:
         for i, item in enumerate(prompt):
             if isinstance(item, str):
                 requests.append(pb.GenerateRequest(prompt=item, params=params, **common))
-            elif (ids := _token_ids(item, f"prompt[{i}]")) is not None:
+            elif (ids := token_ids(item, f"prompt[{i}]")) is not None:
                 requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
                                                    params=params, **common))
             else:
-                raise _bad("prompt", f"prompt[{i}] must be a string or an array of token ids")
+                raise bad("prompt", f"prompt[{i}] must be a string or an array of token ids")
     elif prompt is None:
-        raise _bad("prompt", "is required")
+        raise bad("prompt", "is required")
     else:
-        raise _bad("prompt", "must be a string, an array of strings, an array of token ids "
+        raise bad("prompt", "must be a string, an array of strings, an array of token ids "
                    "or an array of arrays of token ids (and not empty)")
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(False, _str(body, "model"), requests, n, stream, include_usage, logprobs)
+    return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage, logprobs)
 
 
 def chat_messages(body: dict) -> list[dict]:
     """The `messages` array, shape-checked (roles, text content); the template checks more."""
     messages = body.get("messages")
     if messages is None:
-        raise _bad("messages", "is required")
+        raise bad("messages", "is required")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a non-empty array of messages")
+        raise bad("messages", "must be a non-empty array of messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}]", "must be an object with role and content")
+            raise bad(f"messages[{i}]", "must be an object with role and content")
         if not isinstance(message.get("role"), str) or not message["role"]:
-            raise _bad(f"messages[{i}].role", "is required (a string)")
+            raise bad(f"messages[{i}].role", "is required (a string)")
     return messages
 
 
 def chat_request(body: dict) -> ApiRequest:
     """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
     messages = chat_messages(body)
+    check_tools(body)
     params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
     request = pb.GenerateRequest(messages=messages_to_pb(messages), params=params,
                                  **_common(body))
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(True, _str(body, "model"), [request], n, stream, include_usage, logprobs)
+    return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage, logprobs)
 
 
 def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
@@ -284,18 +224,18 @@ def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _bad(f"messages[{i}].content[{j}]", "must be an object with a type")
+                    raise bad(f"messages[{i}].content[{j}]", "must be an object with a type")
                 if part["type"] != "text":
-                    raise _bad(f"messages[{i}].content[{j}].type",
+                    raise bad(f"messages[{i}].content[{j}].type",
                                f"content part type {part['type']!r} is not supported "
                                f"(only 'text')")
                 text = part.get("text")
                 if not isinstance(text, str):
-                    raise _bad(f"messages[{i}].content[{j}].text", "must be a string")
+                    raise bad(f"messages[{i}].content[{j}].text", "must be a string")
                 m.parts.add(type="text", text=text)
         else:
-            raise _bad(f"messages[{i}].content",
-                       f"must be a string or an array of parts, got {_json_type(content)}")
+            raise bad(f"messages[{i}].content",
+                       f"must be a string or an array of parts, got {json_type(content)}")
     return out
 
 

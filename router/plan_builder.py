@@ -37,6 +37,9 @@ def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.S
         stop_token_ids=tuple(sp.stop_token_ids),
         eos_token_ids=tuple(eos_token_ids),
         ignore_eos=sp.ignore_eos,
+        logit_bias_ids=tuple(t for t, _ in sp.logit_bias),
+        logit_bias_values=tuple(v for _, v in sp.logit_bias),
+        grammar=sp.grammar,
     )
 
 

@@ -31,6 +31,7 @@ class SamplingSpec:
 
     `seed` is always set (the edge draws a random 63-bit seed when the client sent none).
     `top_k` ≤ 0 means off (the edge normalises 0 to -1); `logprobs` None means none asked.
+    `logit_bias` entries are checked (ids < vocab, biases in [-100, 100]); `grammar` compiles.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -50,6 +51,8 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     keep_special_tokens: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    grammar: str = ""  # structured output: an llguidance grammar (structured.py); "" = free text
 
     @property
     def greedy(self) -> bool:

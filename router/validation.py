@@ -15,12 +15,15 @@ from dataclasses import dataclass, replace
 
 from .chat_template import render_chat
 from .errors import InvalidRequest
+from .structured import grammar_from_pb
 from .tokenizer import Tokenizer
 from .types import DEFAULT_MAX_TOKENS, RequestSpec, SamplingSpec
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TEMPERATURE = 100.0
 PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_LOGIT_BIAS = 1024  # entries per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,16 @@ def sampling_from_pb(params, limits: Limits,
         raise _bad("repetition_penalty", "must be finite")
     _check_float("presence_penalty", params.presence_penalty, *PENALTY_RANGE)
     _check_float("frequency_penalty", params.frequency_penalty, *PENALTY_RANGE)
+    logit_bias = _logit_bias(params.logit_bias, limits.vocab_size)
+    grammar = ""
+    if params.HasField("structured_output"):
+        grammar = grammar_from_pb(params.structured_output)
+        if grammar and params.ignore_eos:
+            raise _bad("ignore_eos", "cannot be combined with structured output (the format "
+                       "decides where the output ends)")
+        if grammar and params.min_tokens:
+            raise _bad("min_tokens", "cannot be combined with structured output (the format "
+                       "decides where the output ends)")
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -114,7 +127,22 @@ def sampling_from_pb(params, limits: Limits,
         frequency_penalty=float(params.frequency_penalty),
         include_stop_str_in_output=params.include_stop_str_in_output,
         keep_special_tokens=params.keep_special_tokens,
+        logit_bias=logit_bias,
+        grammar=grammar,
     )
+
+
+def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The logit_bias map, checked, as (token id, bias) pairs in id order."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    for token_id, value in bias.items():
+        if token_id >= vocab_size:
+            raise _bad("logit_bias", f"token id {token_id} ≥ vocab size {vocab_size}")
+        if not math.isfinite(value) or not LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]:
+            raise _bad("logit_bias", f"bias of token {token_id} must be in [-100, 100], "
+                       f"got {value:g}")
+    return tuple(sorted((int(t), float(v)) for t, v in bias.items()))
 
 
 def messages_from_pb(chat) -> list[dict]:

@@ -49,7 +49,11 @@ def _numbers(message) -> dict[str, int]:
                              "seed": 6, "stop": 7, "stop_token_ids": 8, "ignore_eos": 9,
                              "min_tokens": 10, "n": 11, "logprobs": 12, "repetition_penalty": 13,
                              "presence_penalty": 14, "frequency_penalty": 15,
-                             "include_stop_str_in_output": 16, "keep_special_tokens": 17}),
+                             "include_stop_str_in_output": 16, "keep_special_tokens": 17,
+                             "logit_bias": 18, "structured_output": 19}),
+        (pb.StructuredOutput, {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4,
+                               "grammar": 5}),
+        (pb.Choices, {"choices": 1}),
         (pb.GenerateResponse, {"request_id": 1, "completions": 2, "usage": 3}),
         (pb.Completion, {"index": 1, "text": 2, "token_ids": 3, "finish_reason": 4,
                          "stop_string": 5, "stop_token_id": 6, "logprobs": 7}),
@@ -79,7 +83,10 @@ def test_optional_fields_track_presence():
         f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence
     }
     assert optional == {"max_tokens", "temperature", "top_p", "seed", "n", "logprobs",
-                        "repetition_penalty"}
+                        "repetition_penalty", "structured_output"}  # a message field
+    oneof = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["format"]
+    assert [f.name for f in oneof.fields] == ["json_schema", "json_object", "regex", "choice",
+                                              "grammar"]
     assert pb.Completion.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
     assert pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
 

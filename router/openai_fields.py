@@ -1,0 +1,81 @@
+"""Type checks for OpenAI JSON bodies: each reads one field and raises InvalidRequest naming
+it when it has the wrong type (null counts as omitted: clients send either)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import InvalidRequest
+
+UINT32_MAX = 2**32 - 1
+INT32_RANGE = (-(2**31), 2**31 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # a negative seed is taken modulo 2**64
+
+
+def bad(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {message}", field=param)
+
+
+def present(body: dict, key: str) -> bool:
+    return body.get(key) is not None  # null means omitted (clients send either)
+
+
+def optional_int(body: dict, key: str, lo: int = 0, hi: int = UINT32_MAX) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise bad(key, f"must be an integer, got {json_type(value)}")
+    if not lo <= value <= hi:
+        raise bad(key, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def number(body: dict, key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(key, f"must be a number, got {json_type(value)}")
+    if not math.isfinite(value):
+        raise bad(key, "must be a finite number")
+    return float(value)
+
+
+def optional_bool(body: dict, key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise bad(key, f"must be a boolean, got {json_type(value)}")
+    return value
+
+
+def optional_str(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad(key, f"must be a string, got {json_type(value)}")
+    return value
+
+
+def json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), "null")
+
+
+def token_ids(value: Any, param: str) -> list[int] | None:
+    """`value` as a list of token ids, or None when it is not a list of integers."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        for t in value:
+            if not 0 <= t <= UINT32_MAX:
+                raise bad(param, f"token id {t} is out of range")
+        return value
+    return None
