@@ -243,10 +243,12 @@ class ModelRunner:
             # objects are freed.
             self._pending.apply()
             self._retired = None
+            # Structured output's masks are host work: done while a GPU runs the forward.
+            states = [self.requests[r]._sampling for r in batch.sample_ids]
+            grammar_bits = self.sampler.grammar_masks(states)
             _sync(self.device)
             t1 = time.perf_counter()
-            states = [self.requests[r]._sampling for r in batch.sample_ids]
-            out = self.sampler(logits, states) if states else None
+            out = self.sampler(logits, states, grammar_bits) if states else None
             t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)

@@ -58,6 +58,7 @@ from pagedserve.executor.grammar import (
     GrammarError,
     GrammarMatcher,
     apply_grammar_masks_,
+    fill_grammar_masks,
 )
 from pagedserve.protos.wire import NewRequest, SamplingParams
 
@@ -372,7 +373,20 @@ class Sampler:
             buf = self._buffers[slot] = torch.empty(size, dtype=torch.float32)
         return buf[:size].view(shape)
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    @staticmethod
+    def grammar_masks(states: Sequence[SamplingState]) -> np.ndarray | None:
+        """The bitmask of the constrained rows among `states`, in their order (None: none
+        is constrained). Host work that needs no logits: the executor calls it while the
+        forward runs on a GPU and hands it to ``__call__``."""
+        rows = [s for s in states if s.grammar is not None]
+        if not rows:
+            return None
+        return fill_grammar_masks([s.grammar for s in rows],
+                                  [s.params.eos_token_ids for s in rows])
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 grammar_bits: np.ndarray | None = None) -> SamplerOutput:
+        """`grammar_bits`: `grammar_masks(states)` computed ahead (else computed here)."""
         num_rows, vocab = logits.shape
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
@@ -416,8 +430,9 @@ class Sampler:
             x[torch.tensor(mask_rows, device=device),
               torch.tensor(mask_ids, device=device)] = float("-inf")
         if grammar_rows:
-            apply_grammar_masks_(x, grammar_rows, [states[i].grammar for i in grammar_rows],
-                                 [params[i].eos_token_ids for i in grammar_rows])
+            if grammar_bits is None:
+                grammar_bits = self.grammar_masks(states)
+            apply_grammar_masks_(x, grammar_rows, grammar_bits)
 
         if all(greedy):
             tokens = x.argmax(-1)

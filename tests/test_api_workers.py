@@ -352,7 +352,7 @@ def test_a_killed_worker_is_replaced_and_leaks_nothing(cluster):
     ch1.close()
     for _ in range(4):  # fresh connections: served whichever worker takes them
         channel, stub = new_stub(cluster)
-        assert len(stub.Generate(request("after", max_tokens=3), timeout=30)
+        assert len(stub.Generate(request("after", max_tokens=3, ignore_eos=True), timeout=30)
                    .completions[0].token_ids) == 3
         channel.close()
     text = cluster.metrics()

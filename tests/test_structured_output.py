@@ -346,3 +346,41 @@ def test_a_spec_with_bias_and_grammar_crosses_the_api_worker_wire():
         logit_bias=((3, -2.5), (9, 100.0)), grammar=build_grammar("regex", "[a-z]+")))
     got = EdgeCodec(to_core=True).decode(EdgeCodec(to_core=False).encode(Submit(1, spec)))
     assert got.spec == spec
+
+
+def test_device_unpack_equals_the_numpy_unpack():
+    """The GPU path unpacks the words with torch ops: run here on CPU tensors, it gives what
+    numpy's unpack (the CPU path) gives, the sign bit and a vocab that is not a multiple of
+    32 included."""
+    from pagedserve.executor.grammar import refused_tokens, unpack_words
+    rng = np.random.default_rng(3)
+    bits = rng.integers(-2**31, 2**31 - 1, (5, 4), dtype=np.int64).astype(np.int32)
+    bits[0] = -1
+    bits[1] = 0
+    for vocab in (128, 101):
+        on_cpu = refused_tokens(bits, vocab, torch.device("cpu"))
+        words = torch.from_numpy(np.invert(bits))
+        assert torch.equal(unpack_words(words, vocab), on_cpu)
+        assert not on_cpu[0].any() and on_cpu[1].all()
+
+
+@pytest.mark.gpu
+def test_constrained_sampling_on_cuda_equals_cpu(compiler, tokenizer_dir):
+    """The same constrained rows (greedy and sampled, mixed with a plain row) sample the same
+    tokens on CUDA as on the CPU."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    grammar = build_grammar("regex", "[0-9]{2}-(ab|cd)")
+
+    def states():
+        out = []
+        for i, params in enumerate([dict(temperature=0.0), dict(seed=4), dict(seed=5)]):
+            s = SamplingState(SamplingParams(grammar=grammar, eos_token_ids=(EOS,), **params),
+                              i, np.zeros(0, np.int64))
+            s.grammar = compiler.matcher(grammar, [EOS])
+            out.append(s)
+        return out[:2] + [SamplingState(SamplingParams(seed=1), 0, np.zeros(0, np.int64))] + out[2:]
+
+    cpu = Sampler()(logits, states()).token_ids
+    cuda = Sampler()(logits.cuda(), states()).token_ids
+    assert cpu.tolist() == cuda.tolist()
