@@ -135,7 +135,7 @@ def e2e(address: str, concurrency: int, rounds: int) -> None:
         for _ in range(rounds):
             for constrained in (True, False):
                 t = time.perf_counter()
-                tokens = sum(pool.map(lambda i: one(i, constrained), range(concurrency)))
+                tokens = sum(pool.map(one, range(concurrency), [constrained] * concurrency))
                 totals[constrained][0] += tokens
                 totals[constrained][1] += time.perf_counter() - t
     c_rate = totals[True][0] / totals[True][1]

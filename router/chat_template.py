@@ -5,8 +5,8 @@ Where the template comes from (the first found in the model directory): `chat_te
 `chat_template.json` (`{"chat_template": ...}`), `tokenizer_config.json`'s `chat_template` (a
 string, or a list of `{"name", "template"}` of which `default` is used).
 
-What the template sees, as in transformers: `messages`, `add_generation_prompt`, `tools` and
-`documents` (None), the named special tokens of tokenizer_config.json as strings (`bos_token`,
+What the template sees, as in transformers: `messages`, `add_generation_prompt`, `tools` (the
+request's tool definitions, or None) and `documents` (None), the named special tokens of tokenizer_config.json as strings (`bos_token`,
 `eos_token`, `unk_token`, `pad_token`, ..., and model-specific `*_token` keys); globals
 `raise_exception`, `strftime_now`, `dict`, `namespace` (no underscore names); a `tojson`
 filter with transformers' signature (no HTML escaping, non-ASCII kept); trim_blocks and
@@ -188,16 +188,17 @@ class ChatTemplate:
         return template
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+               tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
         """The prompt text of `messages` (dicts with `role` and `content`: a string or text
-        parts), with the assistant's generation prompt unless asked otherwise. Raises
-        InvalidRequest for a malformed conversation or one the template rejects."""
+        parts), with the assistant's generation prompt unless asked otherwise; `tools` (the
+        OpenAI tool definitions, or None) is the template's `tools`. Raises InvalidRequest
+        for a malformed conversation or one the template rejects."""
         if self._template is None:
             raise InvalidRequest(f"{FIELD}: the model's {self.error}", field=FIELD)
         chat = [self._template_message(m) for m in check_messages(messages)]
         try:
             return self._template.render(
-                messages=chat, tools=None, documents=None,
+                messages=chat, tools=_plain(list(tools)) if tools else None, documents=None,
                 add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
         except _Raised as exc:
             raise InvalidRequest(f"{FIELD}: the chat template rejects the conversation: "
@@ -224,8 +225,8 @@ class ChatPrompt:
     token_ids: list[int]
 
 
-def render_chat(tokenizer, messages: Sequence[Any], *,
-                add_generation_prompt: bool = True) -> ChatPrompt:
+def render_chat(tokenizer, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+                tools: Sequence[Any] | None = None) -> ChatPrompt:
     """The conversation `messages` (OpenAI's form: a list of {role, content: str | [text
     parts]}, other keys passed to the template) rendered with `tokenizer.chat_template` and
     tokenized without adding special tokens. Raises InvalidRequest naming the field: no chat
@@ -235,7 +236,7 @@ def render_chat(tokenizer, messages: Sequence[Any], *,
     if template is None:
         raise InvalidRequest(f"{FIELD}: the model has no chat template; send a prompt "
                              "(text or token ids) instead", field=FIELD)
-    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 

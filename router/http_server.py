@@ -37,18 +37,9 @@ from aiohttp import web
 from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 from .frontend import Frontend, RequestSession
 from .grpc_server import tls_enabled
-from .openai_protocol import (
-    ApiRequest,
-    TokenText,
-    add_usage,
-    chat_logprobs_json,
-    chat_request,
-    completion_logprobs_json,
-    completion_request,
-    stop_reason,
-    usage_json,
-)
-from .types import CompletionDelta, RequestOutput, Usage
+from .openai_protocol import TokenText, chat_request, completion_request
+from .openai_responses import ChoiceWriter
+from .types import RequestOutput
 from .validation import request_from_pb
 
 log = logging.getLogger(__name__)
@@ -171,7 +162,7 @@ class OpenAIApp:
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
-        writer = _ChoiceWriter(api, response_id, created, self.model_name, self._token_text)
+        writer = ChoiceWriter(api, response_id, created, self.model_name, self._token_text)
         stream: web.StreamResponse | None = None
         try:
             async with AsyncExitStack() as stack:
@@ -192,7 +183,7 @@ class OpenAIApp:
         except PagedServeError as exc:  # counted by the session it ended
             if stream is None:
                 return error_response(exc)
-            await _send(stream, writer.failure_chunks(exc))  # the stream had started
+            await _send(stream, writer.failure_chunks(error_for(exc)[1]))  # the stream had started
         last = [writer.usage_chunk()] if api.include_usage else []
         await _send(stream, last, done=True)
         await stream.write_eof()
@@ -272,131 +263,6 @@ async def _json_errors(request: web.Request, handler):
                                                                                 exc.reason)
         return web.json_response(error_json(exc.status, message, code=exc.reason.lower()
                                             .replace(" ", "_")), status=exc.status)
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class _ChoiceWriter:
-    """Builds the response (or the SSE chunks) of one API request from its outputs."""
-
-    def __init__(self, api: ApiRequest, response_id: str, created: int, model: str,
-                 token_text: TokenText):
-        self.api = api
-        kind = ("chat.completion.chunk" if api.stream else "chat.completion") if api.chat \
-            else "text_completion"
-        self.head = {"id": response_id, "object": kind, "created": created, "model": model}
-        self.token_text = token_text
-        self.num_choices = len(api.requests) * api.n
-        self.text: dict[int, list[str]] = {}
-        self.logprobs: dict[int, list] = {}
-        self.ended: dict[int, CompletionDelta] = {}
-        self.usage: Usage | None = None
-        self.offsets: dict[int, int] = {}
-        self.sent_tokens = False
-        self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
-
-    def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
-        return prompt_index * self.api.n + delta.index
-
-    # ------------------------------------------------------------------ unary
-
-    def add(self, prompt_index: int, out: RequestOutput) -> None:
-        for delta in out.deltas:
-            i = self._index(prompt_index, delta)
-            self.text.setdefault(i, []).append(delta.text)
-            self.logprobs.setdefault(i, []).extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                self.ended[i] = delta
-        self.usage = add_usage(self.usage, out.usage)
-
-    def response(self) -> dict:
-        choices = []
-        for i in range(self.num_choices):
-            text = "".join(self.text.get(i, ()))
-            end = self.ended.get(i)
-            choice: dict = {"index": i}
-            lps = self.logprobs.get(i, [])
-            if self.api.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
-                                      if self.api.logprobs is not None else None)
-            else:
-                choice["text"] = text
-                choice["logprobs"] = (completion_logprobs_json(lps, self.token_text, 0)
-                                      if self.api.logprobs is not None else None)
-            choice["finish_reason"] = end.finish_reason if end else None
-            choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
-            choices.append(choice)
-        return {**self.head, "choices": choices, "usage": usage_json(self.usage)}
-
-    # ------------------------------------------------------------------ stream
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {**self.head, "choices": choices}
-        if self.api.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def first_chunks(self) -> list[dict]:
-        """Chat: one chunk per choice whose delta carries the role."""
-        if not self.api.chat:
-            return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-                for i in range(self.num_choices)]
-
-    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        self.usage = add_usage(self.usage, out.usage)
-        chunks = []
-        for delta in out.deltas:
-            if not (delta.text or delta.token_ids or delta.logprobs
-                    or delta.finish_reason is not None):
-                continue
-            i = self._index(prompt_index, delta)
-            self.sent_tokens = self.sent_tokens or bool(delta.token_ids)
-            choice: dict = {"index": i}
-            want_lp = self.api.logprobs is not None
-            if self.api.chat:
-                choice["delta"] = {"content": delta.text} if delta.text else {}
-                choice["logprobs"] = ({"content": chat_logprobs_json(delta.logprobs,
-                                                                     self.token_text)}
-                                      if want_lp and delta.logprobs else None)
-            else:
-                choice["text"] = delta.text
-                offset = self.offsets.get(i, 0)
-                choice["logprobs"] = (completion_logprobs_json(delta.logprobs, self.token_text,
-                                                               offset)
-                                      if want_lp and delta.logprobs else None)
-                self.offsets[i] = offset + len(delta.text)
-            choice["finish_reason"] = delta.finish_reason
-            choice["stop_reason"] = (stop_reason(delta, self.stop_token_ids)
-                                     if delta.finish_reason else None)
-            if delta.finish_reason is not None:
-                self.ended[i] = delta
-            chunks.append(self._chunk([choice]))
-        return chunks
-
-    def failure_chunks(self, exc: PagedServeError) -> list[dict]:
-        """After the stream started: an error event when no token was sent, else an `abort`
-        ending for every unfinished choice."""
-        if not self.sent_tokens:
-            return [error_for(exc)[1]]
-        chunks = []
-        for i in range(self.num_choices):
-            if i in self.ended:
-                continue
-            choice: dict = {"index": i, "finish_reason": "abort", "stop_reason": None,
-                            "logprobs": None}
-            if self.api.chat:
-                choice["delta"] = {}
-            else:
-                choice["text"] = ""
-            chunks.append(self._chunk([choice]))
-        return chunks
-
-    def usage_chunk(self) -> dict:
-        return {**self.head, "choices": [], "usage": usage_json(self.usage)}
 
 
 # --------------------------------------------------------------------------- server

@@ -10,14 +10,19 @@ Structured output may be asked for in any one of the ways clients send it:
   {"grammar": str} / {"json_object": true};
 * vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
-Two at once is a 400 (they would disagree on what the output is). Tool calling is not
-implemented: a request that offers tools and lets the model call them (`tool_choice` other
-than "none") is a 400 rather than a reply that silently ignores them.
+Two at once is a 400 (they would disagree on what the output is).
+
+Tool calls (`tools`, `tool_choice`): the tools reach the chat template; tool_choice
+"required" or a named function constrains the output with a JSON schema built from the tools'
+parameter schemas (as vLLM does), and openai_responses.py turns the output into the reply's
+`tool_calls`. "auto" is a 400: it needs a parser for each model family's own tool-call
+syntax, which this server does not have.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -113,14 +118,89 @@ def _response_format(rf: Any) -> list[tuple[str, str, Any]]:
                                       f"got {kind!r}")
 
 
-def check_tools(body: dict) -> None:
-    """Refuse a request that lets the model call tools (not implemented here)."""
-    for key, choice_key in (("tools", "tool_choice"), ("functions", "function_call")):
-        offered = body.get(key)
-        if offered is None or offered == []:
-            continue
-        if not isinstance(offered, list):
-            raise bad(key, f"must be an array, got {json_type(offered)}")
-        if body.get(choice_key) != "none":
-            raise bad(key, f"tool calling is not supported by this server (send no {key}, or "
-                           f"{choice_key}: \"none\")")
+@dataclass(frozen=True, slots=True)
+class ToolMode:
+    """How a chat reply carries its tool calls. `name` set (tool_choice names a function):
+    the output is that function's arguments, one call. `name` None (tool_choice "required"):
+    the output is a JSON array of {"name", "parameters"} objects, one call each (one only
+    when `parallel` is false)."""
+
+    name: str | None
+    parallel: bool = True
+
+
+def tool_calls(body: dict, params: pb.SamplingParams,
+               chat: pb.ChatMessages) -> ToolMode | None:
+    """`tools` and `tool_choice` of a chat body: the tools go to the chat template
+    (chat.tools_json); a tool_choice that makes the model call one becomes the output's
+    JSON schema (params.structured_output). "auto" would need a parser for the model's own
+    tool-call syntax, which this server does not have: a 400 saying what to send instead."""
+    if body.get("functions") is not None:
+        raise bad("functions", "the deprecated functions field is not supported; send tools")
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "needs tools")
+        return None
+    names = _check_tools(tools)
+    chat.tools_json = json.dumps(tools, ensure_ascii=False)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
+    if choice in (None, "auto"):
+        raise bad("tool_choice", '"auto" (the default with tools) needs a parser for the '
+                  'model\'s own tool-call format, which this server does not have: send '
+                  'tool_choice "required", a named function or "none"')
+    if choice == "none":
+        return None
+    if choice == "required":
+        mode = ToolMode(None, parallel)
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "parameters"],
+                  "properties": {"name": {"const": name}, "parameters": schema}}
+                 for name, schema in names.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict)):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad("tool_choice", f"names function {name!r}, which is not in tools")
+        mode, schema = ToolMode(name), names[name]
+    else:
+        raise bad("tool_choice", 'must be "none", "auto", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+    if params.HasField("structured_output"):
+        raise bad("tool_choice", "a tool call is already an output format: it cannot be "
+                                 "combined with response_format or structured outputs")
+    params.structured_output.json_schema = json.dumps(schema)
+    build_grammar("json_schema", params.structured_output.json_schema, "tools")
+    return mode
+
+
+def _check_tools(tools: Any) -> dict[str, Any]:
+    """The tools array's functions: name → parameters schema ({"type": "object"} when none)."""
+    if not isinstance(tools, list):
+        raise bad("tools", f"must be an array, got {json_type(tools)}")
+    names: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad(f"{where}.type", 'must be "function"')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{where}.function", "is required (an object with a name)")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad(f"{where}.function.name", "is required (a non-empty string)")
+        if name in names:
+            raise bad(f"{where}.function.name", f"{name!r} is defined twice")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object"}
+        elif not isinstance(parameters, dict):
+            raise bad(f"{where}.function.parameters", "must be a JSON schema (an object)")
+        names[name] = parameters
+    return names

@@ -23,6 +23,7 @@ ended a choice) is added to each choice.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from .openai_fields import (
     present,
     token_ids,
 )
-from .openai_formats import check_tools, logit_bias, structured_output
+from .openai_formats import ToolMode, logit_bias, structured_output, tool_calls
 from .tokenizer import Tokenizer
 from .types import CompletionDelta, TokenLogprob, Usage
 
@@ -60,6 +61,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
+    tools: ToolMode | None = None  # chat: the reply carries tool calls (tool_choice)
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -202,19 +204,21 @@ def chat_messages(body: dict) -> list[dict]:
 def chat_request(body: dict) -> ApiRequest:
     """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
     messages = chat_messages(body)
-    check_tools(body)
     params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
-    request = pb.GenerateRequest(messages=messages_to_pb(messages), params=params,
-                                 **_common(body))
+    chat = messages_to_pb(messages)
+    tools = tool_calls(body, params, chat)
+    request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage, logprobs)
+    return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
+                      logprobs, tools)
 
 
 def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
     """OpenAI messages → the gRPC chat form. Content: a string, null (an assistant turn with
     none) or an array of text parts (another part type is rejected here, named by its JSON
-    path; validation.py checks the rest for both APIs)."""
+    path; validation.py checks the rest for both APIs); an assistant turn's `tool_calls`, a
+    tool turn's `tool_call_id` and a `name` are kept for the template."""
     out = pb.ChatMessages()
     for i, message in enumerate(messages):
         m = out.messages.add(role=message["role"])
@@ -236,6 +240,17 @@ def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
         else:
             raise bad(f"messages[{i}].content",
                        f"must be a string or an array of parts, got {json_type(content)}")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise bad(f"messages[{i}].tool_calls", "must be an array of tool calls")
+            m.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+        for key in ("tool_call_id", "name"):
+            value = message.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise bad(f"messages[{i}].{key}", f"must be a string, got {json_type(value)}")
+                setattr(m, key, value)
     return out
 
 

@@ -8,6 +8,7 @@ it too.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -147,7 +148,8 @@ def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
 
 def messages_from_pb(chat) -> list[dict]:
     """ChatMessages (protobuf) → the OpenAI-shaped messages render_chat takes: content a string,
-    or a list of {"type", "text"} parts (checked there; "text" is the only type)."""
+    or a list of {"type", "text"} parts (checked there; "text" is the only type), and an
+    assistant turn's `tool_calls`, a tool turn's `tool_call_id`, a `name` when set."""
     messages = []
     for i, m in enumerate(chat.messages):
         if not m.role:
@@ -159,8 +161,36 @@ def messages_from_pb(chat) -> list[dict]:
                 raise _bad(f"messages[{i}].parts[{j}].type",
                            f"content part type {part.type!r} is not supported (only 'text')")
         content = [{"type": p.type, "text": p.text} for p in m.parts] if m.parts else m.content
-        messages.append({"role": m.role, "content": content})
+        message = {"role": m.role, "content": content}
+        if m.tool_calls_json:
+            message["tool_calls"] = _json_list(f"messages[{i}].tool_calls_json",
+                                               m.tool_calls_json)
+            # An assistant turn that only calls tools has content "" (OpenAI's null): a
+            # template that reads message['content'] of every turn still renders it.
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
     return messages
+
+
+def tools_from_pb(chat) -> list[dict] | None:
+    """ChatMessages.tools_json → the tool definitions for the template (None: none)."""
+    if not chat.tools_json:
+        return None
+    return _json_list("tools_json", chat.tools_json) or None
+
+
+def _json_list(field: str, text: str) -> list[dict]:
+    """JSON text of an array of objects."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise _bad(field, f"is not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise _bad(field, "must be a JSON array of objects")
+    return value
 
 
 def request_from_pb(
@@ -193,7 +223,8 @@ def request_from_pb(
             if t >= limits.vocab_size:
                 raise _bad("prompt_token_ids", f"token id {t} ≥ vocab size {limits.vocab_size}")
     elif which == "messages":
-        chat = render_chat(tokenizer, messages_from_pb(request.messages))
+        chat = render_chat(tokenizer, messages_from_pb(request.messages),
+                           tools=tools_from_pb(request.messages))
         prompt_text = chat.text
         ids = tuple(chat.token_ids)
         if not ids:

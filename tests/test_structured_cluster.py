@@ -241,3 +241,50 @@ def test_grammars_replay_after_recompute_preemption(cluster):
         assert a.finish_reason == pb.STOP and len(a.text.split()) == 31
     status = cluster.wait_blocks_free()
     assert status.executors[0].num_free_gpu_blocks == status.executors[0].num_gpu_blocks
+
+
+TOOL_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+               "properties": {"city": {"type": "string", "maxLength": 8},
+                              "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}]
+
+
+def test_tool_calls_over_http_are_the_constrained_output(cluster):
+    """A named tool_choice's arguments are what gRPC generates for the same conversation and
+    tools with the function's parameters as the schema; "required" (streamed, one call)
+    calls a defined function with arguments that fit it."""
+    question = "What is the weather in Paris?"
+    body = {"messages": [{"role": "user", "content": question}], "tools": TOOLS,
+            "max_tokens": 60, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    status, raw = _post(cluster, "/v1/chat/completions", body)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    args = json.loads(call["function"]["arguments"])
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    req = pb.GenerateRequest(params=pb.SamplingParams(max_tokens=60, temperature=0.0))
+    req.messages.messages.add(role="user", content=question)
+    req.messages.tools_json = json.dumps(TOOLS)
+    req.params.structured_output.json_schema = json.dumps(TOOL_PARAMS)
+    assert cluster.stub.Generate(req, timeout=60).completions[0].text == \
+        call["function"]["arguments"]
+
+    status, raw = _post(cluster, "/v1/chat/completions", {
+        **body, "tool_choice": "required", "parallel_tool_calls": False, "stream": True,
+        "temperature": 1.0, "seed": 11})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: {")]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    name, args = calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"])
+    if name == "get_weather":
+        assert set(args) == {"city", "unit"}
+    else:
+        assert name == "get_time" and args["zone"] in ("UTC", "CET")

@@ -1,0 +1,222 @@
+"""OpenAI responses from the engine's outputs: one JSON body, or the server-sent-event chunks
+of a stream (`ChoiceWriter`; the HTTP edge, http_server.py, writes them).
+
+Choices are numbered prompt index × n + sample index. A chat reply whose tool_choice made the
+model call a function (openai_formats.ToolMode) carries `tool_calls` instead of content:
+
+* a named function: the output is its arguments; one call, finish_reason "stop" (OpenAI's
+  for a forced function). Streamed, the first chunk of the choice opens the call (id, name)
+  and every chunk after it adds to `function.arguments`;
+* "required": the output is a JSON array of {"name", "parameters"}; one call per element,
+  arguments = the parameters as JSON text, finish_reason "tool_calls". Streamed, the calls go
+  out in one chunk when the choice ends (the array is only known then).
+
+An output that is not a complete call (cut by max_tokens or a stop string, or aborted) is sent
+as the content it is, with its own finish_reason.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from .openai_protocol import (
+    ApiRequest,
+    TokenText,
+    add_usage,
+    chat_logprobs_json,
+    completion_logprobs_json,
+    stop_reason,
+    usage_json,
+)
+from .types import CompletionDelta, RequestOutput, Usage
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def required_calls(text: str) -> list[dict] | None:
+    """The tool calls of a "required" output (a JSON array of {"name", "parameters"}), or
+    None when the text is not such an array (cut short)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
+        return None
+    return [{"id": tool_call_id(), "type": "function",
+             "function": {"name": c["name"],
+                          "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
+            for c in items]
+
+
+class ChoiceWriter:
+    """Builds the response (or the SSE chunks) of one API request from its outputs."""
+
+    def __init__(self, api: ApiRequest, response_id: str, created: int, model: str,
+                 token_text: TokenText):
+        self.api = api
+        kind = ("chat.completion.chunk" if api.stream else "chat.completion") if api.chat \
+            else "text_completion"
+        self.head = {"id": response_id, "object": kind, "created": created, "model": model}
+        self.token_text = token_text
+        self.num_choices = len(api.requests) * api.n
+        self.text: dict[int, list[str]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.ended: dict[int, CompletionDelta] = {}
+        self.usage: Usage | None = None
+        self.offsets: dict[int, int] = {}
+        self.sent_tokens = False
+        self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
+        self.tools = api.tools if api.chat else None
+        self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
+
+    def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
+        return prompt_index * self.api.n + delta.index
+
+    # ------------------------------------------------------------------ unary
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        for delta in out.deltas:
+            i = self._index(prompt_index, delta)
+            self.text.setdefault(i, []).append(delta.text)
+            self.logprobs.setdefault(i, []).extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                self.ended[i] = delta
+        self.usage = add_usage(self.usage, out.usage)
+
+    def response(self) -> dict:
+        choices = []
+        for i in range(self.num_choices):
+            text = "".join(self.text.get(i, ()))
+            end = self.ended.get(i)
+            choice: dict = {"index": i}
+            lps = self.logprobs.get(i, [])
+            finish = end.finish_reason if end else None
+            if self.api.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                calls = self._calls(text, finish)
+                if calls is not None:
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": calls}
+                    finish = "stop" if self.tools.name else "tool_calls"
+                choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
+                                      if self.api.logprobs is not None else None)
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (completion_logprobs_json(lps, self.token_text, 0)
+                                      if self.api.logprobs is not None else None)
+            choice["finish_reason"] = finish
+            choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
+            choices.append(choice)
+        return {**self.head, "choices": choices, "usage": usage_json(self.usage)}
+
+    def _calls(self, text: str, finish: str | None) -> list[dict] | None:
+        """The tool calls of a finished choice's whole text (None: not a call)."""
+        if self.tools is None or finish != "stop":
+            return None
+        if self.tools.name is None:
+            return required_calls(text)
+        return [{"id": tool_call_id(), "type": "function",
+                 "function": {"name": self.tools.name, "arguments": text}}]
+
+    # ------------------------------------------------------------------ stream
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {**self.head, "choices": choices}
+        if self.api.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunks(self) -> list[dict]:
+        """Chat: one chunk per choice whose delta carries the role."""
+        if not self.api.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(self.num_choices)]
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        self.usage = add_usage(self.usage, out.usage)
+        chunks = []
+        for delta in out.deltas:
+            if not (delta.text or delta.token_ids or delta.logprobs
+                    or delta.finish_reason is not None):
+                continue
+            i = self._index(prompt_index, delta)
+            self.sent_tokens = self.sent_tokens or bool(delta.token_ids)
+            choice: dict = {"index": i}
+            want_lp = self.api.logprobs is not None
+            if self.api.chat:
+                choice["delta"] = {"content": delta.text} if delta.text else {}
+                if self.tools is not None:
+                    choice["delta"] = self._tool_delta(i, delta)
+                choice["logprobs"] = ({"content": chat_logprobs_json(delta.logprobs,
+                                                                     self.token_text)}
+                                      if want_lp and delta.logprobs else None)
+            else:
+                choice["text"] = delta.text
+                offset = self.offsets.get(i, 0)
+                choice["logprobs"] = (completion_logprobs_json(delta.logprobs, self.token_text,
+                                                               offset)
+                                      if want_lp and delta.logprobs else None)
+                self.offsets[i] = offset + len(delta.text)
+            choice["finish_reason"] = delta.finish_reason
+            if (self.tools is not None and self.tools.name is None
+                    and "tool_calls" in choice["delta"]):
+                choice["finish_reason"] = "tool_calls"
+            choice["stop_reason"] = (stop_reason(delta, self.stop_token_ids)
+                                     if delta.finish_reason else None)
+            if delta.finish_reason is not None:
+                self.ended[i] = delta
+            if self.tools is not None and not (choice["delta"] or choice["finish_reason"]
+                                               or choice["logprobs"]):
+                continue  # a held-back token of a "required" array
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def _tool_delta(self, i: int, delta: CompletionDelta) -> dict:
+        """A streamed chat delta of a tool-calling choice: a named call opens with its id and
+        name and grows its arguments by each text; a "required" array is held back and goes
+        out as its calls when the choice ends (or as content if it is not a whole array)."""
+        if self.tools.name is not None:
+            if not delta.text:
+                return {}
+            call: dict = {"index": 0, "function": {"arguments": delta.text}}
+            if i not in self.call_ids:
+                self.call_ids[i] = tool_call_id()
+                call = {"index": 0, "id": self.call_ids[i], "type": "function",
+                        "function": {"name": self.tools.name, "arguments": delta.text}}
+            return {"tool_calls": [call]}
+        held = self.text.setdefault(i, [])
+        held.append(delta.text)
+        if delta.finish_reason is None:
+            return {}
+        text = "".join(held)
+        calls = required_calls(text) if delta.finish_reason == "stop" else None
+        if calls is None:
+            return {"content": text} if text else {}
+        return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+
+    def failure_chunks(self, error_event: dict) -> list[dict]:
+        """After the stream started: `error_event` (the error object) when no token was
+        sent, else an `abort` ending for every unfinished choice."""
+        if not self.sent_tokens:
+            return [error_event]
+        chunks = []
+        for i in range(self.num_choices):
+            if i in self.ended:
+                continue
+            choice: dict = {"index": i, "finish_reason": "abort", "stop_reason": None,
+                            "logprobs": None}
+            if self.api.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {**self.head, "choices": [], "usage": usage_json(self.usage)}
