@@ -97,6 +97,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("http-port", _port_or_off, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
     ("served-model-name", str, None, "the model id of the HTTP API (default: the name of "
      "--model)"),
+    ("tool-call-parser", _choice("none", "hermes"), "none", "router: how tool_choice \"auto\" "
+     "finds tool calls in the output (hermes: <tool_call> JSON </tool_call>; none: auto is a 400)"),
     ("api-workers", _non_negative_int, 0, "router: processes serving the gRPC and HTTP APIs "
      "on shared ports, apart from the engine (0: the router process serves them)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),

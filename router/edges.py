@@ -40,7 +40,8 @@ class LocalEdges:
             if args.http_port >= 0:
                 http = await start_http_server(
                     frontend, args.host, args.http_port, max_model_len=info.max_model_len,
-                    served_model_name=args.served_model_name or Path(args.model).name, **tls)
+                    served_model_name=args.served_model_name or Path(args.model).name,
+                    tool_call_parser=args.tool_call_parser, **tls)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

@@ -15,8 +15,8 @@ Two at once is a 400 (they would disagree on what the output is).
 Tool calls (`tools`, `tool_choice`): the tools reach the chat template; tool_choice
 "required" or a named function constrains the output with a JSON schema built from the tools'
 parameter schemas (as vLLM does), and openai_responses.py turns the output into the reply's
-`tool_calls`. "auto" is a 400: it needs a parser for each model family's own tool-call
-syntax, which this server does not have.
+`tool_calls`. "auto" leaves the output free and needs a parser for the model family's own
+tool-call syntax (--tool-call-parser; tool_parsers.py): without one it is a 400.
 """
 
 from __future__ import annotations
@@ -123,18 +123,20 @@ class ToolMode:
     """How a chat reply carries its tool calls. `name` set (tool_choice names a function):
     the output is that function's arguments, one call. `name` None (tool_choice "required"):
     the output is a JSON array of {"name", "parameters"} objects, one call each (one only
-    when `parallel` is false)."""
+    when `parallel` is false). `parser` set (tool_choice "auto"): the output is free, content
+    and calls in the model's own syntax (tool_parsers.py)."""
 
     name: str | None
     parallel: bool = True
+    parser: str = ""  # tool_choice "auto": the --tool-call-parser that splits the output
 
 
-def tool_calls(body: dict, params: pb.SamplingParams,
-               chat: pb.ChatMessages) -> ToolMode | None:
+def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
+               parser: str = "none") -> ToolMode | None:
     """`tools` and `tool_choice` of a chat body: the tools go to the chat template
     (chat.tools_json); a tool_choice that makes the model call one becomes the output's
-    JSON schema (params.structured_output). "auto" would need a parser for the model's own
-    tool-call syntax, which this server does not have: a 400 saying what to send instead."""
+    JSON schema (params.structured_output). "auto" (the default with tools) leaves the output
+    free for `parser` (--tool-call-parser) to split; with none, a 400 saying what to send."""
     if body.get("functions") is not None:
         raise bad("functions", "the deprecated functions field is not supported; send tools")
     tools = body.get("tools")
@@ -149,9 +151,12 @@ def tool_calls(body: dict, params: pb.SamplingParams,
     if not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
     if choice in (None, "auto"):
+        if parser != "none":
+            return ToolMode(None, parallel, parser)
         raise bad("tool_choice", '"auto" (the default with tools) needs a parser for the '
-                  'model\'s own tool-call format, which this server does not have: send '
-                  'tool_choice "required", a named function or "none"')
+                  'model\'s own tool-call format (--tool-call-parser hermes, for models whose '
+                  'template uses <tool_call> tags): send tool_choice "required", a named '
+                  'function or "none"')
     if choice == "none":
         return None
     if choice == "required":

@@ -201,13 +201,13 @@ def chat_messages(body: dict) -> list[dict]:
     return messages
 
 
-def chat_request(body: dict) -> ApiRequest:
+def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
     """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
     messages = chat_messages(body)
     params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
     chat = messages_to_pb(messages)
-    tools = tool_calls(body, params, chat)
+    tools = tool_calls(body, params, chat, tool_call_parser)
     request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,

@@ -9,7 +9,10 @@ model call a function (openai_formats.ToolMode) carries `tool_calls` instead of 
   and every chunk after it adds to `function.arguments`;
 * "required": the output is a JSON array of {"name", "parameters"}; one call per element,
   arguments = the parameters as JSON text, finish_reason "tool_calls". Streamed, the calls go
-  out in one chunk when the choice ends (the array is only known then).
+  out in one chunk when the choice ends (the array is only known then);
+* "auto" (with --tool-call-parser): the output is split by the model's own syntax
+  (tool_parsers.py) into content and calls; finish_reason "tool_calls" when it called one.
+  Streamed, content flows as it comes and each call goes out whole once it is closed.
 
 An output that is not a complete call (cut by max_tokens or a stop string, or aborted) is sent
 as the content it is, with its own finish_reason.
@@ -18,7 +21,6 @@ as the content it is, with its own finish_reason.
 from __future__ import annotations
 
 import json
-import uuid
 
 from .openai_protocol import (
     ApiRequest,
@@ -29,11 +31,8 @@ from .openai_protocol import (
     stop_reason,
     usage_json,
 )
+from .tool_parsers import make_parser, tool_call_id
 from .types import CompletionDelta, RequestOutput, Usage
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def required_calls(text: str) -> list[dict] | None:
@@ -72,6 +71,7 @@ class ChoiceWriter:
         self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
         self.tools = api.tools if api.chat else None
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
+        self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
 
     def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.api.n + delta.index
@@ -95,7 +95,11 @@ class ChoiceWriter:
             choice: dict = {"index": i}
             lps = self.logprobs.get(i, [])
             finish = end.finish_reason if end else None
-            if self.api.chat:
+            if self.api.chat and self.tools is not None and self.tools.parser:
+                choice["message"], finish = self._parsed_message(text, finish)
+                choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
+                                      if self.api.logprobs is not None else None)
+            elif self.api.chat:
                 choice["message"] = {"role": "assistant", "content": text}
                 calls = self._calls(text, finish)
                 if calls is not None:
@@ -121,6 +125,17 @@ class ChoiceWriter:
             return required_calls(text)
         return [{"id": tool_call_id(), "type": "function",
                  "function": {"name": self.tools.name, "arguments": text}}]
+
+    def _parsed_message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """tool_choice "auto": the whole text split by the model's tool-call syntax."""
+        parser = make_parser(self.tools.parser)
+        first, last = parser.feed(text), parser.finish()
+        content = first.content + last.content
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in first.calls + last.calls]
+        if not calls:
+            return {"role": "assistant", "content": content}, finish
+        return ({"role": "assistant", "content": content or None, "tool_calls": calls},
+                "tool_calls" if finish == "stop" else finish)
 
     # ------------------------------------------------------------------ stream
 
@@ -165,7 +180,9 @@ class ChoiceWriter:
                 self.offsets[i] = offset + len(delta.text)
             choice["finish_reason"] = delta.finish_reason
             if (self.tools is not None and self.tools.name is None
-                    and "tool_calls" in choice["delta"]):
+                    and delta.finish_reason == "stop" and (
+                        "tool_calls" in choice["delta"]
+                        or (i in self.parsers and self.parsers[i].num_calls))):
                 choice["finish_reason"] = "tool_calls"
             choice["stop_reason"] = (stop_reason(delta, self.stop_token_ids)
                                      if delta.finish_reason else None)
@@ -181,6 +198,19 @@ class ChoiceWriter:
         """A streamed chat delta of a tool-calling choice: a named call opens with its id and
         name and grows its arguments by each text; a "required" array is held back and goes
         out as its calls when the choice ends (or as content if it is not a whole array)."""
+        if self.tools.parser:
+            parser = self.parsers.get(i)
+            if parser is None:
+                parser = self.parsers[i] = make_parser(self.tools.parser)
+            piece = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                last = parser.finish()
+                piece.content += last.content
+                piece.calls += last.calls
+            out: dict = {"content": piece.content} if piece.content else {}
+            if piece.calls:
+                out["tool_calls"] = piece.calls
+            return out
         if self.tools.name is not None:
             if not delta.text:
                 return {}

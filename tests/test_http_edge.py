@@ -467,3 +467,42 @@ def test_any_json_body_is_a_request_or_a_400(tok, chat, body):
                             default_max_tokens=None)
     except InvalidRequest as exc:
         assert exc.field and str(exc).startswith(exc.field), exc
+
+
+def test_auto_tool_choice_with_the_hermes_parser(tok):
+    """--tool-call-parser hermes: tool_choice "auto" lets the model answer freely and its
+    <tool_call> blocks become the reply's tool_calls, unary and streamed; without the
+    parser, auto is a 400."""
+    hermes = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+              '\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}],
+            "tools": tools, "max_tokens": 200}
+
+    async def main():
+        async with serve(tok) as (engine, frontend, session, metrics):
+            status, err = await _post(session, "/v1/chat/completions", body)
+            assert status == 400 and err["error"]["param"] == "tool_choice"
+        engine = FakeEngine(tok)
+        engine.script = tok.encode(hermes)[1:] + [tok.eos_token_ids[0]]
+        frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
+                            RouterMetrics())
+        server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
+                                         max_model_len=256, tool_call_parser="hermes")
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
+            status, reply = await _post(session, "/v1/chat/completions", body)
+            assert status == 200, reply
+            choice = reply["choices"][0]
+            assert choice["finish_reason"] == "tool_calls"
+            assert choice["message"]["content"] == "Checking. "
+            [call] = choice["message"]["tool_calls"]
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+            events = await _sse(session, "/v1/chat/completions", {**body, "stream": True})
+            deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+            assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+            calls = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert [c["function"] for c in calls] == [call["function"]]
+            assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+        await server.stop()
+
+    _run(main())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedserve.router.chat_template import ChatTemplate
 from pagedserve.router.errors import InvalidRequest
 from pagedserve.router.openai_formats import ToolMode
@@ -187,3 +189,78 @@ def test_streamed_required_calls_go_out_when_the_choice_ends():
     w.chunks(0, out(CompletionDelta(0, '[{"na', token_ids=(5,))))
     [(delta, finish)] = deltas_of(w.chunks(0, out(CompletionDelta(0, "", finish_reason="abort"))))
     assert delta == {"content": '[{"na'} and finish == "abort"
+
+
+# --------------------------------------------------------------------------- auto (hermes)
+
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+
+
+def parse_all(chunks: list[str]):
+    from pagedserve.router.tool_parsers import HermesParser
+    parser, content, calls = HermesParser(), "", []
+    for piece in [*(parser.feed(c) for c in chunks), parser.finish()]:
+        content += piece.content
+        calls += piece.calls
+    return content, [(c["index"], c["function"]["name"], c["function"]["arguments"])
+                     for c in calls]
+
+
+def test_hermes_parser_splits_content_and_calls():
+    assert parse_all([HERMES]) == ("Let me check. ", [
+        (0, "get_weather", '{"city": "Paris"}'), (1, "ping", "{}")])
+    assert parse_all(["no call here, a < b and <tool"]) == ("no call here, a < b and <tool",
+                                                            [])
+    bad = 'x <tool_call>{"name": oops}</tool_call> y'
+    assert parse_all([bad]) == (bad, [])  # not JSON: the text, unchanged
+    assert parse_all(['<tool_call>{"name": "f", "arguments": {"a": 1}}']) == (
+        "", [(0, "f", '{"a": 1}')])  # stopped before the closing tag: still a call
+    assert parse_all(['<tool_call>{"name": "f", "argu']) == ('<tool_call>{"name": "f", "argu',
+                                                            [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(HERMES)), max_size=12))
+def test_hermes_parser_streams_whatever_the_chunking(cuts):
+    """Fed in any chunks, the parser gives what it gives for the whole text."""
+    bounds = [0, *sorted(cuts), len(HERMES)]
+    chunks = [HERMES[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert parse_all(chunks) == parse_all([HERMES])
+
+
+def test_auto_tool_choice_needs_a_parser_and_uses_it():
+    api = chat_request({"messages": MESSAGES, "tools": TOOLS}, tool_call_parser="hermes")
+    assert api.tools == ToolMode(None, True, "hermes")
+    assert not api.requests[0].params.HasField("structured_output")  # the output is free
+    w = ChoiceWriter(api, "chatcmpl-1", 7, "m", TokenText(None))
+    w.add(0, out(CompletionDelta(0, HERMES, finish_reason="stop"), usage=Usage(5, 30)))
+    choice = w.response()["choices"][0]
+    assert choice["message"]["content"] == "Let me check. "
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "ping", "arguments": "{}"}]
+    assert choice["finish_reason"] == "tool_calls"
+    w = ChoiceWriter(api, "chatcmpl-1", 7, "m", TokenText(None))  # no call: plain content
+    w.add(0, out(CompletionDelta(0, "It is sunny.", finish_reason="stop"), usage=Usage(5, 3)))
+    assert w.response()["choices"][0]["message"] == {"role": "assistant",
+                                                     "content": "It is sunny."}
+    assert w.response()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_auto_streams_content_then_whole_calls():
+    api = chat_request({"messages": MESSAGES, "tools": TOOLS, "stream": True},
+                       tool_call_parser="hermes")
+    w = ChoiceWriter(api, "chatcmpl-1", 7, "m", TokenText(None))
+    pieces = [HERMES[:20], HERMES[20:70], HERMES[70:]]
+    chunks = []
+    for k, text in enumerate(pieces):
+        last = k == len(pieces) - 1
+        chunks += w.chunks(0, out(CompletionDelta(0, text, token_ids=(k,),
+                                                  finish_reason="stop" if last else None)))
+    got = deltas_of(chunks)
+    assert got[0] == ({"content": "Let me check. "}, None)
+    calls = [c for d, _ in got for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"),
+                                                                    (1, "ping")]
+    assert got[-1][1] == "tool_calls"
