@@ -245,7 +245,7 @@ class ModelRunner:
             self._retired = None
             # Structured output's masks are host work: done while a GPU runs the forward.
             states = [self.requests[r]._sampling for r in batch.sample_ids]
-            grammar_bits = self.sampler.grammar_masks(states)
+            grammar_bits = Sampler.grammar_masks(states)
             _sync(self.device)
             t1 = time.perf_counter()
             out = self.sampler(logits, states, grammar_bits) if states else None

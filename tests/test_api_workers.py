@@ -252,6 +252,35 @@ def _stub_on(cluster, want_other_than: int | None, want: int | None = None):
     raise AssertionError("no connection landed where wanted in 24 tries")
 
 
+def test_structured_output_and_tool_calls_through_the_workers(cluster):
+    """The workers validate and compile formats and build tool-call replies: a choice format
+    with a logit bias, a named tool call, and a bad format's 400 naming the client's field."""
+    import openai
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    model = Path(cluster.model_dir).name
+    for seed in range(3):
+        reply = client.completions.create(
+            model=model, prompt="Pick one", max_tokens=8, temperature=1.0, seed=seed,
+            extra_body={"guided_choice": ["red", "green", "blue"]}, logit_bias={"5": -100})
+        assert reply.choices[0].text in ("red", "green", "blue")
+        assert reply.choices[0].finish_reason == "stop"
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["color"], "additionalProperties": False,
+        "properties": {"color": {"enum": ["red", "green"]}}}}}]
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Pick"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "pick"}}, max_tokens=20,
+        temperature=0)
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "pick"
+    assert json.loads(call.function.arguments)["color"] in ("red", "green")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "(unclosed"})
+    assert bad.value.body["param"] == "guided_regex"
+
+
 def test_abort_and_duplicate_id_on_the_same_and_the_other_worker(cluster):
     for case in ("other", "other", "same"):
         request_id = f"cross-{case}-{time.monotonic_ns()}"

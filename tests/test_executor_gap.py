@@ -50,9 +50,9 @@ class Spy:
             })
             return forward(batch)
 
-        def spy_sampler(logits, states):
+        def spy_sampler(logits, states, grammar_bits=None):
             self.sampled_outputs.append([s.output_token_ids.tolist() for s in states])
-            return sampler(logits, states)
+            return sampler(logits, states, grammar_bits)
 
         runner._forward, runner.sampler = spy_forward, spy_sampler
 

@@ -77,6 +77,20 @@ def params(draw):
             setattr(p, name, draw(strat))
     p.stop.extend(draw(st.lists(TEXT, max_size=20)))
     p.stop_token_ids.extend(draw(st.lists(U32, max_size=20)))
+    if draw(st.booleans()):
+        p.logit_bias.update(draw(st.dictionaries(U32, WILD_FLOAT, max_size=5)))
+    if draw(st.booleans()):
+        so = p.structured_output
+        kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "choice",
+                                     "grammar"]))
+        if kind == "json_object":
+            so.json_object = draw(st.booleans())
+        elif kind == "choice":
+            so.choice.choices.extend(draw(st.lists(TEXT, max_size=3)))
+        else:
+            setattr(so, kind, draw(st.one_of(TEXT, st.sampled_from(
+                ['{"type": "object"}', '{"enum": [1, "a"]}', "[a-z]{1,3}", 'start: "x" | "y"',
+                 "(", '{"type": 7}', "start: undefined"]))))
     return p
 
 
@@ -101,6 +115,11 @@ def valid_params(draw):
         field = draw(st.sampled_from([f.name for f in pb.SamplingParams.DESCRIPTOR.fields]))
         if field in ("stop", "stop_token_ids"):
             getattr(p, field)[:] = getattr(wild, field)
+        elif field == "logit_bias":
+            p.logit_bias.clear()
+            p.logit_bias.update(wild.logit_bias)
+        elif field == "structured_output":
+            p.structured_output.CopyFrom(wild.structured_output)
         elif wild.HasField(field) if field in _OPTIONAL else True:
             setattr(p, field, getattr(wild, field))
     return p
