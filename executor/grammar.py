@@ -177,12 +177,29 @@ def fill_grammar_masks(matchers: Sequence[GrammarMatcher],
     return bits
 
 
-def apply_grammar_masks_(logits: torch.Tensor, rows: list[int],
-                         bits: np.ndarray) -> torch.Tensor:
-    """In place on logits [N, V]: row rows[i] keeps only the tokens bits[i] allows."""
+def apply_grammar_masks_(logits: torch.Tensor, rows: list[int], bits: np.ndarray,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row rows[i] of logits [N, V] keeps only the tokens bits[i] allows, the rest -inf: in
+    place, or into `out` (same shape; then `logits` is left alone). Returns the result.
+    `torch.where` rather than `masked_fill_`: 18 against 31 ms for 256 rows of 49k tokens on
+    a 2-core AVX2 CPU, copy included (structured_bench.py)."""
     refused = refused_tokens(bits, logits.shape[1], logits.device)
-    if len(rows) == logits.shape[0]:  # every row constrained: in place, no gather
-        return logits.masked_fill_(refused, float("-inf"))
+    neg_inf = _neg_inf(logits)
+    if len(rows) == logits.shape[0]:  # every row constrained: one pass, no gather
+        return torch.where(refused, neg_inf, logits, out=logits if out is None else out)
+    if out is not None:
+        logits = out.copy_(logits)
     idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill_(refused, float("-inf"))
+    logits[idx] = torch.where(refused, neg_inf, logits[idx])
     return logits
+
+
+_NEG_INF: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _neg_inf(like: torch.Tensor) -> torch.Tensor:
+    key = (like.device, like.dtype)
+    value = _NEG_INF.get(key)
+    if value is None:
+        value = _NEG_INF[key] = torch.tensor(float("-inf"), dtype=like.dtype, device=like.device)
+    return value

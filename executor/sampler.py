@@ -410,7 +410,7 @@ class Sampler:
             return self._output(raw, raw.argmax(-1), params)  # fast path
 
         x = raw
-        if pen_rows or mask_rows or bias_rows or grammar_rows:
+        if pen_rows or mask_rows or bias_rows:
             x = self._buffer(0, raw.shape, device).copy_(raw)
         if bias_rows:
             apply_logit_bias_(x, bias_rows, [params[i] for i in bias_rows])
@@ -432,7 +432,9 @@ class Sampler:
         if grammar_rows:
             if grammar_bits is None:
                 grammar_bits = self.grammar_masks(states)
-            apply_grammar_masks_(x, grammar_rows, grammar_bits)
+            # Nothing copied yet: the masked copy is the copy (one pass over [R, V]).
+            out = self._buffer(0, raw.shape, device) if x is raw else None
+            x = apply_grammar_masks_(x, grammar_rows, grammar_bits, out=out)
 
         if all(greedy):
             tokens = x.argmax(-1)
