@@ -72,3 +72,17 @@ def test_step_overhead_quick_fake():
         assert r[k] is not None, k
     assert r["steps"] > 0 and r["forward_ms_p50"] >= 20.0 and r["gap_reported"]
     assert "stream_errors" not in r
+
+
+def test_structured_bench_quick(tmp_path):
+    from pagedserve.tinymodels import build_model
+    model = build_model(tmp_path / "m", "llama")
+    lines = _run("structured_bench.py", "--model", str(model), "--batches", "1,4",
+                 "--reps", "2", "--advance", "3")
+    by_case = {r["case"]: r for r in lines}
+    assert by_case["vocab_index"]["vocab"] == 512
+    for fmt in ("json_schema", "json_object", "regex", "choice"):
+        for b in (1, 4):
+            mask, sampler = by_case[f"mask_{fmt}_b{b}"], by_case[f"sampler_{fmt}_b{b}"]
+            assert mask["fill_us_p50"] > 0 and mask["apply_us_p50"] > 0
+            assert sampler["constrained_us_p50"] > 0 and sampler["plain_us_p50"] > 0
