@@ -39,6 +39,7 @@ from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute, to_device
+from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import Sampler, SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
@@ -102,6 +103,7 @@ class _Batch:
     sample_rows: torch.Tensor  # index into the hidden states of the tokens that sample
     sample_ids: list[str]  # their requests, same order
     sample_state_rows: np.ndarray  # their rows in RequestRows, same order
+    kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
 
 
 def _sync(device: torch.device) -> None:
@@ -130,6 +132,7 @@ class ModelRunner:
                                  self.max_model_len, self.vocab_size, self.device, grammars)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
+        self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
         self._pending = _PendingSamples(self.rows)
         self.steps_done = 0
@@ -150,6 +153,7 @@ class ModelRunner:
         """Forget every request (a new registration starts with an empty cache state)."""
         self.requests.clear()
         self._row_of.clear()
+        self._scoring.clear()
         self.rows.clear()
         self._pending = _PendingSamples(self.rows)
         self._retired = None
@@ -166,6 +170,10 @@ class ModelRunner:
             self.rows.release(old.row)
         self.requests[request_id] = state
         self._row_of[request_id] = state.row
+        if state._sampling.params.prompt_logprobs is not None:
+            self._scoring[request_id] = state._sampling
+        else:
+            self._scoring.pop(request_id, None)
 
     def _drop(self, request_id: str) -> None:
         old = self.requests.pop(request_id, None)
@@ -173,6 +181,7 @@ class ModelRunner:
             self._pending.apply()  # before its row can change hands
             self.rows.release(old.row)
             del self._row_of[request_id]
+            self._scoring.pop(request_id, None)
 
     # ------------------------------------------------------------------------------ step
     def execute(self, plan: StepPlan, inputs: PlanInputs | None = None) -> StepResult:
@@ -249,6 +258,11 @@ class ModelRunner:
             _sync(self.device)
             t1 = time.perf_counter()
             out = self.sampler(logits, states, grammar_bits) if states else None
+            scores = None
+            if self._scoring:  # prompt logprobs asked for by a request of the step
+                scores = score_prompts(self.model, hidden, plan.request_ids,
+                                       plan.num_computed_tokens, plan.num_new_tokens,
+                                       batch.kept, self._scoring)
             t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
@@ -256,6 +270,8 @@ class ModelRunner:
             return StepResult(**result, errors=errors)
         self.steps_done += 1
         self._retired = plan, pre, batch
+        if scores is not None:
+            result.update(scores)
         if out is None:
             return StepResult(**result, errors=errors, forward_s=t1 - t0)
         # Recorded after the next forward is launched; its marked decodes are fed from here.
@@ -455,4 +471,5 @@ class ModelRunner:
             sample_rows=self._dev(query_start_loc[1:][do_sample] - 1, np.int64),
             sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
             sample_state_rows=kept_rows[do_sample],
+            kept=np.flatnonzero(keep),
         )

@@ -125,6 +125,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias_ids: tuple[int, ...] = ()  # added to these tokens' logits before penalties
     logit_bias_values: tuple[float, ...] = ()  # same length and order
     grammar: str = ""  # structured output: an llguidance grammar; "" = free text
+    prompt_logprobs: int | None = None  # score the prompt tokens computed: top-k of each
 
     @property
     def has_logit_bias(self) -> bool:
@@ -294,8 +295,32 @@ class StepResult(_Message, tag="result", frozen=True):
     # From the end of sampling of the executor's previous step to the start of this step's
     # forward: waiting for the plan, decoding it, block moves, preparing inputs.
     gap_s: float = 0.0
+    # Prompt scores (requests with prompt_logprobs whose prompt was computed this step):
+    # request prompt_ids[q] scored prompt tokens prompt_starts[q] ... + prompt_counts[q] - 1
+    # (token t given tokens < t); each owns prompt_counts[q] entries of prompt_logprobs and
+    # prompt_counts[q] * prompt_ks[q] of the top arrays (best first per token).
+    prompt_ids: list[str] = []
+    prompt_starts: np.ndarray | None = None  # int32 [Q]
+    prompt_counts: np.ndarray | None = None  # int32 [Q]
+    prompt_ks: np.ndarray | None = None  # int32 [Q]
+    prompt_logprobs: np.ndarray | None = None  # float32 [sum(counts)]
+    prompt_top_token_ids: np.ndarray | None = None  # int32 [sum(counts * ks)]
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [sum(counts * ks)]
 
     def validate(self) -> None:
+        q = len(self.prompt_ids)
+        if q:
+            for name in ("prompt_starts", "prompt_counts", "prompt_ks"):
+                arr = getattr(self, name)
+                if arr is None or arr.ndim != 1 or arr.shape[0] != q or (q and arr.min() < 0):
+                    raise WireError(f"result {self.step_id}: {name} must be {q} counts")
+            n = int(self.prompt_counts.sum())
+            k = int((self.prompt_counts * self.prompt_ks).sum())
+            for name, size in (("prompt_logprobs", n), ("prompt_top_token_ids", k),
+                               ("prompt_top_logprobs", k)):
+                arr = getattr(self, name)
+                if arr is None or arr.ndim != 1 or arr.shape[0] != size:
+                    raise WireError(f"result {self.step_id}: {name} must have {size} entries")
         r = len(self.request_ids)
         for name in ("token_ids", "logprobs", "top_counts"):
             arr = getattr(self, name)

@@ -105,7 +105,7 @@ class Delivery:
         """Every sample finished: the final item with usage; forget the request."""
         if self.live.pop(group.request_id, None) is None:
             return
-        group.channel.finish(group.usage())
+        group.channel.finish(group.usage(), tuple(group.prompt_logprobs))
         if group.first_scheduled_time is not None:
             self.metrics.observe_queue_time(group.first_scheduled_time - group.arrival_time)
 

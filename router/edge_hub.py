@@ -99,9 +99,11 @@ class ForwardChannel:
             self._hub.item(self._worker, self.request_id).deltas.append(
                 TokenDelta(index, token_ids, logprobs, finish_reason, stop_token_id))
 
-    def finish(self, usage) -> None:
+    def finish(self, usage, prompt_logprobs: tuple = ()) -> None:
         if not self.closed:
-            self._hub.item(self._worker, self.request_id).usage = usage
+            item = self._hub.item(self._worker, self.request_id)
+            item.usage = usage
+            item.prompt_logprobs = list(prompt_logprobs)
             self._close()
 
     def fail(self, error: BaseException) -> None:

@@ -93,6 +93,7 @@ class OutputItem(msgspec.Struct, array_like=True):
     usage: Usage | None = None
     error: str = ""
     message: str = ""
+    prompt_logprobs: list[TokenLogprob] = []  # with usage, when the request asked for them
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -167,6 +167,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         samples: dict[int, _SampleAcc] = {}
         usage: Usage | None = None
+        prompt_logprobs: tuple[TokenLogprob, ...] = ()
         request_id = ""
         async with aclosing(self._run(request, context)) as outputs:
             async for rid, out in outputs:
@@ -177,10 +178,12 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                         acc = samples[delta.index] = _SampleAcc(delta.index)
                     acc.add(delta)
                 usage = out.usage or usage
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs
         return pb.GenerateResponse(
             request_id=request_id,
             completions=[samples[i].to_pb() for i in sorted(samples)],
             usage=usage_to_pb(usage) if usage is not None else None,
+            prompt_logprobs=logprobs_to_pb(prompt_logprobs),
         )
 
     async def Stream(
@@ -197,6 +200,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     if not chunks:
                         chunks.append(pb.GenerateStreamResponse(request_id=request_id))
                     chunks[-1].usage.CopyFrom(usage_to_pb(out.usage))
+                    chunks[-1].prompt_logprobs.extend(logprobs_to_pb(out.prompt_logprobs))
                 for chunk in chunks:
                     yield chunk
 

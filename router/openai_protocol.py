@@ -62,6 +62,7 @@ class ApiRequest:
     include_usage: bool
     logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
     tools: ToolMode | None = None  # chat: the reply carries tool calls (tool_choice)
+    echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -151,11 +152,14 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 def completion_request(body: dict) -> ApiRequest:
     """POST /v1/completions body → ApiRequest (raises InvalidRequest)."""
-    if optional_bool(body, "echo"):
-        raise bad("echo", "echo is not supported")
+    echo = bool(optional_bool(body, "echo"))
     if present(body, "suffix"):
         raise bad("suffix", "suffix is not supported")
     params, logprobs = _sampling(body, chat=False)
+    if echo and logprobs is not None:
+        if optional_bool(body, "stream"):
+            raise bad("echo", "echo with logprobs is not supported in a stream")
+        params.prompt_logprobs = logprobs  # the prompt's tokens are scored too
     best_of = optional_int(body, "best_of")
     if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
         raise bad("best_of", "best_of other than n is not supported")
@@ -183,7 +187,8 @@ def completion_request(body: dict) -> ApiRequest:
         raise bad("prompt", "must be a string, an array of strings, an array of token ids "
                    "or an array of arrays of token ids (and not empty)")
     n = params.n if params.HasField("n") else 1
-    return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage, logprobs)
+    return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
+                      logprobs, echo=echo)
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -287,11 +292,18 @@ def stop_reason(delta: CompletionDelta, stop_token_ids: Sequence[int]) -> str | 
 
 
 class TokenText:
-    """Token id → its text (cached), for logprobs."""
+    """Token id → its text (cached), for logprobs; and the tokenizer's whole-text calls echo
+    needs."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+
+    def decode(self, token_ids) -> str:
+        return self._tokenizer.decode(list(token_ids))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -324,6 +336,19 @@ def completion_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText,
         "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
         "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
+    }
+
+
+def echo_logprobs_json(first_token_id: int, prompt: Sequence[TokenLogprob],
+                       text: TokenText) -> dict:
+    """The legacy `logprobs` object of an echoed prompt: its first token has no score
+    (null), the others their prompt logprobs; offsets from 0."""
+    scored = completion_logprobs_json(prompt, text, len(text(first_token_id)))
+    return {
+        "tokens": [text(first_token_id), *scored["tokens"]],
+        "token_logprobs": [None, *scored["token_logprobs"]],
+        "top_logprobs": [None, *scored["top_logprobs"]],
+        "text_offset": [0, *scored["text_offset"]],
     }
 
 

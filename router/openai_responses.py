@@ -28,6 +28,7 @@ from .openai_protocol import (
     add_usage,
     chat_logprobs_json,
     completion_logprobs_json,
+    echo_logprobs_json,
     stop_reason,
     usage_json,
 )
@@ -70,6 +71,7 @@ class ChoiceWriter:
         self.sent_tokens = False
         self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
         self.tools = api.tools if api.chat else None
+        self.prompt_logprobs: dict[int, tuple] = {}  # echo: prompt index -> its scores
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
         self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
 
@@ -79,6 +81,8 @@ class ChoiceWriter:
     # ------------------------------------------------------------------ unary
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         for delta in out.deltas:
             i = self._index(prompt_index, delta)
             self.text.setdefault(i, []).append(delta.text)
@@ -109,9 +113,15 @@ class ChoiceWriter:
                 choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
                                       if self.api.logprobs is not None else None)
             else:
-                choice["text"] = text
-                choice["logprobs"] = (completion_logprobs_json(lps, self.token_text, 0)
-                                      if self.api.logprobs is not None else None)
+                prefix = self._echo(i // self.api.n) if self.api.echo else ""
+                choice["text"] = prefix + text
+                choice["logprobs"] = None
+                if self.api.logprobs is not None:
+                    choice["logprobs"] = completion_logprobs_json(lps, self.token_text,
+                                                                  len(prefix))
+                    if self.api.echo:
+                        choice["logprobs"] = _joined(self._echo_logprobs(i // self.api.n),
+                                                     choice["logprobs"])
             choice["finish_reason"] = finish
             choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
             choices.append(choice)
@@ -145,10 +155,36 @@ class ChoiceWriter:
             chunk["usage"] = None
         return chunk
 
+    def _echo(self, prompt_index: int) -> str:
+        """The prompt as echo writes it: its text, or its token ids decoded."""
+        req = self.api.requests[prompt_index]
+        if req.WhichOneof("input") == "prompt":
+            return req.prompt
+        return self.token_text.decode(req.prompt_token_ids.ids)
+
+    def _first_prompt_token(self, prompt_index: int) -> int:
+        req = self.api.requests[prompt_index]
+        if req.WhichOneof("input") == "prompt":
+            return self.token_text.encode(req.prompt)[0]
+        return req.prompt_token_ids.ids[0]
+
+    def _echo_logprobs(self, prompt_index: int) -> dict:
+        return echo_logprobs_json(self._first_prompt_token(prompt_index),
+                                  self.prompt_logprobs.get(prompt_index, ()), self.token_text)
+
     def first_chunks(self) -> list[dict]:
-        """Chat: one chunk per choice whose delta carries the role."""
+        """Chat: one chunk per choice whose delta carries the role. Completions with echo:
+        one chunk per choice with its prompt."""
         if not self.api.chat:
-            return []
+            if not self.api.echo:
+                return []
+            chunks = []
+            for i in range(self.num_choices):
+                prefix = self._echo(i // self.api.n)
+                self.offsets[i] = len(prefix)
+                chunks.append(self._chunk([{"index": i, "text": prefix, "logprobs": None,
+                                            "finish_reason": None, "stop_reason": None}]))
+            return chunks
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
                 for i in range(self.num_choices)]
@@ -250,3 +286,8 @@ class ChoiceWriter:
 
     def usage_chunk(self) -> dict:
         return {**self.head, "choices": [], "usage": usage_json(self.usage)}
+
+
+def _joined(prompt: dict, completion: dict) -> dict:
+    """Two legacy logprobs objects, one after the other."""
+    return {key: prompt[key] + completion[key] for key in prompt}

@@ -40,6 +40,7 @@ def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.S
         logit_bias_ids=tuple(t for t, _ in sp.logit_bias),
         logit_bias_values=tuple(v for _, v in sp.logit_bias),
         grammar=sp.grammar,
+        prompt_logprobs=sp.prompt_logprobs,
     )
 
 

@@ -217,7 +217,7 @@ class RemoteEngine:
                     usage = item.usage
                     req.channel.finish(Usage(  # tokens handed out here (see module doc)
                         usage.prompt_tokens, sum(a.num_tokens for a in req.assemblers),
-                        usage.cached_prompt_tokens))
+                        usage.cached_prompt_tokens), tuple(item.prompt_logprobs))
                     del streams[item.request_id]
                 elif item.error:
                     req.channel.fail(error_from(item.error, item.message))

@@ -86,7 +86,7 @@ class OutputSink(Protocol):
                 finish_reason, stop_string, stop_token_id) -> None:
         """`put` of a delta with these fields (a sink may skip making the object)."""
 
-    def finish(self, usage: Usage) -> None: ...
+    def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
 
@@ -98,6 +98,7 @@ class OutputChannel:
     def __init__(self) -> None:
         self._pending: dict[int, list[CompletionDelta]] = {}
         self._usage: Usage | None = None
+        self._prompt_logprobs: tuple = ()
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.closed = False
@@ -113,10 +114,11 @@ class OutputChannel:
         self.put(CompletionDelta(index, text, token_ids, logprobs, finish_reason, stop_string,
                                  stop_token_id))
 
-    def finish(self, usage: Usage) -> None:
+    def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None:
         if self.closed:
             return
         self._usage = usage
+        self._prompt_logprobs = prompt_logprobs
         self.closed = True
         self._event.set()
 
@@ -151,7 +153,7 @@ class OutputChannel:
             if self._error is not None and not deltas:
                 raise self._error
             if self._usage is not None:
-                yield RequestOutput(request_id, deltas, self._usage)
+                yield RequestOutput(request_id, deltas, self._usage, self._prompt_logprobs)
                 return
             if self._error is not None:
                 yield RequestOutput(request_id, deltas)
@@ -174,6 +176,8 @@ class RequestGroup:
         self.forked = spec.sampling.n == 1 or len(spec.prompt_token_ids) == 1
         self.num_preemptions = 0
         self.aborted = False
+        # prompt_logprobs: the scores of prompt tokens 1, 2, ... received so far, in order
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.cached_prompt_tokens: int | None = None
         self.pinned_tokens = 0  # prompt tokens pinned in the prefix cache (routing, waits)
         # Prompt tokens it waited for at its last admission attempt (prefill dedup: blocks

@@ -274,7 +274,31 @@ class StepLoop:
             self.request_error(handle, err)
             if not handle.healthy:
                 return []
+        if result.prompt_ids:
+            self.apply_prompt_scores(handle, result)
         return self.apply_tokens(handle, result)
+
+    def apply_prompt_scores(self, handle: ExecutorHandle, result: wire.StepResult) -> None:
+        """Prompt logprobs: each request keeps the scores of prompt tokens 1, 2, ... in
+        order, each position once (a recompute or a migration scores again what it has)."""
+        live = self.engine.live
+        ofs = top_ofs = 0
+        for q, seq_id in enumerate(result.prompt_ids):
+            first = int(result.prompt_starts[q])
+            count, k = int(result.prompt_counts[q]), int(result.prompt_ks[q])
+            group = live.get(seq_id.rpartition("#")[0])
+            have = len(group.prompt_logprobs) if group is not None else -1
+            if group is not None and group.executor_id == handle.id and first <= have + 1:
+                lps = result.prompt_logprobs[ofs:ofs + count].tolist()
+                ids = result.prompt_top_token_ids[top_ofs:top_ofs + count * k].tolist()
+                vals = result.prompt_top_logprobs[top_ofs:top_ofs + count * k].tolist()
+                tokens = group.spec.prompt_token_ids
+                for j in range(have + 1 - first, count):  # new positions only
+                    top = tuple(zip(ids[j * k:(j + 1) * k], vals[j * k:(j + 1) * k],
+                                    strict=True))
+                    group.prompt_logprobs.append(TokenLogprob(tokens[first + j], lps[j], top))
+            ofs += count
+            top_ofs += count * k
 
     def apply_tokens(self, handle: ExecutorHandle, result: wire.StepResult) -> list[Sequence]:
         """Append sampled tokens and apply the cheap stops; returns the sequences that got a

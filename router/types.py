@@ -53,6 +53,7 @@ class SamplingSpec:
     keep_special_tokens: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     grammar: str = ""  # structured output: an llguidance grammar (structured.py); "" = free text
+    prompt_logprobs: int | None = None  # score the prompt: top-k per prompt token
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +134,9 @@ class RequestOutput:
     request_id: str
     deltas: tuple[CompletionDelta, ...] = ()
     usage: Usage | None = None
+    # With prompt_logprobs: on the last item (with usage), one entry per prompt token from
+    # the second on.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

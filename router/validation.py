@@ -100,6 +100,10 @@ def sampling_from_pb(params, limits: Limits,
         raise _bad("repetition_penalty", "must be finite")
     _check_float("presence_penalty", params.presence_penalty, *PENALTY_RANGE)
     _check_float("frequency_penalty", params.frequency_penalty, *PENALTY_RANGE)
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+        raise _bad("prompt_logprobs",
+                   f"must be ≤ {limits.max_logprobs} (--max-logprobs), got {prompt_logprobs}")
     logit_bias = _logit_bias(params.logit_bias, limits.vocab_size)
     grammar = ""
     if params.HasField("structured_output"):
@@ -130,6 +134,7 @@ def sampling_from_pb(params, limits: Limits,
         keep_special_tokens=params.keep_special_tokens,
         logit_bias=logit_bias,
         grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -255,13 +260,18 @@ def request_from_pb(
             f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) > "
             f"max_model_len ({limits.max_model_len})",
         )
+    cache_salt = request.cache_salt
+    if sampling.prompt_logprobs is not None:
+        # Every prompt token must be computed to be scored: a salt of its own keeps the
+        # prefix cache from serving any of them (its samples still share its blocks).
+        cache_salt = f"{cache_salt}\x00prompt-logprobs:{secrets.token_hex(8)}"
     return RequestSpec(
         request_id=rid,
         prompt_token_ids=ids,
         sampling=sampling,
         prompt_text=prompt_text,
         priority=request.priority,
-        cache_salt=request.cache_salt,
+        cache_salt=cache_salt,
         arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         deadline=deadline,
     )

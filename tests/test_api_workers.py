@@ -252,9 +252,10 @@ def _stub_on(cluster, want_other_than: int | None, want: int | None = None):
     raise AssertionError("no connection landed where wanted in 24 tries")
 
 
-def test_structured_output_and_tool_calls_through_the_workers(cluster):
+def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):
     """The workers validate and compile formats and build tool-call replies: a choice format
-    with a logit bias, a named tool call, and a bad format's 400 naming the client's field."""
+    with a logit bias, a named tool call, a bad format's 400 naming the client's field; and
+    echo with prompt logprobs."""
     import openai
     client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
                            max_retries=0, timeout=60)
@@ -279,6 +280,12 @@ def test_structured_output_and_tool_calls_through_the_workers(cluster):
         client.completions.create(model=model, prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "(unclosed"})
     assert bad.value.body["param"] == "guided_regex"
+    # Prompt logprobs travel from the core to the worker with the request's usage.
+    echo = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=1,
+                                     logprobs=1, echo=True, temperature=0)
+    token_logprobs = echo.choices[0].logprobs.token_logprobs
+    assert len(token_logprobs) == 5 and token_logprobs[0] is None
+    assert all(isinstance(v, float) for v in token_logprobs[1:])
 
 
 def test_abort_and_duplicate_id_on_the_same_and_the_other_worker(cluster):

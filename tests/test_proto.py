@@ -51,11 +51,13 @@ def _numbers(message) -> dict[str, int]:
                              "min_tokens": 10, "n": 11, "logprobs": 12, "repetition_penalty": 13,
                              "presence_penalty": 14, "frequency_penalty": 15,
                              "include_stop_str_in_output": 16, "keep_special_tokens": 17,
-                             "logit_bias": 18, "structured_output": 19}),
+                             "logit_bias": 18, "structured_output": 19,
+                             "prompt_logprobs": 20}),
         (pb.StructuredOutput, {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4,
                                "grammar": 5}),
         (pb.Choices, {"choices": 1}),
-        (pb.GenerateResponse, {"request_id": 1, "completions": 2, "usage": 3}),
+        (pb.GenerateResponse, {"request_id": 1, "completions": 2, "usage": 3,
+                               "prompt_logprobs": 4}),
         (pb.Completion, {"index": 1, "text": 2, "token_ids": 3, "finish_reason": 4,
                          "stop_string": 5, "stop_token_id": 6, "logprobs": 7}),
         (pb.TokenLogprob, {"token_id": 1, "logprob": 2, "top": 3}),
@@ -63,7 +65,7 @@ def _numbers(message) -> dict[str, int]:
         (pb.Usage, {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3}),
         (pb.GenerateStreamResponse, {"request_id": 1, "index": 2, "text": 3, "token_ids": 4,
                                      "finish_reason": 5, "stop_string": 6, "stop_token_id": 7,
-                                     "logprobs": 8, "usage": 9}),
+                                     "logprobs": 8, "usage": 9, "prompt_logprobs": 10}),
         (pb.AbortRequest, {"request_id": 1}),
         (pb.AbortResponse, {}),
         (pb.ModelInfo, {"model": 1, "architecture": 2, "max_model_len": 3, "vocab_size": 4,
@@ -84,7 +86,8 @@ def test_optional_fields_track_presence():
         f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence
     }
     assert optional == {"max_tokens", "temperature", "top_p", "seed", "n", "logprobs",
-                        "repetition_penalty", "structured_output"}  # a message field
+                        "repetition_penalty", "structured_output",  # a message field
+                        "prompt_logprobs"}
     oneof = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["format"]
     assert [f.name for f in oneof.fields] == ["json_schema", "json_object", "regex", "choice",
                                               "grammar"]

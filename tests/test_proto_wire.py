@@ -98,6 +98,22 @@ def test_empty_plan_and_result():
         roundtrip(StepPlan(step_id=2, token_ids=int32([1])))
 
 
+def test_result_prompt_scores_roundtrip_and_are_checked():
+    """Two requests' prompt scores: 3 tokens with top-2, 2 tokens with none."""
+    f32 = lambda v: np.asarray(v, np.float32)  # noqa: E731
+    scores = dict(prompt_ids=["a#0", "b#0"], prompt_starts=int32([1, 5]),
+                  prompt_counts=int32([3, 2]), prompt_ks=int32([2, 0]),
+                  prompt_logprobs=f32([-1, -2, -3, -4, -5]),
+                  prompt_top_token_ids=int32([7, 8, 7, 9, 1, 2]),
+                  prompt_top_logprobs=f32([-0.5, -1, -0.1, -2, -0.3, -0.4]))
+    r = roundtrip(wire.StepResult(step_id=3, **scores))
+    assert r.prompt_ids == ["a#0", "b#0"] and r.prompt_top_token_ids.tolist()[-1] == 2
+    for name, bad in [("prompt_logprobs", f32([-1, -2])), ("prompt_top_token_ids", int32([7])),
+                      ("prompt_counts", int32([3])), ("prompt_ks", None)]:
+        with pytest.raises(WireError, match=name):
+            roundtrip(wire.StepResult(step_id=3, **{**scores, name: bad}))
+
+
 def test_plan_admitting_many_new_requests_decodes():
     n = 300  # > 27: used to exceed MAX_FRAMES = 64
     sp = wire.SamplingParams()
