@@ -393,15 +393,25 @@ class Sampler:
         device = logits.device
         params = [s.params for s in states]
         greedy = [p.temperature < _GREEDY_EPS or p.top_k == 1 for p in params]
-        pen_rows = [i for i, s in enumerate(states) if _has_penalty(s)]
+        # One pass over the rows for what only some of them ask for (the usual step: none).
+        pen_rows: list[int] = []
         mask_rows: list[int] = []
         mask_ids: list[int] = []
+        bias_rows: list[int] = []
+        grammar_rows: list[int] = []
         for i, s in enumerate(states):
-            ids = _min_tokens_masked_ids(s, vocab)
-            mask_rows += [i] * len(ids)
-            mask_ids += ids
-        bias_rows = [i for i, p in enumerate(params) if p.logit_bias_ids]
-        grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
+            p = s.params
+            if (p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty) and _has_penalty(s):
+                pen_rows.append(i)
+            if s.num_output_tokens < p.min_tokens:
+                ids = _min_tokens_masked_ids(s, vocab)
+                mask_rows += [i] * len(ids)
+                mask_ids += ids
+            if p.logit_bias_ids:
+                bias_rows.append(i)
+            if s.grammar is not None:
+                grammar_rows.append(i)
         raw = logits
         if logits.dtype != torch.float32:  # argmax of bf16 is slow on CPU; convert once
             raw = self._buffer(2, logits.shape, device).copy_(logits)
