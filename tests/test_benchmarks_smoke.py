@@ -86,3 +86,10 @@ def test_structured_bench_quick(tmp_path):
             mask, sampler = by_case[f"mask_{fmt}_b{b}"], by_case[f"sampler_{fmt}_b{b}"]
             assert mask["fill_us_p50"] > 0 and mask["apply_us_p50"] > 0
             assert sampler["constrained_us_p50"] > 0 and sampler["plain_us_p50"] > 0
+
+
+def test_feature_soak_short():
+    lines = _run("feature_soak.py", "--duration", "4", "--executors", "1", "--clients", "3")
+    [summary] = lines
+    assert summary["case"] == "summary" and summary["ok"], summary
+    assert summary["requests"] > 0 and summary["blocks_leaked"] == 0

@@ -1,0 +1,178 @@
+"""Feature soak: every request kind at once against a real cluster (router + CPU executors on
+the tiny random model), with every ending, then check that nothing is lost or leaked.
+
+soak.py runs the router against fake executors for a long time (memory, accounting); this one
+runs the executors' own per-request state — grammar matchers, prompt scoring, logit bias,
+forks — for a few minutes, through aborts, client cancels and deadlines:
+
+* kinds, drawn uniformly: plain, a JSON schema, a regex, a choice, logit_bias (5 random
+  entries in [-100, 100]), prompt_logprobs (k 0-3); n = 2 for 30% of requests; greedy or
+  sampled; prompts of 5-120 random token ids, max_tokens 4-48;
+* endings, in turn: run to the end (then checked: a constrained sample that stopped parses /
+  matches, prompt scores have one entry per prompt token but the first), client cancel after
+  2 chunks, a deadline of 10-300 ms, the Abort RPC after 2 chunks.
+
+At the end: every device block free on every executor, `pagedserve_kv_blocks_leaked` 0, no
+traceback or ERROR line in any log, no failed check. JSON lines (DESIGN §8): one `summary`
+with the counts; exit 1 when a check fails.
+
+    .venv/bin/python benchmarks/feature_soak.py [--duration 90] [--executors 2] [--clients 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import grpc  # noqa: E402
+from cluster_harness import Cluster, request  # noqa: E402
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
+
+from pagedserve.tinymodels import build_model  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
+          "required": ["a"], "additionalProperties": False}
+REGEX = "[a-z]{2,30}"
+CHOICES = ["aa", "bbb", "c d"]
+KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs")
+ENDINGS = ("run", "cancel", "deadline", "abort")
+
+
+class Load:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.counts: dict[str, int] = {}
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self.failures.append(message)
+
+    def make(self, rng: random.Random) -> tuple[str, pb.GenerateRequest]:
+        ids = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
+        req = request(token_ids=ids, max_tokens=rng.randrange(4, 49),
+                      temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(1000))
+        if rng.random() < 0.3:
+            req.params.n = 2
+        kind = rng.choice(KINDS)
+        so = req.params.structured_output
+        if kind == "json":
+            so.json_schema = json.dumps(SCHEMA)
+        elif kind == "regex":
+            so.regex = REGEX
+        elif kind == "choice":
+            so.choice.choices.extend(CHOICES)
+        elif kind == "bias":
+            req.params.logit_bias.update({rng.randrange(500): rng.uniform(-100, 100)
+                                          for _ in range(5)})
+        elif kind == "prompt_logprobs":
+            req.params.prompt_logprobs = rng.randrange(0, 4)
+        return kind, req
+
+    def check(self, kind: str, req: pb.GenerateRequest, resp: pb.GenerateResponse) -> None:
+        for c in resp.completions:
+            if c.finish_reason != pb.STOP:
+                continue
+            if kind == "json" and set(json.loads(c.text)) != {"a"}:
+                self.fail(f"json: {c.text!r}")
+            if kind == "regex" and not re.fullmatch(REGEX, c.text):
+                self.fail(f"regex: {c.text!r}")
+            if kind == "choice" and c.text not in CHOICES:
+                self.fail(f"choice: {c.text!r}")
+        if kind == "prompt_logprobs" and (
+                len(resp.prompt_logprobs) != len(req.prompt_token_ids.ids) - 1):
+            self.fail(f"prompt_logprobs: {len(resp.prompt_logprobs)} scores for "
+                      f"{len(req.prompt_token_ids.ids)} prompt tokens")
+
+    def client(self, cid: int, until: float) -> None:
+        rng = random.Random(cid)
+        stub = self.cluster.stub
+        turn = cid
+        while time.monotonic() < until:
+            kind, req = self.make(rng)
+            ending = ENDINGS[turn % len(ENDINGS)]
+            turn += 1
+            req.request_id = f"c{cid}-{turn}"
+            try:
+                if ending == "run":
+                    self.check(kind, req, stub.Generate(req, timeout=120))
+                elif ending == "deadline":
+                    stub.Generate(req, timeout=rng.uniform(0.01, 0.3))
+                else:
+                    stream = stub.Stream(req, timeout=120)
+                    for i, _ in enumerate(stream):
+                        if i == 2:
+                            if ending == "cancel":
+                                stream.cancel()
+                            else:
+                                stub.Abort(pb.AbortRequest(request_id=req.request_id),
+                                           timeout=10)
+                            break
+                self.count(f"{kind}/{ending}/ok")
+            except grpc.RpcError as exc:
+                code = exc.code()
+                expected = ({grpc.StatusCode.DEADLINE_EXCEEDED} if ending == "deadline" else
+                            {grpc.StatusCode.CANCELLED} if ending == "cancel" else
+                            {grpc.StatusCode.NOT_FOUND} if ending == "abort" else set())
+                if code not in expected:
+                    self.fail(f"{kind}/{ending}: {code.name}: {exc.details()}")
+                self.count(f"{kind}/{ending}/{code.name}")
+            except Exception as exc:  # noqa: BLE001 - a failed check, reported
+                self.fail(f"{kind}/{ending}: {type(exc).__name__}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--executors", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--num-gpu-blocks", type=int, default=96)
+    args = ap.parse_args(argv)
+    model_dir = build_model(tempfile.mkdtemp(prefix="feature-soak-"), "llama")
+    t0 = time.monotonic()
+    with Cluster(model_dir, num_executors=args.executors,
+                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
+        load = Load(c)
+        until = time.monotonic() + args.duration
+        threads = [threading.Thread(target=load.client, args=(i, until))
+                   for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        status = c.wait_blocks_free(timeout_s=30)
+        metrics, logs = c.metrics(), c.logs()
+    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors)
+    leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("pagedserve_kv_blocks_leaked{"))
+    bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
+    ok = free and leaked == 0 and not bad_lines and not load.failures
+    print(json.dumps({
+        "bench": "feature_soak", "case": "summary", "ok": ok,
+        "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
+        "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
+        "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
+    }), flush=True)
+    for line in (load.failures + bad_lines)[:20]:
+        print(line, file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
