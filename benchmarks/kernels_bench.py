@@ -12,7 +12,8 @@ Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv he
 Every sequence of a case has the full context. Without CUDA (and without --dry-run) it prints
 one JSON line saying it was skipped and exits 0.
 
-Figures: ``latency_us_p50`` (CUDA events per call), ``gb_per_s`` = bytes of K and V read /
+Figures: ``latency_us_p50`` (CUDA events around replays of a CUDA graph of GRAPH_CALLS calls,
+per call; ``--eager-timing``: single eager calls, Python's launch path included), ``gb_per_s`` = bytes of K and V read /
 latency (the decode lower bound on traffic), ``copy_bw_ratio`` = gb_per_s / the device's copy
 bandwidth, measured here as (read + write bytes) / time of a 1 GiB device-to-device copy,
 ``paged_vs_contiguous_ratio`` = our latency / SDPA latency on contiguous [B, Hkv, L, D] K/V.
@@ -27,7 +28,9 @@ Tune cases (``tune/...``, only when asked for): the decode kernel at the shapes 
 name (batch 64 and 256, context 1k and 4k, both head shapes) under every launch configuration
 of ``TUNE_GRID`` (tokens per tile x warps x pipeline stages, the split count from the rule),
 one line per shape with the default configuration's and the best one's latency and
-``copy_bw_ratio``, and the best configuration: what to make the launcher's default.
+``copy_bw_ratio``, and the best configuration: what to make the launcher's default; then the
+default configuration at each split count of TUNE_SPLITS (``splits``: latency per count, and
+``rule_splits``, what choose_num_splits picks): what to make the split-K rule.
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -46,7 +49,9 @@ import time
 BENCH = "kernels_bench"
 # Decode launch configurations swept by --cases tune: (block_n, num_warps, num_stages).
 TUNE_GRID = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-TUNE_DEFAULT = (64, 4, 2)  # what paged_decode_attention_triton launches with (head dim <= 128)
+TUNE_DEFAULT = (64, 4, 2)
+TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 16)  # split counts swept by --cases tune at TUNE_DEFAULT
+GRAPH_CALLS = 20  # calls per captured graph when timing on CUDA  # what paged_decode_attention_triton launches with (head dim <= 128)
 
 
 def _emit(record: dict) -> None:
@@ -58,6 +63,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on CPU through TRITON_INTERPRET=1 (checks the script only)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--eager-timing", action="store_true",
+                   help="time single eager calls (Python launch included) instead of replays "
+                   "of a CUDA graph of GRAPH_CALLS calls")
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
@@ -88,23 +96,48 @@ def main() -> int:
         batches, contexts, iters = [1, 8, 64, 256], [128, 1024, 4096, 16384], args.iters
         shapes = {"gqa8_d128": (32, 4, 128), "qwen2.5_0.5b": (14, 2, 64)}
     block_size = 16
+    graph_timing = not args.eager_timing
 
     def timed(fn) -> float:
-        """p50 of per-call latency in microseconds."""
+        """p50 of per-call latency in microseconds. On CUDA the calls are captured in a CUDA
+        graph (GRAPH_CALLS of them back to back) and the replays timed with events: a single
+        eager call of a few-microsecond kernel measures Python's launch path, not the kernel
+        (the executor replays decode steps from graphs too). Eager where capture fails."""
         fn()
         fn()
+        if device.type == "cuda" and graph_timing:
+            torch.cuda.synchronize()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fn()  # warm-up on the side stream, as capture wants
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(graph, stream=stream):
+                        for _ in range(GRAPH_CALLS):
+                            fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                calls, run = GRAPH_CALLS, graph.replay
+            except RuntimeError as exc:
+                print(f"graph capture failed, timing eagerly: {exc}", file=sys.stderr)
+                torch.cuda.synchronize()
+                calls, run = 1, fn
+        else:
+            calls, run = 1, fn
+        run()
         samples = []
         for _ in range(iters):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                run()
                 end.record()
                 end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
+                samples.append(start.elapsed_time(end) * 1e3 / calls)
             else:
                 t0 = time.perf_counter()
-                fn()
+                run()
                 samples.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(samples)
 
@@ -202,7 +235,11 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                       dry_run: bool) -> None:
     """Every TUNE_GRID configuration of the decode kernel at each target shape; one line per
     shape: the default's figures, the best configuration's, and all latencies."""
-    from pagedserve.kernels.decode_attention import paged_decode_attention_triton
+    from pagedserve.kernels.decode_attention import (
+        _num_sms,
+        choose_num_splits,
+        paged_decode_attention_triton,
+    )
 
     grid = TUNE_GRID[:2] if dry_run else TUNE_GRID
     targets = [(2, 600)] if dry_run else [(64, 1024), (256, 1024), (64, 4096), (256, 4096)]
@@ -230,10 +267,21 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                     latencies[name] = round(timed(call), 2)
                 except Exception as exc:  # e.g. out of shared memory for a large tile
                     latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            split_latencies: dict[str, float | str] = {}
+            for splits in TUNE_SPLITS[:2] if dry_run else TUNE_SPLITS:
+                call = functools.partial(
+                    paged_decode_attention_triton, query, key_cache, value_cache, tables,
+                    seq_lens, head_dim**-0.5, out=out, num_splits=splits)
+                try:
+                    split_latencies[str(splits)] = round(timed(call), 2)
+                except Exception as exc:
+                    split_latencies[str(splits)] = f"{type(exc).__name__}: {str(exc)[:80]}"
             timings = {k: v for k, v in latencies.items() if isinstance(v, float)}
             default = "n{}_w{}_s{}".format(*TUNE_DEFAULT)
             record = {"case": f"tune/{shape_name}/b{batch}/ctx{context}",
-                      "dtype": str(dtype).removeprefix("torch."), "configs": latencies}
+                      "dtype": str(dtype).removeprefix("torch."), "configs": latencies,
+                      "splits": split_latencies, "rule_splits": choose_num_splits(
+                          batch, num_kv_heads, blocks_per_seq * block_size, _num_sms(device))}
             if timings:
                 best = min(timings, key=timings.get)
                 record.update(best=best, best_latency_us_p50=timings[best],

@@ -31,6 +31,7 @@ def build_runner(
     FileNotFoundError or ValueError with a one-line message."""
     from pagedserve.executor.cache_engine import (
         blocks_for_space,
+        memory_accounting,
         memory_baseline,
         profile_num_gpu_blocks,
     )
@@ -58,6 +59,9 @@ def build_runner(
             num_gpu_blocks = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
                 gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
+            log.info("KV cache: %d blocks at --gpu-memory-utilization %.2f (memory outside "
+                     "torch counted by %s)", num_gpu_blocks, gpu_memory_utilization,
+                     memory_accounting(device))
         else:
             num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
     if num_cpu_blocks is None:

@@ -3,10 +3,13 @@ same GPU, one check per invocation (each starts its own server), JSON lines (ben
 "gpu_cluster"), exit 1 when a check fails.
 
     gpu_cluster.py bf16-migration    --model-dir DIR   2 executors sharing the GPU at
-        --gpu-memory-utilization 0.4 each (both must get blocks), greedy bf16 outputs equal to
-        HF bf16 up to a near tie (--bf16-tie), then the same requests again with SIGKILL of
-        an executor once every stream has its first tokens: all complete on the other one,
-        still equal, migrations counted
+        --gpu-memory-utilization 0.4 each (both must get blocks, within 10% of each other),
+        greedy bf16 outputs judged against HF float32 by HF bf16's own drift from float32
+        (bf16_noise: a first difference only where float32's top two are within the largest
+        gap at which HF bf16 itself differed, and no earlier in median than half of HF
+        bf16's), then the same requests again with SIGKILL of an executor once every stream
+        has its first tokens: all complete on the other one, judged alike, migrations
+        counted
     gpu_cluster.py fp32-exact        --model-dir DIR   1 executor, float32: equal to HF float32
         (a first difference only where HF's top two logits are within --fp32-tie)
     gpu_cluster.py preempt-swap      --model-dir DIR   a small --num-gpu-blocks: requests are
@@ -87,7 +90,7 @@ def compare(got: list[int], ref: list[int], gaps: list[float], tie: float) -> di
     mismatch (a first difference at a decisive position, or a wrong length)."""
     for j, (a, b) in enumerate(zip(got, ref, strict=False)):
         if a != b:
-            kind = "tie" if gaps[j] < tie else "mismatch"
+            kind = "tie" if gaps[j] <= tie else "mismatch"
             return {"verdict": kind, "position": j, "gap": round(gaps[j], 5)}
     return {"verdict": "exact" if len(got) == len(ref) else "mismatch", "position": None}
 
@@ -182,9 +185,45 @@ def device_args(args) -> list[str]:
     return []
 
 
+def first_divergence(got: list[int], ref: list[int]) -> int | None:
+    return next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
+
+
+def bf16_noise(refs16, refs32, floor: float) -> dict:
+    """How far HF's own bf16 greedy outputs drift from its float32 ones on these prompts: the
+    first positions where they differ and float32's top-two gap there. bf16 is judged
+    against float32 with a tie of the largest such gap (at least `floor`): our bf16 may
+    differ from float32 only where HF's bf16 could have too."""
+    positions, gaps = [], []
+    for (seq16, _), (seq32, gaps32) in zip(refs16, refs32, strict=True):
+        j = first_divergence(seq16, seq32)
+        positions.append(len(seq32) if j is None else j)
+        if j is not None:
+            gaps.append(gaps32[j])
+    return {"hf_bf16_exact": sum(p == len(r[0]) for p, r in zip(positions, refs32, strict=True)),
+            "hf_bf16_first_diff_p50": float(np.median(positions)),
+            "hf_bf16_max_gap": round(max(gaps), 4) if gaps else None,
+            "tie": round(max([floor, *gaps]), 4)}
+
+
+def judge_bf16(results, refs32, noise: dict) -> dict:
+    """tally() against HF float32 with the noise's tie, and the median first difference no
+    earlier than half of HF bf16's (a real error diverges early on every prompt)."""
+    verdict = tally(results, refs32, noise["tie"])
+    positions = [len(ref) if (j := first_divergence(r, ref)) is None else j
+                 for r, (ref, _) in zip(results, refs32, strict=True)
+                 if not isinstance(r, Exception)]
+    ours = float(np.median(positions)) if positions else 0.0
+    early = ours < 0.5 * noise["hf_bf16_first_diff_p50"]
+    return {**verdict, "ok": verdict["ok"] and not early, "first_diff_p50": ours,
+            **{k: v for k, v in noise.items() if k != "tie"}}
+
+
 def check_bf16_migration(args) -> bool:
     prompts = make_prompts(args.per_length, args.lengths, args.prompt_vocab)
-    refs = hf_references(args.model_dir, prompts, args.max_tokens, "bfloat16", args.hf_device)
+    refs16 = hf_references(args.model_dir, prompts, args.max_tokens, "bfloat16", args.hf_device)
+    refs = hf_references(args.model_dir, prompts, args.max_tokens, "float32", args.hf_device)
+    noise = bf16_noise(refs16, refs, args.bf16_tie)
     argv = serve_argv(args.model_dir, "--executors", "2", "--dtype", "bfloat16",
                       "--gpu-memory-utilization", "0.4", *device_args(args))
     ok = True
@@ -192,14 +231,18 @@ def check_bf16_migration(args) -> bool:
         client = Client(server.address)
         status = client.status()
         blocks = {e.id: (e.num_gpu_blocks, e.num_cpu_blocks) for e in status.executors}
-        shared = len(blocks) == 2 and all(g > 0 for g, _ in blocks.values())
+        gpu = [g for g, _ in blocks.values()]
+        # Same model, same share: each executor sized for itself, not for its neighbour.
+        shared = len(blocks) == 2 and min(gpu) > 0 and min(gpu) >= 0.9 * max(gpu)
         ok &= shared
-        emit("two_executors_at_0.4", ok=shared, executors=len(blocks),
-             num_gpu_blocks=[g for g, _ in blocks.values()],
+        emit("two_executors_at_0.4", ok=shared, executors=len(blocks), num_gpu_blocks=gpu,
              num_cpu_blocks=[c for _, c in blocks.values()])
-        first = tally(client.stream_all(prompts, args.max_tokens), refs, args.bf16_tie)
+        results = client.stream_all(prompts, args.max_tokens)
+        first = judge_bf16(results, refs, noise)
         ok &= first["ok"]
-        emit("bf16_equivalence", requests=len(prompts), max_tokens=args.max_tokens, **first)
+        same16 = tally(results, refs16, 0.0)["matched"]
+        emit("bf16_equivalence", requests=len(prompts), max_tokens=args.max_tokens, **first,
+             equal_to_hf_bf16=same16)
 
         killed: dict = {}
 
@@ -212,8 +255,8 @@ def check_bf16_migration(args) -> bool:
 
         before = metric_sum(server.metrics(), "pagedserve_migrations_total")
         start = time.perf_counter()
-        second = tally(client.stream_all(prompts, args.max_tokens, on_first=kill_one), refs,
-                       args.bf16_tie)
+        second = judge_bf16(client.stream_all(prompts, args.max_tokens, on_first=kill_one),
+                            refs, noise)
         migrated = metric_sum(server.metrics(), "pagedserve_migrations_total") - before
         health = {e.id: e.healthy for e in client.status().executors}
         survivor_free = client.wait_all_free()
@@ -279,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-length", type=int, default=None, help="prompts per length group")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--bf16-tie", type=float, default=0.5,
-                    help="HF top-2 logit gap under which a first bf16 difference is a tie")
+                    help="the least bf16 tie: float32 top-2 logit gap under which a first "
+                    "difference of bf16 from float32 is a tie (raised to HF bf16's own)")
     ap.add_argument("--fp32-tie", type=float, default=2e-3)
     args = ap.parse_args(argv)
     args.lengths = PROMPT_LENGTHS if not args.small else (13, 37)

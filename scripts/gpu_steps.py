@@ -52,11 +52,21 @@ def cmd_env(args) -> int:
     failed = {}
     import pagedserve
 
-    for mod in pkgutil.walk_packages(pagedserve.__path__, "pagedserve."):
-        try:
-            importlib.import_module(mod.name)
-        except Exception as exc:  # every failure is reported, the first does not hide others
-            failed[mod.name] = f"{type(exc).__name__}: {exc}"[:300]
+    def walk(path, prefix):
+        # An editable install puts the repository root on pagedserve's path, and the root
+        # holds pagedserve/ again: never descend into a second "pagedserve".
+        for mod in pkgutil.iter_modules(path, prefix):
+            if mod.name.count(".pagedserve"):
+                continue
+            try:
+                module = importlib.import_module(mod.name)
+            except Exception as exc:  # every failure reported, the first hides no other
+                failed[mod.name] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            if mod.ispkg:
+                walk(module.__path__, mod.name + ".")
+
+    walk(pagedserve.__path__, "pagedserve.")
     figures = dict(python=platform.python_version(), versions=versions,
                    pagedserve_file=pagedserve.__file__, torch_cuda=torch.version.cuda,
                    cuda_available=torch.cuda.is_available(), import_failures=failed)
@@ -106,13 +116,20 @@ def cmd_memory(args) -> int:
     if not torch.cuda.is_available():
         emit("memory_profile", skipped="no CUDA device")
         return 0 if args.small else 1
-    from pagedserve.executor.cache_engine import block_bytes, profile_num_gpu_blocks
+    import gc
+
+    from pagedserve.executor.cache_engine import (
+        block_bytes,
+        memory_accounting,
+        profile_num_gpu_blocks,
+    )
     from pagedserve.executor.runner_setup import build_runner
 
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory
     ok, blocks_seen = True, []
     for util in args.utilizations:
+        gc.collect()  # the last runner's cycles (graphs, model) hold its cache until collected
         torch.cuda.empty_cache()
         start = time.perf_counter()
         runner = build_runner(args.model_dir, device="cuda", dtype="bfloat16",
@@ -144,11 +161,13 @@ def cmd_memory(args) -> int:
              peak_used_gib=round(peak / 2**30, 2),
              peak_allocated_gib=round(peak_allocated / 2**30, 2),
              target_gib=round(util * total / 2**30, 2),
-             within_target=within, cpu_cache_pinned=pinned, load_and_profile_s=round(load_s, 1),
+             within_target=within, accounting=memory_accounting(device),
+             cpu_cache_pinned=pinned, load_and_profile_s=round(load_s, 1),
              cuda_graph_sizes=len(graphs.sizes) if graphs else 0,
              graph_capture_s=round(graphs.capture_s, 1) if graphs else None)
         blocks_seen.append(cache.num_gpu_blocks)
-        del runner, cache
+        del runner, cache, graphs
+        gc.collect()
         torch.cuda.empty_cache()
     return 0 if ok else 1
 

@@ -188,3 +188,25 @@ def test_wheel_selection():
     for name in ("torch", "transformers", "triton", "numpy", "jinja2", "aiohttp"):
         assert name not in names
     assert len(set(names)) == len(names)
+
+
+def test_bf16_judged_by_hf_bf16_drift_from_fp32():
+    """gpu_cluster's bf16 rule: the tie is the largest float32 top-two gap where HF bf16
+    itself left float32's path; an early divergence everywhere fails."""
+    import gpu_cluster
+
+    refs32 = [([1, 2, 3, 4], [5.0, 0.3, 2.0, 1.0]), ([7, 8, 9, 10], [4.0, 3.0, 0.9, 2.0])]
+    refs16 = [([1, 2, 3, 4], [0.0] * 4), ([7, 8, 0, 0], [0.0] * 4)]  # one drift, gap 0.9
+    noise = gpu_cluster.bf16_noise(refs16, refs32, floor=0.5)
+    assert noise == {"hf_bf16_exact": 1, "hf_bf16_first_diff_p50": 3.0,
+                     "hf_bf16_max_gap": 0.9, "tie": 0.9}
+    tie_ok = gpu_cluster.judge_bf16([[1, 2, 3, 4], [7, 8, 1, 1]], refs32, noise)
+    assert tie_ok["ok"] and tie_ok["matched"] == 1 and tie_ok["tie_accepted"] == 1
+    decisive = gpu_cluster.judge_bf16([[1, 2, 9, 4], [7, 8, 9, 10]], refs32, noise)
+    assert not decisive["ok"] and decisive["mismatched"] == 1  # gap 2.0 > 0.9
+    # Within the tie, but early: a median first difference of 2.5 < half of 6.
+    early = gpu_cluster.judge_bf16([[1, 5, 3, 4], [7, 8, 9, 10]],
+                                   [(refs32[0][0], [5.0, 0.3, 2.0, 1.0]), refs32[1]],
+                                   {**noise, "hf_bf16_first_diff_p50": 6.0})
+    assert early["tie_accepted"] == 1 and early["first_diff_p50"] == 2.5
+    assert early["ok"] is False
