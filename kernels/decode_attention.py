@@ -25,8 +25,6 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -176,16 +174,23 @@ def _reduce_kernel(
 # --- launcher ---------------------------------------------------------------------------------
 
 # Split-K rule. A plain decode launch has num_seqs * num_kv_heads programs, each walking a
-# whole context. A GPU needs a few resident programs per SM to hide memory latency, so:
-#   * enough programs already (>= _TARGET_PROGRAMS_PER_SM * SMs)  -> 1 split (no reduction pass,
-#     no partial-result traffic);
-#   * otherwise split each context so the grid reaches that target, but never into pieces
-#     shorter than _MIN_TOKENS_PER_SPLIT (below that the partial writes and the second kernel
-#     cost more than the parallelism buys), and at most _MAX_SPLITS.
+# whole context. A GPU needs enough loads in flight per SM to hide memory latency, and a
+# program's tile is BLOCK_N x head_dim: narrow heads need more programs for the same bytes.
+#   * the target is _TARGET_PROGRAMS_PER_SM programs per SM for head dim 128, twice that for
+#     head dim <= 64;
+#   * splits = the target / the programs, rounded (1 when the grid is already about there: no
+#     reduction pass, no partial-result traffic), never into pieces shorter than
+#     _MIN_TOKENS_PER_SPLIT (below that the partial writes and the second kernel cost more
+#     than the parallelism buys), and at most _MAX_SPLITS.
+# Measured on an H100 (benchmarks/README, kernels_bench --cases tune, 2026-11-26): Qwen2.5-0.5B
+# shape (2 KV heads, dim 64) at batch 64: 1 split 21.8 us, 3 (the old rule, 2 per SM for every
+# head dim, rounded up) 14.1, 4 (this rule) 12.8, 6 12.75, 16 16.1 at 1k context, and 104 /
+# 58.5 / 54.7 at 4k; 4 KV heads of dim 128 at batch 64: 1 split 53.2 us, 2 54.5 at 1k, 189.8
+# and 185.8 at 4k (this rule: 1); at batch 256 one split was fastest for both shapes.
 # The context length is bounded from the block-table width (max_blocks_per_seq * block_size),
 # a host-side shape, so choosing needs no device-to-host read of seq_lens.
 # Example (H100, 132 SMs): batch 1, 4 KV heads, 16k context -> 64 splits of 256 tokens;
-# batch 64, 4 KV heads (256 programs < 264) -> 2 splits; batch 256 -> 1 split.
+# batch 64, 2 KV heads of dim 64 (128 programs, target 528) -> 4 splits; batch 256 -> 1.
 _TARGET_PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
@@ -198,15 +203,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int
+    num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, head_dim: int = 128,
 ) -> int:
     """Number of KV splits per sequence for split-K decode (1 = plain kernel). See above."""
-    programs = num_seqs * num_kv_heads
-    target = _TARGET_PROGRAMS_PER_SM * num_sms
-    if programs >= target or max_context_len < 2 * _MIN_TOKENS_PER_SPLIT:
-        return 1
-    wanted = math.ceil(target / max(programs, 1))
+    programs = max(1, num_seqs * num_kv_heads)
+    per_sm = _TARGET_PROGRAMS_PER_SM * (2 if head_dim <= 64 else 1)
+    wanted = round(per_sm * num_sms / programs)
     longest = max_context_len // _MIN_TOKENS_PER_SPLIT
+    if wanted <= 1 or longest < 2:
+        return 1
     return max(1, min(wanted, longest, _MAX_SPLITS))
 
 
@@ -286,7 +291,8 @@ def paged_decode_attention_triton(
         max_context = block_tables.shape[1] * block_size
         if sliding_window is not None and sliding_window > 0:
             max_context = min(max_context, sliding_window)
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(query.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context,
+                                       _num_sms(query.device), head_dim)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 

@@ -80,7 +80,12 @@ def test_split_k_decode_matches_twin(num_splits, window, dtype):
 def test_choose_num_splits_rule():
     sms = 132
     assert choose_num_splits(256, 4, 16384, sms) == 1  # grid already fills the GPU
-    assert choose_num_splits(64, 4, 4096, sms) == 2  # 256 programs, target 264
+    assert choose_num_splits(64, 4, 4096, sms) == 1  # 256 programs, target 264: about there
+    # Head dim 64 (Qwen2.5-0.5B: 2 KV heads): twice the programs per SM.
+    assert choose_num_splits(64, 2, 1024, sms, head_dim=64) == 4  # 528 / 128 programs
+    assert choose_num_splits(256, 2, 1024, sms, head_dim=64) == 1  # 528 / 512
+    assert choose_num_splits(8, 2, 16384, sms, head_dim=64) == 33  # 528 / 16
+    assert choose_num_splits(16, 4, 8192, sms) == 4  # 264 / 64 = 4.1, rounded
     assert choose_num_splits(1, 4, 16384, sms) == 64  # 66 wanted, 64 cap and 16k/256 = 64
     assert choose_num_splits(1, 2, 1024, sms) == 4  # capped by 256-token minimum pieces
     assert choose_num_splits(1, 4, 300, sms) == 1  # too short to split
