@@ -50,6 +50,8 @@ def build_runner(
                          f"{config.max_model_len}")
     baseline = memory_baseline(device) if device.type == "cuda" else None
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    if device.type == "cuda":
+        _check_fused_ops(model)
     max_len = max_model_len or config.max_model_len
     why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
     if num_gpu_blocks is None:
@@ -78,6 +80,53 @@ def build_runner(
                                else None)
     return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                        graphs=graphs, grammars=grammars)
+
+
+def _check_fused_ops(model: LlamaForCausalLM) -> None:
+    """Run the fused layer kernels (kernels/layer_ops.py) once at this model's sizes against
+    their torch twins; where one fails to compile or disagrees, every module uses the torch
+    forms (logged): lose speed, not service."""
+    from pagedserve.kernels import ops
+
+    cfg, param = model.config, model.model.embed_tokens.weight
+    dtype, device = param.dtype, param.device
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    tokens, hidden = 5, cfg.hidden_size
+    x, residual, weight = rand(tokens, hidden), rand(tokens, hidden), rand(hidden)
+    qkv = rand(tokens, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    q = qkv[:, :cfg.num_heads * cfg.head_dim].view(tokens, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.num_heads * cfg.head_dim:].view(tokens, -1, cfg.head_dim)[:, :cfg.num_kv_heads]
+    cos_sin = model.cos_sin_cache[torch.arange(tokens, device=device) * 7].to(dtype)
+    gate_up = rand(tokens, 2 * cfg.intermediate_size)
+    checks = {
+        "rms_norm": lambda backend: ops.rms_norm(x, weight, cfg.rms_norm_eps, backend=backend),
+        "rms_norm_residual": lambda backend: ops.rms_norm(
+            x, weight, cfg.rms_norm_eps, residual.clone(), backend=backend),
+        "rms_norm_per_head": lambda backend: ops.rms_norm(
+            q, weight[:cfg.head_dim], cfg.rms_norm_eps, backend=backend),
+        "rotary_embedding": lambda backend: ops.rotary_embedding(
+            q.clone(), k.clone(), cos_sin, backend=backend),
+        "silu_and_mul": lambda backend: ops.silu_and_mul(gate_up, backend=backend),
+    }
+    try:
+        for name, run in checks.items():
+            want, got = run("torch"), run("triton")
+            for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want)),
+                            strict=True):
+                if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
+                    raise ValueError(f"{name}: max difference "
+                                     f"{(a.float() - b.float()).abs().max().item():.3g}")
+    except Exception as exc:
+        log.warning("fused layer kernels off, torch forms used: %s: %s",
+                    type(exc).__name__, exc)
+        for module in model.modules():
+            if hasattr(module, "kernel_backend"):
+                module.kernel_backend = "torch"
 
 
 def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,

@@ -29,6 +29,9 @@ __all__ = [
     "paged_prefill_attention",
     "copy_blocks",
     "swap_blocks",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -185,3 +188,39 @@ def swap_blocks(
         swap_blocks_device(src_cache, dst_cache, block_mapping)
     else:
         reference.swap_blocks(src_cache, dst_cache, block_mapping)
+
+
+# --- per-layer elementwise ops (layer_ops.py) -------------------------------------------------
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    *, backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis; with ``residual``, of x + residual, returned as the second
+    value (the Triton kernel writes it into ``residual``: callers must not reuse it)."""
+    if _use_triton(backend, x):
+        from .layer_ops import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE of q and k by cos_sin [T, 2, D]; the Triton kernel rotates in place
+    and returns q and k themselves, the twin returns new tensors."""
+    if _use_triton(backend, q):
+        from .layer_ops import rotary_embedding_triton
+
+        return rotary_embedding_triton(q, k, cos_sin)
+    return reference.rotary_embedding(q, k, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """x [T, 2n] (gate then up) -> silu(gate) * up, [T, n]."""
+    if _use_triton(backend, x):
+        from .layer_ops import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return reference.silu_and_mul(x)

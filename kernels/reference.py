@@ -342,3 +342,41 @@ def dense_causal_attention(
         mask &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("htl,lhd->thd", torch.softmax(scores, -1), v).to(query.dtype)
+
+
+# --- per-layer elementwise ops (twins of layer_ops.py; the CPU executor's own forms) ---------
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """transformers' RMSNorm over the last axis (statistics in float32, the normalised value
+    rounded to x's dtype, then times the weight). With ``residual``: (norm(x + residual),
+    x + residual); the Triton kernel writes the sum into ``residual``, this form does not."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out, residual) if residual is not None else out
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE (transformers' rotate_half) of q [T, H, D] and k [T, Hkv, D] by
+    cos_sin [T, 2, D]; returns new tensors (the Triton kernel rotates in place)."""
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2n] (gate then up) -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

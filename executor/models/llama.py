@@ -33,25 +33,23 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    # "auto": the fused Triton kernel on CUDA, the torch form on CPU; runner_setup sets
+    # "torch" on every module when the fused kernels fail their start-up check.
+    kernel_backend = "auto"
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style RoPE (transformers' rotate_half): x [T, H, D], cos/sin [T, 1, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with ``residual`` (norm(x + residual), x + residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, backend=self.kernel_backend)
 
 
 class Attention(nn.Module):
+    kernel_backend = "auto"  # of the rotary embedding; see RMSNorm
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -67,14 +65,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
+    def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = ops.rotary_embedding(q, k, cos_sin, backend=self.kernel_backend)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         ops.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
         out = ops.paged_attention(
@@ -85,6 +83,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernel_backend = "auto"  # of SiLU-and-multiply; see RMSNorm
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size
@@ -93,8 +93,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x),
+                                               backend=self.kernel_backend))
 
 
 class DecoderLayer(nn.Module):
@@ -105,9 +105,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, kv_cache, attn):
+        """(this layer's MLP output, the residual stream before it): the residual add is
+        fused into the next norm (the first layer's input is its own residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 def _on_meta_device() -> bool:
@@ -165,10 +172,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.cos_sin_cache[positions].to(x.dtype)  # [T, 2, D]
-        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i], attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache[i], attn)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,190 @@
+"""Fused per-layer elementwise kernels (Triton): RMSNorm with the residual add, rotary
+embedding of q and k in place, SiLU-and-multiply. Twins: ``reference.rms_norm``,
+``reference.rotary_embedding``, ``reference.silu_and_mul``.
+
+Why: a decode step at batch 256 of a small model is a string of tiny kernels. The torch
+forms launch about 37 kernels a layer (each RMSNorm 8: upcast, square, mean, add eps, rsqrt,
+scale, downcast, weight; rotary 5 per tensor; SiLU and multiply 2; 2 residual adds), each a
+few microseconds even replayed from a CUDA graph: on an H100 the Qwen2.5-0.5B-shape step took
+5.1 ms where attention was 1.3 ms and the weights 0.35 ms of reads (benchmarks/README, GPU
+check). These cut a layer to about 10 launches; vLLM's fused_add_rms_norm, rotary_embedding
+and silu_and_mul CUDA ops are the model (the code is our own).
+
+Rounding follows the twins step for step: every intermediate the torch form rounds to the
+model's dtype is rounded here too (cast down and back up), so bf16 outputs differ from the
+twin only where the reduction order of the mean differs.
+
+Hot path: no host synchronisation; outputs are allocated once per call (the residual and
+the rotated q/k are written in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
+    heads, n, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program = one row (token t, head h) of n elements. With a residual: h = x + residual,
+    rounded to x's dtype, written back into the residual, then normalised."""
+    row = tl.program_id(0)
+    t = row // heads
+    h = row % heads
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + t * stride_rt + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + t * stride_rt + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n
+    normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs, out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis of x ([T, N], or [T, H, N] with any strides whose last is 1:
+    a per-head norm of a fused projection's view). With ``residual`` ([T, N], contiguous, x's
+    dtype): x + residual is normalised and also returned, written into ``residual``."""
+    if x.stride(-1) != 1 or x.dim() not in (2, 3):
+        raise ValueError(f"x must be [T, N] or [T, H, N] with a contiguous last axis, got "
+                         f"shape {tuple(x.shape)} strides {x.stride()}")
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight must be [{n}], got {tuple(weight.shape)}")
+    heads = x.shape[1] if x.dim() == 3 else 1
+    tokens = x.shape[0]
+    if residual is not None and (x.dim() != 2 or residual.shape != x.shape
+                                 or residual.stride(-1) != 1 or residual.dtype != x.dtype):
+        raise ValueError("residual must be [T, N] like x, same dtype, contiguous last axis")
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if x.numel() == 0:
+        return (out, residual) if residual is not None else out
+    stride_xh = x.stride(1) if x.dim() == 3 else 0
+    stride_oh = out.stride(1) if x.dim() == 3 else 0
+    r = residual if residual is not None else x
+    _rms_norm_kernel[(tokens * heads,)](
+        x, r, weight, out,
+        x.stride(0), stride_xh, r.stride(0), out.stride(0), stride_oh,
+        heads, n, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+        num_warps=4 if n <= 2048 else 8,
+    )
+    return (out, residual) if residual is not None else out
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
+    base = ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # The twin: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dt.
+    o1 = (x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)
+    o2 = (x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)
+    tl.store(base, o1.to(dt), mask=mask)
+    tl.store(base + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_cc,
+    num_q_heads, num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program = one token: every q head and k head rotated in place (neox style)."""
+    t = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    cos = cos_sin_ptr + t * stride_ct
+    sin = cos + stride_cc
+    c1 = tl.load(cos + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, c1, c2, s1, s2,
+                  HALF, BLOCK_HQ, BLOCK_D)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_k_heads, c1, c2, s1, s2,
+                  HALF, BLOCK_HK, BLOCK_D)
+
+
+def rotary_embedding_triton(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] (views of a fused projection are fine: the last
+    axis contiguous) in place by cos_sin [T, 2, D] (cos then sin, in q's dtype)."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must be [T, H, D] and [T, Hkv, D], got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    tokens, _, dim = q.shape
+    if dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("head_dim must be even and the last axes of q and k contiguous")
+    if cos_sin.shape != (tokens, 2, dim) or cos_sin.stride(-1) != 1:
+        raise ValueError(f"cos_sin must be [{tokens}, 2, {dim}], got {tuple(cos_sin.shape)}")
+    if q.dtype != k.dtype or cos_sin.dtype != q.dtype:
+        raise TypeError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, cos_sin {cos_sin.dtype}")
+    if tokens == 0:
+        return q, k
+    half = dim // 2
+    _rotary_kernel[(tokens,)](
+        q, k, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        cos_sin.stride(1),
+        q.shape[1], k.shape[1],
+        HALF=half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, n, BLOCK: tl.constexpr):
+    """Program = (token, BLOCK columns): out = silu(x[:, :n]) * x[:, n:]."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + n + offs, mask=mask, other=0.0)
+    dt = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, (silu * up.to(tl.float32)).to(dt), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2n] (gate then up, last axis contiguous) -> silu(gate) * up, [T, n]."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, 2n] with a contiguous last axis, got {tuple(x.shape)}")
+    tokens, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    return out

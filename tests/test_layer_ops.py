@@ -1,0 +1,186 @@
+"""The fused layer kernels (kernels/layer_ops.py) against their torch twins, under
+TRITON_INTERPRET=1 on CPU (natively on a GPU, where the `gpu` cases also run at the Qwen2.5-0.5B
+sizes); a whole model forward with the fused kernels equal to the torch forms; the start-up
+check that falls back to the torch forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import ops, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 8), (3, 160), (7, 96)])
+def test_rms_norm(dtype, tokens, hidden):
+    x, w = _rand(tokens, hidden, dtype=dtype), _rand(hidden, dtype=dtype, seed=1)
+    _close(ops.rms_norm(x, w, 1e-6, backend="triton"), reference.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_with_residual_writes_the_sum(dtype):
+    x, w = _rand(5, 160, dtype=dtype), _rand(160, dtype=dtype, seed=1)
+    residual = _rand(5, 160, dtype=dtype, seed=2)
+    want_out, want_sum = reference.rms_norm(x, w, 1e-5, residual.clone())
+    buffer = residual.clone()
+    out, total = ops.rms_norm(x, w, 1e-5, buffer, backend="triton")
+    assert total.data_ptr() == buffer.data_ptr()  # in place
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter rounds bf16 its own way
+        assert torch.equal(total, want_sum)  # one rounding of x + residual, as torch's add
+    _close(total, want_sum, dtype)
+    _close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    """Qwen3's q_norm: a [T, H, D] view into a fused qkv projection."""
+    qkv = _rand(4, (6 + 2 * 2) * 16, dtype=dtype)
+    q = qkv[:, :96].view(4, 6, 16)
+    w = _rand(16, dtype=dtype, seed=3)
+    got = ops.rms_norm(q, w, 1e-6, backend="triton")
+    assert got.is_contiguous()
+    _close(got, reference.rms_norm(q, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (14, 2, 64), (3, 3, 8)])
+def test_rotary_in_place_on_views(dtype, heads, kv_heads, dim):
+    tokens = 5
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    angles = _rand(tokens, 1, dim // 2, seed=4).float()
+    emb = torch.cat((angles, angles), dim=-1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
+    want_q, want_k = reference.rotary_embedding(q, k, cos_sin)
+    got_q, got_k = ops.rotary_embedding(q, k, cos_sin, backend="triton")
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,n", [(1, 8), (3, 256), (2, 1100)])
+def test_silu_and_mul(dtype, tokens, n):
+    x = _rand(tokens, 2 * n, dtype=dtype)
+    _close(ops.silu_and_mul(x, backend="triton"), reference.silu_and_mul(x), dtype)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="weight must be"):
+        ops.rms_norm(_rand(2, 8), _rand(4), 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm(_rand(2, 8), _rand(8), 1e-6, _rand(3, 8), backend="triton")
+    with pytest.raises(ValueError, match="cos_sin"):
+        ops.rotary_embedding(_rand(2, 2, 8), _rand(2, 1, 8), _rand(2, 2, 4), backend="triton")
+    with pytest.raises(ValueError, match="2n"):
+        ops.silu_and_mul(_rand(2, 7), backend="triton")
+
+
+def _tiny_model(tmp_path, arch: str):
+    from pagedserve.executor.runner_setup import build_runner
+
+    from pagedserve.tinymodels import build_model
+
+    path = build_model(tmp_path / arch, arch=arch, num_layers=2, hidden_size=64, num_heads=4,
+                       num_kv_heads=2, intermediate_size=96, vocab_size=128)
+    return build_runner(str(path), device=DEVICE, dtype="float32", num_gpu_blocks=16,
+                        num_cpu_blocks=0, enforce_eager=True)
+
+
+def _forward(runner, ids):
+    from pagedserve.executor.models import AttentionMetadata
+
+    n = len(ids)
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=DEVICE),
+        block_tables=torch.arange(4, dtype=torch.int32, device=DEVICE).view(1, 4),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE), max_query_len=n)
+    with torch.inference_mode():
+        return runner.model(torch.tensor(ids, device=DEVICE), torch.arange(n, device=DEVICE),
+                            runner.cache.kv_cache, attn)
+
+
+def _set_backend(model, backend):
+    for module in model.modules():
+        if hasattr(module, "kernel_backend"):
+            module.kernel_backend = backend
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_model_forward_fused_equals_torch_forms(tmp_path, arch):
+    """Every layer op through the Triton kernels (Qwen3: per-head q/k norms too) gives the
+    hidden states of the torch forms."""
+    runner = _tiny_model(tmp_path, arch)
+    ids = [5, 17, 99, 3, 42, 7, 64]
+    _set_backend(runner.model, "torch")
+    want = _forward(runner, ids)
+    _set_backend(runner.model, "triton")
+    got = _forward(runner, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_startup_check_falls_back_to_torch_forms(tmp_path, monkeypatch):
+    from pagedserve.executor import runner_setup
+    from pagedserve.kernels import layer_ops
+
+    runner = _tiny_model(tmp_path, "qwen2")
+    runner_setup._check_fused_ops(runner.model)  # passes: nothing changes
+    assert {m.kernel_backend for m in runner.model.modules()
+            if hasattr(m, "kernel_backend")} == {"auto"}
+
+    def broken(x):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(layer_ops, "silu_and_mul_triton", broken)
+    runner_setup._check_fused_ops(runner.model)
+    backends = [m.kernel_backend for m in runner.model.modules() if hasattr(m, "kernel_backend")]
+    assert backends and set(backends) == {"torch"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_qwen_sizes_on_gpu(dtype):
+    """Qwen2.5-0.5B sizes natively: hidden 896, 14/2 heads of 64, MLP 4864, 256 tokens."""
+    tokens = 256
+    x, w = _rand(tokens, 896, dtype=dtype), _rand(896, dtype=dtype, seed=1)
+    residual = _rand(tokens, 896, dtype=dtype, seed=2)
+    want = reference.rms_norm(x, w, 1e-6, residual.clone())
+    got = ops.rms_norm(x, w, 1e-6, residual.clone())
+    _close(got[0], want[0], dtype)
+    assert torch.equal(got[1], want[1])
+    qkv = _rand(tokens, (14 + 4) * 64, dtype=dtype)
+    q, k = qkv[:, :896].view(tokens, 14, 64), qkv[:, 896:1024].view(tokens, 2, 64)
+    angles = _rand(tokens, 1, 32, seed=4).float() * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
+    want_q, want_k = reference.rotary_embedding(q, k, cos_sin)
+    got_q, got_k = ops.rotary_embedding(q, k, cos_sin)
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    gate_up = _rand(tokens, 2 * 4864, dtype=dtype)
+    _close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_model_forward_fused_on_gpu(tmp_path, arch):
+    test_model_forward_fused_equals_torch_forms(tmp_path, arch)
