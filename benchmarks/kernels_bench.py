@@ -6,6 +6,7 @@ and time relative to torch SDPA on the same keys/values stored contiguously (DES
                                                    # interpreter, to check the script itself
     python benchmarks/kernels_bench.py --cases decode,prefill,cache   # a subset (default all)
     python benchmarks/kernels_bench.py --cases tune   # decode launch configurations (GPU)
+    python benchmarks/kernels_bench.py --cases layer  # fused layer kernels vs torch forms (GPU)
 
 Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv heads, head dim
 128, i.e. GQA 8:1; and Qwen2.5-0.5B, 14 q / 2 kv heads, head dim 64), block size 16, bf16.
@@ -31,6 +32,9 @@ one line per shape with the default configuration's and the best one's latency a
 ``copy_bw_ratio``, and the best configuration: what to make the launcher's default; then the
 default configuration at each split count of TUNE_SPLITS (``splits``: latency per count, and
 ``rule_splits``, what choose_num_splits picks): what to make the split-K rule.
+Layer cases (``layer/...``, only when asked for): the fused RMSNorm-with-residual, rotary and
+SiLU-and-multiply kernels (layer_ops.py) and the four of them as one layer's set, against
+their torch forms at the Qwen2.5-0.5B sizes for 256 decode tokens: ``fused_speedup_ratio``.
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -69,8 +73,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
-                   help="comma-separated subset of decode, prefill, cache, tune (tune: "
-                   "not in the default)")
+                   help="comma-separated subset of decode, prefill, cache, tune, layer (tune "
+                   "and layer: not in the default)")
     return p.parse_args()
 
 
@@ -231,7 +235,48 @@ def main() -> int:
         bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "tune" in cases:
         bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s, shapes, args.dry_run)
+    if "layer" in cases:
+        bench_layer_ops(torch, ops, device, dtype, timed, args.dry_run)
     return 0
+
+
+def bench_layer_ops(torch, ops, device, dtype, timed, dry_run: bool) -> None:
+    """The fused layer kernels (layer_ops.py) against their torch forms at the Qwen2.5-0.5B
+    sizes (hidden 896, 14/2 heads of 64, MLP 4864) for a decode batch of 256 tokens, and the
+    whole per-layer set of them (2 norms with residual, rotary, SiLU-and-multiply)."""
+    tokens, hidden, heads, kv_heads, dim, inter = ((4, 32, 2, 1, 16, 48) if dry_run else
+                                                   (256, 896, 14, 2, 64, 4864))
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device=device, dtype=dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, 1, dim // 2, device=device) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+
+    def layer(backend):
+        # The residual buffer is updated in place by the fused form: the figures stay finite
+        # because each norm divides by its own scale.
+        h, r = ops.rms_norm(x, weight, 1e-6, residual, backend=backend)
+        ops.rotary_embedding(q, k, cos_sin, backend=backend)
+        ops.silu_and_mul(gate_up, backend=backend)
+        ops.rms_norm(h, weight, 1e-6, r, backend=backend)
+
+    cases = {
+        "rms_norm_residual": lambda b: ops.rms_norm(x, weight, 1e-6, residual, backend=b),
+        "rotary_embedding": lambda b: ops.rotary_embedding(q, k, cos_sin, backend=b),
+        "silu_and_mul": lambda b: ops.silu_and_mul(gate_up, backend=b),
+        "layer_set": layer,
+    }
+    for name, run in cases.items():
+        fused = timed(lambda run=run: run("triton"))
+        torch_forms = timed(lambda run=run: run("torch"))
+        _emit({"case": f"layer/{name}/t{tokens}", "dtype": str(dtype).removeprefix("torch."),
+               "latency_us_p50": round(fused, 2), "torch_latency_us_p50": round(torch_forms, 2),
+               "fused_speedup_ratio": round(torch_forms / fused, 3)})
 
 
 def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes: dict,

@@ -14,6 +14,7 @@ otherwise (``backend="auto"|"triton"|"torch"``, env override ``PAGEDSERVE_KERNEL
 the twins live in ``reference``. One file per kernel family, each with its launcher:
 ``decode_attention`` (plain and split-K decode + LSE reduction, the split rule),
 ``prefill_attention`` (varlen prefill/extend: chunked prefill, prefix hits), ``cache_ops``
-(reshape_and_cache, copy_blocks, the device<->CPU swap helper). ``testing`` builds paged inputs
+(reshape_and_cache, copy_blocks, the device<->CPU swap helper), ``layer_ops`` (the fused
+per-layer elementwise ops: RMSNorm with the residual add, rotary, SiLU-and-multiply). ``testing`` builds paged inputs
 for tests and benchmarks/kernels_bench.py.
 """

@@ -36,7 +36,10 @@ WORKER_MARK = "pagedserve.router.api_worker"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("workers"), "llama", num_kv_heads=2)
+    # A 4k context: the draining test's stream must outlast --shutdown-timeout on any
+    # machine (at 1k, a fast one finished it inside the 3 s).
+    return build_model(tmp_path_factory.mktemp("workers"), "llama", num_kv_heads=2,
+                       max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +190,7 @@ def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
 def _open_stream(stub, request_id: str, chunks: list, ended: threading.Event):
     """A long greedy stream in a thread: chunks (or the RpcError that ended it) go to
     `chunks`; `ended` is set when it is over."""
-    req = request("Abort me", max_tokens=900, ignore_eos=True, temperature=0)
+    req = request("Abort me", max_tokens=4000, ignore_eos=True, temperature=0)
     req.request_id = request_id
 
     def run():

@@ -93,3 +93,14 @@ def test_feature_soak_short():
     [summary] = lines
     assert summary["case"] == "summary" and summary["ok"], summary
     assert summary["requests"] > 0 and summary["blocks_leaked"] == 0
+
+
+def test_kernels_bench_layer_cases_dry_run():
+    """The fused layer kernels' cases run end to end through the interpreter (figures are
+    meaningless there; a GPU gives them)."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer")
+    cases = {r["case"]: r for r in records}
+    assert {"layer/rms_norm_residual/t4", "layer/rotary_embedding/t4", "layer/silu_and_mul/t4",
+            "layer/layer_set/t4"} <= set(cases)
+    assert all(r["latency_us_p50"] > 0 and r["fused_speedup_ratio"] > 0
+               for r in records if r["case"].startswith("layer/"))

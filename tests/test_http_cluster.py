@@ -33,12 +33,15 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("chat"), "llama", num_kv_heads=2)
+    # A 4k context: the draining test's stream must outlast --shutdown-timeout on any
+    # machine (at 1k, a fast one finished it inside the 3 s).
+    return build_model(tmp_path_factory.mktemp("chat"), "llama", num_kv_heads=2,
+                       max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "256"],
+    c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "300"],
                 router_args=["--max-queue-len", "2", "--shutdown-timeout", "3"])
     with c.running():
         yield c
