@@ -13,7 +13,9 @@ call has been seen, whitespace-only content between calls is dropped. A call who
 not parse, or that has no name, is given back as content, tags included, and so is a call
 left open when the output ends (unless what it holds parses: a model may stop at EOS before
 the closing tag). Nothing the model wrote is lost: content + calls account for every
-character but tags and the whitespace between calls.
+character but tags and the whitespace between calls, with one exception: under
+``parallel_tool_calls: false`` (``max_calls=1``) a second and later call is dropped, as the
+client asked for at most one.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ class ParsedPiece:
 class HermesParser:
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         self._buf = ""
         self._in_call = False
         self.num_calls = 0
+        self.max_calls = max_calls
+        self.dropped_calls = 0
 
     def feed(self, text: str) -> ParsedPiece:
         piece = ParsedPiece()
@@ -89,6 +93,9 @@ class HermesParser:
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             piece.content += original  # not a call after all: the model's text, unchanged
             return
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            self.dropped_calls += 1
+            return
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
@@ -105,7 +112,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def make_parser(name: str) -> HermesParser | None:
+def make_parser(name: str, parallel: bool = True) -> HermesParser | None:
+    """The parser `name` (--tool-call-parser); `parallel` false: at most one call out."""
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(max_calls=None if parallel else 1)
     return None

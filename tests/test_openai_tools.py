@@ -248,6 +248,29 @@ def test_auto_tool_choice_needs_a_parser_and_uses_it():
     assert w.response()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call():
+    api = chat_request({"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": False},
+                       tool_call_parser="hermes")
+    assert api.tools == ToolMode(None, False, "hermes")
+    w = ChoiceWriter(api, "chatcmpl-1", 7, "m", TokenText(None))
+    w.add(0, out(CompletionDelta(0, HERMES, finish_reason="stop"), usage=Usage(5, 30)))
+    choice = w.response()["choices"][0]
+    assert choice["message"]["content"] == "Let me check. "
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert choice["finish_reason"] == "tool_calls"
+    stream = chat_request({"messages": MESSAGES, "tools": TOOLS, "stream": True,
+                           "parallel_tool_calls": False}, tool_call_parser="hermes")
+    w = ChoiceWriter(stream, "chatcmpl-1", 7, "m", TokenText(None))
+    chunks = []
+    for k, text in enumerate([HERMES[:60], HERMES[60:110], HERMES[110:]]):
+        chunks += w.chunks(0, out(CompletionDelta(0, text, token_ids=(k,),
+                                                  finish_reason="stop" if k == 2 else None)))
+    calls = [c for chunk in chunks for choice in chunk["choices"]
+             for c in choice["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+
+
 def test_auto_streams_content_then_whole_calls():
     api = chat_request({"messages": MESSAGES, "tools": TOOLS, "stream": True},
                        tool_call_parser="hermes")
