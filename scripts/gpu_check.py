@@ -12,13 +12,15 @@ current directory: the repository's own `pagedserve/` folder holds only part of 
 
 Stages (STAGES; each fits one 10-minute call, `--budget-s` caps its steps):
   kernels     pytest -m gpu (every kernel against its torch twin), benchmarks/kernels_bench.py
+              (every case: the grid, the launch sweep `tune`, the fused layer kernels `layer`)
   executor    a random-weight Qwen2.5-0.5B-shape model built there, executor_bench on it,
               memory profiling (blocks from --gpu-memory-utilization, pinned swap space)
   cluster     `pagedserve serve` on CUDA: HF equivalence (bf16 with 2 executors at
               --gpu-memory-utilization 0.4, then SIGKILL of one: migration; fp32 exact),
               swap and recompute preemption under a small --num-gpu-blocks
   throughput  benchmarks/hf_batch_bench.py (transformers' generate_batch on the same GPU,
-              model and requests) and benchmarks/step_overhead.py
+              model and requests) and benchmarks/step_overhead.py, each also with the API
+              edges in 2 worker processes (--api-workers 2)
 Without --stage the first stage the report does not record as run (passed or failed).
 
 Bookkeeping: the report holds, per stage, its status (running, passed, failed, dry-run),
@@ -119,9 +121,12 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         pytest = [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                   *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
-        bench = _py(ctx, "benchmarks/kernels_bench.py", *(["--dry-run"] if ctx.small else []))
+        # Every case: the grid, the launch-configuration sweep and the fused layer kernels.
+        cases = ["--cases", "decode,prefill,cache,layer" + ("" if ctx.small else ",tune")]
+        bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
+                    *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_bench", bench, 200)]
+                Step("kernels_bench", bench, 240)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "4"] if ctx.small else ["--gpu-only"]))
@@ -138,12 +143,23 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 check("preempt-recompute", 100)]
     if name == "throughput":
         hf = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small)
+        # The API edges in worker processes: on an H100 the router's CPU per step at 256
+        # streams (10-15 ms) was what held the 3.8 ms steps back (2026-11-26).
+        hf_workers = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small,
+                         "--api-workers", "2")
         overhead = _py(ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
                        *(["--quick", "--depths", "2"] if ctx.small else
                          ["--running", "32,256", "--depths", "1,2", "--window-s", "5"]),
                        "--work-dir", str(ctx.work_dir / "step-overhead"))
-        return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 260),
-                Step("step_overhead", overhead, 230)]
+        overhead_workers = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                               str(ctx.model_dir), "--api-workers", "2",
+                               *(["--quick", "--depths", "2"] if ctx.small else
+                                 ["--running", "256", "--depths", "2", "--window-s", "5"]),
+                               "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 150),
+                Step("step_overhead", overhead, 150),
+                Step("hf_batch_bench_workers", hf_workers, 100),
+                Step("step_overhead_workers", overhead_workers, 100)]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
