@@ -24,11 +24,17 @@ Cases:
   encoding the previous result there too. Figures: gap p50/p90/p99, forward p50, and a
   checksum of the sampled tokens (equal before and after a host-side change).
 
+* ``--profile``: after the timed cases, the largest batch's decode steps once more under
+  torch.profiler (``profile_gpu_b256_{eager,graphs}``; on CPU ``profile_cpu_tiny_b128``):
+  per step, how many device kernels ran and how long they took together, and the kernels
+  that took the most (name, launches and microseconds per step). What splits a step
+  between attention, matmuls and the small elementwise kernels (the GPU check runs it).
+
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed (not in the gap cases).
 
     .venv/bin/python benchmarks/executor_bench.py [--steps N] [--cpu-only] [--gpu-only]
-        [--model-dir DIR] [--gap [--gap-steps N]]
+        [--model-dir DIR] [--gap [--gap-steps N]] [--profile]
 """
 
 from __future__ import annotations
@@ -97,7 +103,51 @@ def time_steps(runner: ModelRunner, plans) -> list[float]:
     return times[2:]  # warm-up: registration step and the first decode
 
 
-def bench_cpu(steps: int) -> None:
+def profile_steps(runner: ModelRunner, plans, case: str, top: int = 12) -> None:
+    """The plans' steps under torch.profiler (the first three as warm-up, outside it): per
+    measured step, device kernels (CUDA) or aten operators (CPU) by total time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    plans = list(plans)
+    warm, measured = plans[:3], plans[3:]
+    cuda = runner.device.type == "cuda"
+    for plan in warm:
+        runner.execute(plan)
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for plan in measured:
+            runner.execute(plan)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / len(measured)
+    rows = []
+    for evt in prof.key_averages():
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            total = getattr(evt, "self_device_time_total", None)
+            if total is None:
+                total = evt.self_cuda_time_total
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            total = evt.self_cpu_time_total
+        rows.append((total, evt.count, evt.key))
+    rows.sort(reverse=True)
+    n = len(measured)
+    emit(case, steps=n, wall_us_per_step=round(wall * 1e6, 1),
+         kernels_per_step=round(sum(c for _, c, _ in rows) / n, 1),
+         kernel_us_per_step=round(sum(t for t, _, _ in rows) / n, 1),
+         unit="device kernels" if cuda else "aten operators (self CPU time)",
+         top=[{"name": name[:90], "per_step": round(count / n, 1),
+               "us_per_step": round(total / n, 1)} for total, count, name in rows[:top]])
+
+
+def bench_cpu(steps: int, profile: bool = False) -> None:
     from pagedserve.tinymodels import build_model
 
     torch.set_num_threads(1)
@@ -114,6 +164,11 @@ def bench_cpu(steps: int) -> None:
             emit(f"cpu_tiny_decode_b{batch}", batch=batch, context_tokens=context,
                  step_us_p50=round(p50 * 1e6, 1), decode_tok_per_s=round(batch / p50, 1),
                  threads=1, device="cpu")
+            if profile and batch == 128:
+                runner = build_runner(str(model_dir), num_gpu_blocks=num_blocks,
+                                      num_cpu_blocks=0, block_size=block_size, progress=False)
+                profile_steps(runner, decode_plans(batch, context, block_size, steps,
+                                                   runner.vocab_size), "profile_cpu_tiny_b128")
 
 
 def pipelined_decode_plans(batch: int, prompt_len: int, block_size: int, steps: int,
@@ -248,7 +303,7 @@ def copy_bandwidth_bytes_per_s(device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes * 10 / (time.perf_counter() - t0)  # read + write
 
 
-def bench_gpu(steps: int, model_dir: str | None = None) -> None:
+def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -> None:
     if not torch.cuda.is_available():
         emit("gpu_qwen2.5-0.5b_decode", skipped="no CUDA device")
         return
@@ -300,6 +355,12 @@ def bench_gpu(steps: int, model_dir: str | None = None) -> None:
              device=torch.cuda.get_device_name(device),
              model="loaded" if model_dir else "initialised in place",
              cuda_graphs=graphed)
+        if profile and batch == 256:
+            cache.kv_cache.normal_()
+            runner = ModelRunner(model, cache, graphs=graphs)
+            profile_steps(runner, decode_plans(batch, context, block_size, steps,
+                                               cfg.vocab_size),
+                          f"profile_gpu_b{batch}_{'graphs' if graphed else 'eager'}")
         del cache, runner, graphs
         torch.cuda.empty_cache()
 
@@ -314,14 +375,16 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", action="store_true",
                         help="only the cpu_tiny_gap_b* cases (the gap between decode steps)")
     parser.add_argument("--gap-steps", type=int, default=100)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the largest batch's steps (kernels per step)")
     args = parser.parse_args(argv)
     if args.gap:
         bench_gap(args.gap_steps)
         return 0
     if not args.gpu_only:
-        bench_cpu(args.steps)
+        bench_cpu(args.steps, args.profile)
     if not args.cpu_only:
-        bench_gpu(args.steps, args.model_dir)
+        bench_gpu(args.steps, args.model_dir, args.profile)
     return 0
 
 

@@ -61,6 +61,8 @@ SUMMARY_KEYS = (
     "split_k_speedup_ratio", "decode_tok_per_s", "of_bound_ratio", "num_gpu_blocks",
     "num_cpu_blocks", "output_tok_per_s", "pagedserve_vs_hf_ratio", "matched", "mismatched",
     "preemptions", "migrated", "itl_ms_p50", "gap_ms_p50", "forward_ms_p50", "wall_s", "error",
+    "kernels_per_step", "kernel_us_per_step", "wall_us_per_step", "fused_speedup_ratio",
+    "best_copy_bw_ratio",
 )
 
 
@@ -129,7 +131,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("kernels_bench", bench, 240)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
-                    *(["--cpu-only", "--steps", "4"] if ctx.small else ["--gpu-only"]))
+                    *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                    "--profile")
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
         return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
                 Step("memory_profile", memory, 150)]

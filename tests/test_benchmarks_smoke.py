@@ -104,3 +104,13 @@ def test_kernels_bench_layer_cases_dry_run():
             "layer/layer_set/t4"} <= set(cases)
     assert all(r["latency_us_p50"] > 0 and r["fused_speedup_ratio"] > 0
                for r in records if r["case"].startswith("layer/"))
+
+
+def test_executor_bench_profile_on_cpu():
+    """--profile's per-step operator table (on a GPU: device kernels, in the GPU check)."""
+    records = {r["case"]: r for r in _run("executor_bench.py", "--cpu-only", "--steps", "6",
+                                           "--profile")}
+    prof = records["profile_cpu_tiny_b128"]
+    assert prof["steps"] == 3 and prof["kernels_per_step"] > 10
+    assert prof["top"] and all(t["name"].startswith("aten::") for t in prof["top"])
+    assert {"cpu_tiny_decode_b1", "cpu_tiny_decode_b128"} <= set(records)
