@@ -60,7 +60,11 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from fake_plan_checker import PlanChecker
+
+# Its sibling modules: run as a script under PYTHONSAFEPATH=1 (the GPU check's steps), the
+# script's own folder is not on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_plan_checker import PlanChecker  # noqa: E402
 from pagedserve.protos.wire import (
     Codec,
     ErrorReport,
