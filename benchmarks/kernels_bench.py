@@ -30,8 +30,9 @@ name (batch 64 and 256, context 1k and 4k, both head shapes) under every launch 
 of ``TUNE_GRID`` (tokens per tile x warps x pipeline stages, the split count from the rule),
 one line per shape with the default configuration's and the best one's latency and
 ``copy_bw_ratio``, and the best configuration: what to make the launcher's default; then the
-default configuration at each split count of TUNE_SPLITS (``splits``: latency per count, and
-``rule_splits``, what choose_num_splits picks): what to make the split-K rule.
+default configuration at each split count of TUNE_SPLITS, and with 128-token tiles
+(``splits``: latency per count, keys ``K`` and ``K_n128``; ``rule_splits``, what
+choose_num_splits picks): what to make the split-K rule and the tile size.
 Layer cases (``layer/...``, only when asked for): the fused RMSNorm-with-residual, rotary and
 SiLU-and-multiply kernels (layer_ops.py) and the four of them as one layer's set, against
 their torch forms at the Qwen2.5-0.5B sizes for 256 decode tokens: ``fused_speedup_ratio``.
@@ -315,15 +316,19 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                     latencies[name] = round(timed(call), 2)
                 except Exception as exc:  # e.g. out of shared memory for a large tile
                     latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            # Split counts at the default tile, and at 128-token tiles (faster for head dim
+            # 64 at the old rule's 3 splits on an H100: is it with the new rule's 4?).
             split_latencies: dict[str, float | str] = {}
-            for splits in TUNE_SPLITS[:2] if dry_run else TUNE_SPLITS:
-                call = functools.partial(
-                    paged_decode_attention_triton, query, key_cache, value_cache, tables,
-                    seq_lens, head_dim**-0.5, out=out, num_splits=splits)
-                try:
-                    split_latencies[str(splits)] = round(timed(call), 2)
-                except Exception as exc:
-                    split_latencies[str(splits)] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            for block_n in (TUNE_DEFAULT[0], 128):
+                for splits in TUNE_SPLITS[:2] if dry_run else TUNE_SPLITS:
+                    key = str(splits) if block_n == TUNE_DEFAULT[0] else f"{splits}_n{block_n}"
+                    call = functools.partial(
+                        paged_decode_attention_triton, query, key_cache, value_cache, tables,
+                        seq_lens, head_dim**-0.5, out=out, num_splits=splits, block_n=block_n)
+                    try:
+                        split_latencies[key] = round(timed(call), 2)
+                    except Exception as exc:
+                        split_latencies[key] = f"{type(exc).__name__}: {str(exc)[:80]}"
             timings = {k: v for k, v in latencies.items() if isinstance(v, float)}
             default = "n{}_w{}_s{}".format(*TUNE_DEFAULT)
             record = {"case": f"tune/{shape_name}/b{batch}/ctx{context}",
