@@ -7,7 +7,9 @@ same GPU, one check per invocation (each starts its own server), JSON lines (ben
         greedy bf16 outputs judged against HF float32 by HF bf16's own drift from float32
         (bf16_noise: a first difference only where float32's top two are within the largest
         gap at which HF bf16 itself differed, and no earlier in median than half of HF
-        bf16's), then the same requests again with SIGKILL of an executor once every stream
+        bf16's); teacher-forced log-probabilities (prompt_logprobs) of the prompts followed
+        by float32's continuation no further from float32's than HF bf16's are (1.5x at
+        most); then the same requests again with SIGKILL of an executor once every stream
         has its first tokens: all complete on the other one, judged alike, migrations
         counted
     gpu_cluster.py fp32-exact        --model-dir DIR   1 executor, float32: equal to HF float32
@@ -85,6 +87,44 @@ def hf_references(model_dir: str, prompts: list[list[int]], max_tokens: int, dty
     return [out[i] for i in range(len(prompts))]
 
 
+def hf_token_logprobs(model_dir: str, seqs: list[list[int]], dtype: str,
+                      device: str) -> list[np.ndarray]:
+    """Teacher-forced log-probability of each token of each sequence from the second on (what
+    SamplingParams.prompt_logprobs reports), one sequence at a time; the model is freed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for seq in seqs:
+            ids = torch.tensor([seq], device=device)
+            logits = model(ids).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+                       .cpu().numpy())
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
+def logprob_drift(client: Client, seqs, hf32, hf16) -> dict:
+    """Mean |log p - float32's log p| per position over teacher-forced sequences, ours (bf16,
+    through prompt_logprobs) beside HF bf16's: how far each bf16 computation is from float32
+    on the same tokens, free of greedy paths that diverge. Ours may be at most 1.5x HF's."""
+    ours = [np.array([e.logprob for e in client.score(seq).prompt_logprobs]) for seq in seqs]
+    if any(len(o) != len(r) for o, r in zip(ours, hf32, strict=True)):
+        return {"ok": False, "error": "prompt_logprobs of the wrong length"}
+    drift = float(np.mean(np.concatenate([np.abs(o - r) for o, r in zip(ours, hf32,
+                                                                       strict=True)])))
+    hf_drift = float(np.mean(np.concatenate([np.abs(h - r) for h, r in zip(hf16, hf32,
+                                                                         strict=True)])))
+    return {"ok": drift <= 1.5 * hf_drift + 1e-4, "positions": int(sum(map(len, ours))),
+            "drift_mean": round(drift, 5), "hf_bf16_drift_mean": round(hf_drift, 5),
+            "drift_vs_hf_ratio": round(drift / max(hf_drift, 1e-9), 3)}
+
+
 def compare(got: list[int], ref: list[int], gaps: list[float], tie: float) -> dict:
     """exact, tie (the first difference is where HF's top two are within `tie`), or
     mismatch (a first difference at a decisive position, or a wrong length)."""
@@ -127,6 +167,12 @@ class Client:
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         req.prompt_token_ids.ids.extend(ids)
         return req
+
+    def score(self, ids: list[int]):
+        """One token generated, the prompt's log-probabilities returned (Generate, unary)."""
+        req = self.request(ids, 1)
+        req.params.prompt_logprobs = 0
+        return self.stub.Generate(req, timeout=120)
 
     def status(self):
         return self.stub.GetClusterStatus(self.pb.ClusterStatusRequest(), timeout=10)
@@ -224,6 +270,10 @@ def check_bf16_migration(args) -> bool:
     refs16 = hf_references(args.model_dir, prompts, args.max_tokens, "bfloat16", args.hf_device)
     refs = hf_references(args.model_dir, prompts, args.max_tokens, "float32", args.hf_device)
     noise = bf16_noise(refs16, refs, args.bf16_tie)
+    # Teacher-forced: each prompt followed by float32's greedy continuation.
+    forced = [p + ref[:args.max_tokens // 2] for p, (ref, _) in zip(prompts, refs, strict=True)]
+    forced32 = hf_token_logprobs(args.model_dir, forced, "float32", args.hf_device)
+    forced16 = hf_token_logprobs(args.model_dir, forced, "bfloat16", args.hf_device)
     argv = serve_argv(args.model_dir, "--executors", "2", "--dtype", "bfloat16",
                       "--gpu-memory-utilization", "0.4", *device_args(args))
     ok = True
@@ -243,6 +293,9 @@ def check_bf16_migration(args) -> bool:
         same16 = tally(results, refs16, 0.0)["matched"]
         emit("bf16_equivalence", requests=len(prompts), max_tokens=args.max_tokens, **first,
              equal_to_hf_bf16=same16)
+        drift = logprob_drift(client, forced, forced32, forced16)
+        ok &= drift["ok"]
+        emit("bf16_logprob_drift", sequences=len(forced), **drift)
 
         killed: dict = {}
 

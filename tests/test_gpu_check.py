@@ -210,3 +210,29 @@ def test_bf16_judged_by_hf_bf16_drift_from_fp32():
                                    {**noise, "hf_bf16_first_diff_p50": 6.0})
     assert early["tie_accepted"] == 1 and early["first_diff_p50"] == 2.5
     assert early["ok"] is False
+
+
+def test_bf16_logprob_drift_against_hf_bf16():
+    """Teacher-forced drift from float32: ours may be at most 1.5x HF bf16's."""
+    import types
+
+    import gpu_cluster
+    import numpy as np
+
+    hf32 = [np.array([-1.0, -2.0, -0.5]), np.array([-3.0])]
+    hf16 = [np.array([-1.1, -2.1, -0.4]), np.array([-3.1])]  # drift 0.1 everywhere
+
+    def client(values):
+        entries = iter(values)
+        return types.SimpleNamespace(score=lambda seq: types.SimpleNamespace(
+            prompt_logprobs=[types.SimpleNamespace(logprob=v) for v in next(entries)]))
+
+    close = gpu_cluster.logprob_drift(client([[-1.05, -2.1, -0.45], [-3.2]]), [[1], [2]],
+                                      hf32, hf16)
+    assert close["ok"] and close["positions"] == 4
+    assert close["drift_mean"] == pytest.approx(0.1, abs=1e-6)
+    far = gpu_cluster.logprob_drift(client([[-1.5, -2.5, -1.0], [-3.5]]), [[1], [2]],
+                                    hf32, hf16)
+    assert not far["ok"] and far["drift_vs_hf_ratio"] == pytest.approx(5.0)
+    short = gpu_cluster.logprob_drift(client([[-1.0], [-3.0]]), [[1], [2]], hf32, hf16)
+    assert short == {"ok": False, "error": "prompt_logprobs of the wrong length"}
