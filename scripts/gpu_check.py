@@ -128,7 +128,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_bench", bench, 240)]
+                Step("kernels_bench", bench, 360)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
