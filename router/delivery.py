@@ -85,8 +85,7 @@ class Delivery:
                 handle.scheduler.remove(group)
             self.complete(group)
         if handle is not None:
-            self.engine.update_gauges(handle)
-            handle.wakeup.set()
+            handle.wakeup.set()  # the step loop refreshes the gauges (engine.abort)
         return True
 
     def deliver(self, seq: Sequence, text: str, token_ids: tuple, logprobs: tuple,

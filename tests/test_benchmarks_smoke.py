@@ -114,3 +114,10 @@ def test_executor_bench_profile_on_cpu():
     assert prof["steps"] == 3 and prof["kernels_per_step"] > 10
     assert prof["top"] and all(t["name"].startswith("aten::") for t in prof["top"])
     assert {"cpu_tiny_decode_b1", "cpu_tiny_decode_b128"} <= set(records)
+
+
+def test_cancel_bench_small():
+    records = _run("cancel_bench.py", "--streams", "8", "--tokens", "40")
+    (case,) = records
+    assert case["case"] == "s8_t40" and case["tokens_median"] >= 40
+    assert case["blocks_held"] > 0 and case["all_free_after_s"] > 0
