@@ -329,12 +329,17 @@ def test_bad_input_and_a_full_queue(cluster):
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     # 24 calls at once on one connection: they reach the core within a step, past the
-    # queue's 6 places.
-    calls = [cluster.stub.Generate.future(request("burst", max_tokens=40, ignore_eos=True),
-                                          timeout=60) for _ in range(24)]
-    codes = {call.code() for call in calls}
-    assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-    cluster.wait_blocks_free()
+    # queue's 6 places. On a loaded machine they may trickle in slower than steps admit
+    # them: a burst is tried up to three times (seen once in a full-suite run).
+    seen: set = set()
+    for _ in range(3):
+        calls = [cluster.stub.Generate.future(request("burst", max_tokens=40, ignore_eos=True),
+                                              timeout=60) for _ in range(24)]
+        seen |= {call.code() for call in calls}
+        cluster.wait_blocks_free()
+        if grpc.StatusCode.RESOURCE_EXHAUSTED in seen:
+            break
+    assert seen == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, seen
 
 
 def test_worker_request_metrics_reach_the_router(cluster):
