@@ -46,7 +46,7 @@ def profile_num_gpu_blocks(
     largest step's activations (torch's peak), ``reserve_bytes`` (the decode graphs,
     cuda_graphs.graph_memory_bytes) and what the process holds outside torch's allocator
     (``outside_torch_bytes``: NVML's figure for this process, else the device's growth
-    since ``baseline`` = (device memory in use, torch reserved) taken before the model
+    since ``baseline`` = (device memory in use, torch reserved) taken once the model is
     loaded). The cache also never exceeds what is free on the device now less
     the activation peak and the graphs, whoever holds the rest."""
     cfg = model.config
@@ -137,7 +137,7 @@ def memory_accounting(device: torch.device) -> str:
 
 def memory_baseline(device: torch.device) -> tuple[int, int]:
     """(device memory in use, torch reserved) now: ``profile_num_gpu_blocks``'s baseline,
-    taken before the model loads."""
+    taken once the model is loaded (runner_setup)."""
     free, total = torch.cuda.mem_get_info(device)
     return total - free, torch.cuda.memory_reserved(device)
 

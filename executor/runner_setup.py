@@ -48,8 +48,12 @@ def build_runner(
     if max_model_len is not None and max_model_len > config.max_model_len:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                          f"{config.max_model_len}")
-    baseline = memory_baseline(device) if device.type == "cuda" else None
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    # Taken after the load (which allocates through torch alone, so nothing outside torch is
+    # missed): where NVML cannot name this process, outside-torch memory is the device's
+    # growth since this baseline, and a neighbour executor filling its cache while this one
+    # loads would be counted as ours. The window is now the kernel checks and the profile.
+    baseline = memory_baseline(device) if device.type == "cuda" else None
     if device.type == "cuda":
         _check_fused_ops(model)
     max_len = max_model_len or config.max_model_len
