@@ -47,7 +47,6 @@ class HermesParser:
         self._in_call = False
         self.num_calls = 0
         self.max_calls = max_calls
-        self.dropped_calls = 0
 
     def feed(self, text: str) -> ParsedPiece:
         piece = ParsedPiece()
@@ -94,8 +93,7 @@ class HermesParser:
             piece.content += original  # not a call after all: the model's text, unchanged
             return
         if self.max_calls is not None and self.num_calls >= self.max_calls:
-            self.dropped_calls += 1
-            return
+            return  # parallel_tool_calls false: a call after the first is not given out
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)

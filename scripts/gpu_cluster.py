@@ -27,6 +27,7 @@ group as one batch with no padding. HF references use output_logits for the top-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -55,16 +56,29 @@ def make_prompts(per_length: int, lengths, vocab: int, seed: int = 0) -> list[li
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths for _ in range(per_length)]
 
 
-def hf_references(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str,
-                  device: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy continuations (EOS ignored) with HF's top-2 logit gap at each position; the
-    prompts of one length run as one batch. The model is freed before returning."""
+@contextlib.contextmanager
+def hf_model(model_dir: str, dtype: str, device: str):
+    """transformers' model of `model_dir` in `dtype` on `device` (tf32 off), freed after."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.to(device).eval()
+    try:
+        yield model
+    finally:
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def hf_generate(model, prompts: list[list[int]], max_tokens: int,
+                device: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations (EOS ignored) with HF's top-2 logit gap at each position; the
+    prompts of one length run as one batch."""
+    import torch
+
     out: dict[int, tuple[list[int], list[float]]] = {}
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -81,21 +95,21 @@ def hf_references(model_dir: str, prompts: list[list[int]], max_tokens: int, dty
             gaps = (top2[..., 0] - top2[..., 1]).tolist()
             for row, i in enumerate(idx):
                 out[i] = (gen.sequences[row, length:].tolist(), gaps[row])
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return [out[i] for i in range(len(prompts))]
 
 
-def hf_token_logprobs(model_dir: str, seqs: list[list[int]], dtype: str,
-                      device: str) -> list[np.ndarray]:
-    """Teacher-forced log-probability of each token of each sequence from the second on (what
-    SamplingParams.prompt_logprobs reports), one sequence at a time; the model is freed."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def hf_references(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str,
+                  device: str) -> list[tuple[list[int], list[float]]]:
+    """hf_generate with a model loaded for it."""
+    with hf_model(model_dir, dtype, device) as model:
+        return hf_generate(model, prompts, max_tokens, device)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model.to(device).eval()
+
+def hf_token_logprobs(model, seqs: list[list[int]], device: str) -> list[np.ndarray]:
+    """Teacher-forced log-probability of each token of each sequence from the second on (what
+    SamplingParams.prompt_logprobs reports), one sequence at a time."""
+    import torch
+
     out = []
     with torch.inference_mode():
         for seq in seqs:
@@ -103,9 +117,6 @@ def hf_token_logprobs(model_dir: str, seqs: list[list[int]], dtype: str,
             logits = model(ids).logits[0, :-1].float()
             out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
                        .cpu().numpy())
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return out
 
 
@@ -267,13 +278,17 @@ def judge_bf16(results, refs32, noise: dict) -> dict:
 
 def check_bf16_migration(args) -> bool:
     prompts = make_prompts(args.per_length, args.lengths, args.prompt_vocab)
-    refs16 = hf_references(args.model_dir, prompts, args.max_tokens, "bfloat16", args.hf_device)
-    refs = hf_references(args.model_dir, prompts, args.max_tokens, "float32", args.hf_device)
+    # One load per dtype: greedy references, then the teacher-forced scores of each prompt
+    # followed by float32's greedy continuation.
+    with hf_model(args.model_dir, "float32", args.hf_device) as model:
+        refs = hf_generate(model, prompts, args.max_tokens, args.hf_device)
+        forced = [p + ref[:args.max_tokens // 2]
+                  for p, (ref, _) in zip(prompts, refs, strict=True)]
+        forced32 = hf_token_logprobs(model, forced, args.hf_device)
+    with hf_model(args.model_dir, "bfloat16", args.hf_device) as model:
+        refs16 = hf_generate(model, prompts, args.max_tokens, args.hf_device)
+        forced16 = hf_token_logprobs(model, forced, args.hf_device)
     noise = bf16_noise(refs16, refs, args.bf16_tie)
-    # Teacher-forced: each prompt followed by float32's greedy continuation.
-    forced = [p + ref[:args.max_tokens // 2] for p, (ref, _) in zip(prompts, refs, strict=True)]
-    forced32 = hf_token_logprobs(args.model_dir, forced, "float32", args.hf_device)
-    forced16 = hf_token_logprobs(args.model_dir, forced, "bfloat16", args.hf_device)
     argv = serve_argv(args.model_dir, "--executors", "2", "--dtype", "bfloat16",
                       "--gpu-memory-utilization", "0.4", *device_args(args))
     ok = True

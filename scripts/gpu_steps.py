@@ -56,7 +56,7 @@ def cmd_env(args) -> int:
         # An editable install puts the repository root on pagedserve's path, and the root
         # holds pagedserve/ again: never descend into a second "pagedserve".
         for mod in pkgutil.iter_modules(path, prefix):
-            if mod.name.count(".pagedserve"):
+            if ".pagedserve" in mod.name:
                 continue
             try:
                 module = importlib.import_module(mod.name)
@@ -129,7 +129,6 @@ def cmd_memory(args) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     ok, blocks_seen = True, []
     for util in args.utilizations:
-        gc.collect()  # the last runner's cycles (graphs, model) hold its cache until collected
         torch.cuda.empty_cache()
         start = time.perf_counter()
         runner = build_runner(args.model_dir, device="cuda", dtype="bfloat16",
@@ -167,7 +166,7 @@ def cmd_memory(args) -> int:
              graph_capture_s=round(graphs.capture_s, 1) if graphs else None)
         blocks_seen.append(cache.num_gpu_blocks)
         del runner, cache, graphs
-        gc.collect()
+        gc.collect()  # the runner's cycles (graphs, model) hold its cache until collected
         torch.cuda.empty_cache()
     return 0 if ok else 1
 
