@@ -69,13 +69,17 @@ def hash_blocks(
     block_size: int,
     cache_salt: str | None = None,
     block_hashes: list | None = None,
+    num_tokens: int | None = None,
 ) -> list:
     """Extend `block_hashes` (in place; a new list when None) with the hashes of the full
-    blocks of `token_ids` it does not have yet, and return it. Hashing a growing sequence
+    blocks of `token_ids` (of its first `num_tokens` when given: no slice of a long
+    sequence is copied) it does not have yet, and return it. Hashing a growing sequence
     again only hashes its newly full blocks."""
     out = [] if block_hashes is None else block_hashes
     start = len(out)
-    num_full = len(token_ids) // block_size
+    if num_tokens is None or num_tokens > len(token_ids):
+        num_tokens = len(token_ids)
+    num_full = num_tokens // block_size
     parent = out[-1] if out else None
     for i in range(start, num_full):
         extra = (cache_salt,) if (i == 0 and cache_salt) else ()

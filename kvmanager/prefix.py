@@ -221,7 +221,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
         return
     hashes = req.block_hashes
     if len(hashes) < num_full:
-        hashing.hash_blocks(self.hash_fn, token_ids[: num_full * bs], bs, req.cache_salt, hashes)
+        hashing.hash_blocks(self.hash_fn, token_ids, bs, req.cache_salt, hashes, num_full * bs)
     blocks = self.gpu.blocks
     cached = self.gpu.cached
     table = req.block_ids

@@ -40,35 +40,53 @@ class Delivery:
             if group.aborted or seq.assembler.finished:
                 continue
             start = seq.num_prompt_tokens + seq.num_delivered
-            new_ids = seq.token_ids[start:]
-            text_parts: list[str] = []
-            delivered: list[int] = []
-            update = None
-            for tok in new_ids:
+            token_ids = seq.token_ids
+            if len(token_ids) == start + 1 and not seq.logprobs:
+                # The steady decode: one new token, no logprobs (no lists to build).
+                tok = token_ids[start]
                 update = seq.assembler.append(tok)
-                delivered.append(tok)
-                text_parts.append(update.text)
-                if update.finished:
-                    break
-            seq.num_delivered += len(delivered)
-            num_tokens += len(delivered)
-            lps = tuple(seq.logprobs[: len(delivered)])
-            del seq.logprobs[: len(delivered)]
+                seq.num_delivered += 1
+                num_tokens += 1
+                if update.finish_reason is None:
+                    self.deliver(seq, update.text, (tok,), (), None)
+                    continue
+                text, delivered, lps = update.text, (tok,), ()
+            else:
+                text, delivered, lps, update = self._take_new(seq, token_ids[start:])
+                num_tokens += len(delivered)
             if update is not None and update.finished:
                 if not seq.finished:
                     scheduler.finish_seq(seq)  # a stop string: at most one token wasted
-                self.deliver(seq, "".join(text_parts), tuple(delivered), lps,
-                             update.finish_reason, update.stop_string, update.stop_token_id)
+                self.deliver(seq, text, delivered, lps, update.finish_reason,
+                             update.stop_string, update.stop_token_id)
                 if group.all_finished:
                     done_groups.append(group)
             else:
-                self.deliver(seq, "".join(text_parts), tuple(delivered), lps, None)
+                self.deliver(seq, text, delivered, lps, None)
         if num_tokens:  # one counter update a step, not one a sequence
             self.metrics.add_generation_tokens(num_tokens)
         for group in done_groups:
             if group.request_id in self.live:
                 scheduler.remove(group)
                 self.complete(group)
+
+    @staticmethod
+    def _take_new(seq: Sequence, new_ids) -> tuple:
+        """(text, token ids, logprobs, last update) of the sample's undelivered tokens, up
+        to the one that ends it."""
+        text_parts: list[str] = []
+        delivered: list[int] = []
+        update = None
+        for tok in new_ids:
+            update = seq.assembler.append(tok)
+            delivered.append(tok)
+            text_parts.append(update.text)
+            if update.finished:
+                break
+        seq.num_delivered += len(delivered)
+        lps = tuple(seq.logprobs[: len(delivered)])
+        del seq.logprobs[: len(delivered)]
+        return "".join(text_parts), tuple(delivered), lps, update
 
     def finish_by_edge(self, handle: ExecutorHandle | None, seq: Sequence) -> bool:
         """A sample the API worker ended (a stop string in the text it assembles): as the

@@ -59,7 +59,7 @@ STATUS_POLL_S = 0.05
 # RouterMetrics methods a worker may have replayed here (the request metrics of the edges).
 RELAYED_METRICS = frozenset({"inc_success", "inc_failure", "observe_ttft",
                              "observe_inter_token", "observe_e2e",
-                             "observe_time_per_output_token"})
+                             "observe_time_per_output_token", "observe_many"})
 
 
 @dataclass

@@ -13,6 +13,8 @@ Metric names are the contract; do not rename.
 
 from __future__ import annotations
 
+import bisect
+
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
@@ -27,6 +29,14 @@ LATENCY_BUCKETS_S = (
 GAP_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                  0.1, 0.25, 0.5, 1.0)
 REQUEST_BUCKETS_S = LATENCY_BUCKETS_S + (20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# The edge's histogram methods and their histograms (`observe_many` replays them in bulk).
+EDGE_HISTOGRAMS = {
+    "observe_ttft": "time_to_first_token",
+    "observe_inter_token": "inter_token_latency",
+    "observe_time_per_output_token": "time_per_output_token",
+    "observe_e2e": "e2e_request_latency",
+}
 
 FINISH_REASONS = ("length", "stop", "abort")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -94,6 +104,30 @@ class RouterMetrics:
 
     def observe_e2e(self, seconds: float) -> None:
         self.e2e_request_latency.observe(seconds)
+
+    def observe_many(self, method: str, *values: float) -> None:
+        """`method` (an edge histogram method, e.g. "observe_inter_token") once per value:
+        how an API worker's batch is replayed (a step of 256 streams holds 256 inter-token
+        latencies). Counted per bucket, one increment a bucket, where prometheus_client's
+        histogram keeps its per-bucket counts as it has for years; else value by value."""
+        name = EDGE_HISTOGRAMS.get(method)
+        if name is None:
+            raise ValueError(f"not an edge histogram method: {method!r}")
+        hist = getattr(self, name)
+        bounds = getattr(hist, "_upper_bounds", None)
+        buckets = getattr(hist, "_buckets", None)
+        total = getattr(hist, "_sum", None)
+        if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+            for v in values:
+                hist.observe(v)
+            return
+        counts = [0] * len(bounds)
+        for v in values:
+            counts[bisect.bisect_left(bounds, v)] += 1  # observe(): the first bound >= v
+        total.inc(sum(values))
+        for bucket, n in zip(buckets, counts, strict=True):
+            if n:
+                bucket.inc(n)
 
     # ------------------------------------------------------------------ engine
 

@@ -271,18 +271,36 @@ class MetricsRelay:
     def __init__(self, engine: RemoteEngine) -> None:
         self._engine = engine
         self._calls: list[tuple[str, list, str]] = []
+        # histogram method -> values since the last batch: one call each in the batch
+        # (`observe_many`), not one per value (256 streams: 256 inter-token latencies a step)
+        self._values: dict[str, list[float]] = {}
         self._handle: asyncio.TimerHandle | None = None
 
     def _record(self, name: str, args: list, api: str = "") -> None:
         self._calls.append((name, args, api))
+        self._flush_soon()
+
+    def _observe(self, name: str, seconds: float) -> None:
+        values = self._values.get(name)
+        if values is None:
+            self._values[name] = [seconds]
+        else:
+            values.append(seconds)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(METRICS_FLUSH_S, self.flush)
 
     def flush(self) -> None:
         self._handle = None
-        if self._calls and not self._engine.connected.is_set():  # see RemoteEngine._call
+        if (self._calls or self._values) and not self._engine.connected.is_set():
+            # see RemoteEngine._call
             self._handle = asyncio.get_running_loop().call_later(METRICS_FLUSH_S, self.flush)
             return
+        for name, values in self._values.items():
+            self._calls.append(("observe_many", [name, *values], ""))
+        self._values = {}
         if self._calls:
             calls, self._calls = self._calls, []
             self._engine.send(MetricsBatch(calls))
@@ -295,13 +313,13 @@ class MetricsRelay:
                      api)
 
     def observe_ttft(self, seconds: float) -> None:
-        self._record("observe_ttft", [seconds])
+        self._observe("observe_ttft", seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self._record("observe_inter_token", [seconds])
+        self._observe("observe_inter_token", seconds)
 
     def observe_time_per_output_token(self, seconds: float) -> None:
-        self._record("observe_time_per_output_token", [seconds])
+        self._observe("observe_time_per_output_token", seconds)
 
     def observe_e2e(self, seconds: float) -> None:
-        self._record("observe_e2e", [seconds])
+        self._observe("observe_e2e", seconds)

@@ -46,8 +46,10 @@ class SocketReader:
         self._fd = None
 
     def poke(self) -> None:
-        """After a send on the socket: drain soon if it holds messages."""
-        if self._fd is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        """After a send on the socket: drain soon if it holds messages (asking the socket
+        costs a few microseconds: not when a drain is already coming)."""
+        if self._fd is not None and not self._scheduled \
+                and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule()
 
     def _schedule(self) -> None:

@@ -336,3 +336,25 @@ def test_a_request_before_the_hello_waits_for_it():
             finally:
                 late.close()
     asyncio.run(main())
+
+
+def test_observe_many_counts_as_one_observe_per_value():
+    """An API worker's histogram values arrive in bulk (`observe_many`): every bucket, the
+    count and the sum equal observing them one by one, values on bucket bounds included."""
+    from pagedserve.router.metrics import LATENCY_BUCKETS_S, RouterMetrics
+
+    values = [0.0, 0.0001, 0.00010001, 0.003, 0.0042, 10.0, 11.0, 0.05, 0.05, 2e-6]
+    bulk, single = RouterMetrics(), RouterMetrics()
+    bulk.observe_many("observe_inter_token", *values)
+    for v in values:
+        single.observe_inter_token(v)
+    name = "pagedserve_inter_token_latency_seconds"
+    for le in (*LATENCY_BUCKETS_S, float("inf")):
+        label = {"le": "+Inf" if le == float("inf") else str(le)}
+        got = bulk.registry.get_sample_value(f"{name}_bucket", label)
+        assert got == single.registry.get_sample_value(f"{name}_bucket", label), le
+    assert bulk.registry.get_sample_value(f"{name}_bucket", {"le": "0.0001"}) == 3
+    assert bulk.registry.get_sample_value(f"{name}_count") == len(values)
+    assert bulk.registry.get_sample_value(f"{name}_sum") == pytest.approx(sum(values))
+    with pytest.raises(ValueError, match="not an edge histogram"):
+        bulk.observe_many("set_executor_gauges", 1.0)
