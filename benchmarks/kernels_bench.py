@@ -6,6 +6,7 @@ and time relative to torch SDPA on the same keys/values stored contiguously (DES
                                                    # interpreter, to check the script itself
     python benchmarks/kernels_bench.py --cases decode,prefill,cache   # a subset (default all)
     python benchmarks/kernels_bench.py --cases tune   # decode launch configurations (GPU)
+    python benchmarks/kernels_bench.py --cases prefill_tune   # prefill launch configurations
     python benchmarks/kernels_bench.py --cases layer  # fused layer kernels vs torch forms (GPU)
 
 Grid: batch 1/8/64/256 x context 128/1k/4k/16k x two head shapes (32 q / 4 kv heads, head dim
@@ -33,6 +34,10 @@ one line per shape with the default configuration's and the best one's latency a
 default configuration at each split count of TUNE_SPLITS, and with 128-token tiles
 (``splits``: latency per count, keys ``K`` and ``K_n128``; ``rule_splits``, what
 choose_num_splits picks): what to make the split-K rule and the tile size.
+Prefill tune cases (``prefill_tune/...``, only when asked for): the prefill kernel on batch 8
+x 2048-token prompts under every configuration of ``PREFILL_TUNE_GRID`` (rows per program x
+key tile x warps x stages), one line per head shape with the default's latency, the best
+configuration and the best one's ratio to SDPA: what to make the prefill launcher's default.
 Layer cases (``layer/...``, only when asked for): the fused RMSNorm-with-residual, rotary and
 SiLU-and-multiply kernels (layer_ops.py) and the four of them as one layer's set, against
 their torch forms at the Qwen2.5-0.5B sizes for 256 decode tokens: ``fused_speedup_ratio``.
@@ -56,6 +61,12 @@ BENCH = "kernels_bench"
 TUNE_GRID = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 TUNE_DEFAULT = (64, 4, 2)
 TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 16)  # split counts swept by --cases tune at TUNE_DEFAULT
+# Prefill launch configurations swept by --cases prefill_tune: (rows per program = query
+# tokens x the group padded to a power of two, key tile, warps, pipeline stages); the first
+# is the launcher's default for head dim <= 128, the others what the Triton tutorial's and
+# FlashAttention's Hopper settings suggest (128-row tiles, 8 warps, 3 stages).
+PREFILL_TUNE_GRID = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 8, 2),
+                     (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 2)]
 GRAPH_CALLS = 20  # calls per captured graph when timing on CUDA  # what paged_decode_attention_triton launches with (head dim <= 128)
 
 
@@ -74,8 +85,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
-                   help="comma-separated subset of decode, prefill, cache, tune, layer (tune "
-                   "and layer: not in the default)")
+                   help="comma-separated subset of decode, prefill, cache, tune, "
+                   "prefill_tune, layer (the last three: not in the default)")
     return p.parse_args()
 
 
@@ -236,6 +247,8 @@ def main() -> int:
         bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "tune" in cases:
         bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s, shapes, args.dry_run)
+    if "prefill_tune" in cases:
+        bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "layer" in cases:
         bench_layer_ops(torch, ops, device, dtype, timed, args.dry_run)
     return 0
@@ -409,6 +422,67 @@ def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> No
             del key_cache, value_cache, query, out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def bench_prefill_tune(torch, device, dtype, timed, shapes, dry_run: bool) -> None:
+    """Every PREFILL_TUNE_GRID configuration of the prefill kernel on whole prompts (batch 8
+    x 2048 tokens, the middle prefill case), both head shapes; one line per shape: the
+    default's latency, the best configuration's and its ratio to SDPA (is_causal)."""
+    from pagedserve.kernels.prefill_attention import paged_prefill_attention_triton
+
+    batch, q_len, block_size = (2, 19, 16) if dry_run else (8, 2048, 16)
+    grid = PREFILL_TUNE_GRID[:2] if dry_run else PREFILL_TUNE_GRID
+    for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
+        group = num_heads // num_kv_heads
+        block_g = 1 << (group - 1).bit_length()
+        blocks_per_seq = -(-q_len // block_size)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache = torch.randn(shape, device=device, dtype=dtype)
+        value_cache = torch.randn(shape, device=device, dtype=dtype)
+        tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+        query = torch.randn(batch * q_len, num_heads, head_dim, device=device, dtype=dtype)
+        starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+        seq_lens = torch.full((batch,), q_len, dtype=torch.int32, device=device)
+        out = torch.empty_like(query)
+        latencies: dict[str, float | str] = {}
+        for rows, block_n, warps, stages in grid:
+            name = f"r{rows}_n{block_n}_w{warps}_s{stages}"
+            call = functools.partial(
+                paged_prefill_attention_triton, query, key_cache, value_cache, tables, starts,
+                seq_lens, head_dim**-0.5, out=out, max_query_len=q_len,
+                block_q=max(1, rows // block_g), block_n=block_n, num_warps=warps,
+                num_stages=stages)
+            try:
+                latencies[name] = round(timed(call), 2)
+            except Exception as exc:  # e.g. out of shared memory or registers
+                latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        table = tables.long()
+        k = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        v = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        q = query.view(batch, q_len, num_heads, head_dim).transpose(1, 2).contiguous()
+        record = {"case": f"prefill_tune/{shape_name}/b{batch}/q{q_len}",
+                  "dtype": str(dtype).removeprefix("torch."), "configs": latencies}
+        try:
+            record["sdpa_latency_us_p50"] = round(timed(functools.partial(
+                torch.nn.functional.scaled_dot_product_attention, q, k, v,
+                scale=head_dim**-0.5, is_causal=True, enable_gqa=True)), 2)
+        except (RuntimeError, TypeError) as exc:
+            record["sdpa_error"] = str(exc).splitlines()[0][:120]
+        timings = {n: t for n, t in latencies.items() if isinstance(t, float)}
+        default = "r{}_n{}_w{}_s{}".format(*PREFILL_TUNE_GRID[0])
+        if timings:
+            best = min(timings, key=timings.get)
+            record.update(best=best, best_latency_us_p50=timings[best])
+            if "sdpa_latency_us_p50" in record:
+                record["best_vs_sdpa_ratio"] = round(
+                    timings[best] / record["sdpa_latency_us_p50"], 3)
+        if default in timings:
+            record["default_latency_us_p50"] = timings[default]
+        _emit(record)
+        del key_cache, value_cache, k, v, q, query, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def bench_cache(torch, ops, device, dtype, timed, copy_gb_per_s: float, dry_run: bool) -> None:

@@ -40,6 +40,65 @@ _NO_WINDOW = 1 << 30
 
 
 @triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos, row_valid,
+    k_cache_ptr, v_cache_ptr, table_ptr,  # table_ptr: this sequence's block-table row
+    kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
+    tile_lo, tile_hi,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of every tile is admitted for every valid row
+    UPCAST: tl.constexpr,
+):
+    """Key tiles [tile_lo, tile_hi) into the running softmax (acc, l_i, m_i) of the rows."""
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + offs_n
+        if MASKED:
+            key_valid = (pos >= lo) & (pos <= last_pos)
+        else:
+            key_valid = pos >= 0  # all true: the tile lies inside [lo, last_pos]
+        block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        kv_mask = key_valid[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+            + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+            + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            allowed = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(allowed, s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+        else:
+            s = s * qk_scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new  # finite: every key of the tile is admitted
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale_log2,
@@ -60,7 +119,9 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    # The last query tiles attend to the most keys: launched first, so that the grid does
+    # not end on a tail of long programs.
+    q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -93,48 +154,33 @@ def _prefill_kernel(
     lo = tl.maximum(first_pos - sliding_window + 1, 0)
     tile_begin = lo // BLOCK_N
     tile_end = tl.cdiv(last_pos + 1, BLOCK_N)
+    # Tiles every valid row admits whole (keys in [last_pos - window + 1, first_pos]) need
+    # no mask: [full_lo, full_hi). Those before (the window's lower edge) and after (the
+    # diagonal) are masked. Same tiles in the same order: the same sums as one masked loop.
+    full_lo = tl.minimum(tl.cdiv(tl.maximum(last_pos - sliding_window + 1, 0), BLOCK_N),
+                         tile_end)
+    full_lo = tl.maximum(full_lo, tile_begin)
+    full_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, full_lo), tile_end)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-
-    for tile in range(tile_begin, tile_end):
-        pos = tile * BLOCK_N + offs_n
-        key_valid = (pos >= lo) & (pos <= last_pos)
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=key_valid, other=0
-        ).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        kv_mask = key_valid[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-            + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-            + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        allowed = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        allowed = allowed & (pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing admitted yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    table_ptr = block_tables_ptr + seq * stride_bts
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
+        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
+        tile_begin, full_lo, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
+        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
+        full_lo, full_hi, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
+        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
+        full_hi, tile_end, BLOCK_SIZE, BLOCK_N, True, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
@@ -204,9 +250,13 @@ def paged_prefill_attention_triton(
     max_query_len: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Launch the prefill/extend kernel. ``max_query_len=None`` reads it from
-    ``query_start_loc`` (a device-to-host sync on CUDA: pass it from the step plan)."""
+    ``query_start_loc`` (a device-to-host sync on CUDA: pass it from the step plan).
+    ``block_q``, ``block_n``, ``num_warps`` and ``num_stages`` override the launch
+    configuration (kernels_bench's prefill sweep); the defaults are what the executor runs."""
     _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -248,6 +298,6 @@ def paged_prefill_attention_triton(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=upcast,
-        num_warps=4, num_stages=1 if interpreting else 2,
+        num_warps=num_warps, num_stages=1 if interpreting else num_stages,
     )
     return out

@@ -124,7 +124,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                   *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
         # Every case: the grid, the launch-configuration sweep and the fused layer kernels.
-        cases = ["--cases", "decode,prefill,cache,layer" + ("" if ctx.small else ",tune")]
+        cases = ["--cases", "decode,prefill,cache,layer,prefill_tune"
+                 + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
@@ -157,7 +158,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         overhead_workers = _py(ctx, "benchmarks/step_overhead.py", "--models",
                                str(ctx.model_dir), "--api-workers", "2",
                                *(["--quick", "--depths", "2"] if ctx.small else
-                                 ["--running", "256", "--depths", "2", "--window-s", "5"]),
+                                 ["--running", "256", "--depths", "2", "--window-s", "5",
+                                  # streams over 8 connections: the kernel hands each
+                                  # worker connections, not streams (benchmarks/README)
+                                  "--client-channels", "8"]),
                                "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
         return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),

@@ -95,11 +95,14 @@ def test_feature_soak_short():
     assert summary["requests"] > 0 and summary["blocks_leaked"] == 0
 
 
-def test_kernels_bench_layer_cases_dry_run():
-    """The fused layer kernels' cases run end to end through the interpreter (figures are
-    meaningless there; a GPU gives them)."""
-    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer")
+def test_kernels_bench_layer_and_prefill_tune_cases_dry_run():
+    """The fused layer kernels' cases and the prefill launch sweep run end to end through the
+    interpreter (figures are meaningless there; a GPU gives them)."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer,prefill_tune")
     cases = {r["case"]: r for r in records}
+    tune = cases["prefill_tune/qwen2.5_0.5b/b2/q19"]
+    assert set(tune["configs"]) == {"r64_n64_w4_s2", "r64_n64_w4_s3"}
+    assert tune["default_latency_us_p50"] > 0 and tune["best"] in tune["configs"]
     assert {"layer/rms_norm_residual/t4", "layer/rotary_embedding/t4", "layer/silu_and_mul/t4",
             "layer/layer_set/t4"} <= set(cases)
     assert all(r["latency_us_p50"] > 0 and r["fused_speedup_ratio"] > 0
