@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_grammar_masks_,
         fill_grammar_masks,
     )
-    from pagedserve.executor.sampler import Sampler, SamplingState
+    from pagedserve.executor.sampler import Sampler
+    from pagedserve.executor.sampling_state import SamplingState
     from pagedserve.protos.wire import SamplingParams
     from pagedserve.router.structured import build_grammar
 

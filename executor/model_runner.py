@@ -41,7 +41,8 @@ from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute, to_device
 from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
-from pagedserve.executor.sampler import Sampler, SamplingState
+from pagedserve.executor.sampler import Sampler
+from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError
-from pagedserve.executor.sampler import SamplingState
+from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import StepPlan
 
 

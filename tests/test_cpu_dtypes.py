@@ -9,7 +9,7 @@ import pytest
 import torch
 from pagedserve.executor.models import resolve_dtype
 from pagedserve.protos import wire
-from test_router_pipeline import make_engine
+from pipeline_rig import make_engine
 
 from pagedserve import cpu_dtypes
 from pagedserve.cpu_dtypes import auto_dtype, checkpoint_dtype, computes_natively, cpu_flags

@@ -13,7 +13,7 @@ from pagedserve.router.plan_builder import build_plan
 from pagedserve.router.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from pagedserve.router.sequence import RequestGroup
 from pagedserve.router.types import RequestSpec, SamplingSpec
-from test_router_pipeline import BS, SimExecutor, expected, make_engine, run, submit
+from pipeline_rig import BS, SimExecutor, expected, make_engine, run, submit
 
 
 class _Assembler:

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagedserve.executor.sampler import (
     Sampler,
-    SamplingState,
     apply_penalties_,
     flatten_output_tokens,
     flatten_prompt_tokens,
     keyed_uniform,
     sample_from_probs_,
 )
+from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import NewRequest, SamplingParams
 
 torch.set_num_threads(1)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.plan_inputs import PlanLimits, precompute
-from pagedserve.executor.sampler import Sampler, SamplingState
+from pagedserve.executor.sampler import Sampler
+from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan
 from pagedserve.router.errors import InvalidRequest

@@ -1,0 +1,104 @@
+"""One request's sampling state on an executor (what the sampler reads per row): its
+params, sample index, output tokens so far (the randomness key's position and the
+penalties' counts), prompt token ids (the repetition penalty counts them) and, for
+structured output, its grammar matcher. Kept across steps by the model runner; rebuilt from
+a NewRequest after preemption or migration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from pagedserve.executor.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from pagedserve.protos.wire import NewRequest, SamplingParams
+
+
+class SamplingState:
+    """One request's sampling state on an executor: params, sample index, output tokens,
+    the prompt's token ids (the repetition penalty counts them; nothing else does) and, for
+    structured output, its grammar matcher (advanced by every appended token)."""
+
+    __slots__ = ("params", "sample_index", "_tokens", "_num_tokens", "_prompt",
+                 "_prompt_distinct", "grammar")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        sample_index: int = 0,
+        output_token_ids: Sequence[int] | np.ndarray = (),
+        prompt_token_ids: Sequence[int] | np.ndarray = (),
+    ) -> None:
+        ids = np.asarray(output_token_ids, dtype=np.int64).reshape(-1)
+        self.params = params
+        self.sample_index = int(sample_index)
+        self._tokens = np.empty(max(16, 2 * ids.shape[0]), dtype=np.int64)
+        self._tokens[: ids.shape[0]] = ids
+        self._num_tokens = int(ids.shape[0])
+        prompt = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)  # always a copy
+        prompt.flags.writeable = False
+        self._prompt = prompt
+        self._prompt_distinct: np.ndarray | None = None  # computed on first use
+        self.grammar: GrammarMatcher | None = None
+
+    @classmethod
+    def from_new_request(cls, req: NewRequest,
+                         grammars: GrammarCompiler | None = None) -> SamplingState:
+        """Rebuild the state from the plan: prompt and output tokens so far (replayed into
+        a fresh grammar matcher for structured output). Raises GrammarError when the
+        request's grammar cannot be used here."""
+        state = cls(req.sampling, req.sample_index, req.output_token_ids, req.prompt_token_ids)
+        if req.sampling.grammar:
+            if grammars is None:
+                raise GrammarError("structured output is not available on this executor")
+            state.grammar = grammars.matcher(req.sampling.grammar, req.sampling.eos_token_ids,
+                                             req.output_token_ids.tolist())
+        return state
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        """int64 [prompt length], read-only."""
+        return self._prompt
+
+    @property
+    def prompt_distinct_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids, sorted (int64, read-only; cached)."""
+        distinct = self._prompt_distinct
+        if distinct is None:
+            distinct = self._prompt_distinct = np.unique(self._prompt)
+            distinct.flags.writeable = False
+        return distinct
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The output position of the next token (the randomness key)."""
+        return self._num_tokens
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        """int64 [num_output_tokens], a read-only view."""
+        view = self._tokens[: self._num_tokens]
+        view.flags.writeable = False
+        return view
+
+    def append(self, token_id: int) -> None:
+        if self._num_tokens == self._tokens.shape[0]:
+            grown = np.empty(2 * self._tokens.shape[0], dtype=np.int64)
+            grown[: self._num_tokens] = self._tokens[: self._num_tokens]
+            self._tokens = grown
+        self._tokens[self._num_tokens] = token_id
+        self._num_tokens += 1
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
+
+    def fork(self, sample_index: int) -> SamplingState:
+        """A child with a copy of this state's output tokens, the same prompt (read-only,
+        so shared rather than copied) and its own sample index."""
+        child = SamplingState(self.params, sample_index, self.output_token_ids)
+        child._prompt, child._prompt_distinct = self._prompt, self._prompt_distinct
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
+        return child
+
+    def __repr__(self) -> str:
+        return (f"SamplingState(sample_index={self.sample_index}, "
+                f"num_output_tokens={self._num_tokens}, params={self.params!r})")
