@@ -193,10 +193,14 @@ class RequestGroup:
         return len(self.spec.prompt_token_ids)
 
     def active_seqs(self) -> list[Sequence]:
-        """Samples that take part in scheduling now (before the fork: sample 0 only)."""
+        """Samples that take part in scheduling now (before the fork: sample 0 only).
+        Read-only: for n = 1 (nearly every request) it is `seqs` itself, no list a step."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs if not seqs[0].finished else []
         if not self.forked:
-            return [self.seqs[0]]
-        return [s for s in self.seqs if not s.finished]
+            return [seqs[0]]
+        return [s for s in seqs if not s.finished]
 
     @property
     def has_pending(self) -> bool:

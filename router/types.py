@@ -90,7 +90,11 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+# The two per-token types below are plain (not frozen) slotted dataclasses, read-only by
+# convention once made: a frozen dataclass's __init__ sets each field through
+# object.__setattr__ (0.70 µs for a CompletionDelta against 0.15), and the router makes one of
+# each per stream per step (256 streams: ~0.25 ms of every step in the router process).
+@dataclass(slots=True)
 class CompletionDelta:
     """What one sample produced since its previous delta.
 
@@ -122,7 +126,7 @@ class Usage:
     cached_prompt_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
     """One item of a request's output stream: deltas of any of its samples (at most one per
     sample index per item), in sample order.
