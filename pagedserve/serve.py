@@ -104,6 +104,10 @@ class ExecutorChildren:
         rc = await proc.wait()
         if self.stopping:
             return
+        if getattr(engine, "stopping", False):  # the router told it to: not a loss
+            (log.info if rc == 0 else log.warning)(
+                "executor %s exited with code %s (router stopping)", executor_id, rc)
+            return
         log.warning("executor %s exited with code %s", executor_id, rc)
         engine.executor_exited(executor_id, rc)
         if self.args.restart_executors:

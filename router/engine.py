@@ -75,6 +75,7 @@ class RouterEngine:
         self.executors: dict[str, ExecutorHandle] = {}
         self.live: dict[str, RequestGroup] = {}
         self.draining = False
+        self.stopping = False  # stop() began: executors exiting now were told to
         self._arrivals = 0
         self._turn = 0
         self._reserved = 0  # queue places held by requests being tokenized
@@ -125,6 +126,7 @@ class RouterEngine:
         await asyncio.sleep(0)
 
     async def stop(self, shutdown_executors: bool = False) -> None:
+        self.stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
         for handle in self.executors.values():

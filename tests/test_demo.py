@@ -72,3 +72,6 @@ def test_demo_leaves_no_process_behind(demo_run):
     assert len(pids) == 2
     assert "cluster stopped: 2 executor processes exited" in out
     assert not [p for p in pids if _alive(p)]
+    # An orderly stop is not an executor loss: no warning about the exits it asked for.
+    err = demo_run[0].stderr
+    assert "exited with code 0\n" not in err and "left: process exited" not in err, err[-2000:]
