@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -171,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     }), flush=True)
     for line in (load.failures + bad_lines)[:20]:
         print(line, file=sys.stderr)
+    if bad_lines:  # the whole tracebacks are in the logs: keep them
+        log_path = os.path.join(os.path.dirname(model_dir), "feature-soak-cluster.log")
+        with open(log_path, "w") as f:
+            f.write(logs)
+        print(f"cluster logs: {log_path}", file=sys.stderr)
     return 0 if ok else 1
 
 

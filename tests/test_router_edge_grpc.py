@@ -413,3 +413,30 @@ def test_mutual_tls(tok, tmp_path):
             await server.stop(0)
 
     _run(main())
+
+
+def test_a_call_that_ended_before_its_answer_is_one_info_line(caplog):
+    """grpc's asyncio server logs ERROR + traceback when a handler's answer finds the call
+    already ended (client deadline at that moment): the server's filter makes it one INFO
+    line; other grpc errors stay as they are."""
+    import logging
+
+    from pagedserve.router.grpc_server import LATE_END_FILTER
+
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    grpc_log.addFilter(LATE_END_FILTER)
+    try:
+        with caplog.at_level(logging.INFO, logger="grpc._cython.cygrpc"):
+            try:
+                raise RuntimeError('Failed "execute_batch"')
+            except RuntimeError:
+                grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]",
+                                   "/pagedserve.v1.Generator/Generate")
+                grpc_log.exception("Unexpected [ValueError] raised by servicer method [/x]")
+    finally:
+        grpc_log.removeFilter(LATE_END_FILTER)
+    late, other = caplog.records
+    assert late.levelno == logging.INFO and late.exc_info is None
+    assert late.getMessage() == ("/pagedserve.v1.Generator/Generate: the call ended (client "
+                                 "deadline or cancel) before its final message was sent")
+    assert other.levelno == logging.ERROR and other.exc_info is not None
