@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedserve.kernels import ops, reference
 from pagedserve.kernels.cache_ops import swap_blocks_device
 from pagedserve.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
@@ -140,6 +142,31 @@ def test_prefill_small_tiles_and_unknown_max_query_len():
             batch.query_start_loc, batch.seq_lens, batch.scale)
     want = reference.paged_prefill_attention(*args)
     _close(paged_prefill_attention_triton(*args, block_q=4, block_n=16), want, torch.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 48), st.integers(0, 70)), min_size=1, max_size=3),
+    window=st.sampled_from([None, 1, 2, 5, 16, 17, 33, 200]),
+    group=st.sampled_from([1, 3, 4]),
+    block_size=st.sampled_from([4, 8, 16]),
+    block_q=st.sampled_from([None, 2, 4, 16]),
+    block_n=st.sampled_from([None, 16, 32]),
+)
+def test_prefill_mask_phases_match_twin(chunks, window, group, block_size, block_q, block_n):
+    """The kernel skips the mask on key tiles every row of its query tile admits whole and
+    masks the tiles at the window's lower edge and at the diagonal: any chunk length after
+    any cached prefix, any window, any tile sizes give the twin's outputs."""
+    from pagedserve.kernels.prefill_attention import paged_prefill_attention_triton
+
+    batch = make_paged_batch([(q, q + ctx) for q, ctx in chunks], num_kv_heads=1, group=group,
+                             head_dim=16, block_size=block_size, device=DEVICE)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    got = paged_prefill_attention_triton(*args, sliding_window=window,
+                                         max_query_len=batch.max_query_len, block_q=block_q,
+                                         block_n=block_n)
+    _close(got, reference.paged_prefill_attention(*args, sliding_window=window), torch.float32)
 
 
 def test_chunked_prefill_pipeline_equals_dense():
