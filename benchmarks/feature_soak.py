@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.join()
         status = c.wait_blocks_free(timeout_s=30)
-        metrics, logs = c.metrics(), c.logs()
+        metrics, logs = c.metrics(), c.logs(None)
     free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors)
     leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("pagedserve_kv_blocks_leaked{"))

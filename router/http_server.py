@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 API = "http"  # the api label of this edge's request metrics
 MAX_BODY_BYTES = 64 * 1024 * 1024  # as the gRPC edge's message limit
 THREADED_TOKENIZE_CHARS = 16_384
+# The status of a request whose client left before the answer (nginx's 499; no one reads
+# it, the access log does).
+CLIENT_CLOSED_REQUEST = 499
 SHUTDOWN_GRACE_S = 1.0
 
 _STATUS = {
@@ -161,6 +164,8 @@ class OpenAIApp:
         except PagedServeError as exc:
             fe.count_failure(grpc_code(exc), API)
             return error_response(exc)
+        except ConnectionError:  # gone while sending its body
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
@@ -168,28 +173,37 @@ class OpenAIApp:
         writer = ChoiceWriter(api, response_id, created, self.model_name, self._token_text)
         stream: web.StreamResponse | None = None
         try:
-            async with AsyncExitStack() as stack:
-                sessions = [await stack.enter_async_context(
-                    self._session(pb_request, f"{response_id}-{i}", arrival))
-                    for i, pb_request in enumerate(api.requests)]
-                if not api.stream:
+            try:
+                async with AsyncExitStack() as stack:
+                    sessions = [await stack.enter_async_context(
+                        self._session(pb_request, f"{response_id}-{i}", arrival))
+                        for i, pb_request in enumerate(api.requests)]
+                    if not api.stream:
+                        async for i, out in _merge(sessions):
+                            writer.add(i, out)
+                        return web.Response(body=_encode(writer.response()),
+                                            content_type="application/json")
+                    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                         "Cache-Control": "no-cache"})
+                    await stream.prepare(request)
+                    await _send(stream, writer.first_chunks())
                     async for i, out in _merge(sessions):
-                        writer.add(i, out)
-                    return web.Response(body=_encode(writer.response()),
-                                        content_type="application/json")
-                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                     "Cache-Control": "no-cache"})
-                await stream.prepare(request)
-                await _send(stream, writer.first_chunks())
-                async for i, out in _merge(sessions):
-                    await _send(stream, writer.chunks(i, out))  # one write per output
-        except PagedServeError as exc:  # counted by the session it ended
+                        await _send(stream, writer.chunks(i, out))  # one write per output
+            except PagedServeError as exc:  # counted by the session it ended
+                if stream is None:
+                    return error_response(exc)
+                # the stream had started: the error as its last event
+                await _send(stream, writer.failure_chunks(error_for(exc)[1]))
+            last = [writer.usage_chunk()] if api.include_usage else []
+            await _send(stream, last, done=True)
+            await stream.write_eof()
+        except ConnectionError:
+            # The client closed the connection and a write found it closing before aiohttp
+            # cancelled this handler (a race of every disconnect mid-stream): the sessions
+            # have aborted the requests and counted them; there is no one to answer.
+            log.debug("the client of %s went away mid-response", response_id)
             if stream is None:
-                return error_response(exc)
-            await _send(stream, writer.failure_chunks(error_for(exc)[1]))  # the stream had started
-        last = [writer.usage_chunk()] if api.include_usage else []
-        await _send(stream, last, done=True)
-        await stream.write_eof()
+                return web.Response(status=CLIENT_CLOSED_REQUEST)
         return stream
 
     def _session(self, pb_request, request_id: str,

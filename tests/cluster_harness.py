@@ -43,8 +43,9 @@ class _Reader(threading.Thread):
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(f"[{self.name}] {x}" for x in self.lines[-n:])
+    def tail(self, n: int | None = 30) -> str:
+        """The last `n` lines (every line when None), each marked with the process."""
+        return "\n".join(f"[{self.name}] {x}" for x in self.lines[-n if n else 0:])
 
 
 class Cluster:
@@ -162,8 +163,9 @@ class Cluster:
         with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
             return r.read().decode()
 
-    def logs(self) -> str:
-        return "\n".join(r.tail() for r in self.readers)
+    def logs(self, n: int | None = 30) -> str:
+        """Each process's last `n` lines (every line when None)."""
+        return "\n".join(r.tail(n) for r in self.readers)
 
     def stop(self) -> None:
         """Executors first, so that each one's goodbye reaches a live router (an executor

@@ -95,6 +95,14 @@ def test_feature_soak_short():
     assert summary["requests"] > 0 and summary["blocks_leaked"] == 0
 
 
+def test_http_soak_short():
+    lines = _run("http_soak.py", "--duration", "4", "--executors", "1", "--clients", "4")
+    [summary] = lines
+    assert summary["case"] == "summary" and summary["ok"], summary
+    endings = {key.split("/")[1] for key in summary["counts"]}
+    assert {"unary", "stream", "drop"} <= endings and summary["blocks_leaked"] == 0
+
+
 def test_kernels_bench_layer_and_prefill_tune_cases_dry_run():
     """The fused layer kernels' cases and the prefill launch sweep run end to end through the
     interpreter (figures are meaningless there; a GPU gives them)."""

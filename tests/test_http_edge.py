@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -354,6 +355,40 @@ def test_client_disconnect_aborts_the_request(tok):
             assert rid in engine.aborted
 
     _run(main())
+
+
+def test_a_write_that_finds_the_client_gone_ends_the_stream_quietly(tok, monkeypatch, caplog):
+    """A client that closes mid-stream can make a write fail before aiohttp cancels the
+    handler (ClientConnectionResetError, a ConnectionError): the request is aborted and
+    counted, and aiohttp logs no 'Error handling request' with a traceback."""
+    from pagedserve.router import http_server
+
+    real_send, sends = http_server._send, []
+
+    async def send_then_reset(stream, chunks, done=False):
+        sends.append(len(chunks))
+        if len(sends) == 3:
+            raise ConnectionResetError("Cannot write to closing transport")
+        await real_send(stream, chunks, done)
+
+    monkeypatch.setattr(http_server, "_send", send_then_reset)
+
+    async def main():
+        async with serve(tok, step_s=0.02) as (engine, _, http, metrics):
+            body = {"prompt": "Once upon", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}
+            async with http.post("/v1/completions", json=body) as r:
+                await r.content.readline()
+                rid = next(iter(engine.live))
+                await eventually(lambda: rid in engine.aborted and not engine.live)
+            assert rid in engine.aborted and not engine.live
+            await eventually(lambda: _metric(metrics, "pagedserve_request_failure_total",
+                                             code="CANCELLED", api="http"))
+
+    with caplog.at_level(logging.ERROR):
+        _run(main())
+    assert len(sends) == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_stream_failure_before_the_first_token_is_an_error_event(tok):

@@ -1,0 +1,263 @@
+"""HTTP soak: the OpenAI API of a real cluster (router, optionally with API workers, and CPU
+executors on the tiny random model) under every request kind and every way a client ends a
+request, then check that nothing is lost or leaked.
+
+feature_soak.py does this over gRPC; this one goes through the edge most clients use, one
+fresh connection per request (so a client that goes away closes its socket, as a browser or
+an SDK with a timeout does):
+
+* endpoints, drawn uniformly: /v1/completions (a prompt of 5-120 random token ids) and
+  /v1/chat/completions (a system and a user message of random words);
+* kinds, drawn uniformly: plain, `response_format` json_schema, `structured_outputs.regex`,
+  `guided_choice`, `logit_bias` (5 entries in [-100, 100]), logprobs (completions: `logprobs`
+  2, with `echo` when unary; chat: `logprobs` + `top_logprobs` 2); n = 2 for 30%; greedy or
+  sampled; max_tokens 4-48;
+* endings, in turn: a unary request read whole and checked; a stream read to `[DONE]` and
+  checked (choices complete, the usage chunk of `stream_options.include_usage`); a stream
+  the client drops after two events; a unary request the client gives up on after 10-300 ms.
+  Checked: status 200, n choices with a finish reason, constrained choices that stopped
+  parse / match, logprobs present where asked for, usage counts.
+
+At the end: every device block free on every executor, `pagedserve_kv_blocks_leaked` 0, no
+traceback or ERROR line in any process's whole log, no failed check. One JSON line (DESIGN
+§8), `summary`, with the counts; exit 1 when a check fails.
+
+    .venv/bin/python benchmarks/http_soak.py [--duration 90] [--executors 2] [--clients 8]
+        [--api-workers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster_harness import Cluster  # noqa: E402
+
+from pagedserve.tinymodels import build_model  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
+          "required": ["a"], "additionalProperties": False}
+REGEX = "[a-z]{2,30}"
+CHOICES = ["aa", "bbb", "c d"]
+KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs")
+ENDINGS = ("unary", "stream", "drop", "timeout")
+WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kernel", "ünï", "🙂")
+
+
+class HttpLoad:
+    def __init__(self, address: str, model: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.host, self.port, self.model = host, int(port), model
+        self.counts: dict[str, int] = {}
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self.failures.append(message)
+
+    def make(self, rng: random.Random) -> tuple[str, str, dict]:
+        chat = rng.random() < 0.5
+        body: dict = {"model": self.model, "max_tokens": rng.randrange(4, 49),
+                      "temperature": rng.choice([0.0, 1.0]), "seed": rng.randrange(1000)}
+        if chat:
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 40)))
+            body["messages"] = [{"role": "system", "content": "Answer briefly."},
+                                {"role": "user", "content": words}]
+        else:
+            body["prompt"] = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
+        if rng.random() < 0.3:
+            body["n"] = 2
+        kind = rng.choice(KINDS)
+        if kind == "json":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "a", "schema": SCHEMA}}
+        elif kind == "regex":
+            body["structured_outputs"] = {"regex": REGEX}
+        elif kind == "choice":
+            body["guided_choice"] = CHOICES
+        elif kind == "bias":
+            body["logit_bias"] = {str(rng.randrange(500)): rng.uniform(-100, 100)
+                                  for _ in range(5)}
+        elif kind == "logprobs":
+            body.update({"logprobs": True, "top_logprobs": 2} if chat else
+                        {"logprobs": 2, "echo": True})
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return kind, path, body
+
+    def check(self, kind: str, path: str, body: dict, choices: list[dict],
+              usage: dict | None) -> None:
+        chat = path.endswith("chat/completions")
+        n = body.get("n", 1)
+        if sorted(c["index"] for c in choices) != list(range(n)):
+            self.fail(f"{kind}{path}: choice indices {[c['index'] for c in choices]}, n={n}")
+            return
+        for c in choices:
+            text = c["message"]["content"] if chat else c["text"]
+            if c.get("finish_reason") not in ("stop", "length"):
+                self.fail(f"{kind}{path}: finish_reason {c.get('finish_reason')!r}")
+            if kind == "logprobs" and not c.get("logprobs"):
+                self.fail(f"{kind}{path}: no logprobs")
+            if c.get("finish_reason") != "stop":
+                continue
+            if kind == "json" and set(json.loads(text)) != {"a"}:
+                self.fail(f"json{path}: {text!r}")
+            if kind == "regex" and not re.fullmatch(REGEX, text):
+                self.fail(f"regex{path}: {text!r}")
+            if kind == "choice" and text not in CHOICES:
+                self.fail(f"choice{path}: {text!r}")
+        if usage is None or usage["completion_tokens"] <= 0 or usage["prompt_tokens"] <= 0:
+            self.fail(f"{kind}{path}: usage {usage!r}")
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def unary(self, kind: str, path: str, body: dict, timeout: float) -> None:
+        conn = self._connect(timeout)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = json.loads(resp.read())
+        finally:
+            conn.close()
+        if resp.status != 200:
+            self.fail(f"{kind}{path}: HTTP {resp.status}: {data}")
+            return
+        self.check(kind, path, body, data["choices"], data.get("usage"))
+
+    def stream(self, kind: str, path: str, body: dict, drop_after: int | None) -> None:
+        chat = path.endswith("chat/completions")
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        body.pop("echo", None)  # echo with logprobs is unary only (a clear 400 in a stream)
+        conn = self._connect(120)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self.fail(f"{kind}{path} stream: HTTP {resp.status}: {resp.read()[:300]!r}")
+                return
+            choices: dict[int, dict] = {}
+            usage, events, done = None, 0, False
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if drop_after is not None and events > drop_after:
+                    return  # the connection closes in `finally`: the client is gone
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.fail(f"{kind}{path} stream: error event {chunk['error']}")
+                    return
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    acc = choices.setdefault(c["index"], {"index": c["index"], "text": "",
+                                                          "logprobs": None})
+                    piece = (c["delta"].get("content") or "") if chat else c["text"]
+                    acc["text"] += piece
+                    acc["logprobs"] = acc["logprobs"] or c.get("logprobs")
+                    if c.get("finish_reason"):
+                        acc["finish_reason"] = c["finish_reason"]
+        finally:
+            conn.close()
+        if drop_after is not None:
+            return
+        if not done:
+            self.fail(f"{kind}{path} stream: ended without [DONE]")
+            return
+        if chat:
+            for acc in choices.values():
+                acc["message"] = {"content": acc.pop("text")}
+        self.check(kind, path, body, list(choices.values()), usage)
+
+    def client(self, cid: int, until: float) -> None:
+        rng = random.Random(cid)
+        turn = cid
+        while time.monotonic() < until:
+            kind, path, body = self.make(rng)
+            ending = ENDINGS[turn % len(ENDINGS)]
+            turn += 1
+            try:
+                if ending == "unary":
+                    self.unary(kind, path, body, timeout=120)
+                elif ending == "stream":
+                    self.stream(kind, path, body, drop_after=None)
+                elif ending == "drop":
+                    self.stream(kind, path, body, drop_after=2)
+                else:
+                    try:
+                        self.unary(kind, path, body, timeout=rng.uniform(0.01, 0.3))
+                    except TimeoutError:
+                        self.count(f"{kind}/{ending}/gave-up")
+                        continue
+                self.count(f"{kind}/{ending}/ok")
+            except Exception as exc:  # noqa: BLE001 - a failed check, reported
+                self.fail(f"{kind}{path}/{ending}: {type(exc).__name__}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--executors", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--num-gpu-blocks", type=int, default=96)
+    ap.add_argument("--api-workers", type=int, default=0)
+    args = ap.parse_args(argv)
+    model_dir = build_model(tempfile.mkdtemp(prefix="http-soak-"), "llama")
+    t0 = time.monotonic()
+    router_args = ["--api-workers", str(args.api_workers)] if args.api_workers else []
+    with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
+                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
+        load = HttpLoad(c.http_address, Path(model_dir).name)
+        until = time.monotonic() + args.duration
+        threads = [threading.Thread(target=load.client, args=(i, until))
+                   for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        status = c.wait_blocks_free(timeout_s=30)
+        metrics, logs = c.metrics(), c.logs(None)
+    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors)
+    leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("pagedserve_kv_blocks_leaked{"))
+    bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
+    ok = free and leaked == 0 and not bad_lines and not load.failures
+    print(json.dumps({
+        "bench": "http_soak", "case": "summary", "ok": ok, "api_workers": args.api_workers,
+        "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
+        "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
+        "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
+    }), flush=True)
+    for line in (load.failures + bad_lines)[:20]:
+        print(line, file=sys.stderr)
+    if bad_lines:  # the whole tracebacks are in the logs: keep them
+        log_path = os.path.join(os.path.dirname(model_dir), "http-soak-cluster.log")
+        with open(log_path, "w") as f:
+            f.write(logs)
+        print(f"cluster logs: {log_path}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
