@@ -10,13 +10,15 @@ an SDK with a timeout does):
   /v1/chat/completions (a system and a user message of random words);
 * kinds, drawn uniformly: plain, `response_format` json_schema, `structured_outputs.regex`,
   `guided_choice`, `logit_bias` (5 entries in [-100, 100]), logprobs (completions: `logprobs`
-  2, with `echo` when unary; chat: `logprobs` + `top_logprobs` 2); n = 2 for 30%; greedy or
+  2, with `echo` when unary; chat: `logprobs` + `top_logprobs` 2), tools (chat: one function,
+  `tool_choice` "required", named or "auto" with the hermes parser); n = 2 for 30%; greedy or
   sampled; max_tokens 4-48;
 * endings, in turn: a unary request read whole and checked; a stream read to `[DONE]` and
   checked (choices complete, the usage chunk of `stream_options.include_usage`); a stream
   the client drops after two events; a unary request the client gives up on after 10-300 ms.
   Checked: status 200, n choices with a finish reason, constrained choices that stopped
-  parse / match, logprobs present where asked for, usage counts.
+  parse / match, forced tool calls name the function with arguments of its schema, logprobs
+  present where asked for, usage counts.
 
 At the end: every device block free on every executor, `pagedserve_kv_blocks_leaked` 0, no
 traceback or ERROR line in any process's whole log, no failed check. One JSON line (DESIGN
@@ -51,7 +53,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 
           "required": ["a"], "additionalProperties": False}
 REGEX = "[a-z]{2,30}"
 CHOICES = ["aa", "bbb", "c d"]
-KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs")
+KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "tools")
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOL_CHOICES = ("required", {"type": "function", "function": {"name": "get_weather"}}, "auto")
 ENDINGS = ("unary", "stream", "drop", "timeout")
 WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kernel", "ünï", "🙂")
 
@@ -84,8 +91,11 @@ class HttpLoad:
             body["prompt"] = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
         if rng.random() < 0.3:
             body["n"] = 2
-        kind = rng.choice(KINDS)
-        if kind == "json":
+        kind = rng.choice(KINDS if chat else KINDS[:-1])
+        if kind == "tools":
+            body["tools"] = [TOOL]
+            body["tool_choice"] = rng.choice(TOOL_CHOICES)
+        elif kind == "json":
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "a", "schema": SCHEMA}}
         elif kind == "regex":
@@ -108,10 +118,17 @@ class HttpLoad:
         if sorted(c["index"] for c in choices) != list(range(n)):
             self.fail(f"{kind}{path}: choice indices {[c['index'] for c in choices]}, n={n}")
             return
+        forced = kind == "tools" and body["tool_choice"] != "auto"
         for c in choices:
-            text = c["message"]["content"] if chat else c["text"]
-            if c.get("finish_reason") not in ("stop", "length"):
+            text = (c["message"]["content"] or "") if chat else c["text"]
+            if c.get("finish_reason") not in ("stop", "length", "tool_calls"):
                 self.fail(f"{kind}{path}: finish_reason {c.get('finish_reason')!r}")
+            if forced and c.get("finish_reason") != "length":
+                calls = c["message"].get("tool_calls") or []
+                if not calls or any(call["function"]["name"] != "get_weather"
+                                    or set(json.loads(call["function"]["arguments"]))
+                                    != {"city"} for call in calls):
+                    self.fail(f"tools{path}: {c['message']!r}")
             if kind == "logprobs" and not c.get("logprobs"):
                 self.fail(f"{kind}{path}: no logprobs")
             if c.get("finish_reason") != "stop":
@@ -171,9 +188,15 @@ class HttpLoad:
                 usage = chunk.get("usage") or usage
                 for c in chunk["choices"]:
                     acc = choices.setdefault(c["index"], {"index": c["index"], "text": "",
-                                                          "logprobs": None})
+                                                          "logprobs": None, "calls": {}})
                     piece = (c["delta"].get("content") or "") if chat else c["text"]
                     acc["text"] += piece
+                    for call in (c["delta"].get("tool_calls") or []) if chat else ():
+                        whole = acc["calls"].setdefault(call["index"], {
+                            "function": {"name": "", "arguments": ""}})
+                        fn = call.get("function") or {}
+                        whole["function"]["name"] += fn.get("name") or ""
+                        whole["function"]["arguments"] += fn.get("arguments") or ""
                     acc["logprobs"] = acc["logprobs"] or c.get("logprobs")
                     if c.get("finish_reason"):
                         acc["finish_reason"] = c["finish_reason"]
@@ -184,9 +207,11 @@ class HttpLoad:
         if not done:
             self.fail(f"{kind}{path} stream: ended without [DONE]")
             return
-        if chat:
-            for acc in choices.values():
-                acc["message"] = {"content": acc.pop("text")}
+        for acc in choices.values():
+            by_index = acc.pop("calls")
+            calls = [by_index[i] for i in sorted(by_index)]
+            if chat:
+                acc["message"] = {"content": acc.pop("text"), "tool_calls": calls}
         self.check(kind, path, body, list(choices.values()), usage)
 
     def client(self, cid: int, until: float) -> None:
@@ -225,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model_dir = build_model(tempfile.mkdtemp(prefix="http-soak-"), "llama")
     t0 = time.monotonic()
-    router_args = ["--api-workers", str(args.api_workers)] if args.api_workers else []
+    router_args = ["--tool-call-parser", "hermes"]
+    if args.api_workers:
+        router_args += ["--api-workers", str(args.api_workers)]
     with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
         load = HttpLoad(c.http_address, Path(model_dir).name)
