@@ -356,21 +356,31 @@ class Scheduler:
         kv = self.kv
         cfg = self.config
         w = 0  # index of the next waiting group (those before it wait for their prefix)
-        while (self.swapped or w < len(self.waiting)) and budget > 0:
-            take_swapped = bool(self.swapped) and (
-                w >= len(self.waiting) or self.swapped[0].sort_key <= self.waiting[w].sort_key
+        sw = 0  # index of the next swapped group (those before it are finished)
+        while (sw < len(self.swapped) or w < len(self.waiting)) and budget > 0:
+            take_swapped = sw < len(self.swapped) and (
+                w >= len(self.waiting) or self.swapped[sw].sort_key <= self.waiting[w].sort_key
             )
-            group = self.swapped[0] if take_swapped else self.waiting[w]
+            group = self.swapped[sw] if take_swapped else self.waiting[w]
             if group.has_pending:  # preempted with a token in flight: wait for it, in order
                 return
             seqs = group.active_seqs()
+            if not seqs:
+                # Preempted with its last token in flight, which has just arrived: every
+                # sample is finished, and the text stage completes the group (removes it)
+                # once this plan is sent. Passed over, never admitted.
+                if take_swapped:
+                    sw += 1
+                else:
+                    w += 1
+                continue
             if num_seqs + len(seqs) > cfg.max_num_seqs:
                 return
             if take_swapped:
                 seq_ids = [s.seq_id for s in seqs if kv.has_request(s.seq_id)]
                 if kv.swap_in(seq_ids) is None:
                     return
-                self.swapped.pop(0)
+                self.swapped.pop(sw)
                 scheduled = []
                 for seq in seqs:
                     remaining = seq.num_uncomputed

@@ -350,3 +350,29 @@ def test_the_periodic_invariant_check_takes_a_bounded_share_of_the_loop(monkeypa
     clock["now"] = 1056.5
     loop.check_accounting(handle)
     assert checks[-1] == 1056.5
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_a_preempted_request_whose_token_in_flight_ends_it_is_not_admitted(mode):
+    """Preempted with its last token in flight: when that token arrives the request's only
+    sample is finished, and the plan sent before the text stage completes the request must
+    pass the group over in the waiting/swapped queue (it crashed the step loop: IndexError
+    in _admit_waiting, found by http_soak.py with 30 blocks). The two requests outgrow the
+    6 blocks at about 10 tokens each; every pair of lengths around that puts the preemption
+    at a different point."""
+    async def main(len_a, len_b):
+        engine, ex = make_engine(2, num_gpu_blocks=6, num_cpu_blocks=8, mode=mode)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=len_a)
+        b = await submit(engine, "b", [4, 5, 6], max_tokens=len_b)
+        await ex.run_until_done([a, b])
+        assert engine.executors["e0"].healthy, (len_a, len_b)
+        assert a.tokens() == expected("a#0", len_a)
+        assert b.tokens() == expected("b#0", len_b)
+        while ex.unanswered():  # plans sent before the last results came back
+            await ex.answer()
+        await settle()
+        assert free_blocks(engine) == (6, 6), (len_a, len_b)
+
+    for len_a in range(6, 16):
+        for len_b in range(6, 16):
+            run(main(len_a, len_b))
