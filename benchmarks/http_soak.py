@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--num-gpu-blocks", type=int, default=96)
     ap.add_argument("--api-workers", type=int, default=0)
+    ap.add_argument("--kill-at", type=float, default=None,
+                    help="SIGKILL the first executor this many seconds into the load (its "
+                    "requests move to the others; the checks then count the survivors)")
     args = ap.parse_args(argv)
     model_dir = build_model(tempfile.mkdtemp(prefix="http-soak-"), "llama")
     t0 = time.monotonic()
@@ -259,13 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         until = time.monotonic() + args.duration
         threads = [threading.Thread(target=load.client, args=(i, until))
                    for i in range(args.clients)]
+        if args.kill_at is not None:
+            victim = next(iter(c.executors.values()))
+            threading.Timer(args.kill_at, victim.kill).start()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
-    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors)
+    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors
+               if e.healthy or args.kill_at is None)
     leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("pagedserve_kv_blocks_leaked{"))
     bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "bench": "http_soak", "case": "summary", "ok": ok, "api_workers": args.api_workers,
         "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
+        "executors_healthy": sum(e.healthy for e in status.executors),
         "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
         "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
     }), flush=True)
