@@ -25,7 +25,11 @@ traceback or ERROR line in any process's whole log, no failed check. One JSON li
 §8), `summary`, with the counts; exit 1 when a check fails.
 
     .venv/bin/python benchmarks/http_soak.py [--duration 90] [--executors 2] [--clients 8]
-        [--api-workers 0]
+        [--api-workers 0] [--num-gpu-blocks 96] [--shared-prefixes K] [--kill-at S]
+
+`--shared-prefixes K`: prompts start with one of K long prefixes (prefix-cache hits,
+requests waiting for a prefix being computed); `--kill-at S`: SIGKILL the first executor S
+seconds in (its requests move; the survivors are checked).
 """
 
 from __future__ import annotations
@@ -64,9 +68,16 @@ WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kern
 
 
 class HttpLoad:
-    def __init__(self, address: str, model: str) -> None:
+    def __init__(self, address: str, model: str, shared_prefixes: int = 0) -> None:
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.model = host, int(port), model
+        # Prompts that start with one of a few long prefixes: prefix-cache hits, requests
+        # waiting for a prefix another one is computing, preempted and aborted sharers.
+        rng = random.Random(7)
+        self.prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(40, 90))]
+                         for _ in range(shared_prefixes)]
+        self.system_prompts = [" ".join(rng.choice(WORDS) for _ in range(len(p) // 2))
+                               for p in self.prefixes]
         self.counts: dict[str, int] = {}
         self.failures: list[str] = []
         self._lock = threading.Lock()
@@ -85,8 +96,12 @@ class HttpLoad:
                       "temperature": rng.choice([0.0, 1.0]), "seed": rng.randrange(1000)}
         if chat:
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 40)))
-            body["messages"] = [{"role": "system", "content": "Answer briefly."},
+            system = rng.choice(self.system_prompts) if self.prefixes else "Answer briefly."
+            body["messages"] = [{"role": "system", "content": system},
                                 {"role": "user", "content": words}]
+        elif self.prefixes:
+            body["prompt"] = rng.choice(self.prefixes) + [
+                rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
         else:
             body["prompt"] = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
         if rng.random() < 0.3:
@@ -247,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--num-gpu-blocks", type=int, default=96)
     ap.add_argument("--api-workers", type=int, default=0)
+    ap.add_argument("--shared-prefixes", type=int, default=0,
+                    help="prompts start with one of this many long prefixes (0: all random)")
     ap.add_argument("--kill-at", type=float, default=None,
                     help="SIGKILL the first executor this many seconds into the load (its "
                     "requests move to the others; the checks then count the survivors)")
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--api-workers", str(args.api_workers)]
     with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
-        load = HttpLoad(c.http_address, Path(model_dir).name)
+        load = HttpLoad(c.http_address, Path(model_dir).name, args.shared_prefixes)
         until = time.monotonic() + args.duration
         threads = [threading.Thread(target=load.client, args=(i, until))
                    for i in range(args.clients)]
@@ -275,12 +292,19 @@ def main(argv: list[str] | None = None) -> int:
                if e.healthy or args.kill_at is None)
     leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("pagedserve_kv_blocks_leaked{"))
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith(name + "{"))
+
+    queries = total("pagedserve_prefix_cache_queries_total")
+    hit_rate = total("pagedserve_prefix_cache_hits_total") / queries if queries else 0.0
     bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
     ok = free and leaked == 0 and not bad_lines and not load.failures
     print(json.dumps({
         "bench": "http_soak", "case": "summary", "ok": ok, "api_workers": args.api_workers,
         "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
         "executors_healthy": sum(e.healthy for e in status.executors),
+        "prefix_hit_rate": round(hit_rate, 3),
         "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
         "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
     }), flush=True)
