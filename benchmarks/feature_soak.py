@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -34,35 +33,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # soak_report, also under PYTHONSAFEPATH
 
 import grpc  # noqa: E402
 from cluster_harness import Cluster, request  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
+from soak_report import CHOICES, REGEX, SCHEMA, Tally, constrained_error, verdict  # noqa: E402
 
 from pagedserve.tinymodels import build_model  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
-          "required": ["a"], "additionalProperties": False}
-REGEX = "[a-z]{2,30}"
-CHOICES = ["aa", "bbb", "c d"]
 KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs")
 ENDINGS = ("run", "cancel", "deadline", "abort")
 
 
-class Load:
+class Load(Tally):
     def __init__(self, cluster: Cluster) -> None:
+        super().__init__()
         self.cluster = cluster
-        self.counts: dict[str, int] = {}
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
-
-    def count(self, key: str) -> None:
-        with self._lock:
-            self.counts[key] = self.counts.get(key, 0) + 1
-
-    def fail(self, message: str) -> None:
-        with self._lock:
-            self.failures.append(message)
 
     def make(self, rng: random.Random) -> tuple[str, pb.GenerateRequest]:
         ids = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
@@ -89,12 +76,9 @@ class Load:
         for c in resp.completions:
             if c.finish_reason != pb.STOP:
                 continue
-            if kind == "json" and set(json.loads(c.text)) != {"a"}:
-                self.fail(f"json: {c.text!r}")
-            if kind == "regex" and not re.fullmatch(REGEX, c.text):
-                self.fail(f"regex: {c.text!r}")
-            if kind == "choice" and c.text not in CHOICES:
-                self.fail(f"choice: {c.text!r}")
+            error = constrained_error(kind, c.text)
+            if error:
+                self.fail(error)
         if kind == "prompt_logprobs" and (
                 len(resp.prompt_logprobs) != len(req.prompt_token_ids.ids) - 1):
             self.fail(f"prompt_logprobs: {len(resp.prompt_logprobs)} scores for "
@@ -159,25 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
-    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors)
-    leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                 if line.startswith("pagedserve_kv_blocks_leaked{"))
-    bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
-    ok = free and leaked == 0 and not bad_lines and not load.failures
-    print(json.dumps({
-        "bench": "feature_soak", "case": "summary", "ok": ok,
-        "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
-        "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
-        "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
-    }), flush=True)
-    for line in (load.failures + bad_lines)[:20]:
-        print(line, file=sys.stderr)
-    if bad_lines:  # the whole tracebacks are in the logs: keep them
-        log_path = os.path.join(os.path.dirname(model_dir), "feature-soak-cluster.log")
-        with open(log_path, "w") as f:
-            f.write(logs)
-        print(f"cluster logs: {log_path}", file=sys.stderr)
-    return 0 if ok else 1
+    return verdict("feature_soak", load, status, metrics, logs, started=t0,
+                   log_dir=os.path.dirname(model_dir))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import http.client
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -48,15 +47,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # soak_report, also under PYTHONSAFEPATH
 
 from cluster_harness import Cluster  # noqa: E402
+from soak_report import (  # noqa: E402
+    CHOICES,
+    REGEX,
+    SCHEMA,
+    Tally,
+    constrained_error,
+    metric_total,
+    verdict,
+)
 
 from pagedserve.tinymodels import build_model  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
-          "required": ["a"], "additionalProperties": False}
-REGEX = "[a-z]{2,30}"
-CHOICES = ["aa", "bbb", "c d"]
 KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "tools")
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -67,8 +72,9 @@ ENDINGS = ("unary", "stream", "drop", "timeout")
 WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kernel", "ünï", "🙂")
 
 
-class HttpLoad:
+class HttpLoad(Tally):
     def __init__(self, address: str, model: str, shared_prefixes: int = 0) -> None:
+        super().__init__()
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.model = host, int(port), model
         # Prompts that start with one of a few long prefixes: prefix-cache hits, requests
@@ -78,17 +84,6 @@ class HttpLoad:
                          for _ in range(shared_prefixes)]
         self.system_prompts = [" ".join(rng.choice(WORDS) for _ in range(len(p) // 2))
                                for p in self.prefixes]
-        self.counts: dict[str, int] = {}
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
-
-    def count(self, key: str) -> None:
-        with self._lock:
-            self.counts[key] = self.counts.get(key, 0) + 1
-
-    def fail(self, message: str) -> None:
-        with self._lock:
-            self.failures.append(message)
 
     def make(self, rng: random.Random) -> tuple[str, str, dict]:
         chat = rng.random() < 0.5
@@ -148,12 +143,9 @@ class HttpLoad:
                 self.fail(f"{kind}{path}: no logprobs")
             if c.get("finish_reason") != "stop":
                 continue
-            if kind == "json" and set(json.loads(text)) != {"a"}:
-                self.fail(f"json{path}: {text!r}")
-            if kind == "regex" and not re.fullmatch(REGEX, text):
-                self.fail(f"regex{path}: {text!r}")
-            if kind == "choice" and text not in CHOICES:
-                self.fail(f"choice{path}: {text!r}")
+            error = constrained_error(kind, text)
+            if error:
+                self.fail(f"{path}: {error}")
         if usage is None or usage["completion_tokens"] <= 0 or usage["prompt_tokens"] <= 0:
             self.fail(f"{kind}{path}: usage {usage!r}")
 
@@ -288,34 +280,13 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
-    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors
-               if e.healthy or args.kill_at is None)
-    leaked = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                 if line.startswith("pagedserve_kv_blocks_leaked{"))
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith(name + "{"))
-
-    queries = total("pagedserve_prefix_cache_queries_total")
-    hit_rate = total("pagedserve_prefix_cache_hits_total") / queries if queries else 0.0
-    bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
-    ok = free and leaked == 0 and not bad_lines and not load.failures
-    print(json.dumps({
-        "bench": "http_soak", "case": "summary", "ok": ok, "api_workers": args.api_workers,
-        "requests": sum(load.counts.values()), "wall_s": round(time.monotonic() - t0, 1),
-        "executors_healthy": sum(e.healthy for e in status.executors),
-        "prefix_hit_rate": round(hit_rate, 3),
-        "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
-        "failed_checks": len(load.failures), "counts": dict(sorted(load.counts.items())),
-    }), flush=True)
-    for line in (load.failures + bad_lines)[:20]:
-        print(line, file=sys.stderr)
-    if bad_lines:  # the whole tracebacks are in the logs: keep them
-        log_path = os.path.join(os.path.dirname(model_dir), "http-soak-cluster.log")
-        with open(log_path, "w") as f:
-            f.write(logs)
-        print(f"cluster logs: {log_path}", file=sys.stderr)
-    return 0 if ok else 1
+    queries = metric_total(metrics, "pagedserve_prefix_cache_queries_total")
+    hits = metric_total(metrics, "pagedserve_prefix_cache_hits_total")
+    return verdict("http_soak", load, status, metrics, logs, started=t0,
+                   log_dir=os.path.dirname(model_dir), healthy_only=args.kill_at is not None,
+                   api_workers=args.api_workers,
+                   executors_healthy=sum(e.healthy for e in status.executors),
+                   prefix_hit_rate=round(hits / queries, 3) if queries else 0.0)
 
 
 if __name__ == "__main__":

@@ -363,6 +363,24 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                 torch.cuda.empty_cache()
 
 
+def _prompt_batch(torch, device, dtype, batch: int, q_len: int, seq_len: int,
+                  block_size: int, heads: tuple[int, int, int]) -> tuple:
+    """`batch` sequences of `seq_len` tokens whose last `q_len` are this chunk, in shuffled
+    cache blocks: (key_cache, value_cache, block_tables, query, query_start_loc, seq_lens,
+    out)."""
+    num_heads, num_kv_heads, head_dim = heads
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=device, dtype=dtype)
+    value_cache = torch.randn(shape, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+    query = torch.randn(batch * q_len, num_heads, head_dim, device=device, dtype=dtype)
+    starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    return key_cache, value_cache, tables, query, starts, seq_lens, torch.empty_like(query)
+
+
 def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> None:
     """Whole prompts through the paged prefill kernel against SDPA (is_causal) on contiguous
     K/V, then a chunk after a cached prefix (extend)."""
@@ -373,16 +391,9 @@ def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> No
         scale = head_dim**-0.5
         for batch, q_len, prefix in [(b, n, 0) for b, n in grid] + extend:
             seq_len = prefix + q_len
-            blocks_per_seq = -(-seq_len // block_size)
-            num_blocks = batch * blocks_per_seq
-            shape = (num_blocks, block_size, num_kv_heads, head_dim)
-            key_cache = torch.randn(shape, device=device, dtype=dtype)
-            value_cache = torch.randn(shape, device=device, dtype=dtype)
-            tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
-            query = torch.randn(batch * q_len, num_heads, head_dim, device=device, dtype=dtype)
-            starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
-            seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-            out = torch.empty_like(query)
+            key_cache, value_cache, tables, query, starts, seq_lens, out = _prompt_batch(
+                torch, device, dtype, batch, q_len, seq_len, block_size,
+                (num_heads, num_kv_heads, head_dim))
 
             def paged(query=query, key_cache=key_cache, value_cache=value_cache, tables=tables,
                       starts=starts, seq_lens=seq_lens, out=out, scale=scale, q_len=q_len):
@@ -435,16 +446,9 @@ def bench_prefill_tune(torch, device, dtype, timed, shapes, dry_run: bool) -> No
     for shape_name, (num_heads, num_kv_heads, head_dim) in shapes.items():
         group = num_heads // num_kv_heads
         block_g = 1 << (group - 1).bit_length()
-        blocks_per_seq = -(-q_len // block_size)
-        num_blocks = batch * blocks_per_seq
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        key_cache = torch.randn(shape, device=device, dtype=dtype)
-        value_cache = torch.randn(shape, device=device, dtype=dtype)
-        tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
-        query = torch.randn(batch * q_len, num_heads, head_dim, device=device, dtype=dtype)
-        starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
-        seq_lens = torch.full((batch,), q_len, dtype=torch.int32, device=device)
-        out = torch.empty_like(query)
+        key_cache, value_cache, tables, query, starts, seq_lens, out = _prompt_batch(
+            torch, device, dtype, batch, q_len, q_len, block_size,
+            (num_heads, num_kv_heads, head_dim))
         latencies: dict[str, float | str] = {}
         for rows, block_n, warps, stages in grid:
             name = f"r{rows}_n{block_n}_w{warps}_s{stages}"

@@ -1,0 +1,86 @@
+"""What feature_soak.py and http_soak.py share: the structured-output formats they ask for
+and the check of what came back, the clients' tally, and the verdict on the cluster once
+the load has stopped (every device block free, `pagedserve_kv_blocks_leaked`
+0, no traceback or ERROR line in any process's whole log, no failed check), printed as one
+`summary` JSON line (DESIGN §8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+# The structured outputs both soaks ask for; a sample that stopped (not cut by max_tokens)
+# must be whole: JSON of SCHEMA, a full match of REGEX, one of CHOICES.
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
+          "required": ["a"], "additionalProperties": False}
+REGEX = "[a-z]{2,30}"
+CHOICES = ["aa", "bbb", "c d"]
+
+
+def constrained_error(kind: str, text: str) -> str | None:
+    """Why a stopped sample of `kind` ("json", "regex", "choice"; others pass) is wrong."""
+    if kind == "json":
+        try:
+            ok = set(json.loads(text)) == {"a"}
+        except ValueError:
+            ok = False
+    elif kind == "regex":
+        ok = re.fullmatch(REGEX, text) is not None
+    elif kind == "choice":
+        ok = text in CHOICES
+    else:
+        return None
+    return None if ok else f"{kind}: {text!r}"
+
+
+class Tally:
+    """Outcome counts and failed checks, shared by the client threads."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self.failures.append(message)
+
+
+def metric_total(metrics: str, name: str) -> float:
+    """The sum of a Prometheus metric's labelled samples in an exposition text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name + "{"))
+
+
+def verdict(bench: str, tally: Tally, status, metrics: str, logs: str, *, started: float,
+            log_dir: str, healthy_only: bool = False, **extra) -> int:
+    """Print the summary line (and on stderr the first failures, and where the whole log
+    was kept when a line was bad); the exit code. `healthy_only`: the block check counts the
+    healthy executors (one was killed on purpose)."""
+    free = all(e.num_free_gpu_blocks == e.num_gpu_blocks for e in status.executors
+               if e.healthy or not healthy_only)
+    leaked = metric_total(metrics, "pagedserve_kv_blocks_leaked")
+    bad_lines = [line for line in logs.splitlines() if "Traceback" in line or " ERROR " in line]
+    ok = free and leaked == 0 and not bad_lines and not tally.failures
+    print(json.dumps({
+        "bench": bench, "case": "summary", "ok": ok, **extra,
+        "requests": sum(tally.counts.values()), "wall_s": round(time.monotonic() - started, 1),
+        "all_blocks_free": free, "blocks_leaked": leaked, "log_errors": len(bad_lines),
+        "failed_checks": len(tally.failures), "counts": dict(sorted(tally.counts.items())),
+    }), flush=True)
+    for line in (tally.failures + bad_lines)[:20]:
+        print(line, file=sys.stderr)
+    if bad_lines:  # the whole tracebacks are in the logs: keep them
+        log_path = os.path.join(log_dir, f"{bench.replace('_', '-')}-cluster.log")
+        with open(log_path, "w") as f:
+            f.write(logs)
+        print(f"cluster logs: {log_path}", file=sys.stderr)
+    return 0 if ok else 1
