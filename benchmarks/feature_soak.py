@@ -21,13 +21,11 @@ with the counts; exit 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +36,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # soak_report, also under PYTHONSA
 import grpc  # noqa: E402
 from cluster_harness import Cluster, request  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
-from soak_report import CHOICES, REGEX, SCHEMA, Tally, constrained_error, verdict  # noqa: E402
+from soak_report import (  # noqa: E402
+    CHOICES,
+    REGEX,
+    SCHEMA,
+    Tally,
+    constrained_error,
+    drive,
+    soak_arguments,
+    verdict,
+)
 
 from pagedserve.tinymodels import build_model  # noqa: E402
 
@@ -122,25 +129,13 @@ class Load(Tally):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=90.0)
-    ap.add_argument("--executors", type=int, default=2)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--num-gpu-blocks", type=int, default=96)
-    args = ap.parse_args(argv)
+    args = soak_arguments(__doc__).parse_args(argv)
     model_dir = build_model(tempfile.mkdtemp(prefix="feature-soak-"), "llama")
     t0 = time.monotonic()
     with Cluster(model_dir, num_executors=args.executors,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
         load = Load(c)
-        until = time.monotonic() + args.duration
-        threads = [threading.Thread(target=load.client, args=(i, until))
-                   for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        drive(load.client, args.clients, args.duration)
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
     return verdict("feature_soak", load, status, metrics, logs, started=t0,

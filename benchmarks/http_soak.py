@@ -34,7 +34,6 @@ seconds in (its requests move; the survivors are checked).
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -56,7 +55,9 @@ from soak_report import (  # noqa: E402
     SCHEMA,
     Tally,
     constrained_error,
+    drive,
     metric_total,
+    soak_arguments,
     verdict,
 )
 
@@ -247,12 +248,7 @@ class HttpLoad(Tally):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=90.0)
-    ap.add_argument("--executors", type=int, default=2)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--num-gpu-blocks", type=int, default=96)
+    ap = soak_arguments(__doc__)
     ap.add_argument("--api-workers", type=int, default=0)
     ap.add_argument("--shared-prefixes", type=int, default=0,
                     help="prompts start with one of this many long prefixes (0: all random)")
@@ -268,16 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
         load = HttpLoad(c.http_address, Path(model_dir).name, args.shared_prefixes)
-        until = time.monotonic() + args.duration
-        threads = [threading.Thread(target=load.client, args=(i, until))
-                   for i in range(args.clients)]
         if args.kill_at is not None:
             victim = next(iter(c.executors.values()))
             threading.Timer(args.kill_at, victim.kill).start()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        drive(load.client, args.clients, args.duration)
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
     queries = metric_total(metrics, "pagedserve_prefix_cache_queries_total")

@@ -54,6 +54,29 @@ class Tally:
             self.failures.append(message)
 
 
+def soak_arguments(doc: str):
+    """The options both soaks take (each adds its own)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--executors", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--num-gpu-blocks", type=int, default=96)
+    return ap
+
+
+def drive(client, clients: int, duration_s: float) -> None:
+    """`client(index, until)` on `clients` threads until `duration_s` from now; joins them."""
+    until = time.monotonic() + duration_s
+    threads = [threading.Thread(target=client, args=(i, until)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def metric_total(metrics: str, name: str) -> float:
     """The sum of a Prometheus metric's labelled samples in an exposition text."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
