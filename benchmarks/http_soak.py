@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-workers", type=int, default=0)
     ap.add_argument("--shared-prefixes", type=int, default=0,
                     help="prompts start with one of this many long prefixes (0: all random)")
+    ap.add_argument("--router-args", default="",
+                    help="more router flags, one string (e.g. \"--pipeline-depth 1 "
+                    "--preemption-mode swap\")")
     ap.add_argument("--kill-at", type=float, default=None,
                     help="SIGKILL the first executor this many seconds into the load (its "
                     "requests move to the others; the checks then count the survivors)")
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     router_args = ["--tool-call-parser", "hermes"]
     if args.api_workers:
         router_args += ["--api-workers", str(args.api_workers)]
+    router_args += args.router_args.split()
     with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
         load = HttpLoad(c.http_address, Path(model_dir).name, args.shared_prefixes)

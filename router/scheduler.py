@@ -295,11 +295,17 @@ class Scheduler:
         if any(s.seq is parent for s in out.scheduled):
             return
         for child in group.seqs[1:]:
+            if child.finished:  # forked again after a recompute: done already
+                continue
             if self.kv.has_request(parent.seq_id):
                 self.kv.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
-            out.forks.append((parent, child))
+            if parent.num_output_tokens == 0 and child.num_output_tokens == 0:
+                out.forks.append((parent, child))  # the executor copies the parent's state
+            # else (forked again after a recompute) the samples have outputs of their own:
+            # the plan sends the child as a new request carrying its own, as any
+            # recomputed sample
         group.forked = True
 
     def _pick_victim(self, current: int) -> RequestGroup:
@@ -347,6 +353,13 @@ class Scheduler:
             if seq.on_executor:
                 out.dropped_seq_ids.append(seq.seq_id)
                 seq.on_executor = False
+        if group.forked and len(group.seqs) > 1 and group.num_prompt_tokens > 1 \
+                and not kv.enable_prefix_caching:
+            # Without prefix caching nothing would give the samples one copy of their
+            # prompt again (n copies: a request admitted as fitting may then never fit,
+            # swapping itself in and out for ever): sample 0 recomputes the prompt and the
+            # others fork from it, as at the start (`_fork_if_ready`).
+            group.forked = False
         self.add(group)
         log.debug("preempted %s by recompute", group.request_id)
 

@@ -376,3 +376,28 @@ def test_a_preempted_request_whose_token_in_flight_ends_it_is_not_admitted(mode)
     for len_a in range(6, 16):
         for len_b in range(6, 16):
             run(main(len_a, len_b))
+
+
+def test_without_prefix_caching_a_recomputed_n2_request_shares_its_prompt_again():
+    """No prefix caching, recompute preemption: the two samples of an n = 2 request hold
+    one copy of their prompt only because they forked from one computation of it. Recomputed,
+    they fork again (sample 0 recomputes the prompt); with n copies this request (5 prompt
+    blocks, 3 more per sample) would need 14 of the 12 blocks and swap or recompute itself
+    for ever. Here it finishes token-exact beside the request that preempted it."""
+    async def main():
+        engine, ex = make_engine(2, num_gpu_blocks=12, num_cpu_blocks=0,
+                                 mode=PreemptionMode.RECOMPUTE, enable_prefix_caching=False)
+        a = await submit(engine, "a", [1, 2, 3, 4, 5, 6, 7], max_tokens=14)
+        b = await submit(engine, "b", list(range(8, 28)), max_tokens=6, n=2,
+                         temperature=1.0, seed=3)
+        await ex.run_until_done([a, b], max_steps=400)
+        assert engine.executors["e0"].healthy
+        sched = engine.executors["e0"].scheduler
+        assert sched.num_preemptions[PreemptionMode.RECOMPUTE] >= 1
+        assert a.tokens() == expected("a#0", 14)
+        assert b.tokens(0) == expected("b#0", 6) and b.tokens(1) == expected("b#1", 6)
+        while ex.unanswered():
+            await ex.answer()
+        await settle()
+        assert free_blocks(engine) == (12, 12)
+    run(main())

@@ -47,10 +47,12 @@ def _sample(seq_id: str, pos: int) -> int:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    prefix_caching = True
+
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(12, 6, BS, watermark=0.0, max_pinned_fraction=0.25,
-                                 hash_algo="builtin")
+                                 hash_algo="builtin", enable_prefix_caching=self.prefix_caching)
         self.sched = Scheduler(self.kv, SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64,
             preemption_mode=PreemptionMode.AUTO))
@@ -192,3 +194,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40,
                                               deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+class NoPrefixCachingMachine(SchedulerMachine):
+    """The same without prefix caching (no hits, no waits for prefixes): recomputed n > 1
+    requests fork again from one computation of their prompt."""
+
+    prefix_caching = False
+
+
+NoPrefixCachingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                                    deadline=None)
+TestNoPrefixCachingMachine = NoPrefixCachingMachine.TestCase
