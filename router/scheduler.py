@@ -353,12 +353,13 @@ class Scheduler:
             if seq.on_executor:
                 out.dropped_seq_ids.append(seq.seq_id)
                 seq.on_executor = False
-        if group.forked and len(group.seqs) > 1 and group.num_prompt_tokens > 1 \
-                and not kv.enable_prefix_caching:
-            # Without prefix caching nothing would give the samples one copy of their
-            # prompt again (n copies: a request admitted as fitting may then never fit,
-            # swapping itself in and out for ever): sample 0 recomputes the prompt and the
-            # others fork from it, as at the start (`_fork_if_ready`).
+        if group.forked and len(group.seqs) > 1 and group.num_prompt_tokens > 1:
+            # The samples must hold one copy of their prompt again: each admitted with its
+            # own (no prefix caching, or the cached prompt evicted meanwhile), a request
+            # admitted as fitting may never fit, swapping itself in and out for ever at
+            # the head of the queue. So sample 0 recomputes the prompt (mostly cache hits
+            # with prefix caching) and the others fork from it, as at the start
+            # (`_fork_if_ready`).
             group.forked = False
         self.add(group)
         log.debug("preempted %s by recompute", group.request_id)
