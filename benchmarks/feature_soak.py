@@ -17,15 +17,16 @@ traceback or ERROR line in any log, no failed check. JSON lines (DESIGN §8): on
 with the counts; exit 1 when a check fails.
 
     .venv/bin/python benchmarks/feature_soak.py [--duration 90] [--executors 2] [--clients 8]
+        [--num-gpu-blocks 96] [--api-workers 0] [--router-args "..."] [--kill-at S]
+
+(the options http_soak.py takes too: soak_report.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,12 +43,9 @@ from soak_report import (  # noqa: E402
     SCHEMA,
     Tally,
     constrained_error,
-    drive,
+    run_soak,
     soak_arguments,
-    verdict,
 )
-
-from pagedserve.tinymodels import build_model  # noqa: E402
 
 KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs")
 ENDINGS = ("run", "cancel", "deadline", "abort")
@@ -130,16 +128,7 @@ class Load(Tally):
 
 def main(argv: list[str] | None = None) -> int:
     args = soak_arguments(__doc__).parse_args(argv)
-    model_dir = build_model(tempfile.mkdtemp(prefix="feature-soak-"), "llama")
-    t0 = time.monotonic()
-    with Cluster(model_dir, num_executors=args.executors,
-                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
-        load = Load(c)
-        drive(load.client, args.clients, args.duration)
-        status = c.wait_blocks_free(timeout_s=30)
-        metrics, logs = c.metrics(), c.logs(None)
-    return verdict("feature_soak", load, status, metrics, logs, started=t0,
-                   log_dir=os.path.dirname(model_dir))
+    return run_soak("feature_soak", args, lambda cluster, model_dir: Load(cluster))
 
 
 if __name__ == "__main__":

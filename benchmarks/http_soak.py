@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,20 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # soak_report, also under PYTHONSAFEPATH
 
-from cluster_harness import Cluster  # noqa: E402
 from soak_report import (  # noqa: E402
     CHOICES,
     REGEX,
     SCHEMA,
     Tally,
     constrained_error,
-    drive,
-    metric_total,
+    run_soak,
     soak_arguments,
-    verdict,
 )
-
-from pagedserve.tinymodels import build_model  # noqa: E402
 
 KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "tools")
 TOOL = {"type": "function", "function": {
@@ -249,38 +241,12 @@ class HttpLoad(Tally):
 
 def main(argv: list[str] | None = None) -> int:
     ap = soak_arguments(__doc__)
-    ap.add_argument("--api-workers", type=int, default=0)
     ap.add_argument("--shared-prefixes", type=int, default=0,
                     help="prompts start with one of this many long prefixes (0: all random)")
-    ap.add_argument("--router-args", default="",
-                    help="more router flags, one string (e.g. \"--pipeline-depth 1 "
-                    "--preemption-mode swap\")")
-    ap.add_argument("--kill-at", type=float, default=None,
-                    help="SIGKILL the first executor this many seconds into the load (its "
-                    "requests move to the others; the checks then count the survivors)")
     args = ap.parse_args(argv)
-    model_dir = build_model(tempfile.mkdtemp(prefix="http-soak-"), "llama")
-    t0 = time.monotonic()
-    router_args = ["--tool-call-parser", "hermes"]
-    if args.api_workers:
-        router_args += ["--api-workers", str(args.api_workers)]
-    router_args += args.router_args.split()
-    with Cluster(model_dir, num_executors=args.executors, router_args=router_args,
-                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
-        load = HttpLoad(c.http_address, Path(model_dir).name, args.shared_prefixes)
-        if args.kill_at is not None:
-            victim = next(iter(c.executors.values()))
-            threading.Timer(args.kill_at, victim.kill).start()
-        drive(load.client, args.clients, args.duration)
-        status = c.wait_blocks_free(timeout_s=30)
-        metrics, logs = c.metrics(), c.logs(None)
-    queries = metric_total(metrics, "pagedserve_prefix_cache_queries_total")
-    hits = metric_total(metrics, "pagedserve_prefix_cache_hits_total")
-    return verdict("http_soak", load, status, metrics, logs, started=t0,
-                   log_dir=os.path.dirname(model_dir), healthy_only=args.kill_at is not None,
-                   api_workers=args.api_workers,
-                   executors_healthy=sum(e.healthy for e in status.executors),
-                   prefix_hit_rate=round(hits / queries, 3) if queries else 0.0)
+    return run_soak("http_soak", args, lambda cluster, model_dir: HttpLoad(
+        cluster.http_address, model_dir.name, args.shared_prefixes),
+        router_args=("--tool-call-parser", "hermes"))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class Tally:
 
 
 def soak_arguments(doc: str):
-    """The options both soaks take (each adds its own)."""
+    """The options both soaks take (each may add its own)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc,
@@ -64,7 +64,47 @@ def soak_arguments(doc: str):
     ap.add_argument("--executors", type=int, default=2)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--num-gpu-blocks", type=int, default=96)
+    ap.add_argument("--api-workers", type=int, default=0)
+    ap.add_argument("--router-args", default="",
+                    help="more router flags, one string (e.g. \"--pipeline-depth 1 "
+                    "--preemption-mode swap\"; --router-args=--flag when it starts with one)")
+    ap.add_argument("--kill-at", type=float, default=None,
+                    help="SIGKILL the first executor this many seconds into the load (its "
+                    "requests move to the others; the checks then count the survivors)")
     return ap
+
+
+def run_soak(bench: str, args, make_load, router_args: tuple = ()) -> int:
+    """Build the tiny model, run a cluster (router + `args.executors` CPU executors) under
+    `make_load(cluster, model_dir)`'s clients for `args.duration` seconds, then the verdict."""
+    import tempfile
+    from pathlib import Path
+
+    from cluster_harness import Cluster
+
+    from pagedserve.tinymodels import build_model
+
+    model_dir = build_model(tempfile.mkdtemp(prefix=f"{bench.replace('_', '-')}-"), "llama")
+    started = time.monotonic()
+    flags = list(router_args) + args.router_args.split()
+    if args.api_workers:
+        flags += ["--api-workers", str(args.api_workers)]
+    with Cluster(model_dir, num_executors=args.executors, router_args=flags,
+                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
+        load = make_load(c, Path(model_dir))
+        if args.kill_at is not None:
+            victim = next(iter(c.executors.values()))
+            threading.Timer(args.kill_at, victim.kill).start()
+        drive(load.client, args.clients, args.duration)
+        status = c.wait_blocks_free(timeout_s=30)
+        metrics, logs = c.metrics(), c.logs(None)
+    queries = metric_total(metrics, "pagedserve_prefix_cache_queries_total")
+    hits = metric_total(metrics, "pagedserve_prefix_cache_hits_total")
+    return verdict(bench, load, status, metrics, logs, started=started,
+                   log_dir=os.path.dirname(model_dir), healthy_only=args.kill_at is not None,
+                   api_workers=args.api_workers,
+                   executors_healthy=sum(e.healthy for e in status.executors),
+                   prefix_hit_rate=round(hits / queries, 3) if queries else 0.0)
 
 
 def drive(client, clients: int, duration_s: float) -> None:
