@@ -104,7 +104,7 @@ class ExecutorChildren:
         rc = await proc.wait()
         if self.stopping:
             return
-        if getattr(engine, "stopping", False):  # the router told it to: not a loss
+        if engine.stopping:  # the router told it to: not a loss
             (log.info if rc == 0 else log.warning)(
                 "executor %s exited with code %s (router stopping)", executor_id, rc)
             return

@@ -1,0 +1,156 @@
+"""Admission: which swapped and waiting groups join the running ones in a step (the last
+part of `Scheduler.schedule()`, after the running groups are served), with prefill dedup.
+Functions of the Scheduler (bound there as `_admit` and `_admit_waiting`), on the same hot
+path: per-group work only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from ..kvmanager import PrefixHit
+from .sequence import GroupStatus, RequestGroup, Sequence
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler, SchedulerOutput
+
+
+def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+    """Bring in swapped and waiting groups in order until one does not fit; a waiting
+    group that waits for its prefix (`_admit_waiting`) is passed over, not a stop."""
+    kv = self.kv
+    cfg = self.config
+    w = 0  # index of the next waiting group (those before it wait for their prefix)
+    sw = 0  # index of the next swapped group (those before it are finished)
+    while (sw < len(self.swapped) or w < len(self.waiting)) and budget > 0:
+        take_swapped = sw < len(self.swapped) and (
+            w >= len(self.waiting) or self.swapped[sw].sort_key <= self.waiting[w].sort_key
+        )
+        group = self.swapped[sw] if take_swapped else self.waiting[w]
+        if group.has_pending:  # preempted with a token in flight: wait for it, in order
+            return
+        seqs = group.active_seqs()
+        if not seqs:
+            # Preempted with its last token in flight, which has just arrived: every
+            # sample is finished, and the text stage completes the group (removes it)
+            # once this plan is sent. Passed over, never admitted.
+            if take_swapped:
+                sw += 1
+            else:
+                w += 1
+            continue
+        if num_seqs + len(seqs) > cfg.max_num_seqs:
+            return
+        if take_swapped:
+            seq_ids = [s.seq_id for s in seqs if kv.has_request(s.seq_id)]
+            if kv.swap_in(seq_ids) is None:
+                return
+            self.swapped.pop(sw)
+            scheduled = []
+            for seq in seqs:
+                remaining = seq.num_uncomputed
+                if not group.forked:  # sample 0 of n > 1 stops before the last token
+                    remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+                num_new = min(remaining, budget)
+                if num_new <= 0:
+                    continue
+                if kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
+                    break
+                scheduled.append((seq, num_new))
+                budget -= num_new
+            # Swap-out released the group's intent; one back in the middle of its prompt
+            # intends the rest again, so routing and waiting requests see those blocks.
+            if any(s.num_computed_tokens + n < s.num_prompt_tokens for s, n in scheduled):
+                self._intend(group)
+        else:
+            scheduled = self._admit_waiting(group, budget)
+            if scheduled is WAITS_FOR_PREFIX:
+                w += 1
+                continue
+            if scheduled is None:
+                return
+            self.waiting.pop(w)
+            budget -= sum(n for _, n in scheduled)
+        group.status = GroupStatus.RUNNING
+        bisect.insort(self.running, group, key=lambda g: g.sort_key)
+        for seq, num_new in scheduled:
+            if num_new > 0:
+                self._commit(seq, num_new, out)
+        num_seqs += len(seqs)
+
+def admit_waiting(self: Scheduler, group: RequestGroup, budget: int) -> list | object | None:
+    """Allocate a waiting group's samples (all or nothing); None when they don't fit,
+    `WAITS_FOR_PREFIX` when it waits for blocks of its prefix being computed here.
+
+    Prefill dedup. Past its cached prefix, the blocks of the prompt that another request
+    here intends to compute (`KVCacheManager.intended_tokens`) are not computed twice
+    when that request computes them first: it is admitted (running: scheduled before
+    any admission, every step) or waiting ahead of this group in (priority, arrival)
+    order (admitted before it). Either way those blocks are ready no later than this
+    group could compute them itself, so it waits: it is passed over (the groups behind
+    it are still admitted), keeps its place, and pins what is cached of its prompt so
+    far (pins stay under `max_pinned_fraction`). Each step it looks again; once nothing
+    past its cached prefix is intended ahead of it (the blocks registered when their
+    plan was sent; or the request computing them ended, was preempted or moved away,
+    which releases its intent), it is admitted with an ordinary lookup: the waited-for
+    tokens are cache hits (`cached_prompt_tokens`, the prefix hit counters), and what is
+    still missing it computes itself."""
+    kv = self.kv
+    salt = group.spec.cache_salt or None
+    seqs = group.active_seqs()
+    first = seqs[0]
+    kv.hash_blocks(first.token_ids, salt, first.block_hashes)
+    hit = kv.lookup(first.token_ids, first.block_hashes, salt)
+    waits_for = kv.intended_tokens(first.token_ids, first.block_hashes, salt, len(hit),
+                                   before=group.sort_key, exclude=first.seq_id)
+    group.prefix_wait_tokens = waits_for
+    if waits_for:
+        pinned = kv.pinned(first.seq_id)
+        if len(hit) > (len(pinned) if pinned is not None else 0):
+            group.pinned_tokens = kv.pin(first.seq_id, hit).num_tokens
+        return WAITS_FOR_PREFIX
+    done: list[tuple[Sequence, int]] = []
+    for seq in seqs:
+        target = len(seq.token_ids)
+        if not group.forked:  # sample 0 of an n > 1 group stops before the last token
+            target = seq.num_prompt_tokens - 1
+        if seq is not first:
+            kv.hash_blocks(seq.token_ids, salt, seq.block_hashes)
+            hit = kv.lookup(seq.token_ids, seq.block_hashes, salt)
+        pinned = kv.pinned(seq.seq_id)
+        if pinned is not None and len(pinned) < len(hit):
+            kv.unpin(seq.seq_id)  # more of it is cached now than was pinned
+        hit = _clip_hit(hit, target, kv.block_size)
+        num_new = max(0, min(target - hit.num_tokens, budget))
+        # No budget left: the group waits, unless the first sample got its tokens (the
+        # others, e.g. of a group recomputed after its fork, go on in later steps: one
+        # step may never have room for every sample's whole prompt).
+        if (num_new == 0 and target > hit.num_tokens and seq is first) or kv.allocate(
+            seq.seq_id, seq.token_ids, num_new, hit=hit,
+            block_hashes=seq.block_hashes, cache_salt=salt,
+        ) is None:  # no budget or no blocks left: the whole group waits
+            for s, _ in done:
+                kv.free(s.seq_id)
+                s.num_computed_tokens = 0
+            if done:
+                self._intend(group)  # free released it: it still waits here
+            return None
+        seq.num_computed_tokens = hit.num_tokens
+        group.pinned_tokens = 0
+        if seq.index == 0 and group.cached_prompt_tokens is None:
+            group.cached_prompt_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+        done.append((seq, num_new))
+        budget -= num_new
+    return done
+
+
+WAITS_FOR_PREFIX = object()  # _admit_waiting: the group waits for its prefix (dedup)
+
+
+def _clip_hit(hit: PrefixHit, max_tokens: int, block_size: int) -> PrefixHit:
+    """Shorten a prefix hit to at most `max_tokens` tokens (whole blocks)."""
+    if hit.num_tokens <= max_tokens:
+        return hit
+    n = max_tokens // block_size
+    return PrefixHit(hit.block_ids[:n], n * block_size, hit.serials[:n])
