@@ -11,12 +11,14 @@ import json
 BENCH = "kernels_bench"
 # Decode launch configurations swept by --cases tune: (block_n, num_warps, num_stages).
 TUNE_GRID = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-TUNE_DEFAULT = (64, 4, 2)  # what paged_decode_attention_triton launches with (head dim <= 128)
-TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 16)  # split counts swept by --cases tune at TUNE_DEFAULT
+# The launcher's configuration before its tile rule (choose_block_n; 4 warps and 2 stages
+# still are): the split sweep's first tile.
+TUNE_DEFAULT = (64, 4, 2)
+TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 16)  # split counts swept by --cases tune
 # Prefill launch configurations swept by --cases prefill_tune: (rows per program = query
 # tokens x the group padded to a power of two, key tile, warps, pipeline stages); the first
-# is the launcher's default for head dim <= 128, the others what the Triton tutorial's and
-# FlashAttention's Hopper settings suggest (128-row tiles, 8 warps, 3 stages).
+# is the launcher's configuration before choose_prefill_config, the others what the Triton
+# tutorial's and FlashAttention's Hopper settings suggest (128-row tiles, 8 warps, 3 stages).
 PREFILL_TUNE_GRID = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 8, 2),
                      (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 2)]
 
@@ -49,6 +51,7 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
     shape: the default's figures, the best configuration's, and all latencies."""
     from pagedserve.kernels.decode_attention import (
         _num_sms,
+        choose_block_n,
         choose_num_splits,
         paged_decode_attention_triton,
     )
@@ -93,20 +96,25 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                     except Exception as exc:
                         split_latencies[key] = f"{type(exc).__name__}: {str(exc)[:80]}"
             timings = {k: v for k, v in latencies.items() if isinstance(v, float)}
-            default = "n{}_w{}_s{}".format(*TUNE_DEFAULT)
+            rule_splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq * block_size,
+                                            _num_sms(device), head_dim)
             record = {"case": f"tune/{shape_name}/b{batch}/ctx{context}",
                       "dtype": str(dtype).removeprefix("torch."), "configs": latencies,
-                      "splits": split_latencies, "rule_splits": choose_num_splits(
-                          batch, num_kv_heads, blocks_per_seq * block_size, _num_sms(device),
-                          head_dim)}
+                      "splits": split_latencies, "rule_splits": rule_splits,
+                      "rule_block_n": choose_block_n(batch * num_kv_heads * rule_splits,
+                                                     _num_sms(device), head_dim, dtype)}
             if timings:
                 best = min(timings, key=timings.get)
                 record.update(best=best, best_latency_us_p50=timings[best],
                               best_copy_bw_ratio=float(
                                   f"{kv_bytes / timings[best] / 1e3 / copy_gb_per_s:.4g}"))
-            if default in timings:
-                record.update(default_latency_us_p50=timings[default], copy_bw_ratio=float(
-                    f"{kv_bytes / timings[default] / 1e3 / copy_gb_per_s:.4g}"))
+            # "default": the launcher with no override (the split and tile rules), as the
+            # executor runs it.
+            default_us = round(timed(functools.partial(
+                paged_decode_attention_triton, query, key_cache, value_cache, tables, seq_lens,
+                head_dim**-0.5, out=out)), 2)
+            record.update(default_latency_us_p50=default_us, copy_bw_ratio=float(
+                f"{kv_bytes / default_us / 1e3 / copy_gb_per_s:.4g}"))
             emit(record)
             del key_cache, value_cache
             if device.type == "cuda":
@@ -117,7 +125,10 @@ def bench_prefill_tune(torch, device, dtype, timed, shapes, dry_run: bool) -> No
     """Every PREFILL_TUNE_GRID configuration of the prefill kernel on whole prompts (batch 8
     x 2048 tokens, the middle prefill case), both head shapes; one line per shape: the
     default's latency, the best configuration's and its ratio to SDPA (is_causal)."""
-    from pagedserve.kernels.prefill_attention import paged_prefill_attention_triton
+    from pagedserve.kernels.prefill_attention import (
+        choose_prefill_config,
+        paged_prefill_attention_triton,
+    )
 
     batch, q_len, block_size = (2, 19, 16) if dry_run else (8, 2048, 16)
     grid = PREFILL_TUNE_GRID[:2] if dry_run else PREFILL_TUNE_GRID
@@ -152,15 +163,18 @@ def bench_prefill_tune(torch, device, dtype, timed, shapes, dry_run: bool) -> No
         except (RuntimeError, TypeError) as exc:
             record["sdpa_error"] = str(exc).splitlines()[0][:120]
         timings = {n: t for n, t in latencies.items() if isinstance(t, float)}
-        default = "r{}_n{}_w{}_s{}".format(*PREFILL_TUNE_GRID[0])
+        # "default": the launcher with no override (choose_prefill_config), as the executor
+        # runs it.
+        record["default"] = "r{}_n{}_w{}".format(*choose_prefill_config(head_dim, dtype))
+        record["default_latency_us_p50"] = round(timed(functools.partial(
+            paged_prefill_attention_triton, query, key_cache, value_cache, tables, starts,
+            seq_lens, head_dim**-0.5, out=out, max_query_len=q_len)), 2)
         if timings:
             best = min(timings, key=timings.get)
             record.update(best=best, best_latency_us_p50=timings[best])
             if "sdpa_latency_us_p50" in record:
                 record["best_vs_sdpa_ratio"] = round(
                     timings[best] / record["sdpa_latency_us_p50"], 3)
-        if default in timings:
-            record["default_latency_us_p50"] = timings[default]
         emit(record)
         del key_cache, value_cache, k, v, q, query, out
         if device.type == "cuda":

@@ -215,6 +215,31 @@ def choose_num_splits(
     return max(1, min(wanted, longest, _MAX_SPLITS))
 
 
+# Tokens per tile. 64 keeps a program's K and V tiles (64 x D_PAD) in registers for D <= 128
+# with 4 warps; 32 for wider heads. When the grid is small (at most _WIDE_TILE_PROGRAMS_PER_SM
+# programs per SM after splitting) and the cache is 16-bit, 128-token tiles are faster: each
+# program has twice the bytes in flight per loop iteration, which is what hides memory latency
+# when there are few programs per SM; with many programs the extra registers cost occupancy.
+# Measured on an H200 (132 SMs; benchmarks/README "GPU check", kernels_bench --cases tune,
+# 2026-11-26, bf16, us, 64-token / 128-token tiles at the split rule's count): 4 KV heads of
+# dim 128, batch 64 (256 programs): 45.6 / 38.3 at 1k, 169.3 / 133.1 at 4k; batch 256 (1,024
+# programs, above 4 per SM): 130.8 / 140.7 and 508.5 / 537.2, so 64 stays; Qwen2.5-0.5B shape
+# (2 KV heads of dim 64) batch 64 with 4 splits (512 programs): 12.25 / 11.34 at 1k, 44.85 /
+# 40.33 at 4k; batch 256 (512 programs): 41.9 / 38.1 and 151.1 / 136.2. float32 keeps 64 (its
+# tiles are twice the bytes; not swept).
+_WIDE_TILE_PROGRAMS_PER_SM = 4
+
+
+def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Tokens per tile of the decode kernel for a grid of ``num_programs``. See above."""
+    if triton.next_power_of_2(head_dim) > 128:
+        return 32
+    if dtype != torch.float32 and num_programs <= _WIDE_TILE_PROGRAMS_PER_SM * num_sms:
+        return 128
+    return 64
+
+
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
@@ -287,21 +312,21 @@ def paged_decode_attention_triton(
         return out
 
     interpreting = _interpreting()
+    num_sms = _num_sms(query.device)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if sliding_window is not None and sliding_window > 0:
             max_context = min(max_context, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context,
-                                       _num_sms(query.device), head_dim)
+                                       num_sms, head_dim)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     d_pad = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))
     if block_n is None:
-        # 64 tokens per tile keeps the K and V tiles (64 x D_PAD) in registers for D <= 128
-        # while a 16-row dot still feeds the tensor cores; halve it for very wide heads.
-        block_n = 64 if d_pad <= 128 else 32
+        block_n = choose_block_n(num_seqs * num_kv_heads * num_splits, num_sms, head_dim,
+                                 query.dtype)
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E

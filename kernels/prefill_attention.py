@@ -236,6 +236,28 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
         raise ValueError(f"out must have the query's shape {tuple(query.shape)}, stride(-1) 1")
 
 
+# Launch configuration: (rows per program = query tokens x the group padded to a power of two,
+# tokens per key tile, warps). The fp32 accumulator is rows x D_PAD and must stay in registers;
+# rows >= 16 so tl.dot maps onto tensor cores.
+#   * 16-bit, D <= 128: 128-row programs (half as many programs, each K/V tile loaded once for
+#     twice the queries). At D = 128 the 128 x 128 accumulator leaves room only for 32-key
+#     tiles with 4 warps; at D <= 64 the accumulator is half that, and 64-key tiles with 8
+#     warps are best. Measured on an H200 (kernels_bench --cases prefill_tune, 2026-11-26,
+#     bf16, batch 8 x 2,048-token prompts, us): 32 heads / 4 KV heads of dim 128: 64 rows x
+#     64 keys x 4 warps (the old default) 1,059, 128 x 32 x 4 911.8 (best of 8), 128 x 64 x 8
+#     1,114; 14 / 2 heads of dim 64: 258.9, 279.2, 229.6 (best of 8).
+#   * float32 (twice the bytes per tile; not swept) and D <= 128: 64 x 64, 4 warps;
+#   * D > 128: 32 x 32, 4 warps.
+def choose_prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(rows per program, tokens per key tile, warps) for the prefill kernel. See above."""
+    d_pad = triton.next_power_of_2(head_dim)
+    if d_pad > 128:
+        return 32, 32, 4
+    if dtype == torch.float32:
+        return 64, 64, 4
+    return (128, 64, 8) if d_pad <= 64 else (128, 32, 4)
+
+
 def paged_prefill_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,
@@ -250,7 +272,7 @@ def paged_prefill_attention_triton(
     max_query_len: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Launch the prefill/extend kernel. ``max_query_len=None`` reads it from
@@ -274,16 +296,17 @@ def paged_prefill_attention_triton(
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     d_pad = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(group)
-    # Rows per program: 64 (fp32 accumulator 64 x D_PAD stays in registers for D <= 128 with
-    # 4 warps); at least 16 rows so tl.dot maps onto tensor cores. Tokens per program = rows /
-    # group, so a GQA-8 program covers 8 tokens x 8 heads.
-    rows = 64 if d_pad <= 128 else 32
+    # Query tokens per program = rows / group (a GQA-8 program of 128 rows covers 16 tokens x
+    # 8 heads), no more than the longest chunk needs, and rows >= 16.
+    rows, default_block_n, default_warps = choose_prefill_config(head_dim, query.dtype)
     if block_q is None:
         block_q = max(1, rows // block_g)
         block_q = min(block_q, triton.next_power_of_2(max_query_len))
         block_q = max(block_q, max(1, 16 // block_g))  # keep rows >= 16
     if block_n is None:
-        block_n = 64 if d_pad <= 128 else 32
+        block_n = default_block_n
+    if num_warps is None:
+        num_warps = default_warps
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
 

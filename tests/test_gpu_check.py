@@ -198,18 +198,46 @@ def test_bf16_judged_by_hf_bf16_drift_from_fp32():
     refs32 = [([1, 2, 3, 4], [5.0, 0.3, 2.0, 1.0]), ([7, 8, 9, 10], [4.0, 3.0, 0.9, 2.0])]
     refs16 = [([1, 2, 3, 4], [0.0] * 4), ([7, 8, 0, 0], [0.0] * 4)]  # one drift, gap 0.9
     noise = gpu_cluster.bf16_noise(refs16, refs32, floor=0.5)
-    assert noise == {"hf_bf16_exact": 1, "hf_bf16_first_diff_p50": 3.0,
+    assert noise == {"hf_bf16_exact": 1, "hf_bf16_first_diff_p50": 3.0, "hf_bf16_diffs": 1,
                      "hf_bf16_max_gap": 0.9, "tie": 0.9}
     tie_ok = gpu_cluster.judge_bf16([[1, 2, 3, 4], [7, 8, 1, 1]], refs32, noise)
     assert tie_ok["ok"] and tie_ok["matched"] == 1 and tie_ok["tie_accepted"] == 1
     decisive = gpu_cluster.judge_bf16([[1, 2, 9, 4], [7, 8, 9, 10]], refs32, noise)
-    assert not decisive["ok"] and decisive["mismatched"] == 1  # gap 2.0 > 0.9
+    # gap 2.0 > 2 x 0.9: an outlier, whatever the count
+    assert not decisive["ok"] and decisive["mismatched"] == 1 and decisive["outliers"] == [2.0]
     # Within the tie, but early: a median first difference of 2.5 < half of 6.
     early = gpu_cluster.judge_bf16([[1, 5, 3, 4], [7, 8, 9, 10]],
                                    [(refs32[0][0], [5.0, 0.3, 2.0, 1.0]), refs32[1]],
                                    {**noise, "hf_bf16_first_diff_p50": 6.0})
     assert early["tie_accepted"] == 1 and early["first_diff_p50"] == 2.5
     assert early["ok"] is False
+
+
+def test_bf16_beyond_the_tie_judged_by_how_often():
+    """First differences past HF bf16's largest gap (but within twice it) pass while HF
+    bf16's own spread makes that count likely, and fail when it does not."""
+    import math
+
+    import gpu_cluster
+
+    assert gpu_cluster.beyond_max_p(18, 18, 0) == 1.0
+    assert gpu_cluster.beyond_max_p(18, 18, 1) == 0.5
+    assert gpu_cluster.beyond_max_p(18, 18, 4) == math.comb(18, 4) / math.comb(36, 4)  # 0.052
+    assert gpu_cluster.beyond_max_p(18, 18, 5) < 0.05
+    assert gpu_cluster.beyond_max_p(3, 0, 1) == 0.0  # HF bf16 never differed: none allowed
+
+    # 18 prompts of 4 tokens; float32's gaps 1.0 everywhere but at position 2 of prompt i,
+    # where HF bf16 differs at gap 1 + i / 100 (the largest 1.17).
+    refs32 = [([1, 2, 3, 4], [1.0, 1.0, 1.0 + i / 100, 1.0]) for i in range(18)]
+    refs16 = [([1, 2, 0, 0], [0.0] * 4) for _ in range(18)]
+    noise = gpu_cluster.bf16_noise(refs16, refs32, floor=0.5)
+    assert noise["tie"] == 1.17 and noise["hf_bf16_diffs"] == 18
+    for beyond, ok in ((1, True), (4, True), (5, False)):
+        # Ours differs at position 2 too, the first `beyond` prompts at gap 1.2 (past 1.17).
+        refs = [([1, 2, 3, 4], [1.0, 1.0, 1.2 if i < beyond else 1.0, 1.0]) for i in range(18)]
+        verdict = gpu_cluster.judge_bf16([[1, 2, 9, 9]] * 18, refs, noise)
+        assert verdict["beyond_tie"] == beyond and verdict["ok"] is ok, verdict
+        assert verdict["tie_accepted"] == 18 - beyond and not verdict["outliers"]
 
 
 def test_bf16_logprob_drift_against_hf_bf16():

@@ -13,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagedserve.kernels import ops, reference
 from pagedserve.kernels.cache_ops import swap_blocks_device
-from pagedserve.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+from pagedserve.kernels.decode_attention import (
+    choose_block_n,
+    choose_num_splits,
+    paged_decode_attention_triton,
+)
+from pagedserve.kernels.prefill_attention import choose_prefill_config
 from pagedserve.kernels.testing import (
     DECODE_CASES,
     DECODE_FACTORS,
@@ -91,6 +96,48 @@ def test_choose_num_splits_rule():
     assert choose_num_splits(1, 4, 16384, sms) == 64  # 66 wanted, 64 cap and 16k/256 = 64
     assert choose_num_splits(1, 2, 1024, sms) == 4  # capped by 256-token minimum pieces
     assert choose_num_splits(1, 4, 300, sms) == 1  # too short to split
+
+
+def test_choose_block_n_rule():
+    sms, bf16 = 132, torch.bfloat16
+    # 128-token tiles up to 4 programs per SM (528 here), 16-bit caches, head dim <= 128.
+    assert choose_block_n(64 * 2 * 4, sms, 64, bf16) == 128  # Qwen shape, batch 64, 4 splits
+    assert choose_block_n(256 * 2, sms, 64, bf16) == 128  # Qwen shape, batch 256
+    assert choose_block_n(64 * 8, sms, 128, torch.float16) == 128
+    assert choose_block_n(528, sms, 80, bf16) == 128
+    assert choose_block_n(529, sms, 80, bf16) == 64
+    assert choose_block_n(256 * 8, sms, 128, bf16) == 64  # 2,048 programs
+    assert choose_block_n(8, sms, 128, torch.float32) == 64  # float32: twice the bytes a tile
+    assert choose_block_n(8, sms, 256, bf16) == 32  # wide heads
+
+
+def test_choose_prefill_config_rule():
+    assert choose_prefill_config(64, torch.bfloat16) == (128, 64, 8)
+    assert choose_prefill_config(32, torch.float16) == (128, 64, 8)
+    assert choose_prefill_config(128, torch.bfloat16) == (128, 32, 4)
+    assert choose_prefill_config(80, torch.float16) == (128, 32, 4)  # pads to 128
+    assert choose_prefill_config(128, torch.float32) == (64, 64, 4)
+    assert choose_prefill_config(256, torch.bfloat16) == (32, 32, 4)
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 7), (128, 8), (80, 4)])
+def test_default_launch_configs_match_twin_bf16(head_dim, group):
+    """The 16-bit defaults (128-token decode tiles on a small grid, 128-row prefill programs)
+    against the twins, with chunks longer than one program's query tokens."""
+    batch = make_paged_batch([(40, 97), (1, 300), (23, 23)], num_kv_heads=1, group=group,
+                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+                             device=DEVICE)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    _close(ops.paged_attention(*args, max_query_len=batch.max_query_len, backend="triton"),
+           reference.paged_prefill_attention(*args), torch.bfloat16)
+    decode = make_paged_batch([(1, 300), (1, 17), (1, 130)], num_kv_heads=2, group=group,
+                              head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+                              device=DEVICE)
+    dargs = (decode.query, decode.key_cache, decode.value_cache, decode.block_tables,
+             decode.seq_lens, decode.scale)
+    _close(paged_decode_attention_triton(*dargs), reference.paged_decode_attention(*dargs),
+           torch.bfloat16)
 
 
 def test_decode_auto_split_with_wide_block_table():

@@ -248,7 +248,12 @@ def test_gpu_overlay_gives_each_executor_one_gpu(rendered):
     assert executor["image"].endswith(":cu128")
     router = _container(_one(objects, "Deployment", "pagedserve-router"))
     assert "nvidia.com/gpu" not in json.dumps(router["resources"])  # the router needs none
-    assert _config(objects)["PAGEDSERVE_DEVICE"] == "cuda"
+    config = _config(objects)
+    assert config["PAGEDSERVE_DEVICE"] == "cuda"
+    # GPU steps are short: the router's edges run in API workers, one CPU each plus the engine.
+    workers = int(config["PAGEDSERVE_API_WORKERS"])
+    assert workers == 2 and float(router["resources"]["requests"]["cpu"]) == workers + 1
+    assert router["resources"]["requests"]["memory"] == "1Gi"  # the base's, kept by the merge
 
 
 def test_cpu_overlay_runs_executors_on_cpu_with_a_hostpath_model(rendered):

@@ -54,6 +54,21 @@ def test_greedy_is_argmax(dtype):
     assert out.top_token_ids.shape == (0,) and out.top_logprobs.shape == (0,)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_cuda_takes_the_16_bit_argmax_with_first_index_ties(dtype):
+    """On a GPU the all-greedy step argmaxes the 16-bit logits without a float32 copy: the
+    same tokens as float32's argmax, ties (many in 16 bits) to the first index, as on CPU."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(256, 151936, generator=gen) * 4).to(dtype)
+    logits[:8, 100] = logits[:8, 7] = 60.0  # exact ties: index 7 wins
+    states = [state(temperature=0.0) for _ in range(256)]
+    on_gpu = Sampler()(logits.cuda(), states)
+    np.testing.assert_array_equal(on_gpu.token_ids, logits.float().argmax(-1).numpy())
+    assert (on_gpu.token_ids[:8] == 7).all()
+    np.testing.assert_array_equal(on_gpu.token_ids, Sampler()(logits, states).token_ids)
+
+
 def test_top_k_1_is_greedy_and_mixed_batches_keep_greedy_rows_exact():
     logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(1)) * 3
     states = [state(temperature=1.5, top_k=1, seed=i) if i % 3 == 0 else
