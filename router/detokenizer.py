@@ -9,7 +9,13 @@ in context). `prefix` marks the start of the window, `read` the end of what has 
 into text. For each new token, text = decode(window[prefix:]) minus decode(window[prefix:read]);
 if the decoded text ends in U+FFFD (half a UTF-8 character) nothing is emitted and the window
 grows until the character completes; otherwise the new text is emitted and prefix/read move
-forward. Special tokens are dropped before decoding unless keep_special_tokens.
+forward. Special tokens are dropped before decoding unless keep_special_tokens. A window
+that has held `_MAX_HELD_TOKENS` tokens without a character completing is cut anyway (what it
+decodes to is emitted, U+FFFD included, and only the last few tokens stay as context): ids
+that decode to nothing (unused vocabulary entries, e.g. a random model's or a logit_bias
+target) or bytes that never form a character would otherwise grow it for ever, and every
+token would decode the whole run again (quadratic router CPU in the stream's length). A
+UTF-8 character spans at most 4 byte tokens, so text that can complete always does before.
 
 Stop strings are searched in the text not yet emitted plus, with include_stop_str_in_output,
 the tail of emitted text, for a match that ends in the newest text. Without
@@ -31,6 +37,7 @@ from .types import FinishReason, SamplingSpec
 
 # Prompt tokens that seed the window (vLLM uses 5 plus the read token).
 _PROMPT_CONTEXT_TOKENS = 6
+_MAX_HELD_TOKENS = 16  # tokens read into the window without text before it is cut anyway
 _REPLACEMENT = "\ufffd"
 
 
@@ -62,7 +69,14 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         full = self._tok.decode(self._ids)
         if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT):
-            return ""  # nothing new yet, or half a character: wait for more tokens
+            if len(self._ids) - self._read < _MAX_HELD_TOKENS:
+                return ""  # nothing new yet, or half a character: wait for more tokens
+            # Held too long to be half a character: cut the window (see the module doc).
+            new_text = full[len(self._prefix_text):]
+            del self._ids[:-_PROMPT_CONTEXT_TOKENS]
+            self._read = len(self._ids)
+            self._prefix_text = self._tok.decode(self._ids)
+            return new_text
         return self._advance(full)
 
     def flush(self) -> str:

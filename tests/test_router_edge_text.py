@@ -134,6 +134,44 @@ def test_multibyte_split_across_tokens_never_emits_half_a_char(tok, text):
     assert "".join(chunks) == text
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_ids_without_text_keep_the_window_bounded_and_the_text_exact(tok, data):
+    """Ids that decode to nothing (past the tokenizer's vocabulary: a random model's, or a
+    logit_bias target) between real text: the text comes out exactly, and the window holds
+    fewer than _MAX_HELD_TOKENS unread tokens and at most twice that in all, however long
+    the run (it used to grow, each token decoding the whole run again)."""
+    from pagedserve.router.detokenizer import _MAX_HELD_TOKENS
+
+    text = data.draw(st.text(alphabet="ab cxyz.,\n", min_size=1, max_size=30))
+    ids = []
+    for t in tok.encode(text):
+        ids.append(t)
+        run_len = data.draw(st.sampled_from([0, 0, 1, 15, 16, 17, 40]))
+        ids += [tok.vocab_size + data.draw(st.integers(0, 1000)) for _ in range(run_len)]
+    detok = IncrementalDetokenizer(tok, [0])
+    chunks = []
+    for t in ids:
+        chunks.append(detok.push(t))
+        assert len(detok._ids) - detok._read < _MAX_HELD_TOKENS
+        assert len(detok._ids) <= 2 * _MAX_HELD_TOKENS
+    chunks.append(detok.flush())
+    assert "".join(chunks) == text
+
+
+def test_bytes_that_never_form_a_character_are_emitted_as_replacements(tok):
+    lead = tok._backend.token_to_id(_byte_token(0xE6))  # starts a 3-byte character
+    lone = tok._backend.token_to_id(_byte_token(0x80))  # a continuation byte on its own
+    a = tok.encode("a")
+    detok = IncrementalDetokenizer(tok, [0])
+    chunks = [detok.push(t) for t in [lead] + [tok.vocab_size + 7] * 20 + a]
+    assert "".join(chunks) + detok.flush() == REPLACEMENT + "a"
+    detok = IncrementalDetokenizer(tok, [0])
+    chunks = [detok.push(lone) for _ in range(40)]
+    assert "".join(chunks) == REPLACEMENT * 32  # two cuts of 16; the rest held
+    assert "".join(chunks) + detok.flush() == tok.decode([lone] * 40) == REPLACEMENT * 40
+
+
 def _byte_token(b: int) -> str:
     # GPT-2 byte-to-unicode map, as ByteLevel uses.
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
