@@ -13,6 +13,11 @@ Cases:
 * ``gpu_qwen2.5-0.5b_decode_b{1,8}`` and ``..._b{1,8,64,256}_graphs``: the same at batch
   1 and 8, and each batch with the decode step replayed as a CUDA graph
   (executor/cuda_graphs.py; only that batch size captured) instead of launched eagerly.
+  These time each step alone (execute, then a device sync).
+* ``gpu_qwen2.5-0.5b_pipelined_b{64,256}_graphs``: the same decodes (40 steps) through the
+  executor's pipelined loop as in the gap cases below (plans marked ``feed_sampled``):
+  the step period p50 (between consecutive results), tok/s and share of the bound, gap and
+  forward p50 — the executor as `serve` runs it, without the router.
 
 * ``cpu_tiny_gap_b{32,256}`` (``--gap`` only: not in the default run): the executor's gap
   between decode steps (``StepResult.gap_s``, from the end of a step's sampling to the
@@ -65,9 +70,12 @@ def emit(case: str, **figures) -> None:
     print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
 
 
-def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: int):
+def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: int,
+                 feed: bool = False):
     """Plans: step 0 registers ``batch`` requests with ``context`` prompt tokens already
-    computed and decodes one token each; the next steps decode one more token each."""
+    computed and decodes one token each; the next steps decode one more token each (with
+    ``feed``: marked ``feed_sampled``, each fed the token the executor sampled for it in the
+    step before, as the pipelining router plans them; else a random token given)."""
     rng = np.random.default_rng(0)
     blocks_per_seq = (context + steps + block_size) // block_size
     tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
@@ -82,7 +90,9 @@ def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: i
             step_id=step, new_requests=new, request_ids=ids,
             num_computed_tokens=int32([pos] * batch), num_new_tokens=int32([1] * batch),
             do_sample=np.ones(batch, np.uint8),
-            token_ids=int32(rng.integers(0, vocab, batch)), positions=int32([pos] * batch),
+            feed_sampled=np.ones(batch, np.uint8) if feed and step else None,
+            token_ids=int32(np.full(batch, -1) if feed and step else rng.integers(0, vocab, batch)),
+            positions=int32([pos] * batch),
             slot_mapping=(tables[:, pos // block_size].astype(np.int64) * block_size
                           + pos % block_size),
             block_table_starts=int32([0 if step == 0 else blocks_per_seq] * batch),
@@ -238,9 +248,20 @@ def _gap_case(model_dir: str, batch: int, steps: int,
     runner = build_runner(model_dir, num_gpu_blocks=batch * ((prompt_len + steps) // 16 + 3),
                           num_cpu_blocks=0, block_size=block_size, max_model_len=1024,
                           progress=False)
+    run = pipelined_steps(runner, pipelined_decode_plans(
+        batch, prompt_len, block_size, steps, runner.vocab_size), warmup)
+    return run["gaps"], run["forwards"], run["tokens_crc32"]
+
+
+def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
+    """The executor process's loop without sockets, at pipeline depth 2: plan N+1 is
+    decoded from MessagePack and `precompute`d on a second thread (the executor's I/O
+    thread) once step N's forward starts, where the previous result is encoded too. Returns
+    the steps after ``warmup``: their gap_s, forward_s, the intervals between consecutive
+    results (the step period: what the executor's throughput is), and the crc32 of every
+    sampled token."""
     encoder = Codec()
-    frames = [[bytes(f) for f in encoder.encode(plan)] for plan in pipelined_decode_plans(
-        batch, prompt_len, block_size, steps, runner.vocab_size)]
+    frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
     inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
 
     def io_thread() -> None:  # the executor's I/O thread, without the socket
@@ -266,20 +287,26 @@ def _gap_case(model_dir: str, batch: int, steps: int,
     thread = threading.Thread(target=io_thread, daemon=True)
     thread.start()
     wake.put(True)  # plan 0
-    gaps, forwards, tokens = [], [], []
+    gaps, forwards, periods, tokens = [], [], [], []
+    last = None
     with torch.inference_mode():  # as the executor process runs its loop
-        for step in range(steps):
+        for step in range(len(frames)):
             plan, inputs = inbox.get()
             result = runner.execute(plan, inputs)
             assert not result.errors, result.errors
+            now = time.perf_counter()
             queued.append(result)
             tokens.append(result.token_ids)
             if step >= warmup:
                 gaps.append(result.gap_s)
                 forwards.append(result.forward_s)
+                periods.append(now - last)
+            last = now
     wake.put(None)
     thread.join()
-    return gaps, forwards, f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
+    runner.before_forward = None
+    return {"gaps": gaps, "forwards": forwards, "periods": periods,
+            "tokens_crc32": f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"}
 
 
 def qwen25_05b_config() -> ModelConfig:
@@ -327,7 +354,8 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
     bandwidth = copy_bandwidth_bytes_per_s(device)
     context, block_size = 1024, 16
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    blocks_per_seq = (context + steps + block_size) // block_size
+    pipelined_steps_n = max(steps, 40)
+    blocks_per_seq = (context + pipelined_steps_n + block_size) // block_size
     cases = [(64, False), (256, False), (1, False), (8, False),
              (1, True), (8, True), (64, True), (256, True)]
     for batch, graphed in cases:
@@ -355,6 +383,23 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
              device=torch.cuda.get_device_name(device),
              model="loaded" if model_dir else "initialised in place",
              cuda_graphs=graphed)
+        if graphed and batch in (64, 256):
+            # The same decode in the executor's own pipelined loop (plan N+1 decoded and
+            # prepared on the I/O thread during step N, marked decodes fed on the device's
+            # side): the step period serving sees, against the synchronous steps above.
+            cache.kv_cache.normal_()
+            runner = ModelRunner(model, cache, graphs=graphs)
+            run = pipelined_steps(runner, decode_plans(batch, context, block_size,
+                                                       pipelined_steps_n, cfg.vocab_size,
+                                                       feed=True), warmup=3)
+            period = statistics.median(run["periods"])
+            emit(f"gpu_qwen2.5-0.5b_pipelined_b{batch}_graphs", batch=batch,
+                 context_tokens=context, step_us_p50=round(period * 1e6, 1),
+                 decode_tok_per_s=round(batch / period, 1),
+                 of_bound_ratio=round(bound_s / period, 3),
+                 gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
+                 forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
+                 steps=len(run["periods"]), cuda_graphs=True)
         if profile and batch == 256:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)

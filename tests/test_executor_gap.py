@@ -289,3 +289,34 @@ def test_executor_bench_gap_cases_run():
     for r in lines:
         assert r["steps"] == 3 and r["gap_ms_p50"] > 0 and r["forward_ms_p50"] > 0
         assert len(r["tokens_crc32"]) == 8
+
+
+def test_executor_bench_pipelined_loop_samples_what_sequential_steps_do(model_dir):
+    """executor_bench's pipelined loop (the GPU check's `..._pipelined_..._graphs` cases) over
+    take-over decodes marked feed_sampled: every step runs without an error and samples the
+    same tokens as the same plans executed one by one."""
+    import sys
+    import zlib
+    from pathlib import Path
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import executor_bench
+
+    def runner():
+        return build_runner(str(model_dir), num_gpu_blocks=4 * 4 + 8, num_cpu_blocks=0,
+                            block_size=16, max_model_len=1024, progress=False)
+
+    def plans(vocab):
+        return executor_bench.decode_plans(4, 33, 16, 12, vocab, feed=True)
+
+    pipelined = runner()
+    run = executor_bench.pipelined_steps(pipelined, plans(pipelined.vocab_size), warmup=3)
+    assert len(run["periods"]) == len(run["gaps"]) == 9
+    sequential, tokens = runner(), []
+    with torch.inference_mode():
+        for plan in plans(sequential.vocab_size):
+            result = sequential.execute(plan)
+            assert not result.errors, result.errors
+            tokens.append(result.token_ids)
+    assert run["tokens_crc32"] == f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
