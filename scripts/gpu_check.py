@@ -158,7 +158,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         overhead_workers = _py(ctx, "benchmarks/step_overhead.py", "--models",
                                str(ctx.model_dir), "--api-workers", "2",
                                *(["--quick", "--depths", "2"] if ctx.small else
-                                 ["--running", "256", "--depths", "2", "--window-s", "5",
+                                 ["--running", "32,256", "--depths", "2", "--window-s", "5",
                                   # streams over 8 connections: the kernel hands each
                                   # worker connections, not streams (benchmarks/README)
                                   "--client-channels", "8"]),
@@ -166,7 +166,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
-                Step("step_overhead_workers", overhead_workers, 100)]
+                Step("step_overhead_workers", overhead_workers, 130)]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
