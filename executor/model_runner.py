@@ -13,7 +13,9 @@ decode marked in ``feed_sampled`` gets as its input the token this executor samp
 that request in step N (pending, then in its `RequestRows` row); a request that sampled
 nothing here in step N gets an error in N+1 instead, never a made-up token.
 
-Timings in the StepResult: ``forward_s`` is the forward and logits; ``sample_s`` sampling;
+Timings in the StepResult: ``forward_s`` is the forward and logits (on a GPU as the device ran
+it, between two CUDA events; on a CPU as it was called); ``sample_s`` sampling (on a GPU: the
+rest of the step until its tokens are back on the host);
 ``swap_s`` block moves; ``gap_s`` runs from the end of sampling of the previous step this
 runner executed to the start of this step's forward (waiting for the plan, decoding it,
 block moves, preparing inputs). The first step after construction or ``reset()`` reports
@@ -129,6 +131,10 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model.config.max_model_len,
                                  model.config.max_model_len)
         self.sampler = Sampler()
+        # CUDA: the forward is timed by two events around it (no host sync for the figure).
+        self._forward_events = tuple(
+            torch.cuda.Event(enable_timing=True) for _ in range(2)
+        ) if self.device.type == "cuda" else None
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                                  self.max_model_len, self.vocab_size, self.device, grammars)
         self.requests: dict[str, RequestState] = {}
@@ -241,34 +247,46 @@ class ModelRunner:
         result["gap_s"] = gap_s(t0)
         if self.before_forward is not None:
             self.before_forward()
+        events = self._forward_events
         try:
+            if events is not None:
+                events[0].record()
             if self.fault_sleep is not None and self.fault_sleep[0] == step:
                 seconds, self.fault_sleep = self.fault_sleep[1], None
                 log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
                 time.sleep(seconds)
             hidden = self._forward(batch)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
-            # Launched (on a GPU the host is free until the sync): now the previous step's
-            # tokens go into the sampling states this step's sampling reads, and its
-            # objects are freed.
+            if events is not None:
+                events[1].record()
+            # Launched (on a GPU the host is free until the sampler reads its tokens back):
+            # now the previous step's tokens go into the sampling states this step's
+            # sampling reads, and its objects are freed.
             self._pending.apply()
             self._retired = None
             # Structured output's masks are host work: done while a GPU runs the forward.
             states = [self.requests[r]._sampling for r in batch.sample_ids]
             grammar_bits = Sampler.grammar_masks(states)
-            _sync(self.device)
             t1 = time.perf_counter()
+            # On a GPU no sync before sampling: the sampler's host work (its pass over the
+            # rows, small tensors) also overlaps the forward, and its kernels queue right
+            # behind it; its token readback is the step's one sync.
             out = self.sampler(logits, states, grammar_bits) if states else None
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
                                        plan.num_computed_tokens, plan.num_new_tokens,
                                        batch.kept, self._scoring)
+            if events is not None:
+                events[1].synchronize()  # done already where the sampler read back
             t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
             errors.append(RequestError("", f"step {step} failed: {type(exc).__name__}: {exc}"))
             return StepResult(**result, errors=errors)
+        if events is not None:  # the forward as the device ran it; sampling is the rest
+            forward_s = events[0].elapsed_time(events[1]) / 1e3
+            t1 = min(t2, t0 + forward_s)
         self.steps_done += 1
         self._retired = plan, pre, batch
         if scores is not None:
