@@ -256,10 +256,11 @@ def _gap_case(model_dir: str, batch: int, steps: int,
 def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     """The executor process's loop without sockets, at pipeline depth 2: plan N+1 is
     decoded from MessagePack and `precompute`d on a second thread (the executor's I/O
-    thread) once step N's forward starts, where the previous result is encoded too. Returns
-    the steps after ``warmup``: their gap_s, forward_s, the intervals between consecutive
-    results (the step period: what the executor's throughput is), and the crc32 of every
-    sampled token."""
+    thread) while step N runs, where results are encoded too; steps go through
+    `ModelRunner.submit` / `collect` as the process runs them (a sampling step stays in
+    flight until the next is launched). Returns the steps after ``warmup``: their gap_s,
+    forward_s, the intervals between consecutive results (the step period: what the
+    executor's throughput is), and the crc32 of every sampled token."""
     encoder = Codec()
     frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
     inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
@@ -276,32 +277,50 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
             inbox.put((plan, runner.precompute(plan)))
 
     # Depth 2: plan N+1 comes in while step N runs (the router sends it on result N-1).
-    queued: list = [True]
+    held: list = [True]  # results that go out when the next forward starts
 
-    def before_forward() -> None:  # the previous result goes out, the next plan comes in
-        for item in queued:
+    def before_forward() -> None:
+        for item in held:
             wake.put(item)
-        queued.clear()
+        held.clear()
+
+    gaps, forwards, periods, tokens = [], [], [], []
+    last = None
+
+    def record(result) -> None:
+        nonlocal last
+        assert not result.errors, result.errors
+        now = time.perf_counter()
+        tokens.append(result.token_ids)
+        if result.step_id >= warmup:
+            gaps.append(result.gap_s)
+            forwards.append(result.forward_s)
+            periods.append(now - last)
+        last = now
 
     runner.before_forward = before_forward
     thread = threading.Thread(target=io_thread, daemon=True)
     thread.start()
     wake.put(True)  # plan 0
-    gaps, forwards, periods, tokens = [], [], [], []
-    last = None
     with torch.inference_mode():  # as the executor process runs its loop
-        for step in range(len(frames)):
-            plan, inputs = inbox.get()
-            result = runner.execute(plan, inputs)
-            assert not result.errors, result.errors
-            now = time.perf_counter()
-            queued.append(result)
-            tokens.append(result.token_ids)
-            if step >= warmup:
-                gaps.append(result.gap_s)
-                forwards.append(result.forward_s)
-                periods.append(now - last)
-            last = now
+        for _ in range(len(frames)):
+            try:
+                plan, inputs = inbox.get_nowait()
+            except queue.Empty:  # nothing to run next: the step in flight answers now
+                result = runner.collect()
+                if result is not None:
+                    record(result)
+                    wake.put(result)
+                plan, inputs = inbox.get()
+            for result in runner.submit(plan, inputs):
+                record(result)
+                if result.step_id == plan.step_id:
+                    held.append(result)  # computed here: out with the next forward
+                else:
+                    wake.put(result)  # read back after this launch: out at once
+        result = runner.collect()
+        if result is not None:
+            record(result)
     wake.put(None)
     thread.join()
     runner.before_forward = None

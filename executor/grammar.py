@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def refused_tokens(bits: np.ndarray, vocab: int, device: torch.device) -> torch.
     if device.type == "cpu":
         unpacked = np.unpackbits(refused.view(np.uint8), axis=1, count=vocab, bitorder="little")
         return torch.from_numpy(unpacked).view(torch.bool)
-    return unpack_words(torch.from_numpy(refused).to(device, non_blocking=True), vocab)
+    return unpack_words(to_device(refused, device), vocab)
 
 
 def unpack_words(words: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -189,7 +190,7 @@ def apply_grammar_masks_(logits: torch.Tensor, rows: list[int], bits: np.ndarray
         return torch.where(refused, neg_inf, logits, out=logits if out is None else out)
     if out is not None:
         logits = out.copy_(logits)
-    idx = torch.tensor(rows, device=logits.device)
+    idx = to_device(rows, logits.device)
     logits[idx] = torch.where(refused, neg_inf, logits[idx])
     return logits
 

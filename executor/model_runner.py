@@ -13,13 +13,27 @@ decode marked in ``feed_sampled`` gets as its input the token this executor samp
 that request in step N (pending, then in its `RequestRows` row); a request that sampled
 nothing here in step N gets an error in N+1 instead, never a made-up token.
 
+Overlapped steps (on a GPU; `ModelRunner.submit`): a step that samples is left in flight,
+its tokens on the device and their copy to the host queued behind the sampling kernels.
+Step N+1's marked decodes are fed on the device from those tokens, its forward is launched,
+and only then are step N's tokens read back (the device ran them first) and its result
+returned, so the device always has the next step queued while the host reads a result,
+sends it and prepares the step after. Order on the device: ... N's sampling, N's copies,
+N+1's forward, N+1's sampling ...; on the host: prepare N+1, launch N+1, read N, record N's
+tokens in the sampling states, launch N+1's sampling, send N's result. What needs N's
+tokens on the host before N+1's launch reads them then (a fork, a checked step, a state
+read, a swap); a dropped request's row waits for them before it is reused. Sampling avoids
+device-to-host reads (pinned, non-blocking copies of its small inputs; no data-dependent
+branch) except for top-p's rare full sort, the penalties and prompt logprobs, which wait.
+
 Timings in the StepResult: ``forward_s`` is the forward and logits (on a GPU as the device ran
-it, between two CUDA events; on a CPU as it was called); ``sample_s`` sampling (on a GPU: the
-rest of the step until its tokens are back on the host);
+it, between two CUDA events; on a CPU as it was called); ``sample_s`` sampling (on a GPU:
+from the forward's end to the tokens' copy to the host, device time);
 ``swap_s`` block moves; ``gap_s`` runs from the end of sampling of the previous step this
 runner executed to the start of this step's forward (waiting for the plan, decoding it,
-block moves, preparing inputs). The first step after construction or ``reset()`` reports
-``gap_s = 0`` (there is no previous step to measure from; registration time would
+block moves, preparing inputs); 0 when the previous step was still in flight at this one's
+launch (the device had it queued). The first step after construction or ``reset()``
+reports ``gap_s = 0`` (there is no previous step to measure from; registration time would
 otherwise pollute the figure). A step with no forward measures up to where it would start.
 The previous step's tokens are appended to the sampling states once this step's forward and
 logits are launched (on a GPU that overlaps the forward; on a CPU, where the forward runs
@@ -43,7 +57,7 @@ from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute, to_device
 from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
-from pagedserve.executor.sampler import Sampler
+from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
@@ -59,21 +73,33 @@ class _PendingSamples:
     `RequestState.sampling`. Until then a marked decode of the next step is fed from here
     (`ModelRunner._prepare`), so the gap between two steps does neither."""
 
-    __slots__ = ("table", "states", "token_ids", "rows", "step_id")
+    __slots__ = ("table", "states", "token_ids", "rows", "step_id", "device_tokens",
+                 "resolve", "released")
 
     def __init__(self, table: RequestRows) -> None:
         self.table = table
         self.states: list[SamplingState] = []  # empty: nothing pending
-        self.token_ids: np.ndarray | None = None
+        self.token_ids: np.ndarray | None = None  # None while the step is in flight
         self.rows: np.ndarray | None = None
         self.step_id = -1
+        # While the step is in flight (launched, tokens not read back): its tokens on the
+        # device, what reads them back (ModelRunner._resolve), and rows whose release
+        # waits for the record (a dropped request's row must not change hands before).
+        self.device_tokens: torch.Tensor | None = None
+        self.resolve: Callable[[], None] | None = None
+        self.released: list[int] = []
 
     def apply(self) -> None:
+        if self.states and self.token_ids is None:
+            self.resolve()  # reads the tokens back: sets token_ids
         states, self.states = self.states, []
         if states:
             self.table.record_samples(self.rows, self.token_ids, self.step_id)
             for state, token in zip(states, self.token_ids.tolist(), strict=True):
                 state.append(token)
+        released, self.released = self.released, []
+        for row in released:
+            self.table.release(row)
 
 
 class RequestState:
@@ -109,6 +135,20 @@ class _Batch:
     kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
 
 
+class _InFlight:
+    """A step launched whose result is not yet built (ModelRunner.submit)."""
+
+    __slots__ = ("plan", "batch", "states", "sampled", "result", "errors", "events", "t0",
+                 "t1")
+
+    def __init__(self, plan: StepPlan, batch: _Batch, states: list[SamplingState],
+                 sampled: SampledOnDevice | None, result: dict, errors: list[RequestError],
+                 events: tuple | None, t0: float, t1: float) -> None:
+        self.plan, self.batch, self.states, self.sampled = plan, batch, states, sampled
+        self.result, self.errors, self.events = result, errors, events
+        self.t0, self.t1 = t0, t1
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -131,10 +171,6 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model.config.max_model_len,
                                  model.config.max_model_len)
         self.sampler = Sampler()
-        # CUDA: the forward is timed by two events around it (no host sync for the figure).
-        self._forward_events = tuple(
-            torch.cuda.Event(enable_timing=True) for _ in range(2)
-        ) if self.device.type == "cuda" else None
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                                  self.max_model_len, self.vocab_size, self.device, grammars)
         self.requests: dict[str, RequestState] = {}
@@ -144,10 +180,15 @@ class ModelRunner:
         self._pending = _PendingSamples(self.rows)
         self.steps_done = 0
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
+        self._inflight: _InFlight | None = None  # launched, tokens not yet read back
+        # Leave sampling steps in flight (submit): on a GPU, whose work runs apart from the
+        # host's. On a CPU the forward is done when launched, so a step left in flight
+        # would only hold its result back a step (tests set it to exercise the path).
+        self.overlap_steps = self.device.type == "cuda"
+        self._ready: list[StepResult] = []  # results built, not yet returned (step order)
         # The previous step's plan, inputs and batch, released once the next forward is
         # launched: freeing their arrays and tensors is tens of microseconds of the gap.
         self._retired: tuple | None = None
-        self._sampled_at: float | None = None
         # TESTING HOOK (never set in production): (step_id, seconds) sleeps that long inside
         # the first step with that id, after its forward timing starts. The executor
         # process sets it from PAGEDSERVE_FAULT_SLEEP_IN_STEP (see process.py).
@@ -161,6 +202,9 @@ class ModelRunner:
         self.requests.clear()
         self._row_of.clear()
         self._scoring.clear()
+        flight, self._inflight, self._ready = self._inflight, None, []
+        if flight is not None and flight.sampled is not None:
+            flight.sampled.result()  # its kernels done before the cache is used again
         self.rows.clear()
         self._pending = _PendingSamples(self.rows)
         self._retired = None
@@ -185,13 +229,25 @@ class ModelRunner:
     def _drop(self, request_id: str) -> None:
         old = self.requests.pop(request_id, None)
         if old is not None:
-            self._pending.apply()  # before its row can change hands
-            self.rows.release(old.row)
+            pending = self._pending
+            if pending.states and pending.token_ids is None:
+                pending.released.append(old.row)  # released once the step's tokens are in
+            else:
+                pending.apply()  # before its row can change hands
+                self.rows.release(old.row)
             del self._row_of[request_id]
             self._scoring.pop(request_id, None)
 
     # ------------------------------------------------------------------------------ step
     def execute(self, plan: StepPlan, inputs: PlanInputs | None = None) -> StepResult:
+        """Run one plan to its result: `submit`, then `collect` (nothing may be in flight;
+        the executor process overlaps steps with `submit`/`collect` themselves)."""
+        if self._inflight is not None or self._ready:
+            raise RuntimeError("execute() with a step in flight: use submit() and collect()")
+        results = self.submit(plan, inputs)
+        return results[0] if results else self.collect()
+
+    def submit(self, plan: StepPlan, inputs: PlanInputs | None = None) -> list[StepResult]:
         """Run one plan (with `inputs`, its `precompute`, when done ahead), in the order
         DESIGN §2 fixes:
 
@@ -210,44 +266,76 @@ class ModelRunner:
         An exception in 5 is reported as a step error (empty request id), never swallowed;
         then no request sampled in this step, so the next plan's marked decodes all fail.
 
+        Overlapped steps. A step that samples is left in flight: its tokens stay on the
+        device (their copy to the host queued behind the sampling kernels) and this returns
+        before they are read. The next `submit` feeds its marked decodes from those device
+        tokens, launches its forward, and only then reads the previous step's tokens back
+        (they were ready long before: the device ran them first), so the device has the
+        next step queued while the host finishes the previous one and prepares the one
+        after. Anything that needs the in-flight tokens on the host earlier (a fork, a
+        checked step, a state read) reads them then. Returns the results that became ready,
+        in step order: the previous step's, and this one's when it did not stay in flight;
+        `collect()` returns the one in flight (call it when no plan is waiting).
+
         Runs in inference mode (entered here unless the caller holds it: the executor
         process enters it once for its whole loop, which keeps it out of the gap).
         """
-        self._sampled_at = None
-        try:
-            if torch.is_inference_mode_enabled():
-                return self._execute(plan, self._prev_end, inputs)
+        if torch.is_inference_mode_enabled():
+            now = self._submit(plan, inputs)
+        else:
             with torch.inference_mode():
-                return self._execute(plan, self._prev_end, inputs)
-        finally:  # the next step's gap starts at the end of this one's sampling
-            self._prev_end = self._sampled_at or time.perf_counter()
+                now = self._submit(plan, inputs)
+        ready, self._ready = self._ready, []
+        if now is not None:
+            ready.append(now)
+        return ready
 
-    def _execute(self, plan: StepPlan, prev_end: float | None,
-                 pre: PlanInputs | None) -> StepResult:
+    def collect(self) -> StepResult | None:
+        """The result of the step in flight, once its tokens are read back (None: none)."""
+        self._resolve()
+        ready, self._ready = self._ready, []
+        assert len(ready) <= 1, ready
+        return ready[0] if ready else None
+
+    @property
+    def inflight_step(self) -> tuple[int, float] | None:
+        """(step id, deadline_s) of the step in flight, if any."""
+        f = self._inflight
+        return None if f is None else (f.plan.step_id, f.plan.deadline_s)
+
+    def _finished_now(self, result: StepResult) -> StepResult:
+        """A step that ends without staying in flight: the previous one's result first."""
+        self._resolve()
+        self.steps_done += 1
+        self._prev_end = time.perf_counter()
+        return result
+
+    def _submit(self, plan: StepPlan, pre: PlanInputs | None) -> StepResult | None:
         step = plan.step_id
-
-        def gap_s(now: float) -> float:
-            return 0.0 if prev_end is None else now - prev_end
-
+        prev_end = self._prev_end
         if pre is None:
             pre = self.precompute(plan)
         if pre.move_error:
             log.error("step %d rejected: %s", step, pre.move_error)
-            return StepResult(step_id=step, executor_id=self.executor_id,
-                              errors=[RequestError("", pre.move_error)],
-                              gap_s=gap_s(time.perf_counter()))
+            now = time.perf_counter()
+            return self._finished_now(StepResult(
+                step_id=step, executor_id=self.executor_id,
+                errors=[RequestError("", pre.move_error)],
+                gap_s=0.0 if prev_end is None else now - prev_end))
         swap_s = self._move_blocks(pre.moves)
         errors = self._update_requests(plan, pre.new_states)
         batch = self._prepare(plan, errors, pre)
         result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
-        if batch is None:
-            self.steps_done += 1
-            return StepResult(**result, errors=errors, gap_s=gap_s(time.perf_counter()))
         t0 = time.perf_counter()
-        result["gap_s"] = gap_s(t0)
+        # The gap: the device idle between the previous step's sampling and this forward;
+        # none while the previous step is still in flight (its sampling is queued ahead).
+        overlapped = self._inflight is not None and self.device.type == "cuda"
+        result["gap_s"] = 0.0 if prev_end is None or overlapped else t0 - prev_end
+        if batch is None:
+            return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
             self.before_forward()
-        events = self._forward_events
+        events = self._forward_events()
         try:
             if events is not None:
                 events[0].record()
@@ -261,47 +349,81 @@ class ModelRunner:
                 events[1].record()
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step's tokens go into the sampling states this step's
-            # sampling reads, and its objects are freed.
+            # sampling reads (read back first if still in flight), and its objects are
+            # freed.
             self._pending.apply()
             self._retired = None
             # Structured output's masks are host work: done while a GPU runs the forward.
             states = [self.requests[r]._sampling for r in batch.sample_ids]
             grammar_bits = Sampler.grammar_masks(states)
             t1 = time.perf_counter()
-            # On a GPU no sync before sampling: the sampler's host work (its pass over the
-            # rows, small tensors) also overlaps the forward, and its kernels queue right
-            # behind it; its token readback is the step's one sync.
-            out = self.sampler(logits, states, grammar_bits) if states else None
+            # No sync before sampling: the sampler's host work also overlaps the forward,
+            # and its kernels queue right behind it.
+            sampled = self.sampler.launch(logits, states, grammar_bits) if states else None
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
                                        plan.num_computed_tokens, plan.num_new_tokens,
                                        batch.kept, self._scoring)
-            if events is not None:
-                events[1].synchronize()  # done already where the sampler read back
-            t2 = self._sampled_at = time.perf_counter()
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
             errors.append(RequestError("", f"step {step} failed: {type(exc).__name__}: {exc}"))
-            return StepResult(**result, errors=errors)
-        if events is not None:  # the forward as the device ran it; sampling is the rest
-            forward_s = events[0].elapsed_time(events[1]) / 1e3
-            t1 = min(t2, t0 + forward_s)
-        self.steps_done += 1
+            return self._finished_now(StepResult(**result, errors=errors))
         self._retired = plan, pre, batch
         if scores is not None:
             result.update(scores)
+        flight = _InFlight(plan, batch, states, sampled, result, errors, events, t0, t1)
+        if sampled is not None:
+            # Recorded once read back (after the next forward is launched); the next
+            # step's marked decodes are fed from here.
+            pending = self._pending
+            pending.states, pending.token_ids = states, None
+            pending.device_tokens, pending.resolve = sampled.tokens, self._resolve
+            pending.rows, pending.step_id = batch.sample_state_rows, step
+        self._inflight = flight
+        if sampled is not None and self.overlap_steps:
+            return None
+        self._resolve()  # read back now
+        return self._ready.pop()
+
+    def _resolve(self) -> None:
+        """Read the step in flight back and queue its StepResult (nothing when none)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        out = flight.sampled.result() if flight.sampled is not None else None
+        events = flight.events
+        if events is not None:
+            events[1].synchronize()
+        t0, t1 = flight.t0, flight.t1
+        if events is not None:  # the forward as the device ran it; sampling the rest
+            self._prev_end = time.perf_counter()
+            forward_s = events[0].elapsed_time(events[1]) / 1e3
+            sample_s = (flight.sampled.elapsed_s(events[1]) if flight.sampled is not None
+                        else 0.0)
+        else:  # a CPU ran it all as it was called
+            self._prev_end = time.perf_counter()
+            forward_s, sample_s = t1 - t0, self._prev_end - t1
+        self.steps_done += 1
+        result, errors = flight.result, flight.errors
         if out is None:
-            return StepResult(**result, errors=errors, forward_s=t1 - t0)
-        # Recorded after the next forward is launched; its marked decodes are fed from here.
-        pending = self._pending
-        pending.states, pending.token_ids = states, out.token_ids
-        pending.rows, pending.step_id = batch.sample_state_rows, step
-        return StepResult(
+            self._ready.append(StepResult(**result, errors=errors, forward_s=forward_s))
+            return
+        if self._pending.step_id == flight.plan.step_id:
+            self._pending.token_ids = out.token_ids
+        batch = flight.batch
+        self._ready.append(StepResult(
             **result, request_ids=batch.sample_ids, token_ids=out.token_ids,
             logprobs=out.logprobs, top_counts=out.top_counts, top_token_ids=out.top_token_ids,
-            top_logprobs=out.top_logprobs, errors=errors, forward_s=t1 - t0, sample_s=t2 - t1,
-        )
+            top_logprobs=out.top_logprobs, errors=errors, forward_s=forward_s,
+            sample_s=sample_s,
+        ))
+
+    def _forward_events(self) -> tuple | None:
+        """CUDA: two timing events around a step's forward (no host sync for the figure)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     # ------------------------------------------------------------------------------ parts
     def _forward(self, batch: _Batch) -> torch.Tensor:
@@ -388,11 +510,21 @@ class ModelRunner:
             return self._prepare_checked(plan, errors, pre, rows, old_len)
         if pre.starts.tobytes() != old_len.tobytes():  # a change before a table's end
             return self._prepare_checked(plan, errors, pre, rows, old_len)
+        on_device = False
         if marked.shape[0]:
-            pre.token_ids[pre.feed_at] = pending.token_ids
+            if pending.token_ids is not None:
+                pre.token_ids[pre.feed_at] = pending.token_ids
+            else:  # the previous step is in flight: fed from its tokens on the device
+                on_device = True
         table.ensure_width(pre.longest)
         table.set_tails(rows, pre.new_len, rows[pre.id_seq], pre.id_cols, pre.ids)
-        return self._full_batch(pre, rows)
+        batch = self._full_batch(pre, rows)
+        if on_device:
+            tokens = pending.device_tokens
+            batch.input_ids.index_copy_(
+                0, torch.from_numpy(pre.feed_at).to(tokens.device, non_blocking=True),
+                tokens.to(batch.input_ids.dtype))
+        return batch
 
     def _full_batch(self, pre: PlanInputs, rows: np.ndarray) -> _Batch:
         """Every row kept: the tensors precompute built, the fed input ids, the tables."""

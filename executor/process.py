@@ -290,24 +290,41 @@ class ExecutorProcess:
             self.sock = None
 
     def _execute(self, plan: StepPlan, inputs=None) -> None:
-        """Run one plan; its result goes out through the I/O thread."""
+        """Run one plan (ModelRunner.submit: it may stay in flight until the next plan is
+        launched or `_collect`); the results that became ready go out through the I/O
+        thread. A result whose step left nothing in flight (the runner computed it all)
+        waits for the next forward's start or the idle flush, as before: the I/O thread
+        then encodes it while torch computes, not while the main thread prepares the next
+        step. A previous step's result read back after this step's launch goes at once:
+        the device is busy with this step, and the router plans the step after from it."""
         hb = self.heartbeat
         hb.begin_step(plan.step_id, plan.deadline_s)
         start = time.monotonic()
         try:
-            result = self.runner.execute(plan, inputs)
+            results = self.runner.submit(plan, inputs)
             hb.steps_done = self.runner.steps_done  # before end_step: a beat that says
         finally:  # "steps_done" N+1 left after step N+1 ended (the deadline test reads it)
             hb.end_step()
-        # The result leaves when the next forward starts (the runner's before_forward hook),
-        # or at once when no plan is waiting (the main loop flushes before it blocks): the
-        # I/O thread then encodes it while torch computes, instead of taking the GIL from
-        # the main thread while it prepares the next step (the executor's gap). The router
-        # has the next plan out already (pipelining), so it loses nothing by the wait.
-        self.io.send(result, wake=False)
+        for result in results:
+            self.io.send(result, wake=result.step_id != plan.step_id)
         if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
+
+    def _collect(self) -> None:
+        """No plan waiting: the step in flight is read back and its result sent."""
+        inflight = self.runner.inflight_step
+        if inflight is None:
+            return
+        hb = self.heartbeat
+        hb.begin_step(*inflight)
+        try:
+            result = self.runner.collect()
+            hb.steps_done = self.runner.steps_done
+        finally:
+            hb.end_step()
+        if result is not None:
+            self.io.send(result, wake=False)
 
     def serve(self) -> int:
         """Register, then execute plans in order until Shutdown(exit=True) or SIGTERM.
@@ -328,6 +345,7 @@ class ExecutorProcess:
             next_check = 0.0
             while True:
                 if self.stopping:
+                    self._collect()  # the step in flight answered before the goodbye
                     self._say_goodbye()
                     return 0
                 now = time.monotonic()
@@ -340,7 +358,8 @@ class ExecutorProcess:
                 try:
                     msg = self.io.inbox.get_nowait()
                 except queue.Empty:
-                    self.io.flush()  # nothing to run next: results go out now
+                    self._collect()  # nothing to run next: results go out now
+                    self.io.flush()
                     msg = None
                 try:
                     if msg is None:
@@ -356,6 +375,7 @@ class ExecutorProcess:
                 elif isinstance(msg, Shutdown):
                     if msg.exit:
                         log.info("shutdown: %s", msg.reason or "asked by the router")
+                        self._collect()
                         self._take_socket_back()
                         self.sock.close(linger=1000)  # the last results leave first
                         self.sock = None

@@ -47,12 +47,14 @@ Logprobs are the log-softmax of the RAW logits (before penalties and temperature
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import SamplingParams
@@ -72,6 +74,43 @@ class SamplerOutput:
     top_counts: np.ndarray  # int32 [R]; row i owns the next top_counts[i] entries below
     top_token_ids: np.ndarray  # int32 [sum(top_counts)], best first within a row
     top_logprobs: np.ndarray  # float32 [sum(top_counts)]
+
+
+class SampledOnDevice:
+    """What `Sampler.launch` returns: the sampled ``tokens`` (int64 [R], on the logits'
+    device, for feeding the next step there) and their copies to the host, already queued
+    behind the sampling kernels (pinned buffers, one CUDA event after them). `result()`
+    waits for that event only, so a step launched after this one is not waited for."""
+
+    __slots__ = ("tokens", "_host", "_event", "_finish")
+
+    def __init__(self, tokens: torch.Tensor, host: list[torch.Tensor], finish) -> None:
+        self.tokens = tokens
+        self._finish = finish  # host tensors -> SamplerOutput
+        if tokens.device.type == "cuda":
+            self._host = [_pinned_copy(t) for t in host]
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+        else:
+            self._host, self._event = host, None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def elapsed_s(self, since) -> float:
+        """Device seconds from the CUDA event ``since`` (recorded earlier, with timing) to
+        the end of these copies; after `result()`."""
+        return since.elapsed_time(self._event) / 1e3
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._finish(*[t.numpy() for t in self._host])
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- randomness
@@ -103,10 +142,10 @@ def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     target = (u.unsqueeze(1).to(torch.float64) * total.to(torch.float64)).to(cdf.dtype)
     idx = torch.searchsorted(cdf, target, right=True)
-    over = idx >= cdf.shape[1]  # u * total rounded up to total: take the last token with mass
-    if bool(over.any()):
-        rows = over.squeeze(1)
-        idx[rows] = torch.searchsorted(cdf[rows], total[rows], right=False)
+    # u * total rounded up to total: take the last token with mass. Computed for every row
+    # and selected (no device-to-host read of "any row over?": sampling never syncs).
+    over = idx >= cdf.shape[1]
+    idx = torch.where(over, torch.searchsorted(cdf, total.contiguous(), right=False), idx)
     return idx.squeeze(1)
 
 # --------------------------------------------------------------------------- logit processors
@@ -117,8 +156,7 @@ def _flatten(arrays: Sequence[np.ndarray],
     lengths = [a.shape[0] for a in arrays]
     token_ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     rows = np.repeat(np.arange(len(arrays), dtype=np.int64), lengths)
-    return (torch.from_numpy(rows).to(device),
-            torch.as_tensor(token_ids, dtype=torch.int64).to(device))
+    return to_device(rows, device), to_device(token_ids, device, torch.int64)
 
 
 def flatten_output_tokens(states: Sequence[SamplingState],
@@ -162,9 +200,11 @@ def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits
 
 
-def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """In place: keep logits >= the k-th largest of their row (1 <= top_k[i] <= V)."""
-    values = logits.topk(int(top_k.max()), dim=-1).values
+def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor,
+                 k_max: int | None = None) -> torch.Tensor:
+    """In place: keep logits >= the k-th largest of their row (1 <= top_k[i] <= V).
+    ``k_max``: max(top_k) when the caller knows it (no device-to-host read)."""
+    values = logits.topk(int(top_k.max()) if k_max is None else k_max, dim=-1).values
     kth = values.gather(1, (top_k - 1).unsqueeze(1))
     return logits.masked_fill_(logits < kth, float("-inf"))
 
@@ -210,11 +250,11 @@ def apply_min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
     """``fn(x[rows], *params)`` written back in place; no gather when every row takes part."""
-    params = [torch.tensor(p, device=x.device) for p in row_params]
+    params = [to_device(p, x.device) for p in row_params]
     if len(rows) == x.shape[0]:
         fn(x, *params)
     else:
-        idx = torch.tensor(rows, device=x.device)
+        idx = to_device(rows, x.device)
         x[idx] = fn(x[idx], *params)
 
 def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
@@ -288,6 +328,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
                  grammar_bits: np.ndarray | None = None) -> SamplerOutput:
         """`grammar_bits`: `grammar_masks(states)` computed ahead (else computed here)."""
+        return self.launch(logits, states, grammar_bits).result()
+
+    def launch(self, logits: torch.Tensor, states: Sequence[SamplingState],
+               grammar_bits: np.ndarray | None = None) -> SampledOnDevice:
+        """`__call__` without waiting: the tokens stay on the device and their copies to
+        the host are queued (the executor launches its next step before reading them)."""
         num_rows, vocab = logits.shape
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
@@ -332,20 +378,19 @@ class Sampler:
         if bias_rows:
             apply_logit_bias_(x, bias_rows, [params[i] for i in bias_rows])
         if pen_rows:
-            pen_index = torch.tensor(pen_rows, device=device)
+            pen_index = to_device(pen_rows, device)
             rows, token_ids = flatten_output_tokens([states[i] for i in pen_rows], device)
             rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
             prompt_rows, prompt_ids = flatten_prompt_tokens([states[i] for i in rep_rows],
                                                             device)
             apply_penalties_(x, pen_index[rows], token_ids,
-                             torch.tensor([p.repetition_penalty for p in params], device=device),
-                             torch.tensor([p.presence_penalty for p in params], device=device),
-                             torch.tensor([p.frequency_penalty for p in params], device=device),
-                             torch.tensor(rep_rows, dtype=torch.int64, device=device)[prompt_rows],
+                             to_device([p.repetition_penalty for p in params], device),
+                             to_device([p.presence_penalty for p in params], device),
+                             to_device([p.frequency_penalty for p in params], device),
+                             to_device(rep_rows, device, torch.int64)[prompt_rows],
                              prompt_ids)
         if mask_rows:
-            x[torch.tensor(mask_rows, device=device),
-              torch.tensor(mask_ids, device=device)] = float("-inf")
+            x[to_device(mask_rows, device), to_device(mask_ids, device)] = float("-inf")
         if grammar_rows:
             if grammar_bits is None:
                 grammar_bits = self.grammar_masks(states)
@@ -359,10 +404,10 @@ class Sampler:
             tokens = self._sample_random(x, None, states)
         else:
             tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
-            g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
+            g_idx = to_device([i for i, g in enumerate(greedy) if g], device)
             tokens[g_idx] = x[g_idx].argmax(-1)
             rand_rows = [i for i, g in enumerate(greedy) if not g]
-            tokens[torch.tensor(rand_rows, device=device)] = self._sample_random(
+            tokens[to_device(rand_rows, device)] = self._sample_random(
                 x, rand_rows, [states[i] for i in rand_rows])
         return self._output(raw, tokens, params)
 
@@ -372,15 +417,16 @@ class Sampler:
         None); ``logits`` is not modified."""
         device, vocab = logits.device, logits.shape[1]
         params = [s.params for s in states]
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        temps = to_device([p.temperature for p in params], device).unsqueeze(1)
         x = self._buffer(1, (len(states), vocab), device)
         if rows is None:
             torch.div(logits, temps, out=x)
         else:
-            torch.index_select(logits, 0, torch.tensor(rows, device=device), out=x).div_(temps)
+            torch.index_select(logits, 0, to_device(rows, device), out=x).div_(temps)
         k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
         if k_rows:
-            _on_rows_(x, k_rows, apply_top_k_, [params[i].top_k for i in k_rows])
+            ks = [params[i].top_k for i in k_rows]
+            _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)
         p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if p_rows:
             _on_rows_(x, p_rows, apply_top_p_, [params[i].top_p for i in p_rows])
@@ -390,35 +436,44 @@ class Sampler:
             _on_rows_(probs, m_rows, apply_min_p_, [params[i].min_p for i in m_rows])
         u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
                           [s.num_output_tokens for s in states])
-        return sample_from_probs_(probs, torch.from_numpy(u).to(device))
+        return sample_from_probs_(probs, to_device(u, device))
 
     @staticmethod
     def _output(raw: torch.Tensor, tokens: torch.Tensor,
-                params: Sequence[SamplingParams]) -> SamplerOutput:
+                params: Sequence[SamplingParams]) -> SampledOnDevice:
+        """The tokens and, for the rows that ask, their logprobs and top-k, computed on the
+        device and queued for the host (no read here: boolean selections are done there)."""
         num_rows = raw.shape[0]
-        token_ids = tokens.to(torch.int32).cpu().numpy()
-        logprobs = np.full(num_rows, np.nan, dtype=np.float32)
-        top_counts = np.zeros(num_rows, dtype=np.int32)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            return SamplerOutput(token_ids, logprobs, top_counts,
-                                 np.zeros(0, np.int32), np.zeros(0, np.float32))
+            def plain(token_ids: np.ndarray) -> SamplerOutput:
+                return SamplerOutput(token_ids, np.full(num_rows, np.nan, dtype=np.float32),
+                                     np.zeros(num_rows, dtype=np.int32),
+                                     np.zeros(0, np.int32), np.zeros(0, np.float32))
+            return SampledOnDevice(tokens, [tokens.to(torch.int32)], plain)
+        chosen = tokens
         if len(lp_rows) < num_rows:
-            idx = torch.tensor(lp_rows, device=raw.device)
-            raw, tokens = raw[idx], tokens[idx]
+            idx = to_device(lp_rows, raw.device)
+            raw, chosen = raw[idx], tokens[idx]
         lp = torch.log_softmax(raw, -1)
-        logprobs[lp_rows] = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).cpu().numpy()
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
         ks = [min(params[i].logprobs, raw.shape[1]) for i in lp_rows]
-        top_counts[lp_rows] = ks
         k_max = max(ks)
-        if k_max == 0:
-            return SamplerOutput(token_ids, logprobs, top_counts,
-                                 np.zeros(0, np.int32), np.zeros(0, np.float32))
-        top = lp.topk(k_max, dim=-1)
-        want = torch.arange(k_max, device=raw.device) < torch.tensor(
-            ks, device=raw.device).unsqueeze(1)
-        return SamplerOutput(
-            token_ids, logprobs, top_counts,
-            top.indices[want].to(torch.int32).cpu().numpy(),
-            top.values[want].cpu().numpy().astype(np.float32),
-        )
+        host = [tokens.to(torch.int32), chosen_lp]
+        if k_max:
+            top = lp.topk(k_max, dim=-1)
+            host += [top.indices.to(torch.int32), top.values]
+
+        def finish(token_ids, chosen_lp, top_ids=None, top_lps=None) -> SamplerOutput:
+            logprobs = np.full(num_rows, np.nan, dtype=np.float32)
+            logprobs[lp_rows] = chosen_lp
+            top_counts = np.zeros(num_rows, dtype=np.int32)
+            top_counts[lp_rows] = ks
+            if not k_max:
+                return SamplerOutput(token_ids, logprobs, top_counts,
+                                     np.zeros(0, np.int32), np.zeros(0, np.float32))
+            want = np.arange(k_max) < np.asarray(ks)[:, None]  # row i keeps its first ks[i]
+            return SamplerOutput(token_ids, logprobs, top_counts, top_ids[want],
+                                 top_lps[want].astype(np.float32))
+
+        return SampledOnDevice(tokens, host, finish)

@@ -50,11 +50,12 @@ class Spy:
             })
             return forward(batch)
 
-        def spy_sampler(logits, states, grammar_bits=None):
-            self.sampled_outputs.append([s.output_token_ids.tolist() for s in states])
-            return sampler(logits, states, grammar_bits)
+        class SpySampler:
+            def launch(_, logits, states, grammar_bits=None):
+                self.sampled_outputs.append([s.output_token_ids.tolist() for s in states])
+                return sampler.launch(logits, states, grammar_bits)
 
-        runner._forward, runner.sampler = spy_forward, spy_sampler
+        runner._forward, runner.sampler = spy_forward, SpySampler()
 
 
 def _driver(model_dir) -> Driver:

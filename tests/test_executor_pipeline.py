@@ -48,9 +48,10 @@ def model_dir(tmp_path_factory):
                        initializer_range=0.05)
 
 
-def _driver(model_dir) -> Driver:
+def _driver(model_dir, device: str = "cpu") -> Driver:
+    extra = {} if device == "cpu" else {"device": device, "dtype": "float32"}
     return Driver(build_runner(str(model_dir), num_gpu_blocks=48, num_cpu_blocks=8,
-                               block_size=8, progress=False))
+                               block_size=8, progress=False, **extra))
 
 
 def _run_script(driver: Driver, script, pipelined: bool) -> list[StepResult]:
@@ -115,6 +116,86 @@ def test_marked_decodes_give_exactly_the_depth_1_tokens(model_dir):
     assert len(set(d2.seqs["b"].outputs)) > 1  # seeded rows really sample
     # gap_s: 0 for the first step of a runner, then the time between two steps.
     assert depth2[0].gap_s == 0.0 and all(r.gap_s > 0 for r in depth2[1:])
+
+
+def _run_script_overlapped(driver: Driver, script) -> list[StepResult]:
+    """``script`` as the executor process runs it: `submit` leaves each sampling step in
+    flight and returns the previous step's result once the next forward is launched; the
+    plan after is built from that result (depth 2), `collect` takes the last."""
+    results = []
+    driver.runner.overlap_steps = True  # as on a GPU
+    for schedule in script:
+        feed = {r for r, n in schedule.items() if n == FEED}
+        plan = driver.plan({r: None if n == FEED else n for r, n in schedule.items()},
+                           feed=feed)
+        ahead = driver.runner.precompute(plan)
+        ready = driver.runner.submit(plan, ahead)
+        for result in ready:
+            driver.accept(result)
+        results += ready
+    last = driver.runner.collect()
+    assert last is not None and driver.runner.collect() is None
+    driver.accept(last)
+    return results + [last]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapped_steps_give_exactly_the_depth_1_results(model_dir, device):
+    """Steps left in flight (the next one fed from the device's tokens and launched before
+    the previous tokens are read back): the same results, in order, as depth 1; every step
+    after the first returned only once the next was submitted. On CUDA (float32) this is
+    the executor's own mode; on a CPU the test turns it on."""
+    runs = {}
+    for overlapped in (False, True):
+        d = _driver(model_dir, device)
+        d.add("a", PROMPT, sampling=GREEDY_PEN)
+        d.add("b", OTHER, sampling=SEEDED_PEN, sample_index=1)
+        d.add("c", THIRD, sampling=SEEDED_PEN)
+        runs[overlapped] = d, (_run_script_overlapped(d, SCRIPT) if overlapped
+                               else _run_script(d, SCRIPT, False))
+    (d1, depth1), (d2, overlapped) = runs[False], runs[True]
+    assert [r.step_id for r in overlapped] == [r.step_id for r in depth1]
+    for a, b in zip(depth1, overlapped, strict=True):
+        _same_results(a, b)
+        assert not b.errors
+    for rid in "abc":
+        assert d2.seqs[rid].outputs == d1.seqs[rid].outputs
+        assert d2.runner.requests[rid].sampling.output_token_ids.tolist() == d2.seqs[rid].outputs
+
+
+def test_overlapped_step_result_waits_for_the_next_submit(model_dir):
+    """submit() of a sampling step returns nothing new; the next submit returns it (before
+    its own, which stays in flight); a finished request dropped meanwhile keeps its row
+    until the tokens are read; collect() ends it."""
+    d = _driver(model_dir)
+    d.runner.overlap_steps = True  # as on a GPU
+    d.add("a", PROMPT)
+    d.add("b", OTHER)
+    first = d.plan({"a": None, "b": None})
+    assert d.runner.submit(first) == []
+    assert d.runner.inflight_step == (first.step_id, first.deadline_s)
+    second = d.plan({"a": 1, "b": 1}, feed={"a", "b"})
+    ready = d.runner.submit(second)
+    assert [r.step_id for r in ready] == [first.step_id]
+    d.accept(ready[0])
+    free = d.runner.rows.num_free
+    # b ends while second (which sampled it) is in flight: its row is released only once
+    # second's tokens are read back, inside this submit (after third's forward is launched).
+    third = d.plan({"a": 1}, feed={"a"}, finished_ids=["b"])
+    ready = d.runner.submit(third)
+    assert [r.step_id for r in ready] == [second.step_id]
+    assert ready[0].request_ids == ["a", "b"] and not ready[0].errors
+    assert d.runner.rows.num_free == free + 1 and "b" not in d.runner.requests
+    d.accept(ready[0])
+    last = d.runner.collect()
+    assert last.step_id == third.step_id and last.request_ids == ["a"]
+    assert d.runner.collect() is None and d.runner.inflight_step is None
+    d.accept(last)
+    fourth = d.plan({"a": 1})
+    assert d.runner.submit(fourth) == []
+    with pytest.raises(RuntimeError):  # execute() is for one step at a time
+        d.runner.execute(fourth)
+    assert d.runner.collect().step_id == fourth.step_id
 
 
 def test_fork_planned_while_the_parent_token_is_in_flight(model_dir):
