@@ -1,0 +1,193 @@
+"""Preparing a step's batch from its plan: feeding the marked decodes, applying the block
+table changes, building the tensors the forward reads (`Batch`).
+
+Functions of the ModelRunner (bound as its methods in model_runner.py; `self` is the
+runner). HOT PATH: `prepare` and `full_batch` run between two steps (the executor's gap):
+a fixed number of numpy calls over the step's rows, no per-request Python loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from pagedserve.executor.models import AttentionMetadata
+from pagedserve.executor.plan_inputs import PlanInputs, to_device
+from pagedserve.protos.wire import RequestError, StepPlan
+
+if TYPE_CHECKING:
+    from pagedserve.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The valid part of a plan, as device tensors."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # index into the hidden states of the tokens that sample
+    sample_ids: list[str]  # their requests, same order
+    sample_state_rows: np.ndarray  # their rows in RequestRows, same order
+    kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
+
+
+def _to_dev(self: ModelRunner, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(self.device, non_blocking=True)
+
+def _dev(self: ModelRunner, arr: np.ndarray, dtype) -> torch.Tensor:
+    return to_device(arr, dtype, self.device)
+def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
+             pre: PlanInputs) -> Batch | None:
+    """Feed the marked decodes, apply the table changes of the valid requests and build
+    the batch tensors (the plan-only part from `precompute`).
+
+    The usual step (every request known, the marked rows exactly the rows that sampled
+    in the previous step and in the same order, every table change starting at the end
+    of its table, nothing condemned by the plan) is a fixed handful of numpy calls,
+    whatever the number of rows: one C-level pass maps the request ids to their rows of
+    `self.rows`; the previous step's tokens (still pending, `_PendingSamples`) are
+    scattered into the input ids as they are; the table changes are one scatter
+    (indices from `precompute`); the batch's tables are one gather. Array equality is
+    tested on bytes (on the cold cache a long forward leaves, the cheapest test). Any
+    other step takes `_prepare_checked`, which finds and reports the rows to leave out.
+    """
+    num_seqs = plan.num_seqs
+    if num_seqs == 0:
+        return None
+    if pre.unfed or pre.bad:
+        return self._prepare_checked(plan, errors, pre)
+    try:
+        rows = np.fromiter(map(self._row_of.__getitem__, plan.request_ids), np.int64,
+                           num_seqs)
+    except KeyError:  # an unknown request
+        return self._prepare_checked(plan, errors, pre)
+    table, pending, marked = self.rows, self._pending, pre.marked
+    old_len = table.num_blocks[rows]
+    if marked.shape[0] and not (
+            pending.states and pending.step_id == plan.step_id - 1
+            and (rows if pre.all_marked else rows[marked]).tobytes()
+            == pending.rows.tobytes()):
+        return self._prepare_checked(plan, errors, pre, rows, old_len)
+    if pre.starts.tobytes() != old_len.tobytes():  # a change before a table's end
+        return self._prepare_checked(plan, errors, pre, rows, old_len)
+    on_device = False
+    if marked.shape[0]:
+        if pending.token_ids is not None:
+            pre.token_ids[pre.feed_at] = pending.token_ids
+        else:  # the previous step is in flight: fed from its tokens on the device
+            on_device = True
+    table.ensure_width(pre.longest)
+    table.set_tails(rows, pre.new_len, rows[pre.id_seq], pre.id_cols, pre.ids)
+    batch = self._full_batch(pre, rows)
+    if on_device:
+        tokens = pending.device_tokens
+        batch.input_ids.index_copy_(
+            0, torch.from_numpy(pre.feed_at).to(tokens.device, non_blocking=True),
+            tokens.to(batch.input_ids.dtype))
+    return batch
+
+def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray) -> Batch:
+    """Every row kept: the tensors precompute built, the fed input ids, the tables."""
+    self.rows.gather(rows, pre.longest, out=pre.tables)
+    on_host = self.device.type == "cpu"
+    return Batch(
+        input_ids=pre.input_ids_host if on_host else self._to_dev(pre.input_ids_host),
+        positions=pre.positions,
+        attn=AttentionMetadata(
+            slot_mapping=pre.slot_mapping,
+            block_tables=pre.tables_host if on_host else self._to_dev(pre.tables_host),
+            query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
+            max_query_len=pre.max_query_len),
+        sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
+        sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows])
+
+def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError], pre: PlanInputs,
+                     rows: np.ndarray | None = None,
+                     old_len: np.ndarray | None = None) -> Batch | None:
+    """`_prepare` row by row where it matters: the rows that can be fed are fed; each
+    row that cannot, is condemned by the plan, is unknown (row -1) or whose table change
+    starts beyond its table gets an error and its state is dropped; the others' changes
+    are applied (tables cut shorter zeroed past their end) and they form the batch.
+    (`rows` and `old_len` as `_prepare` found them, when it did.)"""
+    self._pending.apply()  # the records read below
+    table, marked = self.rows, pre.marked
+    if rows is None:
+        rows = np.fromiter(map(self._row_of.get, plan.request_ids,
+                               repeat(-1, plan.num_seqs)), np.int64, plan.num_seqs)
+        old_len = table.num_blocks[rows]  # -1: the last row's, masked below
+    known = rows >= 0
+    fed = known[marked] & (table.sampled_step[rows[marked]] == plan.step_id - 1)
+    pre.token_ids[pre.feed_at[fed]] = table.sampled_token[rows[marked[fed]]]
+    late = ~known | (pre.starts > old_len)
+    bad = self._condemned(plan, pre, rows, old_len, marked[~fed], late)
+    keep = np.ones(plan.num_seqs, dtype=bool)
+    keep[list(bad)] = False
+    kept = np.flatnonzero(keep)
+    kept_rows, new_len = rows[kept], pre.new_len[kept]
+    table.cut(kept_rows, old_len[kept], new_len)
+    table.ensure_width(pre.longest)
+    by_id = keep[pre.id_seq]
+    table.set_tails(kept_rows, new_len, rows[pre.id_seq[by_id]], pre.id_cols[by_id],
+                    pre.ids[by_id])
+    for i, message in sorted(bad.items()):
+        rid = plan.request_ids[i]
+        log.error("step %d: request %s: %s", plan.step_id, rid, message)
+        errors.append(RequestError(rid, message))
+        self._drop(rid)
+    if not bad:
+        return self._full_batch(pre, rows)
+    if not kept.shape[0]:
+        return None
+    return self._batch_of(plan, pre, keep, kept_rows, table.gather(kept_rows))
+
+def condemned(self: ModelRunner, plan: StepPlan, pre: PlanInputs, rows: np.ndarray,
+               old_len: np.ndarray, unfed: np.ndarray,
+               late: np.ndarray) -> dict[int, str]:
+    """{row: error} of the rows left out, one message each (the first that applies:
+    cannot be fed, condemned by the plan alone, unknown, table change too late)."""
+    prev = plan.step_id - 1
+    bad = dict(pre.unfed)
+    for i in unfed.tolist():
+        bad[i] = (f"marked to be fed its sample of step {prev}, but the request is "
+                  "unknown here (never sent, or dropped after an error)"
+                  if rows[i] < 0 else
+                  f"marked to be fed its sample of step {prev}, but it sampled "
+                  f"nothing in step {prev} (that step failed or did not sample it)")
+    for i, message in pre.bad.items():
+        bad.setdefault(i, message)
+    for i in np.flatnonzero(late).tolist():
+        bad.setdefault(i, "unknown request (never sent as a new request)" if rows[i] < 0
+                       else f"block table change at {pre.starts[i]} beyond its {old_len[i]}")
+    return bad
+
+def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarray,
+              kept_rows: np.ndarray, block_tables: np.ndarray) -> Batch:
+    """The batch of the rows in `keep` (when some rows are left out, or precompute built
+    no tensors)."""
+    keep_token = keep[pre.row_of_token]
+    num_new, seq_lens = pre.num_new[keep], pre.seq_lens[keep]
+    query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+    do_sample = plan.do_sample[keep].astype(bool)
+    kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
+    return Batch(
+        input_ids=self._dev(pre.token_ids[keep_token], np.int64),
+        positions=self._dev(plan.positions[keep_token], np.int64),
+        attn=AttentionMetadata(
+            slot_mapping=self._dev(pre.slots[keep_token], np.int64),
+            block_tables=self._dev(block_tables, np.int32),
+            query_start_loc=self._dev(query_start_loc, np.int32),
+            seq_lens=self._dev(seq_lens, np.int32),
+            max_query_len=int(num_new.max()),
+        ),
+        sample_rows=self._dev(query_start_loc[1:][do_sample] - 1, np.int64),
+        sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
+        sample_state_rows=kept_rows[do_sample],
+        kept=np.flatnonzero(keep),
+    )
