@@ -290,6 +290,11 @@ class ModelRunner:
         f = self._inflight
         return None if f is None else (f.plan.step_id, f.plan.deadline_s)
 
+    def inflight_waiter(self) -> Callable[[], None] | None:
+        """What blocks (without the GIL) until the step in flight is done on the device."""
+        f = self._inflight
+        return None if f is None or f.sampled is None else f.sampled.wait
+
     def _finished_now(self, result: StepResult) -> StepResult:
         """A step that ends without staying in flight: the previous one's result first."""
         self._resolve()

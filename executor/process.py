@@ -51,6 +51,11 @@ Testing hook (never set in production): ``PAGEDSERVE_FAULT_SLEEP_IN_STEP="<step_
 read once at start, makes the first step with that id sleep ``s`` seconds inside its forward
 timing (a hung kernel, for the deadline tests); a malformed value exits with code 2.
 
+``PAGEDSERVE_OVERLAP_STEPS=1`` or ``0`` turns overlapped steps (ModelRunner.submit: a step
+left in flight while the next is launched) on or off whatever the device (default: on for
+CUDA): on a CPU the tests run the overlapped loop with it; on a GPU it is the way back to one
+step at a time.
+
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """
 
@@ -63,7 +68,9 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
+from typing import NamedTuple
 
 import zmq
 from pagedserve.executor.io_threads import (
@@ -93,6 +100,7 @@ WELCOME_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
 FAULT_SLEEP_ENV = "PAGEDSERVE_FAULT_SLEEP_IN_STEP"  # testing hook, see the module docstring
+OVERLAP_ENV = "PAGEDSERVE_OVERLAP_STEPS"  # 1 / 0: overlapped steps on / off (module docstring)
 
 
 def _setup_logging(fmt: str) -> None:
@@ -119,6 +127,30 @@ def fault_sleep_from_env() -> tuple[int, float] | None:
 # --------------------------------------------------------------------------------- process
 
 
+class StepDone(NamedTuple):
+    """In the inbox when the step in flight (ModelRunner.submit) is done on the device."""
+    step_id: int
+
+
+class FlightWatch(threading.Thread):
+    """Waits for each step left in flight to finish on the device (an event wait, the GIL
+    released) and then puts `StepDone` in the inbox it was given: the main loop blocks on
+    the inbox alone, and wakes for whichever comes first, the next plan (then the step in
+    flight is read back after the next launch) or the device's end of the step (then it is
+    read back and answered at once, as the router may be waiting for it)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="flight-watch")
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            step_id, wait, inbox = job
+            with contextlib.suppress(Exception):  # the main thread meets it when it reads
+                wait()
+            inbox.put(StepDone(step_id))
+
+
 class ExecutorProcess:
     def __init__(self, runner, args: argparse.Namespace, hello: Hello,
                  curve: tuple[bytes, bytes, bytes] | None = None,
@@ -132,6 +164,11 @@ class ExecutorProcess:
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
         runner.before_forward = self._flush_results
+        overlap = os.environ.get(OVERLAP_ENV, "")
+        if overlap in ("0", "1"):
+            runner.overlap_steps = overlap == "1"
+            log.info("%s=%s: overlapped steps %s", OVERLAP_ENV, overlap,
+                     "on" if runner.overlap_steps else "off")
         if fault_sleep is not None:
             runner.fault_sleep = fault_sleep
             log.warning("testing hook %s: step %d will sleep %.3g s", FAULT_SLEEP_ENV,
@@ -150,6 +187,7 @@ class ExecutorProcess:
         self.heartbeat = HeartbeatThread(self.ctx, args.router, self.executor_id,
                                          args.heartbeat_timeout / 4, self._configure)
         self.heartbeat.cores = self.io_cores
+        self.flight_watch: FlightWatch | None = None  # started for the first step in flight
 
     def _flush_results(self) -> None:
         if self.io is not None:
@@ -307,6 +345,12 @@ class ExecutorProcess:
             hb.end_step()
         for result in results:
             self.io.send(result, wake=result.step_id != plan.step_id)
+        wait = self.runner.inflight_waiter()
+        if wait is not None:
+            if self.flight_watch is None:
+                self.flight_watch = FlightWatch()
+                self.flight_watch.start()
+            self.flight_watch.jobs.put((plan.step_id, wait, self.io.inbox))
         if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
@@ -358,7 +402,8 @@ class ExecutorProcess:
                 try:
                     msg = self.io.inbox.get_nowait()
                 except queue.Empty:
-                    self._collect()  # nothing to run next: results go out now
+                    # Nothing to run next: results go out now; a step in flight answers
+                    # when the device is done with it (StepDone) or the next plan comes.
                     self.io.flush()
                     msg = None
                 try:
@@ -369,6 +414,11 @@ class ExecutorProcess:
                     continue
                 if isinstance(msg, PlanReady):
                     self._execute(msg.plan, msg.inputs)
+                elif isinstance(msg, StepDone):
+                    inflight = self.runner.inflight_step
+                    if inflight is not None and inflight[0] == msg.step_id:
+                        self._collect()
+                        self.io.flush()
                 elif isinstance(msg, Rejected):
                     self.io.send(ErrorReport(message=f"rejected: {msg.reason}",
                                              executor_id=self.executor_id))
@@ -389,6 +439,8 @@ class ExecutorProcess:
                     log.warning("ignoring %s on the main socket", type(msg).__name__)
         finally:
             self._take_socket_back()  # sends the results still queued (Shutdown(exit=True))
+            if self.flight_watch is not None:
+                self.flight_watch.jobs.put(None)
             self.heartbeat.stop.set()
             if self.sock is not None:
                 self.sock.close(0)

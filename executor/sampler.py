@@ -94,8 +94,10 @@ class SampledOnDevice:
         else:
             self._host, self._event = host, None
 
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
+    def wait(self) -> None:
+        """Until the tokens' copies are done (the GIL released meanwhile)."""
+        if self._event is not None:
+            self._event.synchronize()
 
     def elapsed_s(self, since) -> float:
         """Device seconds from the CUDA event ``since`` (recorded earlier, with timing) to

@@ -356,7 +356,7 @@ def _register(router: FakeRouter, executor_id: str) -> bytes:
     return ident
 
 
-def test_process_answers_plans_sent_back_to_back_in_order(model_dir):
+def test_process_answers_plans_sent_back_to_back_in_order(model_dir, monkeypatch):
     """Four plans go out without waiting: a prefill and three decodes fed the executor's own
     samples. Results come back in plan order, with the greedy tokens of a depth-1 run of the
     same model in this process, and the executor never waited for a plan: small gap_s.
@@ -367,6 +367,7 @@ def test_process_answers_plans_sent_back_to_back_in_order(model_dir):
     ref.generate(["r"], 4)
 
     router = FakeRouter()
+    monkeypatch.delenv("PAGEDSERVE_OVERLAP_STEPS", raising=False)  # the CPU default: gaps
     proc = _start(model_dir, router.address, "--executor-id", "ex-p")
     try:
         ident = _register(router, "ex-p")
@@ -389,6 +390,43 @@ def test_process_answers_plans_sent_back_to_back_in_order(model_dir):
         assert proc.wait(timeout=20) == 0
         err = proc.stderr.read()  # the process ends with os._exit: its logs still flushed
         assert "stopping: handing my requests back" in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        router.close()
+
+
+def test_process_with_overlapped_steps_answers_in_order(model_dir, monkeypatch):
+    """The executor process with steps left in flight (PAGEDSERVE_OVERLAP_STEPS=1, the GPU
+    default, here on a CPU): plans sent back to back, then one at a time after each result
+    (so each step in flight is answered when its device work is done, not when a plan
+    comes): every result in order with the depth-1 tokens, none held back."""
+    prompt = [0, 17, 250, 33, 9]
+    ref = _driver(model_dir)
+    ref.add("r", prompt)
+    ref.generate(["r"], 7)
+
+    monkeypatch.setenv("PAGEDSERVE_OVERLAP_STEPS", "1")
+    router = FakeRouter()
+    proc = _start(model_dir, router.address, "--executor-id", "ex-o")
+    try:
+        ident = _register(router, "ex-o")
+        plans = [_prefill_plan(10, prompt)] + [_decode_plan(10 + i, 4 + i) for i in (1, 2, 3)]
+        for plan in plans:
+            router.send(ident, plan)
+        results = [router.recv(timeout_s=30, want=StepResult)[1] for _ in plans]
+        for i in (4, 5, 6):  # one plan at a time: no next plan to wait for
+            router.send(ident, _decode_plan(10 + i, 4 + i))
+            results.append(router.recv(timeout_s=30, want=StepResult)[1])
+        assert [r.step_id for r in results] == list(range(10, 17))
+        assert all(not r.errors and r.request_ids == ["r"] for r in results)
+        assert [int(r.token_ids[0]) for r in results] == ref.seqs["r"].outputs
+        proc.send_signal(signal.SIGTERM)
+        router.recv(timeout_s=10, want=Shutdown)
+        assert proc.wait(timeout=20) == 0
+        err = proc.stderr.read()
+        assert "overlapped steps on" in err and "Traceback" not in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
