@@ -78,6 +78,29 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
             if num_new > 0:
                 self._commit(seq, num_new, out)
         num_seqs += len(seqs)
+        if not group.forked and len(group.seqs) > 1 and not any(n for _, n in scheduled):
+            budget = _fork_now(self, group, out, budget)
+
+
+def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget: int) -> int:
+    """An n > 1 group admitted with all of its prompt but the last token cached has nothing
+    of sample 0 to compute: fork it now (the cached blocks were computed by earlier plans,
+    which the executor runs first) and give every sample its last prompt token in this
+    step, as far as the budget and free blocks go (the rest in the next steps). Otherwise
+    it would sit out a step with nothing scheduled (and, nothing else running, its step
+    loop would look again only after RETRY_S). Returns the budget left."""
+    self._fork_if_ready(group, out)
+    if not group.forked:
+        return budget
+    for seq in group.active_seqs():
+        num_new = min(seq.num_uncomputed, budget)
+        if num_new <= 0:
+            continue
+        if self.kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
+            break
+        self._commit(seq, num_new, out)
+        budget -= num_new
+    return budget
 
 def admit_waiting(self: Scheduler, group: RequestGroup, budget: int) -> list | object | None:
     """Allocate a waiting group's samples (all or nothing); None when they don't fit,

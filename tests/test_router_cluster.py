@@ -162,6 +162,27 @@ def test_n2_computes_the_prompt_once_and_samples_independently(cluster, hf):
     assert cluster.wait_blocks_free().executors
 
 
+def test_n2_whose_prompt_is_cached_up_to_its_last_token(cluster, hf):
+    """A 33-token prompt (block size 16): once it has run, 32 of its tokens are cached, so a
+    later n = 2 request of it has nothing of sample 0 to compute and is forked as it is
+    admitted (router/admission.py `_fork_now`): the same seeded samples as the first run
+    (which computed the prompt, then forked), and greedy samples equal to HF's."""
+    ids = list(range(40, 73))
+
+    def run(**params):
+        resp = cluster.stub.Generate(request(token_ids=ids, max_tokens=6, n=2,
+                                             ignore_eos=True, **params), timeout=60)
+        return [list(c.token_ids) for c in resp.completions]
+
+    cold = run(temperature=1.0, seed=11)
+    assert len(cold) == 2 and cold[0] != cold[1]
+    assert run(temperature=1.0, seed=11) == cold
+    ref, gaps = hf.greedy(ids, 6)
+    for tokens in run(temperature=0.0):
+        assert_greedy_match(tokens, ref, gaps)
+    assert cluster.wait_blocks_free().executors
+
+
 def test_stop_string_across_token_boundaries(cluster, hf):
     prompt = PROMPTS[0]
     full = cluster.stub.Generate(request(prompt, max_tokens=16, temperature=0.0,
@@ -270,10 +291,18 @@ def test_cancel_deadline_and_abort_free_every_block(cluster):
     resp = fut.result()
     assert resp.completions[0].finish_reason == pb.ABORT
     assert _all_free(cluster)
-    text = cluster.metrics()
-    for e in cluster.status().executors:
-        assert _metric(text, "pagedserve_kv_blocks_free", executor=e.id) == \
-            _metric(text, "pagedserve_kv_blocks_total", executor=e.id)
+    # The gauges follow at the step loop's next turn (after the last result or the abort's
+    # wake-up), a moment after the KV state the status reads.
+    deadline = time.monotonic() + 5
+    while True:
+        text = cluster.metrics()
+        gauges = [(_metric(text, "pagedserve_kv_blocks_free", executor=e.id),
+                   _metric(text, "pagedserve_kv_blocks_total", executor=e.id))
+                  for e in cluster.status().executors]
+        if all(free == total for free, total in gauges):
+            break
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.05)
 
 
 def test_health_and_model_info(cluster, model_dir):

@@ -206,3 +206,26 @@ class NoPrefixCachingMachine(SchedulerMachine):
 NoPrefixCachingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                                     deadline=None)
 TestNoPrefixCachingMachine = NoPrefixCachingMachine.TestCase
+
+
+def test_n2_request_whose_prompt_is_cached_but_its_last_token_is_scheduled_when_admitted():
+    """Found by the machine: an n = 2 request whose prompt is cached up to its last token
+    has nothing of sample 0 to compute. It is forked when admitted and both samples get
+    their last prompt token in that same step (before, the step scheduled nothing, and the
+    engine looked again only after its idle retry)."""
+    machine = SchedulerMachine()
+    machine.arrive(max_tokens=1, n=1, prefix=list(PREFIXES[0]), priority=0, suffix=[])
+    machine.send()
+    machine.answer()
+    machine.send()
+    machine.answer()
+    machine.complete()
+    machine.arrive(max_tokens=1, n=2, prefix=list(PREFIXES[0]), priority=0, suffix=[0])
+    out = machine.sched.schedule()
+    group = machine.live["q2"]
+    assert group.forked and [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("q2#0", 1), ("q2#1", 1)]
+    assert [(p.seq_id, c.seq_id) for p, c in out.forks] == [("q2#0", "q2#1")]
+    assert [s.num_computed_tokens for s in group.seqs] == [9, 9]
+    machine.kv.end_step()
+    machine.kv.check_invariants()
