@@ -76,6 +76,7 @@ class Step:
     timeout_s: float
     reads: str = "jsonl"
     required: bool = False
+    env: dict = field(default_factory=dict)  # added to the stage's environment
 
 
 @dataclass
@@ -163,10 +164,18 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                   # worker connections, not streams (benchmarks/README)
                                   "--client-channels", "8"]),
                                "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        # The same executors one step at a time (overlapped steps off): their effect.
+        one_at_a_time = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                            str(ctx.model_dir),
+                            *(["--quick", "--depths", "2"] if ctx.small else
+                              ["--running", "32,256", "--depths", "2", "--window-s", "5"]),
+                            "--work-dir", str(ctx.work_dir / "step-overhead-one-at-a-time"))
         return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
-                Step("step_overhead_workers", overhead_workers, 130)]
+                Step("step_overhead_workers", overhead_workers, 130),
+                Step("step_overhead_no_overlap", one_at_a_time, 100,
+                     env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
@@ -257,7 +266,7 @@ def run_step(step: Step, ctx: Context, log, timeout_s: float) -> dict:
     log.flush()
     start = time.monotonic()
     lines: list[str] = []
-    env = {**os.environ, **ctx.env}
+    env = {**os.environ, **ctx.env, **step.env}
     try:
         proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", env=env, cwd=ctx.work_dir,
@@ -333,7 +342,8 @@ def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -
     if args.dry_run:
         for step in steps:
             entry["steps"][step.name] = {"status": "dry-run", "argv": step.argv,
-                                         "timeout_s": step.timeout_s}
+                                         "timeout_s": step.timeout_s,
+                                         **({"env": step.env} if step.env else {})}
         entry["env"] = {k: ctx.env[k] for k in sorted(ctx.env)}
         return merge_stage(report, stage, entry)
 
@@ -349,7 +359,7 @@ def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -
                 entry["status"] = "failed"
         for step in steps:
             left = args.budget_s - (time.monotonic() - start)
-            record: dict = {"argv": step.argv}
+            record: dict = {"argv": step.argv, **({"env": step.env} if step.env else {})}
             if entry.get("stopped") or entry.get("install", {}).get("status") == "failed":
                 record["status"] = "not-run"
             elif left < 5:

@@ -264,3 +264,23 @@ def test_bf16_logprob_drift_against_hf_bf16():
     assert not far["ok"] and far["drift_vs_hf_ratio"] == pytest.approx(5.0)
     short = gpu_cluster.logprob_drift(client([[-1.0], [-3.0]]), [[1], [2]], hf32, hf16)
     assert short == {"ok": False, "error": "prompt_logprobs of the wrong length"}
+
+
+def test_a_step_runs_with_its_own_environment(tmp_path, monkeypatch):
+    """Step.env reaches that step's process only (the throughput stage's one-step-at-a-time
+    comparison sets PAGEDSERVE_OVERLAP_STEPS=0 for its executors), and is recorded."""
+    show = ("import json, os; print(json.dumps({'bench': 'x', 'case': 'env_seen', "
+            "'overlap': os.environ.get('PAGEDSERVE_OVERLAP_STEPS')}))")
+    plan = {"throughput": [gpu_check.Step("plain", _py(show), 20),
+                           gpu_check.Step("off", _py(show), 20,
+                                          env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]}
+    real = gpu_check.plan_stage("throughput", gpu_check.Context(tmp_path, tmp_path))
+    assert [s.env for s in real if s.name == "step_overhead_no_overlap"] == [
+        {"PAGEDSERVE_OVERLAP_STEPS": "0"}]
+    monkeypatch.delenv("PAGEDSERVE_OVERLAP_STEPS", raising=False)
+    monkeypatch.setattr(gpu_check, "plan_stage", _fake_plan(plan))
+    assert _run(tmp_path, "--stage", "throughput") == 0
+    steps = _report(tmp_path)["stages"]["throughput"]["steps"]
+    log = (tmp_path / "out" / "throughput.log").read_text()
+    assert '"overlap": null' in log and '"overlap": "0"' in log
+    assert "env" not in steps["plain"] and steps["off"]["env"] == {"PAGEDSERVE_OVERLAP_STEPS": "0"}
