@@ -183,6 +183,9 @@ class ModelRunner:
         # Called as each forward starts (the process sends the previous step's result then,
         # so its encoding overlaps the forward rather than the preparation of this step).
         self.before_forward: Callable[[], None] | None = None
+        # Called with a previous step's result as soon as it is read back after the next
+        # step's launch (overlapped steps; else submit() returns it).
+        self.result_ready: Callable[[StepResult], None] | None = None
 
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
@@ -344,6 +347,12 @@ class ModelRunner:
             # sampling reads (read back first if still in flight), and its objects are
             # freed.
             self._pending.apply()
+            if self.result_ready is not None and self._ready:
+                # The previous step, read back after this launch: out now, before this
+                # step's sampling (which may wait for the device: top-p, penalties).
+                for ready in self._ready:
+                    self.result_ready(ready)
+                self._ready.clear()
             self._retired = None
             # Structured output's masks are host work: done while a GPU runs the forward.
             states = [self.requests[r]._sampling for r in batch.sample_ids]

@@ -88,6 +88,7 @@ from pagedserve.protos.wire import (
     Hello,
     Shutdown,
     StepPlan,
+    StepResult,
     Welcome,
     WireError,
 )
@@ -164,6 +165,7 @@ class ExecutorProcess:
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
         runner.before_forward = self._flush_results
+        runner.result_ready = self._send_now
         overlap = os.environ.get(OVERLAP_ENV, "")
         if overlap in ("0", "1"):
             runner.overlap_steps = overlap == "1"
@@ -192,6 +194,11 @@ class ExecutorProcess:
     def _flush_results(self) -> None:
         if self.io is not None:
             self.io.flush()
+
+    def _send_now(self, result: StepResult) -> None:
+        """A previous step's result read back after the next step's launch: the device is
+        busy with that step, and the router plans the one after from this result."""
+        self.io.send(result, wake=True)
 
     def _configure(self, sock: zmq.Socket) -> None:
         """Both DEALERs (main and heartbeat): a CURVE client with --curve-keys (our pair and

@@ -198,6 +198,30 @@ def test_overlapped_step_result_waits_for_the_next_submit(model_dir):
     assert d.runner.collect().step_id == fourth.step_id
 
 
+def test_previous_result_goes_out_before_the_next_sampling(model_dir):
+    """With `result_ready` set (the executor process), a step read back after the next
+    launch is handed out at once, before the next step's sampling starts (which may wait
+    for the device), not when submit() returns."""
+    d = _driver(model_dir)
+    d.runner.overlap_steps = True
+    events = []
+    d.runner.result_ready = lambda result: events.append(("result", result.step_id))
+    launch = d.runner.sampler.launch
+
+    def spy_launch(logits, states, grammar_bits=None):
+        events.append(("sample", None))
+        return launch(logits, states, grammar_bits)
+
+    d.runner.sampler.launch = spy_launch
+    d.add("a", PROMPT)
+    first = d.plan({"a": None})
+    assert d.runner.submit(first) == []
+    second = d.plan({"a": 1}, feed={"a"})
+    assert d.runner.submit(second) == []
+    assert events == [("sample", None), ("result", first.step_id), ("sample", None)]
+    assert d.runner.collect().step_id == second.step_id
+
+
 def test_fork_planned_while_the_parent_token_is_in_flight(model_dir):
     """n=2: the child is forked in the plan that feeds the parent's first token; both are
     fed it, and each equals the depth-1 run."""
