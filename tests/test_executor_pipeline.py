@@ -373,6 +373,15 @@ def _decode_plan(step_id: int, position: int, token: int = -1,
         deadline_s=deadline_s)
 
 
+def _back_to_back(router: FakeRouter, ident: bytes, prompt: list[int]) -> list[StepResult]:
+    """Steps 10-13 of request "r" (its prefill, then three decodes fed the executor's own
+    samples) sent without waiting; their results, as they come."""
+    plans = [_prefill_plan(10, prompt)] + [_decode_plan(10 + i, 4 + i) for i in (1, 2, 3)]
+    for plan in plans:
+        router.send(ident, plan)
+    return [router.recv(timeout_s=30, want=StepResult)[1] for _ in plans]
+
+
 def _register(router: FakeRouter, executor_id: str) -> bytes:
     ident, hello = router.recv(want=Hello)
     assert hello.executor_id == executor_id
@@ -395,10 +404,7 @@ def test_process_answers_plans_sent_back_to_back_in_order(model_dir, monkeypatch
     proc = _start(model_dir, router.address, "--executor-id", "ex-p")
     try:
         ident = _register(router, "ex-p")
-        plans = [_prefill_plan(10, prompt)] + [_decode_plan(10 + i, 4 + i) for i in (1, 2, 3)]
-        for plan in plans:
-            router.send(ident, plan)
-        results = [router.recv(timeout_s=30, want=StepResult)[1] for _ in plans]
+        results = _back_to_back(router, ident, prompt)
         assert [r.step_id for r in results] == [10, 11, 12, 13]
         assert all(not r.errors and r.request_ids == ["r"] for r in results)
         assert [int(r.token_ids[0]) for r in results] == ref.seqs["r"].outputs
@@ -436,10 +442,7 @@ def test_process_with_overlapped_steps_answers_in_order(model_dir, monkeypatch):
     proc = _start(model_dir, router.address, "--executor-id", "ex-o")
     try:
         ident = _register(router, "ex-o")
-        plans = [_prefill_plan(10, prompt)] + [_decode_plan(10 + i, 4 + i) for i in (1, 2, 3)]
-        for plan in plans:
-            router.send(ident, plan)
-        results = [router.recv(timeout_s=30, want=StepResult)[1] for _ in plans]
+        results = _back_to_back(router, ident, prompt)
         for i in (4, 5, 6):  # one plan at a time: no next plan to wait for
             router.send(ident, _decode_plan(10 + i, 4 + i))
             results.append(router.recv(timeout_s=30, want=StepResult)[1])
