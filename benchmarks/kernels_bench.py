@@ -283,6 +283,24 @@ def bench_layer_ops(torch, ops, device, dtype, timed, dry_run: bool) -> None:
         emit({"case": f"layer/{name}/t{tokens}", "dtype": str(dtype).removeprefix("torch."),
                "latency_us_p50": round(fused, 2), "torch_latency_us_p50": round(torch_forms, 2),
                "fused_speedup_ratio": round(torch_forms / fused, 3)})
+    # The rotary with the KV-cache write in one launch, against the two Triton launches it
+    # replaced (rotary, then reshape_and_cache).
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    num_blocks = tokens // 16 + 4
+    key_cache = torch.zeros(num_blocks, 16, kv_heads, dim, device=device, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * 16, device=device)[:tokens]
+
+    def two_launches():
+        ops.rotary_embedding(q, k, cos_sin, backend="triton")
+        ops.reshape_and_cache(k, v, key_cache, value_cache, slots, backend="triton")
+
+    one = timed(lambda: ops.rotary_embedding_and_cache(q, k, v, cos_sin, key_cache,
+                                                       value_cache, slots, backend="triton"))
+    two = timed(two_launches)
+    emit({"case": f"layer/rotary_and_cache/t{tokens}", "dtype": str(dtype).removeprefix("torch."),
+          "latency_us_p50": round(one, 2), "two_launches_latency_us_p50": round(two, 2),
+          "fused_speedup_ratio": round(two / one, 3)})
 
 
 def bench_prefill(torch, ops, device, dtype, timed, shapes, dry_run: bool) -> None:

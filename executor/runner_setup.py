@@ -107,6 +107,18 @@ def _check_fused_ops(model: LlamaForCausalLM) -> None:
     k = qkv[:, cfg.num_heads * cfg.head_dim:].view(tokens, -1, cfg.head_dim)[:, :cfg.num_kv_heads]
     cos_sin = model.cos_sin_cache[torch.arange(tokens, device=device) * 7].to(dtype)
     gate_up = rand(tokens, 2 * cfg.intermediate_size)
+    v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(
+        tokens, cfg.num_kv_heads, cfg.head_dim)
+    slots = torch.tensor([3, -1, 0, 9, 4], device=device)  # a padding row among them
+    cache_shape = (2, 8, cfg.num_kv_heads, cfg.head_dim)
+
+    def rotary_and_cache(backend):
+        caches = torch.zeros(cache_shape, dtype=dtype, device=device), torch.zeros(
+            cache_shape, dtype=dtype, device=device)
+        q_rot, k_rot = ops.rotary_embedding_and_cache(q.clone(), k.clone(), v, cos_sin,
+                                                      *caches, slots, backend=backend)
+        return q_rot, k_rot, *caches
+
     checks = {
         "rms_norm": lambda backend: ops.rms_norm(x, weight, cfg.rms_norm_eps, backend=backend),
         "rms_norm_residual": lambda backend: ops.rms_norm(
@@ -115,6 +127,7 @@ def _check_fused_ops(model: LlamaForCausalLM) -> None:
             q, weight[:cfg.head_dim], cfg.rms_norm_eps, backend=backend),
         "rotary_embedding": lambda backend: ops.rotary_embedding(
             q.clone(), k.clone(), cos_sin, backend=backend),
+        "rotary_embedding_and_cache": rotary_and_cache,
         "silu_and_mul": lambda backend: ops.silu_and_mul(gate_up, backend=backend),
     }
     try:

@@ -1,6 +1,8 @@
 """Fused per-layer elementwise kernels (Triton): RMSNorm with the residual add, rotary
-embedding of q and k in place, SiLU-and-multiply. Twins: ``reference.rms_norm``,
-``reference.rotary_embedding``, ``reference.silu_and_mul``.
+embedding of q and k in place (alone, or with the rotated k and v written into the KV cache
+in the same launch), SiLU-and-multiply. Twins: ``reference.rms_norm``,
+``reference.rotary_embedding`` (then ``reference.reshape_and_cache``),
+``reference.silu_and_mul``.
 
 Why: a decode step at batch 256 of a small model is a string of tiny kernels. The torch
 forms launch about 37 kernels a layer (each RMSNorm 8: upcast, square, mean, add eps, rsqrt,
@@ -90,6 +92,8 @@ def rms_norm_triton(
 @triton.jit
 def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's heads in place; returns the two rotated halves and their mask
+    (for a copy into the KV cache)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
@@ -100,10 +104,11 @@ def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     # The twin: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dt.
-    o1 = (x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)
-    o2 = (x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)
-    tl.store(base, o1.to(dt), mask=mask)
-    tl.store(base + HALF, o2.to(dt), mask=mask)
+    o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, o1, mask=mask)
+    tl.store(base + HALF, o2, mask=mask)
+    return o1, o2, mask
 
 
 @triton.jit
@@ -132,11 +137,90 @@ def _rotary_kernel(
                   HALF, BLOCK_HK, BLOCK_D)
 
 
-def rotary_embedding_triton(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_cc,
+    stride_ks, stride_kch, stride_vs, stride_vch,
+    num_q_heads, num_k_heads,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Program = one token: q and k rotated in place as `_rotary_kernel` does, the rotated
+    k and the value written into the KV cache at the token's slot (none for slot -1, a
+    padding row), as `reshape_and_cache` would after it."""
+    t = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    cos = cos_sin_ptr + t * stride_ct
+    sin = cos + stride_cc
+    c1 = tl.load(cos + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, c1, c2, s1, s2,
+                  HALF, BLOCK_HQ, BLOCK_D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # A padding row (slot -1) writes no head: the masks below see 0 heads.
+    cached_heads = tl.where(slot >= 0, num_k_heads, 0)
+    slot = tl.maximum(slot, 0)
+    k1, k2, _ = _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_k_heads, c1, c2, s1, s2,
+                              HALF, BLOCK_HK, BLOCK_D)
+    offs_h = tl.arange(0, BLOCK_HK)
+    kmask = (offs_h < cached_heads)[:, None] & dmask[None, :]
+    kdst = key_cache_ptr + slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
+    kt = key_cache_ptr.dtype.element_ty
+    tl.store(kdst, k1.to(kt), mask=kmask)
+    tl.store(kdst + HALF, k2.to(kt), mask=kmask)
+    offs_v = tl.arange(0, BLOCK_DV)
+    vmask = (offs_h < cached_heads)[:, None] & (offs_v < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
+                mask=vmask, other=0.0)
+    tl.store(value_cache_ptr + slot * stride_vs + offs_h[:, None] * stride_vch
+             + offs_v[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=vmask)
+
+
+def rotary_embedding_and_cache_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, Hkv, D] (views of a fused projection are fine: the last
-    axis contiguous) in place by cos_sin [T, 2, D] (cos then sin, in q's dtype)."""
+    """`rotary_embedding_triton` and then `reshape_and_cache` of the rotated k and of v, in
+    one launch: q and k rotated in place (returned), k and v written at their slots of the
+    caches [num_blocks, block_size, Hkv, D] (slot -1: not written)."""
+    _check_rotary(q, k, cos_sin)
+    tokens, _, dim = q.shape
+    if v.shape != k.shape or v.stride(-1) != 1:
+        raise ValueError(f"v must be k's shape {tuple(k.shape)}, last axis contiguous")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape \
+            or tuple(key_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError("caches must both be [num_blocks, block_size, Hkv, D] of k's heads")
+    for cache in (key_cache, value_cache):
+        if cache.stride(-1) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError("caches must have contiguous (block, offset) axes so slots are "
+                             "linear, the last axis contiguous")
+    if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [{tokens}]")
+    if tokens == 0:
+        return q, k
+    half = dim // 2
+    _rotary_cache_kernel[(tokens,)](
+        q, k, v, cos_sin, key_cache, value_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0), cos_sin.stride(1),
+        key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
+        q.shape[1], k.shape[1],
+        HALF=half, HEAD_DIM=dim, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_DV=triton.next_power_of_2(dim), num_warps=4,
+    )
+    return q, k
+
+
+def _check_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must be [T, H, D] and [T, Hkv, D], got {tuple(q.shape)} "
                          f"and {tuple(k.shape)}")
@@ -147,6 +231,15 @@ def rotary_embedding_triton(
         raise ValueError(f"cos_sin must be [{tokens}, 2, {dim}], got {tuple(cos_sin.shape)}")
     if q.dtype != k.dtype or cos_sin.dtype != q.dtype:
         raise TypeError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, cos_sin {cos_sin.dtype}")
+
+
+def rotary_embedding_triton(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] (views of a fused projection are fine: the last
+    axis contiguous) in place by cos_sin [T, 2, D] (cos then sin, in q's dtype)."""
+    _check_rotary(q, k, cos_sin)
+    tokens, _, dim = q.shape
     if tokens == 0:
         return q, k
     half = dim // 2

@@ -217,6 +217,24 @@ def rotary_embedding(
     return reference.rotary_embedding(q, k, cos_sin)
 
 
+def rotary_embedding_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` of q and k, then `reshape_and_cache` of the rotated k and v (slot
+    -1: not written). The Triton kernel does both in one launch, rotating in place; the
+    twin path is the two ops (the cache write with its own ``auto`` backend)."""
+    if _use_triton(backend, q):
+        from .layer_ops import rotary_embedding_and_cache_triton
+
+        return rotary_embedding_and_cache_triton(q, k, v, cos_sin, key_cache, value_cache,
+                                                 slot_mapping)
+    q, k = reference.rotary_embedding(q, k, cos_sin)
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+    return q, k
+
+
 def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """x [T, 2n] (gate then up) -> silu(gate) * up, [T, n]."""
     if _use_triton(backend, x):

@@ -112,7 +112,9 @@ def test_kernels_bench_layer_and_prefill_tune_cases_dry_run():
     assert set(tune["configs"]) == {"r64_n64_w4_s2", "r64_n64_w4_s3"}
     assert tune["default_latency_us_p50"] > 0 and tune["best"] in tune["configs"]
     assert {"layer/rms_norm_residual/t4", "layer/rotary_embedding/t4", "layer/silu_and_mul/t4",
-            "layer/layer_set/t4"} <= set(cases)
+            "layer/layer_set/t4", "layer/rotary_and_cache/t4"} <= set(cases)
+    assert tune["default"] == "r64_n64_w4"  # the launcher's own choice for float32 (dry run)
+    assert cases["layer/rotary_and_cache/t4"]["two_launches_latency_us_p50"] > 0
     assert all(r["latency_us_p50"] > 0 and r["fused_speedup_ratio"] > 0
                for r in records if r["case"].startswith("layer/"))
 

@@ -77,6 +77,57 @@ def test_rotary_in_place_on_views(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (14, 2, 64), (3, 3, 8)])
+def test_rotary_and_cache_write_in_one_launch(dtype, heads, kv_heads, dim):
+    """The fused kernel against the twin path (rotary, then reshape_and_cache): q and k
+    rotated in place as before, the rotated k and v at their slots, a padding row (slot -1)
+    writing nothing, views of a fused projection as inputs."""
+    tokens = 5
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    angles = _rand(tokens, 1, dim // 2, seed=4).float()
+    emb = torch.cat((angles, angles), dim=-1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
+    slots = torch.tensor([5, -1, 0, 13, 8], device=DEVICE)
+
+    def caches():
+        shape = (3, 8, kv_heads, dim)
+        return (torch.full(shape, 7.0, dtype=dtype, device=DEVICE),
+                torch.full(shape, 7.0, dtype=dtype, device=DEVICE))
+
+    want_q, want_k = reference.rotary_embedding(q, k, cos_sin)
+    want_caches = caches()
+    reference.reshape_and_cache(want_k, v, *want_caches, slots)
+    got_caches = caches()
+    got_q, got_k = ops.rotary_embedding_and_cache(q, k, v, cos_sin, *got_caches, slots,
+                                                  backend="triton")
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    for got, want in zip(got_caches, want_caches, strict=True):
+        _close(got, want, dtype)
+        flat = got.view(-1, kv_heads, dim)
+        untouched = [i for i in range(24) if i not in (5, 0, 13, 8)]
+        assert (flat[untouched] == 7.0).all()  # the padding row and other slots unwritten
+    # The cache holds exactly the k the op returned (one rounding, as the twin's copy).
+    assert torch.equal(got_caches[0].view(-1, kv_heads, dim)[[5, 0, 13, 8]], got_k[[0, 2, 3, 4]])
+
+
+def test_rotary_and_cache_refuses_bad_caches():
+    q, k = _rand(2, 2, 8), _rand(2, 1, 8)
+    cos_sin = _rand(2, 2, 8)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="caches"):
+        ops.rotary_embedding_and_cache(q, k, k, cos_sin, _rand(2, 4, 2, 8), _rand(2, 4, 2, 8),
+                                       slots, backend="triton")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops.rotary_embedding_and_cache(q, k, k, cos_sin, _rand(2, 4, 1, 8), _rand(2, 4, 1, 8),
+                                       slots[:1], backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens,n", [(1, 8), (3, 256), (2, 1100)])
 def test_silu_and_mul(dtype, tokens, n):
     x = _rand(tokens, 2 * n, dtype=dtype)
@@ -173,9 +224,17 @@ def test_qwen_sizes_on_gpu(dtype):
     emb = torch.cat((angles, angles), dim=-1)
     cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
     want_q, want_k = reference.rotary_embedding(q, k, cos_sin)
-    got_q, got_k = ops.rotary_embedding(q, k, cos_sin)
+    v = qkv[:, 1024:].view(tokens, 2, 64)
+    slots = torch.randperm(64 * 16, device=DEVICE)[:tokens]
+    slots[::7] = -1  # padding rows, as a decode graph's
+    want_caches = [torch.zeros(64, 16, 2, 64, dtype=dtype, device=DEVICE) for _ in range(2)]
+    reference.reshape_and_cache(want_k, v, *want_caches, slots)
+    got_caches = [torch.zeros(64, 16, 2, 64, dtype=dtype, device=DEVICE) for _ in range(2)]
+    got_q, got_k = ops.rotary_embedding_and_cache(q, k, v, cos_sin, *got_caches, slots)
     _close(got_q, want_q, dtype)
     _close(got_k, want_k, dtype)
+    for got, want in zip(got_caches, want_caches, strict=True):
+        _close(got, want, dtype)
     gate_up = _rand(tokens, 2 * 4864, dtype=dtype)
     _close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), dtype)
 

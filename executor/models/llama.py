@@ -72,9 +72,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary_embedding(q, k, cos_sin, backend=self.kernel_backend)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        ops.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+        q, k = ops.rotary_embedding_and_cache(q, k, v, cos_sin, key_cache, value_cache,
+                                              attn.slot_mapping, backend=self.kernel_backend)
         out = ops.paged_attention(
             q, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
             attn.seq_lens, self.scale, max_query_len=attn.max_query_len,
