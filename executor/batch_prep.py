@@ -48,15 +48,17 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
     """Feed the marked decodes, apply the table changes of the valid requests and build
     the batch tensors (the plan-only part from `precompute`).
 
-    The usual step (every request known, the marked rows exactly the rows that sampled
-    in the previous step and in the same order, every table change starting at the end
-    of its table, nothing condemned by the plan) is a fixed handful of numpy calls,
-    whatever the number of rows: one C-level pass maps the request ids to their rows of
-    `self.rows`; the previous step's tokens (still pending, `_PendingSamples`) are
-    scattered into the input ids as they are; the table changes are one scatter
-    (indices from `precompute`); the batch's tables are one gather. Array equality is
-    tested on bytes (on the cold cache a long forward leaves, the cheapest test). Any
-    other step takes `_prepare_checked`, which finds and reports the rows to leave out.
+    The usual step (every request known, the marked rows rows that sampled in the
+    previous step, every table change starting at the end of its table, nothing condemned
+    by the plan) is a fixed handful of numpy calls, whatever the number of rows: one
+    C-level pass maps the request ids to their rows of `self.rows`; the previous step's
+    tokens (still pending, `_PendingSamples`; on the device while that step is in flight)
+    are scattered into the input ids, as they are when the marked rows are exactly the
+    rows that sampled, in order, else picked by one sorted lookup (a request that ended
+    or sits out this step); the table changes are one scatter (indices from
+    `precompute`); the batch's tables are one gather. Array equality is tested on bytes
+    (on the cold cache a long forward leaves, the cheapest test). Any other step takes
+    `_prepare_checked`, which finds and reports the rows to leave out.
     """
     num_seqs = plan.num_seqs
     if num_seqs == 0:
@@ -70,17 +72,22 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
         return self._prepare_checked(plan, errors, pre)
     table, pending, marked = self.rows, self._pending, pre.marked
     old_len = table.num_blocks[rows]
-    if marked.shape[0] and not (
-            pending.states and pending.step_id == plan.step_id - 1
-            and (rows if pre.all_marked else rows[marked]).tobytes()
-            == pending.rows.tobytes()):
-        return self._prepare_checked(plan, errors, pre, rows, old_len)
+    pick = None  # positions of the marked rows among the pending ones (None: all, in order)
+    if marked.shape[0]:
+        if not (pending.states and pending.step_id == plan.step_id - 1):
+            return self._prepare_checked(plan, errors, pre, rows, old_len)
+        marked_rows = rows if pre.all_marked else rows[marked]
+        if marked_rows.tobytes() != pending.rows.tobytes():
+            pick = _positions(pending.rows, marked_rows)
+            if pick is None:  # a marked row that did not sample
+                return self._prepare_checked(plan, errors, pre, rows, old_len)
     if pre.starts.tobytes() != old_len.tobytes():  # a change before a table's end
         return self._prepare_checked(plan, errors, pre, rows, old_len)
     on_device = False
     if marked.shape[0]:
         if pending.token_ids is not None:
-            pre.token_ids[pre.feed_at] = pending.token_ids
+            pre.token_ids[pre.feed_at] = (pending.token_ids if pick is None
+                                          else pending.token_ids[pick])
         else:  # the previous step is in flight: fed from its tokens on the device
             on_device = True
     table.ensure_width(pre.longest)
@@ -88,10 +95,23 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
     batch = self._full_batch(pre, rows)
     if on_device:
         tokens = pending.device_tokens
+        if pick is not None:
+            tokens = tokens[torch.from_numpy(pick).to(tokens.device, non_blocking=True)]
         batch.input_ids.index_copy_(
             0, torch.from_numpy(pre.feed_at).to(tokens.device, non_blocking=True),
             tokens.to(batch.input_ids.dtype))
     return batch
+
+
+def _positions(among: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
+    """Index into ``among`` (distinct values) of each value of ``wanted``; None when one
+    is missing."""
+    order = np.argsort(among, kind="stable")
+    ranked = among[order]
+    at = np.minimum(np.searchsorted(ranked, wanted), ranked.shape[0] - 1)
+    if not (ranked[at] == wanted).all():
+        return None
+    return order[at]
 
 def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray) -> Batch:
     """Every row kept: the tensors precompute built, the fed input ids, the tables."""
