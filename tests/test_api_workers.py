@@ -424,10 +424,13 @@ def _start_router(model_dir, port: int, http_port: int) -> subprocess.Popen:
          "--metrics-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
+    seen: list[str] = []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
+        seen.append(line)
         if "pagedserve ready" in line or not line:
-            assert "pagedserve ready" in line, f"router exited: {proc.poll()}"
+            assert "pagedserve ready" in line, \
+                f"router exited ({proc.wait(10)}): {''.join(seen[-10:])}"
             return proc
     raise AssertionError("router not ready")
 
