@@ -202,6 +202,46 @@ def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits
 
 
+def apply_penalties_dense_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                           repetition: torch.Tensor, presence: torch.Tensor,
+                           frequency: torch.Tensor, prompt_rows: torch.Tensor | None = None,
+                           prompt_token_ids: torch.Tensor | None = None,
+                           chunk_rows: int = 16) -> torch.Tensor:
+    """`apply_penalties_` with no device-to-host read (its `torch.unique` and boolean
+    selections wait for the device): for ``chunk_rows`` rows at a time (bounded scratch),
+    per-row counts over the whole vocabulary by one scatter-add, then the same arithmetic
+    in the same order over every logit of those rows (a token with no count gets
+    x - 0 - 0 = x, exactly). O(N * V) work: the GPU path, where the executor launches
+    sampling behind a forward still running."""
+    num_rows, vocab = logits.shape
+    dtype, device = logits.dtype, logits.device
+    has_prompt = prompt_rows is not None and prompt_rows.numel() > 0
+    for lo in range(0, num_rows, chunk_rows):
+        hi = min(num_rows, lo + chunk_rows)
+        x = logits[lo:hi]
+        counts = _row_counts(rows, token_ids, lo, hi, vocab, dtype, device)
+        seen = counts > 0
+        if has_prompt:
+            seen |= _row_counts(prompt_rows, prompt_token_ids, lo, hi, vocab, dtype, device) > 0
+        rep = repetition[lo:hi].to(dtype).unsqueeze(1)
+        positive = x > 0
+        torch.where(seen & positive, x / rep, x, out=x)
+        torch.where(seen & ~positive, x * rep, x, out=x)
+        x.sub_(frequency[lo:hi].to(dtype).unsqueeze(1) * counts)
+        x.sub_(presence[lo:hi].to(dtype).unsqueeze(1) * (counts > 0).to(dtype))
+    return logits
+
+
+def _row_counts(rows: torch.Tensor, token_ids: torch.Tensor, lo: int, hi: int, vocab: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[hi - lo, vocab] occurrences of each token in rows lo..hi-1 (others weigh 0)."""
+    counts = torch.zeros((hi - lo) * vocab, dtype=dtype, device=device)
+    valid = (rows >= lo) & (rows < hi) & (token_ids >= 0) & (token_ids < vocab)
+    counts.scatter_add_(0, torch.where(valid, (rows - lo) * vocab + token_ids, 0),
+                        valid.to(dtype))
+    return counts.view(hi - lo, vocab)
+
+
 def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor,
                  k_max: int | None = None) -> torch.Tensor:
     """In place: keep logits >= the k-th largest of their row (1 <= top_k[i] <= V).
@@ -385,7 +425,8 @@ class Sampler:
             rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
             prompt_rows, prompt_ids = flatten_prompt_tokens([states[i] for i in rep_rows],
                                                             device)
-            apply_penalties_(x, pen_index[rows], token_ids,
+            penalise = apply_penalties_ if device.type == "cpu" else apply_penalties_dense_
+            penalise(x, pen_index[rows], token_ids,
                              to_device([p.repetition_penalty for p in params], device),
                              to_device([p.presence_penalty for p in params], device),
                              to_device([p.frequency_penalty for p in params], device),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pagedserve.executor.sampler import (
     Sampler,
     apply_penalties_,
+    apply_penalties_dense_,
     flatten_output_tokens,
     flatten_prompt_tokens,
     keyed_uniform,
@@ -256,6 +257,53 @@ def test_penalties_change_exactly_the_seen_logits():
         [1.0, 1.0, 1.0 - 0.25 - 1.5, 1.0, 1.0],
     ])
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_dense_penalties_equal_the_sparse_ones_bit_for_bit(data):
+    """The GPU form (dense counts, no device-to-host read, rows in chunks) gives exactly the
+    logits of the sparse form: any rows, repeated and out-of-range ids, prompt tokens, every
+    penalty, chunk boundaries anywhere."""
+    num_rows, vocab = data.draw(st.integers(1, 6)), data.draw(st.integers(2, 12))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    logits[0, 0] = 0.0  # neither > 0 nor < 0
+    ids = st.integers(-1, vocab)  # -1 and vocab: not tokens, ignored
+    out = data.draw(st.lists(st.tuples(st.integers(0, num_rows - 1), ids), max_size=20))
+    prompt = data.draw(st.lists(st.tuples(st.integers(0, num_rows - 1), ids), max_size=20))
+    penalty = st.floats(0.25, 4.0)
+    rep = torch.tensor(data.draw(st.lists(penalty, min_size=num_rows, max_size=num_rows)))
+    pres = torch.tensor(data.draw(st.lists(st.floats(-2, 2), min_size=num_rows,
+                                           max_size=num_rows)))
+    freq = torch.tensor(data.draw(st.lists(st.floats(-2, 2), min_size=num_rows,
+                                           max_size=num_rows)))
+
+    def pairs(items):
+        return (torch.tensor([r for r, _ in items], dtype=torch.int64),
+                torch.tensor([t for _, t in items], dtype=torch.int64))
+
+    args = (*pairs(out), rep, pres, freq, *pairs(prompt))
+    want = apply_penalties_(logits.clone(), *args)
+    got = apply_penalties_dense_(logits.clone(), *args, chunk_rows=data.draw(st.integers(1, 4)))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_penalised_and_sampled_rows_on_cuda_equal_cpu():
+    """On a GPU the sampler takes the dense penalties and its no-read paths (pinned inputs,
+    top-k width from the host): the same tokens as on the CPU for greedy and seeded rows."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 500, generator=gen) * 3
+    params = [dict(temperature=0.0, repetition_penalty=1.5),
+              dict(seed=3, presence_penalty=0.7, frequency_penalty=0.3, top_k=20),
+              dict(seed=4, min_p=0.05), dict(temperature=0.0),
+              dict(seed=8, repetition_penalty=0.8, top_k=5), dict(seed=9)]
+    states = [state(output=[1, 2, 2, 7], prompt=[2, 9, 9], sample_index=i, **p)
+              for i, p in enumerate(params)]
+    on_gpu = Sampler()(logits.cuda(), states)
+    on_cpu = Sampler()(logits, states)
+    np.testing.assert_array_equal(on_gpu.token_ids, on_cpu.token_ids)
 
 
 def test_repetition_penalty_below_one_boosts_and_counts_the_prompt():
