@@ -112,6 +112,20 @@ def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
 
 
 @triton.jit
+def _cos_sin(cos_sin_ptr, t, stride_ct, stride_cc, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's cos and sin halves, float32, as [1, BLOCK_D] rows."""
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    cos = cos_sin_ptr + t * stride_ct
+    sin = cos + stride_cc
+    c1 = tl.load(cos + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_cc,
@@ -123,14 +137,7 @@ def _rotary_kernel(
 ):
     """Program = one token: every q head and k head rotated in place (neox style)."""
     t = tl.program_id(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HALF
-    cos = cos_sin_ptr + t * stride_ct
-    sin = cos + stride_cc
-    c1 = tl.load(cos + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_sin_ptr, t, stride_ct, stride_cc, HALF, BLOCK_D)
     _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, c1, c2, s1, s2,
                   HALF, BLOCK_HQ, BLOCK_D)
     _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_k_heads, c1, c2, s1, s2,
@@ -154,16 +161,11 @@ def _rotary_cache_kernel(
     k and the value written into the KV cache at the token's slot (none for slot -1, a
     padding row), as `reshape_and_cache` would after it."""
     t = tl.program_id(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HALF
-    cos = cos_sin_ptr + t * stride_ct
-    sin = cos + stride_cc
-    c1 = tl.load(cos + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_sin_ptr, t, stride_ct, stride_cc, HALF, BLOCK_D)
     _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, c1, c2, s1, s2,
                   HALF, BLOCK_HQ, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # A padding row (slot -1) writes no head: the masks below see 0 heads.
     cached_heads = tl.where(slot >= 0, num_k_heads, 0)
