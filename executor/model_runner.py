@@ -77,17 +77,17 @@ class _PendingSamples:
     __slots__ = ("table", "states", "token_ids", "rows", "step_id", "device_tokens",
                  "resolve", "released")
 
-    def __init__(self, table: RequestRows) -> None:
+    def __init__(self, table: RequestRows, resolve: Callable[[], None]) -> None:
         self.table = table
+        self.resolve = resolve  # reads an in-flight step's tokens back (ModelRunner._resolve)
         self.states: list[SamplingState] = []  # empty: nothing pending
         self.token_ids: np.ndarray | None = None  # None while the step is in flight
         self.rows: np.ndarray | None = None
         self.step_id = -1
         # While the step is in flight (launched, tokens not read back): its tokens on the
-        # device, what reads them back (ModelRunner._resolve), and rows whose release
-        # waits for the record (a dropped request's row must not change hands before).
+        # device, and rows whose release waits for the record (a dropped request's row
+        # must not change hands before).
         self.device_tokens: torch.Tensor | None = None
-        self.resolve: Callable[[], None] | None = None
         self.released: list[int] = []
 
     def apply(self) -> None:
@@ -126,13 +126,12 @@ class RequestState:
 class _InFlight:
     """A step launched whose result is not yet built (ModelRunner.submit)."""
 
-    __slots__ = ("plan", "batch", "states", "sampled", "result", "errors", "events", "t0",
-                 "t1")
+    __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1")
 
-    def __init__(self, plan: StepPlan, batch: Batch, states: list[SamplingState],
-                 sampled: SampledOnDevice | None, result: dict, errors: list[RequestError],
-                 events: tuple | None, t0: float, t1: float) -> None:
-        self.plan, self.batch, self.states, self.sampled = plan, batch, states, sampled
+    def __init__(self, plan: StepPlan, batch: Batch, sampled: SampledOnDevice | None,
+                 result: dict, errors: list[RequestError], events: tuple | None, t0: float,
+                 t1: float) -> None:
+        self.plan, self.batch, self.sampled = plan, batch, sampled
         self.result, self.errors, self.events = result, errors, events
         self.t0, self.t1 = t0, t1
 
@@ -165,7 +164,7 @@ class ModelRunner:
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
-        self._pending = _PendingSamples(self.rows)
+        self._pending = _PendingSamples(self.rows, self._resolve)
         self.steps_done = 0
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
         self._inflight: _InFlight | None = None  # launched, tokens not yet read back
@@ -197,7 +196,7 @@ class ModelRunner:
         if flight is not None and flight.sampled is not None:
             flight.sampled.result()  # its kernels done before the cache is used again
         self.rows.clear()
-        self._pending = _PendingSamples(self.rows)
+        self._pending = _PendingSamples(self.rows, self._resolve)
         self._retired = None
         self._prev_end = None
 
@@ -374,13 +373,13 @@ class ModelRunner:
         self._retired = plan, pre, batch
         if scores is not None:
             result.update(scores)
-        flight = _InFlight(plan, batch, states, sampled, result, errors, events, t0, t1)
+        flight = _InFlight(plan, batch, sampled, result, errors, events, t0, t1)
         if sampled is not None:
             # Recorded once read back (after the next forward is launched); the next
             # step's marked decodes are fed from here.
             pending = self._pending
             pending.states, pending.token_ids = states, None
-            pending.device_tokens, pending.resolve = sampled.tokens, self._resolve
+            pending.device_tokens = sampled.tokens
             pending.rows, pending.step_id = batch.sample_state_rows, step
         self._inflight = flight
         if sampled is not None and self.overlap_steps:
@@ -397,15 +396,13 @@ class ModelRunner:
         events = flight.events
         if events is not None:
             events[1].synchronize()
-        t0, t1 = flight.t0, flight.t1
+        end = self._prev_end = time.perf_counter()
         if events is not None:  # the forward as the device ran it; sampling the rest
-            self._prev_end = time.perf_counter()
             forward_s = events[0].elapsed_time(events[1]) / 1e3
             sample_s = (flight.sampled.elapsed_s(events[1]) if flight.sampled is not None
                         else 0.0)
         else:  # a CPU ran it all as it was called
-            self._prev_end = time.perf_counter()
-            forward_s, sample_s = t1 - t0, self._prev_end - t1
+            forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1
         result, errors = flight.result, flight.errors
         if out is None:

@@ -92,8 +92,8 @@ def rms_norm_triton(
 @triton.jit
 def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate one token's heads in place; returns the two rotated halves and their mask
-    (for a copy into the KV cache)."""
+    """Rotate one token's heads in place; returns the two rotated halves (for a copy into
+    the KV cache)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
@@ -108,7 +108,7 @@ def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
     o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
     tl.store(base, o1, mask=mask)
     tl.store(base + HALF, o2, mask=mask)
-    return o1, o2, mask
+    return o1, o2
 
 
 @triton.jit
@@ -170,8 +170,8 @@ def _rotary_cache_kernel(
     # A padding row (slot -1) writes no head: the masks below see 0 heads.
     cached_heads = tl.where(slot >= 0, num_k_heads, 0)
     slot = tl.maximum(slot, 0)
-    k1, k2, _ = _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_k_heads, c1, c2, s1, s2,
-                              HALF, BLOCK_HK, BLOCK_D)
+    k1, k2 = _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_k_heads, c1, c2, s1, s2,
+                           HALF, BLOCK_HK, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_HK)
     kmask = (offs_h < cached_heads)[:, None] & dmask[None, :]
     kdst = key_cache_ptr + slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
