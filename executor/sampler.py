@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
+from pagedserve.executor.penalties import has_penalty, penalise_rows_
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import SamplingParams
 
@@ -153,95 +154,6 @@ def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- logit processors
 
 
-def _flatten(arrays: Sequence[np.ndarray],
-             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = [a.shape[0] for a in arrays]
-    token_ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    rows = np.repeat(np.arange(len(arrays), dtype=np.int64), lengths)
-    return to_device(rows, device), to_device(token_ids, device, torch.int64)
-
-
-def flatten_output_tokens(states: Sequence[SamplingState],
-                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, token_ids), int64 [sum of output lengths]: row i repeated once per output token."""
-    return _flatten([s.output_token_ids for s in states], device)
-
-
-def flatten_prompt_tokens(states: Sequence[SamplingState],
-                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, token_ids), int64: row i once per DISTINCT token of its prompt."""
-    return _flatten([s.prompt_distinct_ids for s in states], device)
-
-
-def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
-                     repetition: torch.Tensor, presence: torch.Tensor,
-                     frequency: torch.Tensor, prompt_rows: torch.Tensor | None = None,
-                     prompt_token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """In place on logits [N, V]; repetition/presence/frequency are per row [N].
-
-    (rows, token_ids) list every OUTPUT token once per occurrence; (prompt_rows,
-    prompt_token_ids) list prompt tokens (any multiplicity), which count for repetition
-    only. Repetition first, once per distinct token of prompt ∪ output (a seen token's
-    logit / penalty when > 0, * penalty otherwise), then ``- frequency * count - presence``
-    over the output tokens. Work is O(number of tokens listed), not O(N * V)."""
-    vocab = logits.shape[1]
-    keep = (token_ids >= 0) & (token_ids < vocab)
-    out_keys, counts = torch.unique(rows[keep] * vocab + token_ids[keep], return_counts=True)
-    rep_keys = out_keys
-    if prompt_rows is not None and prompt_rows.numel():
-        keep = (prompt_token_ids >= 0) & (prompt_token_ids < vocab)
-        rep_keys = torch.unique(torch.cat(
-            [out_keys, prompt_rows[keep] * vocab + prompt_token_ids[keep]]))
-    r, t = rep_keys // vocab, rep_keys % vocab
-    values = logits[r, t]
-    rep = repetition[r]
-    logits[r, t] = torch.where(values > 0, values / rep, values * rep)
-    if out_keys.numel():
-        r, t = out_keys // vocab, out_keys % vocab
-        logits[r, t] = logits[r, t] - frequency[r] * counts.to(logits.dtype) - presence[r]
-    return logits
-
-
-def apply_penalties_dense_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
-                           repetition: torch.Tensor, presence: torch.Tensor,
-                           frequency: torch.Tensor, prompt_rows: torch.Tensor | None = None,
-                           prompt_token_ids: torch.Tensor | None = None,
-                           chunk_rows: int = 16) -> torch.Tensor:
-    """`apply_penalties_` with no device-to-host read (its `torch.unique` and boolean
-    selections wait for the device): for ``chunk_rows`` rows at a time (bounded scratch),
-    per-row counts over the whole vocabulary by one scatter-add, then the same arithmetic
-    in the same order over every logit of those rows (a token with no count gets
-    x - 0 - 0 = x, exactly). O(N * V) work: the GPU path, where the executor launches
-    sampling behind a forward still running."""
-    num_rows, vocab = logits.shape
-    dtype, device = logits.dtype, logits.device
-    has_prompt = prompt_rows is not None and prompt_rows.numel() > 0
-    for lo in range(0, num_rows, chunk_rows):
-        hi = min(num_rows, lo + chunk_rows)
-        x = logits[lo:hi]
-        counts = _row_counts(rows, token_ids, lo, hi, vocab, dtype, device)
-        seen = counts > 0
-        if has_prompt:
-            seen |= _row_counts(prompt_rows, prompt_token_ids, lo, hi, vocab, dtype, device) > 0
-        rep = repetition[lo:hi].to(dtype).unsqueeze(1)
-        positive = x > 0
-        torch.where(seen & positive, x / rep, x, out=x)
-        torch.where(seen & ~positive, x * rep, x, out=x)
-        x.sub_(frequency[lo:hi].to(dtype).unsqueeze(1) * counts)
-        x.sub_(presence[lo:hi].to(dtype).unsqueeze(1) * (counts > 0).to(dtype))
-    return logits
-
-
-def _row_counts(rows: torch.Tensor, token_ids: torch.Tensor, lo: int, hi: int, vocab: int,
-                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[hi - lo, vocab] occurrences of each token in rows lo..hi-1 (others weigh 0)."""
-    counts = torch.zeros((hi - lo) * vocab, dtype=dtype, device=device)
-    valid = (rows >= lo) & (rows < hi) & (token_ids >= 0) & (token_ids < vocab)
-    counts.scatter_add_(0, torch.where(valid, (rows - lo) * vocab + token_ids, 0),
-                        valid.to(dtype))
-    return counts.view(hi - lo, vocab)
-
-
 def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor,
                  k_max: int | None = None) -> torch.Tensor:
     """In place: keep logits >= the k-th largest of their row (1 <= top_k[i] <= V).
@@ -316,14 +228,6 @@ def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
     return logits
 
 
-def _has_penalty(state: SamplingState) -> bool:
-    p = state.params
-    if p.repetition_penalty != 1.0 and (state.num_output_tokens or state.prompt_token_ids.size):
-        return True
-    return state.num_output_tokens > 0 and (
-        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
-
-
 def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
     """Token ids forced to -inf this step: EOS (unless ignore_eos) and stop ids."""
     p = state.params
@@ -391,7 +295,7 @@ class Sampler:
         for i, s in enumerate(states):
             p = s.params
             if (p.repetition_penalty != 1.0 or p.presence_penalty
-                    or p.frequency_penalty) and _has_penalty(s):
+                    or p.frequency_penalty) and has_penalty(s):
                 pen_rows.append(i)
             if s.num_output_tokens < p.min_tokens:
                 ids = _min_tokens_masked_ids(s, vocab)
@@ -420,18 +324,7 @@ class Sampler:
         if bias_rows:
             apply_logit_bias_(x, bias_rows, [params[i] for i in bias_rows])
         if pen_rows:
-            pen_index = to_device(pen_rows, device)
-            rows, token_ids = flatten_output_tokens([states[i] for i in pen_rows], device)
-            rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
-            prompt_rows, prompt_ids = flatten_prompt_tokens([states[i] for i in rep_rows],
-                                                            device)
-            penalise = apply_penalties_ if device.type == "cpu" else apply_penalties_dense_
-            penalise(x, pen_index[rows], token_ids,
-                             to_device([p.repetition_penalty for p in params], device),
-                             to_device([p.presence_penalty for p in params], device),
-                             to_device([p.frequency_penalty for p in params], device),
-                             to_device(rep_rows, device, torch.int64)[prompt_rows],
-                             prompt_ids)
+            penalise_rows_(x, pen_rows, states)
         if mask_rows:
             x[to_device(mask_rows, device), to_device(mask_ids, device)] = float("-inf")
         if grammar_rows:
