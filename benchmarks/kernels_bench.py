@@ -32,8 +32,10 @@ of ``kernels_tune.TUNE_GRID`` (tokens per tile x warps x pipeline stages, the sp
 one line per shape with the default configuration's and the best one's latency and
 ``copy_bw_ratio``, and the best configuration: what to make the launcher's default; then the
 default configuration at each split count of ``kernels_tune.TUNE_SPLITS``, and with 128-token tiles
-(``splits``: latency per count, keys ``K`` and ``K_n128``; ``rule_splits``, what
-choose_num_splits picks): what to make the split-K rule and the tile size.
+(``splits``: latency per count, keys ``K`` and ``K_n128``, and ``K_n128_fused`` with the
+split-K reduction done by the last split in the same launch; ``rule_splits``, what
+choose_num_splits picks): what to make the split-K rule, the tile size and
+``decode_attention.FUSED_REDUCE``.
 Prefill tune cases (``prefill_tune/...``, only when asked for): the prefill kernel on batch 8
 x 2048-token prompts under every configuration of ``kernels_tune.PREFILL_TUNE_GRID`` (rows per program x
 key tile x warps x stages), one line per head shape with the default's latency, the best

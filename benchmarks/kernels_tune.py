@@ -84,13 +84,19 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                     latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
             # Split counts at the default tile, and at 128-token tiles (faster for head dim
             # 64 at the old rule's 3 splits on an H100: is it with the new rule's 4?).
+            # And with the split-K reduction in the attention launch (``K_n128_fused``).
             split_latencies: dict[str, float | str] = {}
-            for block_n in (TUNE_DEFAULT[0], 128):
+            variants = [(TUNE_DEFAULT[0], False), (128, False), (128, True)]
+            for block_n, fused in variants:
                 for splits in TUNE_SPLITS[:2] if dry_run else TUNE_SPLITS:
+                    if fused and splits == 1:
+                        continue
                     key = str(splits) if block_n == TUNE_DEFAULT[0] else f"{splits}_n{block_n}"
+                    key += "_fused" if fused else ""
                     call = functools.partial(
                         paged_decode_attention_triton, query, key_cache, value_cache, tables,
-                        seq_lens, head_dim**-0.5, out=out, num_splits=splits, block_n=block_n)
+                        seq_lens, head_dim**-0.5, out=out, num_splits=splits, block_n=block_n,
+                        fused_reduce=fused)
                     try:
                         split_latencies[key] = round(timed(call), 2)
                     except Exception as exc:

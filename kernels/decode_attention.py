@@ -19,8 +19,12 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    ``num_splits`` splits in contiguous runs;
 3. per tile, token -> (block_tables[seq, pos // block_size], pos % block_size) gives the cache
    row; scores = q @ k^T, online softmax, acc += p @ v;
-4. one split: write acc / l in the output dtype. Several: write the unnormalised fp32
-   partial acc / l and its lse (base 2); ``_reduce_kernel`` combines them.
+4. one split: write acc / l in the output dtype. Several: write the normalised fp32
+   partial acc / l and its lse (base 2); they are combined either by ``_reduce_kernel`` (a
+   second launch) or, with ``FUSED_REDUCE``, by the split that finishes last: each split
+   counts itself in on a per-(seq, kv_head) counter after its partials are written, and the
+   one that brings the count to ``num_splits`` reads every split's partials back, writes the
+   output and resets the counter to 0 for the next launch (so it stays valid in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ _NO_WINDOW = 1 << 30
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
+    split_counters_ptr,  # int32 [>= S * Hkv], zero between launches (FUSED_REDUCE only)
     qk_scale_log2,  # softmax scale * log2(e)
     sliding_window,  # tokens; the launcher passes _NO_WINDOW when there is none
     stride_qs, stride_qh,  # query [S, H, D], last dim contiguous
@@ -54,6 +59,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the CPU interpreter)
+    FUSED_REDUCE: tl.constexpr,  # the last split to finish combines (no second launch)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +143,55 @@ def _decode_kernel(
         tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None])
         # part_lse is part_out without its last axis: same index, strides divided by D_PAD.
         tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
+        if FUSED_REDUCE:
+            _combine_if_last(
+                out_ptr, part_out_ptr, part_lse_ptr,
+                split_counters_ptr + seq * tl.num_programs(1) + kv_head,
+                seq, heads, mask_g, offs_d, mask_d,
+                stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
+                BLOCK_G, D_PAD, NUM_SPLITS,
+            )
+
+
+@triton.jit
+def _combine_if_last(
+    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    seq, heads, mask_g, offs_d, mask_d,
+    stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
+    BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Called by every split of (seq, kv_head) after writing its partials; the last to
+    arrive combines them (out = sum_k 2^(lse_k - lse) out_k) and resets the counter.
+    Ordering: the barrier puts every thread's partial stores before the counter's
+    acq_rel increment (a release at GPU scope, cumulative over the CTA); the last
+    arrival's acquire makes the other splits' stores visible to its loads, which go to L2
+    (``.cg``), never to a possibly stale L1 line."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_SPLITS - 1:
+        tl.store(counter_ptr, 0)  # every split has counted: nobody reads it in this launch
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
+        for k in range(NUM_SPLITS):  # online: one split's partials in registers at a time
+            base = seq * stride_ps + heads * stride_ph + k * stride_pk
+            lse_k = tl.load(part_lse_ptr + base // D_PAD, mask=mask_g, other=float("-inf"),
+                            cache_modifier=".cg")
+            out_k = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
+                            mask=mask_g[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse_k)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse_k - m_safe)  # 0 for an empty split
+            l_sum = l_sum * alpha + w
+            acc = acc * alpha[:, None] + out_k * w[:, None]
+            m = m_new
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
 
 
 @triton.jit
@@ -240,6 +295,26 @@ def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
     return 64
 
 
+# Split-K reduction in the attention launch (``_combine_if_last``) instead of a second
+# launch: saves the second kernel's launch and ramp (a few us, against 11-45 us kernels at the
+# split rule's shapes), costs the last split a serial read of the partials. Off until a GPU
+# sweep (kernels_bench --cases tune: the ``<splits>_n128_fused`` entries) shows it faster.
+FUSED_REDUCE = False
+# Per-device arrival counters of the fused reduction: zero between launches (each launch's
+# last splits reset theirs), so one buffer serves every launch on the device's stream —
+# launches that overlap on two streams must not share it (the executor uses one stream).
+_split_counters: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 8192  # 256 sequences x 32 KV heads: no growth while CUDA graphs capture
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(max(needed, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
+
+
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
@@ -298,10 +373,12 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    fused_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
-    ``block_n`` (tokens per tile), ``num_warps`` and ``num_stages`` override the launch
-    configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
+    ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
+    combined in the same launch; None: ``FUSED_REDUCE``) override the launch configuration
+    (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -331,6 +408,8 @@ def paged_decode_attention_triton(
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E
 
+    fused = (FUSED_REDUCE if fused_reduce is None else fused_reduce) and num_splits > 1
+    counters = _counters(query.device, num_seqs * num_kv_heads) if fused else out  # or unused
     if num_splits == 1:
         part_out = part_lse = out  # unused
         p_strides = (0, 0, 0)
@@ -346,7 +425,7 @@ def paged_decode_attention_triton(
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters,
         qk_scale_log2, window,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -356,10 +435,10 @@ def paged_decode_attention_triton(
         *p_strides,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
-        num_warps=num_warps,
+        FUSED_REDUCE=fused, num_warps=num_warps,
         num_stages=1 if interpreting else (2 if num_stages is None else num_stages),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse,
             out.stride(0), out.stride(1),

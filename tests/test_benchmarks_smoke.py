@@ -103,11 +103,14 @@ def test_http_soak_short():
     assert {"unary", "stream", "drop"} <= endings and summary["blocks_leaked"] == 0
 
 
-def test_kernels_bench_layer_and_prefill_tune_cases_dry_run():
-    """The fused layer kernels' cases and the prefill launch sweep run end to end through the
-    interpreter (figures are meaningless there; a GPU gives them)."""
-    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer,prefill_tune")
+def test_kernels_bench_layer_and_tune_cases_dry_run():
+    """The fused layer kernels' cases and the decode and prefill launch sweeps run end to
+    end through the interpreter (figures are meaningless there; a GPU gives them)."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer,prefill_tune,tune")
     cases = {r["case"]: r for r in records}
+    decode = cases["tune/qwen2.5_0.5b/b2/ctx600"]
+    assert set(decode["splits"]) == {"1", "2", "1_n128", "2_n128", "2_n128_fused"}
+    assert decode["default_latency_us_p50"] > 0 and decode["rule_splits"] == 2
     tune = cases["prefill_tune/qwen2.5_0.5b/b2/q19"]
     assert set(tune["configs"]) == {"r64_n64_w4_s2", "r64_n64_w4_s3"}
     assert tune["default_latency_us_p50"] > 0 and tune["best"] in tune["configs"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.kernels import ops, reference
+from pagedserve.kernels import decode_attention, ops, reference
 from pagedserve.kernels.cache_ops import swap_blocks_device
 from pagedserve.kernels.decode_attention import (
     choose_block_n,
@@ -70,7 +70,8 @@ def test_decode_matches_twin(case):
      (16, None, torch.float32),  # more splits than tiles: empty splits must not count
      (3, 20, torch.float32), (4, 50, torch.bfloat16)],
 )
-def test_split_k_decode_matches_twin(num_splits, window, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "fused"])
+def test_split_k_decode_matches_twin(num_splits, window, dtype, fused):
     batch = make_paged_batch(
         [(1, 97), (1, 1), (1, 37), (1, 200)], num_kv_heads=2, group=4, head_dim=80,
         block_size=16, dtype=dtype, device=DEVICE, seed=num_splits,
@@ -78,10 +79,31 @@ def test_split_k_decode_matches_twin(num_splits, window, dtype):
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
     got = paged_decode_attention_triton(
-        *args, sliding_window=window, num_splits=num_splits, block_n=16
+        *args, sliding_window=window, num_splits=num_splits, block_n=16, fused_reduce=fused
     )
     want = reference.paged_decode_attention(*args, sliding_window=window)
     _close(got, want, dtype)
+
+
+def test_fused_split_k_leaves_its_counters_at_zero():
+    """The fused reduction's arrival counters are shared by every launch on the device:
+    each launch must leave them as it found them, or the next one combines too early.
+    Group 7 pads to 16 rows (masked rows in the combine); 5 splits of 16-token tiles leave
+    the 20-token sequence's last splits empty."""
+    batch = make_paged_batch(
+        [(1, 150), (1, 20), (1, 77)], num_kv_heads=2, group=7, head_dim=64, block_size=8,
+        dtype=torch.float32, device=DEVICE, seed=11,
+    )
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    want = reference.paged_decode_attention(*args)
+    first = paged_decode_attention_triton(*args, num_splits=5, block_n=16, fused_reduce=True)
+    counters = decode_attention._split_counters[first.device]
+    assert int(counters.count_nonzero()) == 0
+    again = paged_decode_attention_triton(*args, num_splits=5, block_n=16, fused_reduce=True)
+    assert int(counters.count_nonzero()) == 0
+    _close(first, want, torch.float32)
+    assert torch.equal(first, again)
 
 
 def test_choose_num_splits_rule():

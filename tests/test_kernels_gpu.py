@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import ops, reference
+from pagedserve.kernels import decode_attention, ops, reference
 from pagedserve.kernels.decode_attention import paged_decode_attention_triton
 from pagedserve.kernels.testing import (
     DECODE_CASES,
@@ -36,6 +36,7 @@ DECODE_GRID = pairwise({
     "head_dim": HEAD_DIMS,
     "dtype": DTYPES,
     "num_splits": [None, 1, 3, 8],
+    "fused_reduce": [False, True],
 })
 # (q_len, seq_len) per sequence: what the prefill/extend kernel meets in a step.
 PREFILL_SHAPES = {
@@ -150,8 +151,40 @@ def test_decode_grid_gpu(case):
                              dtype=case["dtype"], device=DEVICE, seed=3)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
-    _close(paged_decode_attention_triton(*args, num_splits=case["num_splits"]),
+    _close(paged_decode_attention_triton(*args, num_splits=case["num_splits"],
+                                         fused_reduce=case["fused_reduce"]),
            reference.paged_decode_attention(*args), case["dtype"])
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+def test_fused_split_k_races_gpu(num_splits):
+    """The fused split-K reduction at the Qwen2.5-0.5B shape (14 q / 2 kv heads of 64) on
+    a full grid, where splits of one (seq, kv_head) finish at nearly the same time: 30
+    launches all equal the two-launch result within rounding, the counters end at zero, and
+    a CUDA graph of it replays correctly on new inputs."""
+    seqs = [(1, n) for n in [1024] * 60 + [1, 17, 255, 3000]]
+    batch = make_paged_batch(seqs, num_kv_heads=2, group=7, head_dim=64, block_size=16,
+                             dtype=torch.bfloat16, device=DEVICE, seed=num_splits)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    want = paged_decode_attention_triton(*args, num_splits=num_splits, fused_reduce=False)
+    _close(want, reference.paged_decode_attention(*args), torch.bfloat16)
+    out = torch.empty_like(want)
+    for _ in range(30):
+        paged_decode_attention_triton(*args, out=out, num_splits=num_splits, fused_reduce=True)
+        torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+    counters = decode_attention._split_counters[out.device]
+    assert int(counters.count_nonzero()) == 0
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_triton(*args, out=out, num_splits=num_splits, fused_reduce=True)
+    batch.query.copy_(torch.randn_like(batch.query))
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    _close(out, reference.paged_decode_attention(*args), torch.bfloat16)
+    assert int(counters.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("case", PREFILL_GRID, ids=grid_id)
