@@ -24,8 +24,8 @@ tokens in the sampling states, launch N+1's sampling, send N's result. What need
 tokens on the host before N+1's launch reads them then (a fork, a checked step, a state
 read, a swap); a dropped request's row waits for them before it is reused. Sampling avoids
 device-to-host reads (pinned, non-blocking copies of its small inputs; no data-dependent
-branch; the penalties by dense counts) except for top-p's rare full sort and prompt
-logprobs, which wait.
+branch; the penalties by dense counts; top-p past the first 256 tokens by a whole-row
+threshold kernel, kernels/sampling_ops.py) except for prompt logprobs, which wait.
 
 Timings in the StepResult: ``forward_s`` is the forward and logits (on a GPU as the device ran
 it, between two CUDA events; on a CPU as it was called); ``sample_s`` sampling (on a GPU:

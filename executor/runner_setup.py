@@ -82,8 +82,39 @@ def build_runner(
     grammars = GrammarCompiler(Path(model_dir) / "tokenizer.json", config.vocab_size,
                                num_threads=torch.get_num_threads() if device.type == "cpu"
                                else None)
-    return ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
-                       graphs=graphs, grammars=grammars)
+    runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
+                         graphs=graphs, grammars=grammars)
+    if device.type == "cuda":
+        _check_sampler_kernels(runner, config.vocab_size)
+    return runner
+
+
+def _check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
+    """Run the sampler's device kernel (the whole-row top-p threshold) once against its
+    twin; if it fails to compile or disagrees by more than a token at a rounding edge, the
+    sampler uses the twin (logged): its steps then wait for their forward to learn which
+    rows need a full sort."""
+    from pagedserve.kernels import ops
+
+    device = runner.cache.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen, device=device) * torch.tensor(
+        [[0.1], [1.0], [3.0], [0.5]], device=device)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    top_p = torch.tensor([0.3, 0.6, 0.9, 0.99], device=device)
+    flags = torch.ones(4, dtype=torch.bool, device=device)
+    kept = {}
+    try:
+        for backend in ("torch", "triton"):
+            thresholds = torch.zeros(4, 1, device=device)
+            ops.top_p_thresholds_(logits, lse, top_p, thresholds, flags, backend=backend)
+            kept[backend] = (logits >= thresholds).sum(-1)
+        worst = int((kept["triton"] - kept["torch"]).abs().max())
+        if worst > 1:
+            raise ValueError(f"kept-token counts differ by {worst}")
+    except Exception as exc:
+        log.warning("sampler kernels off, torch forms used: %s: %s", type(exc).__name__, exc)
+        runner.sampler.kernel_backend = "torch"
 
 
 def _check_fused_ops(model: LlamaForCausalLM) -> None:

@@ -23,7 +23,10 @@ Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
    (the smallest prefix of the descending order whose mass reaches top_p, computed on the
    top-k-renormalised distribution), softmax, then drop probabilities below
    ``min_p * max_prob``. Filters work as thresholds on the value, so tokens tied with the
-   last kept one are kept too; a probability below exp(-86.5) times the best one is 0;
+   last kept one are kept too; a probability below exp(-86.5) times the best one is 0.
+   The nucleus is read from the best 256 tokens; a row whose nucleus reaches past them is
+   sorted whole on a CPU, and thresholded whole on a GPU by a kernel that needs no host
+   read (kernels/sampling_ops.py: the same nucleus up to float rounding at its edge);
 5. keyed inverse-CDF sampling (below).
 
 Randomness. Each sampling row draws ONE uniform, a counter-based hash of
@@ -58,12 +61,13 @@ from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
 from pagedserve.executor.penalties import has_penalty, penalise_rows_
 from pagedserve.executor.sampling_state import SamplingState
+from pagedserve.kernels import ops, reference
 from pagedserve.protos.wire import SamplingParams
 
 _GREEDY_EPS = 1e-5
 _TOP_P_FIRST_K = 256  # top-p first looks at this many best tokens, sorts fully only if needed
 _MASK64 = (1 << 64) - 1
-_EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
+_EXP_FLOOR = reference.EXP_FLOOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,28 +167,21 @@ def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor,
     return logits.masked_fill_(logits < kth, float("-inf"))
 
 
-def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
+                 backend: str = "auto") -> torch.Tensor:
     """In place: keep the nucleus, the tokens in descending order while the probability
-    mass strictly before them is < top_p (so at least the best token survives)."""
+    mass strictly before them is < top_p (so at least the best token survives).
+    ``backend``: of the whole-row threshold (kernels.ops.top_p_thresholds_)."""
     vocab = logits.shape[1]
     lse = torch.logsumexp(logits, -1, keepdim=True)
-
-    def threshold(desc: torch.Tensor, lse_rows: torch.Tensor, p: torch.Tensor):
-        cum = (desc - lse_rows).clamp_(min=_EXP_FLOOR).exp_().cumsum_(-1)
-        mass_before = torch.zeros_like(cum)
-        mass_before[:, 1:] = cum[:, :-1]
-        n_keep = (mass_before < p.unsqueeze(1)).sum(-1)
-        return desc.gather(1, (n_keep - 1).unsqueeze(1)), n_keep
-
     first_k = min(vocab, _TOP_P_FIRST_K)
     desc = logits.topk(first_k, dim=-1).values
-    thresholds, n_keep = threshold(desc, lse, top_p)
-    # The nucleus may reach past the first_k best tokens: sort those rows fully.
-    unresolved = (n_keep == first_k) & (desc[:, -1] > float("-inf"))
-    if first_k < vocab and bool(unresolved.any()):
-        rows = unresolved.nonzero().squeeze(1)
-        full = logits[rows].sort(dim=-1, descending=True).values
-        thresholds[rows] = threshold(full, lse[rows], top_p[rows])[0]
+    thresholds, n_keep = reference.top_p_threshold(desc, lse, top_p)
+    if first_k < vocab:
+        # The nucleus may reach past the first_k best tokens: those rows' threshold over
+        # the whole row (on a GPU, computed for the rows that need it with no host read).
+        unresolved = (n_keep == first_k) & (desc[:, -1] > float("-inf"))
+        ops.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved, backend=backend)
     return logits.masked_fill_(logits < thresholds, float("-inf"))
 
 
@@ -250,6 +247,9 @@ class Sampler:
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
+        # Of the device kernels the sampler calls (kernels.ops): "torch" after the executor's
+        # start-up check found one failing (runner_setup).
+        self.kernel_backend = "auto"
 
     def _buffer(self, slot: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         if device.type != "cpu":  # the caching allocator makes fresh tensors cheap there
@@ -365,7 +365,8 @@ class Sampler:
             _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)
         p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if p_rows:
-            _on_rows_(x, p_rows, apply_top_p_, [params[i].top_p for i in p_rows])
+            _on_rows_(x, p_rows, functools.partial(apply_top_p_, backend=self.kernel_backend),
+                      [params[i].top_p for i in p_rows])
         probs = _exp_relative_to_max_(x)
         m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
         if m_rows:

@@ -15,6 +15,7 @@ the twins live in ``reference``. One file per kernel family, each with its launc
 ``decode_attention`` (plain and split-K decode + LSE reduction, the split rule),
 ``prefill_attention`` (varlen prefill/extend: chunked prefill, prefix hits), ``cache_ops``
 (reshape_and_cache, copy_blocks, the device<->CPU swap helper), ``layer_ops`` (the fused
-per-layer elementwise ops: RMSNorm with the residual add, rotary, SiLU-and-multiply). ``testing`` builds paged inputs
-for tests and benchmarks/kernels_bench.py.
+per-layer elementwise ops: RMSNorm with the residual add, rotary, SiLU-and-multiply),
+``sampling_ops`` (the sampler's whole-row top-p threshold, with no host read). ``testing``
+builds paged inputs for tests and benchmarks/kernels_bench.py.
 """

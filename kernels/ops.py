@@ -32,6 +32,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "top_p_thresholds_",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -242,3 +243,20 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return reference.silu_and_mul(x)
+
+
+# --- sampling (sampling_ops.py) -----------------------------------------------------------------
+
+def top_p_thresholds_(
+    logits: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, thresholds: torch.Tensor,
+    unresolved: torch.Tensor, *, backend: str = "auto",
+) -> None:
+    """The nucleus threshold of each whole row the caller marks ``unresolved``, written into
+    ``thresholds`` [R, 1]; the Triton kernel reads nothing back to the host."""
+    if _use_triton(backend, logits):
+        from .sampling_ops import top_p_thresholds_triton
+
+        top_p_thresholds_triton(logits, lse, top_p, thresholds, unresolved,
+                                reference.EXP_FLOOR)
+    else:
+        reference.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved)

@@ -380,3 +380,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2n] (gate then up) -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# --- sampling (twin of sampling_ops.py) ------------------------------------------------------
+
+EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
+
+
+def top_p_threshold(desc: torch.Tensor, lse: torch.Tensor,
+                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits in descending order (desc [R, K]: whole rows, or their K best) with
+    their log-sum-exp [R, 1]: the nucleus threshold [R, 1], the value of the last token
+    whose mass before it is < top_p [R] (each token weighs exp(max(x - lse, EXP_FLOOR))),
+    and how many of the K tokens that keeps [R]."""
+    cum = (desc - lse).clamp_(min=EXP_FLOOR).exp_().cumsum_(-1)
+    mass_before = torch.zeros_like(cum)
+    mass_before[:, 1:] = cum[:, :-1]
+    n_keep = (mass_before < top_p.unsqueeze(1)).sum(-1)
+    return desc.gather(1, (n_keep - 1).unsqueeze(1)), n_keep
+
+
+def top_p_thresholds_(logits: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor,
+                      thresholds: torch.Tensor, unresolved: torch.Tensor) -> None:
+    """In place: ``thresholds[r]`` = the nucleus threshold of the whole row ``logits[r]``
+    for every row with ``unresolved[r]``, by sorting those rows (which ones: a host read,
+    free on a CPU; the Triton kernel needs none)."""
+    if bool(unresolved.any()):
+        rows = unresolved.nonzero().squeeze(1)
+        full = logits[rows].sort(dim=-1, descending=True).values
+        thresholds[rows] = top_p_threshold(full, lse[rows], top_p[rows])[0]

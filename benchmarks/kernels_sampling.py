@@ -1,0 +1,41 @@
+"""kernels_bench.py's `--cases top_p`: the whole-row top-p threshold kernel
+(kernels/sampling_ops.py) at the Qwen2.5 vocabulary (151,936) for a 256-row step, and the
+sort it replaces. Rows are flat (every nucleus reaches past the sampler's first 256 tokens:
+"unresolved"); `rows` of them are marked. The kernel is graph-timed (nothing read back);
+the sort ("twin") needs a host read of which rows, so it is timed eagerly, read included:
+what an overlapped step would wait. ``radixB_latency_us_p50``: the kernel with its search
+cutting the key range into 2^B parts a pass (32 / B reads of each row), to choose
+``sampling_ops.RADIX_BITS``."""
+
+from __future__ import annotations
+
+from kernels_tune import emit
+
+
+def bench_top_p(torch, ops, device, timed, dry_run: bool) -> None:
+    from pagedserve.kernels.reference import EXP_FLOOR
+    from pagedserve.kernels.sampling_ops import RADIX_BITS, top_p_thresholds_triton
+
+    num_rows, vocab = (4, 600) if dry_run else (256, 151_936)
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_rows, vocab, generator=gen, device=device) * 0.5
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    top_p = torch.full((num_rows,), 0.9, device=device)
+    thresholds = torch.zeros(num_rows, 1, device=device)
+    for marked in sorted({0, 1, min(8, num_rows), num_rows}):
+        unresolved = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        unresolved[:marked] = True
+        record = {"case": f"top_p/v{vocab}/r{num_rows}/unresolved{marked}", "rows": num_rows,
+                  "vocab": vocab, "unresolved": marked, "default_radix_bits": RADIX_BITS}
+        record["kernel_latency_us_p50"] = round(timed(
+            lambda u=unresolved: ops.top_p_thresholds_(logits, lse, top_p, thresholds, u,
+                                                       backend="triton")), 2)
+        for bits in (1, 2, 4) if marked else ():  # the search's radix (default RADIX_BITS)
+            record[f"radix{bits}_latency_us_p50"] = round(timed(
+                lambda u=unresolved, bits=bits: top_p_thresholds_triton(
+                    logits, lse, top_p, thresholds, u, EXP_FLOOR, radix_bits=bits)), 2)
+        if marked:
+            record["sort_latency_us_p50"] = round(timed(
+                lambda u=unresolved: ops.top_p_thresholds_(logits, lse, top_p, thresholds, u,
+                                                           backend="torch"), graph=False), 2)
+        emit(record)

@@ -1,0 +1,126 @@
+"""The top-p (nucleus) threshold of whole vocabulary rows on the device, with no host read:
+Triton kernel and launcher.
+
+Twin: ``reference.top_p_thresholds_`` (sorts the rows it is given; which rows, it reads on
+the host). The sampler first takes the threshold from each row's best 256 tokens; a row whose
+nucleus reaches past them ("unresolved") needs the whole row. Finding those rows on the host
+(`bool(unresolved.any())`) waits for the forward that produced the logits, which is what
+the executor's overlapped steps must not do: here every row gets a program, the settled
+ones return at once, and nothing is read back.
+
+Algorithm of ``_top_p_threshold_kernel``, program = one row of logits x (fp32) with its
+log-sum-exp ``lse`` and ``p`` = top_p. A token of logit v weighs e(v) = exp(max(v - lse,
+EXP_FLOOR)), as in the twin's sorted cumulative sum. Map each logit to u(v) = its float's
+bits as an ordered 32-bit key (the low 31 bits flipped when negative) plus 2^31, in
+[0, 2^32): u orders as the logits do. Let f(k) = the mass of the tokens with u > k
+(non-increasing in k). The twin keeps the tokens in descending order while the mass before
+them is < p; with ties that is every token >= t*, t* = the smallest logit whose f(u) < p. So:
+1. find the smallest k with f(k) < p by a radix search: the interval (lo, lo + width]
+   starts as (-1, 2^32 - 1] (f(-1) is the whole mass, f(2^32 - 1) = 0 < p); each pass cuts
+   it into 2^RADIX_BITS equal parts, sums the mass above every cut in one read of the row
+   (from L2), and keeps the part where f falls below p: 32 / RADIX_BITS passes (fewer reads
+   of the row for more arithmetic per element; kernels_bench --cases top_p times each);
+2. t* = the smallest logit whose u is >= that k (one more pass).
+The masses above the cuts are sums of nested sets of positive terms in one order, so they
+are monotone in the cut as computed, and a cut measured twice gives the same sum. They are
+summed in another order than the twin's cumulative sum, so the two can differ when a
+prefix's mass lies within rounding of p (as the sampler's docstring allows across device
+kinds); each is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_HALF_RANGE: tl.constexpr = tl.constexpr(1 << 31)  # ordered int32 key -> [0, 2^32)
+# Elements of a row read per iteration, by radix: the [BLOCK, 2^RADIX_BITS] mass tile stays
+# at 16k elements (64 registers a thread with 8 warps).
+_BLOCK_BY_RADIX = {1: 4096, 2: 4096, 4: 1024}
+RADIX_BITS = 4  # the default: 8 reads of the row, not yet timed on a GPU
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int32 whose signed order is the floats' order."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _top_p_threshold_kernel(
+    logits_ptr, lse_ptr, top_p_ptr, thresholds_ptr, unresolved_ptr,
+    vocab, stride_row,
+    exp_floor,
+    BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,  # 1, 2 or 4: the search keeps 1 of 2^RADIX_BITS parts a pass
+):
+    row = tl.program_id(0)
+    if tl.load(unresolved_ptr + row) == 0:
+        return
+    lse = tl.load(lse_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    parts = tl.arange(0, 1 << RADIX_BITS)
+
+    lo = tl.full([], -1, tl.int64)  # f(lo) >= p (else every token is kept: lo stays -1)
+    width = tl.full([], 1 << 32, tl.int64)  # f(lo + width) < p
+    for _ in range(32 // RADIX_BITS):
+        width = width >> RADIX_BITS
+        cuts = lo + (parts + 1).to(tl.int64) * width  # the last cut is the known upper end
+        mass = tl.zeros([BLOCK, 1 << RADIX_BITS], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            idx = start + offs
+            valid = idx < vocab
+            x = tl.load(base + idx, mask=valid, other=0.0)
+            weight = tl.where(valid, tl.exp(tl.maximum(x - lse, exp_floor)), 0.0)
+            above = _ordered_key(x).to(tl.int64)[:, None] + _HALF_RANGE > cuts[None, :]
+            mass += tl.where(above, weight[:, None], 0.0)
+        # f falls below p after the cuts that still hold >= p: keep the part after them.
+        lo += tl.sum((tl.sum(mass, 0) >= p).to(tl.int64), 0) * width
+
+    smallest = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        valid = idx < vocab
+        x = tl.load(base + idx, mask=valid, other=0.0)
+        kept = valid & (_ordered_key(x).to(tl.int64) + _HALF_RANGE > lo)
+        smallest = tl.minimum(smallest, tl.where(kept, x, float("inf")))
+    tl.store(thresholds_ptr + row, tl.min(smallest, 0))
+
+
+def top_p_thresholds_triton(
+    logits: torch.Tensor,  # [R, V] float32
+    lse: torch.Tensor,  # [R, 1] float32: logsumexp of each row
+    top_p: torch.Tensor,  # [R] float32
+    thresholds: torch.Tensor,  # [R, 1] float32, written for the unresolved rows
+    unresolved: torch.Tensor,  # [R] bool
+    exp_floor: float,
+    *,
+    radix_bits: int = RADIX_BITS,
+) -> None:
+    """Launch one program per row (see the module docstring); nothing is read back.
+    ``radix_bits`` (1, 2 or 4) overrides the search's radix (kernels_bench sweeps it)."""
+    if radix_bits not in _BLOCK_BY_RADIX:
+        raise ValueError(f"radix_bits must be one of {sorted(_BLOCK_BY_RADIX)}")
+    num_rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError("logits must be float32 with a contiguous last axis")
+    for name, t in (("lse", lse), ("thresholds", thresholds)):
+        if t.dtype != torch.float32 or t.numel() != num_rows or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 with one value per row")
+    if top_p.shape != (num_rows,) or unresolved.shape != (num_rows,):
+        raise ValueError(f"top_p and unresolved must be [{num_rows}]")
+    if num_rows == 0:
+        return
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    block = min(_BLOCK_BY_RADIX[radix_bits], triton.next_power_of_2(vocab))
+    _top_p_threshold_kernel[(num_rows,)](
+        logits, lse, top_p.to(torch.float32), thresholds, unresolved.to(torch.uint8),
+        vocab, logits.stride(0), float(exp_floor),
+        BLOCK=block, RADIX_BITS=radix_bits, num_warps=1 if interpreting else 8,
+    )
