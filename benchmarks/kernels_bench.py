@@ -43,9 +43,10 @@ configuration and the best one's ratio to SDPA: what to make the prefill launche
 Layer cases (``layer/...``, only when asked for): the fused RMSNorm-with-residual, rotary and
 SiLU-and-multiply kernels (layer_ops.py) and the four of them as one layer's set, against
 their torch forms at the Qwen2.5-0.5B sizes for 256 decode tokens: ``fused_speedup_ratio``.
-Top-p cases (``top_p/...``, only when asked for): the sampler's whole-row top-p threshold
-kernel (sampling_ops.py) on 256 rows of the Qwen2.5 vocabulary with 0, 1, 8 or all rows
-needing it, against the sort it replaces (benchmarks/kernels_sampling.py).
+Sampling cases (``argmax/...``, ``top_p/...``, only when asked for: ``--cases sampling``):
+the sampler's kernels (sampling_ops.py) at the Qwen2.5 vocabulary — the greedy argmax of
+bf16 logits against torch's, and the whole-row top-p threshold on 256 rows with 0, 1, 8 or
+all rows needing it, against the sort it replaces (benchmarks/kernels_sampling.py).
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -61,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also under PYTHONSAFEPATH
-from kernels_sampling import bench_top_p  # noqa: E402
+from kernels_sampling import bench_sampling  # noqa: E402
 from kernels_tune import (  # noqa: E402
     bench_decode_tune,
     bench_prefill_tune,
@@ -84,7 +85,7 @@ def _parse() -> argparse.Namespace:
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
                    help="comma-separated subset of decode, prefill, cache, tune, "
-                   "prefill_tune, layer, top_p (the last four: not in the default)")
+                   "prefill_tune, layer, sampling (the last four: not in the default)")
     return p.parse_args()
 
 
@@ -249,8 +250,8 @@ def main() -> int:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "layer" in cases:
         bench_layer_ops(torch, ops, device, dtype, timed, args.dry_run)
-    if "top_p" in cases:
-        bench_top_p(torch, ops, device, timed, args.dry_run)
+    if "sampling" in cases:
+        bench_sampling(torch, ops, device, dtype, timed, args.dry_run)
     return 0
 
 

@@ -1,6 +1,7 @@
-"""kernels_bench.py's `--cases top_p`: the whole-row top-p threshold kernel
-(kernels/sampling_ops.py) at the Qwen2.5 vocabulary (151,936) for a 256-row step, and the
-sort it replaces. Rows are flat (every nucleus reaches past the sampler's first 256 tokens:
+"""kernels_bench.py's `--cases sampling`: the sampler's kernels (kernels/sampling_ops.py) at the
+Qwen2.5 vocabulary (151,936). ``argmax/...``: the greedy argmax of 16-bit logits (1 to 256
+rows) against torch's. ``top_p/...``: the whole-row top-p threshold for a 256-row step, and
+the sort it replaces. Rows are flat (every nucleus reaches past the sampler's first 256 tokens:
 "unresolved"); `rows` of them are marked. The kernel is graph-timed (nothing read back);
 the sort ("twin") needs a host read of which rows, so it is timed eagerly, read included:
 what an overlapped step would wait. ``radixB_latency_us_p50``: the kernel with its search
@@ -10,6 +11,19 @@ cutting the key range into 2^B parts a pass (32 / B reads of each row), to choos
 from __future__ import annotations
 
 from kernels_tune import emit
+
+
+def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
+    vocab = 600 if dry_run else 151_936
+    for rows in (1, 4) if dry_run else (1, 8, 64, 256):
+        logits = torch.randn(rows, vocab, device=device).to(dtype)
+        kernel = timed(lambda logits=logits: ops.argmax_rows(logits, backend="triton"))
+        twin = timed(lambda logits=logits: ops.argmax_rows(logits, backend="torch"))
+        emit({"case": f"argmax/v{vocab}/r{rows}", "dtype": str(dtype).removeprefix("torch."),
+              "latency_us_p50": round(kernel, 2), "torch_latency_us_p50": round(twin, 2),
+              "gb_per_s": float(f"{logits.numel() * logits.element_size() / kernel / 1e3:.4g}"),
+              "speedup_ratio": round(twin / kernel, 3)})
+    bench_top_p(torch, ops, device, timed, dry_run)
 
 
 def bench_top_p(torch, ops, device, timed, dry_run: bool) -> None:

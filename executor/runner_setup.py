@@ -90,10 +90,11 @@ def build_runner(
 
 
 def _check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
-    """Run the sampler's device kernel (the whole-row top-p threshold) once against its
-    twin; if it fails to compile or disagrees by more than a token at a rounding edge, the
-    sampler uses the twin (logged): its steps then wait for their forward to learn which
-    rows need a full sort."""
+    """Run the sampler's device kernels (the whole-row top-p threshold, the greedy argmax)
+    once against their twins at the model's vocabulary and dtype; if one fails to compile or
+    disagrees (top-p: by more than a token at a rounding edge), the sampler uses the twins
+    (logged): its top-p steps then wait for their forward to learn which rows need a full
+    sort."""
     from pagedserve.kernels import ops
 
     device = runner.cache.device
@@ -111,7 +112,12 @@ def _check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
             kept[backend] = (logits >= thresholds).sum(-1)
         worst = int((kept["triton"] - kept["torch"]).abs().max())
         if worst > 1:
-            raise ValueError(f"kept-token counts differ by {worst}")
+            raise ValueError(f"top-p kept-token counts differ by {worst}")
+        tied = logits.to(runner.cache.kv_cache.dtype)  # the model's dtype
+        tied[:, vocab // 2] = tied[:, 7] = tied.max() + 1  # ties: the first index wins
+        if not torch.equal(ops.argmax_rows(tied, backend="triton"),
+                           ops.argmax_rows(tied, backend="torch")):
+            raise ValueError("argmax_rows disagrees")
     except Exception as exc:
         log.warning("sampler kernels off, torch forms used: %s: %s", type(exc).__name__, exc)
         runner.sampler.kernel_backend = "torch"

@@ -33,6 +33,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "top_p_thresholds_",
+    "argmax_rows",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -260,3 +261,13 @@ def top_p_thresholds_(
                                 reference.EXP_FLOOR)
     else:
         reference.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved)
+
+
+def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """int64 [R]: the first index of each row's largest logit (greedy tokens); the Triton
+    form splits each row over many programs (torch's walks a row with one)."""
+    if _use_triton(backend, logits):
+        from .sampling_ops import argmax_rows_triton
+
+        return argmax_rows_triton(logits)
+    return reference.argmax_rows(logits)

@@ -409,3 +409,8 @@ def top_p_thresholds_(logits: torch.Tensor, lse: torch.Tensor, top_p: torch.Tens
         rows = unresolved.nonzero().squeeze(1)
         full = logits[rows].sort(dim=-1, descending=True).values
         thresholds[rows] = top_p_threshold(full, lse[rows], top_p[rows])[0]
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: the first index of each row's largest logit."""
+    return logits.argmax(-1)

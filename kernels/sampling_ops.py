@@ -124,3 +124,66 @@ def top_p_thresholds_triton(
         vocab, logits.stride(0), float(exp_floor),
         BLOCK=block, RADIX_BITS=radix_bits, num_warps=1 if interpreting else 8,
     )
+
+
+# --- greedy: the argmax of each row ------------------------------------------------------------
+#
+# torch's argmax over [256, 151,936] bf16 logits ran at ~1.2 TB/s on an H200 (63 us a step,
+# benchmarks/README "GPU check"): one program walks a row. Here a row is cut into
+# ARGMAX_CHUNK-element chunks, one program each (~5k programs at 256 rows), each writing its
+# chunk's largest value (widened to fp32: exact) and that value's first index; a second
+# launch takes, per row, the first chunk holding the row's largest value. So ties go to the
+# first index, as torch's argmax does. (NaN logits: undefined here; torch picks the first
+# NaN.)
+ARGMAX_CHUNK = 8192
+_ARGMAX_MAX_CHUNKS = 64  # rows up to 524,288 entries: the second launch reads them at once
+
+
+@triton.jit
+def _argmax_chunks_kernel(logits_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row,
+                          num_chunks, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + idx, mask=idx < vocab,
+                other=float("-inf")).to(tl.float32)
+    best, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(part_val_ptr + row * num_chunks + chunk, best)
+    tl.store(part_idx_ptr + row * num_chunks + chunk, chunk * CHUNK + at)
+
+
+@triton.jit
+def _argmax_rows_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks,
+                        CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, CHUNKS_PAD)
+    valid = offs < num_chunks
+    vals = tl.load(part_val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
+    _, first = tl.max(vals, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_chunks + first).to(tl.int64))
+
+
+def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: the first index of each row's largest logit (fp32/fp16/bf16 [R, V], last
+    axis contiguous). Two launches, nothing read back."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError("logits must be [R, V] with a contiguous last axis")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported logits dtype {logits.dtype}")
+    num_rows, vocab = logits.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(max(vocab, 16)))
+    num_chunks = triton.cdiv(vocab, chunk)
+    if num_chunks > _ARGMAX_MAX_CHUNKS:
+        raise ValueError(f"rows of {vocab} entries: at most {_ARGMAX_MAX_CHUNKS * chunk}")
+    if num_rows == 0 or vocab == 0:
+        return out.zero_()
+    part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _argmax_chunks_kernel[(num_rows, num_chunks)](
+        logits, part_val, part_idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
+        num_warps=8)
+    _argmax_rows_kernel[(num_rows,)](
+        part_val, part_idx, out, num_chunks,
+        CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
+    return out

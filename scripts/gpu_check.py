@@ -125,7 +125,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                   *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
         # Every case: the grid, the launch-configuration sweep and the fused layer kernels.
-        cases = ["--cases", "decode,prefill,cache,layer,top_p,prefill_tune"
+        cases = ["--cases", "decode,prefill,cache,layer,sampling,prefill_tune"
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))

@@ -104,12 +104,13 @@ def test_http_soak_short():
 
 
 def test_kernels_bench_layer_and_tune_cases_dry_run():
-    """The fused layer kernels' cases, the decode and prefill launch sweeps and the top-p
-    threshold kernel run end to end through the interpreter (figures are meaningless there; a GPU gives them)."""
-    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer,prefill_tune,tune,top_p")
+    """The fused layer kernels' cases, the decode and prefill launch sweeps and the sampling
+    kernels run end to end through the interpreter (figures are meaningless there; a GPU gives them)."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases", "layer,prefill_tune,tune,sampling")
     cases = {r["case"]: r for r in records}
     top_p = cases["top_p/v600/r4/unresolved4"]
     assert top_p["kernel_latency_us_p50"] > 0 and top_p["sort_latency_us_p50"] > 0
+    assert cases["argmax/v600/r4"]["speedup_ratio"] > 0
     decode = cases["tune/qwen2.5_0.5b/b2/ctx600"]
     assert set(decode["splits"]) == {"1", "2", "1_n128", "2_n128", "2_n128_fused"}
     assert decode["default_latency_us_p50"] > 0 and decode["rule_splits"] == 2

@@ -14,6 +14,8 @@ from pagedserve.executor.sampler import apply_top_p_
 from pagedserve.kernels import ops, reference, sampling_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter on CPU; natively on a GPU (the GPU check runs only `gpu`-marked tests).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -26,10 +28,11 @@ def _rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def _thresholds(logits: torch.Tensor, top_p: torch.Tensor, unresolved: torch.Tensor,
-                backend: str, radix_bits: int | None = None) -> torch.Tensor:
-    logits, top_p, unresolved = logits.to(DEVICE), top_p.to(DEVICE), unresolved.to(DEVICE)
+                backend: str, radix_bits: int | None = None,
+                device: str = DEVICE) -> torch.Tensor:
+    logits, top_p, unresolved = logits.to(device), top_p.to(device), unresolved.to(device)
     lse = torch.logsumexp(logits, -1, keepdim=True)
-    thresholds = torch.full((logits.shape[0], 1), -7.0, device=DEVICE)  # "settled" marker
+    thresholds = torch.full((logits.shape[0], 1), -7.0, device=device)  # "settled" marker
     if radix_bits is None:
         ops.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved, backend=backend)
     else:
@@ -73,8 +76,9 @@ def test_kernel_threshold_is_the_nucleus(values, top_p, scale, radix_bits):
     assert above < top_p + 1e-6 and from_it > top_p - 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("radix_bits", [1, 2, 4])
-def test_kernel_resolves_neighbouring_floats(radix_bits):
+def test_kernel_resolves_neighbouring_floats(radix_bits, device):
     """The search ends on the exact key: logits one float apart are told apart (the next
     float below 1.0 falls outside a nucleus that 1.0 fills alone), and a tie is kept whole."""
     one = torch.tensor(1.0)
@@ -83,9 +87,9 @@ def test_kernel_resolves_neighbouring_floats(radix_bits):
                            [above, 1.0, -4.0, -4.0, -9.0],  # of the next float odd
                            [1.0, 1.0, below, -4.0, -9.0]])
     top_p, flags = torch.full((3,), 0.3), torch.ones(3, dtype=torch.bool)
-    got = _thresholds(logits, top_p, flags, "triton", radix_bits)
+    got = _thresholds(logits, top_p, flags, "triton", radix_bits, device)
     assert got[:, 0].tolist() == [1.0, above, 1.0]
-    assert torch.equal(got, _thresholds(logits, top_p, flags, "torch"))
+    assert torch.equal(got, _thresholds(logits, top_p, flags, "torch", device=device))
 
 
 def test_sampler_top_p_same_tokens_kept_with_the_kernel():
@@ -155,8 +159,9 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     from pagedserve.executor.sampler import Sampler
     from pagedserve.kernels import sampling_ops
 
-    runner = SimpleNamespace(cache=SimpleNamespace(device=torch.device(DEVICE)),
-                             sampler=Sampler())
+    cache = SimpleNamespace(device=torch.device(DEVICE),
+                            kv_cache=torch.zeros(1, dtype=torch.bfloat16))
+    runner = SimpleNamespace(cache=cache, sampler=Sampler())
     runner_setup._check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "auto"
 
@@ -172,6 +177,15 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
 
     runner.sampler.kernel_backend = "auto"
     monkeypatch.setattr(sampling_ops, "top_p_thresholds_triton", broken)
+    runner_setup._check_sampler_kernels(runner, 600)
+    assert runner.sampler.kernel_backend == "torch"
+
+    def last_index(logits):  # ties to the last index: not torch's argmax
+        return logits.shape[1] - 1 - logits.flip(-1).argmax(-1)
+
+    runner.sampler.kernel_backend = "auto"
+    monkeypatch.undo()
+    monkeypatch.setattr(sampling_ops, "argmax_rows_triton", last_index)
     runner_setup._check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "torch"
 
@@ -205,3 +219,24 @@ def test_sampler_launch_reads_nothing_back_on_cuda():
     launched.wait()
     np.testing.assert_array_equal(launched.result().token_ids,
                                   Sampler()(logits, states).token_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("vocab", [1, 100, 8192, 8193, 20_000, 151_936])  # chunk edges
+def test_argmax_rows_is_torchs_argmax(dtype, vocab, device):
+    """First index on ties (within a chunk and across chunks), rows of -inf, any dtype."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).round().to(dtype)  # many ties
+    logits[1] = float("-inf")
+    logits[2, vocab // 2:] = 100.0
+    logits[3, -1] = 200.0
+    if vocab > 8192:
+        logits[4, [8191, 8192]] = 300.0  # tied across a chunk boundary
+    logits = logits.to(device)
+    got = ops.argmax_rows(logits, backend="triton")
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(-1))
+    if vocab > 1:
+        with pytest.raises(ValueError, match="contiguous"):
+            ops.argmax_rows(logits.t(), backend="triton")
