@@ -16,8 +16,11 @@ Cases:
   These time each step alone (execute, then a device sync).
 * ``gpu_qwen2.5-0.5b_pipelined_b{64,256}_graphs``: the same decodes (40 steps) through the
   executor's pipelined loop as in the gap cases below (plans marked ``feed_sampled``):
-  the step period p50 (between consecutive results), tok/s and share of the bound, gap and
-  forward p50 — the executor as `serve` runs it, without the router.
+  the step period p50 (between consecutive results), tok/s and share of the bound, gap,
+  forward and sampling p50 — the executor as `serve` runs it, without the router;
+  ``..._b256_graphs_top_p`` with every row sampling at top-p 0.95 (all nuclei past the
+  first 256 tokens on the random model: the sampler's whole-row kernel on every row), and
+  ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step).
 
 * ``cpu_tiny_gap_b{32,256}`` (``--gap`` only: not in the default run): the executor's gap
   between decode steps (``StepResult.gap_s``, from the end of a step's sampling to the
@@ -71,21 +74,22 @@ def emit(case: str, **figures) -> None:
 
 
 def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: int,
-                 feed: bool = False):
+                 feed: bool = False, sampling: SamplingParams | None = None):
     """Plans: step 0 registers ``batch`` requests with ``context`` prompt tokens already
     computed and decodes one token each; the next steps decode one more token each (with
     ``feed``: marked ``feed_sampled``, each fed the token the executor sampled for it in the
-    step before, as the pipelining router plans them; else a random token given)."""
+    step before, as the pipelining router plans them; else a random token given). Greedy
+    unless ``sampling`` is given."""
     rng = np.random.default_rng(0)
     blocks_per_seq = (context + steps + block_size) // block_size
     tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
-    greedy = SamplingParams(temperature=0.0)
+    sampling = sampling or SamplingParams(temperature=0.0)
     ids = [f"s{i}" for i in range(batch)]
     for step in range(steps):
         pos = context + step
         new = [] if step else [
             NewRequest(request_id=r, prompt_token_ids=int32(rng.integers(0, vocab, context)),
-                       output_token_ids=int32([]), sampling=greedy) for r in ids]
+                       output_token_ids=int32([]), sampling=sampling) for r in ids]
         yield StepPlan(
             step_id=step, new_requests=new, request_ids=ids,
             num_computed_tokens=int32([pos] * batch), num_new_tokens=int32([1] * batch),
@@ -260,7 +264,7 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     `ModelRunner.submit` / `collect` as the process runs them (a sampling step stays in
     flight until the next is launched). Returns the steps after ``warmup``: their gap_s,
     forward_s, the intervals between consecutive results (the step period: what the
-    executor's throughput is), and the crc32 of every sampled token."""
+    executor's throughput is), sample_s, and the crc32 of every sampled token."""
     encoder = Codec()
     frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
     inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
@@ -284,7 +288,7 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
             wake.put(item)
         held.clear()
 
-    gaps, forwards, periods, tokens = [], [], [], []
+    gaps, forwards, samples, periods, tokens = [], [], [], [], []
     last = None
 
     def record(result) -> None:
@@ -295,6 +299,7 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
         if result.step_id >= warmup:
             gaps.append(result.gap_s)
             forwards.append(result.forward_s)
+            samples.append(result.sample_s)
             periods.append(now - last)
         last = now
 
@@ -324,7 +329,7 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     wake.put(None)
     thread.join()
     runner.before_forward = None
-    return {"gaps": gaps, "forwards": forwards, "periods": periods,
+    return {"gaps": gaps, "forwards": forwards, "samples": samples, "periods": periods,
             "tokens_crc32": f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"}
 
 
@@ -402,22 +407,32 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
              device=torch.cuda.get_device_name(device),
              model="loaded" if model_dir else "initialised in place",
              cuda_graphs=graphed)
-        if graphed and batch in (64, 256):
-            # The same decode in the executor's own pipelined loop (plan N+1 decoded and
-            # prepared on the I/O thread during step N, marked decodes fed on the device's
-            # side): the step period serving sees, against the synchronous steps above.
+        # The same decode in the executor's own pipelined loop (plan N+1 decoded and
+        # prepared on the I/O thread during step N, marked decodes fed on the device's
+        # side): the step period serving sees, against the synchronous steps above. At
+        # batch 256 also with every row sampling at top-p 0.95: the random model's rows are
+        # flat, so every nucleus reaches past its best 256 tokens, with the sampler's
+        # whole-row kernel and with the sort it replaced (its host read waits for the
+        # forward: the overlap lost).
+        pipelined = [("", None, "auto")] if graphed and batch in (64, 256) else []
+        if graphed and batch == 256:
+            top_p = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+            pipelined += [("_top_p", top_p, "auto"), ("_top_p_sort", top_p, "torch")]
+        for suffix, sampling, sampler_backend in pipelined:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)
+            runner.sampler.kernel_backend = sampler_backend
             run = pipelined_steps(runner, decode_plans(batch, context, block_size,
                                                        pipelined_steps_n, cfg.vocab_size,
-                                                       feed=True), warmup=3)
+                                                       feed=True, sampling=sampling), warmup=3)
             period = statistics.median(run["periods"])
-            emit(f"gpu_qwen2.5-0.5b_pipelined_b{batch}_graphs", batch=batch,
+            emit(f"gpu_qwen2.5-0.5b_pipelined_b{batch}_graphs{suffix}", batch=batch,
                  context_tokens=context, step_us_p50=round(period * 1e6, 1),
                  decode_tok_per_s=round(batch / period, 1),
                  of_bound_ratio=round(bound_s / period, 3),
                  gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
                  forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
+                 sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
                  steps=len(run["periods"]), cuda_graphs=True)
         if profile and batch == 256:
             cache.kv_cache.normal_()
