@@ -37,6 +37,9 @@ Cases:
   per step, how many device kernels ran and how long they took together, and the kernels
   that took the most (name, launches and microseconds per step). What splits a step
   between attention, matmuls and the small elementwise kernels (the GPU check runs it).
+  Then under cProfile (``host_profile_gpu_b256_{eager,graphs}``, ``host_profile_cpu_tiny_b128``):
+  the host's functions by own time per step — where an eager step's ~12 ms of host time on
+  the H200 went (Triton's launcher, torch operators, pagedserve's Python).
 
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed (not in the gap cases).
@@ -56,6 +59,7 @@ import tempfile
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -161,6 +165,38 @@ def profile_steps(runner: ModelRunner, plans, case: str, top: int = 12) -> None:
                "us_per_step": round(total / n, 1)} for total, count, name in rows[:top]])
 
 
+def host_profile_steps(runner: ModelRunner, plans, case: str, top: int = 15) -> None:
+    """The plans' steps under cProfile (the first three as warm-up, outside it): the host's
+    side of a step, the functions by their own time per measured step. Where an eager step's
+    host time goes (Triton's launcher, torch's operators, pagedserve's own Python); cProfile
+    adds its own cost to each call, so read the shares, not the microseconds."""
+    import cProfile
+    import pstats
+
+    plans = list(plans)
+    for plan in plans[:3]:
+        runner.execute(plan)
+    measured = plans[3:]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    results = [runner.execute(plan) for plan in measured]
+    prof.disable()
+    assert not any(r.errors for r in results), [r.errors for r in results if r.errors][0]
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / len(measured)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, _, own s, cumulative s, _)
+    n = len(measured)
+    rows = sorted(((own, calls, f"{Path(f).name}:{line}({name})")
+                   for (f, line, name), (calls, _, own, _, _) in stats.items()), reverse=True)
+    emit(case, steps=n, wall_us_per_step=round(wall * 1e6, 1),
+         profiled_us_per_step=round(sum(r[0] for r in rows) / n * 1e6, 1),
+         calls_per_step=round(sum(r[1] for r in rows) / n, 1), unit="cProfile own time",
+         top=[{"name": name[:90], "calls_per_step": round(calls / n, 1),
+               "us_per_step": round(own / n * 1e6, 1)} for own, calls, name in rows[:top]])
+
+
 def bench_cpu(steps: int, profile: bool = False) -> None:
     from pagedserve.tinymodels import build_model
 
@@ -183,6 +219,9 @@ def bench_cpu(steps: int, profile: bool = False) -> None:
                                       num_cpu_blocks=0, block_size=block_size, progress=False)
                 profile_steps(runner, decode_plans(batch, context, block_size, steps,
                                                    runner.vocab_size), "profile_cpu_tiny_b128")
+                host_profile_steps(runner, decode_plans(batch, context, block_size, steps,
+                                                        runner.vocab_size),
+                                   "host_profile_cpu_tiny_b128")
 
 
 def pipelined_decode_plans(batch: int, prompt_len: int, block_size: int, steps: int,
@@ -437,9 +476,12 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
         if profile and batch == 256:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)
+            mode = "graphs" if graphed else "eager"
             profile_steps(runner, decode_plans(batch, context, block_size, steps,
-                                               cfg.vocab_size),
-                          f"profile_gpu_b{batch}_{'graphs' if graphed else 'eager'}")
+                                               cfg.vocab_size), f"profile_gpu_b{batch}_{mode}")
+            host_profile_steps(runner, decode_plans(batch, context, block_size, steps,
+                                                    cfg.vocab_size),
+                               f"host_profile_gpu_b{batch}_{mode}")
         del cache, runner, graphs
         torch.cuda.empty_cache()
 

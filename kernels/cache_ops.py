@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 # --- reshape_and_cache -------------------------------------------------------------------------
 
 
@@ -95,7 +97,7 @@ def reshape_and_cache_triton(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+        H_PAD=next_power_of_2(num_kv_heads), D_PAD=next_power_of_2(head_dim),
         num_warps=4,
     )
 
@@ -146,7 +148,7 @@ def copy_blocks_triton(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> N
     num_layers, _, num_blocks = kv_cache.shape[:3]
     block_numel = kv_cache[0, 0, 0].numel()
     raw = kv_cache.view(_SAME_WIDTH_INT[kv_cache.element_size()])
-    grid = (mapping.shape[0], num_layers * 2, triton.cdiv(block_numel, _COPY_CHUNK))
+    grid = (mapping.shape[0], num_layers * 2, cdiv(block_numel, _COPY_CHUNK))
     _copy_blocks_kernel[grid](
         raw, mapping, num_blocks * block_numel, block_numel, CHUNK=_COPY_CHUNK, num_warps=4
     )

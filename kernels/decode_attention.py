@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import INTERPRETING, next_power_of_2
+
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
 _NO_WINDOW = 1 << 30
@@ -288,7 +290,7 @@ _WIDE_TILE_PROGRAMS_PER_SM = 4
 def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
                    dtype: torch.dtype) -> int:
     """Tokens per tile of the decode kernel for a grid of ``num_programs``. See above."""
-    if triton.next_power_of_2(head_dim) > 128:
+    if next_power_of_2(head_dim) > 128:
         return 32
     if dtype != torch.float32 and num_programs <= _WIDE_TILE_PROGRAMS_PER_SM * num_sms:
         return 128
@@ -353,12 +355,6 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
         raise ValueError(f"out must have the query's shape {tuple(query.shape)}, stride(-1) 1")
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def paged_decode_attention_triton(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -388,7 +384,7 @@ def paged_decode_attention_triton(
     if num_seqs == 0:
         return out
 
-    interpreting = _interpreting()
+    interpreting = INTERPRETING
     num_sms = _num_sms(query.device)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -399,8 +395,8 @@ def paged_decode_attention_triton(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    d_pad = triton.next_power_of_2(head_dim)
-    block_g = max(16, triton.next_power_of_2(group))
+    d_pad = next_power_of_2(head_dim)
+    block_g = max(16, next_power_of_2(group))
     if block_n is None:
         block_n = choose_block_n(num_seqs * num_kv_heads * num_splits, num_sms, head_dim,
                                  query.dtype)
@@ -427,11 +423,8 @@ def paged_decode_attention_triton(
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters,
         qk_scale_log2, window,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
+        block_tables.stride(0), *out.stride()[:2],
         *p_strides,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
@@ -444,7 +437,7 @@ def paged_decode_attention_triton(
             out.stride(0), out.stride(1),
             *p_strides,
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

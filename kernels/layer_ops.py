@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -83,7 +85,7 @@ def rms_norm_triton(
         x, r, weight, out,
         x.stride(0), stride_xh, r.stride(0), out.stride(0), stride_oh,
         heads, n, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n),
         num_warps=4 if n <= 2048 else 8,
     )
     return (out, residual) if residual is not None else out
@@ -211,13 +213,12 @@ def rotary_embedding_and_cache_triton(
     half = dim // 2
     _rotary_cache_kernel[(tokens,)](
         q, k, v, cos_sin, key_cache, value_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin.stride(0), cos_sin.stride(1),
-        key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *cos_sin.stride()[:2],
+        *key_cache.stride()[1:3], *value_cache.stride()[1:3],
         q.shape[1], k.shape[1],
-        HALF=half, HEAD_DIM=dim, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(half),
-        BLOCK_DV=triton.next_power_of_2(dim), num_warps=4,
+        HALF=half, HEAD_DIM=dim, BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(half),
+        BLOCK_DV=next_power_of_2(dim), num_warps=4,
     )
     return q, k
 
@@ -250,8 +251,8 @@ def rotary_embedding_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         cos_sin.stride(1),
         q.shape[1], k.shape[1],
-        HALF=half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(half),
+        HALF=half, BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(half),
         num_warps=4,
     )
     return q, k
@@ -279,7 +280,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
-    block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
+    block = min(1024, next_power_of_2(n))
+    _silu_and_mul_kernel[(tokens, cdiv(n, block))](
         x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out

@@ -28,11 +28,11 @@ Algorithm of ``_prefill_kernel``, program (seq, kv_head, q_tile):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .host_math import INTERPRETING, cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernel stays branch-free.
@@ -250,7 +250,7 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
 #   * D > 128: 32 x 32, 4 warps.
 def choose_prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(rows per program, tokens per key tile, warps) for the prefill kernel. See above."""
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = next_power_of_2(head_dim)
     if d_pad > 128:
         return 32, 32, 4
     if dtype == torch.float32:
@@ -293,15 +293,15 @@ def paged_prefill_attention_triton(
     if max_query_len <= 0:
         return out
 
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    d_pad = triton.next_power_of_2(head_dim)
-    block_g = triton.next_power_of_2(group)
+    interpreting = INTERPRETING
+    d_pad = next_power_of_2(head_dim)
+    block_g = next_power_of_2(group)
     # Query tokens per program = rows / group (a GQA-8 program of 128 rows covers 16 tokens x
     # 8 heads), no more than the longest chunk needs, and rows >= 16.
     rows, default_block_n, default_warps = choose_prefill_config(head_dim, query.dtype)
     if block_q is None:
         block_q = max(1, rows // block_g)
-        block_q = min(block_q, triton.next_power_of_2(max_query_len))
+        block_q = min(block_q, next_power_of_2(max_query_len))
         block_q = max(block_q, max(1, 16 // block_g))  # keep rows >= 16
     if block_n is None:
         block_n = default_block_n
@@ -310,15 +310,12 @@ def paged_prefill_attention_triton(
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
 
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale) * _LOG2E, window,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
+        block_tables.stride(0), *out.stride()[:2],
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=upcast,
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,

@@ -30,11 +30,11 @@ kinds); each is deterministic.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .host_math import INTERPRETING, cdiv, next_power_of_2
 
 _HALF_RANGE: tl.constexpr = tl.constexpr(1 << 31)  # ordered int32 key -> [0, 2^32)
 # Elements of a row read per iteration, by radix: the [BLOCK, 2^RADIX_BITS] mass tile stays
@@ -117,8 +117,8 @@ def top_p_thresholds_triton(
         raise ValueError(f"top_p and unresolved must be [{num_rows}]")
     if num_rows == 0:
         return
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    block = min(_BLOCK_BY_RADIX[radix_bits], triton.next_power_of_2(vocab))
+    interpreting = INTERPRETING
+    block = min(_BLOCK_BY_RADIX[radix_bits], next_power_of_2(vocab))
     _top_p_threshold_kernel[(num_rows,)](
         logits, lse, top_p.to(torch.float32), thresholds, unresolved.to(torch.uint8),
         vocab, logits.stride(0), float(exp_floor),
@@ -172,8 +172,8 @@ def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"unsupported logits dtype {logits.dtype}")
     num_rows, vocab = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(max(vocab, 16)))
-    num_chunks = triton.cdiv(vocab, chunk)
+    chunk = min(ARGMAX_CHUNK, next_power_of_2(max(vocab, 16)))
+    num_chunks = cdiv(vocab, chunk)
     if num_chunks > _ARGMAX_MAX_CHUNKS:
         raise ValueError(f"rows of {vocab} entries: at most {_ARGMAX_MAX_CHUNKS * chunk}")
     if num_rows == 0 or vocab == 0:
@@ -185,5 +185,5 @@ def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
         num_warps=8)
     _argmax_rows_kernel[(num_rows,)](
         part_val, part_idx, out, num_chunks,
-        CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
+        CHUNKS_PAD=max(2, next_power_of_2(num_chunks)), num_warps=1)
     return out

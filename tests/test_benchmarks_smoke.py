@@ -132,6 +132,8 @@ def test_executor_bench_profile_on_cpu():
     prof = records["profile_cpu_tiny_b128"]
     assert prof["steps"] == 3 and prof["kernels_per_step"] > 10
     assert prof["top"] and all(t["name"].startswith("aten::") for t in prof["top"])
+    host = records["host_profile_cpu_tiny_b128"]
+    assert host["steps"] == 3 and host["calls_per_step"] > 100 and len(host["top"]) == 15
     assert {"cpu_tiny_decode_b1", "cpu_tiny_decode_b128"} <= set(records)
 
 

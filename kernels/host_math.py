@@ -1,0 +1,25 @@
+"""What the launchers compute on the host per launch, kept cheap: launch-size arithmetic in
+plain Python and whether Triton interprets.
+
+``triton.next_power_of_2`` and ``triton.cdiv`` are ``ConstexprFunction`` wrappers (usable
+inside kernels): called from the host they cost ~3 us each on the 2-core VM, a decode launch
+made three such calls, and a step launches ~120 Triton kernels eagerly when it is not a
+CUDA graph replay (benchmarks/README "GPU check": eager steps had ~12 ms of host time).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Whether the kernels run in Triton's interpreter: decided when `@triton.jit` first runs, so
+# read once, at import (an environment read per launch cost ~2 us).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
