@@ -21,6 +21,9 @@ Cases:
   ``..._b256_graphs_top_p`` with every row sampling at top-p 0.95 (all nuclei past the
   first 256 tokens on the random model: the sampler's whole-row kernel on every row), and
   ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step).
+* ``gpu_qwen2.5-0.5b_mixed_b{64,256}_chunk256``: the same decodes with a 256-token prompt
+  computed in every step (a stream ending and the next starting, steadily): such steps run
+  eagerly (the CUDA graphs are decode-only); step time against the graphed decode step.
 
 * ``cpu_tiny_gap_b{32,256}`` (``--gap`` only: not in the default run): the executor's gap
   between decode steps (``StepResult.gap_s``, from the end of a step's sampling to the
@@ -106,6 +109,44 @@ def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: i
             block_table_starts=int32([0 if step == 0 else blocks_per_seq] * batch),
             block_table_lens=int32([blocks_per_seq if step == 0 else 0] * batch),
             block_table_ids=tables.reshape(-1) if step == 0 else int32([]),
+        )
+
+
+def mixed_plans(batch: int, context: int, chunk: int, block_size: int, steps: int,
+                vocab: int):
+    """``decode_plans`` with one more request in every step after the first: a prompt of
+    ``chunk`` tokens computed whole in that step (sampling its first token) and dropped in
+    the next plan — the mixed prefill-and-decode step of a server whose streams end and
+    start all the time, which the executor runs eagerly (its CUDA graphs are decode-only)."""
+    rng = np.random.default_rng(1)
+    decode_blocks = batch * ((context + steps + block_size) // block_size)
+    chunk_blocks = -(-chunk // block_size)
+    sampling = SamplingParams(temperature=0.0)
+    for step, plan in enumerate(decode_plans(batch, context, block_size, steps, vocab)):
+        if step == 0:
+            yield plan
+            continue
+        rid = f"p{step}"
+        blocks = decode_blocks + (step % 2) * chunk_blocks + np.arange(chunk_blocks)
+        pos = np.arange(chunk)
+        yield StepPlan(
+            step_id=plan.step_id,
+            new_requests=[NewRequest(request_id=rid,
+                                     prompt_token_ids=int32(rng.integers(0, vocab, chunk)),
+                                     output_token_ids=int32([]), sampling=sampling)],
+            request_ids=[*plan.request_ids, rid],
+            num_computed_tokens=int32([*plan.num_computed_tokens, 0]),
+            num_new_tokens=int32([*plan.num_new_tokens, chunk]),
+            do_sample=np.ones(batch + 1, np.uint8),
+            token_ids=int32([*plan.token_ids, *rng.integers(0, vocab, chunk)]),
+            positions=int32([*plan.positions, *pos]),
+            slot_mapping=np.concatenate([plan.slot_mapping,
+                                         blocks[pos // block_size] * block_size
+                                         + pos % block_size]).astype(np.int64),
+            block_table_starts=int32([*plan.block_table_starts, 0]),
+            block_table_lens=int32([*plan.block_table_lens, chunk_blocks]),
+            block_table_ids=int32([*plan.block_table_ids, *blocks]),
+            finished_ids=[f"p{step - 1}"] if step > 1 else [],
         )
 
 
@@ -421,8 +462,9 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
     blocks_per_seq = (context + pipelined_steps_n + block_size) // block_size
     cases = [(64, False), (256, False), (1, False), (8, False),
              (1, True), (8, True), (64, True), (256, True)]
+    mixed_chunk = 256
     for batch, graphed in cases:
-        num_blocks = batch * blocks_per_seq
+        num_blocks = batch * blocks_per_seq + 2 * (mixed_chunk // block_size)
         cache = CacheEngine(cfg, block_size, num_blocks, 0, dtype, device)
         cache.kv_cache.normal_()
         graphs = None
@@ -446,6 +488,20 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
              device=torch.cuda.get_device_name(device),
              model="loaded" if model_dir else "initialised in place",
              cuda_graphs=graphed)
+        if graphed and batch in (64, 256):
+            # One 256-token prompt joins the decodes in every step: the executor runs such
+            # a step eagerly (its graphs are decode-only), as a server does whenever a
+            # stream ends and the next starts.
+            cache.kv_cache.normal_()
+            runner = ModelRunner(model, cache, graphs=graphs)
+            times = time_steps(runner, mixed_plans(batch, context, mixed_chunk, block_size,
+                                                   steps, cfg.vocab_size))
+            mixed = statistics.median(times)
+            emit(f"gpu_qwen2.5-0.5b_mixed_b{batch}_chunk{mixed_chunk}", batch=batch,
+                 context_tokens=context, prefill_tokens=mixed_chunk,
+                 step_us_p50=round(mixed * 1e6, 1),
+                 vs_decode_graph_step_ratio=round(mixed / p50, 3),
+                 graph_steps=runner.graph_steps, steps=len(times))
         # The same decode in the executor's own pipelined loop (plan N+1 decoded and
         # prepared on the I/O thread during step N, marked decodes fed on the device's
         # side): the step period serving sees, against the synchronous steps above. At
