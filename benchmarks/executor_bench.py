@@ -22,8 +22,10 @@ Cases:
   first 256 tokens on the random model: the sampler's whole-row kernel on every row), and
   ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step).
 * ``gpu_qwen2.5-0.5b_mixed_b{64,256}_chunk256``: the same decodes with a 256-token prompt
-  computed in every step (a stream ending and the next starting, steadily): such steps run
-  eagerly (the CUDA graphs are decode-only); step time against the graphed decode step.
+  computed in every step (a stream ending and the next starting, steadily), eagerly, and
+  ``..._pieces`` through the graph pieces cut at the attention calls
+  (executor/mixed_graphs.py, as `serve` runs such steps); step time against the graphed
+  decode step.
 
 * ``cpu_tiny_gap_b{32,256}`` (``--gap`` only: not in the default run): the executor's gap
   between decode steps (``StepResult.gap_s``, from the end of a step's sampling to the
@@ -68,6 +70,7 @@ import numpy as np
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
 from pagedserve.executor.runner_setup import build_runner
@@ -492,16 +495,22 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
             # One 256-token prompt joins the decodes in every step: the executor runs such
             # a step eagerly (its graphs are decode-only), as a server does whenever a
             # stream ends and the next starts.
-            cache.kv_cache.normal_()
-            runner = ModelRunner(model, cache, graphs=graphs)
-            times = time_steps(runner, mixed_plans(batch, context, mixed_chunk, block_size,
-                                                   steps, cfg.vocab_size))
-            mixed = statistics.median(times)
-            emit(f"gpu_qwen2.5-0.5b_mixed_b{batch}_chunk{mixed_chunk}", batch=batch,
-                 context_tokens=context, prefill_tokens=mixed_chunk,
-                 step_us_p50=round(mixed * 1e6, 1),
-                 vs_decode_graph_step_ratio=round(mixed / p50, 3),
-                 graph_steps=runner.graph_steps, steps=len(times))
+            # Eagerly, and with the graph pieces cut at the attention calls (mixed_graphs.py).
+            pieces = MixedGraphs(model, cache.kv_cache, batch + mixed_chunk)
+            pieces.capture()
+            for suffix, mixed_graphs in (("", None), ("_pieces", pieces)):
+                cache.kv_cache.normal_()
+                runner = ModelRunner(model, cache, graphs=graphs, mixed_graphs=mixed_graphs)
+                times = time_steps(runner, mixed_plans(batch, context, mixed_chunk,
+                                                       block_size, steps, cfg.vocab_size))
+                mixed = statistics.median(times)
+                emit(f"gpu_qwen2.5-0.5b_mixed_b{batch}_chunk{mixed_chunk}{suffix}",
+                     batch=batch, context_tokens=context, prefill_tokens=mixed_chunk,
+                     step_us_p50=round(mixed * 1e6, 1),
+                     vs_decode_graph_step_ratio=round(mixed / p50, 3),
+                     mixed_graph_steps=runner.mixed_graph_steps, steps=len(times),
+                     pieces_capture_s=round(pieces.capture_s, 2) if mixed_graphs else None)
+            del pieces, mixed_graphs
         # The same decode in the executor's own pipelined loop (plan N+1 decoded and
         # prepared on the I/O thread during step N, marked decodes fed on the device's
         # side): the step period serving sees, against the synchronous steps above. At

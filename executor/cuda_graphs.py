@@ -25,7 +25,8 @@ Memory: graphs are captured largest first into one private memory pool, which sm
 graphs reuse; ``graph_memory_bytes`` measures a capture against a scratch cache before the
 KV cache is sized, so profiling leaves room for it (``cache_engine.profile_num_gpu_blocks``).
 
-Not used for: a step with a prefill token, more sequences than the largest graph, a block
+Not used for: a step with a prefill token (those replay graph pieces cut at the attention
+calls: mixed_graphs.py), more sequences than the largest graph, a block
 table wider than W, a non-CUDA device, ``--enforce-eager``, or the torch kernel twins on
 CUDA (``PAGEDSERVE_KERNEL_BACKEND=torch``: they read lengths back to the host, which a
 capture cannot do). A capture that fails is logged and leaves the runner eager.

@@ -54,6 +54,7 @@ from pagedserve.executor.batch_prep import Batch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.grammar import GrammarCompiler
+from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
 from pagedserve.executor.prompt_scores import score_prompts
@@ -146,10 +147,14 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, executor_id: str = "",
                  max_model_len: int | None = None, graphs: DecodeGraphs | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None,
+                 mixed_graphs: MixedGraphs | None = None) -> None:
         self.model = model
         self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
+        # Steps with prompt tokens in graph pieces around the attention (mixed_graphs.py).
+        self.mixed_graphs = mixed_graphs
+        self.mixed_graph_steps = 0
         self.cache = cache
         self.executor_id = executor_id
         self.device = cache.device
@@ -427,10 +432,15 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ parts
     def _forward(self, batch: Batch) -> torch.Tensor:
         """The hidden states of every scheduled token: a captured graph for a decode batch
-        it fits (cuda_graphs.py), else the model eagerly."""
+        it fits (cuda_graphs.py), graph pieces for a step with prompt tokens that fits
+        (mixed_graphs.py), else the model eagerly."""
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
             return self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.can_run(batch.input_ids, batch.attn):
+            self.mixed_graph_steps += 1
+            return mixed.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
 
     def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:

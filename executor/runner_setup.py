@@ -1,16 +1,19 @@
 """Making a ModelRunner from the executor's flags: load the model, size the device KV cache
 and the CPU swap space (memory profiling on CUDA, ``--kv-cache-space`` on CPU), and on CUDA
-capture the decode graphs, whose memory is set aside before the cache is sized."""
+capture the decode graphs and the graph pieces of steps with prompt tokens, whose memory is
+set aside before the cache is sized."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.grammar import GrammarCompiler
+from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
 
@@ -58,10 +61,12 @@ def build_runner(
         _check_fused_ops(model)
     max_len = max_model_len or config.max_model_len
     why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
+    mixed_tokens = 0 if why_eager or not _mixed_graphs_wanted() else max_num_batched_tokens
     if num_gpu_blocks is None:
         if device.type == "cuda":
             reserve = 0 if why_eager else graph_memory_bytes(
                 model, block_size, max_len, max_num_seqs, device)
+            reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device)
             num_gpu_blocks = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
                 gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
@@ -78,12 +83,13 @@ def build_runner(
         raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
     cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
     graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
+    mixed = _capture_mixed_graphs(model, cache, mixed_tokens) if mixed_tokens else None
     # Structured output: llguidance's mask threads take the CPU executor's thread budget.
     grammars = GrammarCompiler(Path(model_dir) / "tokenizer.json", config.vocab_size,
                                num_threads=torch.get_num_threads() if device.type == "cpu"
                                else None)
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
-                         graphs=graphs, grammars=grammars)
+                         graphs=graphs, grammars=grammars, mixed_graphs=mixed)
     if device.type == "cuda":
         _check_sampler_kernels(runner, config.vocab_size)
     return runner
@@ -181,6 +187,34 @@ def _check_fused_ops(model: LlamaForCausalLM) -> None:
         for module in model.modules():
             if hasattr(module, "kernel_backend"):
                 module.kernel_backend = "torch"
+
+
+def _mixed_graphs_wanted() -> bool:
+    """`PAGEDSERVE_MIXED_GRAPHS=0` in an executor's environment keeps steps with prompt
+    tokens eager (the decode graphs stay): an operator's way back."""
+    return os.environ.get("PAGEDSERVE_MIXED_GRAPHS", "1") != "0"
+
+
+def _capture_mixed_graphs(model: LlamaForCausalLM, cache: CacheEngine,
+                          max_tokens: int) -> MixedGraphs | None:
+    """The graph pieces of steps with prompt tokens, or None (logged) when capturing
+    fails: those steps run eagerly."""
+    graphs = MixedGraphs(model, cache.kv_cache, max_tokens)
+    if not graphs.sizes:
+        return None
+    before = torch.cuda.memory_reserved(cache.device) if cache.device.type == "cuda" else 0
+    try:
+        graphs.capture()
+    except Exception as exc:  # a piece that cannot be captured: lose speed, not service
+        log.warning("graphs of steps with prompt tokens off, those steps eager: capture "
+                    "failed: %s: %s", type(exc).__name__, exc)
+        return None
+    held = (torch.cuda.memory_reserved(cache.device) - before
+            if cache.device.type == "cuda" else 0)
+    log.info("CUDA graphs: steps with prompt tokens in %d pieces for %d token counts up to "
+             "%d captured in %.1f s (%.0f MiB)", len(graphs.layers) + 1, len(graphs.sizes),
+             graphs.max_tokens, graphs.capture_s, held / 2**20)
+    return graphs
 
 
 def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,

@@ -125,8 +125,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("no-prefix-caching", parse_bool, False, "turn prefix caching off"),
     ("preemption-mode", _choice("auto", "recompute", "swap"), "auto", "how to preempt"),
     ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
-    ("enforce-eager", parse_bool, False, "CUDA: run every step eagerly (no CUDA graphs "
-     "for decode steps)"),
+    ("enforce-eager", parse_bool, False, "CUDA: run every step eagerly (no CUDA graphs: "
+     "neither for decode steps nor the pieces of steps with prompt tokens)"),
     ("pipeline-depth", _pipeline_depth, 2, "plans in flight per executor (1: one at a time)"),
     ("step-timeout", _positive_float, 30.0, "seconds a plan may go unanswered (plus its work)"),
     ("heartbeat-timeout", float, 2.0, "seconds of executor silence before it counts as dead"),

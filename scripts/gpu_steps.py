@@ -149,7 +149,7 @@ def cmd_memory(args) -> int:
         peak_allocated = torch.cuda.max_memory_allocated(device) + others
         per_block = block_bytes(runner.model.config, cache.block_size, cache.kv_cache.dtype)
         within = peak <= util * total * 1.02
-        graphs = runner.graphs
+        graphs, mixed = runner.graphs, runner.mixed_graphs
         pinned = cache.cpu_cache.is_pinned() if cache.num_cpu_blocks else None
         grows = not blocks_seen or cache.num_gpu_blocks <= blocks_seen[-1]
         case_ok = within and pinned is not False and cache.num_gpu_blocks > 0 and grows
@@ -163,9 +163,11 @@ def cmd_memory(args) -> int:
              within_target=within, accounting=memory_accounting(device),
              cpu_cache_pinned=pinned, load_and_profile_s=round(load_s, 1),
              cuda_graph_sizes=len(graphs.sizes) if graphs else 0,
-             graph_capture_s=round(graphs.capture_s, 1) if graphs else None)
+             graph_capture_s=round(graphs.capture_s, 1) if graphs else None,
+             mixed_graph_buckets=len(mixed.sizes) if mixed else 0,
+             mixed_graph_capture_s=round(mixed.capture_s, 1) if mixed else None)
         blocks_seen.append(cache.num_gpu_blocks)
-        del runner, cache, graphs
+        del runner, cache, graphs, mixed
         gc.collect()  # the runner's cycles (graphs, model) hold its cache until collected
         torch.cuda.empty_cache()
     return 0 if ok else 1

@@ -66,20 +66,30 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
+        q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
+        return self.o_proj(self.attend(q, kv_cache, attn).reshape(-1, self.q_size))
+
+    def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] rotated; the rotated keys and the values written into this layer's
+        cache at ``slot_mapping`` (-1: not written)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        q, k = ops.rotary_embedding_and_cache(q, k, v, cos_sin, key_cache, value_cache,
-                                              attn.slot_mapping, backend=self.kernel_backend)
-        out = ops.paged_attention(
-            q, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
-            attn.seq_lens, self.scale, max_query_len=attn.max_query_len,
+        q, _ = ops.rotary_embedding_and_cache(q, k, v, cos_sin, kv_cache[0], kv_cache[1],
+                                              slot_mapping, backend=self.kernel_backend)
+        return q
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention of q [T, H, D] to each sequence's cached keys and values."""
+        return ops.paged_attention(
+            q, kv_cache[0], kv_cache[1], attn.block_tables, attn.query_start_loc,
+            attn.seq_lens, self.scale, max_query_len=attn.max_query_len, out=out,
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -108,11 +118,23 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos_sin, kv_cache, attn):
         """(this layer's MLP output, the residual stream before it): the residual add is
         fused into the next norm (the first layer's input is its own residual)."""
+        q, residual = self.pre_attention(x, residual, cos_sin, kv_cache, attn.slot_mapping)
+        return self.post_attention(self.self_attn.attend(q, kv_cache, attn), residual)
+
+    def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping):
+        """(q, the residual stream): the input norm, q/k/v, rotary, the cache write. The
+        halves either side of the attention call, for graphs captured around it
+        (executor/mixed_graphs.py)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, kv_cache, attn)
+        return self.self_attn.qkv_and_cache(x, cos_sin, kv_cache, slot_mapping), residual
+
+    def post_attention(self, attn_out, residual):
+        """(this layer's MLP output, the residual stream before it) from the attention's
+        output [T, H, D]."""
+        x = self.self_attn.o_proj(attn_out.reshape(-1, self.self_attn.q_size))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -170,11 +192,19 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.cos_sin_cache[positions].to(x.dtype)  # [T, 2, D]
+        x, cos_sin = self.embed(input_ids, positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos_sin, kv_cache[i], attn)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token embeddings [T, hidden], RoPE cos/sin of the positions [T, 2, D])."""
+        x = self.model.embed_tokens(input_ids)
+        return x, self.cos_sin_cache[positions].to(x.dtype)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]

@@ -1,0 +1,172 @@
+"""Steps with prompt tokens through graph pieces cut at the attention calls
+(executor/mixed_graphs.py) against the same steps run eagerly: the token buckets, the cut
+(every layer's attention eager between pieces), the padding rows (no cache write), which
+steps use them. On a CPU the pieces are the module's twin (functions of the static buffers);
+the `gpu` tests capture real CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.executor.mixed_graphs import (
+    MAX_MIXED_TOKENS,
+    MixedGraphs,
+    mixed_graph_memory_bytes,
+    mixed_token_buckets,
+)
+from pagedserve.executor.runner_setup import build_runner
+from pagedserve.protos.wire import SamplingParams
+from test_executor_support import Driver
+
+from pagedserve.tinymodels import build_model
+
+PROMPTS = {
+    "a": [0, 17, 250, 33, 9, 480, 77, 5, 61, 300, 12],
+    "b": [0, 400, 3, 3, 3],
+    "c": [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    "d": [0, 99],
+    "e": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+}
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+
+
+def test_mixed_token_buckets():
+    assert mixed_token_buckets(1) == []
+    assert mixed_token_buckets(16) == [16]
+    assert mixed_token_buckets(40) == [16, 32, 40]
+    assert mixed_token_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert mixed_token_buckets(1000) == [16, 32, 64, 128, 256, 512, 1000]
+    assert mixed_token_buckets(8192)[-1] == MAX_MIXED_TOKENS
+    assert mixed_graph_memory_bytes(None, 16, 64, torch.device("cpu")) == 0
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("mixed") / request.param, request.param,
+                       initializer_range=0.2)
+
+
+def _runner(model_dir, device="cpu", **kw):
+    kw.setdefault("num_gpu_blocks", 40)
+    return build_runner(str(model_dir), device=device, num_cpu_blocks=0, block_size=8,
+                        max_model_len=64, progress=False, **kw)
+
+
+def _with_twin_pieces(runner, max_tokens=32):
+    runner.mixed_graphs = MixedGraphs(runner.model, runner.cache.kv_cache, max_tokens)
+    runner.mixed_graphs.capture()
+    return runner
+
+
+def _drive(runner, sampling=None):
+    """Chunked prefill and decodes mixed as a server mixes them: a, b and part of c (27
+    tokens: the 32 bucket); the rest of c with a and b decoding (8 tokens: 16); d and e
+    join while the others decode (28: 32); then decodes only; f and g join with a decode
+    (43 tokens, over the largest bucket: eager); decodes."""
+    d = Driver(runner)
+    for rid in "abc":
+        d.add(rid, PROMPTS[rid], **({"sampling": sampling} if sampling else {}))
+    d.step({"a": None, "b": None, "c": 11})
+    d.step({"a": None, "b": None, "c": None})
+    for rid in "de":
+        d.add(rid, PROMPTS[rid], **({"sampling": sampling} if sampling else {}))
+    d.step({"a": None, "b": None, "c": None, "d": None, "e": None})
+    for _ in range(3):
+        d.step({r: None for r in "abcde"})
+    for rid, prompt in (("f", PROMPTS["e"] + [1] * 17), ("g", PROMPTS["d"])):
+        d.add(rid, prompt, **({"sampling": sampling} if sampling else {}))
+    d.step({"f": None, "g": None, "a": None})
+    d.step({r: None for r in "abcdefg"})
+    return d
+
+
+@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+def test_twin_pieces_equal_eager_and_write_only_real_slots(model_dir, sampling):
+    eager = _drive(_runner(model_dir), sampling)
+    pieces = _drive(_with_twin_pieces(_runner(model_dir)), sampling)
+    for rid in eager.seqs:
+        assert pieces.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    runner = pieces.runner
+    # every step but the 43-token one (over the largest bucket): decodes too, with no
+    # decode graphs here
+    assert runner.mixed_graph_steps == 7 and runner.steps_done == 8
+    used = {b for s in pieces.seqs.values() for b in s.table}
+    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    assert unused and not runner.cache.kv_cache[:, :, unused].any()  # padding wrote nothing
+    torch.testing.assert_close(runner.cache.kv_cache, eager.runner.cache.kv_cache,
+                               atol=1e-4, rtol=1e-3)
+
+
+def test_pieces_run_attention_between_them_on_the_real_tokens(model_dir):
+    """One attention call per layer, on the step's tokens only (never the padding rows),
+    with the step's own metadata; the padding rows of a shorter step go back to slot -1."""
+    runner = _with_twin_pieces(_runner(model_dir))
+    graphs = runner.mixed_graphs
+    calls = []
+    for layer in graphs.layers:
+        attend = layer.self_attn.attend
+
+        def spy(q, kv_cache, attn, out=None, attend=attend):
+            calls.append((q.shape[0], attn.max_query_len))
+            return attend(q, kv_cache, attn, out=out)
+
+        layer.self_attn.attend = spy
+    d = Driver(runner)
+    d.add("c", PROMPTS["c"])
+    d.add("b", PROMPTS["b"])
+    d.step({"c": None, "b": None})  # 22 tokens in the 32 bucket
+    assert calls == [(22, 17)] * len(graphs.layers)
+    assert graphs.slot_mapping[21].item() >= 0 and graphs.slot_mapping[22].item() == -1
+    d.add("d", PROMPTS["d"])
+    calls.clear()
+    d.step({"d": None, "b": None})  # 3 tokens: the 16 bucket
+    assert calls == [(3, 2)] * len(graphs.layers)
+    assert (graphs.slot_mapping[3:16] == -1).all()  # the bucket's rows; beyond: not read
+    assert graphs.size_for(3) == 16 and graphs.size_for(33) is None
+
+
+def test_decode_steps_go_to_the_decode_graphs_first(model_dir):
+    """A decode-only step replays a decode graph where one holds it, else the pieces."""
+    from pagedserve.executor.cuda_graphs import DecodeGraphs
+
+    runner = _with_twin_pieces(_runner(model_dir))
+    d = Driver(runner)
+    for rid in "abd":
+        d.add(rid, PROMPTS[rid])
+    d.step({r: None for r in "abd"})  # 18 prompt tokens
+    d.step({r: None for r in "abd"})
+    assert runner.mixed_graph_steps == 2 and runner.graph_steps == 0
+    runner.graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
+                                 runner.max_model_len, 2)
+    runner.graphs.capture()
+    d.step({r: None for r in "abd"})  # 3 rows: more than the decode graphs hold
+    d.step({r: None for r in "ab"})
+    assert runner.mixed_graph_steps == 3 and runner.graph_steps == 1
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_pieces_equal_eager(model_dir):
+    """fp32 on the GPU: the same greedy tokens with the pieces captured by build_runner as
+    with --enforce-eager; the mixed steps replayed pieces; padding wrote no block."""
+    eager = _drive(_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
+    assert eager.runner.mixed_graphs is None
+    runner = _runner(model_dir, "cuda", dtype="float32", max_num_seqs=8,
+                     max_num_batched_tokens=32)
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.sizes == [16, 32]
+    graphed = _drive(runner)
+    for rid in eager.seqs:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    assert runner.mixed_graph_steps == 3
+    used = {b for s in graphed.seqs.values() for b in s.table}
+    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    assert not runner.cache.kv_cache[:, :, unused].any()
+
+
+@pytest.mark.gpu
+def test_cuda_pieces_memory_is_reserved_before_the_cache(model_dir):
+    model = _runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
+    assert mixed_graph_memory_bytes(model, 8, 64, torch.device("cuda", 0)) > 0
+    profiled = _runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
+                       gpu_memory_utilization=0.5)
+    assert profiled.mixed_graphs is not None and profiled.cache.num_gpu_blocks > 0
