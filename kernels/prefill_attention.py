@@ -49,28 +49,32 @@ def _attend_tiles(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of every tile is admitted for every valid row
+    EVEN_D: tl.constexpr,  # HEAD_DIM == D_PAD: no head-dim mask on the loads
     UPCAST: tl.constexpr,
 ):
-    """Key tiles [tile_lo, tile_hi) into the running softmax (acc, l_i, m_i) of the rows."""
+    """Key tiles [tile_lo, tile_hi) into the running softmax (acc, l_i, m_i) of the rows.
+    Unmasked tiles with an unpadded head dimension load with no mask at all."""
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
+        in_block = pos % BLOCK_SIZE
         if MASKED:
             key_valid = (pos >= lo) & (pos <= last_pos)
+            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid,
+                                other=0).to(tl.int64)
+        else:  # the tile lies inside [lo, last_pos]
+            key_valid = pos >= 0  # all true
+            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = (k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+                  + kv_head * stride_kh + offs_d[None, :])
+        v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+                  + kv_head * stride_vh + offs_d[None, :])
+        if EVEN_D and not MASKED:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         else:
-            key_valid = pos >= 0  # all true: the tile lies inside [lo, last_pos]
-        block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        kv_mask = key_valid[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-            + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-            + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
+            kv_mask = key_valid[:, None] & mask_d[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -117,6 +121,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     # The last query tiles attend to the most keys: launched first, so that the grid does
@@ -170,17 +175,17 @@ def _prefill_kernel(
         acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
-        tile_begin, full_lo, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+        tile_begin, full_lo, BLOCK_SIZE, BLOCK_N, True, EVEN_D, UPCAST)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
-        full_lo, full_hi, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+        full_lo, full_hi, BLOCK_SIZE, BLOCK_N, False, EVEN_D, UPCAST)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_ptr,
         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, last_pos, sliding_window, qk_scale_log2,
-        full_hi, tile_end, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+        full_hi, tile_end, BLOCK_SIZE, BLOCK_N, True, EVEN_D, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
