@@ -18,7 +18,9 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    into ``BLOCK_N``-token tiles aligned to multiples of BLOCK_N, and the tiles are dealt to
    ``num_splits`` splits in contiguous runs;
 3. per tile, token -> (block_tables[seq, pos // block_size], pos % block_size) gives the cache
-   row; scores = q @ k^T, online softmax, acc += p @ v;
+   row; scores = q @ k^T, online softmax, acc += p @ v; the tiles wholly inside
+   [lo, seq_len) run without the token mask (and without any load mask when the head
+   dimension is unpadded), the window's first tile and the last partial tile with it;
 4. one split: write acc / l in the output dtype. Several: write the normalised fp32
    partial acc / l and its lse (base 2); they are combined either by ``_reduce_kernel`` (a
    second launch) or, with ``FUSED_REDUCE``, by the split that finishes last: each split
@@ -38,6 +40,61 @@ from .host_math import INTERPRETING, next_power_of_2
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
 _NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def _decode_tiles(
+    acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, tile_lo, tile_hi,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every token of every tile is in [lo, seq_len)
+    EVEN_D: tl.constexpr,  # HEAD_DIM == D_PAD: no head-dim mask
+    UPCAST: tl.constexpr,
+):
+    """Tiles [tile_lo, tile_hi) into the running softmax (acc, l_i, m_i) of the group's
+    query rows; unmasked tiles of an unpadded head dimension load with no mask at all."""
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + offs_n
+        in_block = pos % BLOCK_SIZE
+        if MASKED:
+            valid = (pos >= lo) & (pos < seq_len)
+            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        else:
+            valid = pos >= 0  # all true
+            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = (k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+                  + kv_head * stride_kh + offs_d[None, :])
+        v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+                  + kv_head * stride_vh + offs_d[None, :])
+        if EVEN_D and not MASKED:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kv_mask = valid[:, None] & mask_d[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale_log2
+        if MASKED:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -93,42 +150,26 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
 
-    for tile in range(tile_begin, tile_end):
-        pos = tile * BLOCK_N + offs_n
-        valid = (pos >= lo) & (pos < seq_len)
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=valid, other=0
-        ).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-            + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-            + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Tiles wholly inside [lo, seq_len) need no token mask: [full_lo, full_hi); the
+    # window's first tile and the last partial one are masked. Same tiles, same order.
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK_N), tile_begin), tile_end)
+    full_hi = tl.maximum(tl.minimum(seq_len // BLOCK_N, tile_end), full_lo)
+    table_ptr = block_tables_ptr + seq * stride_bts
+    acc, l_i, m_i = _decode_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, tile_begin, full_lo,
+        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
+    acc, l_i, m_i = _decode_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_lo, full_hi,
+        BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == D_PAD, UPCAST)
+    acc, l_i, m_i = _decode_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_hi, tile_end,
+        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
