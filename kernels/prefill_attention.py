@@ -62,19 +62,21 @@ def _attend_tiles(
             block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid,
                                 other=0).to(tl.int64)
         else:  # the tile lies inside [lo, last_pos]
-            key_valid = pos >= 0  # all true
             block_ids = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
         k_ptrs = (k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
                   + kv_head * stride_kh + offs_d[None, :])
         v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
                   + kv_head * stride_vh + offs_d[None, :])
-        if EVEN_D and not MASKED:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
+        if MASKED:
             kv_mask = key_valid[:, None] & mask_d[None, :]
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
