@@ -200,38 +200,32 @@ def _capture_mixed_graphs(model: LlamaForCausalLM, cache: CacheEngine,
     """The graph pieces of steps with prompt tokens, or None (logged) when capturing
     fails: those steps run eagerly."""
     graphs = MixedGraphs(model, cache.kv_cache, max_tokens)
-    if not graphs.sizes:
-        return None
-    before = torch.cuda.memory_reserved(cache.device) if cache.device.type == "cuda" else 0
-    try:
-        graphs.capture()
-    except Exception as exc:  # a piece that cannot be captured: lose speed, not service
-        log.warning("graphs of steps with prompt tokens off, those steps eager: capture "
-                    "failed: %s: %s", type(exc).__name__, exc)
-        return None
-    held = (torch.cuda.memory_reserved(cache.device) - before
-            if cache.device.type == "cuda" else 0)
-    log.info("CUDA graphs: steps with prompt tokens in %d pieces for %d token counts up to "
-             "%d captured in %.1f s (%.0f MiB)", len(graphs.layers) + 1, len(graphs.sizes),
-             graphs.max_tokens, graphs.capture_s, held / 2**20)
-    return graphs
+    return _captured(graphs, cache.device,
+                     "graphs of steps with prompt tokens off, those steps eager",
+                     f"steps with prompt tokens in {len(graphs.layers) + 1} pieces for "
+                     f"{len(graphs.sizes)} token counts up to {graphs.max_tokens}")
 
 
 def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,
                     max_num_seqs: int) -> DecodeGraphs | None:
     """The decode graphs, or None (logged) when capturing fails: the executor runs eager."""
     graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs)
+    return _captured(graphs, cache.device, "CUDA graphs off, every step eager",
+                     f"{len(graphs.sizes)} decode batch sizes up to {graphs.max_batch}")
+
+
+def _captured(graphs, device: torch.device, off: str, what: str):
+    """``graphs`` captured (its memory logged), or None when it has no size or a capture
+    fails (logged as ``off``): a kernel that cannot be captured costs speed, not service."""
     if not graphs.sizes:
         return None
-    before = torch.cuda.memory_reserved(cache.device) if cache.device.type == "cuda" else 0
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     try:
         graphs.capture()
-    except Exception as exc:  # a kernel that cannot be captured: lose speed, not service
-        log.warning("CUDA graphs off, every step eager: capture failed: %s: %s",
-                    type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - any capture failure leaves the steps eager
+        log.warning("%s: capture failed: %s: %s", off, type(exc).__name__, exc)
         return None
-    held = (torch.cuda.memory_reserved(cache.device) - before
-            if cache.device.type == "cuda" else 0)
-    log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (%.0f MiB)",
-             len(graphs.sizes), graphs.max_batch, graphs.capture_s, held / 2**20)
+    held = torch.cuda.memory_reserved(device) - before if device.type == "cuda" else 0
+    log.info("CUDA graphs: %s captured in %.1f s (%.0f MiB)", what, graphs.capture_s,
+             held / 2**20)
     return graphs

@@ -170,3 +170,21 @@ def test_cuda_pieces_memory_is_reserved_before_the_cache(model_dir):
     profiled = _runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
                        gpu_memory_utilization=0.5)
     assert profiled.mixed_graphs is not None and profiled.cache.num_gpu_blocks > 0
+
+
+def test_capture_failure_leaves_those_steps_eager(model_dir, monkeypatch, caplog):
+    """runner_setup's capture: the pieces when it works, None (logged) when it fails."""
+    from pagedserve.executor import runner_setup
+
+    runner = _runner(model_dir)
+    graphs = runner_setup._capture_mixed_graphs(runner.model, runner.cache, 32)
+    assert graphs is not None and graphs.sizes == [16, 32] and graphs.size_for(20) == 32
+
+    def broken(self, sizes=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(MixedGraphs, "capture", broken)
+    assert runner_setup._capture_mixed_graphs(runner.model, runner.cache, 32) is None
+    assert "those steps eager: capture failed: RuntimeError" in caplog.text
+    monkeypatch.setenv("PAGEDSERVE_MIXED_GRAPHS", "0")
+    assert not runner_setup._mixed_graphs_wanted()
