@@ -18,9 +18,10 @@ Stages (STAGES; each fits one 10-minute call, `--budget-s` caps its steps):
   cluster     `pagedserve serve` on CUDA: HF equivalence (bf16 with 2 executors at
               --gpu-memory-utilization 0.4, then SIGKILL of one: migration; fp32 exact),
               swap and recompute preemption under a small --num-gpu-blocks
-  throughput  benchmarks/hf_batch_bench.py (transformers' generate_batch on the same GPU,
-              model and requests) and benchmarks/step_overhead.py, each also with the API
-              edges in 2 worker processes (--api-workers 2)
+  throughput  benchmarks/steady_serving.py (streams ending and starting steadily: graph
+              pieces vs eager), benchmarks/hf_batch_bench.py (transformers' generate_batch
+              on the same GPU, model and requests) and benchmarks/step_overhead.py, each
+              also with the API edges in 2 worker processes (--api-workers 2)
 Without --stage the first stage the report does not record as run (passed or failed).
 
 Bookkeeping: the report holds, per stage, its status (running, passed, failed, dry-run),
@@ -170,7 +171,12 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                             *(["--quick", "--depths", "2"] if ctx.small else
                               ["--running", "32,256", "--depths", "2", "--window-s", "5"]),
                             "--work-dir", str(ctx.work_dir / "step-overhead-one-at-a-time"))
-        return [*_common(ctx), _model(ctx), Step("hf_batch_bench", hf, 150),
+        # Streams ending and starting steadily: the steps with prompt tokens, replayed as
+        # graph pieces and (PAGEDSERVE_MIXED_GRAPHS=0) eagerly.
+        steady = _py(ctx, "benchmarks/steady_serving.py", *model, *small,
+                     "--log-dir", str(ctx.work_dir / "steady-serving"))
+        return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
+                Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),

@@ -142,3 +142,17 @@ def test_cancel_bench_small():
     (case,) = records
     assert case["case"] == "s8_t40" and case["tokens_median"] >= 40
     assert case["blocks_held"] > 0 and case["all_free_after_s"] > 0
+
+
+def test_steady_serving_small(tmp_path):
+    """Both runs (pieces, then PAGEDSERVE_MIXED_GRAPHS=0) serve every request in full; on a
+    CPU neither has graphs, so the figures say nothing here."""
+    from pagedserve.tinymodels import build_model
+
+    model = build_model(tmp_path / "tiny", "qwen2")
+    records = {r["case"]: r for r in _run("steady_serving.py", "--model-dir", str(model),
+                                           "--small", "--log-dir", str(tmp_path / "logs"))}
+    assert records["summary"]["ok"], records
+    for case in ("steady_pieces", "steady_eager"):
+        assert records[case]["completed"] == 16 and records[case]["failed"] == 0
+    assert (tmp_path / "logs" / "steady_eager.log").is_file()
