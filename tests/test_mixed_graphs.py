@@ -6,6 +6,7 @@ the `gpu` tests capture real CUDA graphs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pagedserve.executor.mixed_graphs import (
@@ -188,3 +189,44 @@ def test_capture_failure_leaves_those_steps_eager(model_dir, monkeypatch, caplog
     assert "those steps eager: capture failed: RuntimeError" in caplog.text
     monkeypatch.setenv("PAGEDSERVE_MIXED_GRAPHS", "0")
     assert not runner_setup._mixed_graphs_wanted()
+
+
+def test_overlapped_steps_through_the_pieces_give_the_depth_1_results(tmp_path):
+    """The executor's overlapped loop (a step left in flight, the next plan's marked decodes
+    fed from its tokens on the device, then launched) with every step in the pieces —
+    prompt chunks among fed decodes — gives the eager depth-1 results, penalties, seeded
+    sampling and logprobs included."""
+    from test_executor_overlap import _run_script_overlapped
+    from test_executor_pipeline import (
+        GREEDY_PEN,
+        OTHER,
+        PROMPT,
+        SCRIPT,
+        SEEDED_PEN,
+        THIRD,
+        _driver,
+        _run_script,
+    )
+
+    model = build_model(tmp_path / "llama", "llama", initializer_range=0.05)
+    runs = []
+    for pieces in (False, True):
+        d = _driver(model)
+        if pieces:
+            _with_twin_pieces(d.runner, max_tokens=64)
+        d.add("a", PROMPT, sampling=GREEDY_PEN)
+        d.add("b", OTHER, sampling=SEEDED_PEN, sample_index=1)
+        d.add("c", THIRD, sampling=SEEDED_PEN)
+        runs.append((d, _run_script_overlapped(d, SCRIPT) if pieces
+                     else _run_script(d, SCRIPT, False)))
+    (d1, eager), (d2, overlapped) = runs
+    assert d2.runner.mixed_graph_steps == len(SCRIPT)
+    for a, b in zip(eager, overlapped, strict=True):  # logprobs: to the padded matmuls' rounding
+        assert (a.step_id, a.request_ids, a.errors) == (b.step_id, b.request_ids, b.errors)
+        for name in ("token_ids", "top_counts", "top_token_ids"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        for name in ("logprobs", "top_logprobs"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), atol=1e-4,
+                                       err_msg=name)
+    for rid in "abc":
+        assert d2.seqs[rid].outputs == d1.seqs[rid].outputs
