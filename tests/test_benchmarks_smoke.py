@@ -156,3 +156,10 @@ def test_steady_serving_small(tmp_path):
     for case in ("steady_pieces", "steady_eager"):
         assert records[case]["completed"] == 16 and records[case]["failed"] == 0
     assert (tmp_path / "logs" / "steady_eager.log").is_file()
+
+
+def test_launch_overhead_runs():
+    records = {r["case"]: r for r in _run("launch_overhead.py", "--calls", "50")}
+    assert set(records) == {"paged_attention_decode", "paged_attention_prefill",
+                            "rotary_embedding_and_cache", "rms_norm_residual", "silu_and_mul"}
+    assert all(r["us_per_call"] > 0 for r in records.values())
