@@ -8,12 +8,16 @@ shapes and dtypes the executor and the benchmarks use, every `kernel[grid](...)`
 recorded instead of run, and each distinct launch (kernel, argument types, constexprs,
 warps, stages) is compiled by `triton.compile` for the target (default sm_90, an H100/H200:
 TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships), and its shared memory
-checked against the target's limit (registers are only known once a driver loads it). No
+checked against the target's limit. Launches are specialised as Triton's launch path does
+(16-byte aligned pointers, integers divisible by 16), so the code is the code a GPU would
+run: each line also reports `registers` a thread and `stack_bytes` (register spills), read
+from the cubin with the cuobjdump Triton ships (reported, not judged). No
 device and no driver are touched; compiled kernels land in Triton's cache (a second run is
 fast). Triton here may be newer than a GPU machine's (KINDS.md): a kernel that compiles
 here can still fail there, but not for the reasons this catches first.
 
-One JSON line per distinct launch (`kernel`, `ok`, `seconds`, `error`), then a summary.
+One JSON line per distinct launch (`case` = kernel, its constexprs, warps, stages,
+`shared_bytes`, `registers`, `stack_bytes`, `ok`, `seconds`, `error`), then a summary.
 
     python scripts/compile_kernels.py [--arch 90] [--quick]
 
@@ -25,8 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the compiler's path, before any @triton.jit
 
@@ -36,47 +44,46 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8",
-           torch.int8: "i8",
-           torch.bool: "i1"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
-
 
 class Recorder:
-    """Replaces JITFunction.run: every launch's kernel, arguments and options, not run."""
+    """Replaces JITFunction.run: every launch's kernel, specialised as Triton's own launch
+    path specialises it (argument types, 16-byte alignment of pointers and divisibility of
+    integers by 16, constexprs, options), recorded, not run."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: GPUTarget) -> None:
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        self.target = target
+        self.backend = make_backend(target)
+        self._binders: dict[JITFunction, object] = {}
+        self._bind = create_function_from_signature
         self.launches: dict[tuple, tuple] = {}
 
     def run(self, fn: JITFunction, args: tuple, kwargs: dict) -> None:
-        names = fn.arg_names
-        bound = dict(zip(names, args, strict=False))
-        bound.update({k: v for k, v in kwargs.items() if k in names})
-        options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
-        signature, constexprs = {}, {}
-        for param in fn.params:
-            value = bound[param.name]
-            if param.is_constexpr:
-                signature[param.name] = "constexpr"
-                constexprs[param.name] = value
-            else:
-                signature[param.name] = _type_of(value)
-        key = (fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
-               tuple(sorted(options.items())))
-        self.launches.setdefault(key, (fn, signature, constexprs, options))
+        binder = self._binders.get(fn)
+        if binder is None:
+            binder = self._binders[fn] = self._bind(fn.signature, fn.params, self.backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound,
+                                                              specialization, options)
+        key = (fn.__name__, str(specialization), str(options))
+        self.launches.setdefault(key, (fn, signature, constexprs, attrs, options.__dict__))
 
 
-def _type_of(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+def _resource_usage(cubin: bytes | None) -> dict:
+    """Registers a thread and bytes of stack (register spills) of a compiled kernel, from the
+    cuobjdump Triton ships ({} when it is not there)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cubin or not tool.is_file():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))} if m else {}
 
 
 def drive_launchers(quick: bool) -> None:
@@ -145,20 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-shared", type=int, default=232_448,
                     help="shared memory a block may use (H100/H200: 227 KiB)")
     args = ap.parse_args(argv)
-    recorder = Recorder()
+    target = GPUTarget("cuda", args.arch, 32)
+    recorder = Recorder(target)
     JITFunction.run = lambda self, *a, grid=None, warmup=False, **kw: recorder.run(self, a, kw)
     drive_launchers(args.quick)
-    target = GPUTarget("cuda", args.arch, 32)
     failed = 0
     t_all = time.perf_counter()
-    for (name, _, _, _), (fn, signature, constexprs, options) in recorder.launches.items():
+    for (name, _, _), (fn, signature, constexprs, attrs, options) in recorder.launches.items():
         t0 = time.perf_counter()
         record = {"bench": "compile_kernels", "case": name, "arch": f"sm_{args.arch}",
-                  "constexprs": {k: v for k, v in constexprs.items()}, **options}
+                  "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()},
+                  "num_warps": options["num_warps"], "num_stages": options["num_stages"]}
         try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target,
-                                      options=options)
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                      target=target, options=options)
             record["shared_bytes"] = shared = compiled.metadata.shared
+            record.update(_resource_usage(compiled.asm.get("cubin")))
             record["ok"] = shared <= args.max_shared
             if not record["ok"]:
                 failed += 1
