@@ -326,16 +326,22 @@ def choose_num_splits(
 # programs, above 4 per SM): 130.8 / 140.7 and 508.5 / 537.2, so 64 stays; Qwen2.5-0.5B shape
 # (2 KV heads of dim 64) batch 64 with 4 splits (512 programs): 12.25 / 11.34 at 1k, 44.85 /
 # 40.33 at 4k; batch 256 (512 programs): 41.9 / 38.1 and 151.1 / 136.2. float32 keeps 64 (its
-# tiles are twice the bytes; not swept).
+# tiles are twice the bytes; not swept). Compiled for sm_90 (scripts/compile_kernels.py), a
+# 128-token program holds 38 KiB of shared memory at head dim 64 and 72 KiB at 128 (80 pads
+# to 128): at most 3 fit an SM (227 KiB) there, so a grid of 3-4 a SM would run in two
+# waves; the limit is 3 for heads wider than 64.
 _WIDE_TILE_PROGRAMS_PER_SM = 4
+_WIDE_TILE_PROGRAMS_PER_SM_D128 = 3
 
 
 def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
                    dtype: torch.dtype) -> int:
     """Tokens per tile of the decode kernel for a grid of ``num_programs``. See above."""
-    if next_power_of_2(head_dim) > 128:
+    d_pad = next_power_of_2(head_dim)
+    if d_pad > 128:
         return 32
-    if dtype != torch.float32 and num_programs <= _WIDE_TILE_PROGRAMS_PER_SM * num_sms:
+    per_sm = _WIDE_TILE_PROGRAMS_PER_SM if d_pad <= 64 else _WIDE_TILE_PROGRAMS_PER_SM_D128
+    if dtype != torch.float32 and num_programs <= per_sm * num_sms:
         return 128
     return 64
 

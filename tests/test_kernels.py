@@ -122,12 +122,15 @@ def test_choose_num_splits_rule():
 
 def test_choose_block_n_rule():
     sms, bf16 = 132, torch.bfloat16
-    # 128-token tiles up to 4 programs per SM (528 here), 16-bit caches, head dim <= 128.
+    # 128-token tiles up to 4 programs per SM (528 here) at head dim 64, 3 (396) when wider
+    # (72 KiB of shared memory a program), 16-bit caches, head dim <= 128.
     assert choose_block_n(64 * 2 * 4, sms, 64, bf16) == 128  # Qwen shape, batch 64, 4 splits
     assert choose_block_n(256 * 2, sms, 64, bf16) == 128  # Qwen shape, batch 256
-    assert choose_block_n(64 * 8, sms, 128, torch.float16) == 128
-    assert choose_block_n(528, sms, 80, bf16) == 128
-    assert choose_block_n(529, sms, 80, bf16) == 64
+    assert choose_block_n(528, sms, 64, bf16) == 128 and choose_block_n(529, sms, 64, bf16) == 64
+    assert choose_block_n(64 * 4, sms, 128, torch.float16) == 128  # 32 q / 4 kv, batch 64
+    assert choose_block_n(396, sms, 80, bf16) == 128
+    assert choose_block_n(397, sms, 80, bf16) == 64
+    assert choose_block_n(64 * 8, sms, 128, bf16) == 64  # 512 programs: 3.9 a SM
     assert choose_block_n(256 * 8, sms, 128, bf16) == 64  # 2,048 programs
     assert choose_block_n(8, sms, 128, torch.float32) == 64  # float32: twice the bytes a tile
     assert choose_block_n(8, sms, 256, bf16) == 32  # wide heads
