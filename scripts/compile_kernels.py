@@ -21,6 +21,9 @@ One JSON line per distinct launch (`case` = kernel, its constexprs, warps, stage
 
     python scripts/compile_kernels.py [--arch 90] [--quick]
 
+Against another Triton (the GPU machines' 3.6.0, say): `pip install --no-deps --target DIR
+triton==3.6.0`, then `PYTHONPATH=DIR python scripts/compile_kernels.py`.
+
 `--quick`: one dtype (bf16) and head dim (64) per kernel family (tests/test_kernels_compile.py).
 """
 
