@@ -16,6 +16,7 @@ the twins live in ``reference``. One file per kernel family, each with its launc
 ``prefill_attention`` (varlen prefill/extend: chunked prefill, prefix hits), ``cache_ops``
 (reshape_and_cache, copy_blocks, the device<->CPU swap helper), ``layer_ops`` (the fused
 per-layer elementwise ops: RMSNorm with the residual add, rotary, SiLU-and-multiply),
-``sampling_ops`` (the sampler's whole-row top-p threshold, with no host read). ``testing``
+``sampling_ops`` (the sampler's whole-row top-p threshold, with no host read), ``kv_tiles``
+(a tile of keys and values through a block table, both attention kernels'). ``testing``
 builds paged inputs for tests and benchmarks/kernels_bench.py.
 """

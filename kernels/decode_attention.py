@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .host_math import INTERPRETING, next_power_of_2
+from .kv_tiles import load_kv_tile
 
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
@@ -57,29 +58,11 @@ def _decode_tiles(
     query rows; unmasked tiles of an unpadded head dimension load with no mask at all."""
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
-        in_block = pos % BLOCK_SIZE
-        if MASKED:
-            valid = (pos >= lo) & (pos < seq_len)
-            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        else:
-            block_ids = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
-        k_ptrs = (k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-                  + kv_head * stride_kh + offs_d[None, :])
-        v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-                  + kv_head * stride_vh + offs_d[None, :])
-        if MASKED:
-            kv_mask = valid[:, None] & mask_d[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        valid = (pos >= lo) & (pos < seq_len)  # read when MASKED only
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kv_head,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            offs_d, mask_d, BLOCK_SIZE, MASKED, EVEN_D, UPCAST)
         if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))

@@ -1,0 +1,46 @@
+"""One tile of keys and values read through a block table: what the decode and prefill
+kernels share (decode_attention.py, prefill_attention.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr, v_cache_ptr, table_ptr,  # table_ptr: this sequence's block-table row
+    pos, valid,  # [BLOCK_N] key positions; which are in range (read when MASKED only)
+    kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    offs_d, mask_d,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every position of the tile is in range
+    EVEN_D: tl.constexpr,  # HEAD_DIM == D_PAD: no head-dim mask
+    UPCAST: tl.constexpr,  # float32 tiles (fp32 inputs, or the CPU interpreter)
+):
+    """(k, v) [BLOCK_N, D_PAD] of the keys at ``pos``: position -> (block_tables[pos //
+    block_size], pos % block_size) -> cache row. Out-of-range positions read as 0; a tile
+    wholly in range with an unpadded head dimension loads with no mask at all."""
+    in_block = pos % BLOCK_SIZE
+    if MASKED:
+        block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+    k_ptrs = (k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+              + kv_head * stride_kh + offs_d[None, :])
+    v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+              + kv_head * stride_vh + offs_d[None, :])
+    if MASKED:
+        kv_mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
