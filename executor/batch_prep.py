@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.models import AttentionMetadata
-from pagedserve.executor.plan_inputs import PlanInputs, to_device
+from pagedserve.executor.plan_inputs import PlanInputs
 from pagedserve.protos.wire import RequestError, StepPlan
 
 if TYPE_CHECKING:
@@ -38,13 +39,8 @@ class Batch:
     kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
 
 
-def _to_dev(self: ModelRunner, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(self.device, non_blocking=True)
-
-def _dev(self: ModelRunner, arr: np.ndarray, dtype) -> torch.Tensor:
-    return to_device(arr, dtype, self.device)
 def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
-             pre: PlanInputs) -> Batch | None:
+            pre: PlanInputs) -> Batch | None:
     """Feed the marked decodes, apply the table changes of the valid requests and build
     the batch tensors (the plan-only part from `precompute`).
 
@@ -96,10 +92,9 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
     if on_device:
         tokens = pending.device_tokens
         if pick is not None:
-            tokens = tokens[torch.from_numpy(pick).to(tokens.device, non_blocking=True)]
-        batch.input_ids.index_copy_(
-            0, torch.from_numpy(pre.feed_at).to(tokens.device, non_blocking=True),
-            tokens.to(batch.input_ids.dtype))
+            tokens = tokens[to_device(pick, tokens.device)]
+        batch.input_ids.index_copy_(0, to_device(pre.feed_at, tokens.device),
+                                    tokens.to(batch.input_ids.dtype))
     return batch
 
 
@@ -113,24 +108,25 @@ def _positions(among: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
         return None
     return order[at]
 
+
 def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray) -> Batch:
     """Every row kept: the tensors precompute built, the fed input ids, the tables."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
-    on_host = self.device.type == "cpu"
     return Batch(
-        input_ids=pre.input_ids_host if on_host else self._to_dev(pre.input_ids_host),
+        input_ids=to_device(pre.input_ids_host, self.device),
         positions=pre.positions,
         attn=AttentionMetadata(
             slot_mapping=pre.slot_mapping,
-            block_tables=pre.tables_host if on_host else self._to_dev(pre.tables_host),
+            block_tables=to_device(pre.tables_host, self.device),
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
         sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows])
 
-def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError], pre: PlanInputs,
-                     rows: np.ndarray | None = None,
-                     old_len: np.ndarray | None = None) -> Batch | None:
+
+def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
+                    pre: PlanInputs, rows: np.ndarray | None = None,
+                    old_len: np.ndarray | None = None) -> Batch | None:
     """`_prepare` row by row where it matters: the rows that can be fed are fed; each
     row that cannot, is condemned by the plan, is unknown (row -1) or whose table change
     starts beyond its table gets an error and its state is dropped; the others' changes
@@ -167,9 +163,9 @@ def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError
         return None
     return self._batch_of(plan, pre, keep, kept_rows, table.gather(kept_rows))
 
+
 def condemned(self: ModelRunner, plan: StepPlan, pre: PlanInputs, rows: np.ndarray,
-               old_len: np.ndarray, unfed: np.ndarray,
-               late: np.ndarray) -> dict[int, str]:
+              old_len: np.ndarray, unfed: np.ndarray, late: np.ndarray) -> dict[int, str]:
     """{row: error} of the rows left out, one message each (the first that applies:
     cannot be fed, condemned by the plan alone, unknown, table change too late)."""
     prev = plan.step_id - 1
@@ -187,8 +183,9 @@ def condemned(self: ModelRunner, plan: StepPlan, pre: PlanInputs, rows: np.ndarr
                        else f"block table change at {pre.starts[i]} beyond its {old_len[i]}")
     return bad
 
+
 def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarray,
-              kept_rows: np.ndarray, block_tables: np.ndarray) -> Batch:
+             kept_rows: np.ndarray, block_tables: np.ndarray) -> Batch:
     """The batch of the rows in `keep` (when some rows are left out, or precompute built
     no tensors)."""
     keep_token = keep[pre.row_of_token]
@@ -196,17 +193,18 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
     do_sample = plan.do_sample[keep].astype(bool)
     kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
+    device = self.device
     return Batch(
-        input_ids=self._dev(pre.token_ids[keep_token], np.int64),
-        positions=self._dev(plan.positions[keep_token], np.int64),
+        input_ids=to_device(pre.token_ids[keep_token], device, torch.int64),
+        positions=to_device(plan.positions[keep_token], device, torch.int64),
         attn=AttentionMetadata(
-            slot_mapping=self._dev(pre.slots[keep_token], np.int64),
-            block_tables=self._dev(block_tables, np.int32),
-            query_start_loc=self._dev(query_start_loc, np.int32),
-            seq_lens=self._dev(seq_lens, np.int32),
+            slot_mapping=to_device(pre.slots[keep_token], device, torch.int64),
+            block_tables=to_device(block_tables, device, torch.int32),
+            query_start_loc=to_device(query_start_loc, device, torch.int32),
+            seq_lens=to_device(seq_lens, device, torch.int32),
             max_query_len=int(num_new.max()),
         ),
-        sample_rows=self._dev(query_start_loc[1:][do_sample] - 1, np.int64),
+        sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
         sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
         sample_state_rows=kept_rows[do_sample],
         kept=np.flatnonzero(keep),

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from pagedserve.kernels import ops
 
@@ -186,4 +187,4 @@ class CacheEngine:
 
     def copy(self, pairs: torch.Tensor) -> None:
         """(src device block, dst device block) rows: copy-on-write."""
-        ops.copy_blocks(self.kv_cache, pairs.to(self.device))
+        ops.copy_blocks(self.kv_cache, to_device(pairs, self.device))

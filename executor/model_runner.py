@@ -482,8 +482,6 @@ class ModelRunner:
         return precompute(plan, self.limits)
 
     # ---------------------------------------------------------------- batch_prep.py
-    _to_dev = batch_prep._to_dev
-    _dev = batch_prep._dev
     _prepare = batch_prep.prepare
     _full_batch = batch_prep.full_batch
     _prepare_checked = batch_prep.prepare_checked

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import StepPlan
@@ -70,17 +71,6 @@ class PlanInputs:
     max_query_len: int = 0
     sample_rows: torch.Tensor | None = None
     sample_ids: list[str] | None = None
-
-
-def to_device(arr: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
-    """`arr` as a tensor of `dtype` on `device` (on a CPU, over the array itself when it
-    has that dtype already)."""
-    if arr.dtype != dtype:
-        arr = arr.astype(dtype)
-    tensor = torch.from_numpy(arr)
-    if device.type == "cpu":
-        return tensor
-    return tensor.to(device, non_blocking=True)
 
 
 def check_block_moves(plan: StepPlan, limits: PlanLimits) -> str:
@@ -179,15 +169,16 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     inputs.unfed, inputs.bad = unfed, bad
     if not bad and not unfed:  # the usual case: the tensors of every row, built here
         query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-        inputs.positions = to_device(plan.positions, np.int64, limits.device)
-        inputs.slot_mapping = to_device(slots, np.int64, limits.device)
-        inputs.query_start_loc = to_device(query_start_loc, np.int32, limits.device)
-        inputs.seq_lens_t = to_device(seq_lens, np.int32, limits.device)
+        inputs.positions = to_device(plan.positions, limits.device, torch.int64)
+        inputs.slot_mapping = to_device(slots, limits.device, torch.int64)
+        inputs.query_start_loc = to_device(query_start_loc, limits.device, torch.int32)
+        inputs.seq_lens_t = to_device(seq_lens, limits.device, torch.int32)
         inputs.max_query_len = int(num_new.max())
         inputs.input_ids_host = torch.from_numpy(token_ids)
         inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
         inputs.tables_host = torch.from_numpy(inputs.tables)
-        inputs.sample_rows = to_device(query_start_loc[1:][do_sample] - 1, np.int64, limits.device)
+        inputs.sample_rows = to_device(query_start_loc[1:][do_sample] - 1, limits.device,
+                                       torch.int64)
         inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                strict=True) if d]
     return inputs

@@ -218,10 +218,9 @@ def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
     t = np.fromiter((t for p in params for t in p.logit_bias_ids), np.int64, r.shape[0])
     v = np.fromiter((v for p in params for v in p.logit_bias_values), np.float32, r.shape[0])
     keep = (t >= 0) & (t < vocab)
-    r_t, t_t = torch.from_numpy(r[keep]), torch.from_numpy(t[keep])
-    if logits.device.type != "cpu":
-        r_t, t_t = r_t.to(logits.device), t_t.to(logits.device)
-    logits[r_t, t_t] += torch.from_numpy(v[keep]).to(logits.device)  # ids distinct per row
+    device = logits.device
+    logits[to_device(r[keep], device), to_device(t[keep], device)] += to_device(
+        v[keep], device)  # ids distinct per row
     return logits
 
 
