@@ -35,6 +35,15 @@ def emit(record: dict) -> None:
     print(json.dumps({"bench": BENCH, **record}), flush=True)
 
 
+def latency_or_error(timed, call) -> float | str:
+    """A swept configuration's p50 latency (us), or why it could not run (e.g. out of
+    shared memory or registers for a large tile): the sweep goes on."""
+    try:
+        return round(timed(call), 2)
+    except Exception as exc:  # noqa: BLE001 - recorded in the configuration's place
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
 def prompt_batch(torch, device, dtype, batch: int, q_len: int, seq_len: int,
                   block_size: int, heads: tuple[int, int, int]) -> tuple:
     """`batch` sequences of `seq_len` tokens whose last `q_len` are this chunk, in shuffled
@@ -86,10 +95,7 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                     paged_decode_attention_triton, query, key_cache, value_cache, tables,
                     seq_lens, head_dim**-0.5, out=out, block_n=block_n, num_warps=warps,
                     num_stages=stages)
-                try:
-                    latencies[name] = round(timed(call), 2)
-                except Exception as exc:  # e.g. out of shared memory for a large tile
-                    latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                latencies[name] = latency_or_error(timed, call)
             # Split counts at the default tile, and at 128-token tiles (faster for head dim
             # 64 at the old rule's 3 splits on an H100: is it with the new rule's 4?).
             # And with the split-K reduction in the attention launch (``K_n128_fused``).
@@ -105,10 +111,7 @@ def bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s: float, shapes:
                         paged_decode_attention_triton, query, key_cache, value_cache, tables,
                         seq_lens, head_dim**-0.5, out=out, num_splits=splits, block_n=block_n,
                         fused_reduce=fused)
-                    try:
-                        split_latencies[key] = round(timed(call), 2)
-                    except Exception as exc:
-                        split_latencies[key] = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    split_latencies[key] = latency_or_error(timed, call)
             timings = {k: v for k, v in latencies.items() if isinstance(v, float)}
             rule_splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq * block_size,
                                             _num_sms(device), head_dim)
@@ -160,10 +163,7 @@ def bench_prefill_tune(torch, device, dtype, timed, shapes, dry_run: bool) -> No
                 seq_lens, head_dim**-0.5, out=out, max_query_len=q_len,
                 block_q=max(1, rows // block_g), block_n=block_n, num_warps=warps,
                 num_stages=stages)
-            try:
-                latencies[name] = round(timed(call), 2)
-            except Exception as exc:  # e.g. out of shared memory or registers
-                latencies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            latencies[name] = latency_or_error(timed, call)
         table = tables.long()
         k = key_cache[table].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         v = value_cache[table].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
