@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 import torch
-from executor_bench import decode_plans
+from executor_steps import decode_plans
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 

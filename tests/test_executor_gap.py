@@ -302,17 +302,17 @@ def test_executor_bench_pipelined_loop_samples_what_sequential_steps_do(model_di
 
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import executor_bench
+    import executor_steps
 
     def runner():
         return build_runner(str(model_dir), num_gpu_blocks=4 * 4 + 8, num_cpu_blocks=0,
                             block_size=16, max_model_len=1024, progress=False)
 
     def plans(vocab):
-        return executor_bench.decode_plans(4, 33, 16, 12, vocab, feed=True)
+        return executor_steps.decode_plans(4, 33, 16, 12, vocab, feed=True)
 
     pipelined = runner()
-    run = executor_bench.pipelined_steps(pipelined, plans(pipelined.vocab_size), warmup=3)
+    run = executor_steps.pipelined_steps(pipelined, plans(pipelined.vocab_size), warmup=3)
     assert len(run["periods"]) == len(run["gaps"]) == 9
     sequential, tokens = runner(), []
     with torch.inference_mode():
