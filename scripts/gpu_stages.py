@@ -1,0 +1,130 @@
+"""What each stage of the GPU check runs (scripts/gpu_check.py runs them, keeps the report
+and prints the summaries): its steps, their commands, time limits and environments."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("kernels", "executor", "cluster", "throughput")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a stage. `reads`: what its output holds ("jsonl" benchmark lines,
+    "pytest" a pytest run). `required`: the stage stops when this step fails."""
+
+    name: str
+    argv: list[str]
+    timeout_s: float
+    reads: str = "jsonl"
+    required: bool = False
+    env: dict = field(default_factory=dict)  # added to the stage's environment
+
+
+@dataclass
+class Context:
+    out_dir: Path
+    work_dir: Path
+    python: str = sys.executable
+    small: bool = False
+    site: Path | None = None  # target folder of the installs, None: the environment as is
+    env: dict = field(default_factory=dict)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.work_dir / ("tiny-qwen2" if self.small else "qwen2.5-0.5b-random")
+
+
+# --- stage plans --------------------------------------------------------------------------
+
+def _py(ctx: Context, script: str, *args: str) -> list[str]:
+    return [ctx.python, str(ROOT / script), *args]
+
+
+def _common(ctx: Context) -> list[Step]:
+    small = ["--small"] if ctx.small else []
+    return [Step("env", _py(ctx, "scripts/gpu_steps.py", "env", *small), 120, required=True)]
+
+
+def _model(ctx: Context) -> Step:
+    args = ["build-model", "--out", str(ctx.model_dir)] + (["--small"] if ctx.small else [])
+    return Step("build_model", _py(ctx, "scripts/gpu_steps.py", *args), 300, required=True)
+
+
+def gpu_test_files() -> list[str]:
+    """Test modules with tests marked `gpu`."""
+    return sorted(str(p) for p in (ROOT / "tests").glob("test_*.py")
+                  if "mark.gpu" in p.read_text(errors="replace"))
+
+
+def plan_stage(name: str, ctx: Context) -> list[Step]:
+    small = ["--small"] if ctx.small else []
+    model = ["--model-dir", str(ctx.model_dir)]
+    if name == "kernels":
+        # Compiling ~200 kernel variants is CPU work: spread it over workers when xdist is there.
+        workers = [] if ctx.small or importlib.util.find_spec("xdist") is None else ["-n", "8"]
+        pytest = [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                  *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+                  *gpu_test_files()]
+        # Every case: the grid, the launch-configuration sweep and the fused layer kernels.
+        cases = ["--cases", "decode,prefill,cache,layer,sampling,prefill_tune"
+                 + ("" if ctx.small else ",tune")]
+        bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
+                    *(["--dry-run"] if ctx.small else []))
+        return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
+                Step("kernels_bench", bench, 360)]
+    if name == "executor":
+        bench = _py(ctx, "benchmarks/executor_bench.py", *model,
+                    *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                    "--profile")
+        memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
+        return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
+                Step("memory_profile", memory, 150)]
+    if name == "cluster":
+        def check(what: str, timeout_s: float) -> Step:
+            return Step(what.replace("-", "_"),
+                        _py(ctx, "scripts/gpu_cluster.py", what, *model, "--log-dir",
+                            str(ctx.work_dir / "cluster-logs"), *small), timeout_s)
+        return [*_common(ctx), _model(ctx), check("bf16-migration", 180),
+                check("fp32-exact", 120), check("preempt-swap", 100),
+                check("preempt-recompute", 100)]
+    if name == "throughput":
+        hf = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small)
+        # The API edges in worker processes: on an H100 the router's CPU per step at 256
+        # streams (10-15 ms) was what held the 3.8 ms steps back (2026-11-26).
+        hf_workers = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small,
+                         "--api-workers", "2")
+        overhead = _py(ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
+                       *(["--quick", "--depths", "2"] if ctx.small else
+                         ["--running", "32,256", "--depths", "1,2", "--window-s", "5"]),
+                       "--work-dir", str(ctx.work_dir / "step-overhead"))
+        overhead_workers = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                               str(ctx.model_dir), "--api-workers", "2",
+                               *(["--quick", "--depths", "2"] if ctx.small else
+                                 ["--running", "32,256", "--depths", "2", "--window-s", "5",
+                                  # streams over 8 connections: the kernel hands each
+                                  # worker connections, not streams (benchmarks/README)
+                                  "--client-channels", "8"]),
+                               "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        # The same executors one step at a time (overlapped steps off): their effect.
+        one_at_a_time = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                            str(ctx.model_dir),
+                            *(["--quick", "--depths", "2"] if ctx.small else
+                              ["--running", "32,256", "--depths", "2", "--window-s", "5"]),
+                            "--work-dir", str(ctx.work_dir / "step-overhead-one-at-a-time"))
+        # Streams ending and starting steadily: the steps with prompt tokens, replayed as
+        # graph pieces and (PAGEDSERVE_MIXED_GRAPHS=0) eagerly.
+        steady = _py(ctx, "benchmarks/steady_serving.py", *model, *small,
+                     "--log-dir", str(ctx.work_dir / "steady-serving"))
+        return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
+                Step("hf_batch_bench", hf, 150),
+                Step("step_overhead", overhead, 150),
+                Step("hf_batch_bench_workers", hf_workers, 100),
+                Step("step_overhead_workers", overhead_workers, 130),
+                Step("step_overhead_no_overlap", one_at_a_time, 100,
+                     env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]
+    raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
