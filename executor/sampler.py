@@ -208,6 +208,7 @@ def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
         idx = to_device(rows, x.device)
         x[idx] = fn(x[idx], *params)
 
+
 def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
                       params: Sequence[SamplingParams]) -> torch.Tensor:
     """In place: row rows[i] gets params[i]'s bias added to its tokens' logits (ids past

@@ -102,6 +102,7 @@ def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget
         budget -= num_new
     return budget
 
+
 def admit_waiting(self: Scheduler, group: RequestGroup, budget: int) -> list | object | None:
     """Allocate a waiting group's samples (all or nothing); None when they don't fit,
     `WAITS_FOR_PREFIX` when it waits for blocks of its prefix being computed here.

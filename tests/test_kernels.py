@@ -30,6 +30,7 @@ from pagedserve.kernels.testing import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     assert actual.dtype == expected.dtype
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
