@@ -57,13 +57,11 @@ def _reshape_and_cache_kernel(
     )
 
 
-def reshape_and_cache_triton(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding
-) -> None:
+def check_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """ValueError unless key and value [T, Hkv, D] can be written at ``slot_mapping`` [T]
+    into caches [num_blocks, block_size, Hkv, D] on their device, the slots linear (every
+    launcher that writes the cache: reshape_and_cache, the rotary's fused write)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
@@ -73,9 +71,8 @@ def reshape_and_cache_triton(
         raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, Hkv, D]")
     num_tokens, num_kv_heads, head_dim = key.shape
     if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"cache heads/dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}"
-        )
+        raise ValueError(f"caches' heads/dim {tuple(key_cache.shape[2:])} != key's "
+                         f"{(num_kv_heads, head_dim)}")
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64 [num_tokens={num_tokens}]")
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
@@ -90,6 +87,17 @@ def reshape_and_cache_triton(
                     ("slot_mapping", slot_mapping)):
         if t.device != key.device:
             raise ValueError(f"{name} is on {t.device}, key on {key.device}")
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = padding
+) -> None:
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cache_ops import check_cache_write
 from .host_math import cdiv, next_power_of_2
 
 
@@ -196,18 +197,8 @@ def rotary_embedding_and_cache_triton(
     one launch: q and k rotated in place (returned), k and v written at their slots of the
     caches [num_blocks, block_size, Hkv, D] (slot -1: not written)."""
     _check_rotary(q, k, cos_sin)
+    check_cache_write(k, v, key_cache, value_cache, slot_mapping)
     tokens, _, dim = q.shape
-    if v.shape != k.shape or v.stride(-1) != 1:
-        raise ValueError(f"v must be k's shape {tuple(k.shape)}, last axis contiguous")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape \
-            or tuple(key_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError("caches must both be [num_blocks, block_size, Hkv, D] of k's heads")
-    for cache in (key_cache, value_cache):
-        if cache.stride(-1) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
-            raise ValueError("caches must have contiguous (block, offset) axes so slots are "
-                             "linear, the last axis contiguous")
-    if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [{tokens}]")
     if tokens == 0:
         return q, k
     half = dim // 2
