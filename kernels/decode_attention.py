@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .host_math import INTERPRETING, next_power_of_2
-from .kv_tiles import load_kv_tile
+from .kv_tiles import load_kv_tile, softmax_update, tile_scores
 
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
@@ -62,22 +62,12 @@ def _decode_tiles(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kv_head,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                             offs_d, mask_d, BLOCK_SIZE, MASKED, EVEN_D, UPCAST)
-        if UPCAST:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale_log2
+        s = tile_scores(q, k, UPCAST) * qk_scale_log2
         if MASKED:
             s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc, l_i = softmax_update(acc, l_i, m_i, s, m_new, v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 

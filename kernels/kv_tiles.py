@@ -1,5 +1,6 @@
-"""One tile of keys and values read through a block table: what the decode and prefill
-kernels share (decode_attention.py, prefill_attention.py)."""
+"""What the decode and prefill kernels share (decode_attention.py, prefill_attention.py): one
+tile of keys and values read through a block table, its scores, and the online-softmax
+update of the running rows with it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def load_kv_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
+
+
+@triton.jit
+def tile_scores(q, k, UPCAST: tl.constexpr):
+    """q @ k^T: [rows, BLOCK_N] (float32 dots when UPCAST)."""
+    if UPCAST:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def softmax_update(acc, l_i, m_i, s, m_ref, v, UPCAST: tl.constexpr):
+    """The running softmax of the rows after one tile: scores ``s`` (base 2, -inf where not
+    admitted), their values ``v``, every term rescaled from the old reference max ``m_i``
+    to ``m_ref`` (finite). Returns (acc, l_i)."""
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i
