@@ -14,9 +14,8 @@ from pagedserve.executor.cuda_graphs import (
     graph_memory_bytes,
     graphs_supported,
 )
-from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams
-from test_executor_support import Driver
+from test_executor_support import Driver, small_runner, unused_blocks
 
 from pagedserve.tinymodels import build_model
 
@@ -56,11 +55,6 @@ def model_dir(tmp_path_factory):
                        initializer_range=0.2)
 
 
-def _runner(model_dir, device="cpu", **kw):
-    kw.setdefault("num_gpu_blocks", 40)
-    return build_runner(str(model_dir), device=device, num_cpu_blocks=0, block_size=8,
-                        max_model_len=64, progress=False, **kw)
-
 
 def _with_twin_graphs(runner, max_batch):
     graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
@@ -85,15 +79,14 @@ def _drive(runner, sampling=None):
 
 
 def test_twin_graphs_equal_eager_and_write_only_real_slots(model_dir):
-    eager = _drive(_runner(model_dir))
-    graphed = _drive(_with_twin_graphs(_runner(model_dir), max_batch=4))
+    eager = _drive(small_runner(model_dir))
+    graphed = _drive(_with_twin_graphs(small_runner(model_dir), max_batch=4))
     for rid in PROMPTS:
         assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
     runner = graphed.runner
     assert runner.graph_steps == 7 and runner.steps_done == 9
     assert graphed.runner.graphs.sizes == [1, 2, 4]
-    used = {b for s in graphed.seqs.values() for b in s.table}
-    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    unused = unused_blocks(graphed)
     assert unused and not runner.cache.kv_cache[:, :, unused].any()  # padding wrote nothing
     # the same keys and values, up to the padded matmuls' summation order
     torch.testing.assert_close(runner.cache.kv_cache, eager.runner.cache.kv_cache,
@@ -101,8 +94,8 @@ def test_twin_graphs_equal_eager_and_write_only_real_slots(model_dir):
 
 
 def test_twin_graphs_keep_seeded_sampling(model_dir):
-    eager = _drive(_runner(model_dir), SEEDED)
-    graphed = _drive(_with_twin_graphs(_runner(model_dir), max_batch=8), SEEDED)
+    eager = _drive(small_runner(model_dir), SEEDED)
+    graphed = _drive(_with_twin_graphs(small_runner(model_dir), max_batch=8), SEEDED)
     assert graphed.runner.graph_steps == 8  # every decode step, the 5-row one in the 8
     for rid in PROMPTS:
         assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
@@ -110,7 +103,7 @@ def test_twin_graphs_keep_seeded_sampling(model_dir):
 
 def test_padding_rows_are_reset_between_replays(model_dir):
     """A 3-row step after a 4-row one pads row 3 again: its slot goes back to -1."""
-    runner = _with_twin_graphs(_runner(model_dir), max_batch=4)
+    runner = _with_twin_graphs(small_runner(model_dir), max_batch=4)
     graphs = runner.graphs
     d = Driver(runner)
     for rid in "abcd":
@@ -140,7 +133,7 @@ def test_twin_graphs_with_pipelined_marked_decodes(model_dir):
 
     runs = []
     for pipelined, graphed in ((False, False), (True, True)):
-        runner = _runner(model_dir)
+        runner = small_runner(model_dir)
         if graphed:
             _with_twin_graphs(runner, max_batch=4)
         d = Driver(runner)
@@ -165,26 +158,25 @@ def test_twin_graphs_with_pipelined_marked_decodes(model_dir):
 def test_cuda_graphs_equal_eager(model_dir):
     """fp32 on the GPU: the same greedy tokens with and without graphs; the graphs were
     captured (a capture failure would leave runner.graphs None) and their memory counted."""
-    eager = _drive(_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
+    eager = _drive(small_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
     assert eager.runner.graphs is None
-    graphed_runner = _runner(model_dir, "cuda", dtype="float32", max_num_seqs=4)
+    graphed_runner = small_runner(model_dir, "cuda", dtype="float32", max_num_seqs=4)
     assert graphed_runner.graphs is not None and graphed_runner.graphs.sizes == [1, 2, 4]
     graphed = _drive(graphed_runner)
     for rid in PROMPTS:
         assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
     assert graphed_runner.graph_steps == 7
-    used = {b for s in graphed.seqs.values() for b in s.table}
-    unused = [b for b in range(graphed_runner.cache.num_gpu_blocks) if b not in used]
+    unused = unused_blocks(graphed)
     assert not graphed_runner.cache.kv_cache[:, :, unused].any()
 
 
 @pytest.mark.gpu
 def test_cuda_graph_memory_is_reserved_before_the_cache(model_dir):
-    model = _runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
+    model = small_runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
     held = graph_memory_bytes(model, 8, 64, 256, torch.device("cuda", 0))
     assert held > 0
-    profiled = _runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
-                       gpu_memory_utilization=0.5)
+    profiled = small_runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
+                            gpu_memory_utilization=0.5)
     assert profiled.graphs is not None and profiled.cache.num_gpu_blocks > 0
 
 
@@ -194,7 +186,7 @@ def test_cuda_step_timings_from_events(model_dir):
     a positive forward and a non-negative sampling time that fit in the step's wall time."""
     import time
 
-    d = Driver(_runner(model_dir, "cuda", dtype="float32", max_num_seqs=4))
+    d = Driver(small_runner(model_dir, "cuda", dtype="float32", max_num_seqs=4))
     for rid, prompt in PROMPTS.items():
         d.add(rid, prompt)
     for _ in range(4):

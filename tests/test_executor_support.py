@@ -266,3 +266,18 @@ class KVDriver(Driver):
         self.step_id += 1
         plan.validate()
         return plan
+
+
+def unused_blocks(driver: Driver) -> list[int]:
+    """The device blocks no request of ``driver`` holds (a padding row must not write them)."""
+    used = {b for s in driver.seqs.values() for b in s.table}
+    return [b for b in range(driver.runner.cache.num_gpu_blocks) if b not in used]
+
+
+def small_runner(model_dir, device: str = "cpu", **kw):
+    """The graph tests' runner: 8-token blocks, 64-token context, 40 device blocks."""
+    from pagedserve.executor.runner_setup import build_runner
+
+    kw.setdefault("num_gpu_blocks", 40)
+    return build_runner(str(model_dir), device=device, num_cpu_blocks=0, block_size=8,
+                        max_model_len=64, progress=False, **kw)

@@ -15,9 +15,8 @@ from pagedserve.executor.mixed_graphs import (
     mixed_graph_memory_bytes,
     mixed_token_buckets,
 )
-from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams
-from test_executor_support import Driver
+from test_executor_support import Driver, small_runner, unused_blocks
 
 from pagedserve.tinymodels import build_model
 
@@ -46,11 +45,6 @@ def model_dir(request, tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("mixed") / request.param, request.param,
                        initializer_range=0.2)
 
-
-def _runner(model_dir, device="cpu", **kw):
-    kw.setdefault("num_gpu_blocks", 40)
-    return build_runner(str(model_dir), device=device, num_cpu_blocks=0, block_size=8,
-                        max_model_len=64, progress=False, **kw)
 
 
 def _with_twin_pieces(runner, max_tokens=32):
@@ -83,16 +77,15 @@ def _drive(runner, sampling=None):
 
 @pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
 def test_twin_pieces_equal_eager_and_write_only_real_slots(model_dir, sampling):
-    eager = _drive(_runner(model_dir), sampling)
-    pieces = _drive(_with_twin_pieces(_runner(model_dir)), sampling)
+    eager = _drive(small_runner(model_dir), sampling)
+    pieces = _drive(_with_twin_pieces(small_runner(model_dir)), sampling)
     for rid in eager.seqs:
         assert pieces.seqs[rid].outputs == eager.seqs[rid].outputs, rid
     runner = pieces.runner
     # every step but the 43-token one (over the largest bucket): decodes too, with no
     # decode graphs here
     assert runner.mixed_graph_steps == 7 and runner.steps_done == 8
-    used = {b for s in pieces.seqs.values() for b in s.table}
-    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    unused = unused_blocks(pieces)
     assert unused and not runner.cache.kv_cache[:, :, unused].any()  # padding wrote nothing
     torch.testing.assert_close(runner.cache.kv_cache, eager.runner.cache.kv_cache,
                                atol=1e-4, rtol=1e-3)
@@ -101,7 +94,7 @@ def test_twin_pieces_equal_eager_and_write_only_real_slots(model_dir, sampling):
 def test_pieces_run_attention_between_them_on_the_real_tokens(model_dir):
     """One attention call per layer, on the step's tokens only (never the padding rows),
     with the step's own metadata; the padding rows of a shorter step go back to slot -1."""
-    runner = _with_twin_pieces(_runner(model_dir))
+    runner = _with_twin_pieces(small_runner(model_dir))
     graphs = runner.mixed_graphs
     calls = []
     for layer in graphs.layers:
@@ -130,7 +123,7 @@ def test_decode_steps_go_to_the_decode_graphs_first(model_dir):
     """A decode-only step replays a decode graph where one holds it, else the pieces."""
     from pagedserve.executor.cuda_graphs import DecodeGraphs
 
-    runner = _with_twin_pieces(_runner(model_dir))
+    runner = _with_twin_pieces(small_runner(model_dir))
     d = Driver(runner)
     for rid in "abd":
         d.add(rid, PROMPTS[rid])
@@ -150,26 +143,25 @@ def test_decode_steps_go_to_the_decode_graphs_first(model_dir):
 def test_cuda_pieces_equal_eager(model_dir):
     """fp32 on the GPU: the same greedy tokens with the pieces captured by build_runner as
     with --enforce-eager; the mixed steps replayed pieces; padding wrote no block."""
-    eager = _drive(_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
+    eager = _drive(small_runner(model_dir, "cuda", dtype="float32", enforce_eager=True))
     assert eager.runner.mixed_graphs is None
-    runner = _runner(model_dir, "cuda", dtype="float32", max_num_seqs=8,
-                     max_num_batched_tokens=32)
+    runner = small_runner(model_dir, "cuda", dtype="float32", max_num_seqs=8,
+                          max_num_batched_tokens=32)
     assert runner.mixed_graphs is not None and runner.mixed_graphs.sizes == [16, 32]
     graphed = _drive(runner)
     for rid in eager.seqs:
         assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
     assert runner.mixed_graph_steps == 3
-    used = {b for s in graphed.seqs.values() for b in s.table}
-    unused = [b for b in range(runner.cache.num_gpu_blocks) if b not in used]
+    unused = unused_blocks(graphed)
     assert not runner.cache.kv_cache[:, :, unused].any()
 
 
 @pytest.mark.gpu
 def test_cuda_pieces_memory_is_reserved_before_the_cache(model_dir):
-    model = _runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
+    model = small_runner(model_dir, "cuda", dtype="float32", enforce_eager=True).model
     assert mixed_graph_memory_bytes(model, 8, 64, torch.device("cuda", 0)) > 0
-    profiled = _runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
-                       gpu_memory_utilization=0.5)
+    profiled = small_runner(model_dir, "cuda", dtype="float32", num_gpu_blocks=None,
+                            gpu_memory_utilization=0.5)
     assert profiled.mixed_graphs is not None and profiled.cache.num_gpu_blocks > 0
 
 
@@ -177,7 +169,7 @@ def test_capture_failure_leaves_those_steps_eager(model_dir, monkeypatch, caplog
     """runner_setup's capture: the pieces when it works, None (logged) when it fails."""
     from pagedserve.executor import runner_setup
 
-    runner = _runner(model_dir)
+    runner = small_runner(model_dir)
     graphs = runner_setup._capture_mixed_graphs(runner.model, runner.cache, 32)
     assert graphs is not None and graphs.sizes == [16, 32] and graphs.size_for(20) == 32
 
