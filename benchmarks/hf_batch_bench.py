@@ -26,7 +26,6 @@ Cases (JSON lines, DESIGN §8): `pagedserve`, `hf_generate_batch`, `summary`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from serve_process import ServeProcess, serve_argv  # noqa: E402
+from serve_process import bench_on_server  # noqa: E402
 
 BENCH = "hf_batch_bench"
 WARMUP_PROMPTS = 8
@@ -53,22 +52,15 @@ def make_prompts(n: int, input_range: tuple[int, int], vocab: int, seed: int) ->
 
 
 def run_pagedserve(args, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
-    from pagedserve.bench import BenchConfig, BenchRequest, run_bench
+    from pagedserve.bench import BenchRequest
 
-    device = (["--device", "cpu", "--cpu-threads", "1", "--kv-cache-space", "0.1"]
-              if args.small else [])
-    argv = serve_argv(args.model_dir, "--executors", "1", "--dtype", args.dtype,
-                      "--max-num-seqs", str(max(len(prompts), WARMUP_PROMPTS)),
-                      "--swap-space", "0", "--api-workers", str(args.api_workers), *device)
+    def reqs(ps):
+        return [BenchRequest(None, tuple(p), args.output_len, len(p)) for p in ps]
+
     log = Path(args.log_dir or tempfile.mkdtemp()) / "hf_batch_bench_serve.log"
-    with ServeProcess(argv, log) as server:
-        def reqs(ps):
-            return [BenchRequest(None, tuple(p), args.output_len, len(p)) for p in ps]
-
-        cfg = BenchConfig(address=server.address, metrics_address=server.metrics_address,
-                          temperature=0.0, ignore_eos=True, progress=False, timeout_s=600.0)
-        asyncio.run(run_bench(cfg, reqs(warmup)))
-        return asyncio.run(run_bench(cfg, reqs(prompts)))
+    return bench_on_server(args.model_dir, log, reqs(prompts), reqs(warmup), dtype=args.dtype,
+                           max_num_seqs=max(len(prompts), WARMUP_PROMPTS), small=args.small,
+                           extra=("--api-workers", str(args.api_workers)))
 
 
 def run_hf(args, prompts: list[list[int]], warmup: list[list[int]]) -> dict:

@@ -21,7 +21,6 @@ graphs, so both runs are eager).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from serve_process import ServeProcess, serve_argv  # noqa: E402
+from serve_process import bench_on_server  # noqa: E402
 
 BENCH = "steady_serving"
 WARMUP = 8
@@ -56,19 +55,10 @@ def make_requests(n: int, input_range: tuple[int, int], output_range: tuple[int,
 
 
 def run(args, requests, warmup, env: dict, log_name: str) -> dict:
-    from pagedserve.bench import BenchConfig, run_bench
-
-    device = (["--device", "cpu", "--cpu-threads", "1", "--kv-cache-space", "0.1"]
-              if args.small else [])
-    argv = serve_argv(args.model_dir, "--executors", "1", "--dtype", args.dtype,
-                      "--max-num-seqs", str(args.concurrency), "--swap-space", "0", *device)
     log = Path(args.log_dir or tempfile.mkdtemp()) / log_name
-    with ServeProcess(argv, log, env=env) as server:
-        cfg = BenchConfig(address=server.address, metrics_address=server.metrics_address,
-                          temperature=0.0, ignore_eos=True, progress=False, timeout_s=600.0,
-                          max_concurrency=args.concurrency)
-        asyncio.run(run_bench(cfg, warmup))
-        return asyncio.run(run_bench(cfg, requests))
+    return bench_on_server(args.model_dir, log, requests, warmup, dtype=args.dtype,
+                           max_num_seqs=args.concurrency, small=args.small, env=env,
+                           max_concurrency=args.concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:

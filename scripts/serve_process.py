@@ -105,3 +105,25 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def bench_on_server(model_dir: str | Path, log_path: str | Path, requests: list, warmup: list,
+                    *, dtype: str, max_num_seqs: int, small: bool, extra: tuple = (),
+                    env: dict | None = None, max_concurrency: int | None = None) -> dict:
+    """`serve` with one executor (`--small`: on the CPU, a small cache), `warmup` requests
+    then `requests` through `pagedserve.bench` (greedy, EOS ignored), the server stopped
+    after: run_bench's summary of `requests` (the GPU check's serving benchmarks)."""
+    import asyncio
+
+    from pagedserve.bench import BenchConfig, run_bench
+
+    device = ["--device", "cpu", "--cpu-threads", "1", "--kv-cache-space", "0.1"] if small \
+        else []
+    argv = serve_argv(model_dir, "--executors", "1", "--dtype", dtype, "--max-num-seqs",
+                      str(max_num_seqs), "--swap-space", "0", *extra, *device)
+    with ServeProcess(argv, log_path, env=env) as server:
+        cfg = BenchConfig(address=server.address, metrics_address=server.metrics_address,
+                          temperature=0.0, ignore_eos=True, progress=False, timeout_s=600.0,
+                          max_concurrency=max_concurrency)
+        asyncio.run(run_bench(cfg, warmup))
+        return asyncio.run(run_bench(cfg, requests))
