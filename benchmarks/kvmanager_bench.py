@@ -10,6 +10,9 @@ Cases:
    63 returned: one block is always left to compute).
 3. pool_create: creating a manager with 1,000,000 device blocks.
 
+`--invariants N,...` times `check_invariants` and `--gc N,...` a full garbage collection with
+a manager of N device blocks in a long run's steady state (every block handed out once).
+
 Usage: .venv/bin/python benchmarks/kvmanager_bench.py [--cycles N] [--hash-algo sha256]
        [--repeats 3]
 """
@@ -17,6 +20,7 @@ Usage: .venv/bin/python benchmarks/kvmanager_bench.py [--cycles N] [--hash-algo 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -119,11 +123,10 @@ def bench_pool_create(num_blocks: int = 1_000_000) -> dict:
     }
 
 
-def bench_invariants(num_blocks: int, requests: int = 256, tokens: int = 1000,
-                     seed: int = 0) -> dict:
-    """`check_invariants()` (O(blocks); the router runs it on its event loop, step_loop.py
-    `check_accounting`) with `requests` live requests of `tokens` tokens, at first use and
-    after every block has been handed out once (a long run's steady state)."""
+def _steady_manager(num_blocks: int, requests: int, tokens: int, seed: int):
+    """A manager with `requests` live requests of `tokens` tokens, then a long run's steady
+    state: every block handed out once (requests of 2,000 tokens allocated and freed), the
+    freed full blocks cached. Returns (manager, the timing callback for 'first use')."""
     rng = random.Random(seed)
     mgr = KVCacheManager(num_gpu_blocks=num_blocks, block_size=16)
 
@@ -137,21 +140,59 @@ def bench_invariants(num_blocks: int, requests: int = 256, tokens: int = 1000,
         assert add(f"r{r}", tokens), "the pool is too small for the live requests"
     mgr.end_step()
 
+    def fill() -> None:
+        cycle = 0
+        while mgr.gpu.fresh_next < mgr.gpu.num_blocks and add(f"c{cycle}", 2000):
+            mgr.free(f"c{cycle}")
+            mgr.end_step()
+            cycle += 1
+
+    return mgr, fill
+
+
+def bench_invariants(num_blocks: int, requests: int = 256, tokens: int = 1000,
+                     seed: int = 0) -> dict:
+    """`check_invariants()` (O(blocks); the router runs it on its event loop, step_loop.py
+    `check_accounting`) with `requests` live requests of `tokens` tokens, at first use and
+    after every block has been handed out once (a long run's steady state)."""
+    mgr, fill = _steady_manager(num_blocks, requests, tokens, seed)
+
     def timed_ms() -> float:
         t0 = time.perf_counter()
         mgr.check_invariants()
         return round((time.perf_counter() - t0) * 1e3, 2)
 
     first = [timed_ms() for _ in range(2)]
-    cycle = 0
-    while mgr.gpu.fresh_next < mgr.gpu.num_blocks and add(f"c{cycle}", 2000):
-        mgr.free(f"c{cycle}")
-        mgr.end_step()
-        cycle += 1
+    fill()
     steady = [timed_ms() for _ in range(2)]
     return {"bench": BENCH, "case": f"check_invariants_{num_blocks}", "num_blocks": num_blocks,
             "blocks_in_use": num_blocks - mgr.num_free_gpu_blocks,
             "first_use_ms": first, "steady_ms": steady}
+
+
+def bench_gc(num_blocks: int, requests: int = 256, tokens: int = 1000, seed: int = 0) -> dict:
+    """A full garbage collection (`gc.collect()`, what the router's event loop waits for
+    when the collector's oldest generation is due) with the manager in its steady state,
+    the rest of this process frozen out first (as the router freezes its start-up heap):
+    what the KV manager adds to every full collection of a router serving a GPU."""
+    gc.collect()
+    gc.freeze()
+    try:
+        mgr, fill = _steady_manager(num_blocks, requests, tokens, seed)
+        fill()
+        gc.collect()  # what the fill left young is old now, as in a long run
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gc.collect()
+            times.append((time.perf_counter() - t0) * 1e3)
+        tracked = len(gc.get_objects())
+    finally:
+        gc.unfreeze()
+    return {"bench": BENCH, "case": f"gc_full_collection_{num_blocks}", "num_blocks": num_blocks,
+            "blocks_cached": mgr.stats().gpu.num_cached_blocks, "tracked_objects": tracked,
+            "collect_ms_p50": round(statistics.median(times), 2),
+            "collect_ms_min": round(min(times), 2)}
 
 
 def main(argv=None) -> int:
@@ -162,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--invariants", default="",
                     help="only time check_invariants at these device block counts "
                          "(comma-separated, e.g. 17000,100000,350000)")
+    ap.add_argument("--gc", default="",
+                    help="only time a full garbage collection with a manager of these device "
+                         "block counts in its steady state (e.g. 66000,287000,670000)")
     args = ap.parse_args(argv)
     if args.invariants:
         for n in (int(x) for x in args.invariants.split(",") if x):
@@ -169,6 +213,13 @@ def main(argv=None) -> int:
             print(json.dumps(r), flush=True)
             print(f"{r['case']:<28} first use {r['first_use_ms']} ms, steady "
                   f"{r['steady_ms']} ms", file=sys.stderr)
+        return 0
+    if args.gc:
+        for n in (int(x) for x in args.gc.split(",") if x):
+            r = bench_gc(n)
+            print(json.dumps(r), flush=True)
+            print(f"{r['case']:<28} {r['collect_ms_p50']} ms p50 ({r['tracked_objects']} "
+                  f"tracked objects, {r['blocks_cached']} blocks cached)", file=sys.stderr)
         return 0
     # The machine is shared: run the throughput case a few times and report the median.
     runs = [bench_alloc_free(args.cycles, args.hash_algo) for _ in range(args.repeats)]

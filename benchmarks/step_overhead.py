@@ -183,7 +183,8 @@ def table(rows: list[dict]) -> None:
             ("idle p50", "idle_ms_p50", 8), ("idle p99", "idle_ms_p99", 8),
             ("tok/s", "output_tok_per_s", 9), ("cpu/step", "router_cpu_ms_per_step", 8),
             ("wrk/step", "worker_cpu_ms_per_step", 8),
-            ("text/stp", "text_cpu_ms_per_step", 8), ("util", "router_cpu_util_ratio", 6),
+            ("text/stp", "text_cpu_ms_per_step", 8), ("gc/step", "gc_cpu_ms_per_step", 8),
+            ("gc max", "gc_pause_ms_max", 8), ("util", "router_cpu_util_ratio", 6),
             ("steps", "steps", 6)]
     print("  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, _, w) in enumerate(cols))
           + "   (ms unless noted)", file=sys.stderr)

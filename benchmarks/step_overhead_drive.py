@@ -193,6 +193,13 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         workers = s1["api_workers_cpu_s"] - s0.get("api_workers_cpu_s", 0.0)
         res["worker_cpu_ms_per_step"] = per_step(workers)
         res["total_cpu_ms_per_step"] = per_step(cpu + workers)
+    if "gc" in s1:  # the router process's cyclic collector in the window
+        g0, g1 = s0["gc"], s1["gc"]
+        res["gc_cpu_ms_per_step"] = per_step(sum(g1["cpu_seconds"]) - sum(g0["cpu_seconds"]))
+        res["gc_wall_ms_per_step"] = per_step(sum(g1["seconds"]) - sum(g0["seconds"]))
+        res["gc_collections"] = [b - a for a, b in zip(g0["count"], g1["count"], strict=True)]
+        res["gc_pause_ms_max"] = round(max(g1["max_s"]) * 1e3, 3)
+        res["gc_tracked_objects"] = g1["tracked"]
     if run["errors"]:
         res["stream_errors"] = run["errors"][:3]
     return res

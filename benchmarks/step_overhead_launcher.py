@@ -1,8 +1,9 @@
 """Step overhead's launcher (benchmarks/step_overhead.py): runs inside the router process
 (`step_overhead.py --launch TRACE -- <pagedserve args>`), starts `pagedserve` there with
 CPU probes around the router's plan, apply and text functions and its gRPC stream handler,
-and answers SIGUSR1 with a snapshot of the process's CPU time and the probes' counters, and
-of its API worker children's CPU time (`--api-workers`)."""
+and answers SIGUSR1 with a snapshot of the process's CPU time and the probes' counters, of
+its garbage collections (count, time, longest pause per generation) and of its API worker
+children's CPU time (`--api-workers`)."""
 
 from __future__ import annotations
 
@@ -130,7 +131,10 @@ def launch(trace_path: str, argv: list[str]) -> int:
     step trace itself, PAGEDSERVE_STEP_TRACE set by the caller)."""
     from pagedserve.router import delivery, grpc_server, step_loop
 
+    from pagedserve.gc_tuning import GCPauses
+
     phases = _Phases()
+    gc_pauses = GCPauses().install()
     patched = [name for owner, attr, name in (
         (step_loop.StepLoop, "send_next_plan", "plan"),
         (step_loop.StepLoop, "apply_tokens", "apply"),
@@ -147,7 +151,7 @@ def launch(trace_path: str, argv: list[str]) -> int:
                 "main_cpu_s": time.thread_time(), "threads_cpu_s": _thread_cpu_s(),
                 "api_workers_cpu_s": _api_workers_cpu_s(),
                 "phase_cpu_s": dict(phases.cpu_s), "phase_calls": dict(phases.calls),
-                "patched": patched}
+                "patched": patched, "gc": gc_pauses.snapshot(reset_max=True)}
         tmp = snap_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)

@@ -9,7 +9,6 @@ and exit code 2, before the executor ever talks to the router.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import random
@@ -31,6 +30,7 @@ from pagedserve.affinity import (
     parse_cores,
     pin_current_thread,
 )
+from pagedserve.gc_tuning import freeze_heap
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -120,8 +120,7 @@ def run_executor(args: argparse.Namespace) -> int:
     # Everything allocated so far (the model, torch, the imports: ~170k objects) lives as
     # long as the process: moved out of the collector's reach, so that a full collection
     # while serving scans only what serving allocates (it took ~110 ms, a stalled step).
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     try:
         # Inference mode for the whole loop: ModelRunner.execute then skips entering it,
         # a few microseconds of the gap between two steps.

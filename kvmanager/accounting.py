@@ -99,16 +99,19 @@ def check_invariants(self: KVCacheManager) -> None:
                     expected[bid] = expected.get(bid, 0) + 1
                     holders.setdefault(bid, []).append(f"pin:{key}")
         in_queue: set[int] = set()
-        prev = pool.head
-        b = pool.head.next_free
-        while b is not pool.tail:
-            if b.prev_free is not prev:
-                raise InvariantError(f"{pool.device} free queue link broken at {b.block_id}")
-            if b.block_id in in_queue:
-                raise InvariantError(f"{pool.device} block {b.block_id} twice in queue")
-            in_queue.add(b.block_id)
-            prev, b = b, b.next_free
-        if pool.tail.prev_free is not prev:
+        prev = pool.head_id
+        bid = pool.head.next_free
+        while bid != pool.tail_id:
+            if not 0 <= bid < pool.num_blocks:
+                raise InvariantError(f"{pool.device} free queue links to {bid}")
+            b = pool.blocks[bid]
+            if b is None or b.prev_free != prev:
+                raise InvariantError(f"{pool.device} free queue link broken at {bid}")
+            if bid in in_queue:
+                raise InvariantError(f"{pool.device} block {bid} twice in queue")
+            in_queue.add(bid)
+            prev, bid = bid, b.next_free
+        if pool.tail.prev_free != prev:
             raise InvariantError(f"{pool.device} free queue tail link broken")
         num_fresh = pool.num_blocks - pool.fresh_next
         if len(in_queue) + num_fresh != pool.num_free:

@@ -11,6 +11,15 @@ order: blocks are taken from the head (least recently freed first) and appended 
 when their ref count drops to 0. A request frees its blocks tail first, so a sequence's last
 blocks (the least shareable part of a prefix) are evicted before its first ones.
 
+The queue's links are block ids, not references: `prev_free` / `next_free` hold the id of
+the neighbour (the two sentinels have ids `num_blocks` and `num_blocks + 1`, at the end of
+`blocks`), None when the block is not queued. So no Block refers to another, and Blocks are
+kept out of the cyclic garbage collector (`gc=False`; msgspec Structs): a router serving a
+GPU holds hundreds of thousands of them for its whole life, and a full collection walked
+each one while every executor's step loop waited (600k blocks: 78 ms on the CPU machine,
+10 ms untracked). Nothing a Block holds can lead back to it (ints, a hash, a tuple of
+token ids), so no cycle can leak.
+
 Creating a pool is O(1) in Python objects: a block that was never handed out has no Block
 object yet. The queue is "ids [fresh_next, num_blocks) that were never used" followed by the
 linked list; those fresh ids are older than anything in the list (free since creation), so
@@ -33,6 +42,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+import msgspec
+
 
 class KVEvent(NamedTuple):
     """A prefix-cache change: `kind` is "stored" (block registered under `block_hash`) or
@@ -44,36 +55,26 @@ class KVEvent(NamedTuple):
     block_id: int
 
 
-class Block:
+class Block(msgspec.Struct, gc=False):
     """One KV-cache block. `block_hash`/`token_ids` are set only while the block is in its
     pool's prefix-cache map (full blocks only); `serial` identifies that registration (-1
     when not cached) and `parent_serial` the registration of the block before it in the
     sequence (or the salt's root), so a lookup can verify the whole chain, not just one
     block's tokens. `num_hits` counts the admissions that found it in the prefix cache since
-    it was registered (routing values a block shared by later requests)."""
+    it was registered (routing values a block shared by later requests). `prev_free` /
+    `next_free`: the ids of its neighbours in the free queue, None when not queued. Never
+    give a Block a field that can refer to another object holding it (see the module
+    docstring: it is not tracked by the garbage collector)."""
 
-    __slots__ = (
-        "block_id",
-        "ref_cnt",
-        "block_hash",
-        "token_ids",
-        "serial",
-        "parent_serial",
-        "num_hits",
-        "prev_free",
-        "next_free",
-    )
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash = None
-        self.token_ids: tuple[int, ...] | None = None
-        self.serial = -1
-        self.parent_serial = -1
-        self.num_hits = 0
-        self.prev_free: Block | None = None
-        self.next_free: Block | None = None
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: object = None
+    token_ids: tuple[int, ...] | None = None
+    serial: int = -1
+    parent_serial: int = -1
+    num_hits: int = 0
+    prev_free: int | None = None
+    next_free: int | None = None
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.serial >= 0})"
@@ -88,13 +89,14 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.device = device
-        # blocks[i] is None until id i is first handed out (lazy creation).
+        # blocks[i] is None until id i is first handed out (lazy creation); the two
+        # sentinels of the linked part of the free queue follow the real blocks.
         self.blocks: list[Block | None] = [None] * num_blocks
         self.fresh_next = 0  # ids >= fresh_next were never handed out (head of the queue)
-        self.head = Block(-1)  # sentinels of the linked part of the free queue
-        self.tail = Block(-1)
-        self.head.next_free = self.tail
-        self.tail.prev_free = self.head
+        self.head_id, self.tail_id = num_blocks, num_blocks + 1
+        self.head = Block(self.head_id, next_free=self.tail_id)
+        self.tail = Block(self.tail_id, prev_free=self.head_id)
+        self.blocks += [self.head, self.tail]
         self.num_free = num_blocks  # blocks in the queue (fresh + linked)
         self.cached: dict = {}  # block hash -> Block
         self.deferred: list[Block] = []
@@ -115,10 +117,11 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """The free queue in eviction order (head first). O(num free): for tests and debug."""
         ids = list(range(self.fresh_next, self.num_blocks))
-        b = self.head.next_free
-        while b is not self.tail:
-            ids.append(b.block_id)
-            b = b.next_free
+        blocks, tail = self.blocks, self.tail_id
+        bid = self.head.next_free
+        while bid != tail:
+            ids.append(bid)
+            bid = blocks[bid].next_free
         return ids
 
     # ------------------------------------------------------------------ hot path
@@ -144,29 +147,30 @@ class BlockPool:
             n -= k
             if not n:
                 return out
+        blocks = self.blocks
         head = self.head
-        b = head.next_free
+        bid = head.next_free
         append = out.append
         cached = self.cached
         events = self.events
         num_evicted = 0
         for _ in range(n):
+            b = blocks[bid]
             h = b.block_hash
             if h is not None:  # evict (inlined _evict: this loop is the hot path)
                 del cached[h]
                 if events is not None:
-                    events.append(KVEvent("removed", self.device, h, b.block_id))
+                    events.append(KVEvent("removed", self.device, h, bid))
                 b.block_hash = b.token_ids = None
                 b.serial = -1
                 b.num_hits = 0
                 num_evicted += 1
             b.ref_cnt = 1
-            append(b.block_id)
-            nxt = b.next_free
+            append(bid)
+            bid = b.next_free
             b.prev_free = b.next_free = None
-            b = nxt
-        head.next_free = b
-        b.prev_free = head
+        head.next_free = bid
+        blocks[bid].prev_free = self.head_id
         self.num_evictions += num_evicted
         return out
 
@@ -187,7 +191,8 @@ class BlockPool:
                     b.ref_cnt = 0
                     raise AssertionError(f"{self.device} block {bid}: ref count below 0")
             return
-        last = self.tail.prev_free
+        tail = self.tail
+        last = blocks[tail.prev_free]
         n = 0
         try:
             for bid in block_ids:
@@ -195,17 +200,16 @@ class BlockPool:
                 r = b.ref_cnt - 1
                 b.ref_cnt = r
                 if r == 0:
-                    last.next_free = b
-                    b.prev_free = last
+                    last.next_free = bid
+                    b.prev_free = last.block_id
                     last = b
                     n += 1
                 elif r < 0:
                     b.ref_cnt = 0
                     raise AssertionError(f"{self.device} block {bid}: ref count below 0")
         finally:
-            tail = self.tail
-            last.next_free = tail
-            tail.prev_free = last
+            last.next_free = self.tail_id
+            tail.prev_free = last.block_id
             self.num_free += n
 
     def touch(self, block_ids) -> None:
@@ -217,8 +221,8 @@ class BlockPool:
             if b.ref_cnt == 0 and b.prev_free is not None:
                 prv = b.prev_free
                 nxt = b.next_free
-                prv.next_free = nxt
-                nxt.prev_free = prv
+                blocks[prv].next_free = nxt
+                blocks[nxt].prev_free = prv
                 b.prev_free = b.next_free = None
                 self.num_free -= 1
             b.ref_cnt += 1
@@ -250,7 +254,8 @@ class BlockPool:
         """Append the blocks still free (ref count 0, not queued) to the queue tail; with
         `answered`, only those whose latest fence is answered."""
         fence_of = self._fence_of
-        last = self.tail.prev_free
+        tail = self.tail
+        last = self.blocks[tail.prev_free]
         for b in blocks:
             if answered is not None:
                 fence = fence_of.get(b.block_id)
@@ -259,12 +264,12 @@ class BlockPool:
                         continue  # freed again later: a later fence holds it
                     del fence_of[b.block_id]
             if b.ref_cnt == 0 and b.prev_free is None:
-                last.next_free = b
-                b.prev_free = last
+                last.next_free = b.block_id
+                b.prev_free = last.block_id
                 last = b
                 self.num_free += 1
-        last.next_free = self.tail
-        self.tail.prev_free = last
+        last.next_free = self.tail_id
+        tail.prev_free = last.block_id
 
     def held_free_ids(self) -> set[int]:
         """Blocks at ref count 0 that are not in the queue yet: deferred or fenced."""

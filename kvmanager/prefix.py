@@ -107,14 +107,16 @@ def num_shared_blocks_evicted(self: KVCacheManager, num_blocks: int,
     gpu = self.gpu
     n = num_blocks - (gpu.num_blocks - gpu.fresh_next)
     count = 0
-    b = gpu.head.next_free
-    tail = gpu.tail
-    while n > 0 and b is not tail:
-        if b.block_id not in keep:
+    blocks = gpu.blocks
+    bid = gpu.head.next_free
+    tail = gpu.tail_id
+    while n > 0 and bid != tail:
+        b = blocks[bid]
+        if bid not in keep:
             if b.num_hits and b.block_hash is not None:
                 count += 1
             n -= 1
-        b = b.next_free
+        bid = b.next_free
     return count
 
 

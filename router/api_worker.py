@@ -25,6 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pagedserve.gc_tuning import freeze_heap
 from pagedserve.logs import setup_logging
 from pagedserve.subprocs import ParentWatch
 
@@ -65,6 +66,7 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
         engine.close()
         return BIND_ERROR_EXIT
     engine.start(port, http.port if http is not None else -1, os.getpid())
+    freeze_heap()  # start-up's objects out of the collector's reach (pagedserve/gc_tuning.py)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..cpu_dtypes import checkpoint_dtype
+from ..gc_tuning import freeze_heap
 from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
@@ -139,6 +140,10 @@ async def serve_router(
     log.info("router listening: grpc %s:%d, http %s, executors join at %s%s", args.host, port,
              http_port if http_port is not None else "off", endpoint,
              f" ({args.api_workers} API workers)" if isinstance(edges, WorkerEdges) else "")
+    # The imports, tokenizer, servers and metrics live as long as the process: out of the
+    # collector's reach, so that a full collection while serving walks only what serving
+    # allocates (pagedserve/gc_tuning.py).
+    freeze_heap()
     if on_bound is not None:
         await on_bound(endpoint, engine)
     stop = stop_event or asyncio.Event()

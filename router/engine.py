@@ -137,6 +137,7 @@ class RouterEngine:
         await asyncio.sleep(0.05)
         if self.link is not None:
             await self.link.close()
+        self.steps.close()
 
     # ================================================================== Engine protocol
 

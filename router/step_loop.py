@@ -106,6 +106,13 @@ class StepLoop:
         path = os.environ.get("PAGEDSERVE_STEP_TRACE")
         self.trace = StepTrace(path) if path else None
 
+    def close(self) -> None:
+        """At the engine's stop: the step trace's last lines written out (the router's
+        start-up objects are frozen out of the collector, so nothing would finalize it)."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
     # ------------------------------------------------------------------ the loop
 
     async def run(self, handle: ExecutorHandle) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
 import pytest
 from pagedserve.kvmanager import (
+    Block,
     BlockPool,
     InvariantError,
     KVCacheManager,
@@ -59,6 +61,33 @@ def test_free_queue_remove_any_block_in_o1():
     assert pool.free_block_ids() == [5, 4, 3, 1, 0, 2]
     with pytest.raises(AssertionError):
         pool.release([2])  # ref count would go below 0
+
+
+def test_blocks_stay_out_of_the_garbage_collector():
+    """A GPU's pool holds hundreds of thousands of Blocks for the router's life: none is
+    tracked by the cyclic collector (a full collection would walk each), and none refers to
+    another Block (the queue links are ids), so no cycle can hide behind an untracked one."""
+    m = make(8, 8)
+    admit(m, "a", list(range(10)))  # cached blocks
+    m.fork("a", "b")
+    m.allocate("b", list(range(10)) + [5], 1)  # copy-on-write
+    admit(m, "c", list(range(8)) + [7])  # a prefix hit
+    m.swap_out(["a", "b"])  # CPU blocks too
+    m.free("c")
+    m.allocate("d", [3] * 20, 20)  # evictions from the queue's head
+    m.check_invariants()
+    seen = 0
+    for pool in (m.gpu, m.cpu):
+        for b in pool.blocks:
+            if b is None:
+                continue
+            seen += 1
+            assert not gc.is_tracked(b)
+            for name in Block.__struct_fields__:
+                assert not isinstance(getattr(b, name), (Block, list, dict, set)), (b, name)
+            assert type(b.prev_free) in (int, type(None))
+            assert type(b.next_free) in (int, type(None))
+    assert seen >= 2 * 2 + 8  # every device block was handed out; sentinels of both pools
 
 
 def test_pool_of_a_million_blocks_is_cheap():

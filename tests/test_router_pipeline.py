@@ -401,3 +401,25 @@ def test_without_prefix_caching_a_recomputed_n2_request_shares_its_prompt_again(
         await settle()
         assert free_blocks(engine) == (12, 12)
     run(main())
+
+
+def test_the_step_trace_is_complete_once_the_engine_stops(monkeypatch, tmp_path):
+    """`PAGEDSERVE_STEP_TRACE`: one line per answered plan, all written out at the engine's
+    stop (the router freezes its start-up objects out of the collector, so the trace's
+    buffered last lines would otherwise never be flushed)."""
+    import json
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(path))
+
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=6)
+        await ex.run_until_done([a])
+        answered = ex.answered
+        await engine.stop()
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert [x["step_id"] for x in lines] == list(range(1, answered + 1))
+        assert sum(x["num_sampled"] for x in lines) >= 6
+
+    run(main())
