@@ -207,20 +207,21 @@ def main(argv=None) -> int:
                     help="only time a full garbage collection with a manager of these device "
                          "block counts in its steady state (e.g. 66000,287000,670000)")
     args = ap.parse_args(argv)
-    if args.invariants:
-        for n in (int(x) for x in args.invariants.split(",") if x):
-            r = bench_invariants(n)
-            print(json.dumps(r), flush=True)
-            print(f"{r['case']:<28} first use {r['first_use_ms']} ms, steady "
-                  f"{r['steady_ms']} ms", file=sys.stderr)
-        return 0
-    if args.gc:
-        for n in (int(x) for x in args.gc.split(",") if x):
-            r = bench_gc(n)
-            print(json.dumps(r), flush=True)
-            print(f"{r['case']:<28} {r['collect_ms_p50']} ms p50 ({r['tracked_objects']} "
-                  f"tracked objects, {r['blocks_cached']} blocks cached)", file=sys.stderr)
-        return 0
+    # The per-size modes: one case per block count, a line of JSON and a line of summary.
+    modes = [
+        (args.invariants, bench_invariants,
+         lambda r: f"first use {r['first_use_ms']} ms, steady {r['steady_ms']} ms"),
+        (args.gc, bench_gc,
+         lambda r: f"{r['collect_ms_p50']} ms p50 ({r['tracked_objects']} tracked objects, "
+                   f"{r['blocks_cached']} blocks cached)"),
+    ]
+    for sizes, bench, summary in modes:
+        if sizes:
+            for n in (int(x) for x in sizes.split(",") if x):
+                r = bench(n)
+                print(json.dumps(r), flush=True)
+                print(f"{r['case']:<28} {summary(r)}", file=sys.stderr)
+            return 0
     # The machine is shared: run the throughput case a few times and report the median.
     runs = [bench_alloc_free(args.cycles, args.hash_algo) for _ in range(args.repeats)]
     alloc = sorted(runs, key=lambda r: r["ops_per_s"])[len(runs) // 2]
