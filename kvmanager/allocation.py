@@ -74,6 +74,17 @@ def allocate(
     gpu = self.gpu
     table = req.block_ids
     old_tokens = req.num_tokens
+    if num_new_tokens == 1 and num_computed_tokens is None and not lookahead:
+        # The steady decode (most calls): its slot is in its last block, which it alone
+        # holds -- no block to take, nothing to copy; the general path below gives the same.
+        i = old_tokens // bs
+        if i < len(table) and gpu.blocks[table[i]].ref_cnt == 1:
+            req.num_tokens = old_tokens + 1
+            if self.enable_prefix_caching or req.intent is not None:
+                self._note_full_blocks(request_id, req, token_ids)
+            if self.debug_checks:
+                self.check_invariants()
+            return []
     start = old_tokens
     if num_computed_tokens is not None:
         if not 0 <= num_computed_tokens <= old_tokens:

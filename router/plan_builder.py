@@ -88,7 +88,7 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
             new_requests.append(_new_request(seq, eos_token_ids))
             seq.on_executor = True
         tokens = seq.token_ids
-        if end == seq.num_tokens:
+        if end == len(tokens) + seq.num_pending:  # (seq.num_tokens) samples
             do_sample.append(True)
             sampled.append(seq)
         else:

@@ -215,25 +215,32 @@ class Scheduler:
         num_seqs = 0
         pins_released = False
 
+        max_model_len = cfg.max_model_len
         i = 0
         while i < len(self.running):
             group = self.running[i]
-            self._fork_if_ready(group, out)
+            if not group.forked:
+                self._fork_if_ready(group, out)
             preempted_self = False
             for seq in group.active_seqs():
                 if budget <= 0:
                     break
-                remaining = seq.num_uncomputed
+                # (Sequence.num_tokens inlined: this loop runs for every running sample
+                # every step.)
+                pending = seq.num_pending
+                num_tokens = len(seq.token_ids) + pending
+                remaining = num_tokens - seq.num_computed_tokens
                 if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
                     remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
-                if seq.num_pending:
-                    if self._ends_with_pending(seq):
-                        continue
+                if pending:
+                    if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
+                            or num_tokens >= max_model_len:
+                        continue  # the tokens in flight already end it: known ahead
                     if remaining > 1:  # a chunk never reaches past the tokens received
                         remaining = len(seq.token_ids) - seq.num_computed_tokens
                 if remaining <= 0:
                     continue
-                num_new = min(remaining, budget)
+                num_new = remaining if remaining < budget else budget
                 waits = False
                 while kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
                     if not pins_released:
@@ -259,7 +266,9 @@ class Scheduler:
                     break
                 if waits:
                     continue
-                self._commit(seq, num_new, out)
+                out.scheduled.append(ScheduledSeq(seq, num_new))  # _commit, inlined
+                seq.num_computed_tokens += num_new
+                out.num_tokens += num_new
                 budget -= num_new
                 num_seqs += 1
             if not preempted_self:
@@ -271,13 +280,6 @@ class Scheduler:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
         return out
-
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        """The tokens in flight already take the sequence to max_tokens or max_model_len:
-        known ahead, so it is never scheduled past them."""
-        n = seq.num_tokens
-        return (n - seq.num_prompt_tokens >= seq.group.spec.sampling.max_tokens
-                or n >= self.config.max_model_len)
 
     def _commit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         out.scheduled.append(ScheduledSeq(seq, num_new))

@@ -283,7 +283,7 @@ class StepLoop:
                 return []
         if result.prompt_ids:
             self.apply_prompt_scores(handle, result)
-        return self.apply_tokens(handle, result)
+        return self.apply_tokens(handle, result, plan.sampled)
 
     def apply_prompt_scores(self, handle: ExecutorHandle, result: wire.StepResult) -> None:
         """Prompt logprobs: each request keeps the scores of prompt tokens 1, 2, ... in
@@ -307,44 +307,56 @@ class StepLoop:
             ofs += count
             top_ofs += count * k
 
-    def apply_tokens(self, handle: ExecutorHandle, result: wire.StepResult) -> list[Sequence]:
+    def apply_tokens(self, handle: ExecutorHandle, result: wire.StepResult,
+                     sampled: list[Sequence]) -> list[Sequence]:
         """Append sampled tokens and apply the cheap stops; returns the sequences that got a
         token (for the text stage). A sequence that stopped is freed at once; a token for a
-        sequence that had already ended (a late stop) is dropped."""
+        sequence that had already ended (a late stop), whose request is no longer live (an
+        abort, even if a new request took its id since), that moved to another executor, or
+        that the plan did not sample for, is dropped.
+
+        `sampled`: the plan's samples in plan order. The executor answers them in that
+        order (one token each, minus any it failed), so result row i is normally
+        `sampled[i]`; otherwise it is found among them by id."""
         sched = handle.scheduler
         touched: list[Sequence] = []
-        if not result.request_ids:
+        ids = result.request_ids
+        if not ids:
             return touched
         live = self.engine.live
         eos_token_ids = self.engine.eos_token_ids
         tokens = result.token_ids.tolist()
         lps = result.logprobs
-        top_counts = result.top_counts
+        top_counts = result.top_counts.tolist() if result.top_counts is not None else None
         top_ofs = 0
         max_len = self.config.max_model_len
-        for i, seq_id in enumerate(result.request_ids):
-            k = int(top_counts[i]) if top_counts is not None else 0
-            request_id, _, index = seq_id.rpartition("#")
-            group = live.get(request_id)
-            seq = None
-            if group is not None and int(index) < len(group.seqs):
-                seq = group.seqs[int(index)]
-            if seq is None or seq.finished or group.executor_id != handle.id:
+        aligned = len(sampled) == len(ids)
+        by_id: dict[str, Sequence] | None = None
+        for i, seq_id in enumerate(ids):
+            k = top_counts[i] if top_counts is not None else 0
+            seq = sampled[i] if aligned else None
+            if seq is None or seq.seq_id != seq_id:
+                if by_id is None:
+                    by_id = {s.seq_id: s for s in sampled}
+                seq = by_id.get(seq_id)
+            group = seq.group if seq is not None else None
+            if seq is None or seq.finished or live.get(group.request_id) is not group \
+                    or group.executor_id != handle.id:
                 top_ofs += k
                 continue
             tok = tokens[i]
             seq.token_ids.append(tok)
-            if group.spec.sampling.logprobs is not None and lps is not None:
+            sp = group.spec.sampling
+            if sp.logprobs is not None and lps is not None:
                 top = ()
                 if k:
-                    ids = result.top_token_ids[top_ofs:top_ofs + k].tolist()
+                    ids_k = result.top_token_ids[top_ofs:top_ofs + k].tolist()
                     vals = result.top_logprobs[top_ofs:top_ofs + k].tolist()
-                    top = tuple(zip(ids, vals, strict=False))
+                    top = tuple(zip(ids_k, vals, strict=False))
                 seq.logprobs.append(TokenLogprob(tok, float(lps[i]), top))
             top_ofs += k
             touched.append(seq)
-            sp = group.spec.sampling
-            n_out = seq.num_output_tokens
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
             stop = (n_out >= sp.min_tokens and (
                 tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids)))
             if stop or n_out >= sp.max_tokens or len(seq.token_ids) >= max_len:

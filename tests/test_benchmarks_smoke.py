@@ -75,6 +75,15 @@ def test_step_overhead_quick_fake():
     assert "stream_errors" not in r
 
 
+def test_engine_bench_quick():
+    """The in-process engine at full speed: every stream decodes, the windows are timed."""
+    lines = _run("engine_bench.py", "--streams", "8", "--steps", "100", "--window", "50")
+    assert [r["case"] for r in lines] == ["engine_s8"]
+    r = lines[0]
+    assert r["running"] == 8 and r["steps"] >= 100
+    assert len(r["engine_us_per_step_windows"]) == 2 and r["engine_us_per_step_p50"] > 0
+
+
 def test_structured_bench_quick(tmp_path):
     from pagedserve.tinymodels import build_model
     model = build_model(tmp_path / "m", "llama")

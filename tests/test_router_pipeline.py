@@ -124,6 +124,29 @@ def test_abort_with_two_plans_in_flight():
     run(main())
 
 
+def test_a_token_for_an_aborted_request_never_reaches_a_new_one_with_its_id():
+    """Abort with plans in flight, then a new request under the same id: the aborted one's
+    late tokens are dropped (they are matched to the plan's samples, not to whatever request
+    holds the id now); the new request's outputs are exactly its own."""
+    async def main():
+        engine, ex = make_engine(2)
+        old = await submit(engine, "a", [1, 2, 3, 4, 5, 6], max_tokens=20)
+        await ex.answer()
+        await ex.wait_plans(2)  # plans 2 and 3 both decode the old a#0
+        assert engine.abort("a")
+        new = await submit(engine, "a", [9, 8, 7], max_tokens=5)
+        await settle()
+        assert old.done and old.finish().finish_reason == "abort"
+        await ex.run_until_done([new])
+        assert new.tokens() == expected("a#0", 5)
+        assert new.usage.prompt_tokens == 3 and new.usage.completion_tokens == 5
+        while ex.unanswered():
+            await ex.answer()
+        await settle()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
 def test_preemption_with_a_token_in_flight_keeps_that_token(mode):
     """Six blocks of 4 tokens: a and b grow until one must be preempted while the plan
