@@ -144,6 +144,11 @@ class RouterEngine:
     def _num_waiting(self) -> int:
         return sum(len(h.scheduler.waiting) for h in self.executors.values() if h.healthy)
 
+    @property
+    def num_admitted(self) -> int:
+        """Requests admitted so far (the newest group's `arrival_seq`)."""
+        return self._arrivals
+
     def reserve_slot(self) -> None:
         """Hold a place in the waiting queue before the request is tokenized (the edge calls
         it first, so a burst of long prompts cannot all tokenize and then overflow the

@@ -168,6 +168,7 @@ class RequestGroup:
     def __init__(self, spec: RequestSpec, assemblers: list[TextAssembler], arrival_seq: int):
         self.spec = spec
         self.request_id = spec.request_id
+        self.arrival_seq = arrival_seq  # the engine's admission count: newer is larger
         self.sort_key = (spec.priority, arrival_seq)
         self.seqs = [Sequence(self, i, a) for i, a in enumerate(assemblers)]
         self.status = GroupStatus.WAITING

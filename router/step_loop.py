@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from ..protos import wire
 from .errors import Unavailable
 from .plan_builder import build_plan
-from .sequence import Sequence
+from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class InFlightPlan:
     sent_at: float = field(default_factory=time.monotonic)
     num_prefill_tokens: int = 0  # of num_tokens, in chunks of more than one token
     num_decode_seqs: int = 0  # sequences computing one token
+    num_admitted: int = 0  # requests admitted when it was sent: a newer one is not in it
 
 
 class StepTrace:
@@ -211,7 +212,8 @@ class StepLoop:
         handle.in_flight.append(InFlightPlan(
             step_id, asyncio.get_running_loop().create_future(), out.sampled, out.num_tokens,
             int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
-            num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs))
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
+            num_admitted=self.engine.num_admitted))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
@@ -278,22 +280,31 @@ class StepLoop:
             sched.cost.observe_step(plan.num_prefill_tokens, plan.num_decode_seqs,
                                     result.forward_s)
         for err in result.errors:
-            self.request_error(handle, err)
+            self.request_error(handle, plan, err)
             if not handle.healthy:
                 return []
         if result.prompt_ids:
-            self.apply_prompt_scores(handle, result)
+            self.apply_prompt_scores(handle, plan, result)
         return self.apply_tokens(handle, result, plan.sampled)
 
-    def apply_prompt_scores(self, handle: ExecutorHandle, result: wire.StepResult) -> None:
+    def _plan_group(self, plan: InFlightPlan, seq_id: str) -> RequestGroup | None:
+        """The live request that sample id `seq_id` of `plan` belongs to, or None: a
+        request admitted after the plan was sent (one that took an aborted request's id) is
+        not the one the plan computed for."""
+        group = self.engine.live.get(seq_id.rpartition("#")[0])
+        if group is None or group.arrival_seq > plan.num_admitted:
+            return None
+        return group
+
+    def apply_prompt_scores(self, handle: ExecutorHandle, plan: InFlightPlan,
+                            result: wire.StepResult) -> None:
         """Prompt logprobs: each request keeps the scores of prompt tokens 1, 2, ... in
         order, each position once (a recompute or a migration scores again what it has)."""
-        live = self.engine.live
         ofs = top_ofs = 0
         for q, seq_id in enumerate(result.prompt_ids):
             first = int(result.prompt_starts[q])
             count, k = int(result.prompt_counts[q]), int(result.prompt_ks[q])
-            group = live.get(seq_id.rpartition("#")[0])
+            group = self._plan_group(plan, seq_id)
             have = len(group.prompt_logprobs) if group is not None else -1
             if group is not None and group.executor_id == handle.id and first <= have + 1:
                 lps = result.prompt_logprobs[ofs:ofs + count].tolist()
@@ -363,12 +374,13 @@ class StepLoop:
                 sched.finish_seq(seq)
         return touched
 
-    def request_error(self, handle: ExecutorHandle, err: wire.RequestError) -> None:
+    def request_error(self, handle: ExecutorHandle, plan: InFlightPlan,
+                      err: wire.RequestError) -> None:
         if not err.request_id:
             log.error("executor %s failed a step: %s", handle.id, err.message)
             self.step_failed(handle, err.message)
             return
-        group = self.engine.live.get(err.request_id.rsplit("#", 1)[0])
+        group = self._plan_group(plan, err.request_id)
         log.error("executor %s: request %s failed: %s", handle.id, err.request_id, err.message)
         if group is not None:
             self.engine.delivery.fail(

@@ -147,6 +147,32 @@ def test_a_token_for_an_aborted_request_never_reaches_a_new_one_with_its_id():
     run(main())
 
 
+def test_an_error_for_an_aborted_request_never_fails_a_new_one_with_its_id():
+    """As above for the executor's per-request errors (and prompt scores, matched the same
+    way): a result of a plan sent before the new request was admitted is not about it."""
+    import msgspec
+
+    async def main():
+        engine, ex = make_engine(2)
+        old = await submit(engine, "a", [1, 2, 3, 4, 5, 6], max_tokens=20)
+        await ex.answer()
+        await ex.wait_plans(2)
+        assert engine.abort("a")
+        new = await submit(engine, "a", [9, 8, 7], max_tokens=5)
+        await settle()
+        plan = ex.unanswered()[0]
+        result = ex.result_for(plan)
+        result = msgspec.structs.replace(
+            result, errors=[*result.errors, wire.RequestError("a#0", "boom")])
+        ex.answered += 1
+        engine.steps.on_result(ex.id, result)
+        await settle()
+        await ex.run_until_done([new])
+        assert old.done and new.error is None
+        assert new.tokens() == expected("a#0", 5) and new.finish().finish_reason == "length"
+    run(main())
+
+
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
 def test_preemption_with_a_token_in_flight_keeps_that_token(mode):
     """Six blocks of 4 tokens: a and b grow until one must be preempted while the plan
