@@ -275,10 +275,15 @@ class EdgeHub:
         engine = self.engine
         if isinstance(msg, Submit):
             self._send(conn, self._submit(conn, msg))
+        # A worker's Forget and StopSample name requests it submitted: by the time one
+        # arrives, that request may have ended (an Abort through another worker) and a new
+        # request on another worker taken its id, which they must not touch.
         elif isinstance(msg, Forget):
-            engine.abort(msg.request_id)
+            if msg.request_id in conn.requests:
+                engine.abort(msg.request_id)
         elif isinstance(msg, StopSample):
-            engine.finish_sample(msg.request_id, msg.index)
+            if msg.request_id in conn.requests:
+                engine.finish_sample(msg.request_id, msg.index)
         elif isinstance(msg, AbortCall):
             self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
         elif isinstance(msg, StatusCall):

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import zmq
 from pagedserve.router.edge_hub import EdgeHub
-from pagedserve.router.edge_wire import MetricsBatch, Outputs
+from pagedserve.router.edge_wire import Forget, MetricsBatch, Outputs, StopSample
 from pagedserve.router.errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.remote_engine import MetricsRelay, RemoteEngine
@@ -213,6 +213,26 @@ def test_aborts_local_from_another_worker_and_unknown():
             assert outs[-1].deltas[-1].finish_reason == "abort" and outs[-1].finished
             assert await w1.abort_anywhere("kept") is False
             assert await w0.abort_anywhere("never") is False
+    asyncio.run(main())
+
+
+def test_a_late_forget_or_stop_never_touches_a_new_request_under_the_same_id():
+    """Worker 0's request "x" is aborted through worker 1, which then submits a new "x";
+    worker 0's Forget and StopSample for its "x", sent before it heard, arrive after: the
+    new request is neither aborted nor stopped."""
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            old = await w0.submit(spec("x"))
+            assert await w1.abort_anywhere("x") is True
+            await asyncio.wait_for(collect(old), 5)
+            new = await w1.submit(spec("x"))
+            w0.send(StopSample("x", 0))
+            w0.send(Forget("x"))
+            await asyncio.sleep(0.1)
+            assert "x" in rig.core.live and rig.core.stopped == []
+            rig.core.live["x"].finish(Usage(3, 0))
+            assert (await asyncio.wait_for(collect(new), 5))[-1].finished
     asyncio.run(main())
 
 
