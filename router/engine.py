@@ -167,7 +167,7 @@ class RouterEngine:
                      reserved: bool = False) -> AsyncIterator[RequestOutput]:
         channel = OutputChannel()
         self.admit(spec, reserved, channel)
-        return channel.stream(spec.request_id)
+        return channel.open_stream(spec.request_id)
 
     def admit(self, spec: RequestSpec, reserved: bool = False,
               channel: OutputSink | None = None, text: bool = True) -> RequestGroup:
@@ -208,6 +208,15 @@ class RouterEngine:
         self.live[spec.request_id] = group
         self.metrics.add_prompt_tokens(len(spec.prompt_token_ids))
         return group
+
+    def abort_stream(self, request_id: str, stream) -> bool:
+        """`abort`, only if `stream` (what `submit` returned) is the live request's: an edge
+        leaving a request that already ended (aborted through the Abort RPC, say) must not
+        abort a new request that took its id since."""
+        group = self.live.get(request_id)
+        if group is None or getattr(group.channel, "reader", None) is not stream:
+            return False
+        return self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         group = self.live.get(request_id)

@@ -114,9 +114,15 @@ class Frontend:
             return grpc.StatusCode.CANCELLED
         return grpc_code(exc)
 
-    def abort_quietly(self, request_id: str) -> None:
+    def abort_quietly(self, request_id: str, stream=None) -> None:
+        """Abort a request an edge is leaving; with `stream` (what `submit` returned) only
+        if the request under that id is still that one (engines with `abort_stream`)."""
         try:
-            self.engine.abort(request_id)
+            abort_stream = getattr(self.engine, "abort_stream", None)
+            if stream is not None and abort_stream is not None:
+                abort_stream(request_id, stream)
+            else:
+                self.engine.abort(request_id)
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.exception("engine.abort(%s) failed", request_id)
 
@@ -190,7 +196,7 @@ class RequestSession:
         # failed and the edge handled that, else the client stopped reading.
         ending = exc if exc is not None else self._error or asyncio.CancelledError()
         self._count(ending)
-        self.frontend.abort_quietly(self.request_id)
+        self.frontend.abort_quietly(self.request_id, self._outputs)
         if self._outputs is not None and hasattr(self._outputs, "aclose"):
             try:
                 await self._outputs.aclose()

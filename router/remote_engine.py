@@ -159,7 +159,15 @@ class RemoteEngine:
         if reply.error:
             self._streams.pop(request_id, None)
             raise error_from(reply.error, reply.message)
-        return channel.stream(request_id)
+        return channel.open_stream(request_id)
+
+    def abort_stream(self, request_id: str, stream) -> bool:
+        """`abort`, only if `stream` (what `submit` returned) is this worker's request under
+        that id (RouterEngine.abort_stream)."""
+        req = self._streams.get(request_id)
+        if req is None or req.channel.reader is not stream:
+            return False
+        return self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         """A request of this worker: the core aborts it; its stream here is dropped (the edge

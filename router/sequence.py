@@ -102,6 +102,13 @@ class OutputChannel:
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.closed = False
+        self.reader = None  # the stream `open_stream` handed out: whose request this is
+
+    def open_stream(self, request_id: str):
+        """The request's output stream (`stream`), remembered: an edge that leaves it
+        early aborts the request only if the request under that id is still this one."""
+        self.reader = self.stream(request_id)
+        return self.reader
 
     def put(self, delta: CompletionDelta) -> None:
         if self.closed:

@@ -220,6 +220,10 @@ class Engine(Protocol):
       `cluster_status()` is a coroutine there (the edge awaits what it returns when it is
       awaitable), `abort()` knows only this worker's requests, and the Abort RPC uses the
       optional `abort_anywhere(request_id)` coroutine when the engine has one.
+    * An edge leaving a request early (client gone, deadline) calls the optional
+      `abort_stream(request_id, stream)` when the engine has one: `stream` is what `submit`
+      returned, and a request that already ended and whose id a new request took since is
+      not aborted.
     """
 
     async def submit(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]: ...

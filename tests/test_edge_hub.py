@@ -236,6 +236,24 @@ def test_a_late_forget_or_stop_never_touches_a_new_request_under_the_same_id():
     asyncio.run(main())
 
 
+def test_a_worker_edge_leaving_an_ended_request_never_aborts_its_successor():
+    """On one worker: "x" ended by the Abort RPC, a new "x" submitted there; the old
+    session's abort (by its stream) leaves the new one alone; the new one's own aborts it."""
+    async def main():
+        async with Rig() as rig:
+            w0, w1 = rig.workers
+            old = await w0.submit(spec("x"))
+            assert await w1.abort_anywhere("x") is True
+            await asyncio.wait_for(collect(old), 5)
+            new = await w0.submit(spec("x"))
+            assert w0.abort_stream("x", old) is False
+            await asyncio.sleep(0.1)
+            assert "x" in rig.core.live
+            assert w0.abort_stream("x", new) is True
+            await settle(lambda: "x" not in rig.core.live)
+    asyncio.run(main())
+
+
 def test_status_pushes_and_cluster_status():
     async def main():
         async with Rig() as rig:

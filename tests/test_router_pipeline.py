@@ -18,6 +18,7 @@ import pytest
 from pagedserve.protos import wire
 from pagedserve.router.engine import EngineConfig
 from pagedserve.router.scheduler import PreemptionMode
+from pagedserve.router.types import RequestSpec, SamplingSpec
 from pipeline_rig import (
     BS,
     EOS,
@@ -170,6 +171,32 @@ def test_an_error_for_an_aborted_request_never_fails_a_new_one_with_its_id():
         await ex.run_until_done([new])
         assert old.done and new.error is None
         assert new.tokens() == expected("a#0", 5) and new.finish().finish_reason == "length"
+    run(main())
+
+
+def test_an_edge_leaving_an_ended_request_never_aborts_a_new_one_with_its_id():
+    """Client A's request "x" is ended by the Abort RPC and a new "x" is submitted before A's
+    edge leaves its session (A hung up, unread final item): the edge's abort is A's only."""
+    from pagedserve.router.frontend import Frontend
+    from pagedserve.router.validation import Limits
+
+    async def main():
+        engine, ex = make_engine(2)
+        frontend = Frontend(engine, engine.tokenizer, Limits(vocab_size=100, max_model_len=128))
+        spec_a = RequestSpec("x", (1, 2, 3), SamplingSpec(max_tokens=8, temperature=0.0))
+        async with frontend.request("x", lambda: spec_a, api="grpc", arrival=0.0):
+            await ex.answer()
+            assert engine.abort("x")  # the Abort RPC, from another client
+            new = await submit(engine, "x", [4, 5], max_tokens=3)
+            # A leaves without reading its final item (client gone)
+        assert "x" in engine.live
+        await ex.run_until_done([new])
+        assert new.tokens() == expected("x#0", 3) and new.finish().finish_reason == "length"
+        # and an edge leaving its own live request still aborts it
+        spec_b = RequestSpec("y", (1, 2), SamplingSpec(max_tokens=50, temperature=0.0))
+        async with frontend.request("y", lambda: spec_b, api="grpc", arrival=0.0):
+            await ex.answer()
+        assert "y" not in engine.live
     run(main())
 
 
