@@ -62,7 +62,7 @@ SUMMARY_KEYS = (
     "num_cpu_blocks", "output_tok_per_s", "pagedserve_vs_hf_ratio", "matched", "mismatched",
     "preemptions", "migrated", "itl_ms_p50", "gap_ms_p50", "forward_ms_p50", "wall_s", "error",
     "kernels_per_step", "kernel_us_per_step", "wall_us_per_step", "fused_speedup_ratio",
-    "best_copy_bw_ratio", "drift_vs_hf_ratio",
+    "best_copy_bw_ratio", "drift_vs_hf_ratio", "engine_us_per_step_p50",
 )
 
 

@@ -120,7 +120,13 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # graph pieces and (PAGEDSERVE_MIXED_GRAPHS=0) eagerly.
         steady = _py(ctx, "benchmarks/steady_serving.py", *model, *small,
                      "--log-dir", str(ctx.work_dir / "steady-serving"))
+        # The router engine's CPU a step on this host's cores (no GPU involved): what the
+        # CPU machine's figures scale by here.
+        engine = _py(ctx, "benchmarks/engine_bench.py",
+                     *(["--streams", "8", "--steps", "100", "--window", "50"] if ctx.small
+                       else ["--steps", "1000"]))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
+                Step("engine_bench", engine, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
