@@ -47,8 +47,10 @@ class Delivery:
                 update = seq.assembler.append(tok)
                 seq.num_delivered += 1
                 num_tokens += 1
-                if update.finish_reason is None:
-                    self.deliver(seq, update.text, (tok,), (), None)
+                if update.finish_reason is None:  # (deliver, inlined: every token, every step)
+                    if group.first_token_time is None:
+                        group.first_token_time = time.monotonic()
+                    group.channel.deliver(seq.index, update.text, (tok,), (), None, None, None)
                     continue
                 text, delivered, lps = update.text, (tok,), ()
             else:

@@ -172,7 +172,13 @@ class TextAssembler:
         checks = self.num_tokens >= sp.min_tokens
         if checks and token_id in self._stop_token_ids:
             return self._end("stop", self._flush_all(), stop_token_id=token_id)
-        new = self._detok.push(token_id) if self._detok is not None else ""
+        if self._detok is None:  # text=False: the token rules only, no text to hold
+            if self.num_tokens >= sp.max_tokens or (
+                self._max_len is not None and self.num_tokens >= self._max_len
+            ):
+                return self._end("length", "")
+            return _NOTHING
+        new = self._detok.push(token_id)
         if new and checks and self._stops:
             update = self._match_stop(new)
             if update is not None:

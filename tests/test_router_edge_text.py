@@ -357,3 +357,27 @@ def test_valid_edges_accepted(tok):
     spec = request_from_pb(_req(ids=[1] * 60, **ok), tokenizer=tok, limits=LIMITS)
     assert spec.sampling.top_k == -1 and spec.sampling.logprobs == 0 and spec.sampling.greedy
     assert spec.prompt_text is None and spec.prompt_token_ids == (1,) * 60
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 5), min_size=1, max_size=30),
+       min_tokens=st.integers(0, 6), max_tokens=st.integers(1, 25),
+       stop_ids=st.lists(st.integers(0, 5), max_size=2), ignore_eos=st.booleans(),
+       max_model_len=st.one_of(st.none(), st.integers(4, 40)))
+def test_a_tokens_only_assembler_ends_where_the_full_one_does(ids, min_tokens, max_tokens,
+                                                               stop_ids, ignore_eos,
+                                                               max_model_len):
+    """text=False (the engine's side of an API worker's request): the token rules alone --
+    stop ids, EOS, min_tokens, max_tokens, max_model_len -- end a sample at the same token
+    and with the same reason and stop id as the assembler that also makes the text."""
+    tok = CharTokenizer(["a", "b", "c", "d", "<eos>", "e"], special=(4,), eos=(4,))
+    sp = SamplingSpec(min_tokens=min_tokens, max_tokens=max_tokens,
+                      stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+    prompt = (0, 1, 2)
+    full = TextAssembler(tok, sp, prompt, max_model_len=max_model_len)
+    tokens_only = TextAssembler(tok, sp, prompt, max_model_len=max_model_len, text=False)
+    _, a, n_a = run(full, ids)
+    _, b, n_b = run(tokens_only, ids)
+    assert n_a == n_b
+    assert (a.finish_reason, a.stop_token_id) == (b.finish_reason, b.stop_token_id)
+    assert b.text == "" and tokens_only.finished == full.finished
