@@ -14,6 +14,7 @@ Metric names are the contract; do not rename.
 from __future__ import annotations
 
 import bisect
+from typing import Any, NamedTuple
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -41,6 +42,22 @@ EDGE_HISTOGRAMS = {
 FINISH_REASONS = ("length", "stop", "abort")
 PREEMPTION_MODES = ("recompute", "swap")
 APIS = ("grpc", "http")
+
+
+class _ExecutorChildren(NamedTuple):
+    """One executor's children of the per-step metrics (RouterMetrics._children)."""
+
+    running: Any
+    waiting: Any
+    swapped: Any
+    blocks_total: Any
+    blocks_free: Any
+    usage: Any
+    cpu_blocks_total: Any
+    cpu_blocks_free: Any
+    blocks_leaked: Any
+    step_forward: Any
+    gap: Any
 
 
 class RouterMetrics:
@@ -76,6 +93,10 @@ class RouterMetrics:
         self.queue_time = Histogram("pagedserve_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.step_forward = Histogram("pagedserve_step_forward_seconds", "Executor model forward time per step (forward_s).", ex, buckets=LATENCY_BUCKETS_S, registry=r)
         self.executor_gap = Histogram("pagedserve_executor_gap_seconds", "Executor idle time before a step's forward (gap_s: waiting for the plan, decoding, preparing inputs).", ex, buckets=GAP_BUCKETS_S, registry=r)
+        # executor id -> its children of the per-step metrics above: `labels()` takes a lock
+        # and builds a key each call, ~1-2 us, eleven times a step (children are never
+        # removed, so they stay valid)
+        self._per_executor: dict[str, _ExecutorChildren] = {}
         for reason in FINISH_REASONS:
             for api in APIS:
                 self.request_success.labels(finish_reason=reason, api=api)
@@ -154,17 +175,27 @@ class RouterMetrics:
         num_leaked_blocks: int = 0,
     ) -> None:
         """One executor's scheduler and KV-cache gauges (call after every step)."""
-        e = executor_id
-        self.requests_running.labels(executor=e).set(running)
-        self.requests_waiting.labels(executor=e).set(waiting)
-        self.requests_swapped.labels(executor=e).set(swapped)
-        self.kv_blocks_total.labels(executor=e).set(num_gpu_blocks)
-        self.kv_blocks_free.labels(executor=e).set(num_free_gpu_blocks)
-        usage = 1.0 - num_free_gpu_blocks / num_gpu_blocks if num_gpu_blocks else 0.0
-        self.kv_cache_usage_ratio.labels(executor=e).set(usage)
-        self.kv_cpu_blocks_total.labels(executor=e).set(num_cpu_blocks)
-        self.kv_cpu_blocks_free.labels(executor=e).set(num_free_cpu_blocks)
-        self.kv_blocks_leaked.labels(executor=e).set(num_leaked_blocks)
+        c = self._children(executor_id)
+        c.running.set(running)
+        c.waiting.set(waiting)
+        c.swapped.set(swapped)
+        c.blocks_total.set(num_gpu_blocks)
+        c.blocks_free.set(num_free_gpu_blocks)
+        c.usage.set(1.0 - num_free_gpu_blocks / num_gpu_blocks if num_gpu_blocks else 0.0)
+        c.cpu_blocks_total.set(num_cpu_blocks)
+        c.cpu_blocks_free.set(num_free_cpu_blocks)
+        c.blocks_leaked.set(num_leaked_blocks)
+
+    def _children(self, executor_id: str) -> _ExecutorChildren:
+        children = self._per_executor.get(executor_id)
+        if children is None:
+            children = self._per_executor[executor_id] = _ExecutorChildren(*(
+                m.labels(executor=executor_id) for m in (
+                    self.requests_running, self.requests_waiting, self.requests_swapped,
+                    self.kv_blocks_total, self.kv_blocks_free, self.kv_cache_usage_ratio,
+                    self.kv_cpu_blocks_total, self.kv_cpu_blocks_free, self.kv_blocks_leaked,
+                    self.step_forward, self.executor_gap)))
+        return children
 
     def add_prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
         """At an admission: `queries` prompt tokens looked up, `hits` found."""
@@ -187,11 +218,11 @@ class RouterMetrics:
 
     def observe_step_forward(self, executor_id: str, seconds: float) -> None:
         """The executor's forward_s of one step."""
-        self.step_forward.labels(executor=executor_id).observe(seconds)
+        self._children(executor_id).step_forward.observe(seconds)
 
     def observe_executor_gap(self, executor_id: str, seconds: float) -> None:
         """The executor's gap_s before one step."""
-        self.executor_gap.labels(executor=executor_id).observe(seconds)
+        self._children(executor_id).gap.observe(seconds)
 
     # ------------------------------------------------------------------ exposition
 
