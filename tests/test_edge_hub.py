@@ -216,6 +216,15 @@ def test_aborts_local_from_another_worker_and_unknown():
     asyncio.run(main())
 
 
+async def ended_through_the_abort_rpc(rig: Rig, request_id: str):
+    """Worker 0's request, ended by the Abort RPC through worker 1: its drained stream."""
+    w0, w1 = rig.workers
+    stream = await w0.submit(spec(request_id))
+    assert await w1.abort_anywhere(request_id) is True
+    await asyncio.wait_for(collect(stream), 5)
+    return stream
+
+
 def test_a_late_forget_or_stop_never_touches_a_new_request_under_the_same_id():
     """Worker 0's request "x" is aborted through worker 1, which then submits a new "x";
     worker 0's Forget and StopSample for its "x", sent before it heard, arrive after: the
@@ -223,9 +232,7 @@ def test_a_late_forget_or_stop_never_touches_a_new_request_under_the_same_id():
     async def main():
         async with Rig() as rig:
             w0, w1 = rig.workers
-            old = await w0.submit(spec("x"))
-            assert await w1.abort_anywhere("x") is True
-            await asyncio.wait_for(collect(old), 5)
+            await ended_through_the_abort_rpc(rig, "x")
             new = await w1.submit(spec("x"))
             w0.send(StopSample("x", 0))
             w0.send(Forget("x"))
@@ -241,10 +248,8 @@ def test_a_worker_edge_leaving_an_ended_request_never_aborts_its_successor():
     session's abort (by its stream) leaves the new one alone; the new one's own aborts it."""
     async def main():
         async with Rig() as rig:
-            w0, w1 = rig.workers
-            old = await w0.submit(spec("x"))
-            assert await w1.abort_anywhere("x") is True
-            await asyncio.wait_for(collect(old), 5)
+            w0 = rig.workers[0]
+            old = await ended_through_the_abort_rpc(rig, "x")
             new = await w0.submit(spec("x"))
             assert w0.abort_stream("x", old) is False
             await asyncio.sleep(0.1)
