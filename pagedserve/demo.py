@@ -38,6 +38,7 @@ import sys
 import time
 from collections import deque
 
+from . import event_loop
 from .demo_plan import FULL, QUICK, DemoPlan
 from .demo_workload import run_workload
 
@@ -183,6 +184,6 @@ def main(argv: list[str]) -> int:
           f"{plan.num_gpu_blocks} KV blocks of {plan.block_size} tokens each "
           "(small on purpose)")
     start = time.perf_counter()
-    rc = asyncio.run(_run(plan, model))
+    rc = event_loop.run(_run(plan, model))
     print(f"demo finished in {time.perf_counter() - start:.1f} s (exit {rc})")
     return rc

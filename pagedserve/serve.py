@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from . import event_loop
 from .affinity import format_cores, pin_current_thread, plan_serve
 from .router.app import ModelDirError, ServerBindError, serve_router
 from .router.executor_link import ExecutorLinkError
@@ -164,7 +165,7 @@ async def _serve(args, argv: list[str]) -> int:
 
 def run_serve(args, argv: list[str]) -> int:
     try:
-        return asyncio.run(_serve(args, argv))
+        return event_loop.run(_serve(args, argv))
     except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pagedserve import event_loop
 from pagedserve.gc_tuning import freeze_heap
 from pagedserve.logs import setup_logging
 from pagedserve.subprocs import ParentWatch
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     setup_logging(args.log_format)
-    return asyncio.run(run_worker(args, ns.core, ns.worker, ns.grpc_port, ns.http_port,
+    return event_loop.run(run_worker(args, ns.core, ns.worker, ns.grpc_port, ns.http_port,
                                   ParentWatch(ns.parent_pid)))
 
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from .. import event_loop
 from ..cpu_dtypes import checkpoint_dtype
 from ..gc_tuning import freeze_heap
 from .edges import EdgeBindError, LocalEdges, WorkerEdges
@@ -177,7 +178,7 @@ async def serve_router(
 
 def run_router(args) -> int:
     try:
-        return asyncio.run(serve_router(args))
+        return event_loop.run(serve_router(args))
     except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
         print(f"pagedserve router: {exc}", file=sys.stderr)
         return 2
