@@ -55,7 +55,7 @@ class KVEvent(NamedTuple):
     block_id: int
 
 
-class Block(msgspec.Struct, gc=False):
+class Block(msgspec.Struct, gc=False, eq=False):
     """One KV-cache block. `block_hash`/`token_ids` are set only while the block is in its
     pool's prefix-cache map (full blocks only); `serial` identifies that registration (-1
     when not cached) and `parent_serial` the registration of the block before it in the
@@ -64,7 +64,8 @@ class Block(msgspec.Struct, gc=False):
     it was registered (routing values a block shared by later requests). `prev_free` /
     `next_free`: the ids of its neighbours in the free queue, None when not queued. Never
     give a Block a field that can refer to another object holding it (see the module
-    docstring: it is not tracked by the garbage collector)."""
+    docstring: it is not tracked by the garbage collector). Blocks compare and hash by
+    identity (`eq=False`), as plain objects do."""
 
     block_id: int
     ref_cnt: int = 0

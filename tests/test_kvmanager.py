@@ -88,6 +88,8 @@ def test_blocks_stay_out_of_the_garbage_collector():
             assert type(b.prev_free) in (int, type(None))
             assert type(b.next_free) in (int, type(None))
     assert seen >= 2 * 2 + 8  # every device block was handed out; sentinels of both pools
+    a, b = m.gpu.blocks[0], Block(0)
+    assert a != b and len({a, b}) == 2  # identity, not field-wise equality
 
 
 def test_pool_of_a_million_blocks_is_cheap():
