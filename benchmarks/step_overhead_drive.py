@@ -193,6 +193,7 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         workers = s1["api_workers_cpu_s"] - s0.get("api_workers_cpu_s", 0.0)
         res["worker_cpu_ms_per_step"] = per_step(workers)
         res["total_cpu_ms_per_step"] = per_step(cpu + workers)
+    res["router_event_loop"] = s1.get("event_loop")  # "uvloop" or "asyncio.*"
     if "gc" in s1:  # the router process's cyclic collector in the window
         g0, g1 = s0["gc"], s1["gc"]
         res["gc_cpu_ms_per_step"] = per_step(sum(g1["cpu_seconds"]) - sum(g0["cpu_seconds"]))

@@ -151,7 +151,8 @@ def launch(trace_path: str, argv: list[str]) -> int:
                 "main_cpu_s": time.thread_time(), "threads_cpu_s": _thread_cpu_s(),
                 "api_workers_cpu_s": _api_workers_cpu_s(),
                 "phase_cpu_s": dict(phases.cpu_s), "phase_calls": dict(phases.calls),
-                "patched": patched, "gc": gc_pauses.snapshot(reset_max=True)}
+                "patched": patched, "gc": gc_pauses.snapshot(reset_max=True),
+                "event_loop": type(asyncio._get_running_loop()).__module__}
         tmp = snap_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)

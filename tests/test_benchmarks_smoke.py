@@ -71,6 +71,7 @@ def test_step_overhead_quick_fake():
               "threads_cpu_ms_per_step", "gc_cpu_ms_per_step", "gc_pause_ms_max"):
         assert r[k] is not None, k
     assert len(r["gc_collections"]) == 3 and r["gc_tracked_objects"] > 0
+    assert r["router_event_loop"].split(".")[0] in ("uvloop", "asyncio")
     assert r["steps"] > 0 and r["forward_ms_p50"] >= 20.0 and r["gap_reported"]
     assert "stream_errors" not in r
 
