@@ -82,8 +82,7 @@ def allocate(
             req.num_tokens = old_tokens + 1
             if self.enable_prefix_caching or req.intent is not None:
                 self._note_full_blocks(request_id, req, token_ids)
-            if self.debug_checks:
-                self.check_invariants()
+            self._debug_check()
             return []
     start = old_tokens
     if num_computed_tokens is not None:

@@ -47,10 +47,8 @@ class Delivery:
                 update = seq.assembler.append(tok)
                 seq.num_delivered += 1
                 num_tokens += 1
-                if update.finish_reason is None:  # (deliver, inlined: every token, every step)
-                    if group.first_token_time is None:
-                        group.first_token_time = time.monotonic()
-                    group.channel.deliver(seq.index, update.text, (tok,), (), None, None, None)
+                if update.finish_reason is None:
+                    self.deliver(seq, update.text, (tok,), (), None)
                     continue
                 text, delivered, lps = update.text, (tok,), ()
             else:

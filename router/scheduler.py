@@ -266,9 +266,7 @@ class Scheduler:
                     break
                 if waits:
                     continue
-                out.scheduled.append(ScheduledSeq(seq, num_new))  # _commit, inlined
-                seq.num_computed_tokens += num_new
-                out.num_tokens += num_new
+                self._commit(seq, num_new, out)
                 budget -= num_new
                 num_seqs += 1
             if not preempted_self:

@@ -274,6 +274,16 @@ def unused_blocks(driver: Driver) -> list[int]:
     return [b for b in range(driver.runner.cache.num_gpu_blocks) if b not in used]
 
 
+def assert_as_eager_and_padding_clean(graphed: Driver, eager: Driver) -> list[int]:
+    """The graph tests' common check: every request's outputs equal the eager run's, and no
+    padding row wrote a device block that no request holds. Returns those blocks."""
+    for rid in eager.seqs:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    unused = unused_blocks(graphed)
+    assert not graphed.runner.cache.kv_cache[:, :, unused].any()  # padding wrote nothing
+    return unused
+
+
 def small_runner(model_dir, device: str = "cpu", **kw):
     """The graph tests' runner: 8-token blocks, 64-token context, 40 device blocks."""
     from pagedserve.executor.runner_setup import build_runner
