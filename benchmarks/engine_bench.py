@@ -8,15 +8,20 @@ plan's encoding + the result's decoding + `apply_result` + the text stage + the 
 between them. The executor's part (building and encoding the result) is timed and
 subtracted; no socket is involved (hop_bench.py times those). Requests are admitted as
 the API workers' requests are (`text=False`: tokens and token stops only; the text is the
-workers'), into a sink that keeps nothing, so no edge work is counted.
+workers'), into a sink that keeps nothing, so no edge work is counted; with `--sink hub`
+into the API workers' forwarding channels of a real EdgeHub instead (each step's outputs
+merged per worker and encoded as one Outputs message, sent to a worker id nobody holds, so
+zeroMQ drops it): the core's whole per-token cost with API workers, as on a GPU host.
 
-Cases (`--streams`, default 32,256): that many requests decoding together (prompts of 64
+The collector runs as in the router process (`freeze_heap`: start-up objects frozen, young
+threshold raised); at the default threshold the hub case's per-token structs cost a young
+collection every step. Cases (`--streams`, default 32,256): that many requests decoding together (prompts of 64
 tokens, `max_tokens` past the window so none ends), block size 16, depth 2 (the default),
 prefix caching on. Prints one JSON line per case: `engine_us_per_step` (p50 over windows of
 `--window` steps, and all windows), steps, and the cProfile top functions with `--profile`.
 
 Usage: .venv/bin/python benchmarks/engine_bench.py [--streams 32,256] [--steps 2000]
-       [--window 200] [--profile]
+       [--window 200] [--sink null|hub] [--profile]
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ import time
 
 import numpy as np
 from pagedserve.protos import wire
+from pagedserve.router.edge_hub import EdgeHub, ForwardChannel
 from pagedserve.router.engine import EngineConfig, RouterEngine
 from pagedserve.router.types import ModelInfoData, RequestSpec, SamplingSpec
+
+from pagedserve.gc_tuning import freeze_heap
 
 BENCH = "engine_bench"
 BLOCK_SIZE = 16
@@ -106,7 +114,8 @@ class _AnsweringLink:
         pass
 
 
-async def run_case(streams: int, steps: int, window: int, profile: bool) -> dict:
+async def run_case(streams: int, steps: int, window: int, profile: bool,
+                   sink: str = "null") -> dict:
     config = EngineConfig(model_fingerprint="fp", block_size=BLOCK_SIZE, max_model_len=8192,
                           max_num_seqs=max(256, streams), max_num_batched_tokens=8192,
                           pipeline_depth=2)
@@ -118,12 +127,19 @@ async def run_case(streams: int, steps: int, window: int, profile: bool) -> dict
                        dtype="bfloat16", block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks,
                        num_cpu_blocks=0, max_model_len=8192)
     assert engine.membership.on_hello(b"e0", hello).accepted
+    hub = conn = None
+    if sink == "hub":
+        hub = EdgeHub(engine, engine.metrics)
+        hub.start()
+        conn = hub.worker(0)
+        conn.routing_id = b"worker-nobody-holds"
     rng = np.random.default_rng(0)
     for i in range(streams):
         prompt = tuple(rng.integers(3, VOCAB, PROMPT_LEN).tolist())
         spec = RequestSpec(f"r{i}", prompt, SamplingSpec(max_tokens=steps + 1000,
                                                          temperature=0.0, ignore_eos=True))
-        engine.admit(spec, channel=_NullSink(), text=False)
+        channel = _NullSink() if hub is None else ForwardChannel(hub, conn, spec.request_id)
+        engine.admit(spec, channel=channel, text=False)
     engine.executors["e0"].wakeup.set()
     while link.num_plans < 20:  # prefills done, steady decode from here
         await asyncio.sleep(0)
@@ -144,7 +160,10 @@ async def run_case(streams: int, steps: int, window: int, profile: bool) -> dict
     handle = engine.executors["e0"]
     decoding = len(handle.scheduler.running)
     await engine.stop()
-    res = {"bench": BENCH, "case": f"engine_s{streams}", "streams": streams,
+    if hub is not None:
+        await hub.close()
+    suffix = "" if hub is None else "_hub"
+    res = {"bench": BENCH, "case": f"engine_s{streams}{suffix}", "streams": streams,
            "running": decoding, "steps": link.num_plans - start_plans,
            "engine_us_per_step_p50": round(statistics.median(times), 1),
            "engine_us_per_step_windows": [round(t, 1) for t in times]}
@@ -160,10 +179,13 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="32,256")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--window", type=int, default=200)
+    ap.add_argument("--sink", choices=("null", "hub"), default="null",
+                    help="where outputs go: nowhere, or API workers' forwarding channels")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
+    freeze_heap()  # the router process's garbage-collector settings (pagedserve/gc_tuning.py)
     for n in (int(x) for x in args.streams.split(",") if x):
-        r = asyncio.run(run_case(n, args.steps, args.window, args.profile))
+        r = asyncio.run(run_case(n, args.steps, args.window, args.profile, args.sink))
         print(json.dumps(r), flush=True)
         print(f"{r['case']:<14} {r['engine_us_per_step_p50']} us a step p50 "
               f"({r['running']} running, {r['steps']} steps)", file=sys.stderr)

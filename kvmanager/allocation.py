@@ -2,7 +2,7 @@
 per-request plan data the plan builder reads (tables, slots, table changes).
 
 Functions of the KVCacheManager (bound as its methods in manager.py; `self` is the manager).
-HOT PATH: `allocate`, `free`, `slot_mapping` and `take_decode_entry` run for every request of
+HOT PATH: `allocate`, `allocate_decode`, `free`, `slot_mapping` and `take_decode_entry` run for every request of
 every step: no logging, no per-block method calls, no defensive copies.
 """
 
@@ -138,6 +138,39 @@ def allocate(
         self._note_full_blocks(request_id, req, token_ids)
     self._debug_check()
     return new_ids
+
+
+def allocate_decode(self: KVCacheManager, request_id: str,
+                    token_ids: Sequence[int]) -> tuple[int, list[int], int] | None:
+    """`allocate(request_id, token_ids, 1)` of a running request, then its
+    `take_decode_entry` at the position allocated, in one call: (table change start, the
+    changed ids, the slot), or None when the device is short of blocks (no trace). The
+    scheduler's path for a sample computing one token (a decode)."""
+    req = self._reqs.get(request_id)
+    if req is not None and req.on_gpu:
+        pos = req.num_tokens
+        bs = self.block_size
+        table = req.block_ids
+        i = pos // bs
+        if i < len(table) and self.gpu.blocks[table[i]].ref_cnt == 1:
+            # The steady decode, as allocate's own fast path: no block taken, none copied.
+            req.num_tokens = pos + 1
+            if self.enable_prefix_caching or req.intent is not None:
+                self._note_full_blocks(request_id, req, token_ids)
+            self._debug_check()
+            slot = table[i] * bs + pos % bs
+            start = req.change_start
+            if start is None:
+                return len(table), [], slot
+            req.change_start = None
+            return start, table[start:], slot
+    elif req is None:
+        raise InvariantError("allocate_decode of a request not admitted", (request_id,))
+    else:
+        pos = req.num_tokens  # (swapped out: allocate raises)
+    if allocate(self, request_id, token_ids, 1) is None:
+        return None
+    return take_decode_entry(self, request_id, pos)
 
 
 def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, block_hashes,

@@ -135,6 +135,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ allocation.py
     can_ever_fit = allocation.can_ever_fit
     allocate = allocation.allocate
+    allocate_decode = allocation.allocate_decode
     free = allocation.free
     fork = allocation.fork
     _admit = allocation._admit

@@ -7,6 +7,7 @@ path: per-group work only.
 from __future__ import annotations
 
 import bisect
+import time
 from typing import TYPE_CHECKING
 
 from ..kvmanager import PrefixHit
@@ -73,6 +74,8 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
             self.waiting.pop(w)
             budget -= sum(n for _, n in scheduled)
         group.status = GroupStatus.RUNNING
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = time.monotonic()
         bisect.insort(self.running, group, key=lambda g: g.sort_key)
         for seq, num_new in scheduled:
             if num_new > 0:

@@ -1,24 +1,37 @@
-"""SchedulerOutput -> StepPlan: the arrays an executor needs for one step.
+"""Scheduler decisions -> StepPlan: the arrays an executor needs for one step.
 
-Hot path: runs once per step per executor. Per scheduled sequence a handful of list
-operations; token ids, positions and slots go into flat Python lists turned into numpy arrays
-once at the end. Decodes (one new token) compute their slot inline instead of calling into
-the KV manager.
+Hot path: runs once per step per executor. The scheduler adds each sample's row as it
+commits the sample's tokens (`PlanRows.add`, one pass over the running samples makes the
+decision and the row), so building the plan is a transpose of the rows and one numpy array
+per column. A decode (one new token) takes its slot and table change in one call into the
+KV manager.
+
+A row's block table change is taken from the KV manager when the row is added: nothing
+later in the step changes a committed sample's table (a sample is committed once a step;
+a fork copies the parent's table without changing it). A row undone because its group
+was preempted in the same step loses its change, and needs none: swap-in resends the whole
+table, recompute starts over as a new request.
 
 Pipelined steps: a decode whose input token is still being sampled by the previous plan (the
 sequence has it pending, so its position is past the tokens received) goes out marked in
 `feed_sampled` with -1 in `token_ids`; the executor feeds it its own sample. A sequence that
-samples in this plan gets one more pending token, taken back when the plan's result is in.
+samples in this plan gets one more pending token when its row is added, taken back when the
+plan's result is in (or when the row is undone).
 """
 
 from __future__ import annotations
+
+from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..kvmanager import KVCacheManager
 from ..protos import wire
-from .scheduler import SchedulerOutput
 from .sequence import RequestGroup, Sequence
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
 
 
 def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.SamplingParams:
@@ -54,93 +67,142 @@ def _new_request(seq: Sequence, eos_token_ids: tuple[int, ...]) -> wire.NewReque
     )
 
 
+class PlanRows:
+    """One step's per-sample rows, in the order the scheduler commits them.
+
+    A row is a tuple (seq, seq_id, start, num_new, samples, input, slot, table_start,
+    table_ids): `start` is the tokens already computed; a decode's `input` is its token id
+    (-1: fed the executor's own previous sample) and `slot` an int; a chunk's are a list of
+    ids and an int64 array."""
+
+    __slots__ = ("kv", "rows", "sampled", "fresh", "num_tokens", "num_prefill_tokens",
+                 "num_decode_seqs")
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.rows: list[tuple] = []
+        self.sampled: list[Sequence] = []  # rows that sample, in row order
+        self.fresh: list[Sequence] = []  # rows' samples the executor did not hold when added
+        self.num_tokens = 0
+        self.num_prefill_tokens = 0  # of num_tokens, in chunks of more than one token
+        self.num_decode_seqs = 0  # rows computing one token
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        """Commit `num_new` tokens of `seq` (its slots already allocated) into a row."""
+        if num_new == 1:
+            self.add_decode(seq, self.kv.take_decode_entry(seq.seq_id, seq.num_computed_tokens))
+            return
+        start = seq.num_computed_tokens
+        end = start + num_new
+        seq.num_computed_tokens = end
+        seq_id = seq.seq_id
+        tokens = seq.token_ids
+        samples = end == len(tokens) + seq.num_pending
+        if samples:
+            seq.num_pending += 1
+            self.sampled.append(seq)
+        if not seq.on_executor:
+            self.fresh.append(seq)
+        self.num_tokens += num_new
+        self.num_prefill_tokens += num_new
+        kv = self.kv
+        table_start, table_ids = kv.take_table_change(seq_id)
+        self.rows.append((seq, seq_id, start, num_new, samples, tokens[start:end],
+                          kv.slot_mapping(seq_id, start, num_new), table_start, table_ids))
+
+    def add_decode(self, seq: Sequence, entry: tuple[int, list[int], int]) -> None:
+        """Commit one token of `seq`: `entry` is its (table change start, changed ids,
+        slot) from `KVCacheManager.allocate_decode` or `take_decode_entry`."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + 1
+        tokens = seq.token_ids
+        num_received = len(tokens)
+        samples = start + 1 == num_received + seq.num_pending
+        if samples:
+            seq.num_pending += 1
+            self.sampled.append(seq)
+        if not seq.on_executor:
+            self.fresh.append(seq)
+        self.num_tokens += 1
+        self.num_decode_seqs += 1
+        self.rows.append((seq, seq.seq_id, start, 1, samples,
+                          tokens[start] if start < num_received else -1, entry[2],
+                          entry[0], entry[1]))
+
+    def undo_group(self, group: RequestGroup) -> None:
+        """Take back the rows of `group` (preempted in the step that committed them)."""
+        mine = [r for r in self.rows if r[0].group is group]
+        if not mine:
+            return
+        self.rows = [r for r in self.rows if r[0].group is not group]
+        for r in mine:
+            r[0].num_computed_tokens = r[2]
+            self.num_tokens -= r[3]
+            if r[3] == 1:
+                self.num_decode_seqs -= 1
+            else:
+                self.num_prefill_tokens -= r[3]
+        for seq in self.sampled:
+            if seq.group is group:
+                seq.num_pending -= 1
+        self.sampled = [s for s in self.sampled if s.group is not group]
+        self.fresh = [s for s in self.fresh if s.group is not group]
+
+    def has(self, seq: Sequence) -> bool:
+        return any(r[0] is seq for r in self.rows)
+
+
 def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
                eos_token_ids: tuple[int, ...], deadline_s: float = 0.0) -> wire.StepPlan:
-    """Turn one step's decisions into the StepPlan (and mark what the executor now knows:
-    requests sent, samples pending in `out.sampled`)."""
+    """Turn one step's decisions (`SchedulerOutput`: its rows, forks, drops) into the
+    StepPlan, and mark the samples the executor now holds (forked children, new
+    requests)."""
     forks: list[wire.Fork] = []
-    new_requests: list[wire.NewRequest] = []
     for parent, child in out.forks:
         if parent.on_executor:  # the executor copies the parent's sampling state
             forks.append(wire.Fork(parent.seq_id, child.seq_id, child.index))
             child.on_executor = True
-
-    request_ids: list[str] = []
-    num_computed: list[int] = []
-    num_new: list[int] = []
-    do_sample: list[bool] = []
-    table_starts: list[int] = []
-    table_lens: list[int] = []
-    table_ids: list[int] = []
-    token_ids: list[int] = []
-    slot_chunks: list = []  # ints (decodes) and arrays (prefill chunks), in token order
-    positions: list = []  # likewise: ints and ranges
-    feed: list[int] = []  # indices of decodes fed the executor's own previous sample
-    sampled = out.sampled
-    all_decodes = True
-    for item in out.scheduled:
-        seq = item.seq
-        k = item.num_new_tokens
-        end = seq.num_computed_tokens  # already advanced by the scheduler
-        start = end - k
-        seq_id = seq.seq_id
-        if not seq.on_executor:
+    new_requests: list[wire.NewRequest] = []
+    for seq in out.rows.fresh:
+        if not seq.on_executor:  # (a child the fork above gave the executor is not new)
             new_requests.append(_new_request(seq, eos_token_ids))
             seq.on_executor = True
-        tokens = seq.token_ids
-        if end == len(tokens) + seq.num_pending:  # (seq.num_tokens) samples
-            do_sample.append(True)
-            sampled.append(seq)
-        else:
-            do_sample.append(False)
-        request_ids.append(seq_id)
-        num_computed.append(start)
-        num_new.append(k)
-        if k == 1:
-            change_start, change_ids, slot = kv.take_decode_entry(seq_id, start)
-            if start < len(tokens):
-                token_ids.append(tokens[start])
-            else:  # its input is being sampled by the plan before this one
-                feed.append(len(request_ids) - 1)
-                token_ids.append(-1)
-            slot_chunks.append(slot)
-            positions.append(start)
-        else:
-            change_start, change_ids = kv.take_table_change(seq_id)
-            token_ids.extend(tokens[start:end])
-            slot_chunks.append(kv.slot_mapping(seq_id, start, k))
-            positions.append(range(start, end))
-            all_decodes = False
-        table_starts.append(change_start)
-        table_lens.append(len(change_ids))
-        if change_ids:
-            table_ids.extend(change_ids)
 
-    for seq in sampled:
-        seq.num_pending += 1
-    slot_mapping = np.array(slot_chunks, dtype=np.int64) if all_decodes \
-        else _concat_slots(slot_chunks, out.num_tokens)
-    feed_sampled = None
-    if feed:
-        feed_sampled = np.zeros(len(request_ids), dtype=np.uint8)
-        feed_sampled[feed] = 1
+    rows = out.rows.rows
+    num_rows = len(rows)
+    if num_rows:
+        (_, request_ids, starts, num_new, samples, inputs, slots, table_starts,
+         table_ids) = zip(*rows, strict=True)
+        request_ids = list(request_ids)
+    else:
+        request_ids, starts, num_new, samples, inputs, slots, table_starts, table_ids = \
+            [], (), (), (), (), (), (), ()
+    num_computed = np.array(starts, dtype=np.int32)
+    if out.rows.num_prefill_tokens == 0:  # decodes only: one value a row everywhere
+        token_ids = np.array(inputs, dtype=np.int32)
+        positions = num_computed.copy()
+        slot_mapping = np.array(slots, dtype=np.int64)
+    else:
+        token_ids, positions, slot_mapping = _concat_chunks(rows, out.rows.num_tokens)
+    feed = token_ids[: num_rows] < 0 if out.rows.num_prefill_tokens == 0 else \
+        np.array([type(x) is int and x < 0 for x in inputs], dtype=bool)
+    feed_sampled = feed.astype(np.uint8) if feed.any() else None
     ops = kv.take_block_ops()
     return wire.StepPlan(
         step_id=step_id,
         new_requests=new_requests,
         forks=forks,
         request_ids=request_ids,
-        num_computed_tokens=np.array(num_computed, dtype=np.int32),
+        num_computed_tokens=num_computed,
         num_new_tokens=np.array(num_new, dtype=np.int32),
-        do_sample=np.array(do_sample, dtype=np.uint8),
+        do_sample=np.array(samples, dtype=np.uint8),
         feed_sampled=feed_sampled,
-        token_ids=np.array(token_ids, dtype=np.int32),
-        positions=np.array(positions, dtype=np.int32) if all_decodes
-        else _concat_positions(positions, out.num_tokens),
+        token_ids=token_ids,
+        positions=positions,
         slot_mapping=slot_mapping,
         block_table_starts=np.array(table_starts, dtype=np.int32),
-        block_table_lens=np.array(table_lens, dtype=np.int32),
-        block_table_ids=np.array(table_ids, dtype=np.int32),
+        block_table_lens=np.fromiter(map(len, table_ids), dtype=np.int32, count=num_rows),
+        block_table_ids=np.fromiter(chain.from_iterable(table_ids), dtype=np.int32),
         swap_out=ops.swap_out,
         swap_in=ops.swap_in,
         copy=ops.copy,
@@ -149,27 +211,21 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
     )
 
 
-def _concat_positions(chunks: list, num_tokens: int) -> np.ndarray:
-    result = np.empty(num_tokens, dtype=np.int32)
+def _concat_chunks(rows: list[tuple], num_tokens: int) -> tuple[np.ndarray, ...]:
+    """Token ids, positions and slots of rows mixing decodes and chunks, in token order."""
+    token_ids = np.empty(num_tokens, dtype=np.int32)
+    positions = np.empty(num_tokens, dtype=np.int32)
+    slots = np.empty(num_tokens, dtype=np.int64)
     t = 0
-    for c in chunks:
-        if type(c) is int:
-            result[t] = c
-            t += 1
+    for row in rows:
+        start, k = row[2], row[3]
+        if k == 1:
+            token_ids[t] = row[5]
+            positions[t] = start
+            slots[t] = row[6]
         else:
-            result[t : t + len(c)] = np.arange(c.start, c.stop, dtype=np.int32)
-            t += len(c)
-    return result
-
-
-def _concat_slots(chunks: list, num_tokens: int) -> np.ndarray:
-    result = np.empty(num_tokens, dtype=np.int64)
-    t = 0
-    for c in chunks:
-        if type(c) is int:
-            result[t] = c
-            t += 1
-        else:
-            result[t : t + len(c)] = c
-            t += len(c)
-    return result
+            token_ids[t : t + k] = row[5]
+            positions[t : t + k] = np.arange(start, start + k, dtype=np.int32)
+            slots[t : t + k] = row[6]
+        t += k
+    return token_ids, positions, slots

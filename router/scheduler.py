@@ -10,13 +10,13 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..kvmanager import KVCacheManager
 from . import admission
 from .cost_model import CostModel
+from .plan_builder import PlanRows
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")
@@ -41,35 +41,50 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledSeq:
+    """A row as tests and logs read it (`SchedulerOutput.scheduled`)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens before
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's decisions for one executor (turned into a StepPlan by plan_builder)."""
+    """One step's decisions for one executor: the plan's rows as they are committed
+    (`PlanRows`), forks, drops and preemptions (turned into a StepPlan by plan_builder)."""
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    rows: PlanRows
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
-    num_tokens: int = 0
-    sampled: list[Sequence] = field(default_factory=list)  # build_plan: samples this step
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The committed samples and their token counts, in row order."""
+        return [ScheduledSeq(r[0], r[3]) for r in self.rows.rows]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The samples that sample in this step, in row order (each has it pending)."""
+        return self.rows.sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
         """Of num_tokens, those in chunks of more than one token (the cost model's split)."""
-        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+        return self.rows.num_prefill_tokens
 
     @property
     def num_decode_seqs(self) -> int:
         """Sequences computing one token this step."""
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+        return self.rows.num_decode_seqs
 
     @property
     def empty(self) -> bool:
         """Nothing for the executor: no tokens, no drops, no swap-outs from preemptions."""
-        return not self.scheduled and not self.dropped_seq_ids and not self.preempted
+        return not self.rows.rows and not self.dropped_seq_ids and not self.preempted
 
 
 class Scheduler:
@@ -208,7 +223,7 @@ class Scheduler:
         kv = self.kv
         cfg = self.config
         kv.begin_step()
-        out = SchedulerOutput()
+        out = SchedulerOutput(PlanRows(kv))
         out.dropped_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
         budget = cfg.max_num_batched_tokens
@@ -216,6 +231,8 @@ class Scheduler:
         pins_released = False
 
         max_model_len = cfg.max_model_len
+        # (`_commit`, bound once: this loop runs for every sample)
+        commit, commit_decode = out.rows.add, out.rows.add_decode
         i = 0
         while i < len(self.running):
             group = self.running[i]
@@ -242,7 +259,11 @@ class Scheduler:
                     continue
                 num_new = remaining if remaining < budget else budget
                 waits = False
-                while kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
+                while True:
+                    entry = kv.allocate_decode(seq.seq_id, seq.token_ids) if num_new == 1 \
+                        else kv.allocate(seq.seq_id, seq.token_ids, num_new)
+                    if entry is not None:
+                        break
                     if not pins_released:
                         kv.release_pins()
                         pins_released = True
@@ -257,7 +278,8 @@ class Scheduler:
                         waits = True
                         break
                     victim = self._pick_victim(i)
-                    partial = victim is group and any(s.seq.group is group for s in out.scheduled)
+                    partial = victim is group and any(r[0].group is group
+                                                      for r in out.rows.rows)
                     self._preempt(victim, out, force_recompute=partial)
                     if victim is group:
                         preempted_self = True
@@ -266,23 +288,22 @@ class Scheduler:
                     break
                 if waits:
                     continue
-                self._commit(seq, num_new, out)
+                if num_new == 1:
+                    commit_decode(seq, entry)
+                else:
+                    commit(seq, num_new)
                 budget -= num_new
                 num_seqs += 1
             if not preempted_self:
                 i += 1
 
         if not out.preempted:
-            self._admit(out, budget, num_seqs)
-        for group in self.running:
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = time.monotonic()
+            self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         return out
 
-    def _commit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        out.scheduled.append(ScheduledSeq(seq, num_new))
-        seq.num_computed_tokens += num_new
-        out.num_tokens += num_new
+    @staticmethod
+    def _commit(seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        out.rows.add(seq, num_new)  # advances seq.num_computed_tokens
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier
@@ -293,7 +314,7 @@ class Scheduler:
         parent = group.seqs[0]
         if parent.num_computed_tokens < parent.num_prompt_tokens - 1:
             return
-        if any(s.seq is parent for s in out.scheduled):
+        if out.rows.has(parent):
             return
         for child in group.seqs[1:]:
             if child.finished:  # forked again after a recompute: done already
@@ -323,10 +344,7 @@ class Scheduler:
                  force_recompute: bool = False) -> None:
         kv = self.kv
         self.running.remove(group)
-        mine = [s for s in out.scheduled if s.seq.group is group]
-        if mine:  # the group being scheduled preempted itself: undo its part of this step
-            out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
-            out.num_tokens -= sum(s.num_new_tokens for s in mine)
+        out.rows.undo_group(group)  # preempted itself while scheduled: undo its part
         seq_ids = [s.seq_id for s in group.active_seqs() if kv.has_request(s.seq_id)]
         mode = self.config.preemption_mode
         if mode is PreemptionMode.AUTO:

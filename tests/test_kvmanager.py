@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pagedserve.kvmanager import (
     Block,
     BlockPool,
@@ -245,6 +247,64 @@ def test_slot_mapping_vectorised():
     assert m.slot_mapping("b", 0, 0).shape == (0,)
     with pytest.raises(InvariantError):
         m.slot_mapping("b", 10, 3)
+
+
+def test_allocate_decode_gives_the_slot_and_table_change():
+    m = make(4)
+    m.allocate("a", [1] * 3, 3)  # block 0, 3 of 4 slots
+    assert m.allocate_decode("a", [1] * 4) == (0, [0], 3)  # first entry: whole table
+    assert m.allocate_decode("a", [1] * 5) == (1, [1], 4)  # a new block
+    assert m.allocate_decode("a", [1] * 6) == (2, [], 5)  # no change
+    m.fork("a", "b")
+    assert m.allocate_decode("b", [1] * 7) == (0, [0, 2], 10)  # copy-on-write of block 1
+    assert m.take_block_ops().copy.tolist() == [[1, 2]]
+    m.allocate("c", [2] * 4, 4)  # the last free block
+    assert m.allocate_decode("b", [1] * 8) == (2, [], 11)
+    before = (m.gpu.free_block_ids(), m.stats(), m.block_table("b"))
+    assert m.allocate_decode("b", [1] * 9) is None  # short of blocks: no trace
+    assert (m.gpu.free_block_ids(), m.stats(), m.block_table("b")) == before
+    with pytest.raises(InvariantError):
+        m.allocate_decode("nobody", [1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["decode", "fork", "free", "admit"]),
+                          st.integers(0, 3)), max_size=60))
+def test_allocate_decode_is_allocate_then_take_decode_entry(ops):
+    """Two managers driven alike, one decoding with `allocate_decode`, the other with
+    `allocate(..., 1)` and `take_decode_entry` at the slot allocated: the same answers and
+    the same state after every operation (new blocks, copy-on-write, short of blocks)."""
+    a, b = make(10, block_size=4), make(10, block_size=4)
+    tokens: dict[str, list[int]] = {}
+    for n, (op, k) in enumerate(ops):
+        rid = f"r{k}"
+        if op == "admit" and rid not in tokens:
+            toks = [k + 1] * (k * 3 + 1)
+            got = (a.allocate(rid, toks, len(toks)), b.allocate(rid, toks, len(toks)))
+            if got[0] is not None:
+                tokens[rid] = toks
+        elif op == "decode" and rid in tokens:
+            toks = tokens[rid] + [n]
+            pos = b.num_tokens(rid)
+            want = None if b.allocate(rid, toks, 1) is None \
+                else b.take_decode_entry(rid, pos)
+            assert a.allocate_decode(rid, toks) == want
+            if want is not None:
+                tokens[rid] = toks
+        elif op == "fork" and rid in tokens:
+            child = f"c{n}"
+            a.fork(rid, child)
+            b.fork(rid, child)
+            tokens[child] = list(tokens[rid])
+        elif op == "free" and tokens:
+            victim = sorted(tokens)[k % len(tokens)]
+            a.free(victim)
+            b.free(victim)
+            del tokens[victim]
+        for rid in tokens:
+            assert a.block_table(rid) == b.block_table(rid)
+        assert a.stats() == b.stats() and a.gpu.free_block_ids() == b.gpu.free_block_ids()
+        assert a.take_block_ops().copy.tolist() == b.take_block_ops().copy.tolist()
 
 
 # ------------------------------------------------------------------ copy-on-write

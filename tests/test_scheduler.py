@@ -115,6 +115,28 @@ def test_blocks_short_preempts_the_latest_lowest_priority_once_per_step():
     assert [g.request_id for g in sched.waiting] == ["r2", "r3"]
 
 
+def test_a_group_preempting_itself_takes_back_its_rows_of_the_step():
+    # 4 blocks of 4 tokens; one n=2 group, forked after its 6th prompt token.
+    kv = KVCacheManager(4, 0, 4, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
+    g = _group("g", 7, arrival=1, n=2)
+    sched.add(g)
+    assert _scheduled(_step(sched, kv)[0]) == [("g#0", 6)]
+    _step(sched, kv, 2)  # the fork; g#0 copies the shared block 1 into block 2
+    assert _scheduled(_step(sched, kv, 3)[0]) == [("g#0", 1), ("g#1", 1)]
+    assert kv.num_free_gpu_blocks == 1
+    # Position 8 needs a new block each: g#0 takes the last one and is committed, g#1
+    # finds none and the group is its own victim. g#0's row is taken back (its pending
+    # token too) and the group is recomputed: swapping it would keep a step half done.
+    out, plan = _step(sched, kv, 4)
+    assert out.preempted == [(g, PreemptionMode.RECOMPUTE)]
+    assert _scheduled(out) == [] and out.sampled == [] and out.num_tokens == 0
+    assert out.num_decode_seqs == 0 and plan.request_ids == []
+    assert [(s.num_pending, s.num_computed_tokens) for s in g.seqs] == [(0, 0), (0, 0)]
+    assert sorted(plan.finished_ids) == ["g#0", "g#1"]
+    assert kv.num_free_gpu_blocks == 4 and [x.request_id for x in sched.waiting] == ["g"]
+
+
 def test_swap_mode_moves_the_victim_and_brings_it_back_first():
     kv = KVCacheManager(8, 8, 4, watermark=0.0)
     sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
