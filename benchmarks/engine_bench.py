@@ -62,6 +62,9 @@ class _NullSink:
     def deliver(self, *args) -> None:
         pass
 
+    def push_token(self, index, token_id) -> None:
+        pass
+
     def finish(self, usage, prompt_logprobs=()) -> None:
         pass
 

@@ -48,7 +48,13 @@ class Delivery:
                 seq.num_delivered += 1
                 num_tokens += 1
                 if update.finish_reason is None:
-                    self.deliver(seq, update.text, (tok,), (), None)
+                    if update.text:
+                        self.deliver(seq, update.text, (tok,), (), None)
+                    else:  # no text to hand out (text=False, or held back): `deliver`'s
+                        # cheap form, an API worker's token column row
+                        if group.first_token_time is None:
+                            group.first_token_time = time.monotonic()
+                        group.channel.push_token(seq.index, tok)
                     continue
                 text, delivered, lps = update.text, (tok,), ()
             else:

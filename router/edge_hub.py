@@ -71,6 +71,10 @@ class WorkerConn:
     hello: EdgeHello | None = None
     hello_event: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: dict[str, OutputItem] = field(default_factory=dict)  # request id -> outputs
+    # the steady decode's tokens since the last flush, as Outputs' token columns
+    token_request_ids: list[str] = field(default_factory=list)
+    token_indexes: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     requests: set[str] = field(default_factory=set)  # live requests submitted through it
 
 
@@ -99,6 +103,24 @@ class ForwardChannel:
             self._hub.item(self._worker, self.request_id).deltas.append(
                 TokenDelta(index, token_ids, logprobs, finish_reason, stop_token_id))
 
+    def push_token(self, index: int, token_id: int) -> None:
+        """One token of a sample, no finish, no logprobs (the steady decode): a row of the
+        worker's token columns, or a delta of the request's item when it has one in this
+        turn already (its outputs stay in order: the worker applies columns first)."""
+        if self.closed:
+            return
+        worker = self._worker
+        item = worker.outbox.get(self.request_id)
+        if item is not None:
+            item.deltas.append(TokenDelta(index, (token_id,)))
+            return
+        worker.token_request_ids.append(self.request_id)
+        worker.token_indexes.append(index)
+        worker.token_ids.append(token_id)
+        hub = self._hub
+        if not hub._flush_scheduled:
+            hub.schedule_flush()
+
     def finish(self, usage, prompt_logprobs: tuple = ()) -> None:
         if not self.closed:
             item = self._hub.item(self._worker, self.request_id)
@@ -116,6 +138,11 @@ class ForwardChannel:
     def _close(self) -> None:
         self.closed = True
         self._worker.requests.discard(self.request_id)
+
+
+def _clear_columns(conn: WorkerConn) -> None:
+    """New token column lists (the old ones went into a message, or are dropped)."""
+    conn.token_request_ids, conn.token_indexes, conn.token_ids = [], [], []
 
 
 class EdgeHub:
@@ -184,6 +211,7 @@ class EdgeHub:
             self.engine.abort(request_id)
         conn.requests.clear()
         conn.outbox.clear()
+        _clear_columns(conn)
         conn.hello = None
         conn.hello_event.clear()
         if conn.routing_id:
@@ -223,20 +251,27 @@ class EdgeHub:
         item = conn.outbox.get(request_id)
         if item is None:
             item = conn.outbox[request_id] = OutputItem(request_id, [])
-            if not self._flush_scheduled and self._loop is not None:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush)
+            if not self._flush_scheduled:
+                self.schedule_flush()
         return item
 
+    def schedule_flush(self) -> None:
+        """Send the outboxes when this loop turn ends."""
+        if self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
     def _flush(self) -> None:
-        """Every worker's outbox as one Outputs message each."""
+        """Every worker's outbox and token columns as one Outputs message each."""
         self._flush_scheduled = False
         for conn in self.workers.values():
-            if conn.outbox:
-                items = list(conn.outbox.values())
+            if conn.outbox or conn.token_ids:
+                msg = Outputs(list(conn.outbox.values()), conn.token_request_ids,
+                              conn.token_indexes, conn.token_ids)
                 conn.outbox.clear()
+                _clear_columns(conn)
                 if conn.routing_id:
-                    self._send(conn, Outputs(items))
+                    self._send(conn, msg)
 
     def _send(self, conn: WorkerConn, msg) -> None:
         try:

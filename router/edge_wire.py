@@ -6,8 +6,9 @@ ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
                      answer), StopSample (a stop string in a sample's text: no answer),
                      MetricsBatch (the worker's request metrics, replayed in the core)
     core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
-                     message: token ids, logprobs and the token stops; no text), EdgeStatus (serving, draining, the dtype executors run; sent on
-                     hello and when it changes), EdgeStop (drain done: close and exit)
+                     message: token ids, logprobs and the token stops; no text), EdgeStatus
+                     (serving, draining, the dtype executors run; sent on hello and when it
+                     changes), EdgeStop (drain done: close and exit)
 
 MessagePack through msgspec, typed on both sides; the router's request and output types
 (frozen dataclasses, router/types.py) travel as they are. Never pickle. A frame that does not
@@ -20,7 +21,7 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 4  # 4: SamplingSpec.logit_bias, grammar
+EDGE_PROTOCOL_VERSION = 5  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -97,7 +98,16 @@ class OutputItem(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
+    """A loop turn's outputs for one worker. `token_*` are the steady decode's tokens as
+    three columns (one token of one sample a row, no finish, no logprobs: most of a step,
+    without an object a token); the worker applies them before `items`. A sample's tokens
+    stay in order: one that comes after an item of its request in the turn goes into that
+    item."""
+
     items: list[OutputItem]
+    token_request_ids: list[str] = []
+    token_indexes: list[int] = []
+    token_ids: list[int] = []
 
 
 class EdgeStatus(msgspec.Struct, tag=True):

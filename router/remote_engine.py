@@ -3,8 +3,9 @@ worker's DEALER socket to the router core (edge_hub.py is the other end).
 
     submit(spec)   a local OutputChannel first, then Submit -> Reply (the core's admission
                    error re-raised here as the same PagedServeError) -> the channel's stream
-    Outputs        each item goes to its request's channel: deltas, then finish(usage) or
-                   fail(error); the core sends one Outputs per step for all of them.
+    Outputs        the token columns (one token of a sample a row), then each item to its
+                   request's channel: deltas, then finish(usage) or fail(error); the core
+                   sends one Outputs per step for all of them.
                    The core sends token ids and the token stops only; each sample's text is
                    assembled here (`TextAssembler`, the same rules as in the router process),
                    and a stop string found here ends the sample in the core (StopSample);
@@ -215,6 +216,11 @@ class RemoteEngine:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Outputs):
             streams = self._streams
+            for request_id, index, token_id in zip(msg.token_request_ids, msg.token_indexes,
+                                                   msg.token_ids, strict=True):
+                req = streams.get(request_id)
+                if req is not None:  # (None: the client went away; the core was told)
+                    self._assemble(request_id, req, TokenDelta(index, (token_id,)))
             for item in msg.items:
                 req = streams.get(item.request_id)
                 if req is None:  # the client went away: the core was told

@@ -86,6 +86,10 @@ class OutputSink(Protocol):
                 finish_reason, stop_string, stop_token_id) -> None:
         """`put` of a delta with these fields (a sink may skip making the object)."""
 
+    def push_token(self, index: int, token_id: int) -> None:
+        """`deliver(index, "", (token_id,), (), None, None, None)`: the steady decode's
+        form, the one most tokens take."""
+
     def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
@@ -120,6 +124,9 @@ class OutputChannel:
                 finish_reason, stop_string, stop_token_id) -> None:
         self.put(CompletionDelta(index, text, token_ids, logprobs, finish_reason, stop_string,
                                  stop_token_id))
+
+    def push_token(self, index: int, token_id: int) -> None:
+        self.put(CompletionDelta(index, "", (token_id,)))
 
     def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None:
         if self.closed:

@@ -341,6 +341,7 @@ class StepLoop:
         top_counts = result.top_counts.tolist() if result.top_counts is not None else None
         top_ofs = 0
         max_len = self.config.max_model_len
+        handle_id = handle.id
         aligned = len(sampled) == len(ids)
         by_id: dict[str, Sequence] | None = None
         for i, seq_id in enumerate(ids):
@@ -352,7 +353,7 @@ class StepLoop:
                 seq = by_id.get(seq_id)
             group = seq.group if seq is not None else None
             if seq is None or seq.finished or live.get(group.request_id) is not group \
-                    or group.executor_id != handle.id:
+                    or group.executor_id != handle_id:
                 top_ofs += k
                 continue
             tok = tokens[i]

@@ -173,6 +173,48 @@ def test_one_outputs_message_per_worker_per_turn_and_streams_in_order():
     asyncio.run(main())
 
 
+def test_steady_tokens_go_as_columns_and_every_sample_stays_in_order():
+    async def main():
+        async with Rig() as rig:
+            w0 = rig.workers[0]
+            a = await w0.submit(spec("a", n=2, max_tokens=3))
+            b = await w0.submit(spec("b", max_tokens=2))
+            ch = rig.core.live
+            # one loop turn: a#0 and b#0 as columns; then an item for a (a delta with
+            # logprobs, say): a#1's later steady token follows it into the item
+            ch["a"].push_token(0, ids("he")[0])
+            ch["b"].push_token(0, ids("x")[0])
+            ch["a"].put(CompletionDelta(1, "", ids("z")))
+            ch["a"].push_token(1, ids("y")[0])
+            ch["a"].push_token(0, ids("llo")[0])
+            await settle(lambda: rig.outputs_to(0))
+            (msg,) = rig.outputs_to(0)
+            assert (msg.token_request_ids, msg.token_indexes, msg.token_ids) == (
+                ["a", "b"], [0, 0], [*ids("he"), *ids("x")])
+            (item,) = msg.items
+            assert [(d.index, d.token_ids) for d in item.deltas] == [
+                (1, ids("z")), (1, ids("y")), (0, ids("llo"))]
+            # the next turn: columns again, and the endings
+            ch["b"].push_token(0, ids("y")[0])
+            ch["b"].put(CompletionDelta(0, "", (), finish_reason="length"))
+            ch["b"].finish(Usage(3, 2))
+            ch["a"].put(CompletionDelta(0, "", ids("x"), finish_reason="length"))
+            ch["a"].put(CompletionDelta(1, "", ids("x"), finish_reason="length"))
+            ch["a"].finish(Usage(3, 6))
+            outs_a = await asyncio.wait_for(collect(a), 5)
+            outs_b = await asyncio.wait_for(collect(b), 5)
+            text = {}
+            for out in outs_a + outs_b:
+                for d in out.deltas:
+                    key = (out.request_id, d.index)
+                    text[key] = text.get(key, "") + d.text
+            assert text == {("a", 0): "hellox", ("a", 1): "zyx", ("b", 0): "xy"}
+            assert len(rig.outputs_to(0)) == 2
+            assert rig.outputs_to(0)[1].token_request_ids == ["b"]
+            assert w0.num_streams == 0 and rig.hub.workers[0].token_ids == []
+    asyncio.run(main())
+
+
 def test_admission_errors_keep_their_class_and_message():
     async def main():
         async with Rig() as rig:
