@@ -321,7 +321,8 @@ class StepLoop:
     def apply_tokens(self, handle: ExecutorHandle, result: wire.StepResult,
                      sampled: list[Sequence]) -> list[Sequence]:
         """Append sampled tokens and apply the cheap stops; returns the sequences that got a
-        token (for the text stage). A sequence that stopped is freed at once; a token for a
+        token for the text stage (an API worker's sample whose token ends nothing is
+        delivered here instead). A sequence that stopped is freed at once; a token for a
         sequence that had already ended (a late stop), whose request is no longer live (an
         abort, even if a new request took its id since), that moved to another executor, or
         that the plan did not sample for, is dropped.
@@ -342,6 +343,7 @@ class StepLoop:
         top_ofs = 0
         max_len = self.config.max_model_len
         handle_id = handle.id
+        num_delivered = 0
         aligned = len(sampled) == len(ids)
         by_id: dict[str, Sequence] | None = None
         for i, seq_id in enumerate(ids):
@@ -367,12 +369,26 @@ class StepLoop:
                     top = tuple(zip(ids_k, vals, strict=False))
                 seq.logprobs.append(TokenLogprob(tok, float(lps[i]), top))
             top_ofs += k
-            touched.append(seq)
             n_out = len(seq.token_ids) - seq.num_prompt_tokens
             stop = (n_out >= sp.min_tokens and (
                 tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids)))
             if stop or n_out >= sp.max_tokens or len(seq.token_ids) >= max_len:
                 sched.finish_seq(seq)
+            elif seq.tokens_only and seq.num_delivered == n_out - 1 and not seq.logprobs \
+                    and not group.aborted:
+                # An API worker's steady decode: no text to make and nothing ends (the
+                # rules above are the tokens-only assembler's), so the text stage's cheap
+                # form runs here rather than in a second pass over the samples.
+                seq.assembler.append(tok)  # counts it
+                seq.num_delivered = n_out
+                if group.first_token_time is None:
+                    group.first_token_time = time.monotonic()
+                group.channel.push_token(seq.index, tok)
+                num_delivered += 1
+                continue
+            touched.append(seq)
+        if num_delivered:  # one counter update a step (as the text stage's)
+            self.metrics.add_generation_tokens(num_delivered)
         return touched
 
     def request_error(self, handle: ExecutorHandle, plan: InFlightPlan,
