@@ -39,6 +39,7 @@ import time
 import numpy as np
 from pagedserve.protos import wire
 from pagedserve.router.edge_hub import EdgeHub, ForwardChannel
+from pagedserve.router.edge_wire import Outputs
 from pagedserve.router.engine import EngineConfig, RouterEngine
 from pagedserve.router.types import ModelInfoData, RequestSpec, SamplingSpec
 
@@ -136,6 +137,15 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
         hub.start()
         conn = hub.worker(0)
         conn.routing_id = b"worker-nobody-holds"
+        hub_sent = [0, 0]  # Outputs messages, the steady tokens in their columns
+        send = hub._send
+
+        def counting_send(conn, msg) -> None:
+            if isinstance(msg, Outputs):
+                hub_sent[0] += 1
+                hub_sent[1] += len(msg.token_ids)
+            send(conn, msg)
+        hub._send = counting_send
     rng = np.random.default_rng(0)
     for i in range(streams):
         prompt = tuple(rng.integers(3, VOCAB, PROMPT_LEN).tolist())
@@ -170,6 +180,8 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
            "running": decoding, "steps": link.num_plans - start_plans,
            "engine_us_per_step_p50": round(statistics.median(times), 1),
            "engine_us_per_step_windows": [round(t, 1) for t in times]}
+    if hub is not None:
+        res["hub_messages"], res["hub_column_tokens"] = hub_sent
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)

@@ -122,11 +122,14 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      "--log-dir", str(ctx.work_dir / "steady-serving"))
         # The router engine's CPU a step on this host's cores (no GPU involved): what the
         # CPU machine's figures scale by here.
-        engine = _py(ctx, "benchmarks/engine_bench.py",
-                     *(["--streams", "8", "--steps", "100", "--window", "50"] if ctx.small
-                       else ["--steps", "1000"]))
+        engine_args = ["--streams", "8", "--steps", "100", "--window", "50"] if ctx.small \
+            else ["--steps", "1000"]
+        engine = _py(ctx, "benchmarks/engine_bench.py", *engine_args)
+        # ... with the API workers' forwarding channels (as the `--api-workers 2` runs)
+        engine_hub = _py(ctx, "benchmarks/engine_bench.py", *engine_args, "--sink", "hub")
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
+                Step("engine_bench_hub", engine_hub, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),

@@ -83,6 +83,11 @@ def test_engine_bench_quick():
     r = lines[0]
     assert r["running"] == 8 and r["steps"] >= 100
     assert len(r["engine_us_per_step_windows"]) == 2 and r["engine_us_per_step_p50"] > 0
+    # into an EdgeHub's forwarding channels: Outputs messages, the tokens in their columns
+    (r,) = _run("engine_bench.py", "--streams", "8", "--steps", "100", "--window", "50",
+                "--sink", "hub")
+    assert r["case"] == "engine_s8_hub" and r["running"] == 8
+    assert r["hub_messages"] > 0 and r["hub_column_tokens"] >= 8 * 100
 
 
 def test_structured_bench_quick(tmp_path):
