@@ -50,6 +50,8 @@ BLOCK_SIZE = 16
 PROMPT_LEN = 64
 VOCAB = 32000
 TOKEN = 1234  # every sampled token (not an EOS)
+MAX_MODEL_LEN = 8192
+WARMUP_PLANS = 20  # plans before timing: the prefills, then steady decode
 
 
 class _NullSink:
@@ -120,16 +122,20 @@ class _AnsweringLink:
 
 async def run_case(streams: int, steps: int, window: int, profile: bool,
                    sink: str = "null") -> dict:
-    config = EngineConfig(model_fingerprint="fp", block_size=BLOCK_SIZE, max_model_len=8192,
+    config = EngineConfig(model_fingerprint="fp", block_size=BLOCK_SIZE,
+                          max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=max(256, streams), max_num_batched_tokens=8192,
                           pipeline_depth=2)
-    info = ModelInfoData("m", "LlamaForCausalLM", 8192, VOCAB, BLOCK_SIZE, "bfloat16", (2,))
+    info = ModelInfoData("m", "LlamaForCausalLM", MAX_MODEL_LEN, VOCAB, BLOCK_SIZE, "bfloat16",
+                         (2,))
     engine = RouterEngine(config, _Tokenizer(), info)
     link = engine.link = _AnsweringLink(engine, "e0")
-    num_blocks = streams * ((PROMPT_LEN + steps + 64) // BLOCK_SIZE + 2)
+    # (at least what one request could ever need, so that 1-3 streams are admitted too)
+    num_blocks = max(streams * ((PROMPT_LEN + steps + 64) // BLOCK_SIZE + 2),
+                     (PROMPT_LEN + steps + 1000) // BLOCK_SIZE + 16)
     hello = wire.Hello(executor_id="e0", model_fingerprint="fp", device="cuda",
                        dtype="bfloat16", block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks,
-                       num_cpu_blocks=0, max_model_len=8192)
+                       num_cpu_blocks=0, max_model_len=MAX_MODEL_LEN)
     assert engine.membership.on_hello(b"e0", hello).accepted
     hub = conn = None
     if sink == "hub":
@@ -154,7 +160,7 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
         channel = _NullSink() if hub is None else ForwardChannel(hub, conn, spec.request_id)
         engine.admit(spec, channel=channel, text=False)
     engine.executors["e0"].wakeup.set()
-    while link.num_plans < 20:  # prefills done, steady decode from here
+    while link.num_plans < WARMUP_PLANS:  # prefills done, steady decode from here
         await asyncio.sleep(0)
     prof = cProfile.Profile() if profile else None
     times: list[float] = []
@@ -198,6 +204,9 @@ def main(argv=None) -> int:
                     help="where outputs go: nowhere, or API workers' forwarding channels")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
+    if PROMPT_LEN + WARMUP_PLANS + args.steps > MAX_MODEL_LEN:  # the streams would end
+        ap.error(f"--steps at most {MAX_MODEL_LEN - PROMPT_LEN - WARMUP_PLANS} "
+                 f"(max_model_len {MAX_MODEL_LEN})")
     freeze_heap()  # the router process's garbage-collector settings (pagedserve/gc_tuning.py)
     for n in (int(x) for x in args.streams.split(",") if x):
         r = asyncio.run(run_case(n, args.steps, args.window, args.profile, args.sink))
