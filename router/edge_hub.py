@@ -8,8 +8,10 @@ output of a worker's requests leaves the core as one message, so the core's cost
 longer grows with a gRPC write and a detokenization per stream.
 
     worker: Submit(spec) -> hub: engine.admit(spec, channel=ForwardChannel, text=False)
-    step:   text stage (token stops only) -> ForwardChannel.deliver/finish/fail -> outbox
-            -> one Outputs per worker, sent when the loop turn ends (call_soon)
+    step:   apply_tokens / text stage (token stops only) -> ForwardChannel.push_token (a
+            token that ends nothing: a row of the worker's token columns) or
+            deliver/finish/fail (the request's OutputItem) -> one Outputs per worker, sent
+            when the loop turn ends (call_soon)
     worker: StopSample(id, index) -> engine.finish_sample: a stop string ended that sample
             (the tokens sampled for it meanwhile are dropped there, as the worker drops them)
     worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status

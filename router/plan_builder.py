@@ -149,6 +149,7 @@ class PlanRows:
         self.fresh = [s for s in self.fresh if s.group is not group]
 
     def has(self, seq: Sequence) -> bool:
+        """Whether `seq` has a row in this step (O(rows): off the per-sample path)."""
         return any(r[0] is seq for r in self.rows)
 
 

@@ -11,6 +11,7 @@ counts that token as pending (`Sequence.num_pending`) until the result brings it
 result of the oldest plan arrives:
 
     result N -> KV: blocks held for plan N are free -> tokens appended, cheap stops
+                (an API worker's token that ends nothing goes to its worker here)
              -> next plan(s) built and sent (the executor is busy with N+1 meanwhile)
              -> text stage (detokenization, stop strings, deltas to the streams)
 
