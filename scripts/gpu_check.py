@@ -1,7 +1,8 @@
 """The GPU check (issue 15): stages of CUDA tests and benchmarks, one per device call, each
 with its log and a one-screen summary, merged into OUTDIR/gpu_report.json.
 
-    scripts/gpu_check.sh OUTDIR [--stage NAME] [--dry-run] [--small] [--seed-report FILE]
+    scripts/gpu_check.sh OUTDIR [--stage NAME] [--steps NAME[,NAME]] [--dry-run] [--small]
+                         [--seed-report FILE]
 
 Run from the repository root on the CUDA machine with `.whl/` (`make gpu-wheels`) beside it.
 Before a stage it installs the wheels and then the project into one target folder
@@ -24,7 +25,11 @@ Stages (STAGES; each fits one 10-minute call, `--budget-s` caps its steps):
               also with the API edges in 2 worker processes (--api-workers 2)
 Without --stage the first stage the report does not record as run (passed or failed).
 
-Bookkeeping: the report holds, per stage, its status (running, passed, failed, dry-run),
+`--steps NAME[,NAME]` runs only those steps of the stage (its set-up steps too) and keeps
+the other steps' records from an earlier run (`--seed-report`): a stage filled in over
+several calls; it stays 'partial' (not done) until every step has passed.
+
+Bookkeeping: the report holds, per stage, its status (running, passed, failed, partial, dry-run),
 times, and per step its argv, exit code, wall time, status, and what it printed that is
 read back: benchmark JSON lines (DESIGN §8: "bench" and "case") and pytest's counts. It is
 rewritten after every step, so a call cut off at its limit still returns what ran.
@@ -222,12 +227,31 @@ def install(ctx: Context, log) -> dict:
 
 # --- a stage ------------------------------------------------------------------------------
 
+def select_steps(stage: str, steps: list[Step], names: str | None) -> set[str] | None:
+    """The step names `--steps` picks in `stage` (None: every step); a name the stage
+    lacks is an error that lists the stage's steps."""
+    if not names:
+        return None
+    picked = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = picked - {s.name for s in steps}
+    if unknown:
+        raise SystemExit(f"gpu_check: stage {stage} has no step {', '.join(sorted(unknown))} "
+                         f"(its steps: {', '.join(s.name for s in steps)})")
+    return picked
+
+
 def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -> dict:
     steps = plan_stage(stage, ctx)
+    picked = select_steps(stage, steps, args.steps)
+    # --steps: the other steps keep what an earlier run recorded (a stage filled in over
+    # several calls or sessions); required set-up steps (env, the model) always run.
+    earlier = report.get("stages", {}).get(stage, {}).get("steps", {}) if picked else {}
     entry: dict = {"status": "dry-run" if args.dry_run else "running", "started": now(),
                    "small": ctx.small, "steps": {}}
     if args.dry_run:
         for step in steps:
+            if picked is not None and step.name not in picked and not step.required:
+                continue
             entry["steps"][step.name] = {"status": "dry-run", "argv": step.argv,
                                          "timeout_s": step.timeout_s,
                                          **({"env": step.env} if step.env else {})}
@@ -247,7 +271,10 @@ def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -
         for step in steps:
             left = args.budget_s - (time.monotonic() - start)
             record: dict = {"argv": step.argv, **({"env": step.env} if step.env else {})}
-            if entry.get("stopped") or entry.get("install", {}).get("status") == "failed":
+            if picked is not None and step.name not in picked and not step.required:
+                record = earlier.get(step.name) or {
+                    **record, "status": "not-run", "error": "not selected (--steps)"}
+            elif entry.get("stopped") or entry.get("install", {}).get("status") == "failed":
                 record["status"] = "not-run"
             elif left < 5:
                 record["status"] = "not-run"
@@ -267,7 +294,8 @@ def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -
             report = merge_stage(report, stage, entry, env)
             write_report(report_path, report)
         if entry["status"] == "running":
-            entry["status"] = "passed"
+            entry["status"] = "passed" if all(
+                r["status"] == "passed" for r in entry["steps"].values()) else "partial"
         entry["wall_s"] = round(time.monotonic() - start, 1)
         entry["summary"] = summary_lines(stage, entry)
         log.write("\n".join(entry["summary"]) + "\n")
@@ -334,6 +362,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="install target (default WORK/site); 'none': use the environment as is")
     ap.add_argument("--seed-report", default=None,
                     help="an earlier call's gpu_report.json, merged into when OUTDIR has none")
+    ap.add_argument("--steps", default=None, metavar="NAME[,NAME]",
+                    help="only these steps of the stage (and its set-up steps); the others "
+                         "keep what an earlier run recorded; the stage is 'partial' until "
+                         "every step has passed")
     ap.add_argument("--list", action="store_true", help="print the stages and their status")
     return ap.parse_args(argv)
 
@@ -377,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n".join(entry["summary"]))
     print(f"report: {report_path}")
-    return 0 if entry["status"] in ("passed", "dry-run") else 1
+    return 0 if entry["status"] in ("passed", "partial", "dry-run") else 1
 
 
 if __name__ == "__main__":

@@ -148,6 +148,40 @@ def test_required_step_failure_and_spent_budget_leave_steps_not_run(tmp_path, mo
                     "error": "stage budget spent"}
 
 
+def test_steps_picks_some_keeps_the_others_and_the_stage_is_partial(tmp_path, monkeypatch,
+                                                                    capsys):
+    plan = {"throughput": [gpu_check.Step("env", _py(ENV), 20, required=True),
+                           gpu_check.Step("a", _py(BENCH), 20),
+                           gpu_check.Step("b", _py(_line(bench="x", case="b1")), 20),
+                           gpu_check.Step("c", _py("raise SystemExit(1)"), 20)]}
+    monkeypatch.setattr(gpu_check, "plan_stage", _fake_plan(plan))
+    # a name the stage lacks: an error naming the stage's steps
+    with pytest.raises(SystemExit, match="no step nope .*its steps: env, a, b, c"):
+        _run(tmp_path, "--stage", "throughput", "--steps", "a,nope")
+    assert _run(tmp_path, "--stage", "throughput", "--steps", "a", "--dry-run") == 0
+    assert list(_report(tmp_path)["stages"]["throughput"]["steps"]) == ["env", "a"]
+    # one call runs a (and env): partial, not done
+    assert _run(tmp_path, "--stage", "throughput", "--steps", "a") == 0
+    entry = _report(tmp_path)["stages"]["throughput"]
+    assert entry["status"] == "partial"
+    assert {n: r["status"] for n, r in entry["steps"].items()} == {
+        "env": "passed", "a": "passed", "b": "not-run", "c": "not-run"}
+    assert entry["steps"]["b"]["error"] == "not selected (--steps)"
+    done = {name: {"status": "passed"} for name in gpu_check.STAGES}
+    assert gpu_check.next_stage({"stages": {**done, "throughput": entry}}) == "throughput"
+    # the next call runs b: a's record is kept, the stage is still partial (c)
+    assert _run(tmp_path, "--stage", "throughput", "--steps", "b") == 0
+    entry = _report(tmp_path)["stages"]["throughput"]
+    assert entry["status"] == "partial"
+    assert entry["steps"]["a"]["records"][0]["case"] == "decode/b1"
+    assert entry["steps"]["b"]["records"] == [{"bench": "x", "case": "b1"}]
+    # c fails: the stage failed (it has run), a and b kept
+    assert _run(tmp_path, "--stage", "throughput", "--steps", "c") == 1
+    entry = _report(tmp_path)["stages"]["throughput"]
+    assert entry["status"] == "failed" and entry["steps"]["a"]["status"] == "passed"
+    assert "== throughput: FAILED" in capsys.readouterr().out
+
+
 def test_seed_report_and_corrupt_report(tmp_path, monkeypatch):
     seed = tmp_path / "seed.json"
     seed.write_text(json.dumps({"version": 1, "env": {"torch": "2.11.0"},
