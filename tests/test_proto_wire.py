@@ -56,7 +56,7 @@ def test_cached_reference_still_checks_frames():
     with pytest.raises(WireError):
         c.decode(bad)
     with pytest.raises(WireError):
-        c.decode(frames[:3])  # references to frames that are missing
+        c.decode(frames[:1])  # references to a frame that is missing
     bad = list(frames)
     bad[0] = bad[0].replace(b"<i4", b"<f8", 1)
     with pytest.raises(WireError):
@@ -68,7 +68,9 @@ def test_reference_limits():
     c = Codec(max_array_bytes=8)
     with pytest.raises(WireError):
         c.decode([bytes(f) for f in Codec().encode(plan())])
-    for ref in [(0, "<i4", [1]), (1, "<i4", [-1]), (1, "<i4", [1, 1, 1, 1]), (1, "O", [1])]:
+    for ref in [(0, 0, "<i4", [1]), (1, 0, "<i4", [-1]), (1, 0, "<i4", [1, 1, 1, 1]),
+                (1, 0, "O", [1]), (1, 4, "<i4", [1]), (1, 8, "<i4", [1]), (1, -8, "<i4", [1]),
+                (1, 0, "<i4", [2]), (2, 0, "<i4", [1]), (1, 0, "<i4", [])]:
         ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(ref))
         head = msgspec.msgpack.encode({"type": "plan", "step_id": 1, "request_ids": [],
                                        "token_ids": ext})
@@ -130,3 +132,44 @@ def test_plan_admitting_many_new_requests_decodes():
     assert len(got.new_requests) == n and got.new_requests[-1].prompt_token_ids.tolist() == [1, 2, 3]
     with pytest.raises(WireError):
         Codec().decode([b""] * (wire.MAX_FRAMES + 1))
+
+
+def test_small_arrays_share_frame_1_and_large_ones_have_their_own():
+    """A plan's small arrays lie in frame 1 (8-byte aligned); an array of OWN_FRAME_BYTES or
+    more travels in a frame of its own; every byte of frame 1 belongs to an array."""
+    c = Codec()
+    frames = c.encode(plan())
+    assert len(frames) == 2
+    big = np.arange(wire.OWN_FRAME_BYTES // 8 + 1, dtype=np.int64)
+    n = len(big)
+    p = plan(request_ids=["a"], num_computed_tokens=int32([0]), num_new_tokens=int32([n]),
+             do_sample=np.array([1], np.uint8), token_ids=int32(np.arange(n) % 7),
+             positions=int32(np.arange(n)), slot_mapping=big,
+             block_table_starts=int32([0]), block_table_lens=int32([1]))
+    frames = [bytes(f) for f in c.encode(p)]
+    assert len(frames) == 3 and len(frames[2]) == big.nbytes  # slot_mapping's own frame
+    got = c.decode(frames)
+    assert got.slot_mapping.tolist() == big.tolist() and got.positions[-1] == n - 1
+    for i, extra in ((1, b"\0" * 8), (2, b"\0" * 8)):  # a byte no array claims
+        bad = list(frames)
+        bad[i] += extra
+        with pytest.raises(WireError, match="array frame"):
+            c.decode(bad)
+    bad = list(frames)
+    bad[2] = bad[2][:-8]
+    with pytest.raises(WireError, match="array frame 2"):
+        c.decode(bad)
+
+
+def test_odd_sized_arrays_are_aligned_in_frame_1():
+    r = wire.StepResult(step_id=4, request_ids=["a", "b", "c"],
+                        token_ids=int32([1, 2, 3]), logprobs=np.array([-1, -2, -3], np.float32),
+                        top_counts=int32([1, 0, 1]), top_token_ids=int32([5, 6]),
+                        top_logprobs=np.array([-0.5, -0.25], np.float32))
+    c = Codec()
+    frames = [bytes(f) for f in c.encode(r)]
+    # 12-byte arrays at offsets 0, 16 and 32, 8-byte ones at 48 and 56
+    assert len(frames) == 2 and len(frames[1]) == 64
+    got = c.decode(frames)
+    assert got.token_ids.tolist() == [1, 2, 3] and got.top_logprobs.tolist() == [-0.5, -0.25]
+    assert {a.ctypes.data % 8 for a in (got.token_ids, got.logprobs, got.top_token_ids)} == {0}
