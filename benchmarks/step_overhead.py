@@ -21,7 +21,13 @@ Figures (per case, over the window; raw per-step values, never histogram buckets
   idle_ms_p50/p99       step period - forward - sample - swap: the executor not computing
                         (gap_s plus what the executor does not time; the figure to use while
                         the executor reports no gap_s);
-  output_tok_per_s      tokens the clients received in the window / window;
+  output_tok_per_s      tokens the clients received in the window / window (trace_tok_per_s:
+                        the tokens the executors sampled; below it, the clients or the
+                        edges fell behind);
+  client_cpu_util_ratio, client_loop_cpu_util_ratio   this process's CPU in the window /
+                        window (all threads; the event loop's thread, which runs every
+                        stream's Python): near 1.0 for the loop, the client limits output;
+  workers_cpu_util_ratio  with `--api-workers N`: the workers' CPU / window (N = N cores);
   router_cpu_ms_per_step  router process CPU time (all threads) / results received;
   worker_cpu_ms_per_step, total_cpu_ms_per_step   with `--api-workers N`: the API worker
                         processes' CPU time (all threads) / results received, and router +

@@ -111,9 +111,11 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
             await asyncio.sleep(SETTLE_S)
             snap0 = await asyncio.to_thread(server.snapshot)
             t0 = time.monotonic()
+            client0 = (time.process_time(), time.thread_time())
             with_end = asyncio.ensure_future(near_end.wait())
             await asyncio.wait({with_end}, timeout=window_s)
             with_end.cancel()
+            client1 = (time.process_time(), time.thread_time())
             snap1 = await asyncio.to_thread(server.snapshot)
             t1 = time.monotonic()
         finally:
@@ -125,7 +127,10 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
             await ch.close()
     errors = [s.error for s in streams if s.error]
     return {"streams": streams, "t0": t0, "t1": t1, "snap0": snap0, "snap1": snap1,
-            "errors": errors}
+            "errors": errors,
+            # this process's CPU in the window: all threads (gRPC's own included), and the
+            # event loop's thread, which runs every stream's Python
+            "client_cpu_s": client1[0] - client0[0], "client_loop_cpu_s": client1[1] - client0[1]}
 
 
 def summarise(run: dict, trace: list[dict]) -> dict:
@@ -178,6 +183,11 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         "router_cpu_ms_per_step": round(cpu / n_steps * 1e3, 4),
         "router_cpu_util_ratio": round(cpu / window, 3) if window > 0 else None,
     }
+    if window > 0 and "client_cpu_s" in run:
+        # Near 1.0 for the loop's thread, the client (not the server) limits
+        # output_tok_per_s: read trace_tok_per_s for what the executors produced.
+        res["client_cpu_util_ratio"] = round(run["client_cpu_s"] / window, 3)
+        res["client_loop_cpu_util_ratio"] = round(run["client_loop_cpu_s"] / window, 3)
     per_step = lambda x: round(x / n_steps * 1e3, 4)  # noqa: E731
     for k, v in phase.items():
         res[f"{k}_cpu_ms_per_step"] = per_step(v)
@@ -193,6 +203,8 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         workers = s1["api_workers_cpu_s"] - s0.get("api_workers_cpu_s", 0.0)
         res["worker_cpu_ms_per_step"] = per_step(workers)
         res["total_cpu_ms_per_step"] = per_step(cpu + workers)
+        if window > 0:  # all the workers together: N means N cores' worth
+            res["workers_cpu_util_ratio"] = round(workers / window, 3)
     res["router_event_loop"] = s1.get("event_loop")  # "uvloop" or "asyncio.*"
     if "gc" in s1:  # the router process's cyclic collector in the window
         g0, g1 = s0["gc"], s1["gc"]
