@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 from pagedserve.protos import wire
+from pagedserve.protos.codec import Codec
 from pagedserve.router.edge_hub import EdgeHub, ForwardChannel
 from pagedserve.router.edge_wire import Outputs
 from pagedserve.router.engine import EngineConfig, RouterEngine
@@ -95,7 +96,7 @@ class _AnsweringLink:
     def __init__(self, engine: RouterEngine, executor_id: str) -> None:
         self.engine = engine
         self.executor_id = executor_id
-        self.codec = wire.Codec()
+        self.codec = Codec()
         self.num_plans = 0
         self.executor_s = 0.0  # building and encoding results (subtracted)
 

@@ -15,7 +15,8 @@ import zlib
 import numpy as np
 import torch
 from pagedserve.executor.model_runner import ModelRunner
-from pagedserve.protos.wire import Codec, NewRequest, SamplingParams, StepPlan, int32
+from pagedserve.protos.codec import Codec
+from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 
 
 def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: int,

@@ -42,6 +42,7 @@ import time
 import numpy as np
 import zmq
 from pagedserve.protos import wire
+from pagedserve.protos.codec import Codec
 
 BENCH = "hop_bench"
 BLOCK_SIZE = 16
@@ -92,7 +93,7 @@ def echo(address: str, copy: bool = False) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    codec = wire.Codec()
+    codec = Codec()
     executor_id = f"echo-{os.getpid()}"
     sock.send_multipart(codec.encode(wire.Hello(
         executor_id=executor_id, model_fingerprint="bench", device="cpu", dtype="float32",
@@ -139,7 +140,7 @@ def _summary(case: str, times_s: list[float], **extra) -> dict:
 
 
 def bench_codec(plans: list[wire.StepPlan], iters: int) -> dict:
-    c_router, c_exec = wire.Codec(), wire.Codec()
+    c_router, c_exec = Codec(), Codec()
     t_enc, t_dec, t_renc, t_rdec = [], [], [], []
     pc = time.perf_counter
     plan_bytes = result_bytes = 0
@@ -185,7 +186,7 @@ def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
     sock.bind(_endpoint(transport))
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     proc = _spawn_echo(address, copy)
-    codec = wire.Codec()
+    codec = Codec()
     try:
         if not sock.poll(30_000):
             raise RuntimeError("echo process did not say hello")
@@ -288,7 +289,7 @@ async def _bench_reader(plans: list[wire.StepPlan], iters: int, warmup: int) -> 
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:0")
-    codec_in, codec_out = wire.Codec(), wire.Codec()
+    codec_in, codec_out = Codec(), Codec()
     hello: asyncio.Future = loop.create_future()
     pending: dict[int, asyncio.Future] = {}
 

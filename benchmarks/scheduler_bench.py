@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_executor import VOCAB, ResultApplier, fake_execute, make_groups  # noqa: E402
 from pagedserve.kvmanager import KVCacheManager  # noqa: E402
-from pagedserve.protos import wire  # noqa: E402
+from pagedserve.protos.codec import Codec  # noqa: E402
 from pagedserve.router.plan_builder import build_plan  # noqa: E402
 from pagedserve.router.scheduler import (  # noqa: E402
     PreemptionMode,
@@ -89,9 +89,9 @@ class Router:
                               preemption_mode=PreemptionMode.RECOMPUTE)
         self.sched = Scheduler(self.kv, cfg)
         self.applier = ResultApplier(self.sched, MAX_MODEL_LEN)
-        self.codec_out = wire.Codec()
-        self.codec_in = wire.Codec()
-        self.exec_codec = wire.Codec()  # the fake executor's
+        self.codec_out = Codec()
+        self.codec_in = Codec()
+        self.exec_codec = Codec()  # the fake executor's
         self.step_id = 0
         self.step_ns: list[int] = []
         self.phase_ns = {"schedule": 0, "build": 0, "encode": 0, "apply": 0}

@@ -22,7 +22,8 @@ import time
 from typing import NamedTuple
 
 import zmq
-from pagedserve.protos.wire import Codec, Heartbeat, Shutdown, StepPlan, WireError
+from pagedserve.protos.codec import Codec
+from pagedserve.protos.wire import Heartbeat, Shutdown, StepPlan, WireError
 
 from pagedserve.affinity import pin_current_thread
 

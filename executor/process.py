@@ -82,8 +82,8 @@ from pagedserve.executor.io_threads import (
     PlanReady,
     Rejected,
 )
+from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import (
-    Codec,
     ErrorReport,
     Hello,
     Shutdown,

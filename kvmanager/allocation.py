@@ -2,8 +2,9 @@
 per-request plan data the plan builder reads (tables, slots, table changes).
 
 Functions of the KVCacheManager (bound as its methods in manager.py; `self` is the manager).
-HOT PATH: `allocate`, `allocate_decode`, `free`, `slot_mapping` and `take_decode_entry` run for every request of
-every step: no logging, no per-block method calls, no defensive copies.
+HOT PATH: `allocate_decode` (a decode), `allocate` (a prompt chunk), `free`, `slot_mapping`
+and `take_decode_entry` run for every request of every step: no logging, no per-block method
+calls, no defensive copies.
 """
 
 from __future__ import annotations
@@ -74,16 +75,6 @@ def allocate(
     gpu = self.gpu
     table = req.block_ids
     old_tokens = req.num_tokens
-    if num_new_tokens == 1 and num_computed_tokens is None and not lookahead:
-        # The steady decode (most calls): its slot is in its last block, which it alone
-        # holds -- no block to take, nothing to copy; the general path below gives the same.
-        i = old_tokens // bs
-        if i < len(table) and gpu.blocks[table[i]].ref_cnt == 1:
-            req.num_tokens = old_tokens + 1
-            if self.enable_prefix_caching or req.intent is not None:
-                self._note_full_blocks(request_id, req, token_ids)
-            self._debug_check()
-            return []
     start = old_tokens
     if num_computed_tokens is not None:
         if not 0 <= num_computed_tokens <= old_tokens:
@@ -153,7 +144,8 @@ def allocate_decode(self: KVCacheManager, request_id: str,
         table = req.block_ids
         i = pos // bs
         if i < len(table) and self.gpu.blocks[table[i]].ref_cnt == 1:
-            # The steady decode, as allocate's own fast path: no block taken, none copied.
+            # The steady decode (most calls): its slot is in its last block, which it alone
+            # holds -- no block to take, nothing to copy; `allocate` gives the same.
             req.num_tokens = pos + 1
             if self.enable_prefix_caching or req.intent is not None:
                 self._note_full_blocks(request_id, req, token_ids)

@@ -79,7 +79,7 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
         bisect.insort(self.running, group, key=lambda g: g.sort_key)
         for seq, num_new in scheduled:
             if num_new > 0:
-                self._commit(seq, num_new, out)
+                out.rows.add(seq, num_new)
         num_seqs += len(seqs)
         if not group.forked and len(group.seqs) > 1 and not any(n for _, n in scheduled):
             budget = _fork_now(self, group, out, budget)
@@ -101,7 +101,7 @@ def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget
             continue
         if self.kv.allocate(seq.seq_id, seq.token_ids, num_new) is None:
             break
-        self._commit(seq, num_new, out)
+        out.rows.add(seq, num_new)
         budget -= num_new
     return budget
 

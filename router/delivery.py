@@ -50,11 +50,8 @@ class Delivery:
                 if update.finish_reason is None:
                     if update.text:
                         self.deliver(seq, update.text, (tok,), (), None)
-                    else:  # no text to hand out (text=False, or held back): `deliver`'s
-                        # cheap form, an API worker's token column row
-                        if group.first_token_time is None:
-                            group.first_token_time = time.monotonic()
-                        group.channel.push_token(seq.index, tok)
+                    else:  # no text to hand out (text=False, or held back)
+                        self.push_token(seq, tok)
                     continue
                 text, delivered, lps = update.text, (tok,), ()
             else:
@@ -123,6 +120,14 @@ class Delivery:
             group.first_token_time = time.monotonic()
         group.channel.deliver(seq.index, text, token_ids, logprobs, finish_reason,
                               stop_string, stop_token_id)
+
+    def push_token(self, seq: Sequence, token_id: int) -> None:
+        """`deliver` of one token with no text, no logprobs and no finish: the steady
+        decode's form (an API worker's token column row)."""
+        group = seq.group
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        group.channel.push_token(seq.index, token_id)
 
     def complete(self, group: RequestGroup) -> None:
         """Every sample finished: the final item with usage; forget the request."""

@@ -138,7 +138,7 @@ class TextAssembler:
         text: bool = True,
     ):
         self._sampling = sampling
-        self.tokens_only = not text
+        self.tokens_only = not text  # an API worker's sample: the worker makes its text
         # text=False: the token rules only (stop ids, EOS, lengths), no text and no stop
         # strings; an API worker assembles the text (router/remote_engine.py).
         self._detok = IncrementalDetokenizer(

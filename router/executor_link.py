@@ -40,6 +40,7 @@ import zmq.auth.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protos import wire
+from ..protos.codec import Codec
 from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.link")
@@ -159,8 +160,8 @@ class ExecutorLink:
                      bind, len(allowed), curve_keys)
         self._sock.bind(bind)
         self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._codec_in = wire.Codec()
-        self._codec_out = wire.Codec()
+        self._codec_in = Codec()
+        self._codec_out = Codec()
         self._on_hello = on_hello
         self._on_heartbeat = on_heartbeat
         self._on_result = on_result

@@ -92,6 +92,8 @@ class PlanRows:
         if num_new == 1:
             self.add_decode(seq, self.kv.take_decode_entry(seq.seq_id, seq.num_computed_tokens))
             return
+        # (`add_decode` repeats this bookkeeping inline: a shared helper, one call more a
+        # sample, measured 3-4% of an engine step at 256 streams)
         start = seq.num_computed_tokens
         end = start + num_new
         seq.num_computed_tokens = end

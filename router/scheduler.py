@@ -231,7 +231,7 @@ class Scheduler:
         pins_released = False
 
         max_model_len = cfg.max_model_len
-        # (`_commit`, bound once: this loop runs for every sample)
+        # (bound once: this loop runs for every sample)
         commit, commit_decode = out.rows.add, out.rows.add_decode
         i = 0
         while i < len(self.running):
@@ -300,10 +300,6 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         return out
-
-    @staticmethod
-    def _commit(seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        out.rows.add(seq, num_new)  # advances seq.num_computed_tokens
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier

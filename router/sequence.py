@@ -37,7 +37,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_hashes", "on_executor", "assembler", "finished", "num_delivered",
-        "last_token_time", "logprobs", "num_pending", "tokens_only",
+        "last_token_time", "logprobs", "num_pending",
     )
 
     def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
@@ -51,8 +51,6 @@ class Sequence:
         self.block_hashes: list = []  # prefix-cache hashes of full blocks, extended in place
         self.on_executor = False  # the executor holds its state (NewRequest sent, not dropped)
         self.assembler = assembler
-        # an API worker's sample (text=False): its deltas are tokens, the worker makes text
-        self.tokens_only = getattr(assembler, "tokens_only", False)
         self.finished = False  # no more tokens are scheduled for it (cheap stop or text stop)
         self.num_delivered = 0  # output tokens handed to the text stage
         self.last_token_time = 0.0

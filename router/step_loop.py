@@ -344,6 +344,7 @@ class StepLoop:
         top_ofs = 0
         max_len = self.config.max_model_len
         handle_id = handle.id
+        push_token = self.engine.delivery.push_token
         num_delivered = 0
         aligned = len(sampled) == len(ids)
         by_id: dict[str, Sequence] | None = None
@@ -375,16 +376,14 @@ class StepLoop:
                 tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids)))
             if stop or n_out >= sp.max_tokens or len(seq.token_ids) >= max_len:
                 sched.finish_seq(seq)
-            elif seq.tokens_only and seq.num_delivered == n_out - 1 and not seq.logprobs \
-                    and not group.aborted:
+            elif seq.assembler.tokens_only and seq.num_delivered == n_out - 1 \
+                    and not seq.logprobs and not group.aborted:
                 # An API worker's steady decode: no text to make and nothing ends (the
                 # rules above are the tokens-only assembler's), so the text stage's cheap
                 # form runs here rather than in a second pass over the samples.
                 seq.assembler.append(tok)  # counts it
                 seq.num_delivered = n_out
-                if group.first_token_time is None:
-                    group.first_token_time = time.monotonic()
-                group.channel.push_token(seq.index, tok)
+                push_token(seq, tok)
                 num_delivered += 1
                 continue
             touched.append(seq)

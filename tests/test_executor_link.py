@@ -15,6 +15,7 @@ import time
 import pytest
 import zmq
 from pagedserve.protos import wire
+from pagedserve.protos.codec import Codec
 from pagedserve.router.executor_link import ExecutorLink
 from pagedserve.router.zmq_reader import DRAIN_BATCH
 
@@ -60,7 +61,7 @@ def test_bursts_are_all_received_and_echoed(rounds):
 
     async def main() -> None:
         seen: list[str] = []
-        codec = wire.Codec()
+        codec = Codec()
         async with _linked(2, seen) as dealers:
             expected = 0
             for r in range(rounds):
@@ -90,7 +91,7 @@ def test_a_burst_the_link_does_not_answer_is_all_received():
 
     async def main() -> None:
         errors: list[str] = []
-        codec = wire.Codec()
+        codec = Codec()
         async with _linked(1, [], errors) as (dealer,):
             for i in range(count):
                 dealer.send_multipart(codec.encode(wire.ErrorReport(message=f"m{i}",
@@ -107,7 +108,7 @@ def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
 
     async def main() -> None:
         seen: list[str] = []
-        codec = wire.Codec()
+        codec = Codec()
         async with _linked(1, seen) as (dealer,):
             for i in range(300):
                 dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id=f"p{i}",
@@ -124,7 +125,7 @@ def test_a_message_that_arrives_while_the_link_sends_is_not_left_waiting():
 def test_malformed_frames_are_dropped_and_the_link_keeps_receiving(caplog):
     async def main() -> None:
         seen: list[str] = []
-        codec = wire.Codec()
+        codec = Codec()
         async with _linked(1, seen) as (dealer,):
             dealer.send_multipart([b"\x00not msgpack"])
             dealer.send_multipart(codec.encode(wire.Heartbeat(executor_id="after",

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 import zmq
+from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import (
-    Codec,
     ErrorReport,
     Heartbeat,
     Hello,

@@ -2,8 +2,9 @@
 import msgspec
 import numpy as np
 import pytest
-from pagedserve.protos import wire
-from pagedserve.protos.wire import Codec, StepPlan, WireError, int32
+from pagedserve.protos import codec, wire
+from pagedserve.protos.codec import Codec
+from pagedserve.protos.wire import StepPlan, WireError, int32
 
 
 def plan(**kw):
@@ -131,7 +132,7 @@ def test_plan_admitting_many_new_requests_decodes():
     got = roundtrip(p)
     assert len(got.new_requests) == n and got.new_requests[-1].prompt_token_ids.tolist() == [1, 2, 3]
     with pytest.raises(WireError):
-        Codec().decode([b""] * (wire.MAX_FRAMES + 1))
+        Codec().decode([b""] * (codec.MAX_FRAMES + 1))
 
 
 def test_small_arrays_share_frame_1_and_large_ones_have_their_own():
@@ -140,7 +141,7 @@ def test_small_arrays_share_frame_1_and_large_ones_have_their_own():
     c = Codec()
     frames = c.encode(plan())
     assert len(frames) == 2
-    big = np.arange(wire.OWN_FRAME_BYTES // 8 + 1, dtype=np.int64)
+    big = np.arange(codec.OWN_FRAME_BYTES // 8 + 1, dtype=np.int64)
     n = len(big)
     p = plan(request_ids=["a"], num_computed_tokens=int32([0]), num_new_tokens=int32([n]),
              do_sample=np.array([1], np.uint8), token_ids=int32(np.arange(n) % 7),

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedserve.protos import wire
+from pagedserve.protos.codec import Codec
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from wire_fake_executor import fake_cluster
 
@@ -196,7 +197,7 @@ def _hello(**over) -> wire.Hello:
 
 
 def test_malformed_frames_to_router(cluster):
-    codec = wire.Codec()
+    codec = Codec()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

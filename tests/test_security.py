@@ -23,6 +23,7 @@ import zmq
 import zmq.auth
 from cluster_harness import READY, Cluster, free_port, request
 from pagedserve.protos import wire
+from pagedserve.protos.codec import Codec
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 from pagedserve.router.app import read_model_info
@@ -156,7 +157,7 @@ def _try_register(endpoint: str, hello: wire.Hello, keys=None, wait_s: float = 2
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
     try:
         sock.connect(endpoint)
-        codec = wire.Codec()
+        codec = Codec()
         try:  # a refused handshake can drop the only pipe before the send: then it blocks
             sock.send_multipart(codec.encode(hello), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -65,8 +65,8 @@ import zmq
 # script's own folder is not on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_plan_checker import PlanChecker  # noqa: E402
+from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import (
-    Codec,
     ErrorReport,
     Heartbeat,
     Hello,
