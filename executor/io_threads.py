@@ -24,6 +24,7 @@ from typing import NamedTuple
 import zmq
 from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import Heartbeat, Shutdown, StepPlan, WireError
+from pagedserve.protos.zmq_io import NOBLOCK, recv_frames, send_frames
 
 from pagedserve.affinity import pin_current_thread
 
@@ -214,7 +215,7 @@ class MainSocketIO(threading.Thread):
                         msg = self._outbox.popleft()
                         if msg is _STOP:
                             return
-                        sock.send_multipart(codec.encode(msg), copy=False)
+                        send_frames(sock, codec.encode(msg))
                 if sock in ready:
                     self._receive(sock, codec)
         except Exception as exc:  # noqa: BLE001 - handed to the main thread, which re-registers
@@ -226,7 +227,7 @@ class MainSocketIO(threading.Thread):
     def _receive(self, sock: zmq.Socket, codec: Codec) -> None:
         with contextlib.suppress(zmq.Again):
             while True:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, NOBLOCK)
                 self.last_heard = time.monotonic()
                 try:
                     msg = codec.decode(frames)

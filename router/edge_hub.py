@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from ..protos.zmq_io import NOBLOCK, send_frames
 from .edge_wire import (
     EDGE_PROTOCOL_VERSION,
     AbortCall,
@@ -277,8 +278,7 @@ class EdgeHub:
 
     def _send(self, conn: WorkerConn, msg) -> None:
         try:
-            self._sock.send_multipart([conn.routing_id, self._codec_out.encode(msg)],
-                                      flags=zmq.NOBLOCK)
+            send_frames(self._sock, (conn.routing_id, self._codec_out.encode(msg)), NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("API worker %d: %s not sent (%s)", conn.index, type(msg).__name__, exc)
         self._reader.poke()

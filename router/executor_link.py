@@ -41,6 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..protos import wire
 from ..protos.codec import Codec
+from ..protos.zmq_io import NOBLOCK, send_frames
 from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.link")
@@ -229,7 +230,7 @@ class ExecutorLink:
         """Queue a message to one executor socket; never blocks the event loop."""
         frames = self._codec_out.encode(msg)
         try:
-            self._sock.send_multipart([routing_id, *frames], copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._sock, [routing_id, *frames], NOBLOCK)
         except zmq.Again:
             log.warning("send queue to an executor is full; message dropped")
         self._reader.poke()  # a send can take the signal of messages that arrived

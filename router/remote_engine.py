@@ -32,6 +32,7 @@ import grpc
 import msgspec
 import zmq
 
+from ..protos.zmq_io import NOBLOCK
 from .detokenizer import TextAssembler
 from .edge_wire import (
     AbortCall,
@@ -123,7 +124,7 @@ class RemoteEngine:
         self._ctx.term()
 
     def send(self, msg) -> None:
-        self._sock.send(self._codec_out.encode(msg), flags=zmq.NOBLOCK)
+        self._sock.send(self._codec_out.encode(msg), NOBLOCK)
         self._reader.poke()
 
     async def _call(self, msg_of_call) -> Reply:

@@ -17,7 +17,10 @@ from collections.abc import Callable
 
 import zmq
 
+from ..protos.zmq_io import NOBLOCK, recv_frames
+
 DRAIN_BATCH = 64  # messages received per event-loop turn before yielding
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum operators a call
 
 
 class SocketReader:
@@ -49,7 +52,7 @@ class SocketReader:
         """After a send on the socket: drain soon if it holds messages (asking the socket
         costs a few microseconds: not when a drain is already coming)."""
         if self._fd is not None and not self._scheduled \
-                and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                and self._sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
 
     def _schedule(self) -> None:
@@ -61,7 +64,7 @@ class SocketReader:
         self._scheduled = False
         for _ in range(self._batch):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self._sock, NOBLOCK)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
