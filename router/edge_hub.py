@@ -267,6 +267,7 @@ class EdgeHub:
     def _flush(self) -> None:
         """Every worker's outbox and token columns as one Outputs message each."""
         self._flush_scheduled = False
+        sent = False
         for conn in self.workers.values():
             if conn.outbox or conn.token_ids:
                 msg = Outputs(list(conn.outbox.values()), conn.token_request_ids,
@@ -274,14 +275,18 @@ class EdgeHub:
                 conn.outbox.clear()
                 _clear_columns(conn)
                 if conn.routing_id:
-                    self._send(conn, msg)
+                    self._send(conn, msg, poke=False)
+                    sent = True
+        if sent:
+            self._reader.poke()  # once after the turn's sends, not once per worker
 
-    def _send(self, conn: WorkerConn, msg) -> None:
+    def _send(self, conn: WorkerConn, msg, poke: bool = True) -> None:
         try:
             send_frames(self._sock, (conn.routing_id, self._codec_out.encode(msg)), NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("API worker %d: %s not sent (%s)", conn.index, type(msg).__name__, exc)
-        self._reader.poke()
+        if poke:  # a send can take the signal of messages that arrived (zmq_reader.py)
+            self._reader.poke()
 
     # ------------------------------------------------------------------ calls
 

@@ -113,9 +113,9 @@ class Rig:
         self.sent: list[tuple[int, object]] = []
         send = self.hub._send
 
-        def spy(conn, msg):
+        def spy(conn, msg, **kwargs):
             self.sent.append((conn.index, msg))
-            send(conn, msg)
+            send(conn, msg, **kwargs)
         self.hub._send = spy
         self.workers = [RemoteEngine(self.hub.address, i, INFO, PieceTokenizer())
                         for i in range(2)]

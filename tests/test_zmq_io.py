@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zmq
-
 from pagedserve.protos.zmq_io import NOBLOCK, recv_frames, send_frames
 
 
