@@ -9,6 +9,10 @@ send -> executor decode/answer/encode -> receive -> decode result. Target: p50 <
 
 Cases:
 1. codec: the four Codec calls in one process (plan encode/decode, result encode/decode).
+1b. frames: a plan's frames (routing id first, as the router sends them) sent and received
+   over a tcp loopback pair in this process, with pyzmq's send/recv_multipart (enum flags,
+   as the link did before 2026-11-27) and with protos/zmq_io.py's send_frames/recv_frames
+   (the link's and the hub's now): CPU a message on each side, no round trip.
 2. zmq_sync_ping: a Heartbeat echoed (the transport floor on this machine).
 3. zmq_sync: a plain blocking zmq ROUTER in this process, frames received as zmq.Frame
    (copy=False) on both sides, as the router and the executor do today.
@@ -43,6 +47,7 @@ import numpy as np
 import zmq
 from pagedserve.protos import wire
 from pagedserve.protos.codec import Codec
+from pagedserve.protos.zmq_io import NOBLOCK, recv_frames, send_frames
 
 BENCH = "hop_bench"
 BLOCK_SIZE = 16
@@ -176,6 +181,52 @@ def bench_codec(plans: list[wire.StepPlan], iters: int) -> dict:
         "plan_bytes": plan_bytes, "result_bytes": result_bytes,
         "num_requests": len(plans[0].request_ids), "iterations": iters,
     }
+
+
+def bench_frames(plans: list[wire.StepPlan], iters: int) -> dict:
+    """Send and receive cost of one plan message, pyzmq's multipart calls against zmq_io's,
+    over tcp loopback in this process (batches of 64 sent, then received once they are in:
+    the receiver does not wait), each with the flags the router passes (NOBLOCK)."""
+    ctx = zmq.Context()
+    tx, rx = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (tx, rx):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    tx.send(b"hi")
+    rx.recv()
+    codec = Codec()
+    messages = [[b"executor-0", *codec.encode(p)] for p in plans]
+    ways = {
+        "multipart": (lambda m: tx.send_multipart(m, flags=zmq.NOBLOCK, copy=False),
+                      lambda: rx.recv_multipart(zmq.NOBLOCK, copy=False)),
+        "zmq_io": (lambda m: send_frames(tx, m, NOBLOCK), lambda: recv_frames(rx, NOBLOCK)),
+    }
+    times: dict[str, tuple[list[float], list[float]]] = {w: ([], []) for w in ways}
+    pc, batch = time.perf_counter, 64
+    for i in range(max(1, iters // batch)):
+        for way, (send, recv) in ways.items():  # interleaved: the machine's noise is shared
+            sends, recvs = times[way]
+            t0 = pc()
+            for j in range(batch):
+                send(messages[(i * batch + j) % len(messages)])
+            sends.append((pc() - t0) / batch)
+            rx.poll(1000)  # the first has arrived; give the rest time to (64 x ~12 KB)
+            time.sleep(0.02)
+            t0 = pc()
+            for _ in range(batch):
+                recv()
+            recvs.append((pc() - t0) / batch)
+    tx.close(0)
+    rx.close(0)
+    ctx.term()
+    out = {"bench": BENCH, "case": "frames", "frames_per_message": len(messages[0]),
+           "num_requests": len(plans[0].request_ids), "iterations": iters}
+    for way, (sends, recvs) in times.items():
+        out[f"{way}_send_us_p50"] = round(statistics.median(sends) * 1e6, 2)
+        out[f"{way}_recv_us_p50"] = round(statistics.median(recvs) * 1e6, 2)
+    return out
 
 
 def bench_zmq_sync(plans: list[wire.StepPlan], iters: int, warmup: int,
@@ -381,7 +432,7 @@ def main(argv=None) -> int:
     for _ in range(rounds):
         for i, case in enumerate(cases):
             runs[i].append(case())
-    results = [bench_codec(plans, iters)]
+    results = [bench_codec(plans, iters), bench_frames(plans, iters)]
     for case_runs in runs:
         case_runs.sort(key=lambda r: r["rtt_us_p50"])
         median = dict(case_runs[(len(case_runs) - 1) // 2])

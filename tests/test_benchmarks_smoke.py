@@ -48,7 +48,7 @@ def test_scheduler_bench_quick():
 def test_hop_bench_quick():
     lines = _run("hop_bench.py", "--quick")
     by_case = {r["case"]: r for r in lines}
-    assert set(by_case) == {"codec", "zmq_sync_ping", "zmq_sync", "router_link"}
+    assert set(by_case) == {"codec", "frames", "zmq_sync_ping", "zmq_sync", "router_link"}
     for case in ("zmq_sync_ping", "zmq_sync", "router_link"):
         r = by_case[case]
         assert r["rtt_us_p50"] > 0 and r["rtt_us_p99"] >= r["rtt_us_p50"]
@@ -57,6 +57,10 @@ def test_hop_bench_quick():
     for k in ("plan_encode_us_p50", "plan_decode_us_p50", "result_decode_us_p50",
               "plan_bytes", "result_bytes"):
         assert codec[k] > 0
+    frames = by_case["frames"]
+    assert frames["frames_per_message"] == 3  # routing id, header, the arrays' frame
+    for way in ("multipart", "zmq_io"):
+        assert frames[f"{way}_send_us_p50"] > 0 and frames[f"{way}_recv_us_p50"] > 0
 
 
 def test_step_overhead_quick_fake():
