@@ -147,11 +147,11 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
         hub_sent = [0, 0]  # Outputs messages, the steady tokens in their columns
         send = hub._send
 
-        def counting_send(conn, msg) -> None:
+        def counting_send(conn, msg, **kwargs) -> None:
             if isinstance(msg, Outputs):
                 hub_sent[0] += 1
                 hub_sent[1] += len(msg.token_ids)
-            send(conn, msg)
+            send(conn, msg, **kwargs)
         hub._send = counting_send
     rng = np.random.default_rng(0)
     for i in range(streams):
