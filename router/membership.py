@@ -51,6 +51,7 @@ class ExecutorHandle:
     prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
     last_check: float = 0.0  # when the KV accounting was last checked
     next_full_check: float = 0.0  # when the O(blocks) invariant check may run again
+    gauges_due: float = 0.0  # when a busy step loop next refreshes the executor's gauges
     num_leaked_blocks: int = 0
 
     @property

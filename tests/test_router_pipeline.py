@@ -423,3 +423,36 @@ def test_the_step_trace_is_complete_once_the_engine_stops(monkeypatch, tmp_path)
         assert sum(x["num_sampled"] for x in lines) >= 6
 
     run(main())
+
+
+def test_a_busy_loop_refreshes_gauges_at_most_each_interval_and_exactly_when_idle(monkeypatch):
+    """Gauges cost tens of µs a step: while results keep coming they are refreshed at most
+    every GAUGE_INTERVAL_S; when the loop runs out of plans they are refreshed at once."""
+    from pagedserve.router import step_loop
+    monkeypatch.setattr(step_loop, "GAUGE_INTERVAL_S", 3600.0)
+
+    async def main():
+        engine, ex = make_engine(2)
+        value = engine.metrics.registry.get_sample_value
+        labels = {"executor": "e0"}
+        calls = []
+        update = engine.update_gauges
+        engine.update_gauges = lambda handle: (calls.append(1), update(handle))
+        a = await submit(engine, "a", [1, 2, 3, 4, 5], max_tokens=12)
+        b = await submit(engine, "b", [6, 7], max_tokens=12)
+        await ex.wait_plans(2)
+        await ex.answer()
+        await ex.answer()
+        await settle()
+        busy = len(calls)
+        assert busy <= 2  # once after the first result (the interval starts), not per step
+        assert value("pagedserve_requests_running", labels) == 2
+        await ex.run_until_done([a, b])
+        while ex.unanswered():
+            await ex.answer()
+        await settle()
+        assert len(calls) - busy <= 2  # the idle refresh, not one per answered step
+        assert value("pagedserve_requests_running", labels) == 0
+        assert value("pagedserve_kv_cache_usage_ratio", labels) == 0.0  # every block free
+        assert free_blocks(engine) == (64, 64)
+    run(main())
