@@ -186,7 +186,12 @@ def _note_full_blocks(self: KVCacheManager, request_id: str, req: RequestState,
     scheduled through its end has anything to release."""
     req.token_ids = token_ids
     intent = req.intent
-    if (self.enable_prefix_caching and req.num_tokens // self.block_size > req.num_cached_blocks) \
+    # A block registers once its tokens are both scheduled and known (a pipelined decode
+    # schedules a slot for a token still being sampled: its block waits a step).
+    known = req.num_tokens
+    if len(token_ids) < known:
+        known = len(token_ids)
+    if (self.enable_prefix_caching and known // self.block_size > req.num_cached_blocks) \
             or (intent is not None and req.num_tokens >= intent.num_tokens):
         if self._in_step:
             self._dirty[request_id] = None
