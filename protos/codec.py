@@ -6,7 +6,9 @@ little-endian buffer outside it, referenced from frame 0 by a small msgpack exte
 (each at an 8-byte aligned offset) in frame 1, an array of that size or more in a frame of
 its own (sent and received without a copy): a message's frames cost ~2.7 us each to send and
 as much to receive, and a plan holds a dozen small arrays plus two a new request. Every
-reference is checked against the frames, and every byte of frame 1 must belong to an array.
+reference is checked against the frames; frame 1 must end where its last array ends, and
+every frame after it must be some array's own frame (a message with a frame nothing
+refers to is malformed).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Codec:
         self._ext_out: dict[tuple, msgspec.msgpack.Ext] = {}
         self._refs_in: dict[bytes, tuple[int, int, np.dtype, tuple[int, ...], int]] = {}
         self._in_end = 0  # where the arrays read from frame 1 so far end
+        self._in_own: set[int] = set()  # own frames (index > 1) the arrays read so far
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(
             Message, ext_hook=self._ext_hook, dec_hook=self._dec_hook
@@ -153,8 +156,10 @@ class Codec:
                                 f"[{offset}, {end})")
             if end > self._in_end:
                 self._in_end = end
-        elif offset or size != nbytes:
-            raise WireError(f"array frame {index} has {size} bytes, expected {nbytes}")
+        else:
+            if offset or size != nbytes:
+                raise WireError(f"array frame {index} has {size} bytes, expected {nbytes}")
+            self._in_own.add(index)
         arr = np.frombuffer(buf, dt, nbytes // dt.itemsize, offset)  # (keywords: 2x slower)
         return arr if len(shape) == 1 else arr.reshape(shape)
 
@@ -170,6 +175,8 @@ class Codec:
             raise WireError(f"message with {len(frames)} frames")
         self._in_frames = frames
         self._in_end = 0
+        if self._in_own:
+            self._in_own = set()
         head = frames[0]
         if type(head) is not bytes and hasattr(head, "buffer"):  # zmq.Frame
             head = head.buffer
@@ -184,9 +191,12 @@ class Codec:
         if len(frames) > _PACK_FRAME:
             pack = frames[_PACK_FRAME]
             size = pack.nbytes if type(pack) is memoryview else len(pack)
-            if size != self._in_end:  # every byte of it belongs to an array
+            if size != self._in_end:  # no bytes after its last array
                 raise WireError(f"array frame {_PACK_FRAME} has {size} bytes, its arrays "
                                 f"end at {self._in_end}")
+            if len(self._in_own) != len(frames) - _PACK_FRAME - 1:
+                raise WireError(f"message of {len(frames)} frames: only "
+                                f"{len(self._in_own)} after frame {_PACK_FRAME} hold an array")
         if msg.version != PROTOCOL_VERSION:
             raise WireError(f"protocol version {msg.version}, expected {PROTOCOL_VERSION}")
         if isinstance(msg, (StepPlan, StepResult)):

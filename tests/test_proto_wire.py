@@ -160,6 +160,13 @@ def test_small_arrays_share_frame_1_and_large_ones_have_their_own():
     bad[2] = bad[2][:-8]
     with pytest.raises(WireError, match="array frame 2"):
         c.decode(bad)
+    # a frame no array refers to, after the own frame or after frame 1 alone
+    with pytest.raises(WireError, match="hold an array"):
+        c.decode([*frames, b"\0" * 8])
+    small = [bytes(f) for f in c.encode(plan())]
+    with pytest.raises(WireError, match="hold an array"):
+        c.decode([*small, b"junk"])
+    assert c.decode(frames).slot_mapping.tolist() == big.tolist()  # the codec still decodes
 
 
 def test_odd_sized_arrays_are_aligned_in_frame_1():
