@@ -4,9 +4,10 @@ pyzmq's `send_multipart` combines its flags as enum.Flag objects (`zmq.SNDMORE |
 Python-level operators) and `recv_multipart` asks `getsockopt(zmq.RCVMORE)` after every
 frame; with enum flags the receive also converts them on each call. A received Frame
 already says whether more frames follow (`Frame.more`), and plain int flags cost nothing.
-Measured on this project's messages (benchmarks/README.md, "hop_bench"): a 4-frame message
-received in 2.7 µs instead of 5.6, sent in 4.4 instead of 5.8. ZeroMQ delivers a
-multipart message whole or not at all, so once the first frame is in, the rest are too.
+Measured on a decode plan's frames with the routing id (hop_bench.py's `frames` case,
+benchmarks/README.md): received in 3.2 µs instead of 5.7, sent in 8.4 instead of 9.2.
+ZeroMQ delivers a multipart message whole or not at all, so once the first frame is in,
+the rest are too.
 """
 
 from __future__ import annotations
