@@ -26,7 +26,9 @@ Figures (per case, over the window; raw per-step values, never histogram buckets
                         edges fell behind);
   client_cpu_util_ratio, client_loop_cpu_util_ratio   this process's CPU in the window /
                         window (all threads; the event loop's thread, which runs every
-                        stream's Python): near 1.0 for the loop, the client limits output;
+                        stream's Python): near 1.0 for the loop, the client limits output
+                        (with --client-procs N: all N processes' CPU, and the busiest
+                        one's main thread);
   workers_cpu_util_ratio  with `--api-workers N`: the workers' CPU / window (N = N cores);
   router_cpu_ms_per_step  router process CPU time (all threads) / results received;
   worker_cpu_ms_per_step, total_cpu_ms_per_step   with `--api-workers N`: the API worker
@@ -50,7 +52,7 @@ edges through SIGUSR1.
 
     .venv/bin/python benchmarks/step_overhead.py [--quick] [--models tiny,default]
         [--running 1,32,256] [--depths 1,2] [--window-s 8] [--fake] [--fake-only]
-        [--api-workers N]
+        [--api-workers N] [--client-channels N] [--client-procs N]
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from pagedserve.affinity import format_cores, pin_current_thread, plan_serve
 from pagedserve.subprocs import stop_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
+from step_overhead_clients import drive_procs  # noqa: E402
 from step_overhead_drive import PROMPT_LEN, drive, summarise  # noqa: E402
 from step_overhead_launcher import launch  # noqa: E402
 from step_overhead_server import (  # noqa: E402
@@ -91,7 +94,18 @@ def emit(case: str, **figures) -> dict:
 
 def workers_suffix(args) -> str:
     return (f"_w{args.api_workers}" if args.api_workers else "") + \
-        (f"_c{args.client_channels}" if args.client_channels != 1 else "")
+        (f"_c{args.client_channels}" if args.client_channels != 1 else "") + \
+        (f"_p{args.client_procs}" if args.client_procs > 1 else "")
+
+
+def run_clients(args, address: str, running: int, max_tokens: int, vocab: int, server,
+                stop: list[str]) -> dict:
+    """The streams from this process (`drive`) or from --client-procs processes."""
+    if args.client_procs > 1:
+        return drive_procs(address, running, max_tokens, vocab, args.window_s, server, stop,
+                           channels=args.client_channels, procs=args.client_procs)
+    return asyncio.run(drive(address, running, max_tokens, vocab, args.window_s, server,
+                             stop, channels=args.client_channels))
 
 
 def run_real(model: str, path: Path, running: int, depth: int, args, work: Path) -> dict:
@@ -107,14 +121,13 @@ def run_real(model: str, path: Path, running: int, depth: int, args, work: Path)
     try:
         server.wait_ready()
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        run = asyncio.run(drive(server.address, running, max_tokens, vocab, args.window_s,
-                                server, [], channels=args.client_channels))
+        run = run_clients(args, server.address, running, max_tokens, vocab, server, [])
     finally:
         server.stop()
     res = summarise(run, server.trace_lines())
     return {"mode": "real", "model": model, "depth": depth, "running": running,
             "executors": 1, "api_workers": args.api_workers,
-            "client_channels": args.client_channels, **res}
+            "client_channels": args.client_channels, "client_procs": args.client_procs, **res}
 
 
 def run_fake(path: Path, executors: int, running: int, depth: int, args,
@@ -145,15 +158,15 @@ def run_fake(path: Path, executors: int, running: int, depth: int, args,
             fakes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, cwd=ROOT))
         wait_executors(server.address, executors)
-        run = asyncio.run(drive(server.address, running, max_len - PROMPT_LEN - 1, vocab,
-                                args.window_s, server, stop, channels=args.client_channels))
+        run = run_clients(args, server.address, running, max_len - PROMPT_LEN - 1, vocab,
+                          server, stop)
     finally:
         server.stop()
         stop_processes(fakes, timeout_s=10)
     res = summarise(run, server.trace_lines())
     return {"mode": "fake", "model": "fake", "depth": depth, "running": running,
             "executors": executors, "api_workers": args.api_workers,
-            "client_channels": args.client_channels,
+            "client_channels": args.client_channels, "client_procs": args.client_procs,
             "step_delay_ms": args.fake_step_delay_ms,
             "stop_strings": len(stop), **res}
 
@@ -234,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-channels", type=int, default=1,
                     help="gRPC channels (connections) the streams are spread over; API "
                          "workers share connections, not streams")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes the streams (and channels) are spread over: at "
+                         "tens of thousands of tokens a second one process's event loop can "
+                         "be the limit (step_overhead_clients.py)")
     args = ap.parse_args(argv)
     # The clients run on the router's cores, as `serve` leaves the executor's core to the
     # executor (--cpu-affinity auto, pagedserve.affinity): a load generator sharing the

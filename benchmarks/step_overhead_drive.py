@@ -41,6 +41,36 @@ class Stream:
     error: str = ""
 
 
+async def run_stream(stub, st: Stream, rng, max_tokens: int, vocab: int, stop: list[str],
+                     on_tokens, on_error) -> None:
+    """One greedy, ignore_eos stream of a random PROMPT_LEN-token prompt: each chunk's time
+    and token count into `st`, then `on_tokens(st, tokens before the chunk)`; an RPC error
+    is recorded in `st.error` and `on_error()` called (drive and the client processes)."""
+    import grpc
+    from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
+    req = pb.GenerateRequest(params=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop))
+    req.prompt_token_ids.ids.extend(rng.integers(3, vocab, PROMPT_LEN).tolist())
+    call = stub.Stream(req)
+    try:
+        async for chunk in call:
+            n = len(chunk.token_ids)
+            if not n:
+                continue
+            st.times.append(time.monotonic())
+            st.counts.append(n)
+            before = st.num_tokens
+            st.num_tokens += n
+            on_tokens(st, before)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    except grpc.aio.AioRpcError as exc:
+        st.error = f"{exc.code().name}: {exc.details()}"
+        on_error()
+
+
 async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
                 window_s: float, server: Server, stop: list[str], seed: int = 0,
                 channels: int = 1) -> dict:
@@ -49,7 +79,6 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
     workers the kernel spreads connections, not streams, over them)."""
     import grpc
     import numpy as np
-    from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
     from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
     rng = np.random.default_rng(seed)
@@ -57,35 +86,13 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
     warm = asyncio.Event()
     near_end = asyncio.Event()
     num_warm = [0]
-    limit = max_tokens - END_MARGIN_TOKENS
 
-    async def one(i: int, stub) -> None:
-        st = streams[i]
-        req = pb.GenerateRequest(params=pb.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop))
-        req.prompt_token_ids.ids.extend(rng.integers(3, vocab, PROMPT_LEN).tolist())
-        call = stub.Stream(req)
-        try:
-            async for chunk in call:
-                n = len(chunk.token_ids)
-                if not n:
-                    continue
-                now = time.monotonic()
-                st.times.append(now)
-                st.counts.append(n)
-                before = st.num_tokens
-                st.num_tokens += n
-                if before < WARMUP_TOKENS <= st.num_tokens:
-                    num_warm[0] += 1
-                    if num_warm[0] == num_streams:
-                        warm.set()
-                if st.num_tokens >= limit:
-                    near_end.set()
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except grpc.aio.AioRpcError as exc:
-            st.error = f"{exc.code().name}: {exc.details()}"
+    def on_tokens(st: Stream, before: int) -> None:
+        if before < WARMUP_TOKENS <= st.num_tokens:
+            num_warm[0] += 1
+            if num_warm[0] == num_streams:
+                warm.set()
+        if st.num_tokens >= max_tokens - END_MARGIN_TOKENS:
             near_end.set()
 
     # A local subchannel pool per channel: otherwise channels to one address share a
@@ -95,8 +102,9 @@ async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
               for _ in range(max(1, channels))]
     try:
         stubs = [pb_grpc.GeneratorStub(ch) for ch in opened]
-        tasks = [asyncio.ensure_future(one(i, stubs[i % len(stubs)]))
-                 for i in range(num_streams)]
+        tasks = [asyncio.ensure_future(run_stream(
+            stubs[i % len(stubs)], streams[i], rng, max_tokens, vocab, stop, on_tokens,
+            near_end.set)) for i in range(num_streams)]
         try:
             ramp = [asyncio.ensure_future(e.wait()) for e in (warm, near_end)]
             await asyncio.wait(ramp, timeout=RAMP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)

@@ -110,6 +110,15 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                   # worker connections, not streams (benchmarks/README)
                                   "--client-channels", "8"]),
                                "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        # 256 streams with the workers again, the clients in 4 processes: is one client
+        # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
+        # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
+        overhead_procs = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                             str(ctx.model_dir), "--api-workers", "2",
+                             *(["--quick", "--depths", "2"] if ctx.small else
+                               ["--running", "256", "--depths", "2", "--window-s", "5"]),
+                             "--client-channels", "8", "--client-procs", "4",
+                             "--work-dir", str(ctx.work_dir / "step-overhead-client-procs"))
         # The same executors one step at a time (overlapped steps off): their effect.
         one_at_a_time = _py(ctx, "benchmarks/step_overhead.py", "--models",
                             str(ctx.model_dir),
@@ -134,6 +143,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
+                Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_no_overlap", one_at_a_time, 100,
                      env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")

@@ -80,6 +80,21 @@ def test_step_overhead_quick_fake():
     assert "stream_errors" not in r
 
 
+def test_step_overhead_clients_in_processes():
+    """--client-procs 2: the streams from two spawned processes, every stream's tokens
+    collected back, the output counted as from one process."""
+    lines = _run("step_overhead.py", "--quick", "--fake-only", "--client-procs", "2",
+                 "--client-channels", "2")
+    assert [r["case"] for r in lines] == ["fake_e1_r8_d2_c2_p2"]
+    r = lines[0]
+    assert r["client_procs"] == 2 and "stream_errors" not in r
+    assert r["output_tok_per_s"] > 0 and r["steps"] > 0
+    # each token the executor sampled in the window reached a client (the window's edges
+    # can split a step from its tokens: a few percent either way)
+    assert abs(r["output_tok_per_s"] - r["trace_tok_per_s"]) <= 0.1 * r["trace_tok_per_s"]
+    assert 0 < r["client_loop_cpu_util_ratio"] <= r["client_cpu_util_ratio"]
+
+
 def test_engine_bench_quick():
     """The in-process engine at full speed: every stream decodes, the windows are timed."""
     lines = _run("engine_bench.py", "--streams", "8", "--steps", "100", "--window", "50")
