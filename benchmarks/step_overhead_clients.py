@@ -18,13 +18,14 @@ import queue
 import time
 
 from step_overhead_drive import (
-    END_MARGIN_TOKENS,
     RAMP_TIMEOUT_S,
     SETTLE_S,
     WARMUP_TOKENS,
     RampError,
     Stream,
-    run_stream,
+    start_streams,
+    stop_streams,
+    token_watch,
 )
 
 RESULT_TIMEOUT_S = 60.0  # for each process's streams after the window
@@ -46,38 +47,18 @@ def _client(address: str, indices: list[int], max_tokens: int, vocab: int, stop:
     {index: (times, counts, num_tokens, error)} on `out`."""
 
     async def main() -> dict:
-        import grpc
         import numpy as np
-        from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
         rng = np.random.default_rng(seed)
         streams = {i: Stream() for i in indices}
-        num_warm = [0]
-
-        def on_tokens(st: Stream, before: int) -> None:
-            if before < WARMUP_TOKENS <= st.num_tokens:
-                num_warm[0] += 1
-                if num_warm[0] == len(indices):
-                    warm.set()
-            if st.num_tokens >= max_tokens - END_MARGIN_TOKENS:
-                near_end.set()
-
-        options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
-        opened = [grpc.aio.insecure_channel(address, options=options)
-                  for _ in range(max(1, channels))]
+        on_tokens = token_watch(len(indices), max_tokens, warm.set, near_end.set)
+        opened, tasks = start_streams(address, list(streams.values()), rng, max_tokens, vocab,
+                                      stop, channels, on_tokens, near_end.set)
         try:
-            stubs = [pb_grpc.GeneratorStub(ch) for ch in opened]
-            tasks = [asyncio.ensure_future(run_stream(
-                stubs[k % len(stubs)], streams[i], rng, max_tokens, vocab, stop, on_tokens,
-                near_end.set)) for k, i in enumerate(indices)]
             while not done.is_set():
                 await asyncio.sleep(0.01)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            for ch in opened:
-                await ch.close()
+            await stop_streams(opened, tasks)
         return {i: (st.times, st.counts, st.num_tokens, st.error) for i, st in streams.items()}
 
     out.put(asyncio.run(main()))

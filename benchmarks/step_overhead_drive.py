@@ -71,68 +71,92 @@ async def run_stream(stub, st: Stream, rng, max_tokens: int, vocab: int, stop: l
         on_error()
 
 
-async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
-                window_s: float, server: Server, stop: list[str], seed: int = 0,
-                channels: int = 1) -> dict:
-    """Start the streams, wait for ramp-up, measure a window, cancel everything. The
-    streams go round robin over `channels` gRPC channels (each its own connection: with API
-    workers the kernel spreads connections, not streams, over them)."""
-    import grpc
-    import numpy as np
-    from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
-
-    rng = np.random.default_rng(seed)
-    streams = [Stream() for _ in range(num_streams)]
-    warm = asyncio.Event()
-    near_end = asyncio.Event()
+def token_watch(num_streams: int, max_tokens: int, on_all_warm, on_near_end):
+    """`run_stream`'s `on_tokens` for `num_streams` streams: `on_all_warm()` once every one
+    has WARMUP_TOKENS tokens (ramp-up is over), `on_near_end()` when one could end within
+    END_MARGIN_TOKENS (the window must close before ramp-down)."""
     num_warm = [0]
 
     def on_tokens(st: Stream, before: int) -> None:
         if before < WARMUP_TOKENS <= st.num_tokens:
             num_warm[0] += 1
             if num_warm[0] == num_streams:
-                warm.set()
+                on_all_warm()
         if st.num_tokens >= max_tokens - END_MARGIN_TOKENS:
-            near_end.set()
+            on_near_end()
+
+    return on_tokens
+
+
+def start_streams(address: str, streams: list[Stream], rng, max_tokens: int, vocab: int,
+                  stop: list[str], channels: int, on_tokens, on_error) -> tuple[list, list]:
+    """Open `channels` gRPC channels (connections) and start one `run_stream` task per
+    stream, round robin over them; returns (channels, tasks): the caller cancels the tasks
+    and closes the channels."""
+    import grpc
+    from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
     # A local subchannel pool per channel: otherwise channels to one address share a
     # connection (the default of 1 channel is the client as it always was).
     options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
     opened = [grpc.aio.insecure_channel(address, options=options)
               for _ in range(max(1, channels))]
+    stubs = [pb_grpc.GeneratorStub(ch) for ch in opened]
+    tasks = [asyncio.ensure_future(run_stream(stubs[k % len(stubs)], st, rng, max_tokens,
+                                              vocab, stop, on_tokens, on_error))
+             for k, st in enumerate(streams)]
+    return opened, tasks
+
+
+async def stop_streams(opened: list, tasks: list) -> None:
+    """Cancel what `start_streams` started and close its channels."""
     try:
-        stubs = [pb_grpc.GeneratorStub(ch) for ch in opened]
-        tasks = [asyncio.ensure_future(run_stream(
-            stubs[i % len(stubs)], streams[i], rng, max_tokens, vocab, stop, on_tokens,
-            near_end.set)) for i in range(num_streams)]
-        try:
-            ramp = [asyncio.ensure_future(e.wait()) for e in (warm, near_end)]
-            await asyncio.wait(ramp, timeout=RAMP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-            for f in ramp:
-                f.cancel()
-            if not warm.is_set():
-                have = sum(st.num_tokens >= WARMUP_TOKENS for st in streams)
-                raise RampError(f"only {have} of {num_streams} streams had {WARMUP_TOKENS} "
-                                f"tokens before {'one could end' if near_end.is_set() else 'the ramp-up timeout'}"
-                                f" ({max(s.num_tokens for s in streams)} tokens at most): no "
-                                "steady state")
-            await asyncio.sleep(SETTLE_S)
-            snap0 = await asyncio.to_thread(server.snapshot)
-            t0 = time.monotonic()
-            client0 = (time.process_time(), time.thread_time())
-            with_end = asyncio.ensure_future(near_end.wait())
-            await asyncio.wait({with_end}, timeout=window_s)
-            with_end.cancel()
-            client1 = (time.process_time(), time.thread_time())
-            snap1 = await asyncio.to_thread(server.snapshot)
-            t1 = time.monotonic()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         for ch in opened:
             await ch.close()
+
+
+async def drive(address: str, num_streams: int, max_tokens: int, vocab: int,
+                window_s: float, server: Server, stop: list[str], seed: int = 0,
+                channels: int = 1) -> dict:
+    """Start the streams, wait for ramp-up, measure a window, cancel everything. The
+    streams go round robin over `channels` gRPC channels (each its own connection: with API
+    workers the kernel spreads connections, not streams, over them)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    streams = [Stream() for _ in range(num_streams)]
+    warm = asyncio.Event()
+    near_end = asyncio.Event()
+    on_tokens = token_watch(num_streams, max_tokens, warm.set, near_end.set)
+    opened, tasks = start_streams(address, streams, rng, max_tokens, vocab, stop, channels,
+                                  on_tokens, near_end.set)
+    try:
+        ramp = [asyncio.ensure_future(e.wait()) for e in (warm, near_end)]
+        await asyncio.wait(ramp, timeout=RAMP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        for f in ramp:
+            f.cancel()
+        if not warm.is_set():
+            have = sum(st.num_tokens >= WARMUP_TOKENS for st in streams)
+            raise RampError(f"only {have} of {num_streams} streams had {WARMUP_TOKENS} "
+                            f"tokens before {'one could end' if near_end.is_set() else 'the ramp-up timeout'}"
+                            f" ({max(s.num_tokens for s in streams)} tokens at most): no "
+                            "steady state")
+        await asyncio.sleep(SETTLE_S)
+        snap0 = await asyncio.to_thread(server.snapshot)
+        t0 = time.monotonic()
+        client0 = (time.process_time(), time.thread_time())
+        with_end = asyncio.ensure_future(near_end.wait())
+        await asyncio.wait({with_end}, timeout=window_s)
+        with_end.cancel()
+        client1 = (time.process_time(), time.thread_time())
+        snap1 = await asyncio.to_thread(server.snapshot)
+        t1 = time.monotonic()
+    finally:
+        await stop_streams(opened, tasks)
     errors = [s.error for s in streams if s.error]
     return {"streams": streams, "t0": t0, "t1": t1, "snap0": snap0, "snap1": snap1,
             "errors": errors,
