@@ -440,3 +440,33 @@ def test_a_call_that_ended_before_its_answer_is_one_info_line(caplog):
     assert late.getMessage() == ("/pagedserve.v1.Generator/Generate: the call ended (client "
                                  "deadline or cancel) before its final message was sent")
     assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
+def test_stream_chunks_are_the_same_message_on_the_steady_path():
+    """chunk_to_pb builds the steady token's chunk with only its set fields: the bytes equal
+    the full form's; any ending, stop or logprob takes the full form."""
+    from pagedserve.router.grpc_server import chunk_to_pb
+    from pagedserve.router.types import CompletionDelta, TokenLogprob
+
+    def full(rid, d):
+        chunk = pb.GenerateStreamResponse(
+            request_id=rid, index=d.index, text=d.text, token_ids=d.token_ids,
+            finish_reason={None: 0, "length": pb.LENGTH, "stop": pb.STOP}[d.finish_reason],
+            stop_string=d.stop_string or "",
+            logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                      top=[pb.TopLogprob(token_id=t, logprob=v)
+                                           for t, v in lp.top]) for lp in d.logprobs])
+        if d.stop_token_id is not None:
+            chunk.stop_token_id = d.stop_token_id
+        return chunk
+
+    for d in (CompletionDelta(0, " hi", (5,)), CompletionDelta(1, "", (7, 8)),
+              CompletionDelta(2, "é", ()), CompletionDelta(0, "", (9,), finish_reason="length"),
+              CompletionDelta(0, "x", (3,), (TokenLogprob(3, -0.5, ((3, -0.5), (4, -1.0))),)),
+              CompletionDelta(1, "", (2,), finish_reason="stop", stop_token_id=2),
+              CompletionDelta(0, "ab", (6,), finish_reason="stop", stop_string="END")):
+        got = chunk_to_pb("r-1", d)
+        assert got == full("r-1", d), d
+        assert got.SerializeToString() == full("r-1", d).SerializeToString()
+    assert chunk_to_pb("r", CompletionDelta(0, "", (2,), finish_reason="stop",
+                                            stop_token_id=2)).HasField("stop_token_id")
