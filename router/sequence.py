@@ -162,8 +162,13 @@ class OutputChannel:
         while True:
             await self._event.wait()
             self._event.clear()
-            deltas = tuple(self._merge(self._pending[i]) for i in sorted(self._pending))
-            self._pending.clear()
+            pending = self._pending
+            if len(pending) == 1:  # one sample (n = 1, or one sample's turn): no sort
+                (waiting,) = pending.values()
+                deltas = (waiting[0] if len(waiting) == 1 else self._merge(waiting),)
+            else:
+                deltas = tuple(self._merge(pending[i]) for i in sorted(pending))
+            pending.clear()
             if self._error is not None and not deltas:
                 raise self._error
             if self._usage is not None:
