@@ -221,7 +221,7 @@ class RemoteEngine:
                                                    msg.token_ids, strict=True):
                 req = streams.get(request_id)
                 if req is not None:  # (None: the client went away; the core was told)
-                    self._assemble(request_id, req, TokenDelta(index, (token_id,)))
+                    self._assemble_token(request_id, req, index, token_id)
             for item in msg.items:
                 req = streams.get(item.request_id)
                 if req is None:  # the client went away: the core was told
@@ -247,6 +247,22 @@ class RemoteEngine:
             self.status_changed.set()
         elif isinstance(msg, EdgeStop):
             self.stopped.set()
+
+    def _assemble_token(self, request_id: str, req: RemoteRequest, index: int,
+                        token_id: int) -> None:
+        """`_assemble` of a token column row: one token, no logprobs, nothing ended in the
+        core (most tokens: no delta to make, no lists to join)."""
+        asm = req.assemblers[index]
+        if asm.finished:  # ended here by a stop string: the core's later tokens are dropped
+            return
+        update = asm.append(token_id)
+        if update.finished:  # a stop string (the core sends the token stops' rows as items)
+            self.send(StopSample(request_id, index))  # the core did not stop it
+            req.channel.put(CompletionDelta(index, update.text, (token_id,), (),
+                                            update.finish_reason, update.stop_string,
+                                            update.stop_token_id))
+        else:
+            req.channel.put(CompletionDelta(index, update.text, (token_id,)))
 
     def _assemble(self, request_id: str, req: RemoteRequest, delta: TokenDelta) -> None:
         """A sample's new tokens from the core -> text, stop strings -> its stream (as the

@@ -160,6 +160,25 @@ def test_stop_strings_found_in_the_workers_text(cluster):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
 
 
+def test_a_stop_string_found_in_a_worker_stops_the_sample_in_the_core(cluster):
+    """The core does not see stop strings: the worker that finds one tells it (StopSample),
+    and the core stops computing the sample a few steps later, not at max_tokens."""
+    stub = cluster.stub
+    kw = dict(max_tokens=160, temperature=0, ignore_eos=True)
+    text = stub.Generate(request("Stop early", **kw), timeout=60).completions[0].text
+    stops = [text[i:i + 3] for i in range(4, len(text) // 4)
+             if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3]
+             and text[i:i + 3] not in text[:i]]
+    assert stops, text
+    generated = metric(cluster.metrics(), "pagedserve_generation_tokens_total")
+    cut = stub.Generate(request("Stop early", stop=[stops[0]], **kw), timeout=60)
+    assert cut.completions[0].finish_reason == pb.STOP
+    n_cut = len(cut.completions[0].token_ids)
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
+    in_core = metric(cluster.metrics(), "pagedserve_generation_tokens_total") - generated
+    assert n_cut <= in_core < n_cut + 40 < 160, (n_cut, in_core)
+
+
 def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
     """The OpenAI SDK on the workers' HTTP port: a chat stream concatenates to the unary
     reply with usage; a client that disconnects mid-stream leaks no block."""
