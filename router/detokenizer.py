@@ -44,7 +44,7 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns token ids into text one token at a time without ever emitting half a character."""
 
-    __slots__ = ("_tok", "_skip_special", "_ids", "_read", "_prefix_text")
+    __slots__ = ("_tok", "_decode", "_skip_special", "_ids", "_read", "_prefix_text")
 
     def __init__(
         self,
@@ -54,6 +54,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ):
         self._tok = tokenizer
+        self._decode = tokenizer.decode  # (bound once: twice a token)
         self._skip_special = skip_special_tokens
         context = list(prompt_token_ids)
         if skip_special_tokens:
@@ -66,16 +67,18 @@ class IncrementalDetokenizer:
         """Add one token; return the text that became final (possibly "")."""
         if self._skip_special and self._tok.is_special(token_id):
             return ""
-        self._ids.append(token_id)
-        full = self._tok.decode(self._ids)
-        if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT):
-            if len(self._ids) - self._read < _MAX_HELD_TOKENS:
+        ids = self._ids
+        ids.append(token_id)
+        full = self._decode(ids)
+        prefix_len = len(self._prefix_text)
+        if len(full) <= prefix_len or full.endswith(_REPLACEMENT):
+            if len(ids) - self._read < _MAX_HELD_TOKENS:
                 return ""  # nothing new yet, or half a character: wait for more tokens
             # Held too long to be half a character: cut the window (see the module doc).
-            new_text = full[len(self._prefix_text):]
-            del self._ids[:-_PROMPT_CONTEXT_TOKENS]
-            self._read = len(self._ids)
-            self._prefix_text = self._tok.decode(self._ids)
+            new_text = full[prefix_len:]
+            del ids[:-_PROMPT_CONTEXT_TOKENS]
+            self._read = len(ids)
+            self._prefix_text = self._decode(ids)
             return new_text
         return self._advance(full)
 
@@ -83,7 +86,7 @@ class IncrementalDetokenizer:
         """Return whatever is still held (an incomplete character decodes to U+FFFD)."""
         if self._read == len(self._ids):
             return ""
-        full = self._tok.decode(self._ids)
+        full = self._decode(self._ids)
         return self._advance(full)
 
     def _advance(self, full: str) -> str:
@@ -92,7 +95,7 @@ class IncrementalDetokenizer:
         # its end; tokens before it are dropped, so the window never grows with the sequence.
         del self._ids[: self._read]
         self._read = len(self._ids)
-        self._prefix_text = self._tok.decode(self._ids)
+        self._prefix_text = self._decode(self._ids)
         return new_text
 
 

@@ -143,13 +143,13 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of `token_ids` (incomplete UTF-8 at the ends decodes to U+FFFD)."""
-        ids = list(token_ids)
+        """Text of `token_ids` (incomplete UTF-8 at the ends decodes to U+FFFD). The
+        detokenizer calls this twice a generated token: a list is passed on as it is."""
         if skip_special_tokens:
-            ids = [t for t in ids if t not in self.special_token_ids]
-        if self._is_hf:
-            return self._backend.decode(ids, skip_special_tokens=False)
-        return self._backend.decode(ids, skip_special_tokens=False)
+            token_ids = [t for t in token_ids if t not in self.special_token_ids]
+        elif type(token_ids) is not list:
+            token_ids = list(token_ids)
+        return self._backend.decode(token_ids, skip_special_tokens=False)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
