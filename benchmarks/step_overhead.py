@@ -24,6 +24,9 @@ Figures (per case, over the window; raw per-step values, never histogram buckets
   output_tok_per_s      tokens the clients received in the window / window (trace_tok_per_s:
                         the tokens the executors sampled; below it, the clients or the
                         edges fell behind);
+  tokens_per_chunk      tokens a stream message carried on average: above 1, the edges
+                        merged tokens that waited (they fell behind), so a faster edge can
+                        show more messages and more CPU a token;
   client_cpu_util_ratio, client_loop_cpu_util_ratio   this process's CPU in the window /
                         window (all threads; the event loop's thread, which runs every
                         stream's Python): near 1.0 for the loop, the client limits output

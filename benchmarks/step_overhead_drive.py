@@ -169,12 +169,13 @@ def summarise(run: dict, trace: list[dict]) -> dict:
     t0, t1 = run["t0"], run["t1"]
     window = t1 - t0
     itl: list[float] = []
-    tokens = 0
+    tokens = chunks = 0
     for st in run["streams"]:
         prev = None
         for t, n in zip(st.times, st.counts, strict=True):
             if t0 <= t <= t1:
                 tokens += n
+                chunks += 1
                 if prev is not None and prev >= t0:
                     itl.extend([(t - prev) / n] * n)
             prev = t
@@ -210,6 +211,8 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         "itl_minus_forward_ratio": round((itl50 - fwd50) / itl50, 4) if itl50 and fwd50
         else None,
         "output_tok_per_s": round(tokens / window, 1) if window > 0 else None,
+        # above 1: the edges coalesced tokens into fewer messages (they fell behind)
+        "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
         "trace_tok_per_s": round(sum(x["num_sampled"] for x in steps) / window, 1)
         if window > 0 else None,
         "router_cpu_ms_per_step": round(cpu / n_steps * 1e3, 4),

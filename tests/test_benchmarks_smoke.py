@@ -70,13 +70,15 @@ def test_step_overhead_quick_fake():
     assert [r["case"] for r in lines] == ["fake_e1_r8_d2"]
     r = lines[0]
     for k in ("itl_ms_p50", "forward_ms_p50", "gap_ms_p50", "gap_ms_p99", "idle_ms_p50",
-              "output_tok_per_s", "router_cpu_ms_per_step", "text_cpu_ms_per_step",
+              "output_tok_per_s", "tokens_per_chunk", "router_cpu_ms_per_step",
+              "text_cpu_ms_per_step",
               "plan_cpu_ms_per_step", "edge_cpu_ms_per_step", "loop_other_cpu_ms_per_step",
               "threads_cpu_ms_per_step", "gc_cpu_ms_per_step", "gc_pause_ms_max"):
         assert r[k] is not None, k
     assert len(r["gc_collections"]) == 3 and r["gc_tracked_objects"] > 0
     assert r["router_event_loop"].split(".")[0] in ("uvloop", "asyncio")
     assert r["steps"] > 0 and r["forward_ms_p50"] >= 20.0 and r["gap_reported"]
+    assert r["tokens_per_chunk"] >= 1.0
     assert "stream_errors" not in r
 
 
