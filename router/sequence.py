@@ -165,7 +165,7 @@ class OutputChannel:
             pending = self._pending
             if len(pending) == 1:  # one sample (n = 1, or one sample's turn): no sort
                 (waiting,) = pending.values()
-                deltas = (waiting[0] if len(waiting) == 1 else self._merge(waiting),)
+                deltas = (self._merge(waiting),)
             else:
                 deltas = tuple(self._merge(pending[i]) for i in sorted(pending))
             pending.clear()
