@@ -16,7 +16,10 @@ from collections.abc import Sequence
 
 import zmq
 
+# pyzmq's constants as plain ints (its enum members cost Python-level operators a use)
 NOBLOCK = int(zmq.NOBLOCK)
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
 _SNDMORE = int(zmq.SNDMORE)
 
 

@@ -17,10 +17,9 @@ from collections.abc import Callable
 
 import zmq
 
-from ..protos.zmq_io import NOBLOCK, recv_frames
+from ..protos.zmq_io import EVENTS, NOBLOCK, POLLIN, recv_frames
 
 DRAIN_BATCH = 64  # messages received per event-loop turn before yielding
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum operators a call
 
 
 class SocketReader:
@@ -52,7 +51,7 @@ class SocketReader:
         """After a send on the socket: drain soon if it holds messages (asking the socket
         costs a few microseconds: not when a drain is already coming)."""
         if self._fd is not None and not self._scheduled \
-                and self._sock.getsockopt(_EVENTS) & _POLLIN:
+                and self._sock.getsockopt(EVENTS) & POLLIN:
             self._schedule()
 
     def _schedule(self) -> None:
