@@ -85,6 +85,9 @@ class _Tokenizer:
     def decode(self, ids, skip_special_tokens=False) -> str:
         return ""
 
+    def token_text(self, token_id: int) -> str:
+        return ""
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
 

@@ -75,6 +75,9 @@ class NullTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "x" * len(ids)
 
+    def token_text(self, t: int) -> str:
+        return "x"
+
 
 @dataclass
 class SimExecutor:

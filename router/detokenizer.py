@@ -44,7 +44,8 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns token ids into text one token at a time without ever emitting half a character."""
 
-    __slots__ = ("_tok", "_decode", "_skip_special", "_ids", "_read", "_prefix_text")
+    __slots__ = ("_tok", "_decode", "_token_text", "_skip_special", "_ids", "_read",
+                 "_prefix_text")
 
     def __init__(
         self,
@@ -54,7 +55,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ):
         self._tok = tokenizer
-        self._decode = tokenizer.decode  # (bound once: twice a token)
+        self._decode = tokenizer.decode  # (bound once: once or twice a token)
+        self._token_text = tokenizer.token_text
         self._skip_special = skip_special_tokens
         context = list(prompt_token_ids)
         if skip_special_tokens:
@@ -93,9 +95,12 @@ class IncrementalDetokenizer:
         new_text = full[len(self._prefix_text) :]
         # The window now starts at the old read offset (a character boundary) and is read up to
         # its end; tokens before it are dropped, so the window never grows with the sequence.
-        del self._ids[: self._read]
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        ids = self._ids
+        del ids[: self._read]
+        self._read = len(ids)
+        # (Usually one token is left: the one just read. Its text is the tokenizer's
+        # remembered one-token decode, which spares the second decode a token.)
+        self._prefix_text = self._token_text(ids[0]) if len(ids) == 1 else self._decode(ids)
         return new_text
 
 

@@ -292,12 +292,11 @@ def stop_reason(delta: CompletionDelta, stop_token_ids: Sequence[int]) -> str | 
 
 
 class TokenText:
-    """Token id → its text (cached), for logprobs; and the tokenizer's whole-text calls echo
-    needs."""
+    """Token id → its text (the tokenizer remembers it), for logprobs; and the tokenizer's
+    whole-text calls echo needs."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
 
     def decode(self, token_ids) -> str:
         return self._tokenizer.decode(list(token_ids))
@@ -306,10 +305,7 @@ class TokenText:
         return self._tokenizer.encode(text)
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
+        return self._tokenizer.token_text(token_id)
 
 
 def chat_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText) -> list[dict]:

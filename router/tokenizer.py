@@ -82,6 +82,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.special_token_ids: frozenset[int] = frozenset(special_token_ids)
         self.chat_template = chat_template  # None: the model has none (chat is rejected)
+        self._token_texts: dict[int, str] = {}  # token id -> decode([id]) (`token_text`)
         if is_hf:
             self.vocab_size: int = len(backend)
         else:
@@ -144,12 +145,22 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `token_ids` (incomplete UTF-8 at the ends decodes to U+FFFD). The
-        detokenizer calls this twice a generated token: a list is passed on as it is."""
+        detokenizer calls this once or twice a generated token: a list is passed on as it
+        is."""
         if skip_special_tokens:
             token_ids = [t for t in token_ids if t not in self.special_token_ids]
         elif type(token_ids) is not list:
             token_ids = list(token_ids)
         return self._backend.decode(token_ids, skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """`decode([token_id])`, remembered: the detokenizer decodes its one-token window
+        after nearly every token, and logprobs name tokens one by one. Decoding is a pure
+        function of the ids, so the cache is exact; it holds at most the vocabulary."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids

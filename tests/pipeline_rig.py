@@ -37,6 +37,9 @@ class CharTokenizer:
         return "".join(chr(65 + i) for i in ids
                        if not (skip_special_tokens and i in self.special_token_ids))
 
+    def token_text(self, t):
+        return self.decode([t])
+
 
 def sim_token(seq_id: str, out_pos: int) -> int:
     """The token the simulated executor samples at output position `out_pos` (never EOS)."""

@@ -44,6 +44,9 @@ class PieceTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(PIECES[i] for i in ids)
 
+    def token_text(self, t):
+        return self.decode([t])
+
 
 def ids(*pieces):
     return tuple(PIECES.index(p) for p in pieces)

@@ -46,6 +46,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.pieces[i] for i in ids)
 
+    def token_text(self, t):
+        return self.decode([t])
+
     def ids(self, *pieces):
         return [self.pieces.index(p) for p in pieces]
 
@@ -116,6 +119,42 @@ def test_stream_equals_decode_for_random_ids(tok, data):
         assert not c.endswith(REPLACEMENT) or c.count(REPLACEMENT) < len(c)
     chunks.append(detok.flush())
     assert "".join(chunks) == tok.decode(ids)
+
+
+class _Undecorated:
+    """`tok` with every decode computed afresh (`token_text` not remembered)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.special_token_ids = tok.special_token_ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self._tok._backend.decode(list(ids), skip_special_tokens=False)
+
+    def is_special(self, t):
+        return self._tok.is_special(t)
+
+    def token_text(self, t):
+        return self.decode([t])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_remembered_token_texts_change_no_chunk(tok, data):
+    # The detokenizer reads its one-token window's text from the tokenizer's memory
+    # (`Tokenizer.token_text`); the chunks are those of decoding it every time, byte
+    # tokens, special tokens and held windows included.
+    vocab = st.integers(0, tok.vocab_size - 1)
+    prompt = data.draw(st.lists(vocab, max_size=8))
+    ids = data.draw(st.lists(vocab, min_size=1, max_size=60))
+    skip = data.draw(st.booleans())
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    plain = IncrementalDetokenizer(_Undecorated(tok), prompt, skip_special_tokens=skip)
+    assert [fast.push(t) for t in ids] + [fast.flush()] == \
+        [plain.push(t) for t in ids] + [plain.flush()]
+    for t in ids:
+        assert tok.token_text(t) == tok.decode([t])
+    assert len(tok._token_texts) <= tok.vocab_size
 
 
 _TEXT = st.text(alphabet="ab c日本語🙂🚀éx\n", min_size=1, max_size=30)
