@@ -4,18 +4,23 @@ Hot path (runs for every generated token): no logging, no allocation beyond smal
 nothing that grows with the sequence length.
 
 Algorithm (vLLM's prefix/read offsets). The detokenizer keeps a short window of token ids
-seeded with the last prompt tokens (so a first output token decodes with its leading space as
-in context). `prefix` marks the start of the window, `read` the end of what has been turned
-into text. For each new token, text = decode(window[prefix:]) minus decode(window[prefix:read]);
-if the decoded text ends in U+FFFD (half a UTF-8 character) nothing is emitted and the window
-grows until the character completes; otherwise the new text is emitted and prefix/read move
-forward. Special tokens are dropped before decoding unless keep_special_tokens. A window
-that has held `_MAX_HELD_TOKENS` tokens without a character completing is cut anyway (what it
-decodes to is emitted, U+FFFD included, and only the last few tokens stay as context): ids
-that decode to nothing (unused vocabulary entries, e.g. a random model's or a logit_bias
-target) or bytes that never form a character would otherwise grow it for ever, and every
-token would decode the whole run again (quadratic router CPU in the stream's length). A
-UTF-8 character spans at most 4 byte tokens, so text that can complete always does before.
+seeded with the last prompt tokens (so a first output token decodes with its leading space
+as in context). `prefix` marks the start of the window, `read` the end of what has been
+turned into text. For each new token, text = decode(window[prefix:]) minus
+decode(window[prefix:read]); if the decoded text ends in U+FFFD (half a UTF-8 character)
+nothing is emitted and the window grows until the character completes; otherwise the new
+text is emitted and prefix/read move forward. With a concatenating decoder
+(`Tokenizer.decodes_by_concatenation`: byte-level BPE) a token whose own text is whole,
+arriving when nothing is held, is that text without any decode (its one-token text is
+remembered by the tokenizer); the window's other one-token decodes come from the same
+memory. Special tokens are dropped before decoding unless keep_special_tokens. A window
+that has held `_MAX_HELD_TOKENS` tokens without a character completing is cut anyway (what
+it decodes to is emitted, U+FFFD included, and only the last few tokens stay as context):
+ids that decode to nothing (unused vocabulary entries, e.g. a random model's or a
+logit_bias target) or bytes that never form a character would otherwise grow it for ever,
+and every token would decode the whole run again (quadratic router CPU in the stream's
+length). A UTF-8 character spans at most 4 byte tokens, so text that can complete always
+does before.
 
 Stop strings are searched in the text not yet emitted plus, with include_stop_str_in_output,
 the tail of emitted text, for a match that ends in the newest text. Without
@@ -44,8 +49,8 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns token ids into text one token at a time without ever emitting half a character."""
 
-    __slots__ = ("_tok", "_decode", "_token_text", "_skip_special", "_ids", "_read",
-                 "_prefix_text")
+    __slots__ = ("_tok", "_decode", "_token_text", "_by_concatenation", "_skip_special",
+                 "_ids", "_read", "_prefix_text")
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._decode = tokenizer.decode  # (bound once: once or twice a token)
         self._token_text = tokenizer.token_text
+        self._by_concatenation = getattr(tokenizer, "decodes_by_concatenation", False)
         self._skip_special = skip_special_tokens
         context = list(prompt_token_ids)
         if skip_special_tokens:
@@ -70,6 +76,18 @@ class IncrementalDetokenizer:
         if self._skip_special and self._tok.is_special(token_id):
             return ""
         ids = self._ids
+        if self._by_concatenation and self._read == len(ids):
+            text = self._token_text(token_id)
+            if text and _REPLACEMENT not in text:
+                # Nothing held and the token's own text is whole: with a concatenating
+                # decoder that text is what decoding the window with the token would add,
+                # and the window is then the token alone (what `_advance` leaves) -- no
+                # decode at all.
+                ids.clear()
+                ids.append(token_id)
+                self._read = 1
+                self._prefix_text = text
+                return text
         ids.append(token_id)
         full = self._decode(ids)
         prefix_len = len(self._prefix_text)

@@ -83,6 +83,14 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(special_token_ids)
         self.chat_template = chat_template  # None: the model has none (chat is rejected)
         self._token_texts: dict[int, str] = {}  # token id -> decode([id]) (`token_text`)
+        # decode(a + b) == decode(a) + decode(b) whenever decode(b) holds no U+FFFD: true of
+        # the ByteLevel decoder (GPT-2, Llama 3, Qwen, SmolLM2), which joins the tokens'
+        # bytes and decodes them as UTF-8 with replacement -- b's bytes then start a
+        # character, so an incomplete one at a's end is replaced as it is at the end of
+        # the input. The detokenizer skips decoding by it. Not true of SentencePiece's
+        # Metaspace (it strips the first token's space), nor of no decoder at all (tokens
+        # joined with spaces).
+        self.decodes_by_concatenation = not is_hf and _is_byte_level(backend.decoder)
         if is_hf:
             self.vocab_size: int = len(backend)
         else:
@@ -164,6 +172,12 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    from tokenizers import decoders
+
+    return isinstance(decoder, decoders.ByteLevel)
 
 
 def _apply_hf_post_processor(backend: Any, tok_config: dict[str, Any]) -> None:

@@ -122,13 +122,17 @@ def test_stream_equals_decode_for_random_ids(tok, data):
 
 
 class _Undecorated:
-    """`tok` with every decode computed afresh (`token_text` not remembered)."""
+    """`tok` decoding every window afresh: no remembered token texts, no concatenation."""
+
+    decodes_by_concatenation = False
 
     def __init__(self, tok):
         self._tok = tok
         self.special_token_ids = tok.special_token_ids
+        self.num_decodes = 0
 
     def decode(self, ids, skip_special_tokens=False):
+        self.num_decodes += 1
         return self._tok._backend.decode(list(ids), skip_special_tokens=False)
 
     def is_special(self, t):
@@ -138,23 +142,75 @@ class _Undecorated:
         return self.decode([t])
 
 
-@settings(max_examples=150, deadline=None)
+class _Counting(_Undecorated):
+    """`tok`'s own shortcuts, counting the decodes they leave."""
+
+    decodes_by_concatenation = True
+
+    def token_text(self, t):
+        return self._tok.token_text(t)
+
+
+def _chunks(detok, ids):
+    return [detok.push(t) for t in ids] + [detok.flush()]
+
+
+@settings(max_examples=200, deadline=None)
 @given(data=st.data())
-def test_remembered_token_texts_change_no_chunk(tok, data):
-    # The detokenizer reads its one-token window's text from the tokenizer's memory
-    # (`Tokenizer.token_text`); the chunks are those of decoding it every time, byte
-    # tokens, special tokens and held windows included.
+def test_detokenizer_shortcuts_change_no_chunk(tok, data):
+    # The detokenizer takes a one-token window's text from the tokenizer's memory
+    # (`Tokenizer.token_text`) and, with a concatenating decoder, a whole token's text after
+    # a whole window without decoding; the chunks are those of decoding the window every
+    # time. Random ids (byte tokens that split characters, special tokens, held windows)
+    # and token streams of real text.
     vocab = st.integers(0, tok.vocab_size - 1)
     prompt = data.draw(st.lists(vocab, max_size=8))
-    ids = data.draw(st.lists(vocab, min_size=1, max_size=60))
+    if data.draw(st.booleans()):
+        ids = data.draw(st.lists(vocab, min_size=1, max_size=60))
+    else:
+        ids = tok.encode(data.draw(_TEXT), add_special_tokens=False)
     skip = data.draw(st.booleans())
+    assert tok.decodes_by_concatenation
     fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     plain = IncrementalDetokenizer(_Undecorated(tok), prompt, skip_special_tokens=skip)
-    assert [fast.push(t) for t in ids] + [fast.flush()] == \
-        [plain.push(t) for t in ids] + [plain.flush()]
+    assert _chunks(fast, ids) == _chunks(plain, ids)
     for t in ids:
         assert tok.token_text(t) == tok.decode([t])
     assert len(tok._token_texts) <= tok.vocab_size
+
+
+def test_whole_tokens_of_a_concatenating_decoder_decode_nothing(tok):
+    ids = tok.encode("Hello, world! Paris is the capital of France.", add_special_tokens=False)
+    counting, plain = _Counting(tok), _Undecorated(tok)
+    prompt = tok.encode("The", add_special_tokens=False)
+    chunks = _chunks(IncrementalDetokenizer(counting, prompt), ids)
+    assert chunks == _chunks(IncrementalDetokenizer(plain, prompt), ids)
+    assert "".join(chunks) == tok.decode(ids)
+    assert counting.num_decodes == 1  # the prompt context's, once
+    assert plain.num_decodes == 1 + 2 * len(ids)
+
+
+def test_only_byte_level_decoders_count_as_concatenating(tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2}
+    cases = {"ByteLevel": decoders.ByteLevel(), "Metaspace": decoders.Metaspace(),
+             "none": None}
+    for name, decoder in cases.items():
+        rust = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        if decoder is not None:
+            rust.decoder = decoder
+        rust.save(str(tmp_path / "tokenizer.json"))
+        loaded = Tokenizer.from_dir(tmp_path)
+        assert loaded.decodes_by_concatenation is (name == "ByteLevel"), name
+    # Metaspace strips the first token's space: decode([1, 2]) is not decode([1]) +
+    # decode([2]), and the detokenizer still gives the text of the whole.
+    rust.decoder = decoders.Metaspace()
+    rust.save(str(tmp_path / "tokenizer.json"))
+    meta = Tokenizer.from_dir(tmp_path)
+    assert meta.decode([1]) + meta.decode([2]) == "Helloworld" != meta.decode([1, 2])
+    assert "".join(_chunks(IncrementalDetokenizer(meta), [1, 2])) == "Hello world"
 
 
 _TEXT = st.text(alphabet="ab c日本語🙂🚀éx\n", min_size=1, max_size=30)
