@@ -265,13 +265,20 @@ class TextAssembler:
         pending = self._pending
         if not pending:
             return ""
-        hold = 0
+        hold = 0  # the longest suffix of pending that begins a stop string
         if self._stops and not self._include_stop:
+            n = len(pending)
             for stop in self._stops:
-                for k in range(min(len(stop) - 1, len(pending)), hold, -1):
-                    if pending.endswith(stop[:k]):
-                        hold = k
+                # Such a suffix starts with the stop's first character, in its last
+                # len(stop) - 1 characters: look only where that character is (usually
+                # nowhere), longest first.
+                first = stop[0]
+                i = pending.find(first, max(0, n - len(stop) + 1))
+                while i != -1 and n - i > hold:
+                    if stop.startswith(pending[i:]):
+                        hold = n - i
                         break
+                    i = pending.find(first, i + 1)
         out = pending[: len(pending) - hold]
         self._pending = pending[len(pending) - hold :]
         if self._tail_len and out:
