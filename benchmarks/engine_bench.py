@@ -17,11 +17,15 @@ The collector runs as in the router process (`freeze_heap`: start-up objects fro
 threshold raised); at the default threshold the hub case's per-token structs cost a young
 collection every step. Cases (`--streams`, default 32,256): that many requests decoding together (prompts of 64
 tokens, `max_tokens` past the window so none ends), block size 16, depth 2 (the default),
-prefix caching on. Prints one JSON line per case: `engine_us_per_step` (p50 over windows of
+prefix caching on. `--churn` (new cases `engine_s<N>_churn`, the default cases unchanged):
+request i first ends after i + 1 tokens and every ending request is replaced by a new one
+(a fresh random 64-token prompt, N tokens), so about one request ends and one prompt is
+computed in each step, as in serving with streams that end and start (step_overhead,
+steady_serving): most plans mix decodes with a prompt chunk. Prints one JSON line per case: `engine_us_per_step` (p50 over windows of
 `--window` steps, and all windows), steps, and the cProfile top functions with `--profile`.
 
 Usage: .venv/bin/python benchmarks/engine_bench.py [--streams 32,256] [--steps 2000]
-       [--window 200] [--sink null|hub] [--profile]
+       [--window 200] [--sink null|hub] [--churn] [--profile]
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class _NullSink:
     """A request's output sink that keeps nothing (the API worker's side is not timed)."""
 
     closed = False
+    on_finish = None  # --churn: called when the request ends
 
     def put(self, delta) -> None:
         pass
@@ -70,7 +75,8 @@ class _NullSink:
         pass
 
     def finish(self, usage, prompt_logprobs=()) -> None:
-        pass
+        if self.on_finish is not None:
+            self.on_finish()
 
     def fail(self, error) -> None:
         pass
@@ -125,7 +131,7 @@ class _AnsweringLink:
 
 
 async def run_case(streams: int, steps: int, window: int, profile: bool,
-                   sink: str = "null") -> dict:
+                   sink: str = "null", churn: bool = False) -> dict:
     config = EngineConfig(model_fingerprint="fp", block_size=BLOCK_SIZE,
                           max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=max(256, streams), max_num_batched_tokens=8192,
@@ -157,15 +163,37 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
             send(conn, msg, **kwargs)
         hub._send = counting_send
     rng = np.random.default_rng(0)
-    for i in range(streams):
+    ended: list[int] = []  # --churn: requests that ended, replaced on the next loop turn
+    admitted = [0]
+
+    def admit(max_tokens: int) -> None:
+        i = admitted[0]
+        admitted[0] += 1
         prompt = tuple(rng.integers(3, VOCAB, PROMPT_LEN).tolist())
-        spec = RequestSpec(f"r{i}", prompt, SamplingSpec(max_tokens=steps + 1000,
+        spec = RequestSpec(f"r{i}", prompt, SamplingSpec(max_tokens=max_tokens,
                                                          temperature=0.0, ignore_eos=True))
-        channel = _NullSink() if hub is None else ForwardChannel(hub, conn, spec.request_id)
+        if hub is None:
+            channel = _NullSink()
+            if churn:
+                channel.on_finish = lambda: ended.append(i)
+        else:
+            channel = ForwardChannel(hub, conn, spec.request_id)
         engine.admit(spec, channel=channel, text=False)
+
+    for i in range(streams):
+        admit(i + 1 if churn else steps + 1000)
     engine.executors["e0"].wakeup.set()
+
+    def replace_ended() -> None:
+        if ended:
+            for _ in range(len(ended)):
+                admit(streams)
+            ended.clear()
+            engine.executors["e0"].wakeup.set()
+
     while link.num_plans < WARMUP_PLANS:  # prefills done, steady decode from here
         await asyncio.sleep(0)
+        replace_ended()
     prof = cProfile.Profile() if profile else None
     times: list[float] = []
     start_plans, t0, ex0 = link.num_plans, time.perf_counter(), link.executor_s
@@ -174,6 +202,7 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
     mark = start_plans
     while link.num_plans - start_plans < steps:
         await asyncio.sleep(0)
+        replace_ended()
         if link.num_plans - mark >= window:
             t1, ex1 = time.perf_counter(), link.executor_s
             times.append((t1 - t0 - (ex1 - ex0)) / (link.num_plans - mark) * 1e6)
@@ -185,13 +214,15 @@ async def run_case(streams: int, steps: int, window: int, profile: bool,
     await engine.stop()
     if hub is not None:
         await hub.close()
-    suffix = "" if hub is None else "_hub"
+    suffix = ("" if hub is None else "_hub") + ("_churn" if churn else "")
     res = {"bench": BENCH, "case": f"engine_s{streams}{suffix}", "streams": streams,
            "running": decoding, "steps": link.num_plans - start_plans,
            "engine_us_per_step_p50": round(statistics.median(times), 1),
            "engine_us_per_step_windows": [round(t, 1) for t in times]}
     if hub is not None:
         res["hub_messages"], res["hub_column_tokens"] = hub_sent
+    if churn:
+        res["requests_admitted"] = admitted[0]
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
@@ -206,14 +237,19 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=200)
     ap.add_argument("--sink", choices=("null", "hub"), default="null",
                     help="where outputs go: nowhere, or API workers' forwarding channels")
+    ap.add_argument("--churn", action="store_true",
+                    help="requests end and are replaced, ~1 a step (null sink only)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
+    if args.churn and args.sink != "null":
+        ap.error("--churn runs with the null sink")
     if PROMPT_LEN + WARMUP_PLANS + args.steps > MAX_MODEL_LEN:  # the streams would end
         ap.error(f"--steps at most {MAX_MODEL_LEN - PROMPT_LEN - WARMUP_PLANS} "
                  f"(max_model_len {MAX_MODEL_LEN})")
     freeze_heap()  # the router process's garbage-collector settings (pagedserve/gc_tuning.py)
     for n in (int(x) for x in args.streams.split(",") if x):
-        r = asyncio.run(run_case(n, args.steps, args.window, args.profile, args.sink))
+        r = asyncio.run(run_case(n, args.steps, args.window, args.profile, args.sink,
+                                 args.churn))
         print(json.dumps(r), flush=True)
         print(f"{r['case']:<14} {r['engine_us_per_step_p50']} us a step p50 "
               f"({r['running']} running, {r['steps']} steps)", file=sys.stderr)

@@ -83,6 +83,7 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
         num_seqs += len(seqs)
         if not group.forked and len(group.seqs) > 1 and not any(n for _, n in scheduled):
             budget = _fork_now(self, group, out, budget)
+        self._num_running_seqs += len(group.active_seqs())
 
 
 def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget: int) -> int:

@@ -109,6 +109,11 @@ def test_engine_bench_quick():
                 "--sink", "hub")
     assert r["case"] == "engine_s8_hub" and r["running"] == 8
     assert r["hub_messages"] > 0 and r["hub_column_tokens"] >= 8 * 100
+    # --churn: about one request ends, and a new one is admitted, a step
+    (r,) = _run("engine_bench.py", "--streams", "8", "--steps", "100", "--window", "50",
+                "--churn")
+    assert r["case"] == "engine_s8_churn" and r["steps"] >= 100
+    assert r["requests_admitted"] >= 8 + 80
 
 
 def test_structured_bench_quick(tmp_path):

@@ -98,6 +98,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def send(self):
         kv = self.kv
         out = self.sched.schedule()
+        # Routing's count of running samples is exact right after a step is scheduled.
+        assert self.sched.num_running_seqs() == self._running_seqs()
         if out.empty:
             kv.end_step()
             return
@@ -163,8 +165,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ checks
 
+    def _running_seqs(self) -> int:
+        return sum(len(g.active_seqs()) for g in self.sched.running)
+
     @invariant()
     def accounting(self):
+        # ... and between steps samples only leave the running groups: it is never low.
+        assert self.sched.num_running_seqs() >= self._running_seqs()
         self.kv.check_invariants()
         assert self.sched.num_leaked_blocks() == (0, [])
         live_seqs = {s.seq_id for g in self.live.values() for s in g.seqs}
