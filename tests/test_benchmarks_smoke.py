@@ -205,3 +205,14 @@ def test_launch_overhead_runs():
     assert set(records) == {"paged_attention_decode", "paged_attention_prefill",
                             "rotary_embedding_and_cache", "rms_norm_residual", "silu_and_mul"}
     assert all(r["us_per_call"] > 0 for r in records.values())
+
+
+def test_detok_bench_quick(tmp_path):
+    """The text path's cases on the tiny byte-level tokenizer: every case makes the same
+    text (stop strings that never match hold nothing back at the end)."""
+    from pagedserve.tinymodels import build_tokenizer
+    build_tokenizer(tmp_path)
+    lines = _run("detok_bench.py", "--model-dir", str(tmp_path), "--reps", "1")
+    assert [r["case"] for r in lines] == ["push", "append", "append_stops2"]
+    assert all(r["concatenating_decoder"] and r["tokens"] > 1000 for r in lines)
+    assert len({r["text_crc32"] for r in lines}) == 1
