@@ -213,6 +213,26 @@ def test_only_byte_level_decoders_count_as_concatenating(tmp_path):
     assert "".join(_chunks(IncrementalDetokenizer(meta), [1, 2])) == "Hello world"
 
 
+def test_a_byte_level_decoder_that_does_not_concatenate_is_found_at_load():
+    # The rule is checked on the tokenizer as loaded, not taken from the decoder's type:
+    # a backend announcing ByteLevel whose decode joins tokens with spaces keeps the
+    # general path.
+    from tokenizers import decoders
+
+    class Spaced:
+        decoder = decoders.ByteLevel()
+
+        def get_vocab_size(self, with_added_tokens=True):
+            return 300
+
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(f"t{i}" for i in ids)
+
+    assert Tokenizer(Spaced()).decodes_by_concatenation is False
+    Spaced.decode = lambda self, ids, skip_special_tokens=False: "".join(f"t{i}" for i in ids)
+    assert Tokenizer(Spaced()).decodes_by_concatenation is True
+
+
 _TEXT = st.text(alphabet="ab c日本語🙂🚀éx\n", min_size=1, max_size=30)
 
 
