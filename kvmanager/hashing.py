@@ -27,9 +27,16 @@ HashFn = Callable[[Hashable | None, Sequence[int], tuple], Hashable]
 _ROOT = b"pagedserve-kv-root"
 
 
+_PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> its Struct's pack
+
+
 def _block_bytes(parent, token_ids: Sequence[int], extra_keys: tuple) -> bytes:
     head = _ROOT if parent is None else parent
-    body = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    n = len(token_ids)
+    pack = _PACKERS.get(n)
+    if pack is None:  # (one format a block size: no format string built each block)
+        pack = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    body = pack(*token_ids)
     if extra_keys:
         return head + body + repr(extra_keys).encode()
     return head + body
