@@ -58,14 +58,21 @@ RIDGE = (0.01, 1e-4, 0.05)  # fixed, per token, per sequence
 # The fitted per-unit costs never go below this share of their prior (noise, or a fit that
 # gave the fixed cost too much, must not make prefill look free).
 MIN_RATE_SHARE_OF_PRIOR = 1e-3
-# Nor does the per-token cost go below this share of the plain ratio of prefill seconds to
-# prefill tokens (an exponential average, the step's decodes taken out). Where a step's
-# fixed cost dwarfs its prompt (a small model, short prompts) the marginal cost is a small
-# difference of noisy times and can come out near zero; routing would then think moving a
-# tenant's prefix free. The ratio overstates the cost by at most the fixed cost per token,
-# so half of it is a floor the true cost stays above unless prompts are shorter than the
-# fixed cost's worth of tokens.
+# Nor does the per-token cost go below MIN_TOKEN_COST_SHARE_OF_RATIO of what a step
+# prefilling FLOOR_PROMPT_TOKENS tokens costs a token, fixed cost included: (the prefill
+# steps' average seconds, decodes taken out, less the fitted fixed cost) / their average
+# tokens, plus the fixed cost / FLOOR_PROMPT_TOKENS. Where a step's fixed cost dwarfs its
+# prompt (a small model's short prompts; any prompt of a few hundred tokens on a GPU) the
+# marginal cost is a small difference of noisy times and can come out near zero; routing
+# would then think moving a tenant's prefix free. The floor is priced at one prompt length
+# for every executor. The earlier floor, half the plain ratio of the prompts an executor
+# happened to see, priced an executor whose prefills were short prompts up to F / T
+# higher than its twin: on a 2-core VM computing in bfloat16 (68 ms steps) a 37-token
+# prompt's floor read 1.28 ms a token where a 403-token prompt's executor priced 0.68 (its
+# fit), the same true 0.7, and routing sent every new tenant to the second executor
+# (benchmarks/README "The prefill cost's floor").
 MIN_TOKEN_COST_SHARE_OF_RATIO = 0.5
+FLOOR_PROMPT_TOKENS = int(PREFILL_SCALE)
 # A step that prefills fewer tokens does not make the prefill rate "measured" for routing
 # (it still enters the fit).
 MIN_PREFILL_TOKENS_OBSERVED = 32
@@ -177,10 +184,16 @@ class CostModel:
     @property
     def s_per_token(self) -> float:
         """Seconds one more prefill token adds to a step (at least
-        MIN_TOKEN_COST_SHARE_OF_RATIO of the plain ratio)."""
-        floor = MIN_TOKEN_COST_SHARE_OF_RATIO * self._prefill_ratio.s_per_unit \
-            if self.prefill_measured else 0.0
-        return max(self._steps.s_per_token, floor)
+        MIN_TOKEN_COST_SHARE_OF_RATIO of a FLOOR_PROMPT_TOKENS-token prefill's cost a token,
+        fixed cost included: see the constants)."""
+        fit = self._steps.s_per_token
+        ratio = self._prefill_ratio
+        if not ratio.measured:
+            return fit
+        fixed = self._steps.fixed_s
+        marginal = max(ratio.seconds - fixed, 0.0) / ratio.units
+        floor = MIN_TOKEN_COST_SHARE_OF_RATIO * (marginal + fixed / FLOOR_PROMPT_TOKENS)
+        return max(fit, floor)
 
     @property
     def s_per_seq(self) -> float:
