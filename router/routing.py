@@ -129,6 +129,10 @@ def choose(
     round-robin: in turn.
     """
     n = len(candidates)
+    if n == 1:  # nothing to weigh: the cached prefix there (for the caller to pin)
+        hit = candidates[0].kv.lookup(token_ids, block_hashes, cache_salt) \
+            if policy is RoutingPolicy.PREFIX else EMPTY_HIT
+        return RouteDecision(0, hit)
     order = [(turn + k) % n for k in range(n)]  # rotation for tie-breaking
     if policy is RoutingPolicy.ROUND_ROBIN:
         return RouteDecision(order[0], EMPTY_HIT)

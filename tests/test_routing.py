@@ -257,3 +257,19 @@ def test_the_per_token_cost_does_not_depend_on_the_prompts_an_executor_happened_
     a, b = short.s_per_token, long.s_per_token
     assert abs(a - b) <= routing.COLD_PREFIX_TIE * min(a, b), (a, b)
     assert a == pytest.approx(0.0007, rel=0.25) and b == pytest.approx(0.0007, rel=0.25)
+
+
+def test_one_executor_takes_every_request_with_its_cached_prefix():
+    """One candidate: nothing to weigh, but the decision still carries the prefix cached
+    there (the caller pins it), for the prefix policy only."""
+    e0 = Executor("e0")
+    e0.cache("t1", prompt(1, 0))
+    tokens = prompt(1, 1)
+    hashes = e0.kv.hash_blocks(tokens)
+    cands = [candidate("e0", e0.kv, e0.sched)]
+    d = choose(RoutingPolicy.PREFIX, cands, tokens, hashes, None, 5)
+    assert d.index == 0 and d.hit.num_tokens == 1024
+    assert d.hit.block_ids == e0.kv.lookup(tokens, hashes).block_ids
+    for policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED):
+        d = choose(policy, cands, tokens, hashes, None, 5)
+        assert d.index == 0 and not d.hit.block_ids
