@@ -387,9 +387,10 @@ class StepLoop:
             elif seq.assembler.tokens_only and seq.num_delivered == n_out - 1 \
                     and not seq.logprobs and not group.aborted:
                 # An API worker's steady decode: no text to make and nothing ends (the
-                # rules above are the tokens-only assembler's), so the text stage's cheap
-                # form runs here rather than in a second pass over the samples.
-                seq.assembler.append(tok)  # counts it
+                # rules above are the tokens-only assembler's, so its append() would only
+                # count the token: counted here), and the text stage's cheap form runs
+                # here rather than in a second pass over the samples.
+                seq.assembler.num_tokens = n_out
                 seq.num_delivered = n_out
                 push_token(seq, tok)
                 num_delivered += 1
