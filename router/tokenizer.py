@@ -176,7 +176,7 @@ class Tokenizer:
         """Whether decode([a, b]) == decode([a]) + decode([b]) for `num_pairs` pairs spread
         over the vocabulary (the special tokens among them) wherever decode([b]) holds no
         U+FFFD: the ByteLevel decoder's rule, checked on this tokenizer as loaded before
-        the detokenizer relies on it (~1 ms)."""
+        the detokenizer relies on it (~2 ms for a 49k vocabulary)."""
         n = self.vocab_size
         if n < 2:
             return True
