@@ -206,7 +206,14 @@ class TextAssembler:
                 return self._end("length", "")
             return _NOTHING
         new = self._detok.push(token_id)
-        if new and checks and self._stops:
+        if not self._stops:  # nothing is held back (`_pending` stays empty): out as it is
+            if self.num_tokens >= sp.max_tokens or (
+                self._max_len is not None and self.num_tokens >= self._max_len
+            ):
+                self._pending = new
+                return self._end("length", self._flush_all())
+            return TextUpdate(new) if new else _NOTHING
+        if new and checks:
             update = self._match_stop(new)
             if update is not None:
                 return update
