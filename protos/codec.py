@@ -102,7 +102,7 @@ class Codec:
         return ext
 
     def encode(self, msg: _Message) -> list:
-        """Frames ready for ``socket.send_multipart(frames, copy=False)``."""
+        """Frames ready for ``zmq_io.send_frames`` (or ``send_multipart(copy=False)``)."""
         self._out_frames = [b""]
         try:
             self._out_frames[0] = self._encoder.encode(msg)

@@ -333,7 +333,7 @@ class ErrorReport(_Message, tag="error", frozen=True):
 Message = Hello | Welcome | Heartbeat | Shutdown | StepPlan | StepResult | ErrorReport
 
 
-# --------------------------------------------------------------------------- codec
+# --------------------------------------------------------------------------- helpers
 
 
 def int32(values) -> np.ndarray:

@@ -199,29 +199,21 @@ class TextAssembler:
         checks = self.num_tokens >= sp.min_tokens
         if checks and token_id in self._stop_token_ids:
             return self._end("stop", self._flush_all(), stop_token_id=token_id)
+        at_length = self.num_tokens >= sp.max_tokens or (
+            self._max_len is not None and self.num_tokens >= self._max_len
+        )
         if self._detok is None:  # text=False: the token rules only, no text to hold
-            if self.num_tokens >= sp.max_tokens or (
-                self._max_len is not None and self.num_tokens >= self._max_len
-            ):
-                return self._end("length", "")
-            return _NOTHING
+            return self._end("length", "") if at_length else _NOTHING
         new = self._detok.push(token_id)
-        if not self._stops:  # nothing is held back (`_pending` stays empty): out as it is
-            if self.num_tokens >= sp.max_tokens or (
-                self._max_len is not None and self.num_tokens >= self._max_len
-            ):
-                self._pending = new
-                return self._end("length", self._flush_all())
+        if not self._stops and not at_length:  # nothing is held back: out as it is
             return TextUpdate(new) if new else _NOTHING
-        if new and checks:
+        if new and checks and self._stops:
             update = self._match_stop(new)
             if update is not None:
                 return update
         else:
             self._pending += new
-        if self.num_tokens >= sp.max_tokens or (
-            self._max_len is not None and self.num_tokens >= self._max_len
-        ):
+        if at_length:
             return self._end("length", self._flush_all())
         text = self._release()
         return TextUpdate(text) if text else _NOTHING
