@@ -2,9 +2,10 @@
 `TextAssembler.append` (detokenizing, stop strings, what the router's text stage and an API
 worker run for every token of a text request) on a real tokenizer.
 
-Text: the repository's README (its first 20,000 characters: prose, code, tables) followed by
-50 repetitions of accented, CJK and emoji text, encoded without special tokens, then pushed
-token by token after a 6-token prompt context. Cases:
+Text: fixed, made here from a seeded generator (the same every run and every commit): ~3,000
+words of English, code and numbers with punctuation and newlines, one in ten words accented,
+CJK or emoji, encoded without special tokens, then pushed token by token after a 6-token
+prompt context. Cases:
   push            IncrementalDetokenizer.push
   append          TextAssembler.append, no stop strings
   append_stops2   TextAssembler.append with two stop strings that never match (the search
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -34,7 +36,21 @@ from pagedserve.router.tokenizer import Tokenizer
 from pagedserve.router.types import SamplingSpec
 
 BENCH = "detok_bench"
-ROOT = Path(__file__).resolve().parent.parent
+_WORDS = ("the", "model", "serves", "a", "request", "with", "its", "cached", "prefix", "and",
+          "streams", "tokens", "to", "client", "def", "return", "x", "=", "(", ")", "{",
+          "}", "1,024", "3.14", "if", "not", "None:", "of", "in", "router", "executor")
+_OTHER = ("héllo", "wörld", "naïve", "café", "你好", "世界", "日本語", "🙂", "🚀", "Ünïcödé")
+
+
+def bench_text(num_words: int = 3000) -> str:
+    """The benchmark's fixed text (see the module docstring)."""
+    rng = random.Random(20261127)
+    words = []
+    for _ in range(num_words):
+        words.append(rng.choice(_OTHER) if rng.random() < 0.1 else rng.choice(_WORDS))
+        if rng.random() < 0.08:
+            words[-1] += rng.choice((".", ",", ":", "\n", "\n\n"))
+    return " ".join(words)
 CONTEXT = 6
 
 
@@ -76,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args(argv)
     tok, name = _tokenizer(args.model_dir)
-    text = (ROOT / "README.md").read_text()[:20000] + " héllo wörld 你好世界 🙂🚀 " * 50
+    text = bench_text()
     ids = tok.encode(text, add_special_tokens=False)
     context, ids = ids[:CONTEXT], ids[CONTEXT:]
     for case, make in _cases(tok, context).items():
