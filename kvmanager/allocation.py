@@ -9,7 +9,7 @@ calls, no defensive copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -163,6 +163,47 @@ def allocate_decode(self: KVCacheManager, request_id: str,
     if allocate(self, request_id, token_ids, 1) is None:
         return None
     return take_decode_entry(self, request_id, pos)
+
+
+# Far past any position: a request whose blocks are never registered (prefix caching off).
+NEVER = 1 << 62
+
+
+def steady_decode_state(self: KVCacheManager, request_id: str,
+                        token_ids: Sequence[int]) -> tuple:
+    """What the scheduler's decode lane (router/decode_lane.py) needs to give the request
+    its next decodes without calling `allocate_decode` while they stay steady:
+    (state, num_tokens, slot_base, block_end, table_len, register_at). Position p <
+    block_end has slot `slot_base + p`: it lies in the table's block that holds
+    num_tokens, which the request alone holds (a write needs no copy). `register_at`:
+    once num_tokens + 1 or the known tokens (`token_ids`) reach it, a block fills and
+    registers in the prefix cache (`_note_full_blocks`). A request whose next decode is
+    not steady (its slot needs a new block, its last block is shared, a table change or
+    an intent waits, it is swapped out, or `token_ids` is not the list it registers
+    from) gets block_end 0: `allocate_decode` serves it."""
+    req = self._reqs.get(request_id)
+    if req is None or not req.on_gpu:
+        return (req, 0, 0, 0, 0, 0)
+    pos = req.num_tokens
+    bs = self.block_size
+    table = req.block_ids
+    b = pos // bs
+    if b >= len(table) or req.change_start is not None or req.intent is not None \
+            or self.gpu.blocks[table[b]].ref_cnt != 1 \
+            or (self.enable_prefix_caching and req.token_ids is not token_ids):
+        return (req, pos, 0, 0, len(table), 0)
+    register_at = (req.num_cached_blocks + 1) * bs if self.enable_prefix_caching else NEVER
+    return (req, pos, (table[b] - b) * bs, (b + 1) * bs, len(table), register_at)
+
+
+def advance_steady_decodes(self: KVCacheManager, states: Iterable[RequestState],
+                           num_tokens: Iterable[int]) -> None:
+    """The decode lane gave these requests (`steady_decode_state`'s states) one slot
+    each: their slot counts become `num_tokens` (each one more than before; the slots
+    lie in blocks they hold alone, and no block filled, so nothing else changes)."""
+    for req, n in zip(states, num_tokens, strict=True):
+        req.num_tokens = n
+    self._debug_check()
 
 
 def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, block_hashes,

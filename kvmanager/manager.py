@@ -136,6 +136,8 @@ class KVCacheManager:
     can_ever_fit = allocation.can_ever_fit
     allocate = allocation.allocate
     allocate_decode = allocation.allocate_decode
+    steady_decode_state = allocation.steady_decode_state
+    advance_steady_decodes = allocation.advance_steady_decodes
     free = allocation.free
     fork = allocation.fork
     _admit = allocation._admit

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..kvmanager import KVCacheManager
 from ..protos import wire
+from .decode_lane import LaneRows
 from .sequence import RequestGroup, Sequence
 
 if TYPE_CHECKING:
@@ -75,17 +76,33 @@ class PlanRows:
     (-1: fed the executor's own previous sample) and `slot` an int; a chunk's are a list of
     ids and an int64 array."""
 
-    __slots__ = ("kv", "rows", "sampled", "fresh", "num_tokens", "num_prefill_tokens",
+    __slots__ = ("kv", "rows", "lane", "sampled", "fresh", "num_tokens", "num_prefill_tokens",
                  "num_decode_seqs")
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.rows: list[tuple] = []
+        self.lane: LaneRows | None = None  # the steady decodes planned as columns, first
         self.sampled: list[Sequence] = []  # rows that sample, in row order
         self.fresh: list[Sequence] = []  # rows' samples the executor did not hold when added
         self.num_tokens = 0
         self.num_prefill_tokens = 0  # of num_tokens, in chunks of more than one token
         self.num_decode_seqs = 0  # rows computing one token
+
+    def add_lane(self, lane: LaneRows) -> None:
+        """The decode lane's rows (router/decode_lane.py): they go first in the plan, so
+        their samples come first in `sampled` (added before any other row)."""
+        assert self.lane is None and not self.rows
+        self.lane = lane
+        self.sampled.extend(lane.seqs)
+        n = len(lane.ids)
+        self.num_tokens += n
+        self.num_decode_seqs += n
+
+    def row_samples(self) -> list[tuple[Sequence, int]]:
+        """Every row's (sample, tokens computed), in plan order."""
+        lane = [(seq, 1) for seq in self.lane.seqs] if self.lane is not None else []
+        return lane + [(r[0], r[3]) for r in self.rows]
 
     def add(self, seq: Sequence, num_new: int) -> None:
         """Commit `num_new` tokens of `seq` (its slots already allocated) into a row."""
@@ -132,7 +149,9 @@ class PlanRows:
                           entry[0], entry[1]))
 
     def undo_group(self, group: RequestGroup) -> None:
-        """Take back the rows of `group` (preempted in the step that committed them)."""
+        """Take back the rows of `group` (preempted in the step that committed them; never
+        in a step that planned lane rows: see Scheduler._plan_with_lane)."""
+        assert self.lane is None, "a preemption in a step with lane rows"
         mine = [r for r in self.rows if r[0].group is group]
         if not mine:
             return
@@ -152,7 +171,8 @@ class PlanRows:
 
     def has(self, seq: Sequence) -> bool:
         """Whether `seq` has a row in this step (O(rows): off the per-sample path)."""
-        return any(r[0] is seq for r in self.rows)
+        return any(r[0] is seq for r in self.rows) or (
+            self.lane is not None and any(s is seq for s in self.lane.seqs))
 
 
 def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
@@ -186,9 +206,34 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         positions = num_computed.copy()
         slot_mapping = np.array(slots, dtype=np.int64)
     else:
-        token_ids, positions, slot_mapping = _concat_chunks(rows, out.rows.num_tokens)
+        num_lane = len(out.rows.lane.ids) if out.rows.lane is not None else 0
+        token_ids, positions, slot_mapping = _concat_chunks(rows, out.rows.num_tokens - num_lane)
     feed = token_ids[: num_rows] < 0 if out.rows.num_prefill_tokens == 0 else \
         np.array([type(x) is int and x < 0 for x in inputs], dtype=bool)
+    num_new = np.array(num_new, dtype=np.int32)
+    samples = np.array(samples, dtype=np.uint8)
+    table_starts = np.array(table_starts, dtype=np.int32)
+    table_lens = np.fromiter(map(len, table_ids), dtype=np.int32, count=num_rows)
+    lane = out.rows.lane
+    if lane is not None:  # the steady decodes first: one token each, sampling, no change
+        n = len(lane.ids)
+        request_ids = lane.ids + request_ids if num_rows else lane.ids
+        if num_rows:
+            num_computed = np.concatenate([lane.starts, num_computed])
+            num_new = np.concatenate([np.ones(n, np.int32), num_new])
+            samples = np.concatenate([np.ones(n, np.uint8), samples])
+            token_ids = np.concatenate([lane.inputs, token_ids])
+            positions = np.concatenate([lane.starts, positions])
+            slot_mapping = np.concatenate([lane.slots, slot_mapping])
+            feed = np.concatenate([lane.inputs < 0, feed])
+            table_starts = np.concatenate([lane.table_lens, table_starts])
+            table_lens = np.concatenate([np.zeros(n, np.int32), table_lens])
+        else:
+            num_computed, token_ids, slot_mapping = lane.starts, lane.inputs, lane.slots
+            positions = lane.starts.copy()
+            num_new, samples = np.ones(n, np.int32), np.ones(n, np.uint8)
+            feed = lane.inputs < 0
+            table_starts, table_lens = lane.table_lens, np.zeros(n, np.int32)
     feed_sampled = feed.astype(np.uint8) if feed.any() else None
     ops = kv.take_block_ops()
     return wire.StepPlan(
@@ -197,14 +242,14 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         forks=forks,
         request_ids=request_ids,
         num_computed_tokens=num_computed,
-        num_new_tokens=np.array(num_new, dtype=np.int32),
-        do_sample=np.array(samples, dtype=np.uint8),
+        num_new_tokens=num_new,
+        do_sample=samples,
         feed_sampled=feed_sampled,
         token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,
-        block_table_starts=np.array(table_starts, dtype=np.int32),
-        block_table_lens=np.fromiter(map(len, table_ids), dtype=np.int32, count=num_rows),
+        block_table_starts=table_starts,
+        block_table_lens=table_lens,
         block_table_ids=np.fromiter(chain.from_iterable(table_ids), dtype=np.int32),
         swap_out=ops.swap_out,
         swap_in=ops.swap_in,

@@ -13,13 +13,24 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..kvmanager import KVCacheManager
+import numpy as np
+
+from ..kvmanager import InvariantError, KVCacheManager
 from . import admission
 from .cost_model import CostModel
+from .decode_lane import DecodeLane
 from .plan_builder import PlanRows
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")
+
+
+# Steps the loop plans alone after a step the decode lane could not plan (`_plan_with_lane`).
+LANE_BACKOFF_STEPS = 4
+
+
+def _sort_key(group: RequestGroup) -> tuple:
+    return group.sort_key
 
 
 class PreemptionMode(enum.Enum):
@@ -37,6 +48,9 @@ class SchedulerConfig:
     # A group preempted this many times is chosen as a victim only when every other
     # candidate was preempted as often (no request starves).
     preemption_cap: int = 3
+    # Plan steady decodes as columns (router/decode_lane.py); False: every running sample
+    # through the scheduler's loop (the same plans, rows in another order; tests, A/B).
+    decode_lane: bool = True
 
 
 @dataclass
@@ -60,7 +74,7 @@ class SchedulerOutput:
     @property
     def scheduled(self) -> list[ScheduledSeq]:
         """The committed samples and their token counts, in row order."""
-        return [ScheduledSeq(r[0], r[3]) for r in self.rows.rows]
+        return [ScheduledSeq(seq, n) for seq, n in self.rows.row_samples()]
 
     @property
     def sampled(self) -> list[Sequence]:
@@ -84,7 +98,8 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         """Nothing for the executor: no tokens, no drops, no swap-outs from preemptions."""
-        return not self.rows.rows and not self.dropped_seq_ids and not self.preempted
+        return not self.rows.rows and self.rows.lane is None and not self.dropped_seq_ids \
+            and not self.preempted
 
 
 class Scheduler:
@@ -104,6 +119,8 @@ class Scheduler:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
+        self.lane = DecodeLane(kv, config.max_model_len) if config.decode_lane else None
+        self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
 
     # ------------------------------------------------------------------ queues
 
@@ -189,6 +206,8 @@ class Scheduler:
         self._release_seq(seq)
 
     def _release_seq(self, seq: Sequence) -> None:
+        if self.lane is not None:
+            self.lane.evict(seq)
         if self.kv.has_request(seq.seq_id):
             self.kv.free(seq.seq_id)  # its intent too
         else:
@@ -224,24 +243,118 @@ class Scheduler:
         flight (`num_pending`) is decoded with that token as its input (the plan marks it;
         the executor feeds its own sample), unless the tokens in flight already reach
         max_tokens or max_model_len. Its slot is allocated like any other.
+
+        Steady decodes are planned in the decode lane (router/decode_lane.py) as columns,
+        and only the other running samples go through the loop below, when the order rows
+        are planned in cannot matter (`_plan_with_lane`); otherwise every running sample
+        goes through the loop, in order.
         """
         kv = self.kv
-        cfg = self.config
         kv.begin_step()
         out = SchedulerOutput(PlanRows(kv))
         out.dropped_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
-        budget = cfg.max_num_batched_tokens
-        num_seqs = 0
+        budget = self.config.max_num_batched_tokens
+        served = self._plan_with_lane(out, budget) if self.lane is not None else None
+        if served is None:
+            served = self._serve_running(out, self.running, budget, 0, None)
+        budget, num_seqs, self._num_running_seqs = served
+        if not out.preempted:
+            self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
+        return out
+
+    def _plan_with_lane(self, out: SchedulerOutput,
+                        budget: int) -> tuple[int, int, int] | None:
+        """Plan the lane's steady decodes as columns and serve the other running samples
+        (lane members that are not steady this step, groups off the lane) with the loop,
+        in (priority, arrival) order; None when this step must run the loop over every
+        running group instead (nothing planned then).
+
+        The lane plans its rows out of order, so it is used only when order cannot change
+        a decision: the token budget covers every running sample's demand (nobody is cut
+        short) and the free blocks cover the most the loop's samples could take (each
+        sample's tokens in blocks, plus one for a copy-on-write), so no allocation can
+        fail and nothing is preempted. Then each sample gets exactly what the loop would
+        have given it, and the blocks are taken in the loop's order. Otherwise (a long
+        prompt's chunks take the budget, blocks run short) the loop runs alone for this
+        step and `LANE_BACKOFF_STEPS` more, and the members are read again afterwards."""
+        lane = self.lane
+        if self._lane_backoff:
+            self._lane_backoff -= 1
+            return None
+        kv = self.kv
+        running = self.running
+        steady, pending, other_rows, lane_running = lane.classify()
+        if kv.debug_checks:
+            lane.verify()
+        num_steady = int(np.count_nonzero(steady))
+        others = [lane.seqs[i] for i in other_rows]
+        serve = [seq.group for seq in others]
+        if len(running) != len(lane):  # groups off the lane (new, chunked prefills, n > 1)
+            rows = lane.rows
+            off = [g for g in running if len(g.seqs) != 1 or g.seqs[0] not in rows]
+            serve = sorted(serve + off, key=_sort_key) if serve else off
+        elif len(serve) > 1:  # (lane rows are unordered)
+            serve.sort(key=_sort_key)
+        demand = blocks = 0
+        bs = kv.block_size
+        for group in serve:
+            if not group.forked:  # a fork in the loop: keep the loop's exact order
+                return self._lane_fallback()
+            for seq in group.active_seqs():
+                d = self._demand(group, seq)
+                if d:
+                    demand += d
+                    blocks += -(-d // bs) + 1
+        if num_steady + demand > budget or blocks > kv.num_free_gpu_blocks:
+            return self._lane_fallback()
+        if num_steady:
+            out.rows.add_lane(lane.commit(steady, pending, num_steady))
+        budget, num_seqs, num_serve_running = self._serve_running(
+            out, serve, budget - num_steady, num_steady, lane)
+        for seq in others:  # (the loop changed them: read again at the next step)
+            lane.mark_stale(seq)
+        return budget, num_seqs, lane_running - len(others) + num_serve_running
+
+    def _lane_fallback(self) -> None:
+        self._lane_backoff = LANE_BACKOFF_STEPS
+        lane = self.lane
+        lane.stale = list(lane.seqs)  # the loop plans them now: read them again after
+
+    def _demand(self, group: RequestGroup, seq: Sequence) -> int:
+        """Tokens of `seq` the loop would compute this step with budget to spare (0:
+        none). A sample whose last token is in flight decodes it (the plan marks the
+        row), unless the tokens in flight already reach max_tokens or max_model_len."""
+        pending = seq.num_pending
+        num_tokens = len(seq.token_ids) + pending
+        remaining = num_tokens - seq.num_computed_tokens
+        if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
+            remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+        if pending:
+            if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
+                    or num_tokens >= self.config.max_model_len:
+                return 0  # the tokens in flight already end it: known ahead
+            if remaining > 1:  # a chunk never reaches past the tokens received
+                remaining = len(seq.token_ids) - seq.num_computed_tokens
+        return remaining if remaining > 0 else 0
+
+    def _serve_running(self, out: SchedulerOutput, groups: list[RequestGroup], budget: int,
+                       num_seqs: int, lane: DecodeLane | None) -> tuple[int, int, int]:
+        """The loop: each active sample of `groups` (in order) gets its next tokens within
+        the budget; returns (budget left, samples with rows, samples walked). `groups` is
+        the running list itself (`lane` None: a sample short of blocks preempts, see
+        `schedule`), or the samples the lane leaves to it (`lane` given: a committed
+        decode of a one-sample group joins the lane; `_plan_with_lane` made sure no
+        allocation fails)."""
+        kv = self.kv
         num_running_seqs = 0
         pins_released = False
-
-        max_model_len = cfg.max_model_len
         # (bound once: this loop runs for every sample)
         commit, commit_decode = out.rows.add, out.rows.add_decode
+        demand = self._demand
         i = 0
-        while i < len(self.running):
-            group = self.running[i]
+        while i < len(groups):
+            group = groups[i]
             if not group.forked:
                 self._fork_if_ready(group, out)
             preempted_self = False
@@ -250,19 +363,7 @@ class Scheduler:
             for seq in active:
                 if budget <= 0:
                     break
-                # (Sequence.num_tokens inlined: this loop runs for every running sample
-                # every step.)
-                pending = seq.num_pending
-                num_tokens = len(seq.token_ids) + pending
-                remaining = num_tokens - seq.num_computed_tokens
-                if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
-                    remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
-                if pending:
-                    if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
-                            or num_tokens >= max_model_len:
-                        continue  # the tokens in flight already end it: known ahead
-                    if remaining > 1:  # a chunk never reaches past the tokens received
-                        remaining = len(seq.token_ids) - seq.num_computed_tokens
+                remaining = demand(group, seq)
                 if remaining <= 0:
                     continue
                 num_new = remaining if remaining < budget else budget
@@ -272,6 +373,8 @@ class Scheduler:
                         else kv.allocate(seq.seq_id, seq.token_ids, num_new)
                     if entry is not None:
                         break
+                    if lane is not None:
+                        raise InvariantError("a lane step ran out of blocks", (seq.seq_id,))
                     if not pins_released:
                         kv.release_pins()
                         pins_released = True
@@ -298,6 +401,8 @@ class Scheduler:
                     continue
                 if num_new == 1:
                     commit_decode(seq, entry)
+                    if lane is not None and len(group.seqs) == 1:
+                        lane.join(seq)
                 else:
                     commit(seq, num_new)
                 budget -= num_new
@@ -306,11 +411,7 @@ class Scheduler:
                 i += 1
             else:  # (it left the running groups)
                 num_running_seqs -= len(active)
-
-        self._num_running_seqs = num_running_seqs
-        if not out.preempted:
-            self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
-        return out
+        return budget, num_seqs, num_running_seqs
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier
@@ -352,6 +453,9 @@ class Scheduler:
         kv = self.kv
         self.running.remove(group)
         out.rows.undo_group(group)  # preempted itself while scheduled: undo its part
+        if self.lane is not None:
+            for seq in group.seqs:
+                self.lane.evict(seq)
         seq_ids = [s.seq_id for s in group.active_seqs() if kv.has_request(s.seq_id)]
         mode = self.config.preemption_mode
         if mode is PreemptionMode.AUTO:

@@ -196,6 +196,37 @@ def test_allocate_decode_gives_the_slot_and_table_change():
         m.allocate_decode("nobody", [1])
 
 
+def test_steady_decode_state_names_the_slot_base_and_where_the_block_ends():
+    """(state, num_tokens, slot_base, block_end, table_len, register_at), exactly; block
+    end 0 where the next decode is not steady."""
+    m = make(8, block_size=4)
+    toks = [1, 2, 3, 4, 5, 6]
+    m.allocate("a", toks, 6)  # blocks 0, 1; block 0 full (registered), 6 slots
+    state = m._reqs["a"]
+    assert m.steady_decode_state("a", toks) == (state, 6, 0, 0, 2, 0)  # a change to send
+    m.take_table_change("a")
+    # position 6 is in table block 1 (block id 1): slot base (1 - 1) * 4, block ends at 8;
+    # the block registers once 8 tokens are known
+    assert m.steady_decode_state("a", toks) == (state, 6, 0, 8, 2, 8)
+    assert m.steady_decode_state("a", list(toks)) == (state, 6, 0, 0, 2, 0)  # another list
+    m.advance_steady_decodes([state], [7])
+    assert m.num_tokens("a") == 7 and m.slot("a", 6) == 6
+    m.advance_steady_decodes([state], [8])
+    assert m.steady_decode_state("a", toks)[3] == 0  # the next slot needs a block
+    btoks = [9] * 3
+    m.allocate("b", btoks, 3)  # block 2
+    m.take_table_change("b")
+    m.fork("b", "c")  # its last block shared: a write copies it
+    assert m.steady_decode_state("b", btoks)[3] == 0
+    m.free("c")
+    assert m.steady_decode_state("b", btoks)[1:4] == (3, 8, 4)  # block id 2, table block 0
+    assert m.steady_decode_state("nobody", toks) == (None, 0, 0, 0, 0, 0)
+    off = make(8, block_size=4, enable_prefix_caching=False)
+    off.allocate("a", toks, 6)
+    off.take_table_change("a")
+    assert off.steady_decode_state("a", toks)[5] > 10 ** 12  # never registers
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["decode", "fork", "free", "admit"]),
                           st.integers(0, 3)), max_size=60))

@@ -1,0 +1,213 @@
+"""The decode lane: one scheduler's steady decodes planned as numpy columns.
+
+Most rows of a serving step are steady decodes: a request with its prompt computed decodes
+one token whose slot lies in a block it holds alone, no block fills, nothing ends. Planned
+one by one (the scheduler's loop: the sample's counters, `allocate_decode`, the plan row)
+each cost ~1.2 us of Python at 256 streams, most of the engine's CPU a step. The lane keeps
+what a member's next decode needs in columns -- its computed count, its slot count in the KV
+manager, the slot base of the block it writes into and where that block ends, where its next
+block registers in the prefix cache, where it ends -- so one step plans every steady member
+with a few array operations, and writes the counters back to the objects in tight loops.
+The objects stay authoritative: every step reads the members' pending and received counts
+and their `finished` flags from them and leaves them as the ordinary loop would have.
+
+A member whose next decode is not steady (a block to take, a block to register, a table
+change to send, a copy-on-write, an end known ahead, a chunk) takes the ordinary loop for
+that step and is read again from the objects at the start of the next one (after `end_step`
+registered its blocks): `mark_stale`. A sample joins after the ordinary loop committed a
+decode for it (read in the next step); it leaves when the scheduler removes, finishes or
+preempts it (`evict`). Rows are unordered (an eviction moves the last row into the hole):
+the scheduler uses the lane only in steps where the order rows are planned in cannot matter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..kvmanager import KVCacheManager
+from .sequence import Sequence
+
+# column indices of `_cols`
+COMPUTED, POS, SLOT_BASE, BLOCK_END, TABLE_LEN, REGISTER_AT, END_AT = range(7)
+
+
+class LaneRows(NamedTuple):
+    """A step's steady decodes from the lane, as plan columns (one token each, every row
+    sampling, no table change: a table start of the table's length)."""
+
+    seqs: list[Sequence]
+    ids: list[str]
+    starts: np.ndarray  # int32: tokens computed before (the token's position)
+    inputs: np.ndarray  # int32 token ids, -1 where the executor feeds its own sample
+    slots: np.ndarray  # int64
+    table_lens: np.ndarray  # int32
+
+
+class DecodeLane:
+    """Members' columns (`_cols[c, :n]`) beside their samples, ids and KV states."""
+
+    def __init__(self, kv: KVCacheManager, max_model_len: int, capacity: int = 64) -> None:
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.n = 0
+        self.seqs: list[Sequence] = []
+        self.ids: list[str] = []
+        self.states: list = []  # the KV manager's RequestState of each member
+        self.rows: dict[Sequence, int] = {}
+        self.stale: list[Sequence] = []  # to read again at the next step
+        self._cols = np.zeros((7, capacity), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self.rows
+
+    # ------------------------------------------------------------------ membership
+
+    def join(self, seq: Sequence) -> None:
+        """Take in a sample (its columns read at the next step); a member is marked stale."""
+        if seq in self.rows:
+            self.stale.append(seq)
+            return
+        n = self.n
+        if n == self._cols.shape[1]:
+            self._cols = np.concatenate([self._cols, np.zeros_like(self._cols)], axis=1)
+        self.rows[seq] = n
+        self.seqs.append(seq)
+        self.ids.append(seq.seq_id)
+        self.states.append(None)
+        self.n = n + 1
+        self.stale.append(seq)
+
+    def mark_stale(self, seq: Sequence) -> None:
+        if seq in self.rows:
+            self.stale.append(seq)
+
+    def evict(self, seq: Sequence) -> None:
+        """The sample leaves (removed, finished, preempted): the last row takes its place."""
+        i = self.rows.pop(seq, None)
+        if i is None:
+            return
+        last = self.n - 1
+        if i != last:
+            moved = self.seqs[last]
+            self.seqs[i] = moved
+            self.ids[i] = self.ids[last]
+            self.states[i] = self.states[last]
+            self._cols[:, i] = self._cols[:, last]
+            self.rows[moved] = i
+        self.seqs.pop()
+        self.ids.pop()
+        self.states.pop()
+        self.n = last
+
+    def clear(self) -> None:
+        self.n = 0
+        self.seqs.clear()
+        self.ids.clear()
+        self.states.clear()
+        self.rows.clear()
+        self.stale.clear()
+
+    def _refresh(self) -> None:
+        """Read the stale members' columns from their samples and the KV manager."""
+        cols = self._cols
+        state_of = self.kv.steady_decode_state
+        max_len = self.max_model_len
+        rows = self.rows
+        for seq in self.stale:
+            i = rows.get(seq)
+            if i is None:  # evicted since
+                continue
+            state = state_of(seq.seq_id, seq.token_ids)
+            self.states[i] = state[0]
+            end_at = seq.num_prompt_tokens + seq.group.spec.sampling.max_tokens
+            cols[:, i] = (seq.num_computed_tokens, state[1],
+                          state[2], state[3] if seq.on_executor else 0, state[4], state[5],
+                          end_at if end_at < max_len else max_len)
+        self.stale.clear()
+
+    # ------------------------------------------------------------------ one step
+
+    def classify(self) -> tuple[np.ndarray, np.ndarray, list[int], int]:
+        """This step's members: (steady mask, pending counts, the rows for the ordinary
+        loop, members still running, i.e. not finished). A member neither steady nor for
+        the ordinary loop has nothing to compute this step (finished, an end known ahead,
+        nothing uncomputed), as the ordinary loop would find."""
+        if self.stale:
+            self._refresh()
+        n = self.n
+        seqs = self.seqs
+        cols = self._cols[:, :n]
+        pending = np.fromiter([s.num_pending for s in seqs], np.int64, n)
+        received = np.fromiter([len(s.token_ids) for s in seqs], np.int64, n)
+        finished = np.fromiter([s.finished for s in seqs], np.bool_, n)
+        computed, pos = cols[COMPUTED], cols[POS]
+        num_tokens = received + pending
+        remaining = num_tokens - computed
+        # (the ordinary loop's skips: finished, nothing to compute, the tokens in flight
+        # already end it)
+        active = ~finished & (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
+        steady = active & (remaining == 1) & (pos == computed) & (pos < cols[BLOCK_END]) \
+            & (np.minimum(pos + 1, received) < cols[REGISTER_AT])
+        others = np.flatnonzero(active & ~steady).tolist()
+        return steady, pending, others, n - int(np.count_nonzero(finished))
+
+    def commit(self, steady: np.ndarray, pending: np.ndarray, num_steady: int
+               ) -> LaneRows:
+        """Give each steady member its next decode, every row sampling: their computed,
+        pending and KV slot counts go up by one."""
+        n = self.n
+        cols = self._cols[:, :n]
+        if num_steady == n:
+            seqs, ids, states = self.seqs, list(self.ids), self.states
+            starts = cols[COMPUTED].copy()
+            slots = cols[SLOT_BASE] + starts
+            table_lens = cols[TABLE_LEN].astype(np.int32)
+            pend = pending
+            cols[COMPUTED] += 1
+            cols[POS] += 1
+        else:
+            idx = np.flatnonzero(steady)
+            rows = idx.tolist()
+            seqs = [self.seqs[i] for i in rows]
+            ids = [self.ids[i] for i in rows]
+            states = [self.states[i] for i in rows]
+            starts = cols[COMPUTED, idx]
+            slots = cols[SLOT_BASE, idx] + starts
+            table_lens = cols[TABLE_LEN, idx].astype(np.int32)
+            pend = pending[idx]
+            cols[COMPUTED, idx] = starts + 1
+            cols[POS, idx] = starts + 1
+        inputs = np.full(num_steady, -1, dtype=np.int32)
+        known = np.flatnonzero(pend == 0)
+        if known.size:  # nothing in flight: its input is its last token, known here
+            for j in known.tolist():
+                seq = seqs[j]
+                inputs[j] = seq.token_ids[-1]
+        counts = (starts + 1).tolist()
+        for seq, c in zip(seqs, counts, strict=True):
+            seq.num_computed_tokens = c
+            seq.num_pending += 1
+        self.kv.advance_steady_decodes(states, counts)
+        return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens)
+
+    def verify(self) -> None:
+        """Every fresh member's columns agree with its sample and the KV manager (tests,
+        `debug_checks`); raises AssertionError naming the sample."""
+        stale = set(self.stale)
+        for seq, i in self.rows.items():
+            assert self.seqs[i] is seq and self.ids[i] == seq.seq_id, seq
+            if seq in stale:
+                continue
+            col = self._cols[:, i]
+            assert col[COMPUTED] == seq.num_computed_tokens, (seq, col[COMPUTED])
+            state = self.kv.steady_decode_state(seq.seq_id, seq.token_ids)
+            assert self.states[i] is state[0], seq
+            if col[POS] < col[BLOCK_END]:  # steady when read: still the KV manager's view
+                assert (col[POS], col[SLOT_BASE], col[BLOCK_END], col[TABLE_LEN],
+                        col[REGISTER_AT]) == state[1:], (seq, col, state)
+        assert self.n == len(self.seqs) == len(self.rows) == len(self.ids) == len(self.states)
