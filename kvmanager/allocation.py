@@ -206,6 +206,16 @@ def advance_steady_decodes(self: KVCacheManager, states: Iterable[RequestState],
     self._debug_check()
 
 
+def note_steady_fills(self: KVCacheManager, request_ids: list[str],
+                      states: list[RequestState]) -> None:
+    """Requests the decode lane just advanced whose newest slot or token completed a
+    block (`register_at` reached): the block registers as after `allocate_decode`
+    (at end_step inside a step)."""
+    for rid, req in zip(request_ids, states, strict=True):
+        self._note_full_blocks(rid, req, req.token_ids)
+    self._debug_check()
+
+
 def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, block_hashes,
            cache_salt, lookahead):
     bs = self.block_size

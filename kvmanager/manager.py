@@ -138,6 +138,7 @@ class KVCacheManager:
     allocate_decode = allocation.allocate_decode
     steady_decode_state = allocation.steady_decode_state
     advance_steady_decodes = allocation.advance_steady_decodes
+    note_steady_fills = allocation.note_steady_fills
     free = allocation.free
     fork = allocation.fork
     _admit = allocation._admit

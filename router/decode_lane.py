@@ -33,6 +33,17 @@ from .sequence import Sequence
 COMPUTED, POS, SLOT_BASE, BLOCK_END, TABLE_LEN, REGISTER_AT, END_AT = range(7)
 
 
+class LaneStep(NamedTuple):
+    """`DecodeLane.classify`'s answer for one step."""
+
+    steady: np.ndarray  # bool, a member's row: planned in the lane
+    num_steady: int
+    pending: np.ndarray  # int64, each member's tokens in flight
+    received: np.ndarray  # int64, each member's tokens received
+    fills: np.ndarray | None  # steady rows whose decode lets a block register
+    others: list[int]  # rows the scheduler's loop plans this step
+
+
 class LaneRows(NamedTuple):
     """A step's steady decodes from the lane, as plan columns (one token each, every row
     sampling, no table change: a table start of the table's length)."""
@@ -114,29 +125,33 @@ class DecodeLane:
 
     def _refresh(self) -> None:
         """Read the stale members' columns from their samples and the KV manager."""
-        cols = self._cols
         state_of = self.kv.steady_decode_state
         max_len = self.max_model_len
         rows = self.rows
+        states = self.states
+        idx: list[int] = []
+        values: list[tuple] = []
         for seq in self.stale:
             i = rows.get(seq)
             if i is None:  # evicted since
                 continue
             state = state_of(seq.seq_id, seq.token_ids)
-            self.states[i] = state[0]
+            states[i] = state[0]
             end_at = seq.num_prompt_tokens + seq.group.spec.sampling.max_tokens
-            cols[:, i] = (seq.num_computed_tokens, state[1],
-                          state[2], state[3] if seq.on_executor else 0, state[4], state[5],
-                          end_at if end_at < max_len else max_len)
+            idx.append(i)
+            values.append((seq.num_computed_tokens, state[1], state[2],
+                           state[3] if seq.on_executor else 0, state[4], state[5],
+                           end_at if end_at < max_len else max_len))
         self.stale.clear()
+        if idx:
+            self._cols[:, idx] = np.array(values, dtype=np.int64).T
 
     # ------------------------------------------------------------------ one step
 
-    def classify(self) -> tuple[np.ndarray, np.ndarray, list[int], int]:
-        """This step's members: (steady mask, pending counts, the rows for the ordinary
-        loop, members still running, i.e. not finished). A member neither steady nor for
-        the ordinary loop has nothing to compute this step (finished, an end known ahead,
-        nothing uncomputed), as the ordinary loop would find."""
+    def classify(self) -> LaneStep:
+        """This step's members: which are steady, which go to the ordinary loop. A member
+        in neither has nothing to compute this step (an end known ahead, nothing
+        uncomputed), as the ordinary loop would find."""
         if self.stale:
             self._refresh()
         n = self.n
@@ -144,22 +159,24 @@ class DecodeLane:
         cols = self._cols[:, :n]
         pending = np.fromiter([s.num_pending for s in seqs], np.int64, n)
         received = np.fromiter([len(s.token_ids) for s in seqs], np.int64, n)
-        finished = np.fromiter([s.finished for s in seqs], np.bool_, n)
         computed, pos = cols[COMPUTED], cols[POS]
         num_tokens = received + pending
         remaining = num_tokens - computed
-        # (the ordinary loop's skips: finished, nothing to compute, the tokens in flight
-        # already end it)
-        active = ~finished & (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
-        steady = active & (remaining == 1) & (pos == computed) & (pos < cols[BLOCK_END]) \
-            & (np.minimum(pos + 1, received) < cols[REGISTER_AT])
+        # (the ordinary loop's skips: nothing to compute, the tokens in flight already end
+        # it; a finished sample is never a member: `finish_seq` evicts it)
+        active = (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
+        steady = active & (remaining == 1) & (pos == computed) & (pos < cols[BLOCK_END])
+        # A block whose tokens are now all scheduled and known registers once this plan is
+        # sent, as `allocate_decode` would arrange (read the member again afterwards).
+        fills = steady & (np.minimum(pos + 1, received) >= cols[REGISTER_AT])
         others = np.flatnonzero(active & ~steady).tolist()
-        return steady, pending, others, n - int(np.count_nonzero(finished))
+        return LaneStep(steady, int(np.count_nonzero(steady)), pending, received,
+                        np.flatnonzero(fills) if fills.any() else None, others)
 
-    def commit(self, steady: np.ndarray, pending: np.ndarray, num_steady: int
-               ) -> LaneRows:
+    def commit(self, step: LaneStep) -> LaneRows:
         """Give each steady member its next decode, every row sampling: their computed,
         pending and KV slot counts go up by one."""
+        steady, num_steady, pending = step.steady, step.num_steady, step.pending
         n = self.n
         cols = self._cols[:, :n]
         if num_steady == n:
@@ -193,6 +210,15 @@ class DecodeLane:
             seq.num_computed_tokens = c
             seq.num_pending += 1
         self.kv.advance_steady_decodes(states, counts)
+        if step.fills is not None:
+            fills = step.fills
+            self.kv.note_steady_fills([self.ids[i] for i in fills],
+                                      [self.states[i] for i in fills])
+            # Registration (at end_step) goes through every full block known then, so the
+            # next registers once the block after the last known token is full.
+            bs = self.kv.block_size
+            known = np.minimum(self._cols[POS, fills], step.received[fills])
+            self._cols[REGISTER_AT, fills] = (known // bs + 1) * bs
         return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens)
 
     def verify(self) -> None:
@@ -201,6 +227,7 @@ class DecodeLane:
         stale = set(self.stale)
         for seq, i in self.rows.items():
             assert self.seqs[i] is seq and self.ids[i] == seq.seq_id, seq
+            assert not seq.finished, seq
             if seq in stale:
                 continue
             col = self._cols[:, i]

@@ -13,8 +13,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..kvmanager import InvariantError, KVCacheManager
 from . import admission
 from .cost_model import CostModel
@@ -284,11 +282,12 @@ class Scheduler:
             return None
         kv = self.kv
         running = self.running
-        steady, pending, other_rows, lane_running = lane.classify()
+        step = lane.classify()
         if kv.debug_checks:
             lane.verify()
-        num_steady = int(np.count_nonzero(steady))
-        others = [lane.seqs[i] for i in other_rows]
+        num_steady = step.num_steady
+        others = [lane.seqs[i] for i in step.others]
+        num_members = len(lane)  # (the loop below may add members)
         serve = [seq.group for seq in others]
         if len(running) != len(lane):  # groups off the lane (new, chunked prefills, n > 1)
             rows = lane.rows
@@ -309,12 +308,12 @@ class Scheduler:
         if num_steady + demand > budget or blocks > kv.num_free_gpu_blocks:
             return self._lane_fallback()
         if num_steady:
-            out.rows.add_lane(lane.commit(steady, pending, num_steady))
+            out.rows.add_lane(lane.commit(step))
         budget, num_seqs, num_serve_running = self._serve_running(
             out, serve, budget - num_steady, num_steady, lane)
         for seq in others:  # (the loop changed them: read again at the next step)
             lane.mark_stale(seq)
-        return budget, num_seqs, lane_running - len(others) + num_serve_running
+        return budget, num_seqs, num_members - len(others) + num_serve_running
 
     def _lane_fallback(self) -> None:
         self._lane_backoff = LANE_BACKOFF_STEPS

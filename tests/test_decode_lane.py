@@ -259,8 +259,8 @@ TestNoPrefixCachingLaneMachine = NoPrefixCachingLaneMachine.TestCase
 def test_steady_decodes_take_the_lane_and_the_loop_serves_the_rest():
     """Exact expectations on one run: 6 requests decode; once each has had a decode
     through the loop they are lane members, and a step plans in the lane every member
-    whose slot is inside its block, while the one crossing into a new block (or filling
-    one) goes through the loop and gets its table change."""
+    whose slot is inside its block (filling it or not), while one crossing into a new
+    block goes through the loop and gets its table change."""
     m = LaneMachine()
     for i in range(6):
         m.arrive(prefix=list(PREFIXES[2]), suffix=[i], priority=0, max_tokens=30, n=1,
