@@ -206,6 +206,17 @@ def advance_steady_decodes(self: KVCacheManager, states: Iterable[RequestState],
     self._debug_check()
 
 
+def extend_steady_tables(self: KVCacheManager, states: list[RequestState]) -> list[int]:
+    """The decode lane's requests whose next slot opens a block past their table's end:
+    one block each from the free queue, in the order given (as `allocate` of one token
+    each in that order would take them; the caller checked they fit). Appended to their
+    tables; the lane sends each as its row's table change (no `change_start`)."""
+    new_ids = self.gpu.take(len(states))
+    for req, bid in zip(states, new_ids, strict=True):
+        req.block_ids.append(bid)
+    return new_ids
+
+
 def note_steady_fills(self: KVCacheManager, request_ids: list[str],
                       states: list[RequestState]) -> None:
     """Requests the decode lane just advanced whose newest slot or token completed a

@@ -139,6 +139,7 @@ class KVCacheManager:
     steady_decode_state = allocation.steady_decode_state
     advance_steady_decodes = allocation.advance_steady_decodes
     note_steady_fills = allocation.note_steady_fills
+    extend_steady_tables = allocation.extend_steady_tables
     free = allocation.free
     fork = allocation.fork
     _admit = allocation._admit
@@ -203,7 +204,10 @@ class KVCacheManager:
         when the newest plan in flight has been answered (`plan_answered`)."""
         self._in_step = False
         dirty, self._dirty = self._dirty, {}
-        for rid in dirty:
+        # In request-id order: when two requests filled blocks of the same tokens, which of
+        # the two the cache keeps does not depend on the order the plan was built in (the
+        # scheduler's decode lane builds rows out of order).
+        for rid in sorted(dirty) if len(dirty) > 1 else dirty:
             req = self._reqs.get(rid)
             if req is not None and req.on_gpu:
                 self._register(rid, req)

@@ -37,23 +37,25 @@ class LaneStep(NamedTuple):
     """`DecodeLane.classify`'s answer for one step."""
 
     steady: np.ndarray  # bool, a member's row: planned in the lane
-    num_steady: int
     pending: np.ndarray  # int64, each member's tokens in flight
     received: np.ndarray  # int64, each member's tokens received
-    fills: np.ndarray | None  # steady rows whose decode lets a block register
+    fills: np.ndarray | None  # lane rows whose decode lets a block register
+    crossers: list[int]  # decodes that need a new block (`take_blocks`), not yet steady
     others: list[int]  # rows the scheduler's loop plans this step
 
 
 class LaneRows(NamedTuple):
     """A step's steady decodes from the lane, as plan columns (one token each, every row
-    sampling, no table change: a table start of the table's length)."""
+    sampling; a table change of at most one new block, at the table's end)."""
 
     seqs: list[Sequence]
     ids: list[str]
     starts: np.ndarray  # int32: tokens computed before (the token's position)
     inputs: np.ndarray  # int32 token ids, -1 where the executor feeds its own sample
     slots: np.ndarray  # int64
-    table_lens: np.ndarray  # int32
+    table_starts: np.ndarray  # int32: the table's length before this step's block
+    table_changed: np.ndarray  # int32: 1 where the row's table gained a block
+    table_ids: np.ndarray  # int32: the new blocks, in row order
 
 
 class DecodeLane:
@@ -68,6 +70,7 @@ class DecodeLane:
         self.states: list = []  # the KV manager's RequestState of each member
         self.rows: dict[Sequence, int] = {}
         self.stale: list[Sequence] = []  # to read again at the next step
+        self._new_blocks: dict[int, int] = {}  # row -> block taken this step (`take_blocks`)
         self._cols = np.zeros((7, capacity), dtype=np.int64)
 
     def __len__(self) -> int:
@@ -165,21 +168,41 @@ class DecodeLane:
         # (the ordinary loop's skips: nothing to compute, the tokens in flight already end
         # it; a finished sample is never a member: `finish_seq` evicts it)
         active = (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
-        steady = active & (remaining == 1) & (pos == computed) & (pos < cols[BLOCK_END])
+        decode = active & (remaining == 1) & (pos == computed)
+        steady = decode & (pos < cols[BLOCK_END])
+        # Its slot opens a block past the end of its table: one block from the free queue
+        # (`take_blocks`, in the loop's order), or the loop's if the scheduler says so.
+        cross = decode & (pos == cols[BLOCK_END]) & (pos == cols[TABLE_LEN] * self.kv.block_size)
         # A block whose tokens are now all scheduled and known registers once this plan is
-        # sent, as `allocate_decode` would arrange (read the member again afterwards).
-        fills = steady & (np.minimum(pos + 1, received) >= cols[REGISTER_AT])
-        others = np.flatnonzero(active & ~steady).tolist()
-        return LaneStep(steady, int(np.count_nonzero(steady)), pending, received,
-                        np.flatnonzero(fills) if fills.any() else None, others)
+        # sent, as `allocate_decode` would arrange.
+        fills = (steady | cross) & (np.minimum(pos + 1, received) >= cols[REGISTER_AT])
+        others = np.flatnonzero(active & ~steady & ~cross).tolist()
+        return LaneStep(steady, pending, received,
+                        np.flatnonzero(fills) if fills.any() else None,
+                        np.flatnonzero(cross).tolist() if cross.any() else [], others)
+
+    def take_blocks(self, step: LaneStep, crossers: list[int]) -> None:
+        """Give the crossing members `crossers` (rows, in the order the loop would have
+        served them) a new last block each, taken from the free queue in that order; they
+        are steady in this step's plan, with the block as their table change."""
+        new_ids = self.kv.extend_steady_tables([self.states[i] for i in crossers])
+        cols = self._cols
+        b = cols[TABLE_LEN, crossers]  # the new block's index in each table
+        cols[SLOT_BASE, crossers] = (np.array(new_ids, dtype=np.int64) - b) * self.kv.block_size
+        cols[BLOCK_END, crossers] = (b + 1) * self.kv.block_size
+        cols[TABLE_LEN, crossers] = b + 1
+        step.steady[crossers] = True
+        self._new_blocks = dict(zip(crossers, new_ids, strict=True))
 
     def commit(self, step: LaneStep) -> LaneRows:
         """Give each steady member its next decode, every row sampling: their computed,
         pending and KV slot counts go up by one."""
-        steady, num_steady, pending = step.steady, step.num_steady, step.pending
+        steady, pending = step.steady, step.pending
+        num_steady = int(np.count_nonzero(steady))
         n = self.n
         cols = self._cols[:, :n]
         if num_steady == n:
+            rows = None
             seqs, ids, states = self.seqs, list(self.ids), self.states
             starts = cols[COMPUTED].copy()
             slots = cols[SLOT_BASE] + starts
@@ -219,7 +242,19 @@ class DecodeLane:
             bs = self.kv.block_size
             known = np.minimum(self._cols[POS, fills], step.received[fills])
             self._cols[REGISTER_AT, fills] = (known // bs + 1) * bs
-        return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens)
+        changed = np.zeros(num_steady, dtype=np.int32)
+        new_ids: list[int] = []
+        if self._new_blocks:  # the crossers' tables change by their new block
+            new_blocks = self._new_blocks
+            for j, i in enumerate(range(n) if rows is None else rows):
+                bid = new_blocks.get(i)
+                if bid is not None:
+                    changed[j] = 1
+                    new_ids.append(bid)
+            table_lens -= changed
+            self._new_blocks = {}
+        return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens,
+                        changed, np.array(new_ids, dtype=np.int32))
 
     def verify(self) -> None:
         """Every fresh member's columns agree with its sample and the KV manager (tests,

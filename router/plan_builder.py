@@ -226,14 +226,14 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
             positions = np.concatenate([lane.starts, positions])
             slot_mapping = np.concatenate([lane.slots, slot_mapping])
             feed = np.concatenate([lane.inputs < 0, feed])
-            table_starts = np.concatenate([lane.table_lens, table_starts])
-            table_lens = np.concatenate([np.zeros(n, np.int32), table_lens])
+            table_starts = np.concatenate([lane.table_starts, table_starts])
+            table_lens = np.concatenate([lane.table_changed, table_lens])
         else:
             num_computed, token_ids, slot_mapping = lane.starts, lane.inputs, lane.slots
             positions = lane.starts.copy()
             num_new, samples = np.ones(n, np.int32), np.ones(n, np.uint8)
             feed = lane.inputs < 0
-            table_starts, table_lens = lane.table_lens, np.zeros(n, np.int32)
+            table_starts, table_lens = lane.table_starts, lane.table_changed
     feed_sampled = feed.astype(np.uint8) if feed.any() else None
     ops = kv.take_block_ops()
     return wire.StepPlan(
@@ -250,7 +250,9 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         slot_mapping=slot_mapping,
         block_table_starts=table_starts,
         block_table_lens=table_lens,
-        block_table_ids=np.fromiter(chain.from_iterable(table_ids), dtype=np.int32),
+        block_table_ids=np.fromiter(chain.from_iterable(table_ids), dtype=np.int32)
+        if lane is None else np.concatenate([
+            lane.table_ids, np.fromiter(chain.from_iterable(table_ids), dtype=np.int32)]),
         swap_out=ops.swap_out,
         swap_in=ops.swap_in,
         copy=ops.copy,

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..kvmanager import InvariantError, KVCacheManager
 from . import admission
 from .cost_model import CostModel
@@ -46,9 +48,11 @@ class SchedulerConfig:
     # A group preempted this many times is chosen as a victim only when every other
     # candidate was preempted as often (no request starves).
     preemption_cap: int = 3
-    # Plan steady decodes as columns (router/decode_lane.py); False: every running sample
-    # through the scheduler's loop (the same plans, rows in another order; tests, A/B).
-    decode_lane: bool = True
+    # Plan steady decodes as columns (router/decode_lane.py) once this many groups run:
+    # the lane's fixed cost (~20 numpy calls a step) beats ~1 us a row saved from ~32-48
+    # rows on (engine_bench). 0: never (every running sample through the scheduler's
+    # loop: the same plans, rows in another order).
+    decode_lane_min_running: int = 48
 
 
 @dataclass
@@ -117,7 +121,8 @@ class Scheduler:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
-        self.lane = DecodeLane(kv, config.max_model_len) if config.decode_lane else None
+        self.lane = DecodeLane(kv, config.max_model_len) \
+            if config.decode_lane_min_running > 0 else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
 
     # ------------------------------------------------------------------ queues
@@ -253,7 +258,13 @@ class Scheduler:
         out.dropped_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
         budget = self.config.max_num_batched_tokens
-        served = self._plan_with_lane(out, budget) if self.lane is not None else None
+        served = None
+        lane = self.lane
+        if lane is not None:
+            if len(self.running) >= self.config.decode_lane_min_running:
+                served = self._plan_with_lane(out, budget)
+            elif len(lane):  # too few to pay: the loop plans them from now on
+                lane.clear()
         if served is None:
             served = self._serve_running(out, self.running, budget, 0, None)
         budget, num_seqs, self._num_running_seqs = served
@@ -285,8 +296,9 @@ class Scheduler:
         step = lane.classify()
         if kv.debug_checks:
             lane.verify()
-        num_steady = step.num_steady
-        others = [lane.seqs[i] for i in step.others]
+        seqs = lane.seqs
+        others = [seqs[i] for i in step.others]
+        crossers = step.crossers
         num_members = len(lane)  # (the loop below may add members)
         serve = [seq.group for seq in others]
         if len(running) != len(lane):  # groups off the lane (new, chunked prefills, n > 1)
@@ -295,6 +307,15 @@ class Scheduler:
             serve = sorted(serve + off, key=_sort_key) if serve else off
         elif len(serve) > 1:  # (lane rows are unordered)
             serve.sort(key=_sort_key)
+        if crossers:
+            # Members whose slot opens a new block take it from the lane, in the loop's
+            # order, before the loop serves anyone: only if they all come before the
+            # loop's groups (the usual case: the loop's are new requests' prompts).
+            crossers.sort(key=lambda i: seqs[i].group.sort_key)
+            if serve and seqs[crossers[-1]].group.sort_key > serve[0].sort_key:
+                others += [seqs[i] for i in crossers]
+                serve = sorted(serve + [seqs[i].group for i in crossers], key=_sort_key)
+                crossers = []
         demand = blocks = 0
         bs = kv.block_size
         for group in serve:
@@ -305,8 +326,12 @@ class Scheduler:
                 if d:
                     demand += d
                     blocks += -(-d // bs) + 1
-        if num_steady + demand > budget or blocks > kv.num_free_gpu_blocks:
+        num_steady = int(np.count_nonzero(step.steady)) + len(crossers)
+        if num_steady + demand > budget or \
+                blocks + len(crossers) > kv.num_free_gpu_blocks:
             return self._lane_fallback()
+        if crossers:
+            lane.take_blocks(step, crossers)
         if num_steady:
             out.rows.add_lane(lane.commit(step))
         budget, num_seqs, num_serve_running = self._serve_running(

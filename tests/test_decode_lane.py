@@ -44,7 +44,7 @@ class _World:
                                  enable_prefix_caching=prefix_caching, debug_checks=lane)
         self.sched = Scheduler(self.kv, SchedulerConfig(
             max_num_seqs=24, max_num_batched_tokens=budget, max_model_len=48,
-            preemption_mode=PreemptionMode.AUTO, decode_lane=lane))
+            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=1 if lane else 0))
         self.live: dict[str, RequestGroup] = {}
         self.in_flight: list = []
         self.to_complete: set[str] = set()
@@ -257,29 +257,29 @@ TestNoPrefixCachingLaneMachine = NoPrefixCachingLaneMachine.TestCase
 
 
 def test_steady_decodes_take_the_lane_and_the_loop_serves_the_rest():
-    """Exact expectations on one run: 6 requests decode; once each has had a decode
-    through the loop they are lane members, and a step plans in the lane every member
-    whose slot is inside its block (filling it or not), while one crossing into a new
-    block goes through the loop and gets its table change."""
+    """Exact expectations on one run: 6 requests of 4-token prompts (one block each) and a
+    budget of 20 tokens. Step 1 computes 5 prompts, step 2 their first decodes through the
+    loop (they join the lane) and the 6th prompt, step 3 the 5 in the lane and the 6th's
+    first decode through the loop; from then on the lane plans all 6, and every 4th step
+    a member's slot opens a new block: taken in the lane, sent as its row's table change
+    (5 in step 6, the 6th in step 7, and so on)."""
     m = LaneMachine()
     for i in range(6):
         m.arrive(prefix=list(PREFIXES[2]), suffix=[i], priority=0, max_tokens=30, n=1,
                  stops=False)
     a = m.worlds[0]
-    lane_rows = []
+    steps = []
     for _ in range(12):
         if len(a.in_flight) == DEPTH:
             m.answer()
         m.send()
         m.same_state()
-        out = a.in_flight[-1][1]
-        lane_rows.append(len(out.rows.lane.ids) if out.rows.lane is not None else 0)
-    # step 1: the prompts (4 tokens: one block each); step 2: the first decodes, through
-    # the loop (they join); from step 3 on the lane plans all but the ones whose slot opens
-    # a block or fills one (the prompt is 4 tokens, so decode k writes position 3 + k)
-    assert lane_rows[:2] == [0, 0]
-    assert len(a.sched.lane) == 6
-    assert all(n > 0 for n in lane_rows[2:]), lane_rows
-    assert a.lane_steps == 10
+        rows = a.in_flight[-1][1].rows
+        lane = rows.lane
+        steps.append((len(lane.ids) if lane is not None else 0, len(rows.rows),
+                      int(lane.table_changed.sum()) if lane is not None else 0))
+    assert steps == [(0, 5, 0), (0, 6, 0), (5, 1, 0), (6, 0, 0), (6, 0, 0), (6, 0, 5),
+                     (6, 0, 1), (6, 0, 0), (6, 0, 0), (6, 0, 5), (6, 0, 1), (6, 0, 0)]
+    assert a.lane_steps == 10 and len(a.sched.lane) == 6
     m.teardown()  # every request to its end: the lane empties
     assert len(a.sched.lane) == 0 and not a.sched.lane.rows

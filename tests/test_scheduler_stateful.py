@@ -48,6 +48,7 @@ def _sample(seq_id: str, pos: int) -> int:
 
 class SchedulerMachine(RuleBasedStateMachine):
     prefix_caching = True
+    lane_min_running = 0  # the scheduler's loop alone (LaneSchedulerMachine: the lane too)
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  hash_algo="builtin", enable_prefix_caching=self.prefix_caching)
         self.sched = Scheduler(self.kv, SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64,
-            preemption_mode=PreemptionMode.AUTO))
+            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=self.lane_min_running))
         self.live: dict[str, RequestGroup] = {}
         self.n = 0
         self.step = 0
@@ -213,6 +214,18 @@ class NoPrefixCachingMachine(SchedulerMachine):
 NoPrefixCachingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                                     deadline=None)
 TestNoPrefixCachingMachine = NoPrefixCachingMachine.TestCase
+
+
+class LaneSchedulerMachine(SchedulerMachine):
+    """The same with the decode lane planning steady decodes from one running group on
+    (router/decode_lane.py): every position a plan reads still holds its tokens."""
+
+    lane_min_running = 1
+
+
+LaneSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                                  deadline=None)
+TestLaneSchedulerMachine = LaneSchedulerMachine.TestCase
 
 
 def test_n2_request_whose_prompt_is_cached_but_its_last_token_is_scheduled_when_admitted():
