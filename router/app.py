@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -102,7 +103,22 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         pipeline_depth=args.pipeline_depth,
         step_timeout_s=args.step_timeout,
         debug_checks=bool(getattr(args, "debug_checks", False)),
+        decode_lane_min_running=decode_lane_min_running(),
     )
+
+
+# The running groups from which each scheduler plans steady decodes in its decode lane
+# (router/decode_lane.py); 0 turns the lane off (every row through the scheduler's loop).
+DECODE_LANE_ENV = "PAGEDSERVE_DECODE_LANE_MIN_RUNNING"
+
+
+def decode_lane_min_running() -> int:
+    value = os.environ.get(DECODE_LANE_ENV, "").strip()
+    if not value:
+        return EngineConfig.decode_lane_min_running
+    if not value.isdigit():
+        raise SystemExit(f"{DECODE_LANE_ENV} must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 async def serve_router(

@@ -59,6 +59,9 @@ class EngineConfig:
     watermark: float = 0.01
     max_pinned_fraction: float = 0.25
     debug_checks: bool = False  # check KV invariants after every step (tests)
+    # steady decodes planned as columns from this many running groups on (0: never;
+    # SchedulerConfig.decode_lane_min_running; env PAGEDSERVE_DECODE_LANE_MIN_RUNNING)
+    decode_lane_min_running: int = 48
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
 
 

@@ -108,6 +108,7 @@ class Membership:
         sched = Scheduler(kv, SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len, preemption_mode=cfg.preemption_mode,
+            decode_lane_min_running=cfg.decode_lane_min_running,
         ))
         handle = ExecutorHandle(hello=hello, routing_id=routing_id, kv=kv, scheduler=sched)
         self.executors[hello.executor_id] = handle

@@ -13,15 +13,20 @@ boundaries, register blocks, stop early, are preempted and aborted.
 
 from __future__ import annotations
 
+import asyncio
+
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pagedserve.kvmanager import KVCacheManager
+from pagedserve.router import app
 from pagedserve.router.plan_builder import build_plan
 from pagedserve.router.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from pagedserve.router.sequence import RequestGroup
 from pagedserve.router.types import RequestSpec, SamplingSpec
+from pipeline_rig import EOS, expected, free_blocks, make_engine, run, submit
 
 BS = 4
 DEPTH = 2
@@ -283,3 +288,63 @@ def test_steady_decodes_take_the_lane_and_the_loop_serves_the_rest():
     assert a.lane_steps == 10 and len(a.sched.lane) == 6
     m.teardown()  # every request to its end: the lane empties
     assert len(a.sched.lane) == 0 and not a.sched.lane.rows
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_engine_streams_every_token_with_the_lane(depth):
+    """The whole engine (pipeline_rig's simulated executor, which feeds marked decodes its
+    own samples and answers in plan order) with the lane from 8 running requests on: 40
+    requests of different lengths, some ending early on EOS, one aborted; every stream
+    gets exactly its tokens, and every block is free at the end."""
+    async def main():
+        engine, ex = make_engine(depth, num_gpu_blocks=512, decode_lane_min_running=8)
+        lane = engine.executors["e0"].scheduler.lane
+        streams, want = [], {}
+        for i in range(40):
+            rid = f"r{i}"
+            n = 1 + (i * 7) % 30
+            if i % 5 == 0:  # EOS as output token i % 9 (when within max_tokens)
+                ex.overrides[(f"{rid}#0", i % 9)] = EOS
+            streams.append(await submit(engine, rid, [3 + i % 11] * (1 + i % 9), max_tokens=n))
+            toks = expected(f"{rid}#0", n)
+            if i % 5 == 0 and i % 9 < n:
+                toks = toks[: i % 9] + [EOS]
+            want[rid] = toks
+        most = 0
+        for _ in range(300):
+            if all(s.done for s in streams):
+                break
+            if ex.plans and len(ex.plans) == 6:
+                engine.abort("r3")
+            if ex.unanswered():
+                await ex.answer()
+            else:
+                await asyncio.sleep(0.002)
+            most = max(most, len(lane))
+        assert all(s.done for s in streams)
+        assert most >= 20  # the lane planned most of them
+        for i, s in enumerate(streams):
+            rid = f"r{i}"
+            if rid == "r3":
+                assert s.finish().finish_reason == "abort"
+                assert s.tokens() == want[rid][: len(s.tokens())]
+                continue
+            assert s.tokens() == want[rid], rid
+        while ex.unanswered():
+            await ex.answer()
+        assert free_blocks(engine) == (512, 512)
+        assert len(lane) == 0
+    run(main())
+
+
+def test_a_bad_lane_setting_stops_the_router_at_start(monkeypatch):
+    monkeypatch.setenv(app.DECODE_LANE_ENV, "16")
+    assert app.decode_lane_min_running() == 16
+    monkeypatch.setenv(app.DECODE_LANE_ENV, "0")  # off
+    assert app.decode_lane_min_running() == 0
+    monkeypatch.delenv(app.DECODE_LANE_ENV)
+    assert app.decode_lane_min_running() == SchedulerConfig.decode_lane_min_running == 48
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(app.DECODE_LANE_ENV, bad)
+        with pytest.raises(SystemExit, match=app.DECODE_LANE_ENV):
+            app.decode_lane_min_running()
