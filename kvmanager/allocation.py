@@ -109,10 +109,16 @@ def allocate(
     if cow:
         fresh = gpu.take(len(cow))
         old = []
+        # A block swapped in by this plan is a destination of it: the copy is made from
+        # its CPU source instead (a plan never names a block as source and destination).
+        swapped_in = {g: c for c, g in self._swap_in} if self._swap_in else None
         for i, dst in zip(cow, fresh, strict=True):
             src = table[i]
             if i * bs < old_tokens:  # holds written tokens: copy them
-                self._copies.append((src, dst))
+                if swapped_in is not None and src in swapped_in:
+                    self._swap_in.append((swapped_in[src], dst))
+                else:
+                    self._copies.append((src, dst))
             old.append(src)
             table[i] = dst
         gpu.release(old)  # ref counts were > 1: nothing is freed here

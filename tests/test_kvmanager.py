@@ -349,6 +349,25 @@ def test_swap_out_reads_a_pending_copy_source():
     assert ops.copy.tolist() == [[1, 2]]
 
 
+def test_a_copy_of_a_block_swapped_in_by_the_same_plan_reads_its_cpu_source():
+    """Two samples share a partial block; swapped out, then back in, and the first one
+    writes into the shared block in the same plan: its copy comes from the CPU block the
+    plan swaps in, not from the device block the plan swaps into (DESIGN: a plan never
+    names a block as both a source and a destination)."""
+    m = make()
+    m.allocate("a", [1] * 6, 6)  # blocks 0, 1 (1 partial)
+    m.fork("a", "b")
+    assert m.swap_out(["a", "b"]) == [(0, 0), (1, 1)]
+    m.take_block_ops()
+    m.begin_step()
+    assert m.swap_in(["a", "b"]) == [(0, 2), (1, 3)]
+    assert m.allocate("a", [1] * 7, 1) == [4]  # block 3 is shared: copy-on-write
+    ops = m.take_block_ops()
+    assert ops.swap_in.tolist() == [[0, 2], [1, 3], [1, 4]] and ops.copy.tolist() == []
+    m.end_step()
+    assert m.block_table("a") == [2, 4] and m.block_table("b") == [2, 3]
+
+
 # ------------------------------------------------------------------ pins
 
 

@@ -37,6 +37,18 @@ PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 
 UNKNOWN = "?"  # a position whose input token never reached the router (a late stop)
 
 
+def _check_block_moves(plan) -> None:
+    """DESIGN's rule: a plan never names a block as both a source and a destination (nor
+    one destination twice)."""
+    so, si, cp = plan.swap_out.tolist(), plan.swap_in.tolist(), plan.copy.tolist()
+    dev_src = {g for g, _ in so} | {s for s, _ in cp}
+    dev_dst = {g for _, g in si} | {d for _, d in cp}
+    assert not dev_src & dev_dst, ("device", so, si, cp)
+    assert not {c for _, c in so} & {c for c, _ in si}, ("cpu", so, si)
+    for pairs in (so, si, cp):
+        assert len({d for _, d in pairs}) == len(pairs), ("destination twice", pairs)
+
+
 class _Assembler:
     finished = False
     num_tokens = 0
@@ -112,6 +124,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             reads.append((seq, kv.slot_mapping(seq.seq_id, 0, start).tolist()))
         plan = build_plan(self.step, out, kv, (99,))
         kv.end_step(self.step)
+        _check_block_moves(plan)
         self.in_flight.append({"plan": plan, "out": out, "reads": reads})
 
     @precondition(lambda self: self.in_flight)
