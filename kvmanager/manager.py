@@ -175,6 +175,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ step boundary
 
+    @property
+    def has_block_ops(self) -> bool:
+        """Swap-outs, swap-ins or copies are queued for the next plan (`take_block_ops`)."""
+        return bool(self._swap_out or self._swap_in or self._copies)
+
     def take_block_ops(self) -> BlockOps:
         """Drain the swap-out, swap-in and copy pairs queued since the last call (once per
         step, into the StepPlan)."""

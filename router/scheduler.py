@@ -99,9 +99,11 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        """Nothing for the executor: no tokens, no drops, no swap-outs from preemptions."""
+        """Nothing for the executor: no tokens, no drops, no preemptions, no block moves
+        (a group swapped in whose samples got no tokens this step still needs its swap-in
+        sent now: a later plan could swap those blocks out again before it)."""
         return not self.rows.rows and self.rows.lane is None and not self.dropped_seq_ids \
-            and not self.preempted
+            and not self.preempted and not self.rows.kv.has_block_ops
 
 
 class Scheduler:

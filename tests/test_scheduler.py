@@ -209,3 +209,27 @@ def test_n2_with_a_chunked_prompt_forks_before_the_last_prompt_token():
     out, plan = _step(sched, kv, 4)
     assert [(f.parent_id, f.child_id) for f in plan.forks] == [("g#0", "g#1")]
     assert _scheduled(out) == [("g#0", 1), ("g#1", 1)] and plan.do_sample.tolist() == [1, 1]
+
+
+def test_a_step_that_only_swaps_in_is_sent():
+    """A group swapped in whose samples get no tokens in that step (its allocation short,
+    say) leaves a plan with no rows but a swap-in. It is not empty: held back, the
+    swap-in would ride with a later plan, which may swap the same blocks out again first
+    (the executor swaps out before it swaps in) and lose their contents (found by the
+    state machine, without prefix caching)."""
+    from pagedserve.router.plan_builder import PlanRows
+    from pagedserve.router.scheduler import SchedulerOutput
+
+    kv = KVCacheManager(8, 8, 4, watermark=0.0)
+    kv.allocate("a#0", list(range(6)), 6)
+    kv.swap_out(["a#0"])
+    kv.take_block_ops()
+    kv.begin_step()
+    assert SchedulerOutput(PlanRows(kv)).empty
+    kv.swap_in(["a#0"])
+    out = SchedulerOutput(PlanRows(kv))
+    assert not out.empty and kv.has_block_ops
+    plan = build_plan(1, out, kv, (1,))
+    kv.end_step(1)
+    assert plan.swap_in.tolist() == [[0, 2], [1, 3]] and plan.request_ids == []
+    assert not kv.has_block_ops and SchedulerOutput(PlanRows(kv)).empty
