@@ -1,33 +1,42 @@
 """The decode lane: one scheduler's steady decodes planned as numpy columns.
 
 Most rows of a serving step are steady decodes: a request with its prompt computed decodes
-one token whose slot lies in a block it holds alone, no block fills, nothing ends. Planned
-one by one (the scheduler's loop: the sample's counters, `allocate_decode`, the plan row)
-each cost ~1.2 us of Python at 256 streams, most of the engine's CPU a step. The lane keeps
-what a member's next decode needs in columns -- its computed count, its slot count in the KV
-manager, the slot base of the block it writes into and where that block ends, where its next
-block registers in the prefix cache, where it ends -- so one step plans every steady member
-with a few array operations, and writes the counters back to the objects in tight loops.
-The objects stay authoritative: every step reads the members' pending and received counts
-and their `finished` flags from them and leaves them as the ordinary loop would have.
+one token whose slot lies in a block it holds alone. Planned one by one (the scheduler's
+loop: the sample's counters, `allocate_decode`, the plan row) each cost ~1.2 us of Python at
+256 streams, most of the engine's CPU a step. The lane keeps what a member's next decode
+needs in columns -- its computed count, its slot count in the KV manager, the slot base of
+the block it writes into and where that block ends, its table's length, where its next block
+registers in the prefix cache, where it ends -- so one step plans every steady member with a
+few array operations and writes the counters back to the objects in tight loops. Two cases
+that come every block's worth of tokens stay in the lane: a slot that opens a block past the
+table's end (`take_blocks`: a block from the free queue, sent as the row's table change) and
+a decode that completes a block (`note_steady_fills`: it registers at end_step). The objects
+stay authoritative: every step reads the members' pending and received counts from them and
+leaves them as the ordinary loop would have.
 
-A member whose next decode is not steady (a block to take, a block to register, a table
-change to send, a copy-on-write, an end known ahead, a chunk) takes the ordinary loop for
-that step and is read again from the objects at the start of the next one (after `end_step`
-registered its blocks): `mark_stale`. A sample joins after the ordinary loop committed a
-decode for it (read in the next step); it leaves when the scheduler removes, finishes or
-preempts it (`evict`). Rows are unordered (an eviction moves the last row into the hole):
-the scheduler uses the lane only in steps where the order rows are planned in cannot matter.
+A member whose next decode is anything else (a table change or intent waiting, a shared
+block to copy, an end known ahead, a chunk) takes the ordinary loop for that step and is
+read again from the objects at the start of the next one (after `end_step`): `mark_stale`.
+A sample joins after the ordinary loop committed a decode for it (read in the next step); it
+leaves when the scheduler removes, finishes or preempts it (`evict`). Rows are unordered (an
+eviction moves the last row into the hole): the scheduler uses the lane only in steps where
+the order rows are planned in cannot matter (`plan_with_lane`, below).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..kvmanager import KVCacheManager
-from .sequence import Sequence
+from .sequence import RequestGroup, Sequence
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler, SchedulerOutput
+
+# Steps the loop plans alone after a step the decode lane could not plan (`plan_with_lane`).
+LANE_BACKOFF_STEPS = 4
 
 # column indices of `_cols`
 COMPUTED, POS, SLOT_BASE, BLOCK_END, TABLE_LEN, REGISTER_AT, END_AT = range(7)
@@ -273,3 +282,87 @@ class DecodeLane:
                 assert (col[POS], col[SLOT_BASE], col[BLOCK_END], col[TABLE_LEN],
                         col[REGISTER_AT]) == state[1:], (seq, col, state)
         assert self.n == len(self.seqs) == len(self.rows) == len(self.ids) == len(self.states)
+
+
+# ------------------------------------------------------------------ the scheduler's side
+# Functions of the Scheduler (bound there as `_plan_with_lane` and `_lane_fallback`).
+
+
+def _sort_key(group: RequestGroup) -> tuple:
+    return group.sort_key
+
+
+def plan_with_lane(self: Scheduler, out: SchedulerOutput,
+                   budget: int) -> tuple[int, int, int] | None:
+    """Plan the lane's steady decodes as columns and serve the other running samples
+    (lane members that are not steady this step, groups off the lane) with the loop,
+    in (priority, arrival) order; None when this step must run the loop over every
+    running group instead (nothing planned then).
+
+    The lane plans its rows out of order, so it is used only when order cannot change
+    a decision: the token budget covers every running sample's demand (nobody is cut
+    short) and the free blocks cover the most the loop's samples could take (each
+    sample's tokens in blocks, plus one for a copy-on-write), so no allocation can
+    fail and nothing is preempted. Then each sample gets exactly what the loop would
+    have given it, and the blocks are taken in the loop's order. Otherwise (a long
+    prompt's chunks take the budget, blocks run short) the loop runs alone for this
+    step and `LANE_BACKOFF_STEPS` more, and the members are read again afterwards."""
+    lane = self.lane
+    if self._lane_backoff:
+        self._lane_backoff -= 1
+        return None
+    kv = self.kv
+    running = self.running
+    step = lane.classify()
+    if kv.debug_checks:
+        lane.verify()
+    seqs = lane.seqs
+    others = [seqs[i] for i in step.others]
+    crossers = step.crossers
+    num_members = len(lane)  # (the loop below may add members)
+    serve = [seq.group for seq in others]
+    if len(running) != len(lane):  # groups off the lane (new, chunked prefills, n > 1)
+        rows = lane.rows
+        off = [g for g in running if len(g.seqs) != 1 or g.seqs[0] not in rows]
+        serve = sorted(serve + off, key=_sort_key) if serve else off
+    elif len(serve) > 1:  # (lane rows are unordered)
+        serve.sort(key=_sort_key)
+    if crossers:
+        # Members whose slot opens a new block take it from the lane, in the loop's
+        # order, before the loop serves anyone: only if they all come before the
+        # loop's groups (the usual case: the loop's are new requests' prompts).
+        crossers.sort(key=lambda i: seqs[i].group.sort_key)
+        if serve and seqs[crossers[-1]].group.sort_key > serve[0].sort_key:
+            others += [seqs[i] for i in crossers]
+            serve = sorted(serve + [seqs[i].group for i in crossers], key=_sort_key)
+            crossers = []
+    demand = blocks = 0
+    bs = kv.block_size
+    for group in serve:
+        if not group.forked:  # a fork in the loop: keep the loop's exact order
+            return self._lane_fallback()
+        for seq in group.active_seqs():
+            d = self._demand(group, seq)
+            if d:
+                demand += d
+                blocks += -(-d // bs) + 1
+    num_steady = int(np.count_nonzero(step.steady)) + len(crossers)
+    if num_steady + demand > budget or \
+            blocks + len(crossers) > kv.num_free_gpu_blocks:
+        return self._lane_fallback()
+    if crossers:
+        lane.take_blocks(step, crossers)
+    if num_steady:
+        out.rows.add_lane(lane.commit(step))
+    budget, num_seqs, num_serve_running = self._serve_running(
+        out, serve, budget - num_steady, num_steady, lane)
+    for seq in others:  # (the loop changed them: read again at the next step)
+        lane.mark_stale(seq)
+    return budget, num_seqs, num_members - len(others) + num_serve_running
+
+
+def lane_fallback(self: Scheduler) -> None:
+    """This step goes to the loop alone, and `LANE_BACKOFF_STEPS` more."""
+    self._lane_backoff = LANE_BACKOFF_STEPS
+    lane = self.lane
+    lane.stale = list(lane.seqs)  # the loop plans them now: read them again after

@@ -13,24 +13,13 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..kvmanager import InvariantError, KVCacheManager
-from . import admission
+from . import admission, decode_lane
 from .cost_model import CostModel
-from .decode_lane import DecodeLane
 from .plan_builder import PlanRows
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 log = logging.getLogger("pagedserve.router.scheduler")
-
-
-# Steps the loop plans alone after a step the decode lane could not plan (`_plan_with_lane`).
-LANE_BACKOFF_STEPS = 4
-
-
-def _sort_key(group: RequestGroup) -> tuple:
-    return group.sort_key
 
 
 class PreemptionMode(enum.Enum):
@@ -123,7 +112,7 @@ class Scheduler:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
-        self.lane = DecodeLane(kv, config.max_model_len) \
+        self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
             if config.decode_lane_min_running > 0 else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
 
@@ -274,79 +263,6 @@ class Scheduler:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         return out
 
-    def _plan_with_lane(self, out: SchedulerOutput,
-                        budget: int) -> tuple[int, int, int] | None:
-        """Plan the lane's steady decodes as columns and serve the other running samples
-        (lane members that are not steady this step, groups off the lane) with the loop,
-        in (priority, arrival) order; None when this step must run the loop over every
-        running group instead (nothing planned then).
-
-        The lane plans its rows out of order, so it is used only when order cannot change
-        a decision: the token budget covers every running sample's demand (nobody is cut
-        short) and the free blocks cover the most the loop's samples could take (each
-        sample's tokens in blocks, plus one for a copy-on-write), so no allocation can
-        fail and nothing is preempted. Then each sample gets exactly what the loop would
-        have given it, and the blocks are taken in the loop's order. Otherwise (a long
-        prompt's chunks take the budget, blocks run short) the loop runs alone for this
-        step and `LANE_BACKOFF_STEPS` more, and the members are read again afterwards."""
-        lane = self.lane
-        if self._lane_backoff:
-            self._lane_backoff -= 1
-            return None
-        kv = self.kv
-        running = self.running
-        step = lane.classify()
-        if kv.debug_checks:
-            lane.verify()
-        seqs = lane.seqs
-        others = [seqs[i] for i in step.others]
-        crossers = step.crossers
-        num_members = len(lane)  # (the loop below may add members)
-        serve = [seq.group for seq in others]
-        if len(running) != len(lane):  # groups off the lane (new, chunked prefills, n > 1)
-            rows = lane.rows
-            off = [g for g in running if len(g.seqs) != 1 or g.seqs[0] not in rows]
-            serve = sorted(serve + off, key=_sort_key) if serve else off
-        elif len(serve) > 1:  # (lane rows are unordered)
-            serve.sort(key=_sort_key)
-        if crossers:
-            # Members whose slot opens a new block take it from the lane, in the loop's
-            # order, before the loop serves anyone: only if they all come before the
-            # loop's groups (the usual case: the loop's are new requests' prompts).
-            crossers.sort(key=lambda i: seqs[i].group.sort_key)
-            if serve and seqs[crossers[-1]].group.sort_key > serve[0].sort_key:
-                others += [seqs[i] for i in crossers]
-                serve = sorted(serve + [seqs[i].group for i in crossers], key=_sort_key)
-                crossers = []
-        demand = blocks = 0
-        bs = kv.block_size
-        for group in serve:
-            if not group.forked:  # a fork in the loop: keep the loop's exact order
-                return self._lane_fallback()
-            for seq in group.active_seqs():
-                d = self._demand(group, seq)
-                if d:
-                    demand += d
-                    blocks += -(-d // bs) + 1
-        num_steady = int(np.count_nonzero(step.steady)) + len(crossers)
-        if num_steady + demand > budget or \
-                blocks + len(crossers) > kv.num_free_gpu_blocks:
-            return self._lane_fallback()
-        if crossers:
-            lane.take_blocks(step, crossers)
-        if num_steady:
-            out.rows.add_lane(lane.commit(step))
-        budget, num_seqs, num_serve_running = self._serve_running(
-            out, serve, budget - num_steady, num_steady, lane)
-        for seq in others:  # (the loop changed them: read again at the next step)
-            lane.mark_stale(seq)
-        return budget, num_seqs, num_members - len(others) + num_serve_running
-
-    def _lane_fallback(self) -> None:
-        self._lane_backoff = LANE_BACKOFF_STEPS
-        lane = self.lane
-        lane.stale = list(lane.seqs)  # the loop plans them now: read them again after
-
     def _demand(self, group: RequestGroup, seq: Sequence) -> int:
         """Tokens of `seq` the loop would compute this step with budget to spare (0:
         none). A sample whose last token is in flight decodes it (the plan marks the
@@ -365,7 +281,8 @@ class Scheduler:
         return remaining if remaining > 0 else 0
 
     def _serve_running(self, out: SchedulerOutput, groups: list[RequestGroup], budget: int,
-                       num_seqs: int, lane: DecodeLane | None) -> tuple[int, int, int]:
+                       num_seqs: int, lane: decode_lane.DecodeLane | None
+                       ) -> tuple[int, int, int]:
         """The loop: each active sample of `groups` (in order) gets its next tokens within
         the budget; returns (budget left, samples with rows, samples walked). `groups` is
         the running list itself (`lane` None: a sample short of blocks preempts, see
@@ -523,3 +440,7 @@ class Scheduler:
     # ------------------------------------------------------------------ admission.py
     _admit = admission.admit
     _admit_waiting = admission.admit_waiting
+
+    # ------------------------------------------------------------------ decode_lane.py
+    _plan_with_lane = decode_lane.plan_with_lane
+    _lane_fallback = decode_lane.lane_fallback
