@@ -327,6 +327,27 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
         serve = sorted(serve + off, key=_sort_key) if serve else off
     elif len(serve) > 1:  # (lane rows are unordered)
         serve.sort(key=_sort_key)
+    # What the loop's groups would compute; those with nothing (a finished sample whose
+    # group the text stage has not removed yet, an end known ahead) are only counted.
+    demand = blocks = num_idle = 0
+    bs = kv.block_size
+    serving = []
+    for group in serve:
+        if not group.forked:  # a fork in the loop: keep the loop's exact order
+            return self._lane_fallback()
+        active = group.active_seqs()
+        group_demand = 0
+        for seq in active:
+            d = self._demand(group, seq)
+            if d:
+                group_demand += d
+                blocks += -(-d // bs) + 1
+        if group_demand:
+            serving.append(group)
+            demand += group_demand
+        else:
+            num_idle += len(active)
+    serve = serving
     if crossers:
         # Members whose slot opens a new block take it from the lane, in the loop's
         # order, before the loop serves anyone: only if they all come before the
@@ -335,17 +356,9 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
         if serve and seqs[crossers[-1]].group.sort_key > serve[0].sort_key:
             others += [seqs[i] for i in crossers]
             serve = sorted(serve + [seqs[i].group for i in crossers], key=_sort_key)
+            demand += len(crossers)
+            blocks += 2 * len(crossers)
             crossers = []
-    demand = blocks = 0
-    bs = kv.block_size
-    for group in serve:
-        if not group.forked:  # a fork in the loop: keep the loop's exact order
-            return self._lane_fallback()
-        for seq in group.active_seqs():
-            d = self._demand(group, seq)
-            if d:
-                demand += d
-                blocks += -(-d // bs) + 1
     num_steady = int(np.count_nonzero(step.steady)) + len(crossers)
     if num_steady + demand > budget or \
             blocks + len(crossers) > kv.num_free_gpu_blocks:
@@ -358,7 +371,7 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
         out, serve, budget - num_steady, num_steady, lane)
     for seq in others:  # (the loop changed them: read again at the next step)
         lane.mark_stale(seq)
-    return budget, num_seqs, num_members - len(others) + num_serve_running
+    return budget, num_seqs, num_members - len(others) + num_serve_running + num_idle
 
 
 def lane_fallback(self: Scheduler) -> None:
