@@ -252,18 +252,17 @@ class DecodeLane:
             known = np.minimum(self._cols[POS, fills], step.received[fills])
             self._cols[REGISTER_AT, fills] = (known // bs + 1) * bs
         changed = np.zeros(num_steady, dtype=np.int32)
-        new_ids: list[int] = []
+        new_ids = np.zeros(0, dtype=np.int32)
         if self._new_blocks:  # the crossers' tables change by their new block
-            new_blocks = self._new_blocks
-            for j, i in enumerate(range(n) if rows is None else rows):
-                bid = new_blocks.get(i)
-                if bid is not None:
-                    changed[j] = 1
-                    new_ids.append(bid)
+            crossers = np.fromiter(self._new_blocks, np.int64, len(self._new_blocks))
+            taken = np.fromiter(self._new_blocks.values(), np.int32, len(crossers))
+            at = crossers if rows is None else np.searchsorted(idx, crossers)  # plan rows
+            changed[at] = 1
+            new_ids = taken[np.argsort(at)]  # in row order
             table_lens -= changed
             self._new_blocks = {}
         return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens,
-                        changed, np.array(new_ids, dtype=np.int32))
+                        changed, new_ids)
 
     def verify(self) -> None:
         """Every fresh member's columns agree with its sample and the KV manager (tests,
