@@ -98,6 +98,13 @@ class PlanChecker:
               flush=True)
         return message
 
+    def _forked_from_sample_0(self, rid: str, computed: int) -> bool:
+        """`rid` is a later sample (#1, #2, ...) whose sample 0 is known here with at least
+        `computed` tokens computed: the router forked it from sample 0's table."""
+        base, _, index = rid.rpartition("#")
+        first = self.requests.get(f"{base}#0")
+        return index not in ("", "0") and first is not None and first.num_computed >= computed
+
     def _check_moves(self, plan: StepPlan) -> str:
         g, c = self.args.num_gpu_blocks, self.args.num_cpu_blocks
         limits = {"swap_out": (g, c), "swap_in": (c, g), "copy": (g, g)}
@@ -225,7 +232,10 @@ class PlanChecker:
                 problem = "block id out of range"
             elif computed[i] != req.num_computed and not (
                     req.num_computed == 0 and not req.table and starts[i] == 0
-                    and computed[i] % bs == 0):  # a fresh request may start at a cached prefix
+                    and (computed[i] % bs == 0 or self._forked_from_sample_0(rid, computed[i]))):
+                # a fresh request may start at a cached prefix, or (a later sample forked
+                # again after a recompute, sent as a new request with its own outputs)
+                # where sample 0's table, which it starts from, is computed
                 problem = f"num_computed {computed[i]}, executor has {req.num_computed}"
             elif pos_i != list(range(computed[i], computed[i] + k)):
                 problem = "positions are not consecutive from num_computed"
