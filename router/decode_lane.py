@@ -9,7 +9,7 @@ the block it writes into and where that block ends, its table's length, where it
 registers in the prefix cache, where it ends -- so one step plans every steady member with a
 few array operations and writes the counters back to the objects in tight loops. Two cases
 that come every block's worth of tokens stay in the lane: a slot that opens a block past the
-table's end (`take_blocks`: a block from the free queue, sent as the row's table change) and
+table's end (`commit`: a block from the free queue, sent as the row's table change) and
 a decode that completes a block (`note_steady_fills`: it registers at end_step). The objects
 stay authoritative: every step reads the members' pending and received counts from them and
 leaves them as the ordinary loop would have.
@@ -49,7 +49,7 @@ class LaneStep(NamedTuple):
     pending: np.ndarray  # int64, each member's tokens in flight
     received: np.ndarray  # int64, each member's tokens received
     fills: np.ndarray | None  # lane rows whose decode lets a block register
-    crossers: list[int]  # decodes that need a new block (`take_blocks`), not yet steady
+    crossers: list[int]  # decodes that need a new block (`commit`), not yet steady
     others: list[int]  # rows the scheduler's loop plans this step
 
 
@@ -79,7 +79,6 @@ class DecodeLane:
         self.states: list = []  # the KV manager's RequestState of each member
         self.rows: dict[Sequence, int] = {}
         self.stale: list[Sequence] = []  # to read again at the next step
-        self._new_blocks: dict[int, int] = {}  # row -> block taken this step (`take_blocks`)
         self._cols = np.zeros((7, capacity), dtype=np.int64)
 
     def __len__(self) -> int:
@@ -180,7 +179,7 @@ class DecodeLane:
         decode = active & (remaining == 1) & (pos == computed)
         steady = decode & (pos < cols[BLOCK_END])
         # Its slot opens a block past the end of its table: one block from the free queue
-        # (`take_blocks`, in the loop's order), or the loop's if the scheduler says so.
+        # (`commit`, in the loop's order), or the loop's if the scheduler says so.
         cross = decode & (pos == cols[BLOCK_END]) & (pos == cols[TABLE_LEN] * self.kv.block_size)
         # A block whose tokens are now all scheduled and known registers once this plan is
         # sent, as `allocate_decode` would arrange.
@@ -190,23 +189,21 @@ class DecodeLane:
                         np.flatnonzero(fills) if fills.any() else None,
                         np.flatnonzero(cross).tolist() if cross.any() else [], others)
 
-    def take_blocks(self, step: LaneStep, crossers: list[int]) -> None:
-        """Give the crossing members `crossers` (rows, in the order the loop would have
-        served them) a new last block each, taken from the free queue in that order; they
-        are steady in this step's plan, with the block as their table change."""
-        new_ids = self.kv.extend_steady_tables([self.states[i] for i in crossers])
-        cols = self._cols
-        b = cols[TABLE_LEN, crossers]  # the new block's index in each table
-        cols[SLOT_BASE, crossers] = (np.array(new_ids, dtype=np.int64) - b) * self.kv.block_size
-        cols[BLOCK_END, crossers] = (b + 1) * self.kv.block_size
-        cols[TABLE_LEN, crossers] = b + 1
-        step.steady[crossers] = True
-        self._new_blocks = dict(zip(crossers, new_ids, strict=True))
-
-    def commit(self, step: LaneStep) -> LaneRows:
+    def commit(self, step: LaneStep, crossers: list[int]) -> LaneRows:
         """Give each steady member its next decode, every row sampling: their computed,
-        pending and KV slot counts go up by one."""
+        pending and KV slot counts go up by one. `crossers` (rows of `step.crossers`, in
+        the order the loop would have served them) first get a new last block each, from
+        the free queue in that order, sent as their row's table change."""
         steady, pending = step.steady, step.pending
+        if crossers:
+            new_blocks = self.kv.extend_steady_tables([self.states[i] for i in crossers])
+            bs = self.kv.block_size
+            cols = self._cols
+            b = cols[TABLE_LEN, crossers]  # the new block's index in each table
+            cols[SLOT_BASE, crossers] = (np.array(new_blocks, dtype=np.int64) - b) * bs
+            cols[BLOCK_END, crossers] = (b + 1) * bs
+            cols[TABLE_LEN, crossers] = b + 1
+            steady[crossers] = True
         num_steady = int(np.count_nonzero(steady))
         n = self.n
         cols = self._cols[:, :n]
@@ -253,14 +250,11 @@ class DecodeLane:
             self._cols[REGISTER_AT, fills] = (known // bs + 1) * bs
         changed = np.zeros(num_steady, dtype=np.int32)
         new_ids = np.zeros(0, dtype=np.int32)
-        if self._new_blocks:  # the crossers' tables change by their new block
-            crossers = np.fromiter(self._new_blocks, np.int64, len(self._new_blocks))
-            taken = np.fromiter(self._new_blocks.values(), np.int32, len(crossers))
-            at = crossers if rows is None else np.searchsorted(idx, crossers)  # plan rows
+        if crossers:  # their tables change by their new block
+            at = np.array(crossers) if rows is None else np.searchsorted(idx, crossers)
             changed[at] = 1
-            new_ids = taken[np.argsort(at)]  # in row order
+            new_ids = np.array(new_blocks, dtype=np.int32)[np.argsort(at)]  # in row order
             table_lens -= changed
-            self._new_blocks = {}
         return LaneRows(list(seqs), ids, starts.astype(np.int32), inputs, slots, table_lens,
                         changed, new_ids)
 
@@ -362,10 +356,8 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
     if num_steady + demand > budget or \
             blocks + len(crossers) > kv.num_free_gpu_blocks:
         return self._lane_fallback()
-    if crossers:
-        lane.take_blocks(step, crossers)
     if num_steady:
-        out.rows.add_lane(lane.commit(step))
+        out.rows.add_lane(lane.commit(step, crossers))
     budget, num_seqs, num_serve_running = self._serve_running(
         out, serve, budget - num_steady, num_steady, lane)
     for seq in others:  # (the loop changed them: read again at the next step)

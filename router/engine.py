@@ -26,7 +26,7 @@ from .executor_link import ExecutorLink
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy, candidate, choose
-from .scheduler import PreemptionMode
+from .scheduler import PreemptionMode, SchedulerConfig
 from .sequence import OutputChannel, OutputSink, RequestGroup
 from .step_loop import StepLoop
 from .tokenizer import Tokenizer
@@ -59,9 +59,9 @@ class EngineConfig:
     watermark: float = 0.01
     max_pinned_fraction: float = 0.25
     debug_checks: bool = False  # check KV invariants after every step (tests)
-    # steady decodes planned as columns from this many running groups on (0: never;
-    # SchedulerConfig.decode_lane_min_running; env PAGEDSERVE_DECODE_LANE_MIN_RUNNING)
-    decode_lane_min_running: int = 48
+    # steady decodes planned as columns from this many running groups on (0: never; env
+    # PAGEDSERVE_DECODE_LANE_MIN_RUNNING)
+    decode_lane_min_running: int = SchedulerConfig.decode_lane_min_running
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
 
 
