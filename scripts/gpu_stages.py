@@ -119,6 +119,14 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                ["--running", "256", "--depths", "2", "--window-s", "5"]),
                              "--client-channels", "8", "--client-procs", "4",
                              "--work-dir", str(ctx.work_dir / "step-overhead-client-procs"))
+        # 256 streams with the workers, the router's decode lane off (the ninth session's
+        # columns for steady decodes): what the lane buys on this host's cores.
+        no_lane = _py(ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
+                      "--api-workers", "2",
+                      *(["--quick", "--depths", "2"] if ctx.small else
+                        ["--running", "256", "--depths", "2", "--window-s", "5"]),
+                      "--client-channels", "8",
+                      "--work-dir", str(ctx.work_dir / "step-overhead-no-lane"))
         # The same executors one step at a time (overlapped steps off): their effect.
         one_at_a_time = _py(ctx, "benchmarks/step_overhead.py", "--models",
                             str(ctx.model_dir),
@@ -147,6 +155,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
                 Step("step_overhead_client_procs", overhead_procs, 70),
+                Step("step_overhead_workers_no_lane", no_lane, 70,
+                     env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),
                 Step("step_overhead_no_overlap", one_at_a_time, 100,
                      env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
