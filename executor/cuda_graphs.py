@@ -39,6 +39,8 @@ copies and the choice of size are then tested where there is no CUDA.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import os
 import time
@@ -73,6 +75,26 @@ def graphs_supported(device: torch.device) -> str:
     if backend == "torch":
         return "PAGEDSERVE_KERNEL_BACKEND=torch (the twins synchronise with the host)"
     return ""
+
+
+@contextlib.contextmanager
+def no_collection_while_capturing():
+    """Collect garbage now and keep the cyclic collector off until the captures end.
+
+    A CUDA graph left in a reference cycle (an earlier runner's graphs, a scratch capture
+    of the memory profile) is destroyed whenever the collector runs; if that happens while
+    a stream is capturing, the destruction is an illegal call during capture and
+    invalidates the capture in flight (seen on an H200: `cudaErrorStreamCaptureInvalidated`
+    from a piece's GEMM after CUDAGraph.reset warned "operation not permitted when stream
+    is capturing"). torch's capture context no longer collects on entry by default."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Replay:
@@ -123,12 +145,13 @@ class DecodeGraphs:
         into the cache."""
         t0 = time.perf_counter()
         self._pad(0, self.max_batch)
-        for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
-            if self.device.type != "cuda":
-                self._replays[size] = self._capture_twin(size)
-                continue
-            self._replays[size] = replay = self._capture_cuda(size, self._pool)
-            self._pool = replay.graph.pool()
+        with no_collection_while_capturing():
+            for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+                if self.device.type != "cuda":
+                    self._replays[size] = self._capture_twin(size)
+                    continue
+                self._replays[size] = replay = self._capture_cuda(size, self._pool)
+                self._pool = replay.graph.pool()
         self._captured = sorted(self._replays)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

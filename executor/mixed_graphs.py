@@ -44,6 +44,7 @@ import logging
 import time
 
 import torch
+from pagedserve.executor.cuda_graphs import no_collection_while_capturing
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -134,14 +135,15 @@ class MixedGraphs:
         write no cache block."""
         t0 = time.perf_counter()
         self._pad(0, self.max_tokens)
-        for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
-            pieces = []
-            for index in range(len(self.layers) + 1):
-                if self.device.type != "cuda":
-                    pieces.append(lambda index=index, size=size: self._piece(index, size))
-                    continue
-                pieces.append(self._capture_cuda(index, size))
-            self._pieces[size] = pieces
+        with no_collection_while_capturing():
+            for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+                pieces = []
+                for index in range(len(self.layers) + 1):
+                    if self.device.type != "cuda":
+                        pieces.append(lambda index=index, size=size: self._piece(index, size))
+                        continue
+                    pieces.append(self._capture_cuda(index, size))
+                self._pieces[size] = pieces
         self._captured = sorted(self._pieces)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -190,3 +190,29 @@ def test_cuda_step_timings_from_events(model_dir):
         assert not result.errors
         assert result.forward_s > 0 and result.sample_s >= 0
         assert result.forward_s + result.sample_s <= wall
+
+
+def test_the_collector_stays_off_while_graphs_capture_and_comes_back_after():
+    # A graph destroyed by the cyclic collector during a capture invalidates the capture
+    # (H200, 2026-11-27): captures run with the collector off, garbage collected before.
+    import gc
+
+    from pagedserve.executor.cuda_graphs import no_collection_while_capturing
+
+    assert gc.isenabled()
+    with no_collection_while_capturing():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with no_collection_while_capturing():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection_while_capturing():
+            pass
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()
