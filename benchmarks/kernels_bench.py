@@ -35,7 +35,7 @@ default configuration at each split count of ``kernels_tune.TUNE_SPLITS``, and w
 (``splits``: latency per count, keys ``K`` and ``K_n128``, and ``K_n128_fused`` with the
 split-K reduction done by the last split in the same launch; ``rule_splits``, what
 choose_num_splits picks): what to make the split-K rule, the tile size and
-``decode_attention.FUSED_REDUCE``.
+``decode_attention.FUSED_REDUCE_MAX_SPLITS``.
 Prefill tune cases (``prefill_tune/...``, only when asked for): the prefill kernel on batch 8
 x 2048-token prompts under every configuration of ``kernels_tune.PREFILL_TUNE_GRID`` (rows per program x
 key tile x warps x stages), one line per head shape with the default's latency, the best

@@ -77,7 +77,8 @@ def profile_num_gpu_blocks(
     )
     hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
                    scratch, attn)
-    model.compute_logits(hidden[attn.query_start_loc[1:].long() - 1])
+    # The logits and the sampler's float32 copy of them (sampler.py: its working buffer)
+    model.compute_logits(hidden[attn.query_start_loc[1:].long() - 1]).float()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
     del scratch, hidden

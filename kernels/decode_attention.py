@@ -23,8 +23,8 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    dimension is unpadded), the window's first tile and the last partial tile with it;
 4. one split: write acc / l in the output dtype. Several: write the normalised fp32
    partial acc / l and its lse (base 2); they are combined either by ``_reduce_kernel`` (a
-   second launch) or, with ``FUSED_REDUCE``, by the split that finishes last: each split
-   counts itself in on a per-(seq, kv_head) counter after its partials are written, and the
+   second launch) or (up to ``FUSED_REDUCE_MAX_SPLITS`` splits) by the split that finishes
+   last: each split counts itself in on a per-(seq, kv_head) counter after its partials are written, and the
    one that brings the count to ``num_splits`` reads every split's partials back, writes the
    output and resets the counter to 0 for the next launch (so it stays valid in CUDA graphs).
 """
@@ -76,7 +76,7 @@ def _decode_tiles(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    split_counters_ptr,  # int32 [>= S * Hkv], zero between launches (FUSED_REDUCE only)
+    split_counters_ptr,  # int32 [>= S * Hkv], zero between launches (fused reduction only)
     qk_scale_log2,  # softmax scale * log2(e)
     sliding_window,  # tokens; the launcher passes _NO_WINDOW when there is none
     stride_qs, stride_qh,  # query [S, H, D], last dim contiguous
@@ -321,9 +321,12 @@ def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
 
 # Split-K reduction in the attention launch (``_combine_if_last``) instead of a second
 # launch: saves the second kernel's launch and ramp (a few us, against 11-45 us kernels at the
-# split rule's shapes), costs the last split a serial read of the partials. Off until a GPU
-# sweep (kernels_bench --cases tune: the ``<splits>_n128_fused`` entries) shows it faster.
-FUSED_REDUCE = False
+# split rule's shapes), costs the last split a serial read of the partials. Measured on an
+# H200 (2026-11-27, kernels_bench --cases tune, 32 q / 4 kv heads, d128, batch 64/256, context
+# 1k/4k): fused faster at 2-8 splits in 11 of 12 cases (by 0.5-16 us; one tie), slower at 16
+# splits in all 4 (by 3-16 us: the last split's serial combine). So: fused up to this many
+# splits, the second launch above it (0: never fused).
+FUSED_REDUCE_MAX_SPLITS = 8
 # Per-device arrival counters of the fused reduction: zero between launches (each launch's
 # last splits reset theirs), so one buffer serves every launch on the device's stream —
 # launches that overlap on two streams must not share it (the executor uses one stream).
@@ -395,8 +398,8 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
     ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
-    combined in the same launch; None: ``FUSED_REDUCE``) override the launch configuration
-    (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
+    combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
+    launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -426,7 +429,8 @@ def paged_decode_attention_triton(
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E
 
-    fused = (FUSED_REDUCE if fused_reduce is None else fused_reduce) and num_splits > 1
+    fused = num_splits > 1 and (num_splits <= FUSED_REDUCE_MAX_SPLITS if fused_reduce is None
+                                else fused_reduce)
     counters = _counters(query.device, num_seqs * num_kv_heads) if fused else out  # or unused
     if num_splits == 1:
         part_out = part_lse = out  # unused
