@@ -240,6 +240,15 @@ def summarise(run: dict, trace: list[dict]) -> dict:
         res["total_cpu_ms_per_step"] = per_step(cpu + workers)
         if window > 0:  # all the workers together: N means N cores' worth
             res["workers_cpu_util_ratio"] = round(workers / window, 3)
+    if s1.get("executors_cpu_s"):  # the executor processes (1.0: a thread saturated)
+        e0, e1 = s0.get("executors_cpu_s", {}), s1["executors_cpu_s"]
+        used = {k: v - e0.get(k, 0.0) for k, v in e1.items()}
+        res["executor_cpu_ms_per_step"] = per_step(sum(used.values()))
+        res["executor_main_cpu_ms_per_step"] = per_step(used.get("main", 0.0))
+        if window > 0:
+            res["executor_main_cpu_util_ratio"] = round(used.get("main", 0.0) / window, 3)
+        res["executor_threads_cpu_ms_per_step"] = {
+            k: per_step(v) for k, v in sorted(used.items(), key=lambda kv: -kv[1])[:4]}
     res["router_event_loop"] = s1.get("event_loop")  # "uvloop" or "asyncio.*"
     if "gc" in s1:  # the router process's cyclic collector in the window
         g0, g1 = s0["gc"], s1["gc"]

@@ -110,20 +110,47 @@ def _thread_cpu_s() -> dict[str, float]:
     return out
 
 
-def _api_workers_cpu_s() -> float:
-    """CPU seconds (all threads) of this process's API worker children (`--api-workers`)."""
-    me, total, tick = os.getpid(), 0.0, os.sysconf("SC_CLK_TCK")
+def _children(marker: bytes):
+    """/proc folders of this process's children whose command line holds ``marker``."""
+    me = os.getpid()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError):
             text = (proc / "stat").read_text()
-            fields = text[text.rindex(")") + 2:].split()
-            if int(fields[1]) != me or b"pagedserve.router.api_worker" not in \
-                    (proc / "cmdline").read_bytes():
-                continue
-            total += (int(fields[11]) + int(fields[12])) / tick
+            if int(text[text.rindex(")") + 2:].split()[1]) == me and \
+                    marker in (proc / "cmdline").read_bytes():
+                yield proc
+
+
+def _stat_cpu_s(stat: Path) -> tuple[str, float]:
+    """(name, user + system CPU seconds) of a /proc stat file."""
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    return (text[text.index("(") + 1:text.rindex(")")],
+            (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+
+
+def _api_workers_cpu_s() -> float:
+    """CPU seconds (all threads) of this process's API worker children (`--api-workers`)."""
+    total = 0.0
+    for proc in _children(b"pagedserve.router.api_worker"):
+        with contextlib.suppress(OSError, ValueError):
+            total += _stat_cpu_s(proc / "stat")[1]
     return total
+
+
+def _executors_cpu_s() -> dict[str, float]:
+    """CPU seconds of the executor children's threads, by name, all executors summed; the
+    main thread (the one that launches steps and reads their tokens) as "main"."""
+    out: dict[str, float] = {}
+    for proc in _children(b"pagedserve.cli\x00executor"):
+        for stat in proc.glob("task/*/stat"):
+            with contextlib.suppress(OSError, ValueError):
+                name, cpu = _stat_cpu_s(stat)
+                name = "main" if stat.parent.name == proc.name else name
+                out[name] = out.get(name, 0.0) + cpu
+    return out
 
 
 def launch(trace_path: str, argv: list[str]) -> int:
@@ -150,6 +177,7 @@ def launch(trace_path: str, argv: list[str]) -> int:
         data = {"seq": seq[0], "t": time.monotonic(), "cpu_s": time.process_time(),
                 "main_cpu_s": time.thread_time(), "threads_cpu_s": _thread_cpu_s(),
                 "api_workers_cpu_s": _api_workers_cpu_s(),
+                "executors_cpu_s": _executors_cpu_s(),
                 "phase_cpu_s": dict(phases.cpu_s), "phase_calls": dict(phases.calls),
                 "patched": patched, "gc": gc_pauses.snapshot(reset_max=True),
                 "event_loop": type(asyncio._get_running_loop()).__module__}
