@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-delay-s", type=float, default=0.002)
     ap.add_argument("--rss-ratio", type=float, default=0.10)
     ap.add_argument("--rss-slack-mb", type=float, default=20.0)
+    ap.add_argument("--pipeline-depth", type=int, default=2,
+                    help="the router's --pipeline-depth (plans in flight per executor)")
     ap.add_argument("--api-workers", type=int, default=0,
                     help="the router's --api-workers (their RSS is checked too)")
     args = ap.parse_args(argv)
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster, controls = fake_cluster(
         model, work, args.executors,
         router_args=["--max-num-batched-tokens", "256", "--preemption-mode", "swap",
-                     "--api-workers", str(args.api_workers)],
+                     "--api-workers", str(args.api_workers),
+                     "--pipeline-depth", str(args.pipeline_depth)],
         num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=256, step_delay_s=args.step_delay_s)
     cluster.start()
     procs = {"router": cluster.router.pid,

@@ -43,8 +43,8 @@ def _block_size(value: str) -> int:
 
 def _pipeline_depth(value: str) -> int:
     n = int(value)
-    if n not in (1, 2):
-        raise argparse.ArgumentTypeError(f"{n} is not 1 or 2")
+    if n not in (1, 2, 3):
+        raise argparse.ArgumentTypeError(f"{n} is not 1, 2 or 3")
     return n
 
 
@@ -127,7 +127,7 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
     ("enforce-eager", parse_bool, False, "CUDA: run every step eagerly (no CUDA graphs: "
      "neither for decode steps nor the pieces of steps with prompt tokens)"),
-    ("pipeline-depth", _pipeline_depth, 2, "plans in flight per executor (1: one at a time)"),
+    ("pipeline-depth", _pipeline_depth, 2, "plans in flight per executor: 1 (one at a time), 2 or 3"),
     ("step-timeout", _positive_float, 30.0, "seconds a plan may go unanswered (plus its work)"),
     ("heartbeat-timeout", float, 2.0, "seconds of executor silence before it counts as dead"),
     ("shutdown-timeout", float, 30.0, "seconds of draining on SIGINT/SIGTERM"),

@@ -159,10 +159,11 @@ class DecodeLane:
 
     # ------------------------------------------------------------------ one step
 
-    def classify(self) -> LaneStep:
+    def classify(self, last_sent_round: int | None = None) -> LaneStep:
         """This step's members: which are steady, which go to the ordinary loop. A member
         in neither has nothing to compute this step (an end known ahead, nothing
-        uncomputed), as the ordinary loop would find."""
+        uncomputed, or, with `last_sent_round` (pipeline depth 3 on), a token in flight
+        from a plan older than that round's), as the ordinary loop would find."""
         if self.stale:
             self._refresh()
         n = self.n
@@ -176,6 +177,9 @@ class DecodeLane:
         # (the ordinary loop's skips: nothing to compute, the tokens in flight already end
         # it; a finished sample is never a member: `finish_seq` evicts it)
         active = (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
+        if last_sent_round is not None:
+            rounds = np.fromiter([s.sampled_round for s in seqs], np.int64, n)
+            active &= (pending == 0) | (rounds == last_sent_round)
         decode = active & (remaining == 1) & (pos == computed)
         steady = decode & (pos < cols[BLOCK_END])
         # Its slot opens a block past the end of its table: one block from the free queue
@@ -306,7 +310,7 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
         return None
     kv = self.kv
     running = self.running
-    step = lane.classify()
+    step = lane.classify(self._last_sent_round if self._hold_older_pending else None)
     if kv.debug_checks:
         lane.verify()
     seqs = lane.seqs

@@ -42,6 +42,9 @@ class SchedulerConfig:
     # rows on (engine_bench). 0: never (every running sample through the scheduler's
     # loop: the same plans, rows in another order).
     decode_lane_min_running: int = 48
+    # Plans in flight per executor (the router's --pipeline-depth). From 3 on, a sample
+    # whose token in flight comes from a plan older than the last one sent waits for it.
+    pipeline_depth: int = 2
 
 
 @dataclass
@@ -115,6 +118,10 @@ class Scheduler:
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
             if config.decode_lane_min_running > 0 else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
+        # Depth 3 and more: scheduling rounds, and the round of the last plan sent
+        self._hold_older_pending = config.pipeline_depth >= 3
+        self._round = 0
+        self._last_sent_round = -1
 
     # ------------------------------------------------------------------ queues
 
@@ -236,7 +243,11 @@ class Scheduler:
         Pipelined steps: a sample whose last token is still being sampled by a plan in
         flight (`num_pending`) is decoded with that token as its input (the plan marks it;
         the executor feeds its own sample), unless the tokens in flight already reach
-        max_tokens or max_model_len. Its slot is allocated like any other.
+        max_tokens or max_model_len. Its slot is allocated like any other. The executor
+        feeds a marked decode from the step just before (DESIGN §2), so from depth 3 on a
+        sample whose token in flight comes from an older plan (it sat out the last one:
+        budget, a swap) waits until that token is back; at depth 1-2 every token in flight
+        comes from the last plan sent.
 
         Steady decodes are planned in the decode lane (router/decode_lane.py) as columns,
         and only the other running samples go through the loop below, when the order rows
@@ -261,6 +272,12 @@ class Scheduler:
         budget, num_seqs, self._num_running_seqs = served
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
+        if self._hold_older_pending:
+            self._round += 1
+            if not out.empty:  # (sent)
+                self._last_sent_round = self._round
+                for seq in out.rows.sampled:
+                    seq.sampled_round = self._round
         return out
 
     def _demand(self, group: RequestGroup, seq: Sequence) -> int:
@@ -276,6 +293,8 @@ class Scheduler:
             if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
                     or num_tokens >= self.config.max_model_len:
                 return 0  # the tokens in flight already end it: known ahead
+            if self._hold_older_pending and seq.sampled_round != self._last_sent_round:
+                return 0  # its token in flight is not the last plan's: wait for it
             if remaining > 1:  # a chunk never reaches past the tokens received
                 remaining = len(seq.token_ids) - seq.num_computed_tokens
         return remaining if remaining > 0 else 0

@@ -37,7 +37,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_hashes", "on_executor", "assembler", "finished", "num_delivered",
-        "last_token_time", "logprobs", "num_pending",
+        "last_token_time", "logprobs", "num_pending", "sampled_round",
     )
 
     def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
@@ -48,6 +48,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled by plans in flight, not received yet
+        # The scheduling round of the last plan that sampled it (kept from pipeline depth 3
+        # on: Scheduler.schedule)
+        self.sampled_round = -1
         self.block_hashes: list = []  # prefix-cache hashes of full blocks, extended in place
         self.on_executor = False  # the executor holds its state (NewRequest sent, not dropped)
         self.assembler = assembler

@@ -110,6 +110,14 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                   # worker connections, not streams (benchmarks/README)
                                   "--client-channels", "8"]),
                                "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        # The same with three plans in flight (--pipeline-depth 3): the round trip hidden
+        # behind two forwards (on the H200, 2026-11-27, depth 2 left ~0.9 ms idle a step).
+        overhead_depth3 = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                              str(ctx.model_dir), "--api-workers", "2",
+                              *(["--quick", "--depths", "3"] if ctx.small else
+                                ["--running", "32,256", "--depths", "3", "--window-s", "5"]),
+                              "--client-channels", "8",
+                              "--work-dir", str(ctx.work_dir / "step-overhead-depth3"))
         # 256 streams with the workers again, the clients in 4 processes: is one client
         # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
         # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
@@ -154,6 +162,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
+                Step("step_overhead_workers_depth3", overhead_depth3, 100),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),

@@ -44,12 +44,14 @@ def _sample(seq_id: str, pos: int) -> int:
 
 
 class _World:
-    def __init__(self, lane: bool, num_blocks: int, budget: int, prefix_caching: bool) -> None:
+    def __init__(self, lane: bool, num_blocks: int, budget: int, prefix_caching: bool,
+                 depth: int = DEPTH) -> None:
         self.kv = KVCacheManager(num_blocks, 16, BS, watermark=0.0, hash_algo="builtin",
                                  enable_prefix_caching=prefix_caching, debug_checks=lane)
         self.sched = Scheduler(self.kv, SchedulerConfig(
             max_num_seqs=24, max_num_batched_tokens=budget, max_model_len=48,
-            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=1 if lane else 0))
+            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=1 if lane else 0,
+            pipeline_depth=depth))
         self.live: dict[str, RequestGroup] = {}
         self.in_flight: list = []
         self.to_complete: set[str] = set()
@@ -82,11 +84,13 @@ class LaneMachine(RuleBasedStateMachine):
     budget = 20
     request_share = 0.25
     prefix_caching = True
+    depth = DEPTH  # plans in flight
 
     def __init__(self) -> None:
         super().__init__()
-        self.worlds = [_World(True, self.num_blocks, self.budget, self.prefix_caching),
-                       _World(False, self.num_blocks, self.budget, self.prefix_caching)]
+        self.worlds = [_World(lane, self.num_blocks, self.budget, self.prefix_caching,
+                              self.depth) for lane in (True, False)]
+        self.sampled_last: set[str] = set()  # samples the last plan sent samples
         self.n = 0
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), max_size=9),
@@ -122,7 +126,7 @@ class LaneMachine(RuleBasedStateMachine):
             w.sched.remove(w.live.pop(rid))
             w.to_complete.discard(rid)
 
-    @precondition(lambda self: len(self.worlds[0].in_flight) < DEPTH)
+    @precondition(lambda self: len(self.worlds[0].in_flight) < self.depth)
     @rule()
     def send(self):
         plans = []
@@ -144,6 +148,12 @@ class LaneMachine(RuleBasedStateMachine):
             return
         (pa, oa), (pb, ob) = a, b
         assert _rows(pa) == _rows(pb)
+        # the executor feeds a marked decode from the plan just before only
+        ids = pa.request_ids
+        if pa.feed_sampled is not None:
+            fed = {ids[i] for i in pa.feed_sampled.nonzero()[0].tolist()}
+            assert fed <= self.sampled_last, sorted(fed - self.sampled_last)
+        self.sampled_last = {ids[i] for i in pa.do_sample.nonzero()[0].tolist()}
         assert len(pa.request_ids) == len(set(pa.request_ids))
         assert [r.request_id for r in pa.new_requests] == \
             [r.request_id for r in pb.new_requests]
@@ -222,7 +232,7 @@ class LaneMachine(RuleBasedStateMachine):
             if not a.live and not a.in_flight:
                 break
             sent = a.step
-            if len(a.in_flight) < DEPTH and a.live:
+            if len(a.in_flight) < self.depth and a.live:
                 self.send()
             if a.step == sent:
                 assert a.in_flight, f"nothing scheduled for {sorted(a.live)}"
@@ -261,6 +271,18 @@ NoPrefixCachingLaneMachine.TestCase.settings = settings(max_examples=60,
 TestNoPrefixCachingLaneMachine = NoPrefixCachingLaneMachine.TestCase
 
 
+class Depth3LaneMachine(TightLaneMachine):
+    """Three plans in flight, blocks binding: members whose token in flight is older than
+    the last plan wait, in the lane as in the loop."""
+
+    depth = 3
+
+
+Depth3LaneMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60,
+                                               deadline=None)
+TestDepth3LaneMachine = Depth3LaneMachine.TestCase
+
+
 def test_steady_decodes_take_the_lane_and_the_loop_serves_the_rest():
     """Exact expectations on one run: 6 requests of 4-token prompts (one block each) and a
     budget of 20 tokens. Step 1 computes 5 prompts, step 2 their first decodes through the
@@ -290,7 +312,7 @@ def test_steady_decodes_take_the_lane_and_the_loop_serves_the_rest():
     assert len(a.sched.lane) == 0 and not a.sched.lane.rows
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_the_engine_streams_every_token_with_the_lane(depth):
     """The whole engine (pipeline_rig's simulated executor, which feeds marked decodes its
     own samples and answers in plan order) with the lane from 8 running requests on: 40

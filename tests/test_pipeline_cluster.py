@@ -1,4 +1,4 @@
-"""Pipelined steps with real executor processes: depth 1 and depth 2 give the same tokens
+"""Pipelined steps with real executor processes: depths 1, 2 and 3 give the same tokens
 (greedy equal to HF, seeded sampling with penalties and logprobs identical), under KV
 pressure that preempts; and an executor that hangs inside a step (fault injection) is
 declared dead, its requests finishing on the other executor token for token."""
@@ -86,16 +86,17 @@ def _run_depth(model_dir, depth: int, hf) -> tuple[list, list]:
         cluster.stop()
 
 
-def test_depth_1_and_2_give_identical_tokens_under_preemption(model_dir, hf):
+def test_depths_1_2_and_3_give_identical_tokens_under_preemption(model_dir, hf):
     depth1, preempted1 = _run_depth(model_dir, 1, hf)
-    depth2, preempted2 = _run_depth(model_dir, 2, hf)
-    assert preempted1 > 0 and preempted2 > 0  # the KV pressure did preempt at both depths
-    for req1, req2 in zip(depth1, depth2, strict=True):
-        for (tokens1, lps1, tops1), (tokens2, lps2, tops2) in zip(req1, req2, strict=True):
-            assert tokens1 == tokens2 and tops1 == tops2
-            # Logprobs agree up to float rounding: a step's batch differs between the
-            # depths, and a CPU matmul's rounding depends on the batch.
-            assert max(abs(a - b) for a, b in zip(lps1, lps2, strict=True)) < 1e-3
+    for depth in (2, 3):
+        deeper, preempted = _run_depth(model_dir, depth, hf)
+        assert preempted1 > 0 and preempted > 0  # the KV pressure preempted at each depth
+        for req1, req2 in zip(depth1, deeper, strict=True):
+            for (tokens1, lps1, tops1), (tokens2, lps2, tops2) in zip(req1, req2, strict=True):
+                assert tokens1 == tokens2 and tops1 == tops2, depth
+                # Logprobs agree up to float rounding: a step's batch differs between the
+                # depths, and a CPU matmul's rounding depends on the batch.
+                assert max(abs(a - b) for a, b in zip(lps1, lps2, strict=True)) < 1e-3
 
 
 def test_executor_hung_inside_a_step_is_dead_and_its_requests_move(model_dir, hf):

@@ -34,19 +34,19 @@ from pipeline_rig import (
 # ---------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_outputs_identical_at_depth_1_and_2_with_two_plans_in_flight(depth):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_outputs_identical_at_depth_1_2_and_3_with_plans_in_flight(depth):
     async def main():
         engine, ex = make_engine(depth)
         a = await submit(engine, "a", [1, 2, 3, 4, 5], max_tokens=9)
         b = await submit(engine, "b", [6, 7], max_tokens=5)
         await ex.wait_plans(1)
-        if depth == 2:
-            await ex.wait_plans(2)  # plan 2 left before plan 1 was answered
-            plan2 = ex.unanswered()[1]
-            assert plan2.feed_sampled.tolist() == [1, 1]
-            assert plan2.token_ids.tolist() == [-1, -1]
-            assert plan2.positions.tolist() == [5, 2]
+        if depth >= 2:
+            await ex.wait_plans(depth)  # plans 2 (and 3) left before plan 1 was answered
+            for k, plan in enumerate(ex.unanswered()[1:], start=1):
+                assert plan.feed_sampled.tolist() == [1, 1]
+                assert plan.token_ids.tolist() == [-1, -1]
+                assert plan.positions.tolist() == [4 + k, 1 + k]
         else:
             await asyncio.sleep(0.01)
             assert len(ex.unanswered()) == 1

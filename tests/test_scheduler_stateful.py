@@ -1,5 +1,5 @@
 """Stateful property test of the scheduler with intended prefixes and prefill dedup, against
-a simulated executor, at pipeline depth 2.
+a simulated executor, at pipeline depth 2 (and 3: `Depth3Machine`, `Depth3LaneMachine`).
 
 Requests share a few prefixes (and a tiny vocabulary, so outputs repeat), arrive with
 random priorities, are aborted at random, and run through a small KV cache, so requests
@@ -14,7 +14,9 @@ built) and writes its chunk. Checked after every rule:
   overwrite, shows as wrong contents;
 - `check_invariants()` (the intended index included), no leaked block and no orphan KV
   request or intent (`Scheduler.num_leaked_blocks`);
-- a waiting request only ever waits for an intent of a live request here.
+- a waiting request only ever waits for an intent of a live request here;
+- every decode a plan marks to be fed the executor's own sample sampled in the plan sent
+  just before (the executor feeds from that step only).
 
 At the end every request finishes (no waiter waits forever), and then every block is free
 and no intent is left.
@@ -32,7 +34,6 @@ from pagedserve.router.sequence import RequestGroup
 from pagedserve.router.types import RequestSpec, SamplingSpec
 
 BS = 4
-DEPTH = 2
 PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 32, 33])
 UNKNOWN = "?"  # a position whose input token never reached the router (a late stop)
 
@@ -61,6 +62,7 @@ def _sample(seq_id: str, pos: int) -> int:
 class SchedulerMachine(RuleBasedStateMachine):
     prefix_caching = True
     lane_min_running = 0  # the scheduler's loop alone (LaneSchedulerMachine: the lane too)
+    depth = 2  # plans in flight
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,11 +70,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  hash_algo="builtin", enable_prefix_caching=self.prefix_caching)
         self.sched = Scheduler(self.kv, SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64,
-            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=self.lane_min_running))
+            preemption_mode=PreemptionMode.AUTO, decode_lane_min_running=self.lane_min_running,
+            pipeline_depth=self.depth))
         self.live: dict[str, RequestGroup] = {}
         self.n = 0
         self.step = 0
         self.in_flight: list[dict] = []
+        self.sampled_last: set[str] = set()  # samples the last plan sent samples
         # Requests whose every sample finished in a result: the router's text stage removes
         # them after the next plan is sent (step_loop: apply, fill, text stage), so a plan
         # may be scheduled with them still queued (rule `complete`).
@@ -106,7 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.remove(self.live.pop(rid))
         self.to_complete.discard(rid)
 
-    @precondition(lambda self: len(self.in_flight) < DEPTH)
+    @precondition(lambda self: len(self.in_flight) < self.depth)
     @rule()
     def send(self):
         kv = self.kv
@@ -125,6 +129,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = build_plan(self.step, out, kv, (99,))
         kv.end_step(self.step)
         _check_block_moves(plan)
+        ids = plan.request_ids
+        if plan.feed_sampled is not None:
+            fed = {ids[i] for i in plan.feed_sampled.nonzero()[0].tolist()}
+            assert fed <= self.sampled_last, (self.step, sorted(fed - self.sampled_last))
+        self.sampled_last = {ids[i] for i in plan.do_sample.nonzero()[0].tolist()}
         self.in_flight.append({"plan": plan, "out": out, "reads": reads})
 
     @precondition(lambda self: self.in_flight)
@@ -198,7 +207,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.live and not self.in_flight:
                 break
             sent = self.step
-            if len(self.in_flight) < DEPTH and self.live:
+            if len(self.in_flight) < self.depth and self.live:
                 self.send()
             if self.step == sent:  # nothing new to send: the oldest plan's result
                 if not self.in_flight:
@@ -239,6 +248,29 @@ class LaneSchedulerMachine(SchedulerMachine):
 LaneSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                                   deadline=None)
 TestLaneSchedulerMachine = LaneSchedulerMachine.TestCase
+
+
+class Depth3Machine(SchedulerMachine):
+    """Three plans in flight: a sample whose token in flight is not the last plan's waits
+    for it (the executor feeds marked decodes from the step just before only)."""
+
+    depth = 3
+
+
+Depth3Machine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,
+                                           deadline=None)
+TestDepth3Machine = Depth3Machine.TestCase
+
+
+class Depth3LaneMachine(Depth3Machine):
+    """Depth 3 with the decode lane."""
+
+    lane_min_running = 1
+
+
+Depth3LaneMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                               deadline=None)
+TestDepth3LaneMachine = Depth3LaneMachine.TestCase
 
 
 def test_n2_request_whose_prompt_is_cached_but_its_last_token_is_scheduled_when_admitted():
