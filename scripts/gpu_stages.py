@@ -152,12 +152,17 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         engine = _py(ctx, "benchmarks/engine_bench.py", *engine_args)
         # ... with the API workers' forwarding channels (as the `--api-workers 2` runs)
         engine_hub = _py(ctx, "benchmarks/engine_bench.py", *engine_args, "--sink", "hub")
+        # ... profiled at 256 streams (the H200 host ran the hub case 2x this VM's time a
+        # step, the null sink 1.2x: where does it go there?)
+        engine_profile = _py(ctx, "benchmarks/engine_bench.py", *engine_args, "--sink", "hub",
+                             *([] if ctx.small else ["--streams", "256"]), "--profile")
         # ... with requests ending and starting, about one a step (the serving case)
         engine_churn = _py(ctx, "benchmarks/engine_bench.py", *engine_args, "--churn")
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
                 Step("engine_bench_churn", engine_churn, 60),
+                Step("engine_bench_hub_profile", engine_profile, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
                 Step("hf_batch_bench_workers", hf_workers, 100),
