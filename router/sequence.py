@@ -210,6 +210,9 @@ class RequestGroup:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.channel: OutputSink = OutputChannel()
+        # (stop ids, min_tokens, max_tokens, asks logprobs): the token rules the router
+        # applies to every sampled token, made once (StepLoop.apply_tokens)
+        self.token_rules: tuple | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -369,9 +369,17 @@ class StepLoop:
                 top_ofs += k
                 continue
             tok = tokens[i]
-            seq.token_ids.append(tok)
-            sp = group.spec.sampling
-            if sp.logprobs is not None and lps is not None:
+            token_ids = seq.token_ids
+            token_ids.append(tok)
+            rules = group.token_rules
+            if rules is None:  # (once a request: its sampling spec's rules as one tuple)
+                sp = group.spec.sampling
+                rules = group.token_rules = (
+                    frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos
+                                                    else frozenset(eos_token_ids)),
+                    sp.min_tokens, sp.max_tokens, sp.logprobs is not None)
+            stop_ids, min_tokens, max_tokens, wants_logprobs = rules
+            if wants_logprobs and lps is not None:
                 top = ()
                 if k:
                     ids_k = result.top_token_ids[top_ofs:top_ofs + k].tolist()
@@ -379,13 +387,13 @@ class StepLoop:
                     top = tuple(zip(ids_k, vals, strict=False))
                 seq.logprobs.append(TokenLogprob(tok, float(lps[i]), top))
             top_ofs += k
-            n_out = len(seq.token_ids) - seq.num_prompt_tokens
-            stop = (n_out >= sp.min_tokens and (
-                tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids)))
-            if stop or n_out >= sp.max_tokens or len(seq.token_ids) >= max_len:
+            n_out = len(token_ids) - seq.num_prompt_tokens
+            # a stop id (or EOS unless ignored) ends it from min_tokens on
+            if (tok in stop_ids and n_out >= min_tokens) or n_out >= max_tokens \
+                    or len(token_ids) >= max_len:
                 sched.finish_seq(seq)
             elif seq.assembler.tokens_only and seq.num_delivered == n_out - 1 \
-                    and not seq.logprobs and not group.aborted:
+                    and not wants_logprobs and not group.aborted:
                 # An API worker's steady decode: no text to make and nothing ends (the
                 # rules above are the tokens-only assembler's, so its append() would only
                 # count the token: counted here), and the text stage's cheap form runs
