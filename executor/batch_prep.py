@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from pagedserve.executor.device_copy import to_device
+from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.models import AttentionMetadata
 from pagedserve.executor.plan_inputs import PlanInputs
 from pagedserve.protos.wire import RequestError, StepPlan
@@ -112,12 +112,14 @@ def _positions(among: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
 def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray) -> Batch:
     """Every row kept: the tensors precompute built, the fed input ids, the tables."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
+    input_ids, block_tables = to_device_many(
+        ((pre.token_ids, torch.int64), (pre.tables, torch.int32)), self.device)
     return Batch(
-        input_ids=to_device(pre.input_ids_host, self.device),
+        input_ids=input_ids,
         positions=pre.positions,
         attn=AttentionMetadata(
             slot_mapping=pre.slot_mapping,
-            block_tables=to_device(pre.tables_host, self.device),
+            block_tables=block_tables,
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagedserve.executor.device_copy import to_device
+from pagedserve.executor.device_copy import to_device_many
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import StepPlan
@@ -58,12 +58,10 @@ class PlanInputs:
     do_sample_rows: np.ndarray | None = None  # int64: the rows that sample (None: all)
     unfed: dict[int, str] | None = None  # marked rows that cannot be fed whatever the state
     bad: dict[int, str] | None = None  # rows the plan alone condemns
-    # When no row is condemned by the plan: its tensors; the input ids and block tables as
-    # host tensors over arrays the main thread fills in place (token_ids, fed; tables,
-    # gathered), so that no tensor is made between two steps on a CPU.
-    input_ids_host: torch.Tensor | None = None
+    # When no row is condemned by the plan: its tensors (one packed copy to the device);
+    # the input ids and block tables are arrays the main thread fills in place (token_ids,
+    # fed; tables, gathered) and moves in one more packed copy (batch_prep.full_batch).
     tables: np.ndarray | None = None  # int32 [S, longest], filled by RequestRows.gather
-    tables_host: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
@@ -169,16 +167,13 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     inputs.unfed, inputs.bad = unfed, bad
     if not bad and not unfed:  # the usual case: the tensors of every row, built here
         query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-        inputs.positions = to_device(plan.positions, limits.device, torch.int64)
-        inputs.slot_mapping = to_device(slots, limits.device, torch.int64)
-        inputs.query_start_loc = to_device(query_start_loc, limits.device, torch.int32)
-        inputs.seq_lens_t = to_device(seq_lens, limits.device, torch.int32)
+        (inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens_t,
+         inputs.sample_rows) = to_device_many(
+            ((plan.positions, torch.int64), (slots, torch.int64),
+             (query_start_loc, torch.int32), (seq_lens, torch.int32),
+             (query_start_loc[1:][do_sample] - 1, torch.int64)), limits.device)
         inputs.max_query_len = int(num_new.max())
-        inputs.input_ids_host = torch.from_numpy(token_ids)
         inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
-        inputs.tables_host = torch.from_numpy(inputs.tables)
-        inputs.sample_rows = to_device(query_start_loc[1:][do_sample] - 1, limits.device,
-                                       torch.int64)
         inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                strict=True) if d]
     return inputs
