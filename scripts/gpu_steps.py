@@ -12,6 +12,7 @@ prints one skipped line without CUDA).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import pkgutil
@@ -38,6 +39,28 @@ VERSIONS = ("torch", "triton", "transformers", "tokenizers", "safetensors", "hug
 
 def emit(case: str, **figures) -> None:
     print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
+
+
+def _host() -> dict:
+    """The host's CPU and Python build: the router's CPU figures there differed from the
+    CPU machine's by 1.2-2x (H200 host, 2026-11-27); is it the cores or the interpreter?"""
+    import os
+    import sysconfig
+
+    model = mhz = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "cpu MHz" and mhz is None:
+                mhz = float(value)
+    config = sysconfig.get_config_var("CONFIG_ARGS") or ""
+    return {"cpu_model": model, "cpu_mhz": mhz, "cpus": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else None,
+            "python_optimized": "--enable-optimizations" in config,
+            "python_lto": "--with-lto" in config, "python_executable": sys.executable}
 
 
 def cmd_env(args) -> int:
@@ -67,7 +90,7 @@ def cmd_env(args) -> int:
                 walk(module.__path__, mod.name + ".")
 
     walk(pagedserve.__path__, "pagedserve.")
-    figures = dict(python=platform.python_version(), versions=versions,
+    figures = dict(python=platform.python_version(), versions=versions, host=_host(),
                    pagedserve_file=pagedserve.__file__, torch_cuda=torch.version.cuda,
                    cuda_available=torch.cuda.is_available(), import_failures=failed)
     if torch.cuda.is_available():
