@@ -159,11 +159,11 @@ class DecodeLane:
 
     # ------------------------------------------------------------------ one step
 
-    def classify(self, last_sent_round: int | None = None) -> LaneStep:
+    def classify(self, last_plan: int | None = None) -> LaneStep:
         """This step's members: which are steady, which go to the ordinary loop. A member
         in neither has nothing to compute this step (an end known ahead, nothing
-        uncomputed, or, with `last_sent_round` (pipeline depth 3 on), a token in flight
-        from a plan older than that round's), as the ordinary loop would find."""
+        uncomputed, or, with `last_plan` (pipeline depth 3 on: the number of the last plan
+        sent), a token in flight from an older plan), as the ordinary loop would find."""
         if self.stale:
             self._refresh()
         n = self.n
@@ -177,9 +177,9 @@ class DecodeLane:
         # (the ordinary loop's skips: nothing to compute, the tokens in flight already end
         # it; a finished sample is never a member: `finish_seq` evicts it)
         active = (remaining > 0) & ((pending == 0) | (num_tokens < cols[END_AT]))
-        if last_sent_round is not None:
-            rounds = np.fromiter([s.sampled_round for s in seqs], np.int64, n)
-            active &= (pending == 0) | (rounds == last_sent_round)
+        if last_plan is not None:
+            sampled_in = np.fromiter([s.sampled_plan for s in seqs], np.int64, n)
+            active &= (pending == 0) | (sampled_in == last_plan)
         decode = active & (remaining == 1) & (pos == computed)
         steady = decode & (pos < cols[BLOCK_END])
         # Its slot opens a block past the end of its table: one block from the free queue
@@ -310,7 +310,7 @@ def plan_with_lane(self: Scheduler, out: SchedulerOutput,
         return None
     kv = self.kv
     running = self.running
-    step = lane.classify(self._last_sent_round if self._hold_older_pending else None)
+    step = lane.classify(self._plans_sent if self._hold_older_pending else None)
     if kv.debug_checks:
         lane.verify()
     seqs = lane.seqs

@@ -174,7 +174,7 @@ class TextAssembler:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(eos)
-        self._stop_token_ids = frozenset(stop_ids)
+        self.stop_token_ids = frozenset(stop_ids)  # (the router's apply_tokens reads it too)
         self._stops = tuple(sampling.stop) if text else ()
         self._include_stop = sampling.include_stop_str_in_output
         self._tail_len = max((len(s) for s in self._stops), default=1) - 1
@@ -197,7 +197,7 @@ class TextAssembler:
         self.num_tokens += 1
         sp = self._sampling
         checks = self.num_tokens >= sp.min_tokens
-        if checks and token_id in self._stop_token_ids:
+        if checks and token_id in self.stop_token_ids:
             return self._end("stop", self._flush_all(), stop_token_id=token_id)
         at_length = self.num_tokens >= sp.max_tokens or (
             self._max_len is not None and self.num_tokens >= self._max_len

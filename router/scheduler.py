@@ -118,10 +118,9 @@ class Scheduler:
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
             if config.decode_lane_min_running > 0 else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
-        # Depth 3 and more: scheduling rounds, and the round of the last plan sent
+        # Depth 3 and more: plans sent so far (the last one's number)
         self._hold_older_pending = config.pipeline_depth >= 3
-        self._round = 0
-        self._last_sent_round = -1
+        self._plans_sent = 0
 
     # ------------------------------------------------------------------ queues
 
@@ -272,12 +271,10 @@ class Scheduler:
         budget, num_seqs, self._num_running_seqs = served
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
-        if self._hold_older_pending:
-            self._round += 1
-            if not out.empty:  # (sent)
-                self._last_sent_round = self._round
-                for seq in out.rows.sampled:
-                    seq.sampled_round = self._round
+        if self._hold_older_pending and not out.empty:  # (sent)
+            self._plans_sent += 1
+            for seq in out.rows.sampled:
+                seq.sampled_plan = self._plans_sent
         return out
 
     def _demand(self, group: RequestGroup, seq: Sequence) -> int:
@@ -293,7 +290,7 @@ class Scheduler:
             if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
                     or num_tokens >= self.config.max_model_len:
                 return 0  # the tokens in flight already end it: known ahead
-            if self._hold_older_pending and seq.sampled_round != self._last_sent_round:
+            if self._hold_older_pending and seq.sampled_plan != self._plans_sent:
                 return 0  # its token in flight is not the last plan's: wait for it
             if remaining > 1:  # a chunk never reaches past the tokens received
                 remaining = len(seq.token_ids) - seq.num_computed_tokens

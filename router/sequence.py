@@ -37,7 +37,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_hashes", "on_executor", "assembler", "finished", "num_delivered",
-        "last_token_time", "logprobs", "num_pending", "sampled_round",
+        "last_token_time", "logprobs", "num_pending", "sampled_plan",
     )
 
     def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
@@ -48,9 +48,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled by plans in flight, not received yet
-        # The scheduling round of the last plan that sampled it (kept from pipeline depth 3
-        # on: Scheduler.schedule)
-        self.sampled_round = -1
+        # Which of its scheduler's plans sampled it last (their count then; kept from
+        # pipeline depth 3 on: Scheduler.schedule)
+        self.sampled_plan = -1
         self.block_hashes: list = []  # prefix-cache hashes of full blocks, extended in place
         self.on_executor = False  # the executor holds its state (NewRequest sent, not dropped)
         self.assembler = assembler
@@ -210,8 +210,9 @@ class RequestGroup:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.channel: OutputSink = OutputChannel()
-        # (stop ids, min_tokens, max_tokens, asks logprobs): the token rules the router
-        # applies to every sampled token, made once (StepLoop.apply_tokens)
+        # (stop ids with EOS unless ignored, as its samples' assemblers hold them,
+        # min_tokens, max_tokens, asks logprobs): the token rules the router applies to
+        # every sampled token, gathered once (StepLoop.apply_tokens)
         self.token_rules: tuple | None = None
 
     @property

@@ -345,7 +345,6 @@ class StepLoop:
         if not ids:
             return touched
         live = self.engine.live
-        eos_token_ids = self.engine.eos_token_ids
         tokens = result.token_ids.tolist()
         lps = result.logprobs
         top_counts = result.top_counts.tolist() if result.top_counts is not None else None
@@ -374,10 +373,8 @@ class StepLoop:
             rules = group.token_rules
             if rules is None:  # (once a request: its sampling spec's rules as one tuple)
                 sp = group.spec.sampling
-                rules = group.token_rules = (
-                    frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos
-                                                    else frozenset(eos_token_ids)),
-                    sp.min_tokens, sp.max_tokens, sp.logprobs is not None)
+                rules = group.token_rules = (seq.assembler.stop_token_ids, sp.min_tokens,
+                                             sp.max_tokens, sp.logprobs is not None)
             stop_ids, min_tokens, max_tokens, wants_logprobs = rules
             if wants_logprobs and lps is not None:
                 top = ()
