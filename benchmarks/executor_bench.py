@@ -45,13 +45,17 @@ Cases:
   between attention, matmuls and the small elementwise kernels (the GPU check runs it).
   Then under cProfile (``host_profile_gpu_b256_{eager,graphs}``, ``host_profile_cpu_tiny_b128``):
   the host's functions by own time per step — where an eager step's ~12 ms of host time on
-  the H200 went (Triton's launcher, torch operators, pagedserve's Python).
+  the H200 went (Triton's launcher, torch operators, pagedserve's Python). And
+  (``trace_gpu_b256_pipelined``, graphs) the pipelined loop under torch.profiler
+  (benchmarks/executor_trace.py): the host's phases per step against the device's busy and
+  idle time, and the host phase each idle stretch of the device began and ended in; with
+  ``--trace-dir`` its Chrome trace (gzip).
 
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed (not in the gap cases).
 
     .venv/bin/python benchmarks/executor_bench.py [--steps N] [--cpu-only] [--gpu-only]
-        [--model-dir DIR] [--gap [--gap-steps N]] [--profile]
+        [--model-dir DIR] [--gap [--gap-steps N]] [--profile [--trace-dir DIR]]
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ from executor_steps import (  # noqa: E402
     pipelined_steps,
     time_steps,
 )
+from executor_trace import trace_pipelined  # noqa: E402
 
 BENCH = "executor_bench"
+TRACE_STEPS = 20  # the pipelined trace's steps (3 of them warm-up)
 
 
 def emit(case: str, **figures) -> None:
@@ -165,7 +171,7 @@ def host_profile_steps(runner: ModelRunner, plans, case: str, top: int = 15) -> 
                "us_per_step": round(own / n * 1e6, 1)} for own, calls, name in rows[:top]])
 
 
-def bench_cpu(steps: int, profile: bool = False) -> None:
+def bench_cpu(steps: int, profile: bool = False, trace_dir: str | None = None) -> None:
     from pagedserve.tinymodels import build_model
 
     torch.set_num_threads(1)
@@ -190,6 +196,12 @@ def bench_cpu(steps: int, profile: bool = False) -> None:
                 host_profile_steps(runner, decode_plans(batch, context, block_size, steps,
                                                         runner.vocab_size),
                                    "host_profile_cpu_tiny_b128")
+                runner = build_runner(str(model_dir), num_gpu_blocks=num_blocks,
+                                      num_cpu_blocks=0, block_size=block_size, progress=False)
+                emit("trace_cpu_tiny_b128_pipelined", **trace_pipelined(
+                    runner, decode_plans(batch, context, block_size, steps, runner.vocab_size,
+                                         feed=True), warmup=3, trace_dir=trace_dir,
+                    case="trace_cpu_tiny_b128_pipelined"))
 
 
 def bench_gap(steps: int) -> None:
@@ -243,7 +255,8 @@ def copy_bandwidth_bytes_per_s(device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes * 10 / (time.perf_counter() - t0)  # read + write
 
 
-def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -> None:
+def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
+              trace_dir: str | None = None) -> None:
     if not torch.cuda.is_available():
         emit("gpu_qwen2.5-0.5b_decode", skipped="no CUDA device")
         return
@@ -358,6 +371,14 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False) -
             host_profile_steps(runner, decode_plans(batch, context, block_size, steps,
                                                     cfg.vocab_size),
                                f"host_profile_gpu_b{batch}_{mode}")
+            if graphed:  # the pipelined loop's period: host phases against device idle
+                cache.kv_cache.normal_()
+                runner = ModelRunner(model, cache, graphs=graphs)
+                case = f"trace_gpu_b{batch}_pipelined"
+                emit(case, **trace_pipelined(
+                    runner, decode_plans(batch, context, block_size, TRACE_STEPS,
+                                         cfg.vocab_size, feed=True),
+                    warmup=3, trace_dir=trace_dir, case=case))
         del cache, runner, graphs
         torch.cuda.empty_cache()
 
@@ -374,14 +395,16 @@ def main(argv=None) -> int:
     parser.add_argument("--gap-steps", type=int, default=100)
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest batch's steps (kernels per step)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile: write the pipelined trace's Chrome trace here")
     args = parser.parse_args(argv)
     if args.gap:
         bench_gap(args.gap_steps)
         return 0
     if not args.gpu_only:
-        bench_cpu(args.steps, args.profile)
+        bench_cpu(args.steps, args.profile, args.trace_dir)
     if not args.cpu_only:
-        bench_gpu(args.steps, args.model_dir, args.profile)
+        bench_gpu(args.steps, args.model_dir, args.profile, args.trace_dir)
     return 0
 
 

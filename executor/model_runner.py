@@ -32,8 +32,11 @@ it, between two CUDA events; on a CPU as it was called); ``sample_s`` sampling (
 from the forward's end to the tokens' copy to the host, device time);
 ``swap_s`` block moves; ``gap_s`` runs from the end of sampling of the previous step this
 runner executed to the start of this step's forward (waiting for the plan, decoding it,
-block moves, preparing inputs); 0 when the previous step was still in flight at this one's
-launch (the device had it queued). The first step after construction or ``reset()``
+block moves, preparing inputs). On a GPU it is device time, between a CUDA event after the
+previous step's sampling and one before this forward: the device idle between the two
+steps, near 0 when the host had this step queued behind the previous one (overlapped
+steps), and the idle time when the host fell behind (a host clock cannot tell those apart
+once steps overlap). On a CPU it is host time. The first step after construction or ``reset()``
 reports ``gap_s = 0`` (there is no previous step to measure from; registration time would
 otherwise pollute the figure). A step with no forward measures up to where it would start.
 The previous step's tokens are appended to the sampling states once this step's forward and
@@ -127,14 +130,26 @@ class RequestState:
 class _InFlight:
     """A step launched whose result is not yet built (ModelRunner.submit)."""
 
-    __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1")
+    __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1",
+                 "after_event")
 
     def __init__(self, plan: StepPlan, batch: Batch, sampled: SampledOnDevice | None,
                  result: dict, errors: list[RequestError], events: tuple | None, t0: float,
-                 t1: float) -> None:
+                 t1: float, after_event=None) -> None:
         self.plan, self.batch, self.sampled = plan, batch, sampled
         self.result, self.errors, self.events = result, errors, events
         self.t0, self.t1 = t0, t1
+        # CUDA: the event at the end of the previous step's device work (its gap_s is
+        # measured from there to events[0] once both are done); None: the host's gap_s.
+        self.after_event = after_event
+
+    @property
+    def end_event(self):
+        """CUDA: the event after this step's last device work (its sampling's copies, else
+        its forward); None on a CPU."""
+        if self.sampled is not None and self.sampled.event is not None:
+            return self.sampled.event
+        return self.events[1] if self.events is not None else None
 
 
 def _sync(device: torch.device) -> None:
@@ -172,6 +187,9 @@ class ModelRunner:
         self._pending = _PendingSamples(self.rows, self._resolve)
         self.steps_done = 0
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
+        # CUDA: the event after the previous step's device work (None: none, or that step
+        # ran no forward; then gap_s is host time).
+        self._prev_end_event = None
         self._inflight: _InFlight | None = None  # launched, tokens not yet read back
         # Leave sampling steps in flight (submit): on a GPU, whose work runs apart from the
         # host's. On a CPU the forward is done when launched, so a step left in flight
@@ -204,6 +222,7 @@ class ModelRunner:
         self._pending = _PendingSamples(self.rows, self._resolve)
         self._retired = None
         self._prev_end = None
+        self._prev_end_event = None
 
     def block_table(self, request_id: str) -> list[int]:
         """The block table this runner holds for a request (KeyError when none)."""
@@ -308,6 +327,7 @@ class ModelRunner:
         self._resolve()
         self.steps_done += 1
         self._prev_end = time.perf_counter()
+        self._prev_end_event = None  # no device work: the next gap is host time
         return result
 
     def _submit(self, plan: StepPlan, pre: PlanInputs | None) -> StepResult | None:
@@ -327,10 +347,10 @@ class ModelRunner:
         batch = self._prepare(plan, errors, pre)
         result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
         t0 = time.perf_counter()
-        # The gap: the device idle between the previous step's sampling and this forward;
-        # none while the previous step is still in flight (its sampling is queued ahead).
-        overlapped = self._inflight is not None and self.device.type == "cuda"
-        result["gap_s"] = 0.0 if prev_end is None or overlapped else t0 - prev_end
+        # The gap: host time here; on a GPU replaced by the device's idle time between the
+        # previous step's end and this forward once this step is read back (_resolve).
+        result["gap_s"] = 0.0 if prev_end is None else t0 - prev_end
+        after_event = self._prev_end_event
         if batch is None:
             return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
@@ -378,7 +398,8 @@ class ModelRunner:
         self._retired = plan, pre, batch
         if scores is not None:
             result.update(scores)
-        flight = _InFlight(plan, batch, sampled, result, errors, events, t0, t1)
+        flight = _InFlight(plan, batch, sampled, result, errors, events, t0, t1, after_event)
+        self._prev_end_event = flight.end_event
         if sampled is not None:
             # Recorded once read back (after the next forward is launched); the next
             # step's marked decodes are fed from here.
@@ -404,8 +425,12 @@ class ModelRunner:
         end = self._prev_end = time.perf_counter()
         if events is not None:  # the forward as the device ran it; sampling the rest
             forward_s = events[0].elapsed_time(events[1]) / 1e3
-            sample_s = (flight.sampled.elapsed_s(events[1]) if flight.sampled is not None
-                        else 0.0)
+            if flight.after_event is not None:  # done: it came before events[0]
+                flight.result["gap_s"] = max(
+                    0.0, flight.after_event.elapsed_time(events[0]) / 1e3)
+            sampled = flight.sampled
+            sample_s = (sampled.elapsed_s(events[1])
+                        if sampled is not None and sampled.event is not None else 0.0)
         else:  # a CPU ran it all as it was called
             forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1

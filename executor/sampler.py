@@ -60,11 +60,11 @@ import torch
 from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
 from pagedserve.executor.penalties import has_penalty, penalise_rows_
-from pagedserve.executor.sampling_state import SamplingState
+from pagedserve.executor.sampling_state import GREEDY_EPS, SamplingState
 from pagedserve.kernels import ops, reference
 from pagedserve.protos.wire import SamplingParams
 
-_GREEDY_EPS = 1e-5
+_GREEDY_EPS = GREEDY_EPS
 _TOP_P_FIRST_K = 256  # top-p first looks at this many best tokens, sorts fully only if needed
 _MASK64 = (1 << 64) - 1
 _EXP_FLOOR = reference.EXP_FLOOR
@@ -88,6 +88,11 @@ class SampledOnDevice:
     waits for that event only, so a step launched after this one is not waited for."""
 
     __slots__ = ("tokens", "_host", "_event", "_finish")
+
+    @property
+    def event(self):
+        """CUDA: the event after the tokens' copies to the host (None on a CPU)."""
+        return self._event
 
     def __init__(self, tokens: torch.Tensor, host: list[torch.Tensor], finish) -> None:
         self.tokens = tokens
@@ -234,6 +239,42 @@ def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
     return [t for t in ids if 0 <= t < vocab]
 
 
+@dataclass
+class RowWork:
+    """What a step's rows ask the sampler for beyond an argmax (row indices)."""
+
+    greedy: list[bool]
+    pen_rows: list[int]  # penalties due (a penalty asked for and something to count)
+    mask_rows: list[int]  # (row, token) pairs masked below min_tokens ...
+    mask_ids: list[int]
+    bias_rows: list[int]
+    grammar_rows: list[int]
+    plain_greedy: bool  # none of the above and no logprobs: the argmax alone
+
+
+def row_work(states: Sequence[SamplingState], vocab: int) -> RowWork:
+    """One pass over the rows for what only some of them ask for (the usual step: none)."""
+    greedy = [s.params.temperature < _GREEDY_EPS or s.params.top_k == 1 for s in states]
+    work = RowWork(greedy, [], [], [], [], [], False)
+    for i, s in enumerate(states):
+        p = s.params
+        if (p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty) and has_penalty(s):
+            work.pen_rows.append(i)
+        if s.num_output_tokens < p.min_tokens:
+            ids = _min_tokens_masked_ids(s, vocab)
+            work.mask_rows += [i] * len(ids)
+            work.mask_ids += ids
+        if p.logit_bias_ids:
+            work.bias_rows.append(i)
+        if s.grammar is not None:
+            work.grammar_rows.append(i)
+    work.plain_greedy = (all(greedy) and not work.pen_rows and not work.mask_rows
+                         and not work.bias_rows and not work.grammar_rows
+                         and all(s.params.logprobs is None for s in states))
+    return work
+
+
 # --------------------------------------------------------------------------- sampler
 
 
@@ -284,36 +325,21 @@ class Sampler:
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
         device = logits.device
+        if device.type != "cpu" and all(s.plain for s in states):
+            # Fast path on a GPU (the usual decode step): argmax of the 16-bit logits as
+            # they are (widening to float32 is exact, so the same token, first index on
+            # ties); the float32 copy and an argmax over it cost ~0.17 ms a step at 256
+            # rows x 152k vocabulary on an H200, and torch's argmax alone 63 us
+            # (kernels/sampling_ops.py splits the rows). One flag a row: the per-row
+            # checks below cost ~0.1 ms of host time at 256 rows.
+            return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         params = [s.params for s in states]
-        greedy = [p.temperature < _GREEDY_EPS or p.top_k == 1 for p in params]
-        # One pass over the rows for what only some of them ask for (the usual step: none).
-        pen_rows: list[int] = []
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        bias_rows: list[int] = []
-        grammar_rows: list[int] = []
-        for i, s in enumerate(states):
-            p = s.params
-            if (p.repetition_penalty != 1.0 or p.presence_penalty
-                    or p.frequency_penalty) and has_penalty(s):
-                pen_rows.append(i)
-            if s.num_output_tokens < p.min_tokens:
-                ids = _min_tokens_masked_ids(s, vocab)
-                mask_rows += [i] * len(ids)
-                mask_ids += ids
-            if p.logit_bias_ids:
-                bias_rows.append(i)
-            if s.grammar is not None:
-                grammar_rows.append(i)
-        plain_greedy = (all(greedy) and not pen_rows and not mask_rows and not bias_rows
-                        and not grammar_rows and all(p.logprobs is None for p in params))
-        if plain_greedy and device.type != "cpu":
-            # Fast path on a GPU: argmax of the 16-bit logits as they are (widening to float32
-            # is exact, so the same token, first index on ties); the float32 copy and an
-            # argmax over it cost ~0.17 ms a step at 256 rows x 152k vocabulary on an H200,
-            # and torch's argmax alone 63 us (kernels/sampling_ops.py splits the rows).
-            return self._output(logits, ops.argmax_rows(logits, backend=self.kernel_backend),
-                                params)
+        work = row_work(states, vocab)
+        greedy, pen_rows, bias_rows, grammar_rows = (
+            work.greedy, work.pen_rows, work.bias_rows, work.grammar_rows)
+        mask_rows, mask_ids, plain_greedy = work.mask_rows, work.mask_ids, work.plain_greedy
+        if plain_greedy and device.type != "cpu":  # min_tokens met, penalties not yet due
+            return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         raw = logits
         if logits.dtype != torch.float32:  # argmax of bf16 is slow on CPU; convert once
             raw = self._buffer(2, logits.shape, device).copy_(logits)
@@ -378,6 +404,17 @@ class Sampler:
         return sample_from_probs_(probs, to_device(u, device))
 
     @staticmethod
+    def _plain_output(tokens: torch.Tensor) -> SampledOnDevice:
+        """The tokens alone (no row asks for logprobs)."""
+        num_rows = tokens.shape[0]
+
+        def plain(token_ids: np.ndarray) -> SamplerOutput:
+            return SamplerOutput(token_ids, np.full(num_rows, np.nan, dtype=np.float32),
+                                 np.zeros(num_rows, dtype=np.int32),
+                                 np.zeros(0, np.int32), np.zeros(0, np.float32))
+        return SampledOnDevice(tokens, [tokens.to(torch.int32)], plain)
+
+    @staticmethod
     def _output(raw: torch.Tensor, tokens: torch.Tensor,
                 params: Sequence[SamplingParams]) -> SampledOnDevice:
         """The tokens and, for the rows that ask, their logprobs and top-k, computed on the
@@ -385,11 +422,7 @@ class Sampler:
         num_rows = raw.shape[0]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            def plain(token_ids: np.ndarray) -> SamplerOutput:
-                return SamplerOutput(token_ids, np.full(num_rows, np.nan, dtype=np.float32),
-                                     np.zeros(num_rows, dtype=np.int32),
-                                     np.zeros(0, np.int32), np.zeros(0, np.float32))
-            return SampledOnDevice(tokens, [tokens.to(torch.int32)], plain)
+            return Sampler._plain_output(tokens)
         chosen = tokens
         if len(lp_rows) < num_rows:
             idx = to_device(lp_rows, raw.device)

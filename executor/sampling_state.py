@@ -12,6 +12,18 @@ import numpy as np
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from pagedserve.protos.wire import NewRequest, SamplingParams
 
+GREEDY_EPS = 1e-5  # a temperature below this is greedy
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Does a request with these params take its row's argmax and nothing else (no
+    penalties, bias, min_tokens mask or logprobs)? The sampler's fast path when every row
+    of a step does (a grammar is the state's, checked apart)."""
+    return ((params.temperature < GREEDY_EPS or params.top_k == 1)
+            and params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty and not params.min_tokens
+            and not params.logit_bias_ids and params.logprobs is None)
+
 
 class SamplingState:
     """One request's sampling state on an executor: params, sample index, output tokens,
@@ -19,7 +31,7 @@ class SamplingState:
     structured output, its grammar matcher (advanced by every appended token)."""
 
     __slots__ = ("params", "sample_index", "_tokens", "_num_tokens", "_prompt",
-                 "_prompt_distinct", "grammar")
+                 "_prompt_distinct", "grammar", "_plain_params")
 
     def __init__(
         self,
@@ -39,6 +51,12 @@ class SamplingState:
         self._prompt = prompt
         self._prompt_distinct: np.ndarray | None = None  # computed on first use
         self.grammar: GrammarMatcher | None = None
+        self._plain_params = is_plain_greedy(params)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing else to apply: params (`is_plain_greedy`) and no grammar."""
+        return self._plain_params and self.grammar is None
 
     @classmethod
     def from_new_request(cls, req: NewRequest,

@@ -80,7 +80,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                    "--profile")
+                    "--profile", "--trace-dir", str(ctx.out_dir / "traces"))
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
         return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
                 Step("memory_profile", memory, 150)]

@@ -167,10 +167,19 @@ def test_kernels_bench_layer_and_tune_cases_dry_run():
                for r in records if r["case"].startswith("layer/"))
 
 
-def test_executor_bench_profile_on_cpu():
-    """--profile's per-step operator table (on a GPU: device kernels, in the GPU check)."""
+def test_executor_bench_profile_on_cpu(tmp_path):
+    """--profile's per-step operator table (on a GPU: device kernels, in the GPU check), and
+    the pipelined loop's trace: host phases per step, nested as they run, and the trace."""
     records = {r["case"]: r for r in _run("executor_bench.py", "--cpu-only", "--steps", "6",
-                                           "--profile")}
+                                           "--profile", "--trace-dir", str(tmp_path))}
+    trace = records["trace_cpu_tiny_b128_pipelined"]
+    host = trace["host_us_per_step"]
+    assert trace["steps"] == 3 and trace["step_us_mean"] > 0
+    assert {"submit", "prepare", "forward_launch", "logits_launch", "sampler_launch",
+            "append_tokens", "read_back", "loop_other_us"} <= set(host)
+    inside = host["prepare"] + host["forward_launch"] + host["sampler_launch"]
+    assert 0 < inside < host["submit"] <= trace["step_us_mean"] * 1.05
+    assert (tmp_path / "trace_cpu_tiny_b128_pipelined.json.gz").stat().st_size > 1000
     prof = records["profile_cpu_tiny_b128"]
     assert prof["steps"] == 3 and prof["kernels_per_step"] > 10
     assert prof["top"] and all(t["name"].startswith("aten::") for t in prof["top"])

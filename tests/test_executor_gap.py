@@ -321,3 +321,70 @@ def test_executor_bench_pipelined_loop_samples_what_sequential_steps_do(model_di
             assert not result.errors, result.errors
             tokens.append(result.token_ids)
     assert run["tokens_crc32"] == f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
+
+
+class _ClockEvent:
+    """A CUDA timing event's stand-in on a CPU: `record()` reads a clock the test moves;
+    `elapsed_time` is in milliseconds, as torch.cuda.Event's."""
+
+    clock = 0.0
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = _ClockEvent.clock
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _ClockEvent) -> float:
+        assert self.at is not None and end.at is not None, "an event never recorded"
+        return (end.at - self.at) * 1e3
+
+
+def test_gap_is_the_device_idle_between_steps_when_steps_overlap(model_dir):
+    """On a GPU, with steps overlapped, gap_s is read on the device's clock: from the event
+    after the previous step's work to the one before this forward, so the device's idle time
+    shows even though the previous step is still unread (in flight) at each launch. Here the
+    events read a clock the test moves: the previous step's forward ends at 10 s (the
+    sampler's own event is CUDA-only, so the forward's end event stands for it), and the
+    next forward starts 0.25 s (idle) or 0 s (queued behind) later."""
+    driver = _driver(model_dir)
+    runner = driver.runner
+    runner.overlap_steps = True  # a CPU runs each forward as it is launched: force it
+    clock_at_launch: list[float] = []
+
+    def events():
+        return _ClockEvent(), _ClockEvent()
+
+    forward = runner._forward
+
+    def launch() -> None:  # just before the forward's first event: it starts then
+        _ClockEvent.clock = clock_at_launch.pop(0)
+
+    def timed_forward(batch):
+        hidden = forward(batch)
+        _ClockEvent.clock += 0.002  # it takes 2 ms
+        return hidden
+
+    runner.before_forward = launch
+    runner._forward_events = events
+    runner._forward = timed_forward
+    for rid, prompt in {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}.items():
+        driver.add(rid, prompt)
+    clock_at_launch += [10.0 - 0.002, 10.25, 10.252, 10.254 + 0.5]
+    results = runner.submit(driver.plan({"a": None, "b": None}))
+    assert results == []  # left in flight
+    for _ in range(3):
+        ready = runner.submit(driver.plan({"a": None, "b": None}, feed={"a", "b"}))
+        for result in ready:
+            driver.accept(result)
+        results += ready
+    results.append(runner.collect())
+    assert [r.step_id for r in results] == [0, 1, 2, 3]
+    assert not any(r.errors for r in results)
+    gaps = [round(r.gap_s, 6) for r in results]
+    # 0: the first step; 0.25 s idle; queued right behind (0); 0.5 s idle.
+    assert gaps == [0.0, 0.25, 0.0, 0.5], gaps
+    assert [round(r.forward_s, 6) for r in results] == [0.002] * 4

@@ -356,3 +356,40 @@ def test_sampled_token_is_always_in_the_allowed_support(
     probs = torch.softmax(x, -1)
     assert probs[probs > probs[token] + tol].sum() < top_p + tol
     assert probs[token] >= min_p * probs.max() - tol
+
+
+_PARAM_FIELDS = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 1e-6, 0.7, 1.0]),
+    "top_k": st.sampled_from([0, 1, 5]),
+    "repetition_penalty": st.sampled_from([1.0, 1.2]),
+    "presence_penalty": st.sampled_from([0.0, 0.5]),
+    "frequency_penalty": st.sampled_from([0.0, -0.3]),
+    "min_tokens": st.sampled_from([0, 2]),
+    "logit_bias_ids": st.sampled_from([(), (3,)]),
+    "logprobs": st.sampled_from([None, 0, 2]),
+    "eos_token_ids": st.sampled_from([(), (1,)]),
+})
+
+
+@given(fields=_PARAM_FIELDS, outputs=st.lists(st.integers(0, 9), max_size=4),
+       prompt=st.lists(st.integers(0, 9), max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_a_plain_state_asks_nothing_of_the_per_row_pass(fields, outputs, prompt):
+    """The GPU fast path trusts `SamplingState.plain` (one flag a row) instead of the
+    per-row pass (`row_work`): a plain state must be one the pass finds nothing to do for,
+    whatever its tokens; and the flag is exactly greedy with no penalty, min_tokens, bias or
+    logprobs asked for."""
+    from pagedserve.executor.sampler import row_work
+
+    bias = {"logit_bias_values": (1.5,) * len(fields["logit_bias_ids"])}
+    params = SamplingParams(**fields, **bias)
+    state = SamplingState(params, output_token_ids=outputs, prompt_token_ids=prompt)
+    expected = ((fields["temperature"] < 1e-5 or fields["top_k"] == 1)
+                and fields["repetition_penalty"] == 1.0 and not fields["presence_penalty"]
+                and not fields["frequency_penalty"] and not fields["min_tokens"]
+                and not fields["logit_bias_ids"] and fields["logprobs"] is None)
+    assert state.plain == expected
+    if state.plain:
+        assert row_work([state], vocab=10).plain_greedy
+        state.grammar = object()  # a constrained row is never plain
+        assert not state.plain
