@@ -22,6 +22,11 @@ Cases:
   ``..._b256_graphs_top_p`` with every row sampling at top-p 0.95 (all nuclei past the
   first 256 tokens on the random model: the sampler's whole-row kernel on every row), and
   ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step).
+* ``gpu_qwen2.5-0.5b_serve_loop_b{64,256}_graphs``: the same 40 decodes through the
+  executor process's waiting rule (executor_steps.serve_loop_steps): the pipelined loop
+  above reads the step in flight back as soon as the next plan is not decoded yet, which
+  serialised every other step on an H200 (2026-11-27 trace); this one waits for the plan
+  or the device's end of the step, whichever comes first, as `serve` does.
 * ``gpu_qwen2.5-0.5b_mixed_b{64,256}_chunk256``: the same decodes with a 256-token prompt
   computed in every step (a stream ending and the next starting, steadily), eagerly, and
   ``..._pieces`` through the graph pieces cut at the attention calls
@@ -46,7 +51,7 @@ Cases:
   Then under cProfile (``host_profile_gpu_b256_{eager,graphs}``, ``host_profile_cpu_tiny_b128``):
   the host's functions by own time per step — where an eager step's ~12 ms of host time on
   the H200 went (Triton's launcher, torch operators, pagedserve's Python). And
-  (``trace_gpu_b256_pipelined``, graphs) the pipelined loop under torch.profiler
+  (``trace_gpu_b256_{pipelined,serve_loop}``, graphs) each pipelined loop under torch.profiler
   (benchmarks/executor_trace.py): the host's phases per step against the device's busy and
   idle time, and the host phase each idle stretch of the device began and ended in; with
   ``--trace-dir`` its Chrome trace (gzip).
@@ -83,6 +88,7 @@ from executor_steps import (  # noqa: E402
     mixed_plans,
     pipelined_decode_plans,
     pipelined_steps,
+    serve_loop_steps,
     time_steps,
 )
 from executor_trace import trace_pipelined  # noqa: E402
@@ -362,6 +368,24 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
                  forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
                  sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
                  steps=len(run["periods"]), cuda_graphs=True)
+        if graphed and batch in (64, 256):
+            # The same through the executor process's waiting rule (serve_loop_steps): no
+            # read-back of the step in flight just because the next plan is still being
+            # decoded (the loop above does that, and serialises every other step).
+            cache.kv_cache.normal_()
+            runner = ModelRunner(model, cache, graphs=graphs)
+            run = serve_loop_steps(runner, decode_plans(batch, context, block_size,
+                                                        pipelined_steps_n, cfg.vocab_size,
+                                                        feed=True), warmup=3)
+            period = statistics.fmean(run["periods"])
+            emit(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs", batch=batch,
+                 context_tokens=context, step_us_mean=round(period * 1e6, 1),
+                 decode_tok_per_s=round(batch / period, 1),
+                 of_bound_ratio=round(bound_s / period, 3),
+                 gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
+                 forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
+                 sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
+                 steps=len(run["periods"]), cuda_graphs=True)
         if profile and batch == 256:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)
@@ -371,14 +395,16 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             host_profile_steps(runner, decode_plans(batch, context, block_size, steps,
                                                     cfg.vocab_size),
                                f"host_profile_gpu_b{batch}_{mode}")
-            if graphed:  # the pipelined loop's period: host phases against device idle
+            # The pipelined loops' period: host phases against device idle.
+            loops = (("pipelined", pipelined_steps), ("serve_loop", serve_loop_steps))
+            for name, loop in loops if graphed else ():
                 cache.kv_cache.normal_()
                 runner = ModelRunner(model, cache, graphs=graphs)
-                case = f"trace_gpu_b{batch}_pipelined"
+                case = f"trace_gpu_b{batch}_{name}"
                 emit(case, **trace_pipelined(
                     runner, decode_plans(batch, context, block_size, TRACE_STEPS,
                                          cfg.vocab_size, feed=True),
-                    warmup=3, trace_dir=trace_dir, case=case))
+                    warmup=3, trace_dir=trace_dir, case=case, loop=loop))
         del cache, runner, graphs
         torch.cuda.empty_cache()
 

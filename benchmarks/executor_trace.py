@@ -96,8 +96,10 @@ def _innermost(ranges: list[tuple[float, float, str]], at: float) -> str:
 
 
 def trace_pipelined(runner: ModelRunner, plans, warmup: int = 3,
-                    trace_dir: str | None = None, case: str = "trace") -> dict:
-    """Run ``plans`` through the pipelined loop under the profiler; the figures above."""
+                    trace_dir: str | None = None, case: str = "trace",
+                    loop=pipelined_steps) -> dict:
+    """Run ``plans`` through a pipelined loop (executor_steps: `pipelined_steps` or
+    `serve_loop_steps`) under the profiler; the figures above."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -114,7 +116,7 @@ def trace_pipelined(runner: ModelRunner, plans, warmup: int = 3,
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
         with profile(activities=activities) as prof:
-            run = pipelined_steps(runner, plans, warmup=warmup)
+            run = loop(runner, plans, warmup=warmup)
             if cuda:
                 torch.cuda.synchronize()
     finally:

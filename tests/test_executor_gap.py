@@ -293,9 +293,10 @@ def test_executor_bench_gap_cases_run():
 
 
 def test_executor_bench_pipelined_loop_samples_what_sequential_steps_do(model_dir):
-    """executor_bench's pipelined loop (the GPU check's `..._pipelined_..._graphs` cases) over
-    take-over decodes marked feed_sampled: every step runs without an error and samples the
-    same tokens as the same plans executed one by one."""
+    """executor_bench's pipelined loops (the GPU check's `..._pipelined_..._graphs` and
+    `..._serve_loop_..._graphs` cases) over take-over decodes marked feed_sampled: every
+    step runs without an error and samples the same tokens as the same plans executed one
+    by one."""
     import sys
     import zlib
     from pathlib import Path
@@ -320,7 +321,16 @@ def test_executor_bench_pipelined_loop_samples_what_sequential_steps_do(model_di
             result = sequential.execute(plan)
             assert not result.errors, result.errors
             tokens.append(result.token_ids)
-    assert run["tokens_crc32"] == f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
+    crc = f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"
+    assert run["tokens_crc32"] == crc
+    # The executor process's waiting rule (serve_loop_steps), steps one at a time (the CPU
+    # default) and overlapped (each left in flight until the next plan or its StepDone).
+    for overlap in (False, True):
+        served = runner()
+        served.overlap_steps = overlap
+        run = executor_steps.serve_loop_steps(served, plans(served.vocab_size), warmup=3)
+        assert len(run["periods"]) == len(run["gaps"]) == 9
+        assert run["tokens_crc32"] == crc, overlap
 
 
 class _ClockEvent:
