@@ -156,11 +156,14 @@ class ExecutorProcess:
     def __init__(self, runner, args: argparse.Namespace, hello: Hello,
                  curve: tuple[bytes, bytes, bytes] | None = None,
                  fault_sleep: tuple[int, float] | None = None,
-                 io_cores: list[int] = ()) -> None:
+                 io_cores: list[int] = (),
+                 profile_window: tuple | None = None) -> None:
         """`curve`: (public, secret, router public) as `load_curve_keys` returns; loaded
         from ``args.curve_keys`` when not given. `fault_sleep`: the testing hook (see the
         module docstring), set on the runner. `io_cores`: where the I/O and heartbeat
-        threads run when the compute thread is pinned (pagedserve.affinity)."""
+        threads run when the compute thread is pinned (pagedserve.affinity).
+        `profile_window`: (folder, first step, count) of steps to profile
+        (executor/step_trace.py, from ``PAGEDSERVE_TORCH_PROFILER_DIR``)."""
         self.io_cores = list(io_cores)
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
@@ -190,6 +193,10 @@ class ExecutorProcess:
                                          args.heartbeat_timeout / 4, self._configure)
         self.heartbeat.cores = self.io_cores
         self.flight_watch: FlightWatch | None = None  # started for the first step in flight
+        self.profiler = None
+        if profile_window is not None:
+            from pagedserve.executor.step_trace import StepProfiler
+            self.profiler = StepProfiler(runner, *profile_window, name=self.executor_id)
 
     def _flush_results(self) -> None:
         if self.io is not None:
@@ -343,6 +350,9 @@ class ExecutorProcess:
         step. A previous step's result read back after this step's launch goes at once:
         the device is busy with this step, and the router plans the step after from it."""
         hb = self.heartbeat
+        if self.profiler is not None and not self.profiler.done:
+            self.profiler.io_owner = self.io
+            self.profiler.before_step(plan.step_id)  # may write a trace: before the step
         hb.begin_step(plan.step_id, plan.deadline_s)
         start = time.monotonic()
         try:
@@ -445,6 +455,8 @@ class ExecutorProcess:
                 elif not isinstance(msg, Welcome):
                     log.warning("ignoring %s on the main socket", type(msg).__name__)
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             self._take_socket_back()  # sends the results still queued (Shutdown(exit=True))
             if self.flight_watch is not None:
                 self.flight_watch.jobs.put(None)

@@ -64,6 +64,7 @@ def run_executor(args: argparse.Namespace) -> int:
     import torch
     from pagedserve.executor.models import ModelNotSupported
     from pagedserve.executor.runner_setup import build_runner
+    from pagedserve.executor.step_trace import profiler_from_env
 
     from pagedserve.logs import progress_bars_enabled
 
@@ -78,6 +79,7 @@ def run_executor(args: argparse.Namespace) -> int:
         return 2
     try:
         fault_sleep = fault_sleep_from_env()  # the testing hook, read once
+        profile_window = profiler_from_env()  # PAGEDSERVE_TORCH_PROFILER_DIR (step_trace.py)
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2
@@ -126,7 +128,8 @@ def run_executor(args: argparse.Namespace) -> int:
         # a few microseconds of the gap between two steps.
         with torch.inference_mode():
             rc = ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
-                                 fault_sleep=fault_sleep).serve()
+                                 fault_sleep=fault_sleep,
+                                 profile_window=profile_window).serve()
     except SystemExit as exc:
         rc = int(exc.code or 0)
     except KeyboardInterrupt:

@@ -118,6 +118,18 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                 ["--running", "32,256", "--depths", "3", "--window-s", "5"]),
                               "--client-channels", "8",
                               "--work-dir", str(ctx.work_dir / "step-overhead-depth3"))
+        # The same at 256 streams with the executor's profiling window on
+        # (executor/step_trace.py): 30 steps of the real serving loop under torch.profiler,
+        # the trace and its summary (host phases, device idle by phase) in OUTDIR/traces.
+        # Profiling slows those steps: read the step's figures from the run above.
+        depth3_trace = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                           str(ctx.model_dir), "--api-workers", "2",
+                           *(["--quick", "--depths", "3"] if ctx.small else
+                             ["--running", "256", "--depths", "3", "--window-s", "5"]),
+                           "--client-channels", "8",
+                           "--work-dir", str(ctx.work_dir / "step-overhead-depth3-trace"))
+        trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
+                     "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "1000:30"}
         # 256 streams with the workers again, the clients in 4 processes: is one client
         # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
         # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
@@ -168,6 +180,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
                 Step("step_overhead_workers_depth3", overhead_depth3, 100),
+                Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),
