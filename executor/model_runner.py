@@ -167,6 +167,7 @@ class ModelRunner:
         self.model = model
         self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
+        self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
         # Steps with prompt tokens in graph pieces around the attention (mixed_graphs.py).
         self.mixed_graphs = mixed_graphs
         self.mixed_graph_steps = 0
@@ -364,7 +365,7 @@ class ModelRunner:
                 log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
                 time.sleep(seconds)
             hidden = self._forward(batch)
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            logits = self._logits(hidden, batch)
             if events is not None:
                 events[1].record()
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
@@ -459,14 +460,27 @@ class ModelRunner:
         """The hidden states of every scheduled token: a captured graph for a decode batch
         it fits (cuda_graphs.py), graph pieces for a step with prompt tokens that fits
         (mixed_graphs.py), else the model eagerly."""
+        self._graph_logits = None
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
-            return self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+            self._graph_logits = self.graphs.logits
+            return hidden
         mixed = self.mixed_graphs
         if mixed is not None and mixed.can_run(batch.input_ids, batch.attn):
             self.mixed_graph_steps += 1
             return mixed.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
+
+    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The logits of the rows that sample: a decode graph's own (it computes every
+        row's: all of them when every row samples, the usual decode step), else the
+        vocabulary matmul over those rows' hidden states."""
+        ready, self._graph_logits = self._graph_logits, None
+        if ready is not None:
+            return ready if batch.sample_rows.shape[0] == ready.shape[0] else (
+                ready[batch.sample_rows])
+        return self.model.compute_logits(hidden[batch.sample_rows])
 
     def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:
         if not moves:

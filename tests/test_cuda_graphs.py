@@ -90,6 +90,27 @@ def test_twin_graphs_equal_eager_and_write_only_real_slots(model_dir):
                                atol=1e-4, rtol=1e-3)
 
 
+def test_graph_logits_serve_a_step_where_some_rows_do_not_sample(model_dir):
+    """A decode graph computes every row's logits; a one-token step whose rows do not all
+    sample (a prompt's last-but-one token beside decodes) takes the sampling rows' logits
+    from them: the same tokens as eagerly, and those steps ran in the graph."""
+    def drive(runner):
+        d = Driver(runner)
+        for rid in "abc":
+            d.add(rid, PROMPTS[rid])
+        d.step({"a": None, "b": None, "c": 14})  # prefills; c stops 3 tokens short
+        for c_tokens in (1, 1, 1, 0, 0):  # c's last prompt tokens one at a time, then decodes
+            d.step({"a": None, "b": None, **({"c": c_tokens} if c_tokens else {"c": None})})
+        return d
+
+    eager = drive(small_runner(model_dir))
+    graphed = drive(_with_twin_graphs(small_runner(model_dir), max_batch=4))
+    assert graphed.runner.graph_steps == 5  # c's two non-sampling steps among them
+    for rid in "abc":
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    assert len(graphed.seqs["c"].outputs) == 3
+
+
 def test_twin_graphs_keep_seeded_sampling(model_dir):
     eager = _drive(small_runner(model_dir), SEEDED)
     graphed = _drive(_with_twin_graphs(small_runner(model_dir), max_batch=8), SEEDED)
