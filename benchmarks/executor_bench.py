@@ -101,6 +101,19 @@ def emit(case: str, **figures) -> None:
     print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
 
 
+def emit_loop(case: str, run: dict, batch: int, context: int, bound_s: float) -> None:
+    """A pipelined loop's figures (executor_steps): the mean step period, tok/s and share of
+    the bound from it, and the p50 of the intervals, gap, forward and sampling."""
+    period = statistics.fmean(run["periods"])
+    emit(case, batch=batch, context_tokens=context, step_us_mean=round(period * 1e6, 1),
+         interval_us_p50=round(statistics.median(run["periods"]) * 1e6, 1),
+         decode_tok_per_s=round(batch / period, 1), of_bound_ratio=round(bound_s / period, 3),
+         gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
+         forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
+         sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
+         steps=len(run["periods"]), cuda_graphs=True)
+
+
 def profile_steps(runner: ModelRunner, plans, case: str, top: int = 12) -> None:
     """The plans' steps under torch.profiler (the first three as warm-up, outside it): per
     measured step, device kernels (CUDA) or aten operators (CPU) by total time."""
@@ -358,16 +371,8 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             # out in bursts (one collected when the next plan is late, then one at the next
             # launch), so the intervals' median can be far below the mean — on an H200 it
             # was 1.6 ms at batch 256 against a 2.3 ms forward (2026-11-27).
-            period = statistics.fmean(run["periods"])
-            emit(f"gpu_qwen2.5-0.5b_pipelined_b{batch}_graphs{suffix}", batch=batch,
-                 context_tokens=context, step_us_mean=round(period * 1e6, 1),
-                 interval_us_p50=round(statistics.median(run["periods"]) * 1e6, 1),
-                 decode_tok_per_s=round(batch / period, 1),
-                 of_bound_ratio=round(bound_s / period, 3),
-                 gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
-                 forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
-                 sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
-                 steps=len(run["periods"]), cuda_graphs=True)
+            emit_loop(f"gpu_qwen2.5-0.5b_pipelined_b{batch}_graphs{suffix}", run, batch,
+                      context, bound_s)
         if graphed and batch in (64, 256):
             # The same through the executor process's waiting rule (serve_loop_steps): no
             # read-back of the step in flight just because the next plan is still being
@@ -377,15 +382,8 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             run = serve_loop_steps(runner, decode_plans(batch, context, block_size,
                                                         pipelined_steps_n, cfg.vocab_size,
                                                         feed=True), warmup=3)
-            period = statistics.fmean(run["periods"])
-            emit(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs", batch=batch,
-                 context_tokens=context, step_us_mean=round(period * 1e6, 1),
-                 decode_tok_per_s=round(batch / period, 1),
-                 of_bound_ratio=round(bound_s / period, 3),
-                 gap_us_p50=round(statistics.median(run["gaps"]) * 1e6, 1),
-                 forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
-                 sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
-                 steps=len(run["periods"]), cuda_graphs=True)
+            emit_loop(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs", run, batch, context,
+                      bound_s)
         if profile and batch == 256:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)

@@ -143,6 +143,78 @@ def time_steps(runner: ModelRunner, plans) -> list[float]:
     return times[2:]  # warm-up: registration step and the first decode
 
 
+class _LoopIO:
+    """The executor's I/O thread without the socket, for the loops below: plan N is decoded
+    from MessagePack and `precompute`d (into ``inbox``) each time something is put on
+    ``wake`` (a result, encoded first, as the I/O thread encodes results; True: nothing to
+    encode); None on ``wake`` stops it. Plan 0 is asked for at `start`."""
+
+    def __init__(self, runner: ModelRunner, plans) -> None:
+        encoder = Codec()
+        self.frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
+        self.runner = runner
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        # Results computed whole in a step: out when the next forward starts (the first
+        # forward asks for plan 1: at depth 2, plan N+1 comes in while step N runs).
+        self.held: list = [True]
+
+    def before_forward(self) -> None:  # ModelRunner.before_forward
+        for item in self.held:
+            self.wake.put(item)
+        self.held.clear()
+
+    def _run(self) -> None:
+        decoder, result_encoder = Codec(), Codec()
+        for frame in self.frames:
+            item = self.wake.get()
+            if item is None:
+                return
+            if item is not True:
+                result_encoder.encode(item)
+            plan = decoder.decode(frame)
+            self.inbox.put((plan, self.runner.precompute(plan)))
+
+    def start(self) -> None:
+        self._thread.start()
+        self.wake.put(True)  # plan 0
+
+    def stop(self) -> None:
+        self.wake.put(None)
+        self._thread.join()
+
+
+class _Figures:
+    """The steps' figures as results come: gap_s, forward_s, sample_s and the interval to
+    the previous result of the steps from ``warmup`` on, and every step's tokens."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.gaps: list[float] = []
+        self.forwards: list[float] = []
+        self.samples: list[float] = []
+        self.periods: list[float] = []
+        self.tokens: list[np.ndarray] = []
+        self._last: float | None = None
+
+    def record(self, result) -> None:
+        assert not result.errors, result.errors
+        now = time.perf_counter()
+        self.tokens.append(result.token_ids)
+        if result.step_id >= self.warmup:
+            self.gaps.append(result.gap_s)
+            self.forwards.append(result.forward_s)
+            self.samples.append(result.sample_s)
+            self.periods.append(now - self._last)
+        self._last = now
+
+    def as_dict(self) -> dict:
+        return {"gaps": self.gaps, "forwards": self.forwards, "samples": self.samples,
+                "periods": self.periods,
+                "tokens_crc32": f"{zlib.crc32(np.concatenate(self.tokens).tobytes()):08x}"}
+
+
 def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     """The executor process's loop without sockets, at pipeline depth 2: plan N+1 is
     decoded from MessagePack and `precompute`d on a second thread (the executor's I/O
@@ -151,72 +223,31 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     flight until the next is launched). Returns the steps after ``warmup``: their gap_s,
     forward_s, the intervals between consecutive results (the step period: what the
     executor's throughput is), sample_s, and the crc32 of every sampled token."""
-    encoder = Codec()
-    frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
-    inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
-
-    def io_thread() -> None:  # the executor's I/O thread, without the socket
-        decoder, result_encoder = Codec(), Codec()
-        for frame in frames:
-            item = wake.get()
-            if item is None:
-                return
-            if item is not True:
-                result_encoder.encode(item)
-            plan = decoder.decode(frame)
-            inbox.put((plan, runner.precompute(plan)))
-
-    # Depth 2: plan N+1 comes in while step N runs (the router sends it on result N-1).
-    held: list = [True]  # results that go out when the next forward starts
-
-    def before_forward() -> None:
-        for item in held:
-            wake.put(item)
-        held.clear()
-
-    gaps, forwards, samples, periods, tokens = [], [], [], [], []
-    last = None
-
-    def record(result) -> None:
-        nonlocal last
-        assert not result.errors, result.errors
-        now = time.perf_counter()
-        tokens.append(result.token_ids)
-        if result.step_id >= warmup:
-            gaps.append(result.gap_s)
-            forwards.append(result.forward_s)
-            samples.append(result.sample_s)
-            periods.append(now - last)
-        last = now
-
-    runner.before_forward = before_forward
-    thread = threading.Thread(target=io_thread, daemon=True)
-    thread.start()
-    wake.put(True)  # plan 0
+    io, figures = _LoopIO(runner, plans), _Figures(warmup)
+    runner.before_forward = io.before_forward
+    io.start()
     with torch.inference_mode():  # as the executor process runs its loop
-        for _ in range(len(frames)):
+        for _ in range(len(io.frames)):
             try:
-                plan, inputs = inbox.get_nowait()
+                plan, inputs = io.inbox.get_nowait()
             except queue.Empty:  # nothing to run next: the step in flight answers now
                 result = runner.collect()
                 if result is not None:
-                    record(result)
-                    wake.put(result)
-                plan, inputs = inbox.get()
+                    figures.record(result)
+                    io.wake.put(result)
+                plan, inputs = io.inbox.get()
             for result in runner.submit(plan, inputs):
-                record(result)
+                figures.record(result)
                 if result.step_id == plan.step_id:
-                    held.append(result)  # computed here: out with the next forward
+                    io.held.append(result)  # computed here: out with the next forward
                 else:
-                    wake.put(result)  # read back after this launch: out at once
+                    io.wake.put(result)  # read back after this launch: out at once
         result = runner.collect()
         if result is not None:
-            record(result)
-    wake.put(None)
-    thread.join()
+            figures.record(result)
+    io.stop()
     runner.before_forward = None
-    return {"gaps": gaps, "forwards": forwards, "samples": samples, "periods": periods,
-            "tokens_crc32": f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"}
+    return figures.as_dict()
 
 
 def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
@@ -233,58 +264,21 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     an instant router). Same figures."""
     from pagedserve.executor.process import FlightWatch, StepDone
 
-    encoder = Codec()
-    frames = [[bytes(f) for f in encoder.encode(plan)] for plan in plans]
-    inbox, wake = queue.SimpleQueue(), queue.SimpleQueue()
-
-    def io_thread() -> None:  # the executor's I/O thread, without the socket
-        decoder, result_encoder = Codec(), Codec()
-        for frame in frames:
-            item = wake.get()
-            if item is None:
-                return
-            if item is not True:
-                result_encoder.encode(item)
-            plan = decoder.decode(frame)
-            inbox.put((plan, runner.precompute(plan)))
-
-    gaps, forwards, samples, periods, tokens = [], [], [], [], []
-    last = None
-
-    def record(result) -> None:
-        nonlocal last
-        assert not result.errors, result.errors
-        now = time.perf_counter()
-        tokens.append(result.token_ids)
-        if result.step_id >= warmup:
-            gaps.append(result.gap_s)
-            forwards.append(result.forward_s)
-            samples.append(result.sample_s)
-            periods.append(now - last)
-        last = now
+    io, figures = _LoopIO(runner, plans), _Figures(warmup)
 
     def send_now(result) -> None:  # read back after the next launch: out at once
-        record(result)
-        wake.put(result)
-
-    held: list = [True]  # results computed whole in a step: out when the next forward starts
-
-    def before_forward() -> None:
-        for item in held:
-            wake.put(item)
-        held.clear()
+        figures.record(result)
+        io.wake.put(result)
 
     watch = FlightWatch()
     watch.start()
-    runner.before_forward, runner.result_ready = before_forward, send_now
-    thread = threading.Thread(target=io_thread, daemon=True)
-    thread.start()
-    wake.put(True)  # plan 0
+    runner.before_forward, runner.result_ready = io.before_forward, send_now
+    io.start()
     try:
         with torch.inference_mode():  # as the executor process runs its loop
             launched = 0
-            while launched < len(frames):
-                msg = inbox.get()
+            while launched < len(io.frames):
+                msg = io.inbox.get()
                 if isinstance(msg, StepDone):
                     inflight = runner.inflight_step
                     if inflight is not None and inflight[0] == msg.step_id:
@@ -296,21 +290,19 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
                 launched += 1
                 for result in runner.submit(plan, inputs):
                     if result.step_id == plan.step_id:
-                        record(result)
-                        held.append(result)
+                        figures.record(result)
+                        io.held.append(result)
                     else:
                         send_now(result)
                 wait = runner.inflight_waiter()
                 if wait is not None:
-                    watch.jobs.put((plan.step_id, wait, inbox))
+                    watch.jobs.put((plan.step_id, wait, io.inbox))
             result = runner.collect()
             if result is not None:
-                record(result)
+                figures.record(result)
     finally:
-        wake.put(None)
+        io.stop()
         watch.jobs.put(None)
-        thread.join()
         watch.join()
         runner.before_forward = runner.result_ready = None
-    return {"gaps": gaps, "forwards": forwards, "samples": samples, "periods": periods,
-            "tokens_crc32": f"{zlib.crc32(np.concatenate(tokens).tobytes()):08x}"}
+    return figures.as_dict()
