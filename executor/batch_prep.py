@@ -48,7 +48,7 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
     previous step, every table change starting at the end of its table, nothing condemned
     by the plan) is a fixed handful of numpy calls, whatever the number of rows: one
     C-level pass maps the request ids to their rows of `self.rows`; the previous step's
-    tokens (still pending, `_PendingSamples`; on the device while that step is in flight)
+    tokens (still pending, `PendingSamples`; on the device while that step is in flight)
     are scattered into the input ids, as they are when the marked rows are exactly the
     rows that sampled, in order, else picked by one sorted lookup (a request that ended
     or sits out this step); the table changes are one scatter (indices from

@@ -62,94 +62,12 @@ from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
 from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
-from pagedserve.executor.sampler import SampledOnDevice, Sampler
+from pagedserve.executor.sampler import Sampler
 from pagedserve.executor.sampling_state import SamplingState
+from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
-
-
-class _PendingSamples:
-    """The tokens sampled in the last step (``step_id``) by the requests in ``rows``, not
-    yet recorded: `apply` appends them to the requests' sampling ``states`` and writes them
-    into the `RequestRows` columns. `ModelRunner` applies them once the next forward is
-    launched, or earlier when something reads those records: a row about to change hands
-    (released, or forked), a step that does not feed from them directly, any read of a
-    `RequestState.sampling`. Until then a marked decode of the next step is fed from here
-    (`ModelRunner._prepare`), so the gap between two steps does neither."""
-
-    __slots__ = ("table", "states", "token_ids", "rows", "step_id", "device_tokens",
-                 "resolve", "released")
-
-    def __init__(self, table: RequestRows, resolve: Callable[[], None]) -> None:
-        self.table = table
-        self.resolve = resolve  # reads an in-flight step's tokens back (ModelRunner._resolve)
-        self.states: list[SamplingState] = []  # empty: nothing pending
-        self.token_ids: np.ndarray | None = None  # None while the step is in flight
-        self.rows: np.ndarray | None = None
-        self.step_id = -1
-        # While the step is in flight (launched, tokens not read back): its tokens on the
-        # device, and rows whose release waits for the record (a dropped request's row
-        # must not change hands before).
-        self.device_tokens: torch.Tensor | None = None
-        self.released: list[int] = []
-
-    def apply(self) -> None:
-        if self.states and self.token_ids is None:
-            self.resolve()  # reads the tokens back: sets token_ids
-        states, self.states = self.states, []
-        if states:
-            self.table.record_samples(self.rows, self.token_ids, self.step_id)
-            for state, token in zip(states, self.token_ids.tolist(), strict=True):
-                state.append(token)
-        released, self.released = self.released, []
-        for row in released:
-            self.table.release(row)
-
-
-class RequestState:
-    """What the executor keeps per request between steps, besides its row of the runner's
-    `RequestRows` (block table, last sampled token): its sampling state. Reading
-    ``sampling`` first appends the tokens sampled in the last step, when that is still
-    pending, so a reader always sees every token sampled so far."""
-
-    __slots__ = ("row", "_sampling", "_pending")
-
-    def __init__(self, row: int, sampling: SamplingState, pending: _PendingSamples) -> None:
-        self.row = row
-        self._sampling = sampling
-        self._pending = pending
-
-    @property
-    def sampling(self) -> SamplingState:
-        if self._pending.states:
-            self._pending.apply()
-        return self._sampling
-
-
-class _InFlight:
-    """A step launched whose result is not yet built (ModelRunner.submit)."""
-
-    __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1",
-                 "after_event")
-
-    def __init__(self, plan: StepPlan, batch: Batch, sampled: SampledOnDevice | None,
-                 result: dict, errors: list[RequestError], events: tuple | None, t0: float,
-                 t1: float, after_event=None) -> None:
-        self.plan, self.batch, self.sampled = plan, batch, sampled
-        self.result, self.errors, self.events = result, errors, events
-        self.t0, self.t1 = t0, t1
-        # CUDA: the event at the end of the previous step's device work (its gap_s is
-        # measured from there to events[0] once both are done); None: the host's gap_s.
-        self.after_event = after_event
-
-    @property
-    def end_event(self):
-        """CUDA: the event after this step's last device work (its sampling's copies, else
-        its forward); None on a CPU."""
-        if self.sampled is not None and self.sampled.event is not None:
-            return self.sampled.event
-        return self.events[1] if self.events is not None else None
 
 
 def _sync(device: torch.device) -> None:
@@ -185,13 +103,13 @@ class ModelRunner:
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
-        self._pending = _PendingSamples(self.rows, self._resolve)
+        self._pending = PendingSamples(self.rows, self._resolve)
         self.steps_done = 0
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
         # CUDA: the event after the previous step's device work (None: none, or that step
         # ran no forward; then gap_s is host time).
         self._prev_end_event = None
-        self._inflight: _InFlight | None = None  # launched, tokens not yet read back
+        self._inflight: InFlight | None = None  # launched, tokens not yet read back
         # Leave sampling steps in flight (submit): on a GPU, whose work runs apart from the
         # host's. On a CPU the forward is done when launched, so a step left in flight
         # would only hold its result back a step (tests set it to exercise the path).
@@ -220,7 +138,7 @@ class ModelRunner:
         if flight is not None and flight.sampled is not None:
             flight.sampled.result()  # its kernels done before the cache is used again
         self.rows.clear()
-        self._pending = _PendingSamples(self.rows, self._resolve)
+        self._pending = PendingSamples(self.rows, self._resolve)
         self._retired = None
         self._prev_end = None
         self._prev_end_event = None
@@ -399,7 +317,7 @@ class ModelRunner:
         self._retired = plan, pre, batch
         if scores is not None:
             result.update(scores)
-        flight = _InFlight(plan, batch, sampled, result, errors, events, t0, t1, after_event)
+        flight = InFlight(plan, batch, sampled, result, errors, events, t0, t1, after_event)
         self._prev_end_event = flight.end_event
         if sampled is not None:
             # Recorded once read back (after the next forward is launched); the next

@@ -1,0 +1,99 @@
+"""What the model runner keeps between steps besides the request rows: the tokens of the last
+step not yet recorded (`PendingSamples`), each request's sampling state behind them
+(`RequestState`), and a step launched whose result is not yet built (`InFlight`).
+model_runner.py has the step itself and the order things happen in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from pagedserve.executor.batch_prep import Batch
+from pagedserve.executor.request_rows import RequestRows
+from pagedserve.executor.sampler import SampledOnDevice
+from pagedserve.executor.sampling_state import SamplingState
+from pagedserve.protos.wire import RequestError, StepPlan
+
+
+class PendingSamples:
+    """The tokens sampled in the last step (``step_id``) by the requests in ``rows``, not
+    yet recorded: `apply` appends them to the requests' sampling ``states`` and writes them
+    into the `RequestRows` columns. `ModelRunner` applies them once the next forward is
+    launched, or earlier when something reads those records: a row about to change hands
+    (released, or forked), a step that does not feed from them directly, any read of a
+    `RequestState.sampling`. Until then a marked decode of the next step is fed from here
+    (`ModelRunner._prepare`), so the gap between two steps does neither."""
+
+    __slots__ = ("table", "states", "token_ids", "rows", "step_id", "device_tokens",
+                 "resolve", "released")
+
+    def __init__(self, table: RequestRows, resolve: Callable[[], None]) -> None:
+        self.table = table
+        self.resolve = resolve  # reads an in-flight step's tokens back (ModelRunner._resolve)
+        self.states: list[SamplingState] = []  # empty: nothing pending
+        self.token_ids: np.ndarray | None = None  # None while the step is in flight
+        self.rows: np.ndarray | None = None
+        self.step_id = -1
+        # While the step is in flight (launched, tokens not read back): its tokens on the
+        # device, and rows whose release waits for the record (a dropped request's row
+        # must not change hands before).
+        self.device_tokens: torch.Tensor | None = None
+        self.released: list[int] = []
+
+    def apply(self) -> None:
+        if self.states and self.token_ids is None:
+            self.resolve()  # reads the tokens back: sets token_ids
+        states, self.states = self.states, []
+        if states:
+            self.table.record_samples(self.rows, self.token_ids, self.step_id)
+            for state, token in zip(states, self.token_ids.tolist(), strict=True):
+                state.append(token)
+        released, self.released = self.released, []
+        for row in released:
+            self.table.release(row)
+
+
+class RequestState:
+    """What the executor keeps per request between steps, besides its row of the runner's
+    `RequestRows` (block table, last sampled token): its sampling state. Reading
+    ``sampling`` first appends the tokens sampled in the last step, when that is still
+    pending, so a reader always sees every token sampled so far."""
+
+    __slots__ = ("row", "_sampling", "_pending")
+
+    def __init__(self, row: int, sampling: SamplingState, pending: PendingSamples) -> None:
+        self.row = row
+        self._sampling = sampling
+        self._pending = pending
+
+    @property
+    def sampling(self) -> SamplingState:
+        if self._pending.states:
+            self._pending.apply()
+        return self._sampling
+
+
+class InFlight:
+    """A step launched whose result is not yet built (ModelRunner.submit)."""
+
+    __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1",
+                 "after_event")
+
+    def __init__(self, plan: StepPlan, batch: Batch, sampled: SampledOnDevice | None,
+                 result: dict, errors: list[RequestError], events: tuple | None, t0: float,
+                 t1: float, after_event=None) -> None:
+        self.plan, self.batch, self.sampled = plan, batch, sampled
+        self.result, self.errors, self.events = result, errors, events
+        self.t0, self.t1 = t0, t1
+        # CUDA: the event at the end of the previous step's device work (its gap_s is
+        # measured from there to events[0] once both are done); None: the host's gap_s.
+        self.after_event = after_event
+
+    @property
+    def end_event(self):
+        """CUDA: the event after this step's last device work (its sampling's copies, else
+        its forward); None on a CPU."""
+        if self.sampled is not None and self.sampled.event is not None:
+            return self.sampled.event
+        return self.events[1] if self.events is not None else None
