@@ -56,6 +56,13 @@ left in flight while the next is launched) on or off whatever the device (defaul
 CUDA): on a CPU the tests run the overlapped loop with it; on a GPU it is the way back to one
 step at a time.
 
+``PAGEDSERVE_PLAN_PREP=io`` (default) or ``main``: which thread prepares a plan's plan-only
+inputs (`ModelRunner.precompute`): the I/O thread as the plan arrives (on a CPU it overlaps
+the forward, which releases the GIL), or the main thread when it runs the plan (the I/O
+thread then only decodes: on a GPU its ~0.2 ms of numpy can otherwise take the GIL while the
+main thread prepares and launches a step). A bad value exits with code 2. For A/B runs
+(benchmarks/README, GPU check).
+
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """
 
@@ -102,6 +109,7 @@ MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
 FAULT_SLEEP_ENV = "PAGEDSERVE_FAULT_SLEEP_IN_STEP"  # testing hook, see the module docstring
 OVERLAP_ENV = "PAGEDSERVE_OVERLAP_STEPS"  # 1 / 0: overlapped steps on / off (module docstring)
+PLAN_PREP_ENV = "PAGEDSERVE_PLAN_PREP"  # io / main: the thread that precomputes (docstring)
 
 
 def _setup_logging(fmt: str) -> None:
@@ -123,6 +131,14 @@ def fault_sleep_from_env() -> tuple[int, float] | None:
     if not hook[1] >= 0:
         raise ValueError(f"{FAULT_SLEEP_ENV}={value!r}: seconds must be >= 0")
     return hook
+
+
+def plan_prep_from_env() -> str:
+    """``PAGEDSERVE_PLAN_PREP``: "io" (default) or "main". Raises ValueError (one line)."""
+    value = os.environ.get(PLAN_PREP_ENV) or "io"
+    if value not in ("io", "main"):
+        raise ValueError(f"{PLAN_PREP_ENV}={value!r}: expected io or main")
+    return value
 
 
 # --------------------------------------------------------------------------------- process
@@ -157,13 +173,17 @@ class ExecutorProcess:
                  curve: tuple[bytes, bytes, bytes] | None = None,
                  fault_sleep: tuple[int, float] | None = None,
                  io_cores: list[int] = (),
-                 profile_window: tuple | None = None) -> None:
+                 profile_window: tuple | None = None, plan_prep: str = "io") -> None:
         """`curve`: (public, secret, router public) as `load_curve_keys` returns; loaded
         from ``args.curve_keys`` when not given. `fault_sleep`: the testing hook (see the
         module docstring), set on the runner. `io_cores`: where the I/O and heartbeat
         threads run when the compute thread is pinned (pagedserve.affinity).
         `profile_window`: (folder, first step, count) of steps to profile
-        (executor/step_trace.py, from ``PAGEDSERVE_TORCH_PROFILER_DIR``)."""
+        (executor/step_trace.py, from ``PAGEDSERVE_TORCH_PROFILER_DIR``). `plan_prep`: "io"
+        or "main", the thread that precomputes plans (``PAGEDSERVE_PLAN_PREP``)."""
+        self.plan_prep = plan_prep
+        if plan_prep != "io":
+            log.info("%s=%s: plans prepared on the main thread", PLAN_PREP_ENV, plan_prep)
         self.io_cores = list(io_cores)
         self.curve = curve if curve is not None else load_curve_keys(args)
         self.runner = runner
@@ -276,8 +296,9 @@ class ExecutorProcess:
                     log.info("registered with %s", self.args.router)
                     self.last_heard = time.monotonic()
                     self.heartbeat.reregister.clear()
-                    self.io = MainSocketIO(self.ctx, self.sock, self.io_cores,
-                                          self.runner.precompute)
+                    self.io = MainSocketIO(
+                        self.ctx, self.sock, self.io_cores,
+                        self.runner.precompute if self.plan_prep == "io" else None)
                     self.sock = None  # the I/O thread's until _take_socket_back
                     self.io.start()
                     self.heartbeat.registered.set()

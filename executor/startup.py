@@ -20,6 +20,7 @@ from pagedserve.executor.process import (
     _setup_logging,
     fault_sleep_from_env,
     load_curve_keys,
+    plan_prep_from_env,
 )
 from pagedserve.protos.wire import Hello
 
@@ -80,6 +81,7 @@ def run_executor(args: argparse.Namespace) -> int:
     try:
         fault_sleep = fault_sleep_from_env()  # the testing hook, read once
         profile_window = profiler_from_env()  # PAGEDSERVE_TORCH_PROFILER_DIR (step_trace.py)
+        plan_prep = plan_prep_from_env()  # PAGEDSERVE_PLAN_PREP: io / main
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2
@@ -129,7 +131,8 @@ def run_executor(args: argparse.Namespace) -> int:
         with torch.inference_mode():
             rc = ExecutorProcess(runner, args, hello, curve=curve, io_cores=io_cores,
                                  fault_sleep=fault_sleep,
-                                 profile_window=profile_window).serve()
+                                 profile_window=profile_window,
+                                 plan_prep=plan_prep).serve()
     except SystemExit as exc:
         rc = int(exc.code or 0)
     except KeyboardInterrupt:

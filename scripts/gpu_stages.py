@@ -180,6 +180,13 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
                 Step("step_overhead_workers_depth3", overhead_depth3, 100),
+                # The same as step_overhead_workers_depth3 with the plans' precompute on the
+                # executor's main thread (PAGEDSERVE_PLAN_PREP=main): does the I/O thread's
+                # numpy take the GIL from the main thread's prepare and launch? (A/B)
+                Step("step_overhead_depth3_main_prep",
+                     [*overhead_depth3[:-1], str(ctx.work_dir / "step-overhead-depth3-main")],
+                     100,
+                     env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,

@@ -421,3 +421,37 @@ def test_process_profiles_a_window_of_steps(model_dir, monkeypatch, tmp_path):
         proc.kill()
         proc.wait()
         router.close()
+
+
+def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatch):
+    """PAGEDSERVE_PLAN_PREP=main (the I/O thread only decodes; the main thread runs
+    `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
+    run; a value other than io or main stops the executor at start (exit code 2)."""
+    prompt = [0, 17, 250, 33, 9]
+    ref = _driver(model_dir)
+    ref.add("r", prompt)
+    ref.generate(["r"], 4)
+    router = FakeRouter()
+    monkeypatch.setenv("PAGEDSERVE_PLAN_PREP", "main")
+    monkeypatch.setenv("PAGEDSERVE_OVERLAP_STEPS", "1")  # the GPU's loop, on a CPU
+    proc = _start(model_dir, router.address, "--executor-id", "ex-main")
+    try:
+        ident = _register(router, "ex-main")
+        results = _back_to_back(router, ident, prompt)
+        assert [r.step_id for r in results] == [10, 11, 12, 13]
+        assert all(not r.errors for r in results)
+        assert [int(r.token_ids[0]) for r in results] == ref.seqs["r"].outputs
+    finally:
+        proc.kill()
+        proc.wait()
+        router.close()
+    assert "PAGEDSERVE_PLAN_PREP=main: plans prepared on the main thread" in proc.stderr.read()
+    monkeypatch.setenv("PAGEDSERVE_PLAN_PREP", "both")
+    bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")
+    try:
+        assert bad.wait(timeout=60) == 2
+        assert "PAGEDSERVE_PLAN_PREP='both': expected io or main" in bad.stderr.read()
+    finally:
+        if bad.poll() is None:
+            bad.kill()
+        bad.wait()
