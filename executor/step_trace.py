@@ -22,6 +22,7 @@ profiling: nothing is added to a step otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -211,24 +212,42 @@ class StepProfiler:
         self.written: list[Path] = []
 
     def before_step(self, step_id: int) -> None:
+        """Called ahead of every plan. Never raises: a profiler that fails is logged and
+        switched off, and serving goes on."""
         if self.done:
             return
-        if self._prof is None:
-            if step_id >= self.first:
-                self._start(step_id)
-                self._last_id = step_id
-            return
-        self._steps += 1
-        if self._steps >= self.count:
-            self._stop(self._last_id)
-        self._last_id = step_id
+        try:
+            if self._prof is None:
+                if step_id >= self.first:
+                    self._start(step_id)
+                    self._last_id = step_id
+                return
+            self._steps += 1
+            if self._steps >= self.count:
+                self._stop(self._last_id)
+            self._last_id = step_id
+        except Exception:  # noqa: BLE001 - a diagnostic must not stop serving
+            self._abandon()
 
     def close(self) -> None:
         """The executor stops: write what was profiled, if anything (the last step's
         device work included)."""
         if self._prof is not None and not self.done:
             self._steps += 1
-            self._stop(self._last_id)
+            try:
+                self._stop(self._last_id)
+            except Exception:  # noqa: BLE001
+                self._abandon()
+
+    def _abandon(self) -> None:
+        log.exception("profiling steps from %d failed; profiling off", self.first)
+        self.done = True
+        if self._phases is not None:
+            self._phases.restore()
+        if self._prof is not None:
+            with contextlib.suppress(Exception):
+                self._prof.__exit__(None, None, None)
+        self._prof = self._phases = None
 
     def _start(self, step_id: int) -> None:
         from torch.profiler import ProfilerActivity, profile

@@ -455,3 +455,26 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
         if bad.poll() is None:
             bad.kill()
         bad.wait()
+
+
+def test_a_failing_profiler_switches_itself_off(model_dir, monkeypatch, tmp_path):
+    """The profiling window never stops serving: an error while writing its trace is
+    logged, the runner's methods are put back and profiling stays off."""
+    from pagedserve.executor import step_trace
+
+    runner = build_runner(str(model_dir), num_gpu_blocks=16, num_cpu_blocks=0, block_size=16,
+                          progress=False)
+    submit = runner.submit
+    profiler = step_trace.StepProfiler(runner, tmp_path, first=1, count=1, name="ex")
+
+    def broken(prof, path):
+        raise RuntimeError("no trace today")
+
+    monkeypatch.setattr(step_trace, "export_trace", broken)
+    profiler.before_step(0)
+    profiler.before_step(1)  # starts: the runner's methods wrapped
+    assert runner.submit != submit
+    profiler.before_step(2)  # stops: the export fails
+    assert profiler.done and runner.submit == submit and not list(tmp_path.iterdir())
+    profiler.before_step(3)  # and stays off
+    assert runner.submit == submit
