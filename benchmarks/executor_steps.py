@@ -262,7 +262,7 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     (`ModelRunner.result_ready`, as the process sets it). Plans arrive as in
     `pipelined_steps`: plan N+2 is decoded and prepared once result N is out (depth 2 with
     an instant router). Same figures."""
-    from pagedserve.executor.process import FlightWatch, StepDone
+    from pagedserve.executor.io_threads import FlightWatch, StepDone
 
     io, figures = _LoopIO(runner, plans), _Figures(warmup)
 

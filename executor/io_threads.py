@@ -4,6 +4,8 @@
   the main thread's current step is within its deadline (a step past it silences the
   heartbeats, so the router declares a hung executor dead); records router echoes and
   "register again" requests.
+* `FlightWatch`: waits for each step left in flight to finish on the device and puts
+  `StepDone` in the main thread's inbox.
 * `MainSocketIO`: owns the registered main DEALER for one registration. It decodes every
   message into `inbox` (a plan with its plan-only inputs prepared ahead, `PlanReady`; an
   undecodable message as `Rejected`; its own failure as `IOFailed`) and sends what the main
@@ -244,3 +246,30 @@ class MainSocketIO(threading.Thread):
                             log.exception("preparing plan %d ahead failed", msg.step_id)
                     msg = PlanReady(msg, inputs)
                 self.inbox.put(msg)
+
+
+# ----------------------------------------------------------------------------- flight watch
+
+
+class StepDone(NamedTuple):
+    """In the inbox when the step in flight (ModelRunner.submit) is done on the device."""
+    step_id: int
+
+
+class FlightWatch(threading.Thread):
+    """Waits for each step left in flight to finish on the device (an event wait, the GIL
+    released) and then puts `StepDone` in the inbox it was given: the main loop blocks on
+    the inbox alone, and wakes for whichever comes first, the next plan (then the step in
+    flight is read back after the next launch) or the device's end of the step (then it is
+    read back and answered at once, as the router may be waiting for it)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="flight-watch")
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            step_id, wait, inbox = job
+            with contextlib.suppress(Exception):  # the main thread meets it when it reads
+                wait()
+            inbox.put(StepDone(step_id))

@@ -75,19 +75,19 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
-from typing import NamedTuple
 
 import zmq
 from pagedserve.executor.io_threads import (
     IDLE_WAKE_MS,
     POLL_MS,
+    FlightWatch,
     HeartbeatThread,
     IOFailed,
     MainSocketIO,
     PlanReady,
     Rejected,
+    StepDone,
 )
 from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import (
@@ -142,30 +142,6 @@ def plan_prep_from_env() -> str:
 
 
 # --------------------------------------------------------------------------------- process
-
-
-class StepDone(NamedTuple):
-    """In the inbox when the step in flight (ModelRunner.submit) is done on the device."""
-    step_id: int
-
-
-class FlightWatch(threading.Thread):
-    """Waits for each step left in flight to finish on the device (an event wait, the GIL
-    released) and then puts `StepDone` in the inbox it was given: the main loop blocks on
-    the inbox alone, and wakes for whichever comes first, the next plan (then the step in
-    flight is read back after the next launch) or the device's end of the step (then it is
-    read back and answered at once, as the router may be waiting for it)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True, name="flight-watch")
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-
-    def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            step_id, wait, inbox = job
-            with contextlib.suppress(Exception):  # the main thread meets it when it reads
-                wait()
-            inbox.put(StepDone(step_id))
 
 
 class ExecutorProcess:

@@ -54,17 +54,17 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
 from pagedserve.executor.penalties import has_penalty, penalise_rows_
-from pagedserve.executor.sampling_state import GREEDY_EPS, SamplingState
+from pagedserve.executor.sampling_state import SamplingState, is_greedy
 from pagedserve.kernels import ops, reference
 from pagedserve.protos.wire import SamplingParams
 
-_GREEDY_EPS = GREEDY_EPS
 _TOP_P_FIRST_K = 256  # top-p first looks at this many best tokens, sorts fully only if needed
 _MASK64 = (1 << 64) - 1
 _EXP_FLOOR = reference.EXP_FLOOR
@@ -239,8 +239,7 @@ def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
     return [t for t in ids if 0 <= t < vocab]
 
 
-@dataclass
-class RowWork:
+class RowWork(NamedTuple):
     """What a step's rows ask the sampler for beyond an argmax (row indices)."""
 
     greedy: list[bool]
@@ -254,25 +253,29 @@ class RowWork:
 
 def row_work(states: Sequence[SamplingState], vocab: int) -> RowWork:
     """One pass over the rows for what only some of them ask for (the usual step: none)."""
-    greedy = [s.params.temperature < _GREEDY_EPS or s.params.top_k == 1 for s in states]
-    work = RowWork(greedy, [], [], [], [], [], False)
+    greedy = [is_greedy(s.params) for s in states]
+    pen_rows: list[int] = []
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    bias_rows: list[int] = []
+    grammar_rows: list[int] = []
     for i, s in enumerate(states):
         p = s.params
         if (p.repetition_penalty != 1.0 or p.presence_penalty
                 or p.frequency_penalty) and has_penalty(s):
-            work.pen_rows.append(i)
+            pen_rows.append(i)
         if s.num_output_tokens < p.min_tokens:
             ids = _min_tokens_masked_ids(s, vocab)
-            work.mask_rows += [i] * len(ids)
-            work.mask_ids += ids
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
         if p.logit_bias_ids:
-            work.bias_rows.append(i)
+            bias_rows.append(i)
         if s.grammar is not None:
-            work.grammar_rows.append(i)
-    work.plain_greedy = (all(greedy) and not work.pen_rows and not work.mask_rows
-                         and not work.bias_rows and not work.grammar_rows
-                         and all(s.params.logprobs is None for s in states))
-    return work
+            grammar_rows.append(i)
+    plain_greedy = (all(greedy) and not pen_rows and not mask_rows and not bias_rows
+                    and not grammar_rows and all(s.params.logprobs is None for s in states))
+    return RowWork(greedy, pen_rows, mask_rows, mask_ids, bias_rows, grammar_rows,
+                   plain_greedy)
 
 
 # --------------------------------------------------------------------------- sampler
@@ -334,10 +337,8 @@ class Sampler:
             # checks below cost ~0.1 ms of host time at 256 rows.
             return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         params = [s.params for s in states]
-        work = row_work(states, vocab)
-        greedy, pen_rows, bias_rows, grammar_rows = (
-            work.greedy, work.pen_rows, work.bias_rows, work.grammar_rows)
-        mask_rows, mask_ids, plain_greedy = work.mask_rows, work.mask_ids, work.plain_greedy
+        (greedy, pen_rows, mask_rows, mask_ids, bias_rows, grammar_rows,
+         plain_greedy) = row_work(states, vocab)
         if plain_greedy and device.type != "cpu":  # min_tokens met, penalties not yet due
             return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         raw = logits

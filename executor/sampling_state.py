@@ -15,12 +15,16 @@ from pagedserve.protos.wire import NewRequest, SamplingParams
 GREEDY_EPS = 1e-5  # a temperature below this is greedy
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Does a request with these params take its row's argmax (whatever else applies)?"""
+    return params.temperature < GREEDY_EPS or params.top_k == 1
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Does a request with these params take its row's argmax and nothing else (no
     penalties, bias, min_tokens mask or logprobs)? The sampler's fast path when every row
     of a step does (a grammar is the state's, checked apart)."""
-    return ((params.temperature < GREEDY_EPS or params.top_k == 1)
-            and params.repetition_penalty == 1.0 and not params.presence_penalty
+    return (is_greedy(params) and params.repetition_penalty == 1.0 and not params.presence_penalty
             and not params.frequency_penalty and not params.min_tokens
             and not params.logit_bias_ids and params.logprobs is None)
 
