@@ -129,7 +129,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                            "--client-channels", "8",
                            "--work-dir", str(ctx.work_dir / "step-overhead-depth3-trace"))
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
-                     "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "1000:30"}
+                     "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
         # 256 streams with the workers again, the clients in 4 processes: is one client
         # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
         # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
