@@ -27,6 +27,16 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    last: each split counts itself in on a per-(seq, kv_head) counter after its partials are written, and the
    one that brings the count to ``num_splits`` reads every split's partials back, writes the
    output and resets the counter to 0 for the next launch (so it stays valid in CUDA graphs).
+
+``ALL_KV_HEADS`` (program (seq, 0, split)): one program reads every KV head of a sequence,
+for narrow KV (num_kv_heads * head_dim <= 256, e.g. Qwen2.5-0.5B's 2 x 64). A token's keys
+of all KV heads are contiguous in the cache (256 B there, instead of two 128-byte halves
+read by two programs at different times), and the block table is read once, not once per
+KV head. The tile is [BLOCK_N, num_kv_heads * head_dim]; the query rows are every query
+head, each holding its query in its own KV head's columns and zeros elsewhere (a
+block-diagonal query), so one ``tl.dot`` scores every head against its own keys only; the
+``p @ v`` product also fills the other heads' columns of a row, which the store drops. The
+dots do num_kv_heads times the arithmetic, which a memory-bound decode has to spare.
 """
 
 from __future__ import annotations
@@ -35,10 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import INTERPRETING, next_power_of_2
+from .host_math import INTERPRETING, all_kv_heads_from_env, next_power_of_2
 from .kv_tiles import load_kv_tile, softmax_update, tile_scores
 
 _LOG2E = 1.4426950408889634
+# ``ALL_KV_HEADS`` applies up to this many cache columns a token (num_kv_heads * head_dim,
+# padded) and query heads (the dots' rows); off unless asked for (``all_kv_heads=True``, or
+# PAGEDSERVE_DECODE_ALL_KV_HEADS=1 for every launch) until a GPU has measured it against
+# the one-KV-head programs.
+_ALL_KV_HEADS_MAX_WIDTH = 256
+_ALL_KV_HEADS_MAX_ROWS = 64
+ALL_KV_HEADS_DEFAULT = all_kv_heads_from_env()
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
 _NO_WINDOW = 1 << 30
 
@@ -85,15 +102,18 @@ def _decode_kernel(
     stride_bts,  # block_tables [S, max_blocks]
     stride_os, stride_oh,  # out [S, H, D]
     stride_ps, stride_ph, stride_pk,  # partial out [S, H, splits, D_PAD]; lse [S, H, splits]
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,  # the tile's columns: HEAD_DIM padded, or KV_WIDTH padded
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the CPU interpreter)
     FUSED_REDUCE: tl.constexpr,  # the last split to finish combines (no second launch)
+    ALL_KV_HEADS: tl.constexpr,  # one program reads every KV head (see above)
+    KV_WIDTH: tl.constexpr,  # the columns read: num_kv_heads * HEAD_DIM, else HEAD_DIM
+    DN_PAD: tl.constexpr,  # HEAD_DIM padded: the partials' last axis
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,14 +130,28 @@ def _decode_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
+    if ALL_KV_HEADS:
+        # Rows: every query head; columns: every KV head's dims side by side, as a token's
+        # keys lie in the cache. Row r holds its query in its KV head's columns, zeros in
+        # the others', so q @ k^T scores it against its own KV head alone, and its row of
+        # p @ v is right in those columns (the rest is dropped when stored).
+        mask_g = offs_g < GROUP * (KV_WIDTH // HEAD_DIM)
+        mask_d = offs_d < KV_WIDTH
+        heads = offs_g
+        cols = offs_d % HEAD_DIM  # the column's dim within its head
+        io_mask = (mask_g[:, None] & mask_d[None, :]
+                   & ((offs_d // HEAD_DIM)[None, :] == (offs_g // GROUP)[:, None]))
+        part_mask = io_mask
+    else:
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        cols = offs_d
+        io_mask = mask_g[:, None] & mask_d[None, :]
+        part_mask = mask_g[:, None] & (offs_d < D_PAD)[None, :]
 
-    q = tl.load(
-        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :], other=0.0,
-    )
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + cols[None, :],
+                mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -134,40 +168,39 @@ def _decode_kernel(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, tile_begin, full_lo,
-        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, True, KV_WIDTH == D_PAD, UPCAST)
     acc, l_i, m_i = _decode_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_lo, full_hi,
-        BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, False, KV_WIDTH == D_PAD, UPCAST)
     acc, l_i, m_i = _decode_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_hi, tile_end,
-        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, True, KV_WIDTH == D_PAD, UPCAST)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask_g[:, None] & mask_d[None, :],
-        )
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # Empty split (short sequence): l_i == 0, lse = -inf, and the reduction ignores it.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         base = seq * stride_ps + heads * stride_ph + split * stride_pk
-        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None])
-        # part_lse is part_out without its last axis: same index, strides divided by D_PAD.
-        tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
+        tl.store(part_out_ptr + base[:, None] + cols[None, :], out, mask=part_mask)
+        # part_lse is part_out without its last axis: same index, strides divided by its
+        # padded head dim.
+        tl.store(part_lse_ptr + base // DN_PAD, lse, mask=mask_g)
         if FUSED_REDUCE:
+            offs_p = tl.arange(0, DN_PAD)
             _combine_if_last(
                 out_ptr, part_out_ptr, part_lse_ptr,
                 split_counters_ptr + seq * tl.num_programs(1) + kv_head,
-                seq, heads, mask_g, offs_d, mask_d,
+                seq, heads, mask_g, offs_p, offs_p < HEAD_DIM,
                 stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
-                BLOCK_G, D_PAD, NUM_SPLITS,
+                BLOCK_G, DN_PAD, NUM_SPLITS,
             )
 
 
@@ -196,7 +229,8 @@ def _combine_if_last(
             lse_k = tl.load(part_lse_ptr + base // D_PAD, mask=mask_g, other=float("-inf"),
                             cache_modifier=".cg")
             out_k = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
-                            mask=mask_g[:, None], other=0.0, cache_modifier=".cg")
+                            mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+                            cache_modifier=".cg")
             m_new = tl.maximum(m, lse_k)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far
             alpha = tl.exp2(m - m_safe)
@@ -342,6 +376,15 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return counters
 
 
+def all_kv_heads_applies(num_heads: int, num_kv_heads: int, head_dim: int,
+                         key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether one program can read every KV head of a sequence (module docstring): more
+    than one KV head, narrow enough, and each token's heads side by side in both caches."""
+    return (num_kv_heads > 1 and num_heads <= _ALL_KV_HEADS_MAX_ROWS
+            and next_power_of_2(num_kv_heads * head_dim) <= _ALL_KV_HEADS_MAX_WIDTH
+            and key_cache.stride(2) == head_dim and value_cache.stride(2) == head_dim)
+
+
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
@@ -395,11 +438,14 @@ def paged_decode_attention_triton(
     num_warps: int = 4,
     num_stages: int | None = None,
     fused_reduce: bool | None = None,
+    all_kv_heads: bool | None = None,
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
     ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
     combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
-    launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them)."""
+    launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them);
+    ``all_kv_heads`` (None: ``ALL_KV_HEADS_DEFAULT``) reads every KV head in one program
+    where `all_kv_heads_applies`, else is ignored."""
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -421,17 +467,24 @@ def paged_decode_attention_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     d_pad = next_power_of_2(head_dim)
-    block_g = max(16, next_power_of_2(group))
+    wide = (ALL_KV_HEADS_DEFAULT if all_kv_heads is None else all_kv_heads) and (
+        all_kv_heads_applies(num_heads, num_kv_heads, head_dim, key_cache, value_cache))
+    # The tile's columns and rows: one KV head's dims and its group, or all of them.
+    tile_d = next_power_of_2(num_kv_heads * head_dim) if wide else d_pad
+    block_g = max(16, next_power_of_2(num_heads if wide else group))
     if block_n is None:
         block_n = choose_block_n(num_seqs * num_kv_heads * num_splits, num_sms, head_dim,
                                  query.dtype)
+        if wide:  # the same bytes a tile as the one-head program's
+            block_n = max(16, block_n * d_pad // tile_d)
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E
 
     fused = num_splits > 1 and (num_splits <= FUSED_REDUCE_MAX_SPLITS if fused_reduce is None
                                 else fused_reduce)
-    counters = _counters(query.device, num_seqs * num_kv_heads) if fused else out  # or unused
+    grid_heads = 1 if wide else num_kv_heads
+    counters = _counters(query.device, num_seqs * grid_heads) if fused else out  # or unused
     if num_splits == 1:
         part_out = part_lse = out  # unused
         p_strides = (0, 0, 0)
@@ -444,7 +497,7 @@ def paged_decode_attention_triton(
         )
         p_strides = part_out.stride()[:3]
 
-    grid = (num_seqs, num_kv_heads, num_splits)
+    grid = (num_seqs, grid_heads, num_splits)
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters,
@@ -452,9 +505,11 @@ def paged_decode_attention_triton(
         *query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), *out.stride()[:2],
         *p_strides,
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=tile_d,
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
-        FUSED_REDUCE=fused, num_warps=num_warps,
+        FUSED_REDUCE=fused, ALL_KV_HEADS=wide,
+        KV_WIDTH=num_kv_heads * head_dim if wide else head_dim, DN_PAD=d_pad,
+        num_warps=num_warps,
         num_stages=1 if interpreting else (2 if num_stages is None else num_stages),
     )
     if num_splits > 1 and not fused:

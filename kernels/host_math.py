@@ -23,3 +23,17 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Every decode launch reading all of a sequence's KV heads in one program (decode_attention's
+# ``all_kv_heads``), for A/B runs: read at import there, checked at an executor's start.
+ALL_KV_HEADS_ENV = "PAGEDSERVE_DECODE_ALL_KV_HEADS"
+
+
+def all_kv_heads_from_env(environ=os.environ) -> bool:
+    """``PAGEDSERVE_DECODE_ALL_KV_HEADS``: "1" on, "0" or unset off. Raises ValueError (one
+    line) for anything else."""
+    value = environ.get(ALL_KV_HEADS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ALL_KV_HEADS_ENV}={value!r}: expected 0 or 1")
+    return value == "1"

@@ -61,6 +61,11 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text(errors="replace"))
 
 
+# Every decode launch with one program per sequence reading all its KV heads (the kernel's
+# A/B: kernels/decode_attention.py, off by default until measured).
+ALL_KV_HEADS_ON = {"PAGEDSERVE_DECODE_ALL_KV_HEADS": "1"}
+
+
 def plan_stage(name: str, ctx: Context) -> list[Step]:
     small = ["--small"] if ctx.small else []
     model = ["--model-dir", str(ctx.model_dir)]
@@ -70,20 +75,31 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         pytest = [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                   *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
-        # Every case: the grid, the launch-configuration sweep and the fused layer kernels.
-        cases = ["--cases", "decode,prefill,cache,layer,sampling,prefill_tune"
+        # Every case but decode's (the next step): the grid, the launch-configuration sweep
+        # and the fused layer kernels.
+        cases = ["--cases", "prefill,cache,layer,sampling,prefill_tune"
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
+        # The decode cases (the all-KV-heads program's timings beside them) in a step of their
+        # own, to run alone when the device time is short.
+        decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode",
+                     *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_bench", bench, 360)]
+                Step("kernels_decode", decode, 150), Step("kernels_bench", bench, 300)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
                     "--profile", "--trace-dir", str(ctx.out_dir / "traces"))
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
+        # The same with every decode launch reading all KV heads in one program
+        # (kernels/decode_attention.py): the end-to-end A/B of that kernel.
+        bench_all_kv = _py(ctx, "benchmarks/executor_bench.py", *model,
+                           *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                           "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "all-kv-heads"))
         return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
-                Step("memory_profile", memory, 150)]
+                Step("memory_profile", memory, 150),
+                Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON)]
     if name == "cluster":
         def check(what: str, timeout_s: float) -> Step:
             return Step(what.replace("-", "_"),
@@ -128,6 +144,13 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                              ["--running", "256", "--depths", "3", "--window-s", "5"]),
                            "--client-channels", "8",
                            "--work-dir", str(ctx.work_dir / "step-overhead-depth3-trace"))
+        overhead_depth3_all_kv = _py(
+            ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
+            "--api-workers", "2",
+            *(["--quick", "--depths", "3"] if ctx.small else
+              ["--running", "32,256", "--depths", "3", "--window-s", "5"]),
+            "--client-channels", "8",
+            "--work-dir", str(ctx.work_dir / "step-overhead-depth3-all-kv-heads"))
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
                      "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
         # 256 streams with the workers again, the clients in 4 processes: is one client
@@ -188,6 +211,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      100,
                      env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
+                Step("step_overhead_depth3_all_kv_heads", overhead_depth3_all_kv, 80,
+                     env=ALL_KV_HEADS_ON),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),

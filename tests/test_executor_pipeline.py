@@ -426,7 +426,8 @@ def test_process_profiles_a_window_of_steps(model_dir, monkeypatch, tmp_path):
 def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatch):
     """PAGEDSERVE_PLAN_PREP=main (the I/O thread only decodes; the main thread runs
     `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
-    run; a value other than io or main stops the executor at start (exit code 2)."""
+    run; a value other than io or main stops the executor at start (exit code 2), as does
+    a bad PAGEDSERVE_DECODE_ALL_KV_HEADS."""
     prompt = [0, 17, 250, 33, 9]
     ref = _driver(model_dir)
     ref.add("r", prompt)
@@ -451,6 +452,17 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
     try:
         assert bad.wait(timeout=60) == 2
         assert "PAGEDSERVE_PLAN_PREP='both': expected io or main" in bad.stderr.read()
+    finally:
+        if bad.poll() is None:
+            bad.kill()
+        bad.wait()
+    # The decode kernel's A/B switch is read at start the same way (kernels/host_math.py).
+    monkeypatch.setenv("PAGEDSERVE_PLAN_PREP", "io")
+    monkeypatch.setenv("PAGEDSERVE_DECODE_ALL_KV_HEADS", "yes")
+    bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad2")
+    try:
+        assert bad.wait(timeout=60) == 2
+        assert "PAGEDSERVE_DECODE_ALL_KV_HEADS='yes': expected 0 or 1" in bad.stderr.read()
     finally:
         if bad.poll() is None:
             bad.kill()

@@ -37,6 +37,7 @@ DECODE_GRID = pairwise({
     "dtype": DTYPES,
     "num_splits": [None, 1, 3, 8],
     "fused_reduce": [False, True],
+    "all_kv_heads": [False, True],  # 2 KV heads of 64/80/128: 128/256/256 columns
 })
 # (q_len, seq_len) per sequence: what the prefill/extend kernel meets in a step.
 PREFILL_SHAPES = {
@@ -152,8 +153,33 @@ def test_decode_grid_gpu(case):
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
     _close(paged_decode_attention_triton(*args, num_splits=case["num_splits"],
-                                         fused_reduce=case["fused_reduce"]),
+                                         fused_reduce=case["fused_reduce"],
+                                         all_kv_heads=case["all_kv_heads"]),
            reference.paged_decode_attention(*args), case["dtype"])
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (3, 3, 64), (2, 6, 128)])
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
+def test_all_kv_heads_large_decode_gpu(kv_heads, group, head_dim, num_splits):
+    """Every KV head in one program at the shapes it is for (Qwen2.5-0.5B's 14 / 2 x 64,
+    SmolLM2's 9 / 3 x 64, Qwen2.5-1.5B's 12 / 2 x 128), long contexts, bf16, the default
+    tiles; equal to the one-KV-head programs within bf16 rounding, in a CUDA graph too."""
+    seqs = [(1, n) for n in [1024] * 60 + [1, 17, 2049, 8191]]
+    batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                             block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    want = reference.paged_decode_attention(*args)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, all_kv_heads=True)
+    _close(got, want, torch.bfloat16)
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_triton(*args, out=out, num_splits=num_splits, all_kv_heads=True)
+    batch.query.copy_(torch.randn_like(batch.query))
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(out, reference.paged_decode_attention(*args), torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
