@@ -47,6 +47,8 @@ Sampling cases (``argmax/...``, ``top_p/...``, only when asked for: ``--cases sa
 the sampler's kernels (sampling_ops.py) at the Qwen2.5 vocabulary — the greedy argmax of
 bf16 logits against torch's, and the whole-row top-p threshold on 256 rows with 0, 1, 8 or
 all rows needing it, against the sort it replaces (benchmarks/kernels_sampling.py).
+GEMM cases (``gemm/...``, only when asked for: ``--cases gemm``): the layer's projections
+and the head at the Qwen2.5-0.5B sizes under cuBLAS and cuBLASLt (benchmarks/kernels_gemm.py).
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -62,6 +64,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also under PYTHONSAFEPATH
+from kernels_gemm import bench_gemm  # noqa: E402
 from kernels_sampling import bench_sampling  # noqa: E402
 from kernels_tune import (  # noqa: E402
     bench_decode_tune,
@@ -85,7 +88,7 @@ def _parse() -> argparse.Namespace:
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
                    help="comma-separated subset of decode, prefill, cache, tune, "
-                   "prefill_tune, layer, sampling (the last four: not in the default)")
+                   "prefill_tune, layer, sampling, gemm (the last five: not in the default)")
     return p.parse_args()
 
 
@@ -259,6 +262,8 @@ def main() -> int:
         bench_layer_ops(torch, ops, device, dtype, timed, args.dry_run)
     if "sampling" in cases:
         bench_sampling(torch, ops, device, dtype, timed, args.dry_run)
+    if "gemm" in cases:
+        bench_gemm(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "prefill_tune" in cases:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "tune" in cases:

@@ -85,8 +85,12 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # own, to run alone when the device time is short.
         decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode",
                      *(["--dry-run"] if ctx.small else []))
+        # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
+        gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
+                   *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_decode", decode, 150), Step("kernels_bench", bench, 300)]
+                Step("kernels_decode", decode, 150), Step("kernels_gemm", gemm, 60),
+                Step("kernels_bench", bench, 300)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
@@ -97,9 +101,15 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         bench_all_kv = _py(ctx, "benchmarks/executor_bench.py", *model,
                            *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
                            "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "all-kv-heads"))
+        # And with torch preferring cuBLASLt for every matmul (the GEMM A/B end to end).
+        bench_lt = _py(ctx, "benchmarks/executor_bench.py", *model,
+                       *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                       "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "cublaslt"))
         return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
                 Step("memory_profile", memory, 150),
-                Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON)]
+                Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON),
+                Step("executor_bench_cublaslt", bench_lt, 200,
+                     env={"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
     if name == "cluster":
         def check(what: str, timeout_s: float) -> Step:
             return Step(what.replace("-", "_"),
