@@ -105,6 +105,7 @@ class ModelRunner:
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
         self._pending = PendingSamples(self.rows, self._resolve)
         self.steps_done = 0
+        self.sampled_first_steps = 0  # steps sampled before the previous read back (_sample_first)
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
         # CUDA: the event after the previous step's device work (None: none, or that step
         # ran no forward; then gap_s is host time).
@@ -286,6 +287,12 @@ class ModelRunner:
             logits = self._logits(hidden, batch)
             if events is not None:
                 events[1].record()
+            states = [self.requests[r]._sampling for r in batch.sample_ids]
+            t1 = time.perf_counter()
+            sampled = None
+            if states and self._sample_first(states):
+                self.sampled_first_steps += 1
+                sampled = self.sampler.launch(logits, states)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step's tokens go into the sampling states this step's
             # sampling reads (read back first if still in flight), and its objects are
@@ -298,13 +305,14 @@ class ModelRunner:
                     self.result_ready(ready)
                 self._ready.clear()
             self._retired = None
-            # Structured output's masks are host work: done while a GPU runs the forward.
-            states = [self.requests[r]._sampling for r in batch.sample_ids]
-            grammar_bits = Sampler.grammar_masks(states)
-            t1 = time.perf_counter()
-            # No sync before sampling: the sampler's host work also overlaps the forward,
-            # and its kernels queue right behind it.
-            sampled = self.sampler.launch(logits, states, grammar_bits) if states else None
+            if sampled is None and states:
+                # Structured output's masks are host work: done while a GPU runs the
+                # forward.
+                grammar_bits = Sampler.grammar_masks(states)
+                t1 = time.perf_counter()
+                # No sync before sampling: the sampler's host work also overlaps the
+                # forward, and its kernels queue right behind it.
+                sampled = self.sampler.launch(logits, states, grammar_bits)
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
@@ -331,6 +339,20 @@ class ModelRunner:
             return None
         self._resolve()  # read back now
         return self._ready.pop()
+
+    def _sample_first(self, states: list) -> bool:
+        """Launch this step's sampling before the previous step is read back? Only when
+        that read would wait for the device (the previous step still running there: its
+        event not reached) and no row's sampling reads the tokens it appends (every row
+        plain greedy: the argmax of its logits, `SamplingState.plain`, which appending
+        never changes). Then the sampler's launch (~0.1-0.3 ms of host time on a GPU)
+        overlaps that wait instead of sitting between the device's end of the previous
+        step and the preparation of the step after this one, the host's critical path when
+        a forward is short. Otherwise the previous step's result goes out first."""
+        prev = self._inflight
+        event = None if prev is None or prev.sampled is None else prev.sampled.event
+        return (event is not None and all(s.plain for s in states)
+                and not event.query())
 
     def _resolve(self) -> None:
         """Read the step in flight back and queue its StepResult (nothing when none)."""

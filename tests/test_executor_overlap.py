@@ -174,3 +174,34 @@ def test_process_with_overlapped_steps_answers_in_order(model_dir, monkeypatch):
             proc.kill()
         proc.wait()
         router.close()
+
+
+@pytest.mark.gpu
+def test_sampling_before_the_read_back_on_a_busy_gpu(model_dir):
+    """On CUDA with every row plain greedy, a step whose previous step is still running on
+    the device launches its sampling before reading that step back (ModelRunner
+    ._sample_first): a spin kernel ahead of each forward keeps the device busy; the tokens
+    are depth 1's."""
+    import torch
+
+    runs = {}
+    for overlapped in (False, True):
+        d = _driver(model_dir, "cuda")
+        d.add("a", PROMPT)
+        d.add("b", OTHER)
+        d.add("c", THIRD)
+        if overlapped:
+            forward = d.runner._forward
+
+            def busy_forward(batch, forward=forward):
+                torch.cuda._sleep(20_000_000)  # ~10 ms of device time
+                return forward(batch)
+
+            d.runner._forward = busy_forward
+        runs[overlapped] = d, (_run_script_overlapped(d, SCRIPT) if overlapped
+                               else _run_script(d, SCRIPT, False))
+    (d1, _), (d2, overlapped) = runs[False], runs[True]
+    assert d2.runner.sampled_first_steps > 0
+    assert not any(r.errors for r in overlapped)
+    for rid in "abc":
+        assert d2.seqs[rid].outputs == d1.seqs[rid].outputs
