@@ -53,7 +53,7 @@ class EngineConfig:
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     routing: RoutingPolicy = RoutingPolicy.PREFIX
     heartbeat_timeout_s: float = 2.0
-    pipeline_depth: int = 2  # plans in flight per executor (1: one at a time; at most 3)
+    pipeline_depth: int = 2  # plans in flight per executor (1: one at a time; at most 4)
     step_timeout_s: float = 30.0  # a plan unanswered this long (plus its work) = dead
     hash_algo: str = "sha256"
     watermark: float = 0.01

@@ -154,6 +154,14 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                              ["--running", "256", "--depths", "3", "--window-s", "5"]),
                            "--client-channels", "8",
                            "--work-dir", str(ctx.work_dir / "step-overhead-depth3-trace"))
+        # Four plans in flight: at 32 streams a forward (1.24 ms on the H200) is shorter
+        # than the round trip, and depth 3 still left the device idle 0.34-0.58 ms a step.
+        overhead_depth4 = _py(ctx, "benchmarks/step_overhead.py", "--models",
+                              str(ctx.model_dir), "--api-workers", "2",
+                              *(["--quick", "--depths", "4"] if ctx.small else
+                                ["--running", "32,256", "--depths", "4", "--window-s", "5"]),
+                              "--client-channels", "8",
+                              "--work-dir", str(ctx.work_dir / "step-overhead-depth4"))
         overhead_depth3_all_kv = _py(
             ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
             "--api-workers", "2",
@@ -213,6 +221,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("hf_batch_bench_workers", hf_workers, 100),
                 Step("step_overhead_workers", overhead_workers, 130),
                 Step("step_overhead_workers_depth3", overhead_depth3, 100),
+                Step("step_overhead_workers_depth4", overhead_depth4, 100),
                 # The same as step_overhead_workers_depth3 with the plans' precompute on the
                 # executor's main thread (PAGEDSERVE_PLAN_PREP=main): does the I/O thread's
                 # numpy take the GIL from the main thread's prepare and launch? (A/B)

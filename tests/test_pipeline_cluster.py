@@ -1,4 +1,4 @@
-"""Pipelined steps with real executor processes: depths 1, 2 and 3 give the same tokens
+"""Pipelined steps with real executor processes: depths 1 to 4 give the same tokens
 (greedy equal to HF, seeded sampling with penalties and logprobs identical), under KV
 pressure that preempts; and an executor that hangs inside a step (fault injection) is
 declared dead, its requests finishing on the other executor token for token."""
@@ -86,9 +86,9 @@ def _run_depth(model_dir, depth: int, hf) -> tuple[list, list]:
         cluster.stop()
 
 
-def test_depths_1_2_and_3_give_identical_tokens_under_preemption(model_dir, hf):
+def test_depths_1_to_4_give_identical_tokens_under_preemption(model_dir, hf):
     depth1, preempted1 = _run_depth(model_dir, 1, hf)
-    for depth in (2, 3):
+    for depth in (2, 3, 4):
         deeper, preempted = _run_depth(model_dir, depth, hf)
         assert preempted1 > 0 and preempted > 0  # the KV pressure preempted at each depth
         for req1, req2 in zip(depth1, deeper, strict=True):

@@ -34,15 +34,15 @@ from pipeline_rig import (
 # ---------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_outputs_identical_at_depth_1_2_and_3_with_plans_in_flight(depth):
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_outputs_identical_at_depths_1_to_4_with_plans_in_flight(depth):
     async def main():
         engine, ex = make_engine(depth)
         a = await submit(engine, "a", [1, 2, 3, 4, 5], max_tokens=9)
         b = await submit(engine, "b", [6, 7], max_tokens=5)
         await ex.wait_plans(1)
         if depth >= 2:
-            await ex.wait_plans(depth)  # plans 2 (and 3) left before plan 1 was answered
+            await ex.wait_plans(depth)  # plans 2 to depth left before plan 1 was answered
             for k, plan in enumerate(ex.unanswered()[1:], start=1):
                 assert plan.feed_sampled.tolist() == [1, 1]
                 assert plan.token_ids.tolist() == [-1, -1]

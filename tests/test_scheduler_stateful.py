@@ -1,5 +1,6 @@
 """Stateful property test of the scheduler with intended prefixes and prefill dedup, against
-a simulated executor, at pipeline depth 2 (and 3: `Depth3Machine`, `Depth3LaneMachine`).
+a simulated executor, at pipeline depth 2 (and 3: `Depth3Machine`, `Depth3LaneMachine`; 4:
+`Depth4Machine`).
 
 Requests share a few prefixes (and a tiny vocabulary, so outputs repeat), arrive with
 random priorities, are aborted at random, and run through a small KV cache, so requests
@@ -271,6 +272,18 @@ class Depth3LaneMachine(Depth3Machine):
 Depth3LaneMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                                deadline=None)
 TestDepth3LaneMachine = Depth3LaneMachine.TestCase
+
+
+class Depth4Machine(SchedulerMachine):
+    """Four plans in flight (the deepest --pipeline-depth), the decode lane on."""
+
+    depth = 4
+    lane_min_running = 1
+
+
+Depth4Machine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                           deadline=None)
+TestDepth4Machine = Depth4Machine.TestCase
 
 
 def test_n2_request_whose_prompt_is_cached_but_its_last_token_is_scheduled_when_admitted():
