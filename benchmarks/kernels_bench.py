@@ -272,8 +272,9 @@ def main() -> int:
 
 
 # Launch configurations of the all-KV-heads decode swept next to its default (tokens per
-# tile x warps; the split count from the rule).
-ALL_KV_HEADS_GRID = [(block_n, warps) for block_n in (32, 64, 128) for warps in (4, 8)]
+# tile x warps x pipeline stages; the split count from the rule).
+ALL_KV_HEADS_GRID = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
+                     for stages in (2, 3)]
 
 
 def time_all_kv_heads(timed, args, out, kv_bytes: int, copy_gb_per_s: float,
@@ -288,13 +289,14 @@ def time_all_kv_heads(timed, args, out, kv_bytes: int, copy_gb_per_s: float,
                                                             **launch))
 
     latency = run()
-    best = min((run(block_n=block_n, num_warps=warps), block_n, warps)
-               for block_n, warps in (ALL_KV_HEADS_GRID[:1] if dry_run else ALL_KV_HEADS_GRID))
+    best = min((run(block_n=block_n, num_warps=warps, num_stages=stages), block_n, warps, stages)
+               for block_n, warps, stages in (ALL_KV_HEADS_GRID[:1] if dry_run
+                                              else ALL_KV_HEADS_GRID))
     return {
         "all_kv_heads_latency_us_p50": round(latency, 2),
         "all_kv_heads_copy_bw_ratio": float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}"),
         "all_kv_heads_speedup_ratio": round(one_head_us / latency, 3),
-        "all_kv_heads_best": {"block_n": best[1], "num_warps": best[2],
+        "all_kv_heads_best": {"block_n": best[1], "num_warps": best[2], "num_stages": best[3],
                               "latency_us_p50": round(best[0], 2),
                               "copy_bw_ratio": float(
                                   f"{kv_bytes / best[0] / 1e3 / copy_gb_per_s:.4g}")},
