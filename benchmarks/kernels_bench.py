@@ -281,8 +281,13 @@ def time_all_kv_heads(timed, args, out, kv_bytes: int, copy_gb_per_s: float,
                       one_head_us: float, dry_run: bool) -> dict:
     """The decode case again with one program reading every KV head of a sequence
     (decode_attention's ``all_kv_heads``): its default launch, and the best of
-    ``ALL_KV_HEADS_GRID``, against the one-KV-head programs' ``one_head_us``."""
-    from pagedserve.kernels.decode_attention import paged_decode_attention_triton
+    ``ALL_KV_HEADS_GRID``, and the default at 2 and 4 times the rule's split count, against
+    the one-KV-head programs' ``one_head_us``."""
+    from pagedserve.kernels.decode_attention import (
+        _num_sms,
+        choose_num_splits,
+        paged_decode_attention_triton,
+    )
 
     def run(**launch):
         return timed(lambda: paged_decode_attention_triton(*args, out=out, all_kv_heads=True,
@@ -292,10 +297,20 @@ def time_all_kv_heads(timed, args, out, kv_bytes: int, copy_gb_per_s: float,
     best = min((run(block_n=block_n, num_warps=warps, num_stages=stages), block_n, warps, stages)
                for block_n, warps, stages in (ALL_KV_HEADS_GRID[:1] if dry_run
                                               else ALL_KV_HEADS_GRID))
+    # Half as many programs as the one-KV-head launch: more KV splits may fill the device
+    # better (the default launch at 2 and 4 times the rule's count).
+    query, key_cache = args[0], args[1]
+    num_seqs, _, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    rule = choose_num_splits(num_seqs, num_kv_heads, args[3].shape[1] * block_size,
+                             _num_sms(query.device), head_dim)
+    more_splits = {f"x{k}": round(run(num_splits=rule * k), 2) for k in (2, 4)}
     return {
         "all_kv_heads_latency_us_p50": round(latency, 2),
         "all_kv_heads_copy_bw_ratio": float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}"),
         "all_kv_heads_speedup_ratio": round(one_head_us / latency, 3),
+        "all_kv_heads_rule_splits": rule,
+        "all_kv_heads_more_splits_us_p50": more_splits,
         "all_kv_heads_best": {"block_n": best[1], "num_warps": best[2], "num_stages": best[3],
                               "latency_us_p50": round(best[0], 2),
                               "copy_bw_ratio": float(
