@@ -88,6 +88,13 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
             on_device = True
     table.ensure_width(pre.longest)
     table.set_tails(rows, pre.new_len, rows[pre.id_seq], pre.id_cols, pre.ids)
+    if on_device and pick is None and pre.all_marked \
+            and pending.device_tokens.shape[0] == pre.token_ids.shape[0] \
+            and pending.device_tokens.dtype == torch.int64:
+        # Every token of the step is a marked decode fed in the order the previous step
+        # sampled them (a steady decode batch): its input ids ARE that step's tokens on
+        # the device, with no index list to copy there and no scatter.
+        return self._full_batch(pre, rows, input_ids=pending.device_tokens)
     batch = self._full_batch(pre, rows)
     if on_device:
         tokens = pending.device_tokens
@@ -109,11 +116,16 @@ def _positions(among: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
     return order[at]
 
 
-def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray) -> Batch:
-    """Every row kept: the tensors precompute built, the fed input ids, the tables."""
+def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
+               input_ids: torch.Tensor | None = None) -> Batch:
+    """Every row kept: the tensors precompute built, the fed input ids (``input_ids``:
+    already on the device), the tables."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
-    input_ids, block_tables = to_device_many(
-        ((pre.token_ids, torch.int64), (pre.tables, torch.int32)), self.device)
+    if input_ids is None:
+        input_ids, block_tables = to_device_many(
+            ((pre.token_ids, torch.int64), (pre.tables, torch.int32)), self.device)
+    else:
+        (block_tables,) = to_device_many(((pre.tables, torch.int32),), self.device)
     return Batch(
         input_ids=input_ids,
         positions=pre.positions,

@@ -463,3 +463,44 @@ def test_sampling_goes_before_the_read_back_only_when_that_waits_and_rows_are_pl
     assert not any(r.errors for r in results)
     assert {rid: driver.seqs[rid].outputs for rid in prompts} == (
         {rid: ref.seqs[rid].outputs for rid in prompts})
+
+
+def test_a_steady_decode_step_takes_the_previous_steps_device_tokens_as_its_input_ids(
+        model_dir):
+    """With the previous step in flight, a step whose every token is a marked decode fed in
+    the order that step sampled them uses that step's token tensor on the device as its
+    input ids (no index list sent, no scatter); a step with any other row scatters into
+    its own; the tokens are those of one step at a time."""
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12], "c": [3, 4]}
+    ref = _driver(model_dir)
+    for rid, prompt in prompts.items():
+        ref.add(rid, prompt)
+    ref.generate(["a", "b"], 5)
+    ref.generate(["c"], 1)
+
+    driver = _driver(model_dir)
+    runner = driver.runner
+    runner.overlap_steps = True
+    shared: list[bool] = []
+    forward = runner._forward
+
+    def spy(batch):
+        shared.append(batch.input_ids is runner._pending.device_tokens)
+        return forward(batch)
+
+    runner._forward = spy
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt)
+    ready = runner.submit(driver.plan({"a": None, "b": None}))
+    for schedule, feed in [({"a": 1, "b": 1}, {"a", "b"}),  # steady: shared
+                           ({"a": 1, "b": 1}, {"a", "b"}),
+                           ({"b": 1, "a": 1}, {"a", "b"}),  # another order: scattered
+                           ({"a": 1, "b": 1, "c": None}, {"a", "b"})]:  # a prompt too
+        ready += runner.submit(driver.plan(schedule, feed=feed))
+        for result in ready:
+            driver.accept(result)
+        ready = []
+    driver.accept(runner.collect())
+    assert shared == [False, True, True, False, False]
+    assert {rid: driver.seqs[rid].outputs for rid in prompts} == (
+        {rid: ref.seqs[rid].outputs for rid in prompts})
