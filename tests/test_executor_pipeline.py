@@ -447,26 +447,22 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
         proc.wait()
         router.close()
     assert "PAGEDSERVE_PLAN_PREP=main: plans prepared on the main thread" in proc.stderr.read()
-    monkeypatch.setenv("PAGEDSERVE_PLAN_PREP", "both")
-    bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")
-    try:
-        assert bad.wait(timeout=60) == 2
-        assert "PAGEDSERVE_PLAN_PREP='both': expected io or main" in bad.stderr.read()
-    finally:
-        if bad.poll() is None:
-            bad.kill()
-        bad.wait()
-    # The decode kernel's A/B switch is read at start the same way (kernels/host_math.py).
-    monkeypatch.setenv("PAGEDSERVE_PLAN_PREP", "io")
-    monkeypatch.setenv("PAGEDSERVE_DECODE_ALL_KV_HEADS", "yes")
-    bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad2")
-    try:
-        assert bad.wait(timeout=60) == 2
-        assert "PAGEDSERVE_DECODE_ALL_KV_HEADS='yes': expected 0 or 1" in bad.stderr.read()
-    finally:
-        if bad.poll() is None:
-            bad.kill()
-        bad.wait()
+    # A bad value of either A/B switch read at start (PAGEDSERVE_DECODE_ALL_KV_HEADS: the
+    # decode kernel's, kernels/host_math.py) stops the executor with exit code 2.
+    for env, message in [({"PAGEDSERVE_PLAN_PREP": "both"},
+                          "PAGEDSERVE_PLAN_PREP='both': expected io or main"),
+                         ({"PAGEDSERVE_PLAN_PREP": "io", "PAGEDSERVE_DECODE_ALL_KV_HEADS": "yes"},
+                          "PAGEDSERVE_DECODE_ALL_KV_HEADS='yes': expected 0 or 1")]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")
+        try:
+            assert bad.wait(timeout=60) == 2
+            assert message in bad.stderr.read()
+        finally:
+            if bad.poll() is None:
+                bad.kill()
+            bad.wait()
 
 
 def test_a_failing_profiler_switches_itself_off(model_dir, monkeypatch, tmp_path):
