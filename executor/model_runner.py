@@ -294,16 +294,18 @@ class ModelRunner:
                 self.sampled_first_steps += 1
                 sampled = self.sampler.launch(logits, states)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
-            # now the previous step's tokens go into the sampling states this step's
-            # sampling reads (read back first if still in flight), and its objects are
-            # freed.
-            self._pending.apply()
+            # now the previous step is read back if still in flight; its result goes out
+            # at once, then its tokens go into the sampling states this step's sampling
+            # reads (the router plans from the result, not from these records), and its
+            # objects are freed.
+            self._pending.read_back()
             if self.result_ready is not None and self._ready:
                 # The previous step, read back after this launch: out now, before this
                 # step's sampling (which may wait for the device: top-p, penalties).
                 for ready in self._ready:
                     self.result_ready(ready)
                 self._ready.clear()
+            self._pending.apply()
             self._retired = None
             if sampled is None and states:
                 # Structured output's masks are host work: done while a GPU runs the

@@ -41,9 +41,14 @@ class PendingSamples:
         self.device_tokens: torch.Tensor | None = None
         self.released: list[int] = []
 
-    def apply(self) -> None:
+    def read_back(self) -> None:
+        """The tokens on the host (the step in flight read back, waiting for the device if
+        need be), not yet recorded."""
         if self.states and self.token_ids is None:
-            self.resolve()  # reads the tokens back: sets token_ids
+            self.resolve()  # sets token_ids
+
+    def apply(self) -> None:
+        self.read_back()
         states, self.states = self.states, []
         if states:
             self.table.record_samples(self.rows, self.token_ids, self.step_id)

@@ -121,11 +121,18 @@ def test_overlapped_step_result_waits_for_the_next_submit(model_dir):
 def test_previous_result_goes_out_before_the_next_sampling(model_dir):
     """With `result_ready` set (the executor process), a step read back after the next
     launch is handed out at once, before the next step's sampling starts (which may wait
-    for the device), not when submit() returns."""
+    for the device) and before its tokens are appended to the sampling states (the router
+    plans from the result), not when submit() returns."""
     d = _driver(model_dir)
     d.runner.overlap_steps = True
     events = []
-    d.runner.result_ready = lambda result: events.append(("result", result.step_id))
+    outputs_at_result = []
+
+    def result_ready(result):
+        events.append(("result", result.step_id))
+        outputs_at_result.append(d.runner.requests["a"]._sampling.num_output_tokens)
+
+    d.runner.result_ready = result_ready
     launch = d.runner.sampler.launch
 
     def spy_launch(logits, states, grammar_bits=None):
@@ -139,6 +146,8 @@ def test_previous_result_goes_out_before_the_next_sampling(model_dir):
     second = d.plan({"a": 1}, feed={"a"})
     assert d.runner.submit(second) == []
     assert events == [("sample", None), ("result", first.step_id), ("sample", None)]
+    assert outputs_at_result == [0]  # first's token appended after its result went out
+    assert d.runner.requests["a"]._sampling.num_output_tokens == 1  # second still in flight
     assert d.runner.collect().step_id == second.step_id
 
 
