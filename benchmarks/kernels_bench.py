@@ -49,6 +49,8 @@ bf16 logits against torch's, and the whole-row top-p threshold on 256 rows with 
 all rows needing it, against the sort it replaces (benchmarks/kernels_sampling.py).
 GEMM cases (``gemm/...``, only when asked for: ``--cases gemm``): the layer's projections
 and the head at the Qwen2.5-0.5B sizes under cuBLAS and cuBLASLt (benchmarks/kernels_gemm.py).
+Decode-rope cases (``decode_rope/...``, only when asked for): the rotary embedding and the
+cache write inside the decode launch against the two launches (benchmarks/kernels_fusions.py).
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -64,6 +66,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also under PYTHONSAFEPATH
+from kernels_fusions import bench_decode_rope  # noqa: E402
 from kernels_gemm import bench_gemm  # noqa: E402
 from kernels_sampling import bench_sampling  # noqa: E402
 from kernels_tune import (  # noqa: E402
@@ -88,7 +91,7 @@ def _parse() -> argparse.Namespace:
                    help="skip cases whose paged K/V (plus the contiguous copy) exceeds this")
     p.add_argument("--cases", default="decode,prefill,cache",
                    help="comma-separated subset of decode, prefill, cache, tune, "
-                   "prefill_tune, layer, sampling, gemm (the last five: not in the default)")
+                   "prefill_tune, layer, sampling, gemm, decode_rope (the last six: not in the default)")
     return p.parse_args()
 
 
@@ -264,6 +267,8 @@ def main() -> int:
         bench_sampling(torch, ops, device, dtype, timed, args.dry_run)
     if "gemm" in cases:
         bench_gemm(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
+    if "decode_rope" in cases:
+        bench_decode_rope(torch, device, dtype, timed, args.dry_run)
     if "prefill_tune" in cases:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "tune" in cases:

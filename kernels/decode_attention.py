@@ -93,6 +93,20 @@ def _decode_tiles(
 
 
 @triton.jit
+def _rotated(ptr, partner_ptr, mask, cos, sin, first):
+    """Rotary embedding (neox) of the values at ``ptr``, whose other-half partners are at
+    ``partner_ptr`` (``first``: the column is in the first half), with the rotary kernel's
+    roundings (layer_ops._rotate_heads: each product and the sum in the values' dtype), so
+    the result is that kernel's to the bit."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    dt = x.dtype
+    xp = tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(first, -xp, xp)
+    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32) + (xp * sin).to(dt).to(tl.float32)
+            ).to(dt)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -117,6 +131,11 @@ def _decode_kernel(
     ALL_KV_HEADS: tl.constexpr,  # one program reads every KV head (see above)
     KV_WIDTH: tl.constexpr,  # the columns read: num_kv_heads * HEAD_DIM, else HEAD_DIM
     DN_PAD: tl.constexpr,  # HEAD_DIM padded: the partials' last axis
+    # ROPE: q, the new token's keys (k_new) and values (v_new) arrive as the QKV projection
+    # left them; rotated here and the new token cached at its slot (see above).
+    k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,
+    stride_kns, stride_knh, stride_vns, stride_vnh, stride_cs, stride_cc,
+    ROPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,8 +172,37 @@ def _decode_kernel(
         io_mask = mask_g[:, None] & mask_d[None, :]
         part_mask = mask_g[:, None] & (offs_d < D_PAD)[None, :]
 
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + cols[None, :],
-                mask=io_mask, other=0.0)
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    if ROPE:
+        half = HEAD_DIM // 2
+        first = cols < half
+        partner = tl.where(first, cols + half, cols - half)
+        cos_row = cos_sin_ptr + seq * stride_cs + cols
+        cos = tl.load(cos_row, mask=mask_d, other=0.0).to(tl.float32)
+        sin = tl.load(cos_row + stride_cc, mask=mask_d, other=0.0).to(tl.float32)
+        q = _rotated(q_rows + cols[None, :], q_rows + partner[None, :], io_mask,
+                     cos[None, :], sin[None, :], first[None, :])
+        # The new token's keys of this program's KV head(s) (all of them side by side with
+        # ALL_KV_HEADS), rotated, and its values, written at its slot (-1: a padding row,
+        # nothing written) by every split of the sequence alike; the barrier puts the
+        # writes before this program's reads of the cache (the last tile holds the token).
+        kh = offs_d // HEAD_DIM if ALL_KV_HEADS else kv_head
+        k_row = k_new_ptr + seq * stride_kns + kh * stride_knh
+        k_new = _rotated(k_row + cols, k_row + partner, mask_d, cos, sin, first)
+        v_new = tl.load(v_new_ptr + seq * stride_vns + kh * stride_vnh + cols, mask=mask_d,
+                        other=0.0)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        write = mask_d & (offs_d.to(tl.int64) * 0 + slot >= 0)  # a [D_PAD] mask
+        slot = tl.maximum(slot, 0)
+        block_id = slot // BLOCK_SIZE
+        in_block = slot % BLOCK_SIZE
+        tl.store(k_cache_ptr + block_id * stride_kb + in_block * stride_kt + kh * stride_kh
+                 + cols, k_new.to(k_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + block_id * stride_vb + in_block * stride_vt + kh * stride_vh
+                 + cols, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_rows + cols[None, :], mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -322,6 +370,26 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
         raise ValueError(f"out must have the query's shape {tuple(query.shape)}, stride(-1) 1")
 
 
+def _check_rope(query, key_cache, value_cache, key, value, cos_sin, slot_mapping) -> None:
+    from .cache_ops import check_cache_write
+
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    num_seqs, _, head_dim = query.shape
+    if key.shape[0] != num_seqs or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"rope: key and value must be [{num_seqs}, Hkv, {head_dim}] in the "
+                         f"query's dtype {query.dtype}")
+    if head_dim % 2:
+        raise ValueError(f"rope: head_dim must be even, got {head_dim}")
+    if cos_sin.shape != (num_seqs, 2, head_dim) or cos_sin.stride(-1) != 1 \
+            or cos_sin.dtype != query.dtype:
+        raise ValueError(f"rope: cos_sin must be [{num_seqs}, 2, {head_dim}] in "
+                         f"{query.dtype}, last axis contiguous, got {tuple(cos_sin.shape)}")
+    for name, t in (("key", key), ("value", value), ("cos_sin", cos_sin),
+                    ("slot_mapping", slot_mapping)):
+        if t.device != query.device:
+            raise ValueError(f"rope: {name} is on {t.device}, query on {query.device}")
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -338,14 +406,21 @@ def paged_decode_attention_triton(
     num_stages: int | None = None,
     fused_reduce: bool | None = None,
     all_kv_heads: bool | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
     ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
     combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
     launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them);
     ``all_kv_heads`` (None: ``ALL_KV_HEADS_DEFAULT``) reads every KV head in one program
-    where `all_kv_heads_applies`, else is ignored."""
+    where `all_kv_heads_applies`, else is ignored. ``rope`` = (key, value, cos_sin,
+    slot_mapping) of the new tokens (one a sequence, [S, Hkv, D], [S, Hkv, D], [S, 2, D],
+    [S]): ``query`` and ``key`` are not yet rotated; the kernel rotates them, as
+    ``ops.rotary_embedding_and_cache`` would, and writes the new keys and values into the
+    caches at their slots before attending (module docstring), in this one launch."""
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    if rope is not None:
+        _check_rope(query, key_cache, value_cache, *rope)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -396,6 +471,12 @@ def paged_decode_attention_triton(
         )
         p_strides = part_out.stride()[:3]
 
+    if rope is None:
+        k_new = v_new = cos_sin = slots = query  # unused
+        rope_strides = (0,) * 6
+    else:
+        k_new, v_new, cos_sin, slots = rope
+        rope_strides = (*k_new.stride()[:2], *v_new.stride()[:2], *cos_sin.stride()[:2])
     grid = (num_seqs, grid_heads, num_splits)
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens,
@@ -408,6 +489,10 @@ def paged_decode_attention_triton(
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
         FUSED_REDUCE=fused, ALL_KV_HEADS=wide,
         KV_WIDTH=num_kv_heads * head_dim if wide else head_dim, DN_PAD=d_pad,
+        k_new_ptr=k_new, v_new_ptr=v_new, cos_sin_ptr=cos_sin, slot_ptr=slots,
+        stride_kns=rope_strides[0], stride_knh=rope_strides[1], stride_vns=rope_strides[2],
+        stride_vnh=rope_strides[3], stride_cs=rope_strides[4], stride_cc=rope_strides[5],
+        ROPE=rope is not None,
         num_warps=num_warps,
         num_stages=1 if interpreting else (2 if num_stages is None else num_stages),
     )

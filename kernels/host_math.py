@@ -25,15 +25,26 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Every decode launch reading all of a sequence's KV heads in one program (decode_attention's
-# ``all_kv_heads``), for A/B runs: read at import there, checked at an executor's start.
+# Switches of the decode kernel for A/B runs, read at import where they apply and checked at
+# an executor's start: every decode launch reading all of a sequence's KV heads in one
+# program (decode_attention's ``all_kv_heads``), and decode steps' rotary embedding and
+# cache write done by the attention kernel (its ``rope``; executor/models/llama.py).
 ALL_KV_HEADS_ENV = "PAGEDSERVE_DECODE_ALL_KV_HEADS"
+FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
+
+
+def switch_from_env(name: str, environ=os.environ) -> bool:
+    """A 0/1 switch: "1" on, "0" or unset off. Raises ValueError (one line) for anything
+    else."""
+    value = environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def all_kv_heads_from_env(environ=os.environ) -> bool:
-    """``PAGEDSERVE_DECODE_ALL_KV_HEADS``: "1" on, "0" or unset off. Raises ValueError (one
-    line) for anything else."""
-    value = environ.get(ALL_KV_HEADS_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ALL_KV_HEADS_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return switch_from_env(ALL_KV_HEADS_ENV, environ)
+
+
+def fused_rope_from_env(environ=os.environ) -> bool:
+    return switch_from_env(FUSED_ROPE_ENV, environ)

@@ -158,6 +158,40 @@ def paged_attention(
     )
 
 
+def paged_decode_attention_rope(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """A decode step's attention from its unrotated q [S, H, D], k and v [S, Hkv, D] (one
+    new token a sequence): `rotary_embedding_and_cache`, then `paged_decode_attention`.
+    The Triton path is one launch (the attention kernel rotates q and k and writes the new
+    keys and values itself, the same values to the bit); the twin path is the two ops."""
+    if _use_triton(backend, query):
+        from .decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, scale,
+            sliding_window=sliding_window, out=out,
+            rope=(key, value, cos_sin, slot_mapping))
+    query, _ = rotary_embedding_and_cache(query, key, value, cos_sin, key_cache, value_cache,
+                                          slot_mapping, backend=backend)
+    return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                  scale, sliding_window=sliding_window, out=out,
+                                  backend=backend)
+
+
 def copy_blocks(
     kv_cache: torch.Tensor, block_mapping: torch.Tensor, *, backend: str = "auto"
 ) -> None:

@@ -135,3 +135,44 @@ PREFILL_CASES = [
     ([(97, 97)], 8, 2, 1, 80, torch.float32, 40),
     ([(3, 3), (0, 5), (2, 64)], 64, 1, 8, 80, torch.float16, None),  # empty chunk in the batch
 ]
+
+
+def rope_decode_inputs(kv_heads, group, head_dim, dtype, seqs, device, seed=3):
+    """A decode batch whose new tokens (one a sequence, at position seq_len - 1) arrive
+    unrotated: (batch, q, k, v, cos_sin, slots), the second sequence a padding row (slot
+    -1: nothing written): for the decode kernel's ``rope`` path."""
+    batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                             block_size=16, dtype=dtype, device=device, seed=seed)
+    num = len(seqs)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    pos = batch.seq_lens.long() - 1
+    slots = batch.block_tables.long()[torch.arange(num, device=device), pos // 16] * 16 + pos % 16
+    slots[1] = -1
+    q, k, v = (torch.randn(num, h, head_dim, generator=gen).to(device, dtype)
+               for h in (kv_heads * group, kv_heads, kv_heads))
+    angles = torch.rand(num, 1, head_dim // 2, generator=gen) * 10
+    emb = torch.cat((angles, angles), -1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), 1).to(device, dtype)
+    return batch, q, k, v, cos_sin, slots
+
+
+def rope_fused_and_two_launches(batch, q, k, v, cos_sin, slots, **launch):
+    """(out, key cache, value cache) of the fused launch and of rotary-and-cache then
+    decode, each on its own copy of the caches."""
+    from . import ops
+    from .decode_attention import paged_decode_attention_triton
+
+    runs = []
+    for fused in (True, False):
+        kc, vc = batch.key_cache.clone(), batch.value_cache.clone()
+        qq, kk = q.clone(), k.clone()
+        if fused:
+            out = paged_decode_attention_triton(qq, kc, vc, batch.block_tables, batch.seq_lens,
+                                                batch.scale, rope=(kk, v, cos_sin, slots),
+                                                **launch)
+        else:
+            ops.rotary_embedding_and_cache(qq, kk, v, cos_sin, kc, vc, slots, backend="triton")
+            out = paged_decode_attention_triton(qq, kc, vc, batch.block_tables, batch.seq_lens,
+                                                batch.scale, **launch)
+        runs.append((out, kc, vc))
+    return runs

@@ -81,9 +81,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
-        # The decode cases (the all-KV-heads program's timings beside them) in a step of their
-        # own, to run alone when the device time is short.
-        decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode",
+        # The decode cases (the all-KV-heads program's timings beside them) and the rotary
+        # fused into the decode launch, in a step of their own, to run alone when the device
+        # time is short.
+        decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode,decode_rope",
                      *(["--dry-run"] if ctx.small else []))
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
@@ -105,9 +106,15 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         bench_lt = _py(ctx, "benchmarks/executor_bench.py", *model,
                        *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
                        "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "cublaslt"))
+        # And with decode steps' rotary and cache write inside the attention launch.
+        bench_rope = _py(ctx, "benchmarks/executor_bench.py", *model,
+                         *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                         "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "fused-rope"))
         return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
                 Step("memory_profile", memory, 150),
                 Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON),
+                Step("executor_bench_fused_rope", bench_rope, 200,
+                     env={"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}),
                 Step("executor_bench_cublaslt", bench_lt, 200,
                      env={"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
     if name == "cluster":

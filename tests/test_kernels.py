@@ -25,6 +25,8 @@ from pagedserve.kernels.testing import (
     PREFILL_CASES,
     case_id,
     make_paged_batch,
+    rope_decode_inputs,
+    rope_fused_and_two_launches,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,6 +160,30 @@ def test_all_kv_heads_applies_only_where_a_token_reads_contiguously():
             one.scale)
     _close(paged_decode_attention_triton(*args, all_kv_heads=True),
            reference.paged_decode_attention(*args), torch.float32)
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim, num_splits, all_kv, window, dtype", [
+    (2, 7, 64, 1, False, None, torch.float32),
+    (2, 7, 64, 3, True, None, torch.float32),
+    (2, 4, 80, 4, False, 50, torch.bfloat16),  # head dim 80: padded columns
+    (3, 3, 64, 2, True, None, torch.bfloat16),
+    (1, 4, 16, 5, False, None, torch.float16),
+])
+def test_decode_with_the_rotary_and_cache_write_in_the_launch_is_bit_identical(
+        kv_heads, group, head_dim, num_splits, all_kv, window, dtype):
+    """``rope=``: the attention kernel rotates q and the new k and writes the new keys and
+    values at their slots itself; its output and both caches equal the two launches'
+    (rotary_embedding_and_cache, then decode) bit for bit, split-K and one program per
+    sequence included; a padding row (slot -1) writes nothing."""
+    inputs = rope_decode_inputs(kv_heads, group, head_dim, dtype,
+                                [(1, 97), (1, 1), (1, 37), (1, 200)], DEVICE)
+    (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
+        *inputs, num_splits=num_splits, all_kv_heads=all_kv, block_n=16,
+        sliding_window=window)
+    assert torch.equal(out, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    batch = inputs[0]
+    assert not torch.equal(kc, batch.key_cache)  # the new keys were written
 
 
 def test_choose_num_splits_rule():

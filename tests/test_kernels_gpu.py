@@ -19,6 +19,8 @@ from pagedserve.kernels.testing import (
     case_id,
     make_paged_batch,
     pairwise,
+    rope_decode_inputs,
+    rope_fused_and_two_launches,
 )
 
 pytestmark = pytest.mark.gpu
@@ -255,3 +257,32 @@ def test_copy_blocks_grid_gpu(dtype, block_size, head_dim):
     ops.copy_blocks(kv_cache, mapping, backend="triton")
     reference.copy_blocks(expected, mapping)
     assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128), (2, 6, 80)])
+@pytest.mark.parametrize("num_splits, all_kv", [(None, False), (1, True), (4, False), (4, True)])
+def test_decode_rope_in_the_launch_gpu(kv_heads, group, head_dim, num_splits, all_kv):
+    """The rotary and the cache write inside the decode launch, compiled natively, bf16:
+    the output and both caches equal the two launches' bit for bit at long contexts (the
+    barrier orders each program's writes before its reads of the last tile), split-K and
+    one program per sequence included; in a CUDA graph too."""
+    seqs = [(1, n) for n in [1024] * 60 + [1, 17, 2049, 8191]]
+    inputs = rope_decode_inputs(kv_heads, group, head_dim, torch.bfloat16, seqs, DEVICE)
+    (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
+        *inputs, num_splits=num_splits, all_kv_heads=all_kv)
+    assert torch.equal(out, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    batch, q, k, v, cos_sin, slots = inputs
+    graph_out = torch.empty_like(out)
+    kc3, vc3 = batch.key_cache.clone(), batch.value_cache.clone()
+    qq, kk = q.clone(), k.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_triton(qq, kc3, vc3, batch.block_tables, batch.seq_lens,
+                                      batch.scale, out=graph_out, num_splits=num_splits,
+                                      all_kv_heads=all_kv, rope=(kk, v, cos_sin, slots))
+    kc3.copy_(batch.key_cache)
+    vc3.copy_(batch.value_cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, want) and torch.equal(kc3, kc2)

@@ -125,3 +125,32 @@ def test_missing_weights_is_a_clear_error(tmp_path):
     _write_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         build_runner(str(tmp_path), num_gpu_blocks=4, progress=False)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-linear"])
+def test_decode_rotary_in_the_attention_kernel_is_bit_identical(model_dirs, name, monkeypatch):
+    """Attention.fused_decode_rope (PAGEDSERVE_DECODE_FUSED_ROPE): on the Triton kernels
+    (the interpreter here), decode steps rotate q and k and write the new keys and values
+    inside the attention's launch; the tokens and every cache entry are the two-launch
+    path's to the bit (Qwen2 with its QKV bias and 2 KV heads, a 4:1 Llama)."""
+    from pagedserve.executor.models import llama
+    from pagedserve.kernels import ops
+
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "triton")
+    fused_calls = []
+    fused_op = ops.paged_decode_attention_rope
+    monkeypatch.setattr(ops, "paged_decode_attention_rope",
+                        lambda *a, **k: fused_calls.append(1) or fused_op(*a, **k))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(llama.Attention, "fused_decode_rope", fused)
+        driver = Driver(build_runner(str(model_dirs[name]), num_gpu_blocks=16,
+                                     num_cpu_blocks=0, block_size=8, progress=False))
+        driver.add("a", PROMPTS[0][:7])
+        driver.add("b", PROMPTS[2])
+        driver.generate(["a", "b"], 3)
+        runs[fused] = ([driver.seqs[r].outputs for r in "ab"],
+                       driver.runner.cache.kv_cache.clone())
+        assert len(fused_calls) == (2 * driver.runner.model.config.num_layers if fused else 0)
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])

@@ -12,12 +12,14 @@ argument (AttentionMetadata), never module state.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from pagedserve.executor.models.config import ModelConfig
 from pagedserve.kernels import ops
+from pagedserve.kernels.host_math import FUSED_ROPE_ENV
 from torch import nn
 
 
@@ -49,6 +51,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     kernel_backend = "auto"  # of the rotary embedding; see RMSNorm
+    # Decode steps (one token a sequence): the rotary embedding and the cache write done by
+    # the attention kernel in its launch (ops.paged_decode_attention_rope), not a launch
+    # before it. PAGEDSERVE_DECODE_FUSED_ROPE=1; off until a GPU has measured it. Read at
+    # import, leniently: this module is imported before an executor checks the value (and
+    # exits 2 on a bad one).
+    fused_decode_rope = os.environ.get(FUSED_ROPE_ENV) == "1"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -64,6 +72,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+
+    def fuses_decode_rope(self, attn: AttentionMetadata) -> bool:
+        """Does a step of this shape take `decode_rope`? (Qwen3's q/k norms come between
+        the projection and the rotary: not fused.)"""
+        return (attn.max_query_len == 1 and self.fused_decode_rope and not self.qk_norm
+                and self.kernel_backend == "auto")
+
+    def decode_rope(self, x, cos_sin, kv_cache: torch.Tensor,
+                    attn: AttentionMetadata) -> torch.Tensor:
+        """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
+        inside the attention's launch: [T, H, D]."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return ops.paged_decode_attention_rope(
+            q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads,
+                                                              self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim), cos_sin, kv_cache[0], kv_cache[1],
+            attn.slot_mapping, attn.block_tables, attn.seq_lens, self.scale)
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
@@ -118,17 +143,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos_sin, kv_cache, attn):
         """(this layer's MLP output, the residual stream before it): the residual add is
         fused into the next norm (the first layer's input is its own residual)."""
+        attention = self.self_attn
+        if attention.fuses_decode_rope(attn):
+            x, residual = self.input_norm(x, residual)
+            return self.post_attention(attention.decode_rope(x, cos_sin, kv_cache, attn),
+                                       residual)
         q, residual = self.pre_attention(x, residual, cos_sin, kv_cache, attn.slot_mapping)
-        return self.post_attention(self.self_attn.attend(q, kv_cache, attn), residual)
+        return self.post_attention(attention.attend(q, kv_cache, attn), residual)
+
+    def input_norm(self, x, residual):
+        """(the normed input, the residual stream); the first layer's input is its own
+        residual."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
 
     def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping):
         """(q, the residual stream): the input norm, q/k/v, rotary, the cache write. The
         halves either side of the attention call, for graphs captured around it
         (executor/mixed_graphs.py)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_norm(x, residual)
         return self.self_attn.qkv_and_cache(x, cos_sin, kv_cache, slot_mapping), residual
 
     def post_attention(self, attn_out, residual):
