@@ -37,6 +37,14 @@ head, each holding its query in its own KV head's columns and zeros elsewhere (a
 block-diagonal query), so one ``tl.dot`` scores every head against its own keys only; the
 ``p @ v`` product also fills the other heads' columns of a row, which the store drops. The
 dots do num_kv_heads times the arithmetic, which a memory-bound decode has to spare.
+
+``ROPE`` (the launcher's ``rope=``, a decode step's new token a sequence): q and the new
+keys arrive as the QKV projection left them; the program rotates its query rows and its KV
+head(s)' new keys (neox, with the rotary kernel's roundings: the same values to the bit),
+writes the new keys and values at the token's slot (every split of a sequence alike; a
+padding row's slot -1 writes nothing), and a barrier puts those writes before its own reads
+of the cache, whose last tile holds the token. One launch a layer fewer than the rotary
+kernel and then this one.
 """
 
 from __future__ import annotations

@@ -110,6 +110,18 @@ def drive_launchers(quick: bool) -> None:
                         *args, num_splits=splits, fused_reduce=fused)
             # the launcher's own tile rule on a small and a large grid
             decode_attention.paged_decode_attention_triton(*args)
+            # every KV head in one program (where it applies) and the rotary with the cache
+            # write in the launch (decode steps of the model with PAGEDSERVE_DECODE_FUSED_ROPE)
+            num = decode.query.shape[0]
+            rope = (torch.zeros(num, kv_heads, dim, dtype=dtype),
+                    torch.zeros(num, kv_heads, dim, dtype=dtype),
+                    torch.zeros(num, 2, dim, dtype=dtype), torch.arange(num))
+            for splits in (1, 4):
+                decode_attention.paged_decode_attention_triton(*args, num_splits=splits,
+                                                               all_kv_heads=True)
+                for all_kv in (False, True):
+                    decode_attention.paged_decode_attention_triton(
+                        *args, num_splits=splits, all_kv_heads=all_kv, rope=rope)
             prefill = make_paged_batch([(64, 64), (17, 300)], num_kv_heads=kv_heads,
                                        group=group, head_dim=dim, block_size=16, dtype=dtype,
                                        device="cpu")

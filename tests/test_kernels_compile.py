@@ -35,6 +35,9 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     fused = [r for r in records if r["case"] == "_decode_kernel"
              and r["constexprs"]["FUSED_REDUCE"]]
     assert fused and records[-1]["case"] == "summary" and records[-1]["launches"] >= 18
+    decode = [r["constexprs"] for r in records if r["case"] == "_decode_kernel"]
+    assert any(c["ALL_KV_HEADS"] for c in decode) and any(c["ROPE"] for c in decode)
+    assert any(c["ALL_KV_HEADS"] and c["ROPE"] and c["FUSED_REDUCE"] for c in decode)
     # The Qwen2.5-0.5B-shape bf16 attention the executor runs (the quick set) keeps its
     # registers: a change that makes these spill is a slowdown the interpreter cannot see.
     if any("stack_bytes" in r for r in records):
