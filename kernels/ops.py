@@ -79,19 +79,27 @@ def paged_decode_attention(
     *,
     backend: str = "auto",
     num_splits: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its cached context.
 
     ``num_splits`` (Triton only) forces the split-K partition count; ``None`` lets the
-    launcher's rule decide (see ``decode_attention.choose_num_splits``).
+    launcher's rule decide (see ``decode_attention.choose_num_splits``). ``rope`` = (key,
+    value, cos_sin, slot_mapping) of the step's new tokens, one a sequence, with ``query``
+    and ``key`` not yet rotated: `rotary_embedding_and_cache` first. The Triton path does it
+    in the attention's launch (the same values to the bit); the twin path runs the two ops.
     """
     if _use_triton(backend, query):
         from .decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, scale,
-            sliding_window=sliding_window, out=out, num_splits=num_splits,
+            sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
         )
+    if rope is not None:
+        key, value, cos_sin, slot_mapping = rope
+        query, _ = rotary_embedding_and_cache(query, key, value, cos_sin, key_cache,
+                                              value_cache, slot_mapping, backend=backend)
     return reference.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale,
         sliding_window=sliding_window, out=out,
@@ -156,41 +164,6 @@ def paged_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
         sliding_window=sliding_window, out=out, backend=backend, max_query_len=max_query_len,
     )
-
-
-def paged_decode_attention_rope(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """A decode step's attention from its unrotated q [S, H, D], k and v [S, Hkv, D] (one
-    new token a sequence): `rotary_embedding_and_cache`, then `paged_decode_attention`.
-    The Triton path is one launch (the attention kernel rotates q and k and writes the new
-    keys and values itself, the same values to the bit); the twin path is the two ops."""
-    if _use_triton(backend, query):
-        from .decode_attention import paged_decode_attention_triton
-
-        return paged_decode_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, scale,
-            sliding_window=sliding_window, out=out,
-            rope=(key, value, cos_sin, slot_mapping))
-    query, _ = rotary_embedding_and_cache(query, key, value, cos_sin, key_cache, value_cache,
-                                          slot_mapping, backend=backend)
-    return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                  scale, sliding_window=sliding_window, out=out,
-                                  backend=backend)
-
 
 def copy_blocks(
     kv_cache: torch.Tensor, block_mapping: torch.Tensor, *, backend: str = "auto"

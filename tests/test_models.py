@@ -138,9 +138,14 @@ def test_decode_rotary_in_the_attention_kernel_is_bit_identical(model_dirs, name
 
     monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "triton")
     fused_calls = []
-    fused_op = ops.paged_decode_attention_rope
-    monkeypatch.setattr(ops, "paged_decode_attention_rope",
-                        lambda *a, **k: fused_calls.append(1) or fused_op(*a, **k))
+    decode = ops.paged_decode_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("rope") is not None:
+            fused_calls.append(1)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_decode_attention", spy)
     runs = {}
     for fused in (False, True):
         monkeypatch.setattr(llama.Attention, "fused_decode_rope", fused)

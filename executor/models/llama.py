@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     kernel_backend = "auto"  # of the rotary embedding; see RMSNorm
     # Decode steps (one token a sequence): the rotary embedding and the cache write done by
-    # the attention kernel in its launch (ops.paged_decode_attention_rope), not a launch
+    # the attention kernel in its launch (ops.paged_decode_attention's rope), not a launch
     # before it. PAGEDSERVE_DECODE_FUSED_ROPE=1; off until a GPU has measured it. Read at
     # import, leniently: this module is imported before an executor checks the value (and
     # exits 2 on a bad one).
@@ -84,11 +84,12 @@ class Attention(nn.Module):
         """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
         inside the attention's launch: [T, H, D]."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return ops.paged_decode_attention_rope(
-            q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads,
-                                                              self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim), cos_sin, kv_cache[0], kv_cache[1],
-            attn.slot_mapping, attn.block_tables, attn.seq_lens, self.scale)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return ops.paged_decode_attention(
+            q.view(-1, self.num_heads, self.head_dim), kv_cache[0], kv_cache[1],
+            attn.block_tables, attn.seq_lens, self.scale,
+            rope=(k, v, cos_sin, attn.slot_mapping))
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
