@@ -153,6 +153,17 @@ def drive_launchers(quick: bool) -> None:
         ops.copy_blocks(kv, torch.tensor([[0, 3], [1, 2]]), backend="triton")
         logits = torch.zeros(4, 151_936, dtype=dtype)
         ops.argmax_rows(logits, backend="triton")
+    # The split-K GEMM (kernels/linear_ops.py, benchmarks/kernels_gemm.py's sweep): the
+    # largest tiles and stages of the sweep, split and not, with and without bias.
+    from pagedserve.kernels.linear_ops import linear_triton
+
+    x = torch.zeros(256, 896, dtype=torch.bfloat16)
+    w = torch.zeros(896, 896, dtype=torch.bfloat16)
+    for bm, bn, bk, split, stages in ((128, 128, 64, 1, 4), (64, 64, 64, 4, 4),
+                                      (64, 64, 128, 2, 3)):
+        for bias in (None, torch.zeros(896, dtype=torch.bfloat16)):
+            linear_triton(x, w, bias, block_m=bm, block_n=bn, block_k=bk, split_k=split,
+                          num_stages=stages)
     rows = torch.zeros(4, 151_936)
     for bits in (1, 2, 4):
         sampling_ops.top_p_thresholds_triton(

@@ -90,7 +90,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
                    *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_decode", decode, 240), Step("kernels_gemm", gemm, 60),
+                Step("kernels_decode", decode, 240), Step("kernels_gemm", gemm, 150),
                 Step("kernels_bench", bench, 300)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,

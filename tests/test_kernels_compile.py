@@ -31,7 +31,7 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert {"_decode_kernel", "_reduce_kernel", "_prefill_kernel", "_rotary_cache_kernel",
             "_rms_norm_kernel", "_silu_and_mul_kernel", "_copy_blocks_kernel",
             "_reshape_and_cache_kernel", "_argmax_chunks_kernel", "_argmax_rows_kernel",
-            "_top_p_threshold_kernel"} <= compiled
+            "_top_p_threshold_kernel", "_linear_kernel"} <= compiled
     fused = [r for r in records if r["case"] == "_decode_kernel"
              and r["constexprs"]["FUSED_REDUCE"]]
     assert fused and records[-1]["case"] == "summary" and records[-1]["launches"] >= 18

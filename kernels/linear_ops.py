@@ -1,0 +1,139 @@
+"""A decode step's projections as a Triton GEMM with split-K (out = x @ weight^T + bias):
+for A/B against cuBLAS, which torch's ``F.linear`` calls (benchmarks/kernels_gemm.py).
+
+Why: at 256 decode tokens the Qwen2.5-0.5B layer's four projections took 30.6 us on an H200
+(2026-11-27 trace) against ~7.5 us of weight reads and ~10 us of its arithmetic at peak: the
+narrow ones (o_proj 896 x 896, QKV 1152 x 896) give cuBLAS few output tiles (2 x 7 at
+128 x 128), so few SMs work through all of K; the down projection ran split-K with a second
+launch for the reduction. Here the K range is cut into ``SPLIT_K`` parts too, and the part
+that finishes last sums the others' fp32 partials in split order (deterministic whatever the
+arrival order) and writes the output and bias: one launch, as the decode kernel's fused
+split-K reduction does (decode_reduce.py).
+
+Twin: ``torch.nn.functional.linear`` (fp32 accumulation; bf16 results differ from cuBLAS's
+by the order of the sums).
+
+Algorithm of ``_linear_kernel``, program (m tile, n tile, k part): acc = sum over the part's
+BLOCK_K slices of x[m tile, k] @ weight[n tile, k]^T in fp32. One part: write acc (+ bias)
+in the output dtype. Several: write acc to the fp32 workspace at (part, m, n); count in on
+the (m, n) tile's counter (a barrier, then an acq_rel atomic: every thread's partial
+stores before the count); the part that brings it to SPLIT_K reads the partials back from
+L2 in part order, adds the bias, writes the output, and resets the counter to 0 for the
+next launch (so it stays valid in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .host_math import INTERPRETING, cdiv
+
+# Arrival counters per device (zero between launches), shared by every launch on the
+# device's one stream, as decode_rules._counters.
+_counters: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 4096  # output tiles: no growth while CUDA graphs capture
+
+
+def _tile_counters(device: torch.device, needed: int) -> torch.Tensor:
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(max(needed, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 inputs (or the CPU interpreter): exact fp32 dots
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    per_part = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = part * per_part
+    k_hi = tl.minimum(k_lo + per_part, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = (offs_m[:, None] * N + offs_n[None, :]).to(tl.int64)
+        size = M * N
+        tl.store(part_ptr + part * size + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.store(counter, 0)
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for p in range(SPLIT_K):  # in part order: the same sum whoever arrives last
+                total += tl.load(part_ptr + p * size + tile, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(
+                    tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  *, block_m: int = 64, block_n: int = 64, block_k: int = 64,
+                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, one launch; the
+    launch configuration is the caller's (kernels_gemm sweeps it)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last axis")
+    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (weight.shape[0],)
+                                                         or bias.dtype != x.dtype)):
+        raise TypeError(f"weight {weight.dtype} and bias must be [N] in x's dtype {x.dtype}")
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (cdiv(m, block_m), cdiv(n, block_n), split_k)
+    if split_k > 1:
+        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[1])
+    else:
+        part = counters = out  # unused
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else out, out, part, counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, UPCAST=INTERPRETING or x.dtype == torch.float32,
+        num_warps=num_warps, num_stages=1 if INTERPRETING else num_stages,
+    )
+    return out
