@@ -31,6 +31,10 @@ def cdiv(a: int, b: int) -> int:
 # cache write done by the attention kernel (its ``rope``; executor/models/llama.py).
 ALL_KV_HEADS_ENV = "PAGEDSERVE_DECODE_ALL_KV_HEADS"
 FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
+# The model's projections through the split-K Triton GEMM (kernels/linear_ops.py) for
+# batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS.
+TRITON_GEMM_ENV = "PAGEDSERVE_DECODE_TRITON_GEMM"
+TRITON_GEMM_MAX_TOKENS = 512
 
 
 def switch_from_env(name: str, environ=os.environ) -> bool:
@@ -48,3 +52,7 @@ def all_kv_heads_from_env(environ=os.environ) -> bool:
 
 def fused_rope_from_env(environ=os.environ) -> bool:
     return switch_from_env(FUSED_ROPE_ENV, environ)
+
+
+def triton_gemm_from_env(environ=os.environ) -> bool:
+    return switch_from_env(TRITON_GEMM_ENV, environ)

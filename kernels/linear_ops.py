@@ -11,7 +11,11 @@ arrival order) and writes the output and bias: one launch, as the decode kernel'
 split-K reduction does (decode_reduce.py).
 
 Twin: ``torch.nn.functional.linear`` (fp32 accumulation; bf16 results differ from cuBLAS's
-by the order of the sums).
+by the order of the sums). `linear_tuned` picks its launch configuration per (M, N, K) with
+Triton's autotuner (the first call of a shape times `TUNED_CONFIGS`: an executor's graph
+warm-up does it before capture); the model uses it for its projections with
+PAGEDSERVE_DECODE_TRITON_GEMM=1 (executor/models/llama.py), an A/B switch until a GPU says
+it beats cuBLAS.
 
 Algorithm of ``_linear_kernel``, program (m tile, n tile, k part): acc = sum over the part's
 BLOCK_K slices of x[m tile, k] @ weight[n tile, k]^T in fp32. One part: write acc (+ bias)
@@ -27,8 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
-from .host_math import INTERPRETING, cdiv
+from .host_math import INTERPRETING, cdiv, next_power_of_2
 
 # Arrival counters per device (zero between launches), shared by every launch on the
 # device's one stream, as decode_rules._counters.
@@ -48,6 +53,7 @@ def _tile_counters(device: torch.device, needed: int) -> torch.Tensor:
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
     M, N, K,
+    M_KEY,  # the autotuner's key for M: next_power_of_2(M) (unused in the body)
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -103,11 +109,8 @@ def _linear_kernel(
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  *, block_m: int = 64, block_n: int = 64, block_k: int = 64,
-                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, one launch; the
-    launch configuration is the caller's (kernels_gemm sweeps it)."""
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           split_k: int) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -118,6 +121,14 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise TypeError(f"weight {weight.dtype} and bias must be [N] in x's dtype {x.dtype}")
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  *, block_m: int = 64, block_n: int = 64, block_k: int = 64,
+                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, one launch; the
+    launch configuration is the caller's (kernels_gemm sweeps it)."""
+    _check(x, weight, bias, split_k)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -131,9 +142,78 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         part = counters = out  # unused
     _linear_kernel[grid](
         x, weight, bias if bias is not None else out, out, part, counters,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, next_power_of_2(m), x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, UPCAST=INTERPRETING or x.dtype == torch.float32,
         num_warps=num_warps, num_stages=1 if INTERPRETING else num_stages,
+    )
+    return out
+
+
+# --- autotuned, for the model's projections -------------------------------------------------
+
+# (block_m, block_n, block_k, split_k, num_warps, num_stages): square 64-tiles at every
+# split, taller and wider tiles with fewer splits, deeper K slices.
+TUNED_CONFIGS = ([(64, 64, 64, sk, 4, 4) for sk in (1, 2, 4, 8)]
+                 + [(128, 64, 64, sk, 4, 4) for sk in (1, 2, 4)]
+                 + [(128, 128, 64, sk, 8, 4) for sk in (1, 2)]
+                 + [(64, 64, 128, sk, 4, 3) for sk in (2, 4)])
+# Split-K writes SPLIT_K x M x N fp32 partials: only for outputs up to this wide (the
+# narrow projections, where it pays: few output tiles).
+SPLIT_MAX_N = 4096
+_MAX_SPLIT = max(c[3] for c in TUNED_CONFIGS)
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """The fp32 partials' buffer, shared by every launch on the device's one stream (grown
+    by a graph's warm-up run before its capture, never during it)."""
+    buf = _workspaces.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = _workspaces[device] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf
+
+
+def _prune(configs, named_args, **kwargs):
+    n = named_args["N"]
+    k = named_args["K"]
+    return [c for c in configs if c.kwargs["SPLIT_K"] == 1 or (
+        n <= SPLIT_MAX_N and k // (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) >= 2)]
+
+
+_linear_tuned_kernel = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
+                           num_warps=warps, num_stages=stages)
+             for bm, bn, bk, sk, warps, stages in TUNED_CONFIGS],
+    # Tuned per power-of-two M (a decode graph's 35 batch sizes are 9 keys a shape), each
+    # configuration timed for ~10 ms: ~5 s of an executor's start for the four projections.
+    key=["M_KEY", "N", "K"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=2, rep=10,
+                                                          quantiles=quantiles),
+)(_linear_kernel)
+
+
+def linear_tuned(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_triton` with the launch configuration the autotuner picked for this (M, N,
+    K); on the interpreter, one fixed configuration (tuning there would time nothing real)."""
+    if INTERPRETING:
+        return linear_triton(x, weight, bias, block_m=16, block_n=16, block_k=16, split_k=2)
+    _check(x, weight, bias, 1)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    part = _workspace(x.device, (_MAX_SPLIT * m * n) if n <= SPLIT_MAX_N else 1)
+    counters = _tile_counters(x.device, cdiv(m, 64) * cdiv(n, 64))
+
+    def grid(meta):
+        return (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    _linear_tuned_kernel[grid](
+        x, weight, bias if bias is not None else out, out, part, counters,
+        m, n, k, next_power_of_2(m), x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=x.dtype == torch.float32,
     )
     return out

@@ -21,6 +21,7 @@ import os
 import torch
 
 from . import reference
+from .host_math import TRITON_GEMM_MAX_TOKENS
 
 __all__ = [
     "reshape_and_cache",
@@ -164,6 +165,19 @@ def paged_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
         sliding_window=sliding_window, out=out, backend=backend, max_query_len=max_query_len,
     )
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           triton_gemm: bool = False, backend: str = "auto") -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias): torch's linear (cuBLAS on a GPU), or with
+    ``triton_gemm`` the autotuned split-K Triton GEMM (linear_ops.py) for up to
+    TRITON_GEMM_MAX_TOKENS rows on the Triton backend."""
+    if triton_gemm and x.dim() == 2 and x.shape[0] <= TRITON_GEMM_MAX_TOKENS \
+            and _use_triton(backend, x):
+        from .linear_ops import linear_tuned
+
+        return linear_tuned(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
 
 def copy_blocks(
     kv_cache: torch.Tensor, block_mapping: torch.Tensor, *, backend: str = "auto"

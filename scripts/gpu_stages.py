@@ -106,6 +106,11 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         bench_lt = _py(ctx, "benchmarks/executor_bench.py", *model,
                        *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
                        "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "cublaslt"))
+        # And with the projections through the autotuned split-K Triton GEMM (its tuning,
+        # at every graph size, in the graphs' warm-up).
+        bench_gemm = _py(ctx, "benchmarks/executor_bench.py", *model,
+                         *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                         "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "triton-gemm"))
         # And with decode steps' rotary and cache write inside the attention launch.
         bench_rope = _py(ctx, "benchmarks/executor_bench.py", *model,
                          *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
@@ -115,6 +120,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON),
                 Step("executor_bench_fused_rope", bench_rope, 200,
                      env={"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}),
+                Step("executor_bench_triton_gemm", bench_gemm, 300,
+                     env={"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}),
                 Step("executor_bench_cublaslt", bench_lt, 200,
                      env={"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
     if name == "cluster":

@@ -447,16 +447,18 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
         proc.wait()
         router.close()
     assert "PAGEDSERVE_PLAN_PREP=main: plans prepared on the main thread" in proc.stderr.read()
-    # A bad value of any A/B switch read at start (PAGEDSERVE_DECODE_ALL_KV_HEADS and
-    # PAGEDSERVE_DECODE_FUSED_ROPE: the decode kernel's, kernels/host_math.py) stops the
-    # executor with exit code 2.
+    # A bad value of any A/B switch read at start (PAGEDSERVE_DECODE_ALL_KV_HEADS,
+    # _FUSED_ROPE, _TRITON_GEMM: kernels/host_math.py) stops the executor with exit code 2.
     for env, message in [({"PAGEDSERVE_PLAN_PREP": "both"},
                           "PAGEDSERVE_PLAN_PREP='both': expected io or main"),
                          ({"PAGEDSERVE_PLAN_PREP": "io", "PAGEDSERVE_DECODE_ALL_KV_HEADS": "yes"},
                           "PAGEDSERVE_DECODE_ALL_KV_HEADS='yes': expected 0 or 1"),
                          ({"PAGEDSERVE_DECODE_ALL_KV_HEADS": "0",
                            "PAGEDSERVE_DECODE_FUSED_ROPE": "on"},
-                          "PAGEDSERVE_DECODE_FUSED_ROPE='on': expected 0 or 1")]:
+                          "PAGEDSERVE_DECODE_FUSED_ROPE='on': expected 0 or 1"),
+                         ({"PAGEDSERVE_DECODE_FUSED_ROPE": "0",
+                           "PAGEDSERVE_DECODE_TRITON_GEMM": "2"},
+                          "PAGEDSERVE_DECODE_TRITON_GEMM='2': expected 0 or 1")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")

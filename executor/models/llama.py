@@ -19,8 +19,18 @@ import torch
 import torch.nn.functional as F
 from pagedserve.executor.models.config import ModelConfig
 from pagedserve.kernels import ops
-from pagedserve.kernels.host_math import FUSED_ROPE_ENV
+from pagedserve.kernels.host_math import FUSED_ROPE_ENV, TRITON_GEMM_ENV
 from torch import nn
+
+# PAGEDSERVE_DECODE_TRITON_GEMM=1: the projections of batches of up to 512 tokens through the
+# split-K Triton GEMM (ops.linear), not cuBLAS; off until a GPU has measured it. Read at
+# import, leniently (an executor checks the value at its start and exits 2 on a bad one).
+TRITON_GEMM = os.environ.get(TRITON_GEMM_ENV) == "1"
+
+
+def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """One of the layer's projections (ops.linear: cuBLAS, or the Triton GEMM)."""
+    return ops.linear(x, linear.weight, linear.bias, triton_gemm=TRITON_GEMM)
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,8 @@ class Attention(nn.Module):
                     attn: AttentionMetadata) -> torch.Tensor:
         """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
         inside the attention's launch: [T, H, D]."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
+                                           dim=-1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return ops.paged_decode_attention(
@@ -93,13 +104,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
-        return self.o_proj(self.attend(q, kv_cache, attn).reshape(-1, self.q_size))
+        return project(self.o_proj, self.attend(q, kv_cache, attn).reshape(-1, self.q_size))
 
     def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] rotated; the rotated keys and the values written into this layer's
         cache at ``slot_mapping`` (-1: not written)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
+                                           dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -129,7 +141,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x),
+        return project(self.down_proj, ops.silu_and_mul(project(self.gate_up_proj, x),
                                                backend=self.kernel_backend))
 
 
@@ -169,7 +181,7 @@ class DecoderLayer(nn.Module):
     def post_attention(self, attn_out, residual):
         """(this layer's MLP output, the residual stream before it) from the attention's
         output [T, H, D]."""
-        x = self.self_attn.o_proj(attn_out.reshape(-1, self.self_attn.q_size))
+        x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
