@@ -54,6 +54,38 @@ def _best_triton(torch, timed, x, w, b, dry_run: bool):
     return best
 
 
+def _down_with_silu(torch, timed, tokens: int, dtype, device, dry_run: bool):
+    """The down projection with SiLU-and-multiply inside the Triton GEMM's operand loads,
+    against the SiLU-and-multiply kernel then torch's linear (the model's path without the
+    Triton GEMM): the launch and the [M, 4864] intermediate saved. None off CUDA (the
+    interpreter would time nothing real)."""
+    if device.type != "cuda" and not dry_run:
+        return None
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.linear_ops import linear_triton
+
+    inter, hidden = (76, 14) if dry_run else (4864, 896)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+    w = torch.randn(hidden, inter, device=device, dtype=dtype) * inter ** -0.5
+    two = timed(lambda: torch.nn.functional.linear(ops.silu_and_mul(gate_up), w))
+    grid = [(16, 16, 16, 2, 4, 1)] if dry_run else [
+        c for c in TRITON_GRID if c[0] * c[1] <= 64 * 128]
+    best = None
+    for bm, bn, bk, sk, warps, stages in grid:
+        launch = functools.partial(linear_triton, gate_up, w, block_m=bm, block_n=bn,
+                                   block_k=bk, split_k=sk, num_warps=warps,
+                                   num_stages=stages, silu_mul=True)
+        latency = timed(launch)
+        if best is None or latency < best[0]:
+            best = (latency, (bm, bn, bk, sk, warps, stages))
+    return {"case": f"gemm/qwen2.5_0.5b/down_silu/m{tokens}",
+            "silu_then_linear_latency_us_p50": round(two, 2),
+            "triton_silu_mul_latency_us_p50": round(best[0], 2),
+            "triton_config": dict(zip(("block_m", "block_n", "block_k", "split_k",
+                                       "num_warps", "num_stages"), best[1], strict=True)),
+            "saved_us_x24": round(24 * (two - best[0]), 1)}
+
+
 def bench_gemm(torch, device, dtype, timed, copy_gb_per_s: float, dry_run: bool) -> None:
     cuda = device.type == "cuda"
     libraries = LIBRARIES if cuda else ("default",)
@@ -90,6 +122,9 @@ def bench_gemm(torch, device, dtype, timed, copy_gb_per_s: float, dry_run: bool)
                 record["fastest"] = min(
                     (*libraries, "triton"),
                     key=lambda lib: record.get(f"{lib}_latency_us_p50", float("inf")))
+                emit(record)
+            record = _down_with_silu(torch, timed, tokens, dtype, device, dry_run)
+            if record is not None:
                 emit(record)
             emit({"case": f"gemm/qwen2.5_0.5b/step_m{tokens}", "layers": QWEN_05B_LAYERS,
                   **{f"{lib}_step_us": round(total, 1) for lib, total in totals.items()},

@@ -61,6 +61,7 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # fp32 inputs (or the CPU interpreter): exact fp32 dots
+    SILU_MUL: tl.constexpr = False,  # x is [M, 2K] gate | up: the A operand silu(gate) * up
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,7 +79,15 @@ def _linear_kernel(
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x_mask = mask_m[:, None] & mask_k[None, :]
+        if SILU_MUL:  # as layer_ops._silu_and_mul_kernel rounds it: the same operand
+            gate = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+            up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0)
+            g = gate.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            x = (silu * up.to(tl.float32)).to(gate.dtype)
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -110,10 +119,12 @@ def _linear_kernel(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           split_k: int) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+           split_k: int, silu_mul: bool = False) -> None:
+    width = 2 * weight.shape[1] if weight.dim() == 2 and silu_mul else (
+        weight.shape[1] if weight.dim() == 2 else -1)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"x [M, {'2K' if silu_mul else 'K'}] and weight [N, K] expected, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a contiguous last axis")
     if weight.dtype != x.dtype or (bias is not None and (bias.shape != (weight.shape[0],)
@@ -125,11 +136,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   *, block_m: int = 64, block_n: int = 64, block_k: int = 64,
-                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+                  silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, one launch; the
-    launch configuration is the caller's (kernels_gemm sweeps it)."""
-    _check(x, weight, bias, split_k)
-    m, k = x.shape
+    launch configuration is the caller's (kernels_gemm sweeps it). ``silu_mul``: x is
+    [M, 2K], gate then up, and the product is silu(gate) * up @ weight^T, the operand
+    rounded as ``ops.silu_and_mul``'s kernel rounds it (no launch of its own)."""
+    _check(x, weight, bias, split_k, silu_mul)
+    m = x.shape[0]
+    k = weight.shape[1]
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -144,7 +159,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, next_power_of_2(m), x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, UPCAST=INTERPRETING or x.dtype == torch.float32,
+        SPLIT_K=split_k, UPCAST=INTERPRETING or x.dtype == torch.float32, SILU_MUL=silu_mul,
         num_warps=num_warps, num_stages=1 if INTERPRETING else num_stages,
     )
     return out
@@ -193,14 +208,16 @@ _linear_tuned_kernel = triton.autotune(
 )(_linear_kernel)
 
 
-def linear_tuned(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, silu_mul: bool = False) -> torch.Tensor:
     """`linear_triton` with the launch configuration the autotuner picked for this (M, N,
     K); on the interpreter, one fixed configuration (tuning there would time nothing real)."""
     if INTERPRETING:
-        return linear_triton(x, weight, bias, block_m=16, block_n=16, block_k=16, split_k=2)
-    _check(x, weight, bias, 1)
-    m, k = x.shape
+        return linear_triton(x, weight, bias, block_m=16, block_n=16, block_k=16, split_k=2,
+                             silu_mul=silu_mul)
+    _check(x, weight, bias, 1, silu_mul)
+    m = x.shape[0]
+    k = weight.shape[1]
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -214,6 +231,6 @@ def linear_tuned(x: torch.Tensor, weight: torch.Tensor,
     _linear_tuned_kernel[grid](
         x, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, next_power_of_2(m), x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, UPCAST=x.dtype == torch.float32, SILU_MUL=silu_mul,
     )
     return out

@@ -167,15 +167,20 @@ def paged_attention(
     )
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           triton_gemm: bool = False, backend: str = "auto") -> torch.Tensor:
+           triton_gemm: bool = False, silu_mul: bool = False,
+           backend: str = "auto") -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias): torch's linear (cuBLAS on a GPU), or with
     ``triton_gemm`` the autotuned split-K Triton GEMM (linear_ops.py) for up to
-    TRITON_GEMM_MAX_TOKENS rows on the Triton backend."""
+    TRITON_GEMM_MAX_TOKENS rows on the Triton backend. ``silu_mul``: x is [T, 2K], gate then
+    up, multiplied as `silu_and_mul(x)` (``backend``'s), inside the Triton GEMM's operand
+    loads when it runs."""
     if triton_gemm and x.dim() == 2 and x.shape[0] <= TRITON_GEMM_MAX_TOKENS \
             and _use_triton(backend, x):
         from .linear_ops import linear_tuned
 
-        return linear_tuned(x, weight, bias)
+        return linear_tuned(x, weight, bias, silu_mul=silu_mul)
+    if silu_mul:
+        x = silu_and_mul(x, backend=backend)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -164,6 +164,9 @@ def drive_launchers(quick: bool) -> None:
         for bias in (None, torch.zeros(896, dtype=torch.bfloat16)):
             linear_triton(x, w, bias, block_m=bm, block_n=bn, block_k=bk, split_k=split,
                           num_stages=stages)
+    # the down projection with SiLU-and-multiply in its operand loads
+    linear_triton(torch.zeros(256, 2 * 896, dtype=torch.bfloat16), w, block_m=64, block_n=64,
+                  block_k=64, split_k=4, num_stages=4, silu_mul=True)
     rows = torch.zeros(4, 151_936)
     for bits in (1, 2, 4):
         sampling_ops.top_p_thresholds_triton(

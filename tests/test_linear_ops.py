@@ -89,3 +89,30 @@ def test_linear_tuned_gpu(m):
         torch.cuda.synchronize()
         torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
         assert int(linear_ops._counters[got.device].count_nonzero()) == 0
+    # The down projection with SiLU-and-multiply in its operand loads (the model's MLP).
+    gate_up = torch.randn(m, 2 * 4864, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) * 4864 ** -0.5
+    want = torch.nn.functional.linear(ops.silu_and_mul(gate_up), w).float()
+    got = ops.linear(gate_up, w, triton_gemm=True, silu_mul=True)
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_silu_mul_operand_is_the_silu_and_mul_kernels(split_k):
+    """``silu_mul``: x is gate | up and the GEMM multiplies silu(gate) * up, rounded as the
+    SiLU-and-multiply kernel rounds it: bit-equal to that kernel's output fed to the plain
+    GEMM (the same launch configuration), and close to torch's form."""
+    from pagedserve.kernels import ops
+
+    gen = torch.Generator().manual_seed(split_k)
+    gate_up = torch.randn(11, 2 * 40, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(24, 40, generator=gen) / 6).to(DEVICE, torch.bfloat16)
+    launch = dict(block_m=16, block_n=16, block_k=16, split_k=split_k)
+    fused = linear_triton(gate_up, w, silu_mul=True, **launch)
+    two = linear_triton(ops.silu_and_mul(gate_up, backend="triton"), w, **launch)
+    assert torch.equal(fused, two)
+    want = torch.nn.functional.linear(ops.silu_and_mul(gate_up, backend="torch").float(),
+                                      w.float())
+    torch.testing.assert_close(fused.float(), want, atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="2K"):
+        linear_triton(gate_up[:, :40], w, silu_mul=True)

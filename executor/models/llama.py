@@ -141,8 +141,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, ops.silu_and_mul(project(self.gate_up_proj, x),
-                                               backend=self.kernel_backend))
+        return ops.linear(project(self.gate_up_proj, x), self.down_proj.weight,
+                          self.down_proj.bias, triton_gemm=TRITON_GEMM, silu_mul=True,
+                          backend=self.kernel_backend)
 
 
 class DecoderLayer(nn.Module):
