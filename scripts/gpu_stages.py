@@ -64,6 +64,9 @@ def gpu_test_files() -> list[str]:
 # Every decode launch with one program per sequence reading all its KV heads (the kernel's
 # A/B: kernels/decode_attention.py, off by default until measured).
 ALL_KV_HEADS_ON = {"PAGEDSERVE_DECODE_ALL_KV_HEADS": "1"}
+# Every switch of the decode step's device time (each off by default until measured).
+ALL_SWITCHES_ON = {**ALL_KV_HEADS_ON, "PAGEDSERVE_DECODE_FUSED_ROPE": "1",
+                   "PAGEDSERVE_DECODE_TRITON_GEMM": "1"}
 
 
 def plan_stage(name: str, ctx: Context) -> list[Step]:
@@ -111,6 +114,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         bench_gemm = _py(ctx, "benchmarks/executor_bench.py", *model,
                          *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
                          "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "triton-gemm"))
+        # And with every device-time switch on at once (their combined effect).
+        bench_all = _py(ctx, "benchmarks/executor_bench.py", *model,
+                        *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
+                        "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "all-switches"))
         # And with decode steps' rotary and cache write inside the attention launch.
         bench_rope = _py(ctx, "benchmarks/executor_bench.py", *model,
                          *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
@@ -122,6 +129,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      env={"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}),
                 Step("executor_bench_triton_gemm", bench_gemm, 300,
                      env={"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}),
+                Step("executor_bench_all_switches", bench_all, 300, env=ALL_SWITCHES_ON),
                 Step("executor_bench_cublaslt", bench_lt, 200,
                      env={"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
     if name == "cluster":
