@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .counters import arrival_counters
 from .host_math import all_kv_heads_from_env, next_power_of_2
 
 # ``ALL_KV_HEADS`` applies up to this many cache columns a token (num_kv_heads * head_dim,
@@ -106,11 +107,7 @@ _MIN_COUNTERS = 8192  # 256 sequences x 32 KV heads: no growth while CUDA graphs
 
 
 def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    counters = _split_counters.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = torch.zeros(max(needed, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _split_counters[device] = counters
-    return counters
+    return arrival_counters(_split_counters, device, needed, _MIN_COUNTERS)
 
 
 def all_kv_heads_applies(num_heads: int, num_kv_heads: int, head_dim: int,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from .counters import arrival_counters
 from .host_math import INTERPRETING, cdiv, next_power_of_2
 
 # Arrival counters per device (zero between launches), shared by every launch on the
@@ -42,11 +43,7 @@ _MIN_COUNTERS = 4096  # output tiles: no growth while CUDA graphs capture
 
 
 def _tile_counters(device: torch.device, needed: int) -> torch.Tensor:
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = torch.zeros(max(needed, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
+    return arrival_counters(_counters, device, needed, _MIN_COUNTERS)
 
 
 @triton.jit
@@ -134,6 +131,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"split_k must be >= 1, got {split_k}")
 
 
+def _output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split_k: int,
+            silu_mul: bool) -> tuple[int, int, int, torch.Tensor]:
+    """(M, N, K, the output [M, N]) of checked inputs."""
+    _check(x, weight, bias, split_k, silu_mul)
+    n, k = weight.shape
+    return x.shape[0], n, k, torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   *, block_m: int = 64, block_n: int = 64, block_k: int = 64,
                   split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
@@ -142,11 +147,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     launch configuration is the caller's (kernels_gemm sweeps it). ``silu_mul``: x is
     [M, 2K], gate then up, and the product is silu(gate) * up @ weight^T, the operand
     rounded as ``ops.silu_and_mul``'s kernel rounds it (no launch of its own)."""
-    _check(x, weight, bias, split_k, silu_mul)
-    m = x.shape[0]
-    k = weight.shape[1]
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    m, n, k, out = _output(x, weight, bias, split_k, silu_mul)
     if m == 0 or n == 0:
         return out
     grid = (cdiv(m, block_m), cdiv(n, block_n), split_k)
@@ -215,11 +216,7 @@ def linear_tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if INTERPRETING:
         return linear_triton(x, weight, bias, block_m=16, block_n=16, block_k=16, split_k=2,
                              silu_mul=silu_mul)
-    _check(x, weight, bias, 1, silu_mul)
-    m = x.shape[0]
-    k = weight.shape[1]
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    m, n, k, out = _output(x, weight, bias, 1, silu_mul)
     if m == 0 or n == 0:
         return out
     part = _workspace(x.device, (_MAX_SPLIT * m * n) if n <= SPLIT_MAX_N else 1)

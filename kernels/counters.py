@@ -1,0 +1,19 @@
+"""Arrival counters of the kernels whose last program to finish a piece of work combines the
+others' partial results (decode_reduce.py's split-K decode, linear_ops.py's split-K GEMM):
+int32 zeros, per device, left at zero by every launch (its last arrivals reset theirs), so
+one buffer serves every launch on the device's one stream. Grown, never shrunk; sized ahead
+so that no growth (a new allocation) happens while a CUDA graph is captured."""
+
+from __future__ import annotations
+
+import torch
+
+
+def arrival_counters(store: dict[torch.device, torch.Tensor], device: torch.device,
+                     needed: int, minimum: int) -> torch.Tensor:
+    """``store``'s counters on ``device``, at least ``needed`` (and ``minimum``) of them."""
+    counters = store.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(max(needed, minimum), dtype=torch.int32, device=device)
+        store[device] = counters
+    return counters
