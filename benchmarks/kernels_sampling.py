@@ -6,7 +6,9 @@ the sort it replaces. Rows are flat (every nucleus reaches past the sampler's fi
 the sort ("twin") needs a host read of which rows, so it is timed eagerly, read included:
 what an overlapped step would wait. ``radixB_latency_us_p50``: the kernel with its search
 cutting the key range into 2^B parts a pass (32 / B reads of each row), to choose
-``sampling_ops.RADIX_BITS``."""
+``sampling_ops.RADIX_BITS``; ``radixB_chunksC_latency_us_p50``: each row spread over C
+programs, one launch a pass, to choose ``sampling_ops.TOP_P_CHUNKS`` (one unresolved row
+costs one program's whole walk of its row otherwise: ~1 ms on an H200)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,17 @@ def bench_top_p(torch, ops, device, timed, dry_run: bool) -> None:
         for bits in (1, 2, 4) if marked else ():  # the search's radix (default RADIX_BITS)
             record[f"radix{bits}_latency_us_p50"] = round(timed(
                 lambda u=unresolved, bits=bits: top_p_thresholds_triton(
-                    logits, lse, top_p, thresholds, u, EXP_FLOOR, radix_bits=bits)), 2)
+                    logits, lse, top_p, thresholds, u, EXP_FLOOR, radix_bits=bits,
+                    chunks=1)), 2)
+        # Each row over `chunks` programs, one launch a pass (TOP_P_CHUNKS, default 1):
+        # radix 2 and 4, timed in a graph (the launches' host time not counted; it is
+        # 32 / bits + 2 launches eagerly).
+        for bits, chunks in (((2, 2),) if dry_run else ((2, 16), (2, 64), (4, 16), (4, 64),
+                                                        (4, 256))) if marked else ():
+            record[f"radix{bits}_chunks{chunks}_latency_us_p50"] = round(timed(
+                lambda u=unresolved, bits=bits, chunks=chunks: top_p_thresholds_triton(
+                    logits, lse, top_p, thresholds, u, EXP_FLOOR, radix_bits=bits,
+                    chunks=chunks)), 2)
         if marked:
             record["sort_latency_us_p50"] = round(timed(
                 lambda u=unresolved: ops.top_p_thresholds_(logits, lse, top_p, thresholds, u,

@@ -44,6 +44,9 @@ _BLOCK_BY_RADIX = {1: 4096, 2: 4096, 4: 1024}
 # kernels_bench `sampling`): 1 / 8 / 256 rows past their best 256 tokens took 1.64 / 1.64 /
 # 2.83 ms at 1 bit, 1.06 / 1.06 / 2.85 at 2 bits and 1.27 / 1.28 / 3.26 at 4 bits.
 RADIX_BITS = 2
+# Pieces a row is spread over (1: one program a row, the single launch): 1 until a GPU has
+# timed the pieces (kernels_bench --cases sampling, ``chunksC_latency_us_p50``).
+TOP_P_CHUNKS = 1
 
 
 @triton.jit
@@ -96,6 +99,145 @@ def _top_p_threshold_kernel(
     tl.store(thresholds_ptr + row, tl.min(smallest, 0))
 
 
+# --- the same search with a row's work spread over many programs ----------------------------
+#
+# One program per row walks its row 32 / RADIX_BITS times: ~1 ms for a single unresolved row
+# of 151,936 logits on an H200 (2026-11-27), whatever the other rows do. With ``chunks`` the
+# row is cut into that many pieces, a program each, and the search runs one launch a pass:
+# each program first reduces the previous pass's per-piece masses (the pieces in order: every
+# program of the row gets the same sums, deterministic) to the interval this pass cuts, then
+# sums its piece's mass above this pass's cuts. A last launch finds each piece's smallest
+# kept logit, and a tiny one the row's. 32 / RADIX_BITS + 2 launches, each short.
+# A piece's [BLOCK, 2^RADIX_BITS] mass tile stays at 4k elements with 4 warps (32 registers
+# a thread; at 16k the sm_90 compile spilled).
+_CHUNK_BLOCK_BY_RADIX = {1: 2048, 2: 1024, 4: 256}
+
+
+@triton.jit
+def _chunk_interval(part_ptr, lo_ptr, row, num_chunks, p, width,
+                    CHUNKS_PAD: tl.constexpr, PARTS: tl.constexpr):
+    """The interval's low end after the pass whose per-piece masses are at ``part_ptr``
+    (cut width ``width``), from its own low end at ``lo_ptr``."""
+    offs_c = tl.arange(0, CHUNKS_PAD)
+    parts = tl.arange(0, PARTS)
+    masses = tl.load(part_ptr + (row * num_chunks + offs_c)[:, None] * PARTS + parts[None, :],
+                     mask=(offs_c < num_chunks)[:, None], other=0.0)
+    total = tl.sum(masses, 0)
+    return tl.load(lo_ptr + row) + tl.sum((total >= p).to(tl.int64), 0) * width
+
+
+@triton.jit
+def _top_p_pass_kernel(
+    logits_ptr, lse_ptr, top_p_ptr, unresolved_ptr, part_prev_ptr, part_next_ptr,
+    lo_prev_ptr, lo_next_ptr, vocab, stride_row, chunk_size, num_chunks, exp_floor, pass_index,
+    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):
+    """Program (row, piece) of pass ``pass_index``: this pass's interval, then the piece's
+    mass above each of its cuts."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(unresolved_ptr + row) == 0:
+        return
+    p = tl.load(top_p_ptr + row)
+    width = tl.full([], 1 << 32, tl.int64) >> (RADIX_BITS * pass_index)  # the last pass's
+    if pass_index == 0:
+        lo = tl.full([], -1, tl.int64)
+    else:
+        lo = _chunk_interval(part_prev_ptr, lo_prev_ptr, row, num_chunks, p, width,
+                             CHUNKS_PAD, 1 << RADIX_BITS)
+    if chunk == 0:
+        tl.store(lo_next_ptr + row, lo)
+    width = width >> RADIX_BITS
+    parts = tl.arange(0, 1 << RADIX_BITS)
+    cuts = lo + (parts + 1).to(tl.int64) * width
+    lse = tl.load(lse_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    begin = chunk * chunk_size
+    end = tl.minimum(begin + chunk_size, vocab)
+    offs = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK, 1 << RADIX_BITS], tl.float32)
+    for start in range(begin, end, BLOCK):
+        idx = start + offs
+        valid = idx < end
+        x = tl.load(base + idx, mask=valid, other=0.0)
+        weight = tl.where(valid, tl.exp(tl.maximum(x - lse, exp_floor)), 0.0)
+        above = _ordered_key(x).to(tl.int64)[:, None] + _HALF_RANGE > cuts[None, :]
+        mass += tl.where(above, weight[:, None], 0.0)
+    tl.store(part_next_ptr + (row * num_chunks + chunk) * (1 << RADIX_BITS) + parts,
+             tl.sum(mass, 0))
+
+
+@triton.jit
+def _top_p_piece_min_kernel(
+    logits_ptr, top_p_ptr, unresolved_ptr, part_ptr, lo_ptr, mins_ptr,
+    vocab, stride_row, chunk_size, num_chunks, last_width,
+    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):
+    """Program (row, piece): the search's end (the last pass's interval, narrowed), then the
+    piece's smallest logit whose key is above it."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(unresolved_ptr + row) == 0:
+        return
+    p = tl.load(top_p_ptr + row)
+    lo = _chunk_interval(part_ptr, lo_ptr, row, num_chunks, p, last_width, CHUNKS_PAD,
+                         1 << RADIX_BITS)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    begin = chunk * chunk_size
+    end = tl.minimum(begin + chunk_size, vocab)
+    offs = tl.arange(0, BLOCK)
+    smallest = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(begin, end, BLOCK):
+        idx = start + offs
+        valid = idx < end
+        x = tl.load(base + idx, mask=valid, other=0.0)
+        kept = valid & (_ordered_key(x).to(tl.int64) + _HALF_RANGE > lo)
+        smallest = tl.minimum(smallest, tl.where(kept, x, float("inf")))
+    tl.store(mins_ptr + row * num_chunks + chunk, tl.min(smallest, 0))
+
+
+@triton.jit
+def _top_p_row_min_kernel(unresolved_ptr, mins_ptr, thresholds_ptr, num_chunks,
+                          CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    if tl.load(unresolved_ptr + row) == 0:
+        return
+    offs = tl.arange(0, CHUNKS_PAD)
+    mins = tl.load(mins_ptr + row * num_chunks + offs, mask=offs < num_chunks,
+                   other=float("inf"))
+    tl.store(thresholds_ptr + row, tl.min(mins, 0))
+
+
+def _top_p_chunked(logits, lse, top_p, thresholds, unresolved, exp_floor, radix_bits,
+                   chunks) -> None:
+    num_rows, vocab = logits.shape
+    device = logits.device
+    chunk_size = cdiv(vocab, chunks)
+    num_chunks = cdiv(vocab, chunk_size)
+    parts = 1 << radix_bits
+    block = min(_CHUNK_BLOCK_BY_RADIX[radix_bits], next_power_of_2(chunk_size))
+    chunks_pad = max(2, next_power_of_2(num_chunks))
+    masses = torch.empty(2, num_rows * num_chunks * parts, dtype=torch.float32, device=device)
+    los = torch.empty(2, num_rows, dtype=torch.int64, device=device)
+    flags = unresolved.to(torch.uint8)
+    warps = 1 if INTERPRETING else 4
+    passes = 32 // radix_bits
+    for j in range(passes):
+        _top_p_pass_kernel[(num_rows, num_chunks)](
+            logits, lse, top_p, flags, masses[(j + 1) % 2], masses[j % 2],
+            los[(j + 1) % 2], los[j % 2], vocab, logits.stride(0), chunk_size, num_chunks,
+            float(exp_floor), j, BLOCK=block, RADIX_BITS=radix_bits, CHUNKS_PAD=chunks_pad,
+            num_warps=warps)
+    mins = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=device)
+    last = (passes - 1) % 2
+    _top_p_piece_min_kernel[(num_rows, num_chunks)](
+        logits, top_p, flags, masses[last], los[last], mins, vocab, logits.stride(0),
+        chunk_size, num_chunks, 1 << (32 - radix_bits * passes),
+        BLOCK=block, RADIX_BITS=radix_bits, CHUNKS_PAD=chunks_pad, num_warps=warps)
+    _top_p_row_min_kernel[(num_rows,)](flags, mins, thresholds, num_chunks,
+                                       CHUNKS_PAD=chunks_pad, num_warps=1)
+
+
 def top_p_thresholds_triton(
     logits: torch.Tensor,  # [R, V] float32
     lse: torch.Tensor,  # [R, 1] float32: logsumexp of each row
@@ -105,9 +247,12 @@ def top_p_thresholds_triton(
     exp_floor: float,
     *,
     radix_bits: int = RADIX_BITS,
+    chunks: int | None = None,
 ) -> None:
     """Launch one program per row (see the module docstring); nothing is read back.
-    ``radix_bits`` (1, 2 or 4) overrides the search's radix (kernels_bench sweeps it)."""
+    ``radix_bits`` (1, 2 or 4) overrides the search's radix (kernels_bench sweeps it);
+    ``chunks`` > 1 (None: ``TOP_P_CHUNKS``) spreads each row over that many programs, one
+    launch a pass (above)."""
     if radix_bits not in _BLOCK_BY_RADIX:
         raise ValueError(f"radix_bits must be one of {sorted(_BLOCK_BY_RADIX)}")
     num_rows, vocab = logits.shape
@@ -119,6 +264,13 @@ def top_p_thresholds_triton(
     if top_p.shape != (num_rows,) or unresolved.shape != (num_rows,):
         raise ValueError(f"top_p and unresolved must be [{num_rows}]")
     if num_rows == 0:
+        return
+    chunks = TOP_P_CHUNKS if chunks is None else chunks
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if chunks > 1:
+        _top_p_chunked(logits, lse, top_p.to(torch.float32), thresholds, unresolved,
+                       exp_floor, radix_bits, chunks)
         return
     interpreting = INTERPRETING
     block = min(_BLOCK_BY_RADIX[radix_bits], next_power_of_2(vocab))

@@ -172,6 +172,10 @@ def drive_launchers(quick: bool) -> None:
         sampling_ops.top_p_thresholds_triton(
             rows, torch.zeros(4, 1), torch.full((4,), 0.9), torch.zeros(4, 1),
             torch.ones(4, dtype=torch.bool), -87.0, radix_bits=bits)
+    for bits, chunks in ((2, 64), (4, 256)):  # each row over pieces, a launch a pass
+        sampling_ops.top_p_thresholds_triton(
+            rows, torch.zeros(4, 1), torch.full((4,), 0.9), torch.zeros(4, 1),
+            torch.ones(4, dtype=torch.bool), -87.0, radix_bits=bits, chunks=chunks)
 
 
 def main(argv: list[str] | None = None) -> int:

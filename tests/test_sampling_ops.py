@@ -29,7 +29,7 @@ def _rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 def _thresholds(logits: torch.Tensor, top_p: torch.Tensor, unresolved: torch.Tensor,
                 backend: str, radix_bits: int | None = None,
-                device: str = DEVICE) -> torch.Tensor:
+                device: str = DEVICE, chunks: int = 1) -> torch.Tensor:
     logits, top_p, unresolved = logits.to(device), top_p.to(device), unresolved.to(device)
     lse = torch.logsumexp(logits, -1, keepdim=True)
     thresholds = torch.full((logits.shape[0], 1), -7.0, device=device)  # "settled" marker
@@ -37,7 +37,8 @@ def _thresholds(logits: torch.Tensor, top_p: torch.Tensor, unresolved: torch.Ten
         ops.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved, backend=backend)
     else:
         sampling_ops.top_p_thresholds_triton(logits, lse, top_p, thresholds, unresolved,
-                                             reference.EXP_FLOOR, radix_bits=radix_bits)
+                                             reference.EXP_FLOOR, radix_bits=radix_bits,
+                                             chunks=chunks)
     return thresholds.cpu()
 
 
@@ -54,22 +55,37 @@ def test_kernel_equals_a_full_sort(vocab, radix_bits):
     assert got[3].item() == got[11].item() == -7.0  # settled rows are left as they were
 
 
+@pytest.mark.parametrize("radix_bits, chunks", [(2, 3), (4, 8)])
+@pytest.mark.parametrize("vocab", [700, 5000])
+def test_kernel_over_pieces_of_a_row_equals_a_full_sort(vocab, radix_bits, chunks):
+    """``chunks``: each row spread over that many programs, one launch a pass, every
+    program reducing the previous pass's per-piece masses itself: the same thresholds as
+    the sort, settled rows untouched."""
+    logits = _rows(8, vocab, seed=vocab + chunks)
+    top_p = torch.linspace(0.02, 0.999, 8)
+    unresolved = torch.ones(8, dtype=torch.bool)
+    unresolved[5] = False
+    got = _thresholds(logits, top_p, unresolved, "triton", radix_bits, chunks=chunks)
+    assert torch.equal(got, _thresholds(logits, top_p, unresolved, "torch"))
+    assert got[5].item() == -7.0
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     values=st.lists(st.sampled_from([-3.0, -1.0, -0.5, 0.0, 0.25, 0.5, 2.0, float("-inf")]),
                     min_size=2, max_size=40),
     top_p=st.floats(0.01, 0.999),
     scale=st.sampled_from([0.1, 1.0, 7.0]),
-    radix_bits=st.sampled_from([1, 2, 4]),
+    search=st.sampled_from([(1, 1), (2, 1), (4, 1), (2, 3), (4, 5)]),  # (radix bits, pieces)
 )
-def test_kernel_threshold_is_the_nucleus(values, top_p, scale, radix_bits):
+def test_kernel_threshold_is_the_nucleus(values, top_p, scale, search):
     """t* is a logit of the row, the mass strictly above it is < top_p and the mass from it
     up is >= top_p (float64 masses, to rounding)."""
     logits = torch.tensor(values) * scale
     if torch.isinf(logits).all():
         logits[0] = 0.0
     got = _thresholds(logits.unsqueeze(0), torch.tensor([top_p]),
-                      torch.tensor([True]), "triton", radix_bits)[0, 0].item()
+                      torch.tensor([True]), "triton", search[0], chunks=search[1])[0, 0].item()
     assert got in logits.tolist()
     mass = torch.softmax(logits.double(), 0)
     above, from_it = mass[logits > got].sum().item(), mass[logits >= got].sum().item()
@@ -78,7 +94,8 @@ def test_kernel_threshold_is_the_nucleus(values, top_p, scale, radix_bits):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("radix_bits", [1, 2, 4])
-def test_kernel_resolves_neighbouring_floats(radix_bits, device):
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_kernel_resolves_neighbouring_floats(radix_bits, device, chunks):
     """The search ends on the exact key: logits one float apart are told apart (the next
     float below 1.0 falls outside a nucleus that 1.0 fills alone), and a tie is kept whole."""
     one = torch.tensor(1.0)
@@ -87,7 +104,7 @@ def test_kernel_resolves_neighbouring_floats(radix_bits, device):
                            [above, 1.0, -4.0, -4.0, -9.0],  # of the next float odd
                            [1.0, 1.0, below, -4.0, -9.0]])
     top_p, flags = torch.full((3,), 0.3), torch.ones(3, dtype=torch.bool)
-    got = _thresholds(logits, top_p, flags, "triton", radix_bits, device)
+    got = _thresholds(logits, top_p, flags, "triton", radix_bits, device, chunks)
     assert got[:, 0].tolist() == [1.0, above, 1.0]
     assert torch.equal(got, _thresholds(logits, top_p, flags, "torch", device=device))
 
@@ -129,16 +146,18 @@ def test_twin_threshold_of_sorted_rows():
 
 
 @pytest.mark.gpu
-def test_kernel_at_a_real_vocabulary_gpu():
-    """151,936 logits a row (Qwen2.5's vocabulary), natively: every threshold is a logit of
-    its row and satisfies the nucleus definition to float rounding (with ~10^5 tokens a
-    prefix's mass steps by ~10^-5, so the kernel and the sort may part on a token at the
-    edge: counted, not required equal); rows marked settled are not touched."""
+@pytest.mark.parametrize("radix_bits, chunks", [(None, 1), (2, 32), (4, 64)])
+def test_kernel_at_a_real_vocabulary_gpu(radix_bits, chunks):
+    """151,936 logits a row (Qwen2.5's vocabulary), natively, one program a row and spread
+    over pieces: every threshold is a logit of its row and satisfies the nucleus definition
+    to float rounding (with ~10^5 tokens a prefix's mass steps by ~10^-5, so the kernel and
+    the sort may part on a token at the edge: counted, not required equal); rows marked
+    settled are not touched."""
     logits = _rows(64, 151_936, seed=5)
     top_p = torch.linspace(0.05, 0.99, 64)
     unresolved = torch.ones(64, dtype=torch.bool)
     unresolved[::9] = False
-    got = _thresholds(logits, top_p, unresolved, "triton")
+    got = _thresholds(logits, top_p, unresolved, "triton", radix_bits, chunks=chunks)
     want = _thresholds(logits, top_p, unresolved, "torch")
     assert (got[~unresolved] == -7.0).all()
     mass = torch.softmax(logits.double(), -1)
