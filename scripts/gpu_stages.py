@@ -78,9 +78,9 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         pytest = [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                   *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
-        # Every case but decode's (the next step): the grid, the launch-configuration sweep
-        # and the fused layer kernels.
-        cases = ["--cases", "prefill,cache,layer,sampling,prefill_tune"
+        # Every case but decode's and the sampler's (steps of their own): the grid, the
+        # launch-configuration sweeps and the fused layer kernels.
+        cases = ["--cases", "prefill,cache,layer,prefill_tune"
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
@@ -92,9 +92,12 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
                    *(["--dry-run"] if ctx.small else []))
+        # The sampler's kernels alone (argmax; top-p by radix and by pieces a row).
+        sampling = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "sampling",
+                       *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
                 Step("kernels_decode", decode, 240), Step("kernels_gemm", gemm, 150),
-                Step("kernels_bench", bench, 300)]
+                Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":
         bench = _py(ctx, "benchmarks/executor_bench.py", *model,
                     *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
