@@ -57,6 +57,38 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _mass_above(base, begin, end, lse, exp_floor, cuts, BLOCK: tl.constexpr,
+                PARTS: tl.constexpr):
+    """[PARTS]: the mass (e(v) a logit) of the logits at [begin, end) whose key is above
+    each cut, summed in one order (per-lane running sums over BLOCK-wide tiles, then across
+    the lanes)."""
+    offs = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK, PARTS], tl.float32)
+    for start in range(begin, end, BLOCK):
+        idx = start + offs
+        valid = idx < end
+        x = tl.load(base + idx, mask=valid, other=0.0)
+        weight = tl.where(valid, tl.exp(tl.maximum(x - lse, exp_floor)), 0.0)
+        above = _ordered_key(x).to(tl.int64)[:, None] + _HALF_RANGE > cuts[None, :]
+        mass += tl.where(above, weight[:, None], 0.0)
+    return tl.sum(mass, 0)
+
+
+@triton.jit
+def _smallest_above(base, begin, end, lo, BLOCK: tl.constexpr):
+    """The smallest logit at [begin, end) whose key is above ``lo`` (inf: none)."""
+    offs = tl.arange(0, BLOCK)
+    smallest = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(begin, end, BLOCK):
+        idx = start + offs
+        valid = idx < end
+        x = tl.load(base + idx, mask=valid, other=0.0)
+        kept = valid & (_ordered_key(x).to(tl.int64) + _HALF_RANGE > lo)
+        smallest = tl.minimum(smallest, tl.where(kept, x, float("inf")))
+    return tl.min(smallest, 0)
+
+
+@triton.jit
 def _top_p_threshold_kernel(
     logits_ptr, lse_ptr, top_p_ptr, thresholds_ptr, unresolved_ptr,
     vocab, stride_row,
@@ -70,7 +102,6 @@ def _top_p_threshold_kernel(
     lse = tl.load(lse_ptr + row)
     p = tl.load(top_p_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    offs = tl.arange(0, BLOCK)
     parts = tl.arange(0, 1 << RADIX_BITS)
 
     lo = tl.full([], -1, tl.int64)  # f(lo) >= p (else every token is kept: lo stays -1)
@@ -78,25 +109,10 @@ def _top_p_threshold_kernel(
     for _ in range(32 // RADIX_BITS):
         width = width >> RADIX_BITS
         cuts = lo + (parts + 1).to(tl.int64) * width  # the last cut is the known upper end
-        mass = tl.zeros([BLOCK, 1 << RADIX_BITS], tl.float32)
-        for start in range(0, vocab, BLOCK):
-            idx = start + offs
-            valid = idx < vocab
-            x = tl.load(base + idx, mask=valid, other=0.0)
-            weight = tl.where(valid, tl.exp(tl.maximum(x - lse, exp_floor)), 0.0)
-            above = _ordered_key(x).to(tl.int64)[:, None] + _HALF_RANGE > cuts[None, :]
-            mass += tl.where(above, weight[:, None], 0.0)
+        mass = _mass_above(base, 0, vocab, lse, exp_floor, cuts, BLOCK, 1 << RADIX_BITS)
         # f falls below p after the cuts that still hold >= p: keep the part after them.
-        lo += tl.sum((tl.sum(mass, 0) >= p).to(tl.int64), 0) * width
-
-    smallest = tl.full([BLOCK], float("inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        valid = idx < vocab
-        x = tl.load(base + idx, mask=valid, other=0.0)
-        kept = valid & (_ordered_key(x).to(tl.int64) + _HALF_RANGE > lo)
-        smallest = tl.minimum(smallest, tl.where(kept, x, float("inf")))
-    tl.store(thresholds_ptr + row, tl.min(smallest, 0))
+        lo += tl.sum((mass >= p).to(tl.int64), 0) * width
+    tl.store(thresholds_ptr + row, _smallest_above(base, 0, vocab, lo, BLOCK))
 
 
 # --- the same search with a row's work spread over many programs ----------------------------
@@ -150,21 +166,12 @@ def _top_p_pass_kernel(
     width = width >> RADIX_BITS
     parts = tl.arange(0, 1 << RADIX_BITS)
     cuts = lo + (parts + 1).to(tl.int64) * width
-    lse = tl.load(lse_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     begin = chunk * chunk_size
     end = tl.minimum(begin + chunk_size, vocab)
-    offs = tl.arange(0, BLOCK)
-    mass = tl.zeros([BLOCK, 1 << RADIX_BITS], tl.float32)
-    for start in range(begin, end, BLOCK):
-        idx = start + offs
-        valid = idx < end
-        x = tl.load(base + idx, mask=valid, other=0.0)
-        weight = tl.where(valid, tl.exp(tl.maximum(x - lse, exp_floor)), 0.0)
-        above = _ordered_key(x).to(tl.int64)[:, None] + _HALF_RANGE > cuts[None, :]
-        mass += tl.where(above, weight[:, None], 0.0)
     tl.store(part_next_ptr + (row * num_chunks + chunk) * (1 << RADIX_BITS) + parts,
-             tl.sum(mass, 0))
+             _mass_above(base, begin, end, tl.load(lse_ptr + row), exp_floor, cuts, BLOCK,
+                         1 << RADIX_BITS))
 
 
 @triton.jit
@@ -185,15 +192,7 @@ def _top_p_piece_min_kernel(
     base = logits_ptr + row.to(tl.int64) * stride_row
     begin = chunk * chunk_size
     end = tl.minimum(begin + chunk_size, vocab)
-    offs = tl.arange(0, BLOCK)
-    smallest = tl.full([BLOCK], float("inf"), tl.float32)
-    for start in range(begin, end, BLOCK):
-        idx = start + offs
-        valid = idx < end
-        x = tl.load(base + idx, mask=valid, other=0.0)
-        kept = valid & (_ordered_key(x).to(tl.int64) + _HALF_RANGE > lo)
-        smallest = tl.minimum(smallest, tl.where(kept, x, float("inf")))
-    tl.store(mins_ptr + row * num_chunks + chunk, tl.min(smallest, 0))
+    tl.store(mins_ptr + row * num_chunks + chunk, _smallest_above(base, begin, end, lo, BLOCK))
 
 
 @triton.jit
