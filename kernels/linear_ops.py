@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from .counters import arrival_counters
+from .counters import RETIRED, arrival_counters
 from .host_math import INTERPRETING, cdiv, next_power_of_2
 
 # Arrival counters per device (zero between launches), shared by every launch on the
@@ -183,9 +183,12 @@ _workspaces: dict[torch.device, torch.Tensor] = {}
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     """The fp32 partials' buffer, shared by every launch on the device's one stream (grown
-    by a graph's warm-up run before its capture, never during it)."""
+    by a graph's warm-up run before its capture, never during it; a buffer replaced by a
+    larger one is kept alive for the graphs captured with it: counters.RETIRED)."""
     buf = _workspaces.get(device)
     if buf is None or buf.numel() < numel:
+        if buf is not None:
+            RETIRED.append(buf)
         buf = _workspaces[device] = torch.empty(numel, dtype=torch.float32, device=device)
     return buf
 

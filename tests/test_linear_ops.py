@@ -116,3 +116,21 @@ def test_silu_mul_operand_is_the_silu_and_mul_kernels(split_k):
     torch.testing.assert_close(fused.float(), want, atol=0.05, rtol=0.02)
     with pytest.raises(ValueError, match="2K"):
         linear_triton(gate_up[:, :40], w, silu_mul=True)
+
+
+def test_a_grown_buffer_outlives_its_replacement(monkeypatch):
+    """The split-K workspace and the arrival counters grow by replacement; the buffer a
+    CUDA graph may have captured stays alive (counters.RETIRED), so its memory is never
+    handed to another tensor under a graph that still writes it."""
+    from pagedserve.kernels import counters
+
+    store: dict = {}
+    first = counters.arrival_counters(store, torch.device("cpu"), 4, 4)
+    second = counters.arrival_counters(store, torch.device("cpu"), 9, 4)
+    assert second.numel() == 9 and first is not second
+    assert any(t is first for t in counters.RETIRED)
+    monkeypatch.setattr(linear_ops, "_workspaces", {})
+    small = linear_ops._workspace(torch.device("cpu"), 8)
+    larger = linear_ops._workspace(torch.device("cpu"), 64)
+    assert larger.numel() == 64 and any(t is small for t in counters.RETIRED)
+    assert linear_ops._workspace(torch.device("cpu"), 16) is larger  # never shrunk
