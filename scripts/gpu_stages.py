@@ -99,42 +99,28 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("kernels_decode", decode, 240), Step("kernels_gemm", gemm, 150),
                 Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":
-        bench = _py(ctx, "benchmarks/executor_bench.py", *model,
-                    *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                    "--profile", "--trace-dir", str(ctx.out_dir / "traces"))
-        memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
-        # The same with every decode launch reading all KV heads in one program
-        # (kernels/decode_attention.py): the end-to-end A/B of that kernel.
-        bench_all_kv = _py(ctx, "benchmarks/executor_bench.py", *model,
-                           *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                           "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "all-kv-heads"))
-        # And with torch preferring cuBLASLt for every matmul (the GEMM A/B end to end).
-        bench_lt = _py(ctx, "benchmarks/executor_bench.py", *model,
+        def executor_bench(traces: Path) -> list[str]:
+            return _py(ctx, "benchmarks/executor_bench.py", *model,
                        *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                       "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "cublaslt"))
-        # And with the projections through the autotuned split-K Triton GEMM (its tuning,
-        # at every graph size, in the graphs' warm-up).
-        bench_gemm = _py(ctx, "benchmarks/executor_bench.py", *model,
-                         *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                         "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "triton-gemm"))
-        # And with every device-time switch on at once (their combined effect).
-        bench_all = _py(ctx, "benchmarks/executor_bench.py", *model,
-                        *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                        "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "all-switches"))
-        # And with decode steps' rotary and cache write inside the attention launch.
-        bench_rope = _py(ctx, "benchmarks/executor_bench.py", *model,
-                         *(["--cpu-only", "--steps", "6"] if ctx.small else ["--gpu-only"]),
-                         "--profile", "--trace-dir", str(ctx.out_dir / "traces" / "fused-rope"))
-        return [*_common(ctx), _model(ctx), Step("executor_bench", bench, 200),
+                       "--profile", "--trace-dir", str(traces))
+
+        traces = ctx.out_dir / "traces"
+        memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
+        # The A/B runs of the decode step's device time, each with its switch(es) on and its
+        # traces apart: every decode launch reading all KV heads in one program
+        # (kernels/decode_attention.py); the rotary and cache write inside the attention
+        # launch; the projections through the autotuned split-K Triton GEMM (its tuning, at
+        # every graph size, in the graphs' warm-up); all three at once; torch preferring
+        # cuBLASLt for every matmul.
+        variants = [("all_kv_heads", "all-kv-heads", ALL_KV_HEADS_ON, 200),
+                    ("fused_rope", "fused-rope", {"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}, 200),
+                    ("triton_gemm", "triton-gemm", {"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}, 300),
+                    ("all_switches", "all-switches", ALL_SWITCHES_ON, 300),
+                    ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200)]
+        return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),
                 Step("memory_profile", memory, 150),
-                Step("executor_bench_all_kv_heads", bench_all_kv, 200, env=ALL_KV_HEADS_ON),
-                Step("executor_bench_fused_rope", bench_rope, 200,
-                     env={"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}),
-                Step("executor_bench_triton_gemm", bench_gemm, 300,
-                     env={"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}),
-                Step("executor_bench_all_switches", bench_all, 300, env=ALL_SWITCHES_ON),
-                Step("executor_bench_cublaslt", bench_lt, 200,
-                     env={"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
+                *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,
+                       env=env) for name, folder, env, timeout in variants)]
     if name == "cluster":
         def check(what: str, timeout_s: float) -> Step:
             return Step(what.replace("-", "_"),
@@ -161,58 +147,39 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                   # worker connections, not streams (benchmarks/README)
                                   "--client-channels", "8"]),
                                "--work-dir", str(ctx.work_dir / "step-overhead-workers"))
+        def with_workers(folder: str, depth: int, running: str = "32,256",
+                         extra: tuple[str, ...] = ()) -> list[str]:
+            """step_overhead.py with 2 API workers and the streams over 8 client
+            connections, at one pipeline depth."""
+            return _py(ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
+                       "--api-workers", "2",
+                       *(["--quick", "--depths", str(depth)] if ctx.small else
+                         ["--running", running, "--depths", str(depth), "--window-s", "5"]),
+                       "--client-channels", "8", *extra,
+                       "--work-dir", str(ctx.work_dir / folder))
+
         # The same with three plans in flight (--pipeline-depth 3): the round trip hidden
         # behind two forwards (on the H200, 2026-11-27, depth 2 left ~0.9 ms idle a step).
-        overhead_depth3 = _py(ctx, "benchmarks/step_overhead.py", "--models",
-                              str(ctx.model_dir), "--api-workers", "2",
-                              *(["--quick", "--depths", "3"] if ctx.small else
-                                ["--running", "32,256", "--depths", "3", "--window-s", "5"]),
-                              "--client-channels", "8",
-                              "--work-dir", str(ctx.work_dir / "step-overhead-depth3"))
+        overhead_depth3 = with_workers("step-overhead-depth3", 3)
         # The same at 256 streams with the executor's profiling window on
         # (executor/step_trace.py): 30 steps of the real serving loop under torch.profiler,
         # the trace and its summary (host phases, device idle by phase) in OUTDIR/traces.
         # Profiling slows those steps: read the step's figures from the run above.
-        depth3_trace = _py(ctx, "benchmarks/step_overhead.py", "--models",
-                           str(ctx.model_dir), "--api-workers", "2",
-                           *(["--quick", "--depths", "3"] if ctx.small else
-                             ["--running", "256", "--depths", "3", "--window-s", "5"]),
-                           "--client-channels", "8",
-                           "--work-dir", str(ctx.work_dir / "step-overhead-depth3-trace"))
+        depth3_trace = with_workers("step-overhead-depth3-trace", 3, "256")
         # Four plans in flight: at 32 streams a forward (1.24 ms on the H200) is shorter
         # than the round trip, and depth 3 still left the device idle 0.34-0.58 ms a step.
-        overhead_depth4 = _py(ctx, "benchmarks/step_overhead.py", "--models",
-                              str(ctx.model_dir), "--api-workers", "2",
-                              *(["--quick", "--depths", "4"] if ctx.small else
-                                ["--running", "32,256", "--depths", "4", "--window-s", "5"]),
-                              "--client-channels", "8",
-                              "--work-dir", str(ctx.work_dir / "step-overhead-depth4"))
-        overhead_depth3_all_kv = _py(
-            ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
-            "--api-workers", "2",
-            *(["--quick", "--depths", "3"] if ctx.small else
-              ["--running", "32,256", "--depths", "3", "--window-s", "5"]),
-            "--client-channels", "8",
-            "--work-dir", str(ctx.work_dir / "step-overhead-depth3-all-kv-heads"))
+        overhead_depth4 = with_workers("step-overhead-depth4", 4)
+        overhead_depth3_all_kv = with_workers("step-overhead-depth3-all-kv-heads", 3)
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
                      "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
         # 256 streams with the workers again, the clients in 4 processes: is one client
         # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
         # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
-        overhead_procs = _py(ctx, "benchmarks/step_overhead.py", "--models",
-                             str(ctx.model_dir), "--api-workers", "2",
-                             *(["--quick", "--depths", "2"] if ctx.small else
-                               ["--running", "256", "--depths", "2", "--window-s", "5"]),
-                             "--client-channels", "8", "--client-procs", "4",
-                             "--work-dir", str(ctx.work_dir / "step-overhead-client-procs"))
+        overhead_procs = with_workers("step-overhead-client-procs", 2, "256",
+                                      ("--client-procs", "4"))
         # 256 streams with the workers, the router's decode lane off (the ninth session's
         # columns for steady decodes): what the lane buys on this host's cores.
-        no_lane = _py(ctx, "benchmarks/step_overhead.py", "--models", str(ctx.model_dir),
-                      "--api-workers", "2",
-                      *(["--quick", "--depths", "2"] if ctx.small else
-                        ["--running", "256", "--depths", "2", "--window-s", "5"]),
-                      "--client-channels", "8",
-                      "--work-dir", str(ctx.work_dir / "step-overhead-no-lane"))
+        no_lane = with_workers("step-overhead-no-lane", 2, "256")
         # The same executors one step at a time (overlapped steps off): their effect.
         one_at_a_time = _py(ctx, "benchmarks/step_overhead.py", "--models",
                             str(ctx.model_dir),
