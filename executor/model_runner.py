@@ -353,8 +353,10 @@ class ModelRunner:
         a forward is short. Otherwise the previous step's result goes out first."""
         prev = self._inflight
         event = None if prev is None or prev.sampled is None else prev.sampled.event
-        return (event is not None and all(s.plain for s in states)
-                and not event.query())
+        # The event first: when the device is done, the rows are not walked at all; when it
+        # is not, the host has the wait to spare for the walk (and the sampler's own).
+        return (event is not None and not event.query()
+                and all(s.plain for s in states))
 
     def _resolve(self) -> None:
         """Read the step in flight back and queue its StepResult (nothing when none)."""

@@ -1,8 +1,9 @@
 """Overlapped steps (ModelRunner.submit / collect; the GPU default, turned on here on a
 CPU): a sampling step left in flight while the next is launched gives exactly the depth-1
-results, in order; its result is handed out before the next step's sampling; a row dropped
-meanwhile waits for the tokens; and the executor process answers in order whether the next
-plan comes first or the device's end of the step does. The scripts, drivers and plans are
+results, in order; its result is handed out before the next step's sampling; a step's
+sampling goes before the previous read-back only when that read would wait and no row reads
+the appended tokens; a row dropped meanwhile waits for the tokens; and the executor process
+answers in order whether the next plan comes first or the device's end of the step does. The scripts, drivers and plans are
 tests/test_executor_pipeline.py's."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from pagedserve.protos.wire import Shutdown, StepResult
+from pagedserve.protos.wire import SamplingParams, Shutdown, StepResult
 from test_executor_pipeline import (
     FEED,
     GREEDY_PEN,
@@ -214,3 +215,68 @@ def test_sampling_before_the_read_back_on_a_busy_gpu(model_dir):
     assert not any(r.errors for r in overlapped)
     for rid in "abc":
         assert d2.seqs[rid].outputs == d1.seqs[rid].outputs
+
+
+class _SampledEvent:
+    """A sampled step's CUDA event stand-in on a CPU: `query()` answers whether the device
+    has reached it (``done``); waiting on it returns at once."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sampling, device_done, sample_first", [
+    (SamplingParams(temperature=0.0), False, True),  # the read-back would wait, every row plain: sample first
+    (SamplingParams(temperature=0.0), True, False),  # the previous step already done: its result first
+    (SEEDED_PEN, False, False),  # penalties read the appended tokens: after them
+])
+def test_sampling_goes_before_the_read_back_only_when_that_waits_and_rows_are_plain(
+        model_dir, sampling, device_done, sample_first):
+    """With steps overlapped, each step's sampling is launched before the previous step is
+    read back only when that read would wait for the device and no row's sampling reads the
+    tokens it appends; the tokens are those of one step at a time either way."""
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}
+    ref = _driver(model_dir)
+    for rid, prompt in prompts.items():
+        ref.add(rid, prompt, sampling)
+    ref.generate(list(prompts), 4)
+
+    driver = _driver(model_dir)
+    runner = driver.runner
+    runner.overlap_steps = True  # a CPU runs each step as it is launched: force the overlap
+    order: list[str] = []
+    sampler, resolve = runner.sampler, runner._pending.resolve
+
+    class Recorder:
+        def launch(_, logits, states, grammar_bits=None):
+            order.append("sample")
+            out = sampler.launch(logits, states, grammar_bits)
+            out._event = _SampledEvent(device_done)
+            return out
+
+    def read_back() -> None:
+        order.append("read_back")
+        resolve()
+
+    runner.sampler, runner._pending.resolve = Recorder(), read_back
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt, sampling)
+    assert runner.submit(driver.plan({"a": None, "b": None})) == []
+    results = []
+    for _ in range(3):
+        order.clear()
+        ready = runner.submit(driver.plan({"a": None, "b": None}, feed={"a", "b"}))
+        assert order == (["sample", "read_back"] if sample_first else ["read_back", "sample"])
+        for result in ready:
+            driver.accept(result)
+        results += ready
+    driver.accept(runner.collect())
+    assert not any(r.errors for r in results)
+    assert {rid: driver.seqs[rid].outputs for rid in prompts} == (
+        {rid: ref.seqs[rid].outputs for rid in prompts})
