@@ -93,14 +93,18 @@ class Attention(nn.Module):
                     attn: AttentionMetadata) -> torch.Tensor:
         """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
         inside the attention's launch: [T, H, D]."""
+        q, k, v = self.qkv(x)
+        return ops.paged_decode_attention(q, kv_cache[0], kv_cache[1], attn.block_tables,
+                                          attn.seq_lens, self.scale,
+                                          rope=(k, v, cos_sin, attn.slot_mapping))
+
+    def qkv(self, x):
+        """(q [T, H, D], k and v [T, Hkv, D]): views of the fused projection, not rotated."""
         q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
-                                           dim=-1)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return ops.paged_decode_attention(
-            q.view(-1, self.num_heads, self.head_dim), kv_cache[0], kv_cache[1],
-            attn.block_tables, attn.seq_lens, self.scale,
-            rope=(k, v, cos_sin, attn.slot_mapping))
+                                                  dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),
+                k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
@@ -110,11 +114,7 @@ class Attention(nn.Module):
                       slot_mapping: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] rotated; the rotated keys and the values written into this layer's
         cache at ``slot_mapping`` (-1: not written)."""
-        q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
-                                           dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, _ = ops.rotary_embedding_and_cache(q, k, v, cos_sin, kv_cache[0], kv_cache[1],
