@@ -22,11 +22,7 @@ from pagedserve.executor.process import (
     load_curve_keys,
     plan_prep_from_env,
 )
-from pagedserve.kernels.host_math import (
-    all_kv_heads_from_env,
-    fused_rope_from_env,
-    triton_gemm_from_env,
-)
+from pagedserve.kernels.host_math import SWITCHES, switch_from_env
 from pagedserve.protos.wire import Hello
 
 from pagedserve.affinity import (
@@ -87,9 +83,8 @@ def run_executor(args: argparse.Namespace) -> int:
         fault_sleep = fault_sleep_from_env()  # the testing hook, read once
         profile_window = profiler_from_env()  # PAGEDSERVE_TORCH_PROFILER_DIR (step_trace.py)
         plan_prep = plan_prep_from_env()  # PAGEDSERVE_PLAN_PREP: io / main
-        all_kv_heads_from_env()  # PAGEDSERVE_DECODE_ALL_KV_HEADS: read by the kernel
-        fused_rope_from_env()  # PAGEDSERVE_DECODE_FUSED_ROPE: read by the model
-        triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: read by the model
+        for name in SWITCHES:  # the decode kernels' A/B switches (read where they apply)
+            switch_from_env(name)
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2

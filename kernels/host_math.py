@@ -35,6 +35,7 @@ FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
 # batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS.
 TRITON_GEMM_ENV = "PAGEDSERVE_DECODE_TRITON_GEMM"
 TRITON_GEMM_MAX_TOKENS = 512
+SWITCHES = (ALL_KV_HEADS_ENV, FUSED_ROPE_ENV, TRITON_GEMM_ENV)
 
 
 def switch_from_env(name: str, environ=os.environ) -> bool:
@@ -49,10 +50,3 @@ def switch_from_env(name: str, environ=os.environ) -> bool:
 def all_kv_heads_from_env(environ=os.environ) -> bool:
     return switch_from_env(ALL_KV_HEADS_ENV, environ)
 
-
-def fused_rope_from_env(environ=os.environ) -> bool:
-    return switch_from_env(FUSED_ROPE_ENV, environ)
-
-
-def triton_gemm_from_env(environ=os.environ) -> bool:
-    return switch_from_env(TRITON_GEMM_ENV, environ)

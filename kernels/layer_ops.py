@@ -250,6 +250,16 @@ def rotary_embedding_triton(
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in the inputs' dtype, rounded as the twin rounds it (the SiLU, then
+    the product); also the split-K GEMM's operand (linear_ops.py, ``SILU_MUL``)."""
+    dt = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, n, BLOCK: tl.constexpr):
     """Program = (token, BLOCK columns): out = silu(x[:, :n]) * x[:, n:]."""
     t = tl.program_id(0)
@@ -257,10 +267,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, n, BLOCK: tl.cons
     mask = offs < n
     gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + n + offs, mask=mask, other=0.0)
-    dt = gate.dtype
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs, (silu * up.to(tl.float32)).to(dt), mask=mask)
+    tl.store(out_ptr + t * stride_ot + offs, silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,9 @@ import triton.testing
 
 from .counters import RETIRED, arrival_counters
 from .host_math import INTERPRETING, cdiv, next_power_of_2
+from .layer_ops import silu_times
 
-# Arrival counters per device (zero between launches), shared by every launch on the
-# device's one stream, as decode_rules._counters.
+# Arrival counters per device (counters.py), one per output tile.
 _counters: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 4096  # output tiles: no growth while CUDA graphs capture
 
@@ -77,12 +77,9 @@ def _linear_kernel(
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
         x_mask = mask_m[:, None] & mask_k[None, :]
-        if SILU_MUL:  # as layer_ops._silu_and_mul_kernel rounds it: the same operand
-            gate = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-            up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            x = (silu * up.to(tl.float32)).to(gate.dtype)
+        if SILU_MUL:  # the SiLU-and-multiply kernel's own arithmetic: the same operand
+            x = silu_times(tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0),
+                           tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0))
         else:
             x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
