@@ -66,6 +66,7 @@ from .decode_rules import (  # noqa: F401 - the rules are read through this modu
 )
 from .host_math import INTERPRETING, next_power_of_2
 from .kv_tiles import load_kv_tile, softmax_update, tile_scores
+from .layer_ops import rotated
 
 _LOG2E = 1.4426950408889634
 # "No sliding window" is a window longer than any context: the kernels stay branch-free.
@@ -104,15 +105,10 @@ def _decode_tiles(
 @triton.jit
 def _rotated(ptr, partner_ptr, mask, cos, sin, first):
     """Rotary embedding (neox) of the values at ``ptr``, whose other-half partners are at
-    ``partner_ptr`` (``first``: the column is in the first half), with the rotary kernel's
-    roundings (layer_ops._rotate_heads: each product and the sum in the values' dtype), so
-    the result is that kernel's to the bit."""
-    x = tl.load(ptr, mask=mask, other=0.0)
-    dt = x.dtype
+    ``partner_ptr`` (``first``: the column is in the first half): the rotary kernel's own
+    arithmetic (layer_ops.rotated), so its result to the bit."""
     xp = tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.where(first, -xp, xp)
-    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32) + (xp * sin).to(dt).to(tl.float32)
-            ).to(dt)
+    return rotated(tl.load(ptr, mask=mask, other=0.0), tl.where(first, -xp, xp), cos, sin)
 
 
 @triton.jit

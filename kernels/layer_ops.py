@@ -93,6 +93,17 @@ def rms_norm_triton(
 
 
 @triton.jit
+def rotated(x, partner, cos, sin):
+    """One rotary-embedded value: x * cos + partner * sin (``partner``: float32, the other
+    half's value, negated for the first half), each product and the sum rounded to x's
+    dtype as the twin rounds them; also the decode kernel's own rotation
+    (decode_attention.py, ``ROPE``)."""
+    dt = x.dtype
+    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32)
+            + (partner * sin).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rotate one token's heads in place; returns the two rotated halves (for a copy into
@@ -103,12 +114,9 @@ def _rotate_heads(ptr, stride_t, stride_h, t, heads, c1, c2, s1, s2,
     base = ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
     # The twin: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dt.
-    o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+    o1 = rotated(x1, -x2.to(tl.float32), c1, s1)
+    o2 = rotated(x2, x1.to(tl.float32), c2, s2)
     tl.store(base, o1, mask=mask)
     tl.store(base + HALF, o2, mask=mask)
     return o1, o2
