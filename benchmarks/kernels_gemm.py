@@ -33,17 +33,21 @@ TRITON_GRID = [(bm, bn, 64, sk, 8 if bm * bn > 64 * 128 else 4, 4) for bm in (64
                    (64, 64, 128, sk, 4, 3) for sk in (2, 4)]
 
 
-def _best_triton(torch, timed, x, w, b, dry_run: bool):
-    """(latency, configuration) of the fastest TRITON_GRID launch of the split-K GEMM at this
-    shape (None when none ran)."""
+CONFIG_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+DRY_RUN_GRID = [(16, 16, 16, 2, 4, 1)]
+
+
+def _best_triton(timed, x, w, b, grid, silu_mul: bool = False):
+    """(latency, configuration) of the fastest launch of the split-K GEMM over ``grid``
+    (None when none ran)."""
     from pagedserve.kernels.linear_ops import linear_triton
 
-    grid = [(16, 16, 16, 2, 4, 1)] if dry_run else TRITON_GRID
     best = None
     for config in grid:
         bm, bn, bk, sk, warps, stages = config
         launch = functools.partial(linear_triton, x, w, b, block_m=bm, block_n=bn, block_k=bk,
-                                   split_k=sk, num_warps=warps, num_stages=stages)
+                                   split_k=sk, num_warps=warps, num_stages=stages,
+                                   silu_mul=silu_mul)
         try:
             latency = timed(launch)
         except Exception as exc:  # noqa: BLE001 - a configuration the device cannot run
@@ -62,27 +66,19 @@ def _down_with_silu(torch, timed, tokens: int, dtype, device, dry_run: bool):
     if device.type != "cuda" and not dry_run:
         return None
     from pagedserve.kernels import ops
-    from pagedserve.kernels.linear_ops import linear_triton
 
     inter, hidden = (76, 14) if dry_run else (4864, 896)
     gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
     w = torch.randn(hidden, inter, device=device, dtype=dtype) * inter ** -0.5
     two = timed(lambda: torch.nn.functional.linear(ops.silu_and_mul(gate_up), w))
-    grid = [(16, 16, 16, 2, 4, 1)] if dry_run else [
-        c for c in TRITON_GRID if c[0] * c[1] <= 64 * 128]
-    best = None
-    for bm, bn, bk, sk, warps, stages in grid:
-        launch = functools.partial(linear_triton, gate_up, w, block_m=bm, block_n=bn,
-                                   block_k=bk, split_k=sk, num_warps=warps,
-                                   num_stages=stages, silu_mul=True)
-        latency = timed(launch)
-        if best is None or latency < best[0]:
-            best = (latency, (bm, bn, bk, sk, warps, stages))
+    best = _best_triton(timed, gate_up, w, None, DRY_RUN_GRID if dry_run else [
+        c for c in TRITON_GRID if c[0] * c[1] <= 64 * 128], silu_mul=True)
+    if best is None:
+        return None
     return {"case": f"gemm/qwen2.5_0.5b/down_silu/m{tokens}",
             "silu_then_linear_latency_us_p50": round(two, 2),
             "triton_silu_mul_latency_us_p50": round(best[0], 2),
-            "triton_config": dict(zip(("block_m", "block_n", "block_k", "split_k",
-                                       "num_warps", "num_stages"), best[1], strict=True)),
+            "triton_config": dict(zip(CONFIG_KEYS, best[1], strict=True)),
             "saved_us_x24": round(24 * (two - best[0]), 1)}
 
 
@@ -111,13 +107,11 @@ def bench_gemm(torch, device, dtype, timed, copy_gb_per_s: float, dry_run: bool)
                     record[f"{lib}_latency_us_p50"] = round(latency, 2)
                     record[f"{lib}_tflop_per_s"] = round(2 * tokens * n * k / latency / 1e6, 1)
                     totals[lib] += latency * (1 if name == "lm_head" else QWEN_05B_LAYERS)
-                best = _best_triton(torch, timed, x, w, b, dry_run)
+                best = _best_triton(timed, x, w, b, DRY_RUN_GRID if dry_run else TRITON_GRID)
                 if best is not None:
                     totals["triton"] += best[0] * (1 if name == "lm_head" else QWEN_05B_LAYERS)
                     record["triton_latency_us_p50"] = round(best[0], 2)
-                    record["triton_config"] = dict(zip(
-                        ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
-                        best[1], strict=True))
+                    record["triton_config"] = dict(zip(CONFIG_KEYS, best[1], strict=True))
                 record["weight_read_us"] = round(n * k * elem / copy_gb_per_s / 1e3, 2)
                 record["fastest"] = min(
                     (*libraries, "triton"),
