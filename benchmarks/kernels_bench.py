@@ -106,11 +106,7 @@ def main() -> int:
         return 0
 
     from pagedserve.kernels import ops
-    from pagedserve.kernels.decode_attention import (
-        _num_sms,
-        all_kv_heads_applies,
-        choose_num_splits,
-    )
+    from pagedserve.kernels.decode_attention import _num_sms, choose_num_splits
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
@@ -225,11 +221,6 @@ def main() -> int:
                         plain = timed(lambda paged=paged: paged(1))
                         record["plain_latency_us_p50"] = round(plain, 2)
                         record["split_k_speedup_ratio"] = round(plain / latency, 3)
-                    if all_kv_heads_applies(num_heads, num_kv_heads, head_dim, key_cache,
-                                            value_cache):
-                        record.update(time_all_kv_heads(
-                            timed, (query, key_cache, value_cache, block_tables, seq_lens, scale),
-                            out, kv_bytes, copy_gb_per_s, latency, args.dry_run))
 
                     # The same K/V stored contiguously, [B, Hkv, L, D], through SDPA (GQA native).
                     table = block_tables.long()
@@ -274,53 +265,6 @@ def main() -> int:
     if "tune" in cases:
         bench_decode_tune(torch, device, dtype, timed, copy_gb_per_s, shapes, args.dry_run)
     return 0
-
-
-# Launch configurations of the all-KV-heads decode swept next to its default (tokens per
-# tile x warps x pipeline stages; the split count from the rule).
-ALL_KV_HEADS_GRID = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8)
-                     for stages in (2, 3)]
-
-
-def time_all_kv_heads(timed, args, out, kv_bytes: int, copy_gb_per_s: float,
-                      one_head_us: float, dry_run: bool) -> dict:
-    """The decode case again with one program reading every KV head of a sequence
-    (decode_attention's ``all_kv_heads``): its default launch, and the best of
-    ``ALL_KV_HEADS_GRID``, and the default at 2 and 4 times the rule's split count, against
-    the one-KV-head programs' ``one_head_us``."""
-    from pagedserve.kernels.decode_attention import (
-        _num_sms,
-        choose_num_splits,
-        paged_decode_attention_triton,
-    )
-
-    def run(**launch):
-        return timed(lambda: paged_decode_attention_triton(*args, out=out, all_kv_heads=True,
-                                                            **launch))
-
-    latency = run()
-    best = min((run(block_n=block_n, num_warps=warps, num_stages=stages), block_n, warps, stages)
-               for block_n, warps, stages in (ALL_KV_HEADS_GRID[:1] if dry_run
-                                              else ALL_KV_HEADS_GRID))
-    # Half as many programs as the one-KV-head launch: more KV splits may fill the device
-    # better (the default launch at 2 and 4 times the rule's count).
-    query, key_cache = args[0], args[1]
-    num_seqs, _, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    rule = choose_num_splits(num_seqs, num_kv_heads, args[3].shape[1] * block_size,
-                             _num_sms(query.device), head_dim)
-    more_splits = {f"x{k}": round(run(num_splits=rule * k), 2) for k in (2, 4)}
-    return {
-        "all_kv_heads_latency_us_p50": round(latency, 2),
-        "all_kv_heads_copy_bw_ratio": float(f"{kv_bytes / latency / 1e3 / copy_gb_per_s:.4g}"),
-        "all_kv_heads_speedup_ratio": round(one_head_us / latency, 3),
-        "all_kv_heads_rule_splits": rule,
-        "all_kv_heads_more_splits_us_p50": more_splits,
-        "all_kv_heads_best": {"block_n": best[1], "num_warps": best[2], "num_stages": best[3],
-                              "latency_us_p50": round(best[0], 2),
-                              "copy_bw_ratio": float(
-                                  f"{kv_bytes / best[0] / 1e3 / copy_gb_per_s:.4g}")},
-    }
 
 
 def bench_layer_ops(torch, ops, device, dtype, timed, dry_run: bool) -> None:

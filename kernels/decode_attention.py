@@ -28,23 +28,17 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    one that brings the count to ``num_splits`` reads every split's partials back, writes the
    output and resets the counter to 0 for the next launch (so it stays valid in CUDA graphs).
 
-``ALL_KV_HEADS`` (program (seq, 0, split)): one program reads every KV head of a sequence,
-for narrow KV (num_kv_heads * head_dim <= 256, e.g. Qwen2.5-0.5B's 2 x 64). A token's keys
-of all KV heads are contiguous in the cache (256 B there, instead of two 128-byte halves
-read by two programs at different times), and the block table is read once, not once per
-KV head. The tile is [BLOCK_N, num_kv_heads * head_dim]; the query rows are every query
-head, each holding its query in its own KV head's columns and zeros elsewhere (a
-block-diagonal query), so one ``tl.dot`` scores every head against its own keys only; the
-``p @ v`` product also fills the other heads' columns of a row, which the store drops. The
-dots do num_kv_heads times the arithmetic, which a memory-bound decode has to spare.
-
 ``ROPE`` (the launcher's ``rope=``, a decode step's new token a sequence): q and the new
 keys arrive as the QKV projection left them; the program rotates its query rows and its KV
 head(s)' new keys (neox, with the rotary kernel's roundings: the same values to the bit),
 writes the new keys and values at the token's slot (every split of a sequence alike; a
 padding row's slot -1 writes nothing), and a barrier puts those writes before its own reads
 of the cache, whose last tile holds the token. One launch a layer fewer than the rotary
-kernel and then this one.
+kernel and then this one. The same values to the bit needs the rotation's roundings kept
+apart: compiled for a GPU, LLVM narrows the float32 products and sums of bfloat16 values to
+bfloat16 and contracts them into fma.rn.bf16 instructions, one rounding where the rotary
+kernel (or a different contraction) makes two; ``layer_ops.rotated`` is written so that no
+contraction is possible (its docstring).
 """
 
 from __future__ import annotations
@@ -55,12 +49,10 @@ import triton.language as tl
 
 from .decode_reduce import _combine_if_last, _reduce_kernel
 from .decode_rules import (  # noqa: F401 - the rules are read through this module too
-    ALL_KV_HEADS_DEFAULT,
     FUSED_REDUCE_MAX_SPLITS,
     _counters,
     _num_sms,
     _split_counters,
-    all_kv_heads_applies,
     choose_block_n,
     choose_num_splits,
 )
@@ -127,15 +119,12 @@ def _decode_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,  # the tile's columns: HEAD_DIM padded, or KV_WIDTH padded
+    D_PAD: tl.constexpr,  # HEAD_DIM padded to a power of two: the tile's columns
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the CPU interpreter)
     FUSED_REDUCE: tl.constexpr,  # the last split to finish combines (no second launch)
-    ALL_KV_HEADS: tl.constexpr,  # one program reads every KV head (see above)
-    KV_WIDTH: tl.constexpr,  # the columns read: num_kv_heads * HEAD_DIM, else HEAD_DIM
-    DN_PAD: tl.constexpr,  # HEAD_DIM padded: the partials' last axis
     # ROPE: q, the new token's keys (k_new) and values (v_new) arrive as the QKV projection
     # left them; rotated here and the new token cached at its slot (see above).
     k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,
@@ -157,57 +146,42 @@ def _decode_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
-    if ALL_KV_HEADS:
-        # Rows: every query head; columns: every KV head's dims side by side, as a token's
-        # keys lie in the cache. Row r holds its query in its KV head's columns, zeros in
-        # the others', so q @ k^T scores it against its own KV head alone, and its row of
-        # p @ v is right in those columns (the rest is dropped when stored).
-        mask_g = offs_g < GROUP * (KV_WIDTH // HEAD_DIM)
-        mask_d = offs_d < KV_WIDTH
-        heads = offs_g
-        cols = offs_d % HEAD_DIM  # the column's dim within its head
-        io_mask = (mask_g[:, None] & mask_d[None, :]
-                   & ((offs_d // HEAD_DIM)[None, :] == (offs_g // GROUP)[:, None]))
-        part_mask = io_mask
-    else:
-        mask_g = offs_g < GROUP
-        mask_d = offs_d < HEAD_DIM
-        heads = kv_head * GROUP + offs_g
-        cols = offs_d
-        io_mask = mask_g[:, None] & mask_d[None, :]
-        part_mask = mask_g[:, None] & (offs_d < D_PAD)[None, :]
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    io_mask = mask_g[:, None] & mask_d[None, :]
+    part_mask = mask_g[:, None] & (offs_d < D_PAD)[None, :]
 
     q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
     if ROPE:
         half = HEAD_DIM // 2
-        first = cols < half
-        partner = tl.where(first, cols + half, cols - half)
-        cos_row = cos_sin_ptr + seq * stride_cs + cols
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        cos_row = cos_sin_ptr + seq * stride_cs + offs_d
         cos = tl.load(cos_row, mask=mask_d, other=0.0).to(tl.float32)
         sin = tl.load(cos_row + stride_cc, mask=mask_d, other=0.0).to(tl.float32)
-        q = _rotated(q_rows + cols[None, :], q_rows + partner[None, :], io_mask,
+        q = _rotated(q_rows + offs_d[None, :], q_rows + partner[None, :], io_mask,
                      cos[None, :], sin[None, :], first[None, :])
-        # The new token's keys of this program's KV head(s) (all of them side by side with
-        # ALL_KV_HEADS), rotated, and its values, written at its slot (-1: a padding row,
-        # nothing written) by every split of the sequence alike; the barrier puts the
-        # writes before this program's reads of the cache (the last tile holds the token).
-        kh = offs_d // HEAD_DIM if ALL_KV_HEADS else kv_head
-        k_row = k_new_ptr + seq * stride_kns + kh * stride_knh
-        k_new = _rotated(k_row + cols, k_row + partner, mask_d, cos, sin, first)
-        v_new = tl.load(v_new_ptr + seq * stride_vns + kh * stride_vnh + cols, mask=mask_d,
+        # The new token's keys of this program's KV head, rotated, and its values, written
+        # at its slot (-1: a padding row, nothing written) by every split of the sequence
+        # alike; the barrier puts the writes before this program's reads of the cache (the
+        # last tile holds the token).
+        k_row = k_new_ptr + seq * stride_kns + kv_head * stride_knh
+        k_new = _rotated(k_row + offs_d, k_row + partner, mask_d, cos, sin, first)
+        v_new = tl.load(v_new_ptr + seq * stride_vns + kv_head * stride_vnh + offs_d, mask=mask_d,
                         other=0.0)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         write = mask_d & (offs_d.to(tl.int64) * 0 + slot >= 0)  # a [D_PAD] mask
         slot = tl.maximum(slot, 0)
         block_id = slot // BLOCK_SIZE
         in_block = slot % BLOCK_SIZE
-        tl.store(k_cache_ptr + block_id * stride_kb + in_block * stride_kt + kh * stride_kh
-                 + cols, k_new.to(k_cache_ptr.dtype.element_ty), mask=write)
-        tl.store(v_cache_ptr + block_id * stride_vb + in_block * stride_vt + kh * stride_vh
-                 + cols, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(k_cache_ptr + block_id * stride_kb + in_block * stride_kt + kv_head * stride_kh
+                 + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + block_id * stride_vb + in_block * stride_vt + kv_head * stride_vh
+                 + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
         tl.debug_barrier()
     else:
-        q = tl.load(q_rows + cols[None, :], mask=io_mask, other=0.0)
+        q = tl.load(q_rows + offs_d[None, :], mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -224,39 +198,38 @@ def _decode_kernel(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, tile_begin, full_lo,
-        BLOCK_SIZE, BLOCK_N, True, KV_WIDTH == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
     acc, l_i, m_i = _decode_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_lo, full_hi,
-        BLOCK_SIZE, BLOCK_N, False, KV_WIDTH == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == D_PAD, UPCAST)
     acc, l_i, m_i = _decode_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         offs_n, offs_d, mask_d, lo, seq_len, qk_scale_log2, full_hi, tile_end,
-        BLOCK_SIZE, BLOCK_N, True, KV_WIDTH == D_PAD, UPCAST)
+        BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == D_PAD, UPCAST)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + cols[None, :],
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # Empty split (short sequence): l_i == 0, lse = -inf, and the reduction ignores it.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         base = seq * stride_ps + heads * stride_ph + split * stride_pk
-        tl.store(part_out_ptr + base[:, None] + cols[None, :], out, mask=part_mask)
+        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=part_mask)
         # part_lse is part_out without its last axis: same index, strides divided by its
         # padded head dim.
-        tl.store(part_lse_ptr + base // DN_PAD, lse, mask=mask_g)
+        tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
         if FUSED_REDUCE:
-            offs_p = tl.arange(0, DN_PAD)
             _combine_if_last(
                 out_ptr, part_out_ptr, part_lse_ptr,
                 split_counters_ptr + seq * tl.num_programs(1) + kv_head,
-                seq, heads, mask_g, offs_p, offs_p < HEAD_DIM,
+                seq, heads, mask_g, offs_d, mask_d,
                 stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
-                BLOCK_G, DN_PAD, NUM_SPLITS,
+                BLOCK_G, D_PAD, NUM_SPLITS,
             )
 
 
@@ -336,15 +309,13 @@ def paged_decode_attention_triton(
     num_warps: int = 4,
     num_stages: int | None = None,
     fused_reduce: bool | None = None,
-    all_kv_heads: bool | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
     ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
     combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
-    launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them);
-    ``all_kv_heads`` (None: ``ALL_KV_HEADS_DEFAULT``) reads every KV head in one program
-    where `all_kv_heads_applies`, else is ignored. ``rope`` = (key, value, cos_sin,
+    launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them).
+    ``rope`` = (key, value, cos_sin,
     slot_mapping) of the new tokens (one a sequence, [S, Hkv, D], [S, Hkv, D], [S, 2, D],
     [S]): ``query`` and ``key`` are not yet rotated; the kernel rotates them, as
     ``ops.rotary_embedding_and_cache`` would, and writes the new keys and values into the
@@ -372,24 +343,17 @@ def paged_decode_attention_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     d_pad = next_power_of_2(head_dim)
-    wide = (ALL_KV_HEADS_DEFAULT if all_kv_heads is None else all_kv_heads) and (
-        all_kv_heads_applies(num_heads, num_kv_heads, head_dim, key_cache, value_cache))
-    # The tile's columns and rows: one KV head's dims and its group, or all of them.
-    tile_d = next_power_of_2(num_kv_heads * head_dim) if wide else d_pad
-    block_g = max(16, next_power_of_2(num_heads if wide else group))
+    block_g = max(16, next_power_of_2(group))
     if block_n is None:
         block_n = choose_block_n(num_seqs * num_kv_heads * num_splits, num_sms, head_dim,
                                  query.dtype)
-        if wide:  # the same bytes a tile as the one-head program's
-            block_n = max(16, block_n * d_pad // tile_d)
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E
 
     fused = num_splits > 1 and (num_splits <= FUSED_REDUCE_MAX_SPLITS if fused_reduce is None
                                 else fused_reduce)
-    grid_heads = 1 if wide else num_kv_heads
-    counters = _counters(query.device, num_seqs * grid_heads) if fused else out  # or unused
+    counters = _counters(query.device, num_seqs * num_kv_heads) if fused else out  # or unused
     if num_splits == 1:
         part_out = part_lse = out  # unused
         p_strides = (0, 0, 0)
@@ -408,7 +372,7 @@ def paged_decode_attention_triton(
     else:
         k_new, v_new, cos_sin, slots = rope
         rope_strides = (*k_new.stride()[:2], *v_new.stride()[:2], *cos_sin.stride()[:2])
-    grid = (num_seqs, grid_heads, num_splits)
+    grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters,
@@ -416,10 +380,9 @@ def paged_decode_attention_triton(
         *query.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), *out.stride()[:2],
         *p_strides,
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=tile_d,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast,
-        FUSED_REDUCE=fused, ALL_KV_HEADS=wide,
-        KV_WIDTH=num_kv_heads * head_dim if wide else head_dim, DN_PAD=d_pad,
+        FUSED_REDUCE=fused,
         k_new_ptr=k_new, v_new_ptr=v_new, cos_sin_ptr=cos_sin, slot_ptr=slots,
         stride_kns=rope_strides[0], stride_knh=rope_strides[1], stride_vns=rope_strides[2],
         stride_vnh=rope_strides[3], stride_cs=rope_strides[4], stride_cc=rope_strides[5],

@@ -1,22 +1,13 @@
 """The decode attention kernel's launch rules (decode_attention.py launches it): how many
 KV splits a sequence gets, how many tokens a tile holds, when the split-K reduction runs in
-the same launch, when one program reads every KV head, and the fused reduction's arrival
-counters. Host arithmetic only: cheap, and nothing here synchronises with the device."""
+the same launch, and the fused reduction's arrival counters. Host arithmetic only: cheap, and nothing here synchronises with the device."""
 
 from __future__ import annotations
 
 import torch
 
 from .counters import arrival_counters
-from .host_math import all_kv_heads_from_env, next_power_of_2
-
-# ``ALL_KV_HEADS`` applies up to this many cache columns a token (num_kv_heads * head_dim,
-# padded) and query heads (the dots' rows); off unless asked for (``all_kv_heads=True``, or
-# PAGEDSERVE_DECODE_ALL_KV_HEADS=1 for every launch) until a GPU has measured it against
-# the one-KV-head programs.
-_ALL_KV_HEADS_MAX_WIDTH = 256
-_ALL_KV_HEADS_MAX_ROWS = 64
-ALL_KV_HEADS_DEFAULT = all_kv_heads_from_env()
+from .host_math import next_power_of_2
 
 # Split-K rule. A plain decode launch has num_seqs * num_kv_heads programs, each walking a
 # whole context. A GPU needs enough loads in flight per SM to hide memory latency, and a
@@ -108,12 +99,3 @@ _MIN_COUNTERS = 8192  # 256 sequences x 32 KV heads: no growth while CUDA graphs
 
 def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return arrival_counters(_split_counters, device, needed, _MIN_COUNTERS)
-
-
-def all_kv_heads_applies(num_heads: int, num_kv_heads: int, head_dim: int,
-                         key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether one program can read every KV head of a sequence (module docstring): more
-    than one KV head, narrow enough, and each token's heads side by side in both caches."""
-    return (num_kv_heads > 1 and num_heads <= _ALL_KV_HEADS_MAX_ROWS
-            and next_power_of_2(num_kv_heads * head_dim) <= _ALL_KV_HEADS_MAX_WIDTH
-            and key_cache.stride(2) == head_dim and value_cache.stride(2) == head_dim)

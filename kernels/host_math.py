@@ -25,17 +25,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Switches of the decode kernel for A/B runs, read at import where they apply and checked at
-# an executor's start: every decode launch reading all of a sequence's KV heads in one
-# program (decode_attention's ``all_kv_heads``), and decode steps' rotary embedding and
-# cache write done by the attention kernel (its ``rope``; executor/models/llama.py).
-ALL_KV_HEADS_ENV = "PAGEDSERVE_DECODE_ALL_KV_HEADS"
+# Switches of the decode step for A/B runs, read at import where they apply and checked at
+# an executor's start: decode steps' rotary embedding and cache write done by the attention
+# kernel (its ``rope``; executor/models/llama.py).
 FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
 # The model's projections through the split-K Triton GEMM (kernels/linear_ops.py) for
 # batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS.
 TRITON_GEMM_ENV = "PAGEDSERVE_DECODE_TRITON_GEMM"
 TRITON_GEMM_MAX_TOKENS = 512
-SWITCHES = (ALL_KV_HEADS_ENV, FUSED_ROPE_ENV, TRITON_GEMM_ENV)
+SWITCHES = (FUSED_ROPE_ENV, TRITON_GEMM_ENV)
 
 
 def switch_from_env(name: str, environ=os.environ) -> bool:
@@ -45,8 +43,4 @@ def switch_from_env(name: str, environ=os.environ) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name}={value!r}: expected 0 or 1")
     return value == "1"
-
-
-def all_kv_heads_from_env(environ=os.environ) -> bool:
-    return switch_from_env(ALL_KV_HEADS_ENV, environ)
 

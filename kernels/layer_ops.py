@@ -97,10 +97,16 @@ def rotated(x, partner, cos, sin):
     """One rotary-embedded value: x * cos + partner * sin (``partner``: float32, the other
     half's value, negated for the first half), each product and the sum rounded to x's
     dtype as the twin rounds them; also the decode kernel's own rotation
-    (decode_attention.py, ``ROPE``)."""
+    (decode_attention.py, ``ROPE``).
+
+    Each product is an fma with a +0.0 addend: the same value (a product of two 16-bit
+    values is exact in float32; only a -0.0 product comes out +0.0, equal to it), but no
+    fmul for LLVM to narrow to bfloat16 and then contract with the sum into one fma.rn.bf16
+    (a single rounding where the twin makes two; compiled for sm_90 a plain ``x * cos``
+    became exactly that, differently in different kernels)."""
     dt = x.dtype
-    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32)
-            + (partner * sin).to(dt).to(tl.float32)).to(dt)
+    return (tl.fma(x.to(tl.float32), cos, 0.0).to(dt).to(tl.float32)
+            + tl.fma(partner, sin, 0.0).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit

@@ -110,18 +110,15 @@ def drive_launchers(quick: bool) -> None:
                         *args, num_splits=splits, fused_reduce=fused)
             # the launcher's own tile rule on a small and a large grid
             decode_attention.paged_decode_attention_triton(*args)
-            # every KV head in one program (where it applies) and the rotary with the cache
-            # write in the launch (decode steps of the model with PAGEDSERVE_DECODE_FUSED_ROPE)
+            # the rotary with the cache write in the launch (decode steps of the model with
+            # PAGEDSERVE_DECODE_FUSED_ROPE), plain and split-K
             num = decode.query.shape[0]
             rope = (torch.zeros(num, kv_heads, dim, dtype=dtype),
                     torch.zeros(num, kv_heads, dim, dtype=dtype),
                     torch.zeros(num, 2, dim, dtype=dtype), torch.arange(num))
             for splits in (1, 4):
                 decode_attention.paged_decode_attention_triton(*args, num_splits=splits,
-                                                               all_kv_heads=True)
-                for all_kv in (False, True):
-                    decode_attention.paged_decode_attention_triton(
-                        *args, num_splits=splits, all_kv_heads=all_kv, rope=rope)
+                                                               rope=rope)
             prefill = make_paged_batch([(64, 64), (17, 300)], num_kv_heads=kv_heads,
                                        group=group, head_dim=dim, block_size=16, dtype=dtype,
                                        device="cpu")
@@ -200,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                       target=target, options=options)
             record["shared_bytes"] = shared = compiled.metadata.shared
+            # bfloat16 fmas: a product and a sum contracted into one rounding (the rotary
+            # arithmetic must keep two: layer_ops.rotated).
+            record["fma_bf16"] = compiled.asm.get("ptx", "").count("fma.rn.bf16")
             record.update(_resource_usage(compiled.asm.get("cubin")))
             record["ok"] = shared <= args.max_shared
             if not record["ok"]:

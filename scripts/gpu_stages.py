@@ -61,12 +61,11 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text(errors="replace"))
 
 
-# Every decode launch with one program per sequence reading all its KV heads (the kernel's
-# A/B: kernels/decode_attention.py, off by default until measured).
-ALL_KV_HEADS_ON = {"PAGEDSERVE_DECODE_ALL_KV_HEADS": "1"}
+# The rotary and the new token's cache write inside the decode attention launch (the
+# model's A/B: executor/models/llama.py, off by default until a GPU has checked it).
+FUSED_ROPE_ON = {"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}
 # Every switch of the decode step's device time (each off by default until measured).
-ALL_SWITCHES_ON = {**ALL_KV_HEADS_ON, "PAGEDSERVE_DECODE_FUSED_ROPE": "1",
-                   "PAGEDSERVE_DECODE_TRITON_GEMM": "1"}
+ALL_SWITCHES_ON = {**FUSED_ROPE_ON, "PAGEDSERVE_DECODE_TRITON_GEMM": "1"}
 
 
 def plan_stage(name: str, ctx: Context) -> list[Step]:
@@ -84,8 +83,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
-        # The decode cases (the all-KV-heads program's timings beside them) and the rotary
-        # fused into the decode launch, in a step of their own, to run alone when the device
+        # The decode cases and the rotary fused into the decode launch, in a step of their own, to run alone when the device
         # time is short.
         decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode,decode_rope",
                      *(["--dry-run"] if ctx.small else []))
@@ -107,13 +105,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         traces = ctx.out_dir / "traces"
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
         # The A/B runs of the decode step's device time, each with its switch(es) on and its
-        # traces apart: every decode launch reading all KV heads in one program
-        # (kernels/decode_attention.py); the rotary and cache write inside the attention
-        # launch; the projections through the autotuned split-K Triton GEMM (its tuning, at
+        # traces apart: the rotary and cache write inside the attention launch; the projections through the autotuned split-K Triton GEMM (its tuning, at
         # every graph size, in the graphs' warm-up); all three at once; torch preferring
         # cuBLASLt for every matmul.
-        variants = [("all_kv_heads", "all-kv-heads", ALL_KV_HEADS_ON, 200),
-                    ("fused_rope", "fused-rope", {"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}, 200),
+        variants = [("fused_rope", "fused-rope", FUSED_ROPE_ON, 200),
                     ("triton_gemm", "triton-gemm", {"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}, 300),
                     ("all_switches", "all-switches", ALL_SWITCHES_ON, 300),
                     ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200)]
@@ -122,13 +117,18 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,
                        env=env) for name, folder, env, timeout in variants)]
     if name == "cluster":
-        def check(what: str, timeout_s: float) -> Step:
-            return Step(what.replace("-", "_"),
+        def check(what: str, timeout_s: float, suffix: str = "",
+                  env: dict[str, str] | None = None) -> Step:
+            return Step(what.replace("-", "_") + suffix,
                         _py(ctx, "scripts/gpu_cluster.py", what, *model, "--log-dir",
-                            str(ctx.work_dir / "cluster-logs"), *small), timeout_s)
+                            str(ctx.work_dir / ("cluster-logs" + suffix)), *small),
+                        timeout_s, env=env)
+        # fp32_exact_fused_rope: the cluster's executors with the rotary in the decode
+        # launch, still HF float32's tokens exactly (before that switch may default on).
         return [*_common(ctx), _model(ctx), check("bf16-migration", 180),
                 check("fp32-exact", 120), check("preempt-swap", 100),
-                check("preempt-recompute", 100)]
+                check("preempt-recompute", 100),
+                check("fp32-exact", 120, "_fused_rope", FUSED_ROPE_ON)]
     if name == "throughput":
         hf = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small)
         # The API edges in worker processes: on an H100 the router's CPU per step at 256
@@ -169,7 +169,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # Four plans in flight: at 32 streams a forward (1.24 ms on the H200) is shorter
         # than the round trip, and depth 3 still left the device idle 0.34-0.58 ms a step.
         overhead_depth4 = with_workers("step-overhead-depth4", 4)
-        overhead_depth3_all_kv = with_workers("step-overhead-depth3-all-kv-heads", 3)
+        # Depth 4 with the rotary in the decode launch (fewer graph nodes, shorter steps).
+        overhead_depth4_rope = with_workers("step-overhead-depth4-fused-rope", 4)
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
                      "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
         # 256 streams with the workers again, the clients in 4 processes: is one client
@@ -222,8 +223,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      100,
                      env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
-                Step("step_overhead_depth3_all_kv_heads", overhead_depth3_all_kv, 80,
-                     env=ALL_KV_HEADS_ON),
+                Step("step_overhead_depth4_fused_rope", overhead_depth4_rope, 80,
+                     env=FUSED_ROPE_ON),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),

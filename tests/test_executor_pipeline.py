@@ -427,7 +427,7 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
     """PAGEDSERVE_PLAN_PREP=main (the I/O thread only decodes; the main thread runs
     `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
     run; a value other than io or main stops the executor at start (exit code 2), as does
-    a bad PAGEDSERVE_DECODE_ALL_KV_HEADS."""
+    a bad PAGEDSERVE_DECODE_FUSED_ROPE."""
     prompt = [0, 17, 250, 33, 9]
     ref = _driver(model_dir)
     ref.add("r", prompt)
@@ -447,13 +447,11 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
         proc.wait()
         router.close()
     assert "PAGEDSERVE_PLAN_PREP=main: plans prepared on the main thread" in proc.stderr.read()
-    # A bad value of any A/B switch read at start (PAGEDSERVE_DECODE_ALL_KV_HEADS,
-    # _FUSED_ROPE, _TRITON_GEMM: kernels/host_math.py) stops the executor with exit code 2.
+    # A bad value of any A/B switch read at start (PAGEDSERVE_DECODE_FUSED_ROPE,
+    # _TRITON_GEMM: kernels/host_math.py) stops the executor with exit code 2.
     for env, message in [({"PAGEDSERVE_PLAN_PREP": "both"},
                           "PAGEDSERVE_PLAN_PREP='both': expected io or main"),
-                         ({"PAGEDSERVE_PLAN_PREP": "io", "PAGEDSERVE_DECODE_ALL_KV_HEADS": "yes"},
-                          "PAGEDSERVE_DECODE_ALL_KV_HEADS='yes': expected 0 or 1"),
-                         ({"PAGEDSERVE_DECODE_ALL_KV_HEADS": "0",
+                         ({"PAGEDSERVE_PLAN_PREP": "io",
                            "PAGEDSERVE_DECODE_FUSED_ROPE": "on"},
                           "PAGEDSERVE_DECODE_FUSED_ROPE='on': expected 0 or 1"),
                          ({"PAGEDSERVE_DECODE_FUSED_ROPE": "0",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.kernels import decode_attention, host_math, ops, reference
+from pagedserve.kernels import decode_attention, ops, reference
 from pagedserve.kernels.cache_ops import swap_blocks_device
 from pagedserve.kernels.decode_attention import (
     choose_block_n,
@@ -109,77 +109,27 @@ def test_fused_split_k_leaves_its_counters_at_zero():
     assert torch.equal(first, again)
 
 
-@pytest.mark.parametrize(
-    "kv_heads, group, head_dim, num_splits, fused, window, dtype",
-    [(2, 7, 64, 1, None, None, torch.float32),  # Qwen2.5-0.5B's heads
-     (2, 7, 64, 3, True, None, torch.float32),
-     (3, 3, 64, 1, None, 50, torch.float32),  # 192 columns pad to 256
-     (2, 4, 80, 4, False, None, torch.float32),  # 80: every head's dims padded apart
-     (2, 4, 80, 5, True, 20, torch.float32),
-     (4, 2, 16, 2, True, None, torch.bfloat16)],
-)
-def test_all_kv_heads_decode_matches_twin(kv_heads, group, head_dim, num_splits, fused, window,
-                                          dtype):
-    """One program reading every KV head (a block-diagonal query) == the twin, and == the
-    one-KV-head programs, plain and split-K, with a sliding window."""
-    batch = make_paged_batch(
-        [(1, 97), (1, 1), (1, 37), (1, 200)], num_kv_heads=kv_heads, group=group,
-        head_dim=head_dim, block_size=16, dtype=dtype, device=DEVICE, seed=kv_heads + group,
-    )
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
-            batch.scale)
-    assert decode_attention.all_kv_heads_applies(
-        kv_heads * group, kv_heads, head_dim, batch.key_cache, batch.value_cache)
-    launch = dict(sliding_window=window, num_splits=num_splits, fused_reduce=fused, block_n=16)
-    got = paged_decode_attention_triton(*args, **launch, all_kv_heads=True)
-    _close(got, reference.paged_decode_attention(*args, sliding_window=window), dtype)
-    _close(got, paged_decode_attention_triton(*args, **launch, all_kv_heads=False), dtype)
+# Lengths 97, 37 and 200 end inside a 16-token tile, 64 on a tile's last token (an unmasked
+# tile); window 5 puts the new token in the window's first (masked) tile.
+ROPE_SEQS = [(1, 97), (1, 1), (1, 37), (1, 200), (1, 64)]
 
 
-def test_all_kv_heads_applies_only_where_a_token_reads_contiguously():
-    batch = make_paged_batch([(1, 20)], num_kv_heads=2, group=4, head_dim=64, block_size=16,
-                             dtype=torch.float32, device=DEVICE)
-    k, v = batch.key_cache, batch.value_cache
-    applies = decode_attention.all_kv_heads_applies
-    assert applies(8, 2, 64, k, v)
-    assert not applies(4, 1, 64, k[:, :, :1], v[:, :, :1])  # one KV head: nothing to join
-    assert not applies(8, 2, 64, k.transpose(1, 2), v.transpose(1, 2))  # heads not side by side
-    wide = torch.zeros(1, 16, 4, 128)
-    assert not applies(32, 4, 128, wide, wide)  # 512 columns
-    assert not applies(128, 2, 64, k, v)  # more query heads than the rule's rows
-    env = host_math.ALL_KV_HEADS_ENV
-    assert host_math.all_kv_heads_from_env({}) is False
-    assert host_math.all_kv_heads_from_env({env: "0"}) is False
-    assert host_math.all_kv_heads_from_env({env: "1"}) is True
-    with pytest.raises(ValueError, match=env):
-        host_math.all_kv_heads_from_env({env: "yes"})
-    # Where it does not apply, asking for it launches the one-KV-head programs.
-    one = make_paged_batch([(1, 30), (1, 5)], num_kv_heads=1, group=4, head_dim=64,
-                           block_size=16, dtype=torch.float32, device=DEVICE)
-    args = (one.query, one.key_cache, one.value_cache, one.block_tables, one.seq_lens,
-            one.scale)
-    _close(paged_decode_attention_triton(*args, all_kv_heads=True),
-           reference.paged_decode_attention(*args), torch.float32)
-
-
-@pytest.mark.parametrize("kv_heads, group, head_dim, num_splits, all_kv, window, dtype", [
-    (2, 7, 64, 1, False, None, torch.float32),
-    (2, 7, 64, 3, True, None, torch.float32),
-    (2, 4, 80, 4, False, 50, torch.bfloat16),  # head dim 80: padded columns
-    (3, 3, 64, 2, True, None, torch.bfloat16),
-    (1, 4, 16, 5, False, None, torch.float16),
+@pytest.mark.parametrize("kv_heads, group, head_dim, num_splits, window, dtype", [
+    (2, 7, 64, 1, None, torch.float32),
+    (2, 7, 64, 3, None, torch.float32),
+    (2, 4, 80, 4, 50, torch.bfloat16),  # head dim 80: padded columns
+    (3, 3, 64, 2, 5, torch.bfloat16),
+    (1, 4, 16, 5, None, torch.float16),
 ])
 def test_decode_with_the_rotary_and_cache_write_in_the_launch_is_bit_identical(
-        kv_heads, group, head_dim, num_splits, all_kv, window, dtype):
+        kv_heads, group, head_dim, num_splits, window, dtype):
     """``rope=``: the attention kernel rotates q and the new k and writes the new keys and
     values at their slots itself; its output and both caches equal the two launches'
-    (rotary_embedding_and_cache, then decode) bit for bit, split-K and one program per
-    sequence included; a padding row (slot -1) writes nothing."""
-    inputs = rope_decode_inputs(kv_heads, group, head_dim, dtype,
-                                [(1, 97), (1, 1), (1, 37), (1, 200)], DEVICE)
+    (rotary_embedding_and_cache, then decode) bit for bit, split-K included; a padding row
+    (slot -1) writes nothing."""
+    inputs = rope_decode_inputs(kv_heads, group, head_dim, dtype, ROPE_SEQS, DEVICE)
     (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
-        *inputs, num_splits=num_splits, all_kv_heads=all_kv, block_n=16,
-        sliding_window=window)
+        *inputs, num_splits=num_splits, block_n=16, sliding_window=window)
     assert torch.equal(out, want)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     batch = inputs[0]

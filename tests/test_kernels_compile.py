@@ -37,8 +37,14 @@ def test_every_launch_compiles_for_sm90(tmp_path):
              and r["constexprs"]["FUSED_REDUCE"]]
     assert fused and records[-1]["case"] == "summary" and records[-1]["launches"] >= 18
     decode = [r["constexprs"] for r in records if r["case"] == "_decode_kernel"]
-    assert any(c["ALL_KV_HEADS"] for c in decode) and any(c["ROPE"] for c in decode)
-    assert any(c["ALL_KV_HEADS"] and c["ROPE"] and c["FUSED_REDUCE"] for c in decode)
+    assert any(c["ROPE"] and not c["FUSED_REDUCE"] for c in decode)
+    assert any(c["ROPE"] and c["FUSED_REDUCE"] for c in decode)
+    # The rotation rounds its products and its sum apart, as the twin and the rotary kernel
+    # do, in every kernel that rotates (no fma.rn.bf16; the H200 found the decode kernel's
+    # fused rotation an ulp off the rotary kernel's while both contracted differently).
+    rotating = [r for r in records if r["case"] in ("_rotary_kernel", "_rotary_cache_kernel")
+                or (r["case"] == "_decode_kernel" and r["constexprs"]["ROPE"])]
+    assert rotating and all(r["fma_bf16"] == 0 for r in rotating), rotating
     # The Qwen2.5-0.5B-shape bf16 attention the executor runs (the quick set), the split-K
     # GEMM and the top-p search's passes keep their registers: a change that makes these
     # spill is a slowdown the interpreter cannot see.

@@ -39,7 +39,6 @@ DECODE_GRID = pairwise({
     "dtype": DTYPES,
     "num_splits": [None, 1, 3, 8],
     "fused_reduce": [False, True],
-    "all_kv_heads": [False, True],  # 2 KV heads of 64/80/128: 128/256/256 columns
 })
 # (q_len, seq_len) per sequence: what the prefill/extend kernel meets in a step.
 PREFILL_SHAPES = {
@@ -155,33 +154,8 @@ def test_decode_grid_gpu(case):
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
             batch.scale)
     _close(paged_decode_attention_triton(*args, num_splits=case["num_splits"],
-                                         fused_reduce=case["fused_reduce"],
-                                         all_kv_heads=case["all_kv_heads"]),
+                                         fused_reduce=case["fused_reduce"]),
            reference.paged_decode_attention(*args), case["dtype"])
-
-
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (3, 3, 64), (2, 6, 128)])
-@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
-def test_all_kv_heads_large_decode_gpu(kv_heads, group, head_dim, num_splits):
-    """Every KV head in one program at the shapes it is for (Qwen2.5-0.5B's 14 / 2 x 64,
-    SmolLM2's 9 / 3 x 64, Qwen2.5-1.5B's 12 / 2 x 128), long contexts, bf16, the default
-    tiles; equal to the one-KV-head programs within bf16 rounding, in a CUDA graph too."""
-    seqs = [(1, n) for n in [1024] * 60 + [1, 17, 2049, 8191]]
-    batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                             block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
-            batch.scale)
-    want = reference.paged_decode_attention(*args)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, all_kv_heads=True)
-    _close(got, want, torch.bfloat16)
-    out = torch.empty_like(got)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention_triton(*args, out=out, num_splits=num_splits, all_kv_heads=True)
-    batch.query.copy_(torch.randn_like(batch.query))
-    graph.replay()
-    torch.cuda.synchronize()
-    _close(out, reference.paged_decode_attention(*args), torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
@@ -260,16 +234,17 @@ def test_copy_blocks_grid_gpu(dtype, block_size, head_dim):
 
 
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128), (2, 6, 80)])
-@pytest.mark.parametrize("num_splits, all_kv", [(None, False), (1, True), (4, False), (4, True)])
-def test_decode_rope_in_the_launch_gpu(kv_heads, group, head_dim, num_splits, all_kv):
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_rope_in_the_launch_gpu(kv_heads, group, head_dim, num_splits):
     """The rotary and the cache write inside the decode launch, compiled natively, bf16:
     the output and both caches equal the two launches' bit for bit at long contexts (the
-    barrier orders each program's writes before its reads of the last tile), split-K and
-    one program per sequence included; in a CUDA graph too."""
+    barrier orders each program's writes before its reads of the last tile; the rotation's
+    roundings kept from contracting into fma.rn.bf16: layer_ops.rotated), split-K included;
+    in a CUDA graph too."""
     seqs = [(1, n) for n in [1024] * 60 + [1, 17, 2049, 8191]]
     inputs = rope_decode_inputs(kv_heads, group, head_dim, torch.bfloat16, seqs, DEVICE)
     (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
-        *inputs, num_splits=num_splits, all_kv_heads=all_kv)
+        *inputs, num_splits=num_splits)
     assert torch.equal(out, want)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     batch, q, k, v, cos_sin, slots = inputs
@@ -280,7 +255,7 @@ def test_decode_rope_in_the_launch_gpu(kv_heads, group, head_dim, num_splits, al
     with torch.cuda.graph(graph):
         paged_decode_attention_triton(qq, kc3, vc3, batch.block_tables, batch.seq_lens,
                                       batch.scale, out=graph_out, num_splits=num_splits,
-                                      all_kv_heads=all_kv, rope=(kk, v, cos_sin, slots))
+                                      rope=(kk, v, cos_sin, slots))
     kc3.copy_(batch.key_cache)
     vc3.copy_(batch.value_cache)
     graph.replay()

@@ -167,15 +167,14 @@ def test_projections_through_the_triton_gemm_match_transformers(model_dirs, monk
     """PAGEDSERVE_DECODE_TRITON_GEMM (llama.TRITON_GEMM): every projection of batches up to
     512 tokens through the split-K Triton GEMM, the down projection with SiLU-and-multiply
     in its loads (the interpreter here), alone and with the decode steps' rotary in the
-    attention launch and every KV head in one program (all the device-time switches):
+    attention launch (all the device-time switches):
     greedy tokens equal to transformers' (Qwen2: the QKV bias through the kernel's bias)."""
     from pagedserve.executor.models import llama
-    from pagedserve.kernels import decode_attention, linear_ops
+    from pagedserve.kernels import linear_ops
 
     monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "triton")
     monkeypatch.setattr(llama, "TRITON_GEMM", True)
     monkeypatch.setattr(llama.Attention, "fused_decode_rope", with_fused_rope)
-    monkeypatch.setattr(decode_attention, "ALL_KV_HEADS_DEFAULT", with_fused_rope)
     calls = []
     tuned = linear_ops.linear_tuned
     monkeypatch.setattr(linear_ops, "linear_tuned",
