@@ -254,8 +254,8 @@ def test_gpu_overlay_gives_each_executor_one_gpu(rendered):
     workers = int(config["PAGEDSERVE_API_WORKERS"])
     assert workers == 2 and float(router["resources"]["requests"]["cpu"]) == workers + 1
     assert router["resources"]["requests"]["memory"] == "1Gi"  # the base's, kept by the merge
-    # GPU steps are short enough that the router's round trip needs two forwards to hide in.
-    assert config["PAGEDSERVE_PIPELINE_DEPTH"] == "3"
+    # GPU steps are short enough that the router's round trip needs three forwards to hide in.
+    assert config["PAGEDSERVE_PIPELINE_DEPTH"] == "4"
 
 
 def test_cpu_overlay_runs_executors_on_cpu_with_a_hostpath_model(rendered):
