@@ -150,7 +150,6 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     io_mask = mask_g[:, None] & mask_d[None, :]
-    part_mask = mask_g[:, None] & (offs_d < D_PAD)[None, :]
 
     q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
     if ROPE:
@@ -219,7 +218,8 @@ def _decode_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         base = seq * stride_ps + heads * stride_ph + split * stride_pk
-        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=part_mask)
+        # every padded column too (zeros): the reduction reads whole rows
+        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None])
         # part_lse is part_out without its last axis: same index, strides divided by its
         # padded head dim.
         tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
