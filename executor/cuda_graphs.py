@@ -14,7 +14,13 @@ position 0. Their hidden states are computed and dropped. The logits of every ro
 computed in the graph too (``logits``, valid until the next replay): in a decode step
 every row samples (a sequence's one new token), and eagerly the vocabulary matmul and the
 gather of the sampling rows before it cost ~0.1 ms of host time a step on an H200 (the
-padding rows' few extra logits are negligible next to it). Sampling stays eager.
+padding rows' few extra logits are negligible next to it). So is every row's greedy token
+(``tokens``, the argmax of its logits, ``ops.argmax_rows``): a step whose rows are all
+plain greedy (the usual serving step) then launches no sampling kernel, only the tokens'
+copy to the host, which takes the sampler's two Triton launches and their Python work off
+the host's critical path between forwards; a step that samples otherwise ignores them (the
+argmax's ~26 us of device time at 256 rows spent for nothing there). Other sampling stays
+eager.
 
 Static inputs: one set of buffers sized for the largest graph, ``input_ids``, ``positions``,
 ``slot_mapping``, ``seq_lens`` [B_max] and ``block_tables`` [B_max, W] with
@@ -51,6 +57,7 @@ from collections.abc import Callable
 
 import torch
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.kernels import ops
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +111,15 @@ _MAX_VIEW_SHAPES = 1024  # DecodeGraphs._views: step shapes whose input views ar
 
 
 class _Replay:
-    """One captured size: ``replay()`` reruns it; ``hidden`` and ``logits`` are its output
-    buffers."""
+    """One captured size: ``replay()`` reruns it; ``hidden``, ``logits`` and ``tokens``
+    (every row's argmax) are its output buffers."""
 
     def __init__(self, replay: Callable[[], object], hidden: torch.Tensor,
-                 logits: torch.Tensor, graph: object = None) -> None:
+                 logits: torch.Tensor, tokens: torch.Tensor, graph: object = None) -> None:
         self.replay = replay
         self.hidden = hidden
         self.logits = logits
+        self.tokens = tokens
         self.graph = graph  # the torch.cuda.CUDAGraph, kept alive with its pool
 
 
@@ -140,8 +148,10 @@ class DecodeGraphs:
         # made once (slicing five buffers cost ~20 us of host time a step on a GPU's host).
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.capture_s = 0.0
-        # The last replay's logits, every row's [n, V] (valid until the next replay).
+        # The last replay's logits, every row's [n, V], and their argmax [n] (valid until
+        # the next replay).
         self.logits: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------- capture
     def _forward(self, size: int) -> torch.Tensor:
@@ -170,17 +180,19 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
 
-    def _forward_and_logits(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden, logits, greedy tokens) of the static inputs' first ``size`` rows."""
         hidden = self._forward(size)
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return hidden, logits, ops.argmax_rows(logits)
 
     def _capture_twin(self, size: int) -> _Replay:
-        holder = _Replay(lambda: None, *self._forward_and_logits(size))
+        holder = _Replay(lambda: None, *self._outputs(size))
 
         def replay() -> None:
-            hidden, logits = self._forward_and_logits(size)
-            holder.hidden.copy_(hidden)
-            holder.logits.copy_(logits)
+            for out, value in zip((holder.hidden, holder.logits, holder.tokens),
+                                  self._outputs(size), strict=True):
+                out.copy_(value)
 
         holder.replay = replay
         return holder
@@ -191,13 +203,13 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward_and_logits(size)
+            self._outputs(size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden, logits = self._forward_and_logits(size)
-        return _Replay(graph.replay, hidden, logits, graph)
+            outputs = self._outputs(size)
+        return _Replay(graph.replay, *outputs, graph)
 
     # -------------------------------------------------------------------------- replay
     def size_for(self, num_seqs: int) -> int | None:
@@ -214,7 +226,8 @@ class DecodeGraphs:
             attn: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode batch (``can_run`` true): copy its rows in, pad
         the rest of the graph's rows, replay; a view of the graph's output, valid until
-        the next replay (and every row's logits in ``self.logits``, likewise)."""
+        the next replay (and every row's logits and greedy token in ``self.logits`` and
+        ``self.tokens``, likewise)."""
         n = input_ids.shape[0]
         size = self.size_for(n)
         shape = (n, attn.block_tables.shape[1])
@@ -233,6 +246,7 @@ class DecodeGraphs:
         replay = self._replays[size]
         replay.replay()
         self.logits = replay.logits[:n]
+        self.tokens = replay.tokens[:n]
         return replay.hidden[:n]
 
     def _pad(self, start: int, stop: int) -> None:

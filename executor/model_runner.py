@@ -86,6 +86,8 @@ class ModelRunner:
         self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
         self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
+        self._graph_tokens: torch.Tensor | None = None  # and their argmax
+        self._argmax: torch.Tensor | None = None  # this step's sampling rows' greedy tokens
         # Steps with prompt tokens in graph pieces around the attention (mixed_graphs.py).
         self.mixed_graphs = mixed_graphs
         self.mixed_graph_steps = 0
@@ -292,7 +294,7 @@ class ModelRunner:
             sampled = None
             if states and self._sample_first(states):
                 self.sampled_first_steps += 1
-                sampled = self.sampler.launch(logits, states)
+                sampled = self.sampler.launch(logits, states, argmax=self._argmax)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step is read back if still in flight; its result goes out
             # at once, then its tokens go into the sampling states this step's sampling
@@ -314,7 +316,8 @@ class ModelRunner:
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
                 # forward, and its kernels queue right behind it.
-                sampled = self.sampler.launch(logits, states, grammar_bits)
+                sampled = self.sampler.launch(logits, states, grammar_bits,
+                                              argmax=self._argmax)
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
@@ -404,11 +407,11 @@ class ModelRunner:
         """The hidden states of every scheduled token: a captured graph for a decode batch
         it fits (cuda_graphs.py), graph pieces for a step with prompt tokens that fits
         (mixed_graphs.py), else the model eagerly."""
-        self._graph_logits = None
+        self._graph_logits = self._graph_tokens = None
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
-            self._graph_logits = self.graphs.logits
+            self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
         mixed = self.mixed_graphs
         if mixed is not None and mixed.can_run(batch.input_ids, batch.attn):
@@ -419,11 +422,16 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The logits of the rows that sample: a decode graph's own (it computes every
         row's: all of them when every row samples, the usual decode step), else the
-        vocabulary matmul over those rows' hidden states."""
+        vocabulary matmul over those rows' hidden states. Sets ``_argmax``: the graph's
+        greedy tokens when every row samples (the sampler's for plain greedy rows)."""
         ready, self._graph_logits = self._graph_logits, None
+        tokens, self._graph_tokens = self._graph_tokens, None
+        self._argmax = None
         if ready is not None:
-            return ready if batch.sample_rows.shape[0] == ready.shape[0] else (
-                ready[batch.sample_rows])
+            if batch.sample_rows.shape[0] == ready.shape[0]:
+                self._argmax = tokens
+                return ready
+            return ready[batch.sample_rows]
         return self.model.compute_logits(hidden[batch.sample_rows])
 
     def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:

@@ -321,13 +321,23 @@ class Sampler:
         return self.launch(logits, states, grammar_bits).result()
 
     def launch(self, logits: torch.Tensor, states: Sequence[SamplingState],
-               grammar_bits: np.ndarray | None = None) -> SampledOnDevice:
+               grammar_bits: np.ndarray | None = None,
+               argmax: torch.Tensor | None = None) -> SampledOnDevice:
         """`__call__` without waiting: the tokens stay on the device and their copies to
-        the host are queued (the executor launches its next step before reading them)."""
+        the host are queued (the executor launches its next step before reading them).
+        ``argmax``: every row's greedy token, already computed from these ``logits`` (a
+        decode graph's, cuda_graphs.py): when every row is plain greedy, they are the
+        tokens, and nothing is launched but their copy."""
         num_rows, vocab = logits.shape
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
         device = logits.device
+        if argmax is not None and all(s.plain for s in states):
+            if argmax.shape != (num_rows,):
+                raise ValueError(f"argmax of {tuple(argmax.shape)} for {num_rows} rows")
+            # A GPU's tokens are copied out before the next replay overwrites the graph's
+            # buffer (stream order); a CPU's "copy" would be the buffer itself.
+            return self._plain_output(argmax if argmax.is_cuda else argmax.clone())
         if device.type != "cpu" and all(s.plain for s in states):
             # Fast path on a GPU (the usual decode step): argmax of the 16-bit logits as
             # they are (widening to float32 is exact, so the same token, first index on

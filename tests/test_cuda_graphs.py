@@ -90,6 +90,26 @@ def test_twin_graphs_equal_eager_and_write_only_real_slots(model_dir):
                                atol=1e-4, rtol=1e-3)
 
 
+def test_plain_greedy_graph_steps_sample_nothing_but_the_graphs_tokens(model_dir):
+    """A decode graph computes every row's greedy token too; a step whose rows are all
+    plain greedy hands them to the sampler (its only launch then the tokens' copy): every
+    graph step here, the same tokens as eagerly."""
+    runner = _with_twin_graphs(small_runner(model_dir), max_batch=4)
+    given = []
+    launch = runner.sampler.launch
+
+    def spy(logits, states, grammar_bits=None, argmax=None):
+        given.append(argmax is not None)
+        return launch(logits, states, grammar_bits, argmax=argmax)
+
+    runner.sampler.launch = spy
+    graphed = _drive(runner)
+    eager = _drive(small_runner(model_dir))
+    for rid in PROMPTS:
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+    assert given.count(True) == runner.graph_steps == 7 and len(given) == 9
+
+
 def test_graph_logits_serve_a_step_where_some_rows_do_not_sample(model_dir):
     """A decode graph computes every row's logits; a one-token step whose rows do not all
     sample (a prompt's last-but-one token beside decodes) takes the sampling rows' logits

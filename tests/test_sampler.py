@@ -47,6 +47,25 @@ def test_greedy_is_argmax(dtype):
     assert out.top_token_ids.shape == (0,) and out.top_logprobs.shape == (0,)
 
 
+def test_plain_rows_take_a_precomputed_argmax():
+    """``argmax=`` (a decode graph's greedy tokens): rows all plain greedy take them as the
+    tokens, as given and copied (the graph's buffer is overwritten by its next replay);
+    one row that samples otherwise (seeded, or with logprobs) and they are ignored; a
+    wrong length is an error."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    given = torch.tensor([7, 3, 3, 9])  # not the logits' argmax: shows which was used
+    sampler = Sampler()
+    plain = [state(temperature=0.0) for _ in range(4)]
+    sampled = sampler.launch(logits, plain, argmax=given)
+    given[0] = 0
+    np.testing.assert_array_equal(sampled.result().token_ids, [7, 3, 3, 9])
+    for other in (state(temperature=1.0, seed=3), state(temperature=0.0, logprobs=1)):
+        out = sampler.launch(logits, [*plain[:3], other], argmax=given).result()
+        np.testing.assert_array_equal(out.token_ids[:3], logits.argmax(-1)[:3].numpy())
+    with pytest.raises(ValueError, match="argmax of"):
+        sampler.launch(logits, plain, argmax=given[:3])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_greedy_on_cuda_takes_the_16_bit_argmax_with_first_index_ties(dtype):
