@@ -173,6 +173,11 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         overhead_depth4_rope = with_workers("step-overhead-depth4-fused-rope", 4)
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
                      "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
+        # Depth 4 at 32 streams with the profiling window: where the 0.23 ms the device
+        # still idles a step goes (host phases against a 1.26 ms forward; the sixth run).
+        depth4_trace32 = with_workers("step-overhead-depth4-trace32", 4, "32")
+        trace32_env = {**trace_env, "PAGEDSERVE_TORCH_PROFILER_DIR":
+                       str(ctx.out_dir / "traces" / "serve-depth4-32")}
         # 256 streams with the workers again, the clients in 4 processes: is one client
         # process's event loop what held output_tok_per_s under trace_tok_per_s (the H200:
         # 32.6k of 56.3k)? Read it against step_overhead_workers' 256-stream line.
@@ -223,6 +228,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      100,
                      env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
+                Step("step_overhead_depth4_trace32", depth4_trace32, 60, env=trace32_env),
                 Step("step_overhead_depth4_fused_rope", overhead_depth4_rope, 80,
                      env=FUSED_ROPE_ON),
                 Step("step_overhead_client_procs", overhead_procs, 70),
