@@ -30,7 +30,7 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
 
 ``ROPE`` (the launcher's ``rope=``, a decode step's new token a sequence): q and the new
 keys arrive as the QKV projection left them; the program rotates its query rows and its KV
-head(s)' new keys (neox, with the rotary kernel's roundings: the same values to the bit),
+head's new keys (neox, with the rotary kernel's roundings: the same values to the bit),
 writes the new keys and values at the token's slot (every split of a sequence alike; a
 padding row's slot -1 writes nothing), and a barrier puts those writes before its own reads
 of the cache, whose last tile holds the token. One launch a layer fewer than the rotary
