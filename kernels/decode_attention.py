@@ -57,7 +57,7 @@ from .decode_rules import (  # noqa: F401 - the rules are read through this modu
     choose_num_splits,
 )
 from .host_math import INTERPRETING, next_power_of_2
-from .kv_tiles import load_kv_tile, softmax_update, tile_scores
+from .kv_tiles import check_query_and_caches, load_kv_tile, softmax_update, tile_scores
 from .layer_ops import rotated
 
 _LOG2E = 1.4426950408889634
@@ -237,27 +237,8 @@ def _decode_kernel(
 
 
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, out):
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    num_seqs, num_heads, head_dim = query.shape
-    _, _, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"unsupported query dtype {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise TypeError(
-            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
-        )
-    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("the head_dim axis of query and caches must be contiguous (stride 1)")
+    check_query_and_caches(query, key_cache, value_cache, "num_seqs")
+    num_seqs = query.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}"

@@ -1,11 +1,41 @@
 """What the decode and prefill kernels share (decode_attention.py, prefill_attention.py): one
 tile of keys and values read through a block table, its scores, and the online-softmax
-update of the running rows with it."""
+update of the running rows with it; and their launchers' checks of the query and caches."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def check_query_and_caches(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, rows: str) -> None:
+    """Raise ValueError/TypeError unless ``query`` is [rows, num_heads, head_dim] and both
+    caches [num_blocks, block_size, num_kv_heads, head_dim] with its head dim and dtype,
+    num_kv_heads dividing num_heads, and every last axis contiguous (``rows``: the query's
+    first axis as the messages name it)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [{rows}, num_heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    _, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported query dtype {query.dtype}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+        )
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of query and caches must be contiguous (stride 1)")
 
 
 @triton.jit

@@ -404,3 +404,33 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "torch")
     ops.paged_decode_attention(*args)
     assert calls == [1]
+
+
+def test_both_launchers_reject_a_bad_query_or_cache_alike():
+    """The decode and prefill launchers share their query/cache checks (kv_tiles): each
+    bad input is a clear error before anything launches."""
+    from pagedserve.kernels.prefill_attention import paged_prefill_attention_triton
+
+    batch = make_paged_batch([(1, 20), (1, 5)], num_kv_heads=2, group=2, head_dim=16,
+                             block_size=8, dtype=torch.float32, device=DEVICE)
+    q, k, v = batch.query, batch.key_cache, batch.value_cache
+    tables, lens = batch.block_tables, batch.seq_lens
+    starts = torch.arange(3, dtype=torch.int32)
+    launchers = [
+        ("num_seqs", lambda q, k, v: paged_decode_attention_triton(q, k, v, tables, lens, 1.0)),
+        ("num_tokens", lambda q, k, v: paged_prefill_attention_triton(
+            q, k, v, tables, starts, lens, 1.0, max_query_len=1)),
+    ]
+    for rows, launch in launchers:
+        with pytest.raises(ValueError, match=rf"query must be \[{rows}, num_heads"):
+            launch(q[0], k, v)
+        with pytest.raises(ValueError, match="must both be"):
+            launch(q, k, v[:, :4])
+        with pytest.raises(ValueError, match="head_dim mismatch"):
+            launch(q[..., :8], k, v)
+        with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+            launch(q[:, :3], k, v)
+        with pytest.raises(TypeError, match="dtype mismatch"):
+            launch(q.half(), k, v)
+        with pytest.raises(ValueError, match="contiguous"):
+            launch(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
