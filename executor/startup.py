@@ -22,7 +22,7 @@ from pagedserve.executor.process import (
     load_curve_keys,
     plan_prep_from_env,
 )
-from pagedserve.kernels.host_math import SWITCHES, switch_from_env
+from pagedserve.kernels.host_math import SWITCHES, switch_from_env, triton_gemm_from_env
 from pagedserve.protos.wire import Hello
 
 from pagedserve.affinity import (
@@ -85,6 +85,7 @@ def run_executor(args: argparse.Namespace) -> int:
         plan_prep = plan_prep_from_env()  # PAGEDSERVE_PLAN_PREP: io / main
         for name in SWITCHES:  # the decode kernels' A/B switches (read where they apply)
             switch_from_env(name)
+        triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: which projections
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2

@@ -30,10 +30,28 @@ def cdiv(a: int, b: int) -> int:
 # kernel (its ``rope``; executor/models/llama.py).
 FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
 # The model's projections through the split-K Triton GEMM (kernels/linear_ops.py) for
-# batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS.
+# batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS: "1" every projection,
+# or a comma list of TRITON_GEMM_PROJECTIONS (e.g. "qkv,o": the narrow ones, whose few
+# output tiles leave cuBLAS furthest from the arithmetic), "0" or unset none.
 TRITON_GEMM_ENV = "PAGEDSERVE_DECODE_TRITON_GEMM"
 TRITON_GEMM_MAX_TOKENS = 512
-SWITCHES = (FUSED_ROPE_ENV, TRITON_GEMM_ENV)
+TRITON_GEMM_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+SWITCHES = (FUSED_ROPE_ENV,)
+
+
+def triton_gemm_from_env(environ=os.environ) -> frozenset[str]:
+    """The projections PAGEDSERVE_DECODE_TRITON_GEMM sends through the Triton GEMM. Raises
+    ValueError (one line) for a value other than 0, 1 or a list of known names."""
+    value = environ.get(TRITON_GEMM_ENV, "")
+    if value in ("", "0"):
+        return frozenset()
+    if value == "1":
+        return frozenset(TRITON_GEMM_PROJECTIONS)
+    names = [n.strip() for n in value.split(",")]
+    if not all(n in TRITON_GEMM_PROJECTIONS for n in names):
+        raise ValueError(f"{TRITON_GEMM_ENV}={value!r}: expected 0, 1 or a comma list of "
+                         f"{', '.join(TRITON_GEMM_PROJECTIONS)}")
+    return frozenset(names)
 
 
 def switch_from_env(name: str, environ=os.environ) -> bool:

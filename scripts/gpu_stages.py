@@ -105,11 +105,16 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         traces = ctx.out_dir / "traces"
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
         # The A/B runs of the decode step's device time, each with its switch(es) on and its
-        # traces apart: the rotary and cache write inside the attention launch; the projections through the autotuned split-K Triton GEMM (its tuning, at
-        # every graph size, in the graphs' warm-up); all three at once; torch preferring
-        # cuBLASLt for every matmul.
+        # traces apart: the rotary and cache write inside the attention launch; the
+        # projections through the autotuned split-K Triton GEMM (its tuning, at every graph
+        # size, in the graphs' warm-up), all four or the narrow two; both switches at once;
+        # torch preferring cuBLASLt for every matmul.
         variants = [("fused_rope", "fused-rope", FUSED_ROPE_ON, 200),
                     ("triton_gemm", "triton-gemm", {"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}, 300),
+                    # only the narrow projections (few output tiles for cuBLAS): on the H200
+                    # all four together lost 730 us of kernels a step (the sixth run)
+                    ("triton_gemm_narrow", "triton-gemm-narrow",
+                     {"PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,o"}, 200),
                     ("all_switches", "all-switches", ALL_SWITCHES_ON, 300),
                     ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200)]
         return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),

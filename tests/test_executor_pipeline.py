@@ -455,8 +455,9 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
                            "PAGEDSERVE_DECODE_FUSED_ROPE": "on"},
                           "PAGEDSERVE_DECODE_FUSED_ROPE='on': expected 0 or 1"),
                          ({"PAGEDSERVE_DECODE_FUSED_ROPE": "0",
-                           "PAGEDSERVE_DECODE_TRITON_GEMM": "2"},
-                          "PAGEDSERVE_DECODE_TRITON_GEMM='2': expected 0 or 1")]:
+                           "PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,lm_head"},
+                          "PAGEDSERVE_DECODE_TRITON_GEMM='qkv,lm_head': expected 0, 1 or a "
+                          "comma list of qkv, o, gate_up, down")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")

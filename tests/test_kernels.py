@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.kernels import decode_attention, ops, reference
+from pagedserve.kernels import decode_attention, host_math, ops, reference
 from pagedserve.kernels.cache_ops import swap_blocks_device
 from pagedserve.kernels.decode_attention import (
     choose_block_n,
@@ -434,3 +434,15 @@ def test_both_launchers_reject_a_bad_query_or_cache_alike():
             launch(q.half(), k, v)
         with pytest.raises(ValueError, match="contiguous"):
             launch(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
+
+
+def test_triton_gemm_switch_names_projections():
+    """PAGEDSERVE_DECODE_TRITON_GEMM: 0/unset none, 1 all four, or a comma list of them;
+    anything else a one-line error naming the choices."""
+    env, read = host_math.TRITON_GEMM_ENV, host_math.triton_gemm_from_env
+    assert read({}) == frozenset() and read({env: "0"}) == frozenset()
+    assert read({env: "1"}) == {"qkv", "o", "gate_up", "down"}
+    assert read({env: "qkv, o"}) == {"qkv", "o"}
+    for bad in ("2", "qkv,lm_head", "yes", "qkv,"):
+        with pytest.raises(ValueError, match="comma list of qkv, o, gate_up, down"):
+            read({env: bad})

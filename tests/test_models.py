@@ -161,6 +161,25 @@ def test_decode_rotary_in_the_attention_kernel_is_bit_identical(model_dirs, name
     assert torch.equal(runs[True][1], runs[False][1])
 
 
+def test_triton_gemm_takes_only_the_projections_named(monkeypatch):
+    """PAGEDSERVE_DECODE_TRITON_GEMM=qkv,o (llama.TRITON_GEMM): those projections ask
+    ops.linear for the Triton GEMM, gate_up and down stay on cuBLAS."""
+    from types import SimpleNamespace
+
+    from pagedserve.executor.models import llama
+
+    asked = []
+    linear = llama.ops.linear
+    monkeypatch.setattr(llama.ops, "linear", lambda *a, triton_gemm=False, **k: (
+        asked.append(triton_gemm) or linear(*a, triton_gemm=False, **k)))
+    monkeypatch.setattr(llama, "TRITON_GEMM", frozenset({"qkv", "o"}))
+    x = torch.randn(3, 32)
+    llama.project(torch.nn.Linear(32, 64), x, "qkv")
+    llama.project(torch.nn.Linear(32, 32), x, "o")
+    llama.MLP(SimpleNamespace(hidden_size=32, intermediate_size=48, mlp_bias=False))(x)
+    assert asked == [True, True, False, False]  # qkv, o, gate_up, down
+
+
 @pytest.mark.parametrize("with_fused_rope", [False, True])
 def test_projections_through_the_triton_gemm_match_transformers(model_dirs, monkeypatch,
                                                                 with_fused_rope):
@@ -170,10 +189,10 @@ def test_projections_through_the_triton_gemm_match_transformers(model_dirs, monk
     attention launch (all the device-time switches):
     greedy tokens equal to transformers' (Qwen2: the QKV bias through the kernel's bias)."""
     from pagedserve.executor.models import llama
-    from pagedserve.kernels import linear_ops
+    from pagedserve.kernels import host_math, linear_ops
 
     monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "triton")
-    monkeypatch.setattr(llama, "TRITON_GEMM", True)
+    monkeypatch.setattr(llama, "TRITON_GEMM", frozenset(host_math.TRITON_GEMM_PROJECTIONS))
     monkeypatch.setattr(llama.Attention, "fused_decode_rope", with_fused_rope)
     calls = []
     tuned = linear_ops.linear_tuned

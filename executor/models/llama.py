@@ -19,18 +19,28 @@ import torch
 import torch.nn.functional as F
 from pagedserve.executor.models.config import ModelConfig
 from pagedserve.kernels import ops
-from pagedserve.kernels.host_math import FUSED_ROPE_ENV, TRITON_GEMM_ENV
+from pagedserve.kernels.host_math import FUSED_ROPE_ENV, triton_gemm_from_env
 from torch import nn
 
-# PAGEDSERVE_DECODE_TRITON_GEMM=1: the projections of batches of up to 512 tokens through the
-# split-K Triton GEMM (ops.linear), not cuBLAS; off until a GPU has measured it. Read at
-# import, leniently (an executor checks the value at its start and exits 2 on a bad one).
-TRITON_GEMM = os.environ.get(TRITON_GEMM_ENV) == "1"
+
+def _triton_gemm_projections() -> frozenset[str]:
+    """PAGEDSERVE_DECODE_TRITON_GEMM (1, or some of qkv, o, gate_up, down): those
+    projections of batches of up to 512 tokens through the split-K Triton GEMM
+    (ops.linear), not cuBLAS; none until a GPU has measured them. Read at import,
+    leniently (an executor checks the value at its start and exits 2 on a bad one)."""
+    try:
+        return triton_gemm_from_env()
+    except ValueError:
+        return frozenset()
 
 
-def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """One of the layer's projections (ops.linear: cuBLAS, or the Triton GEMM)."""
-    return ops.linear(x, linear.weight, linear.bias, triton_gemm=TRITON_GEMM)
+TRITON_GEMM = _triton_gemm_projections()
+
+
+def project(linear: nn.Linear, x: torch.Tensor, name: str) -> torch.Tensor:
+    """The layer's projection ``name`` (qkv, o, gate_up: ops.linear, cuBLAS or the Triton
+    GEMM)."""
+    return ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM)
 
 
 @dataclass(frozen=True)
@@ -100,15 +110,16 @@ class Attention(nn.Module):
 
     def qkv(self, x):
         """(q [T, H, D], k and v [T, Hkv, D]): views of the fused projection, not rotated."""
-        q, k, v = project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
-                                                  dim=-1)
+        q, k, v = project(self.qkv_proj, x, "qkv").split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),
                 k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
         q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
-        return project(self.o_proj, self.attend(q, kv_cache, attn).reshape(-1, self.q_size))
+        return project(self.o_proj, self.attend(q, kv_cache, attn).reshape(-1, self.q_size),
+                       "o")
 
     def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -141,8 +152,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(project(self.gate_up_proj, x), self.down_proj.weight,
-                          self.down_proj.bias, triton_gemm=TRITON_GEMM, silu_mul=True,
+        return ops.linear(project(self.gate_up_proj, x, "gate_up"), self.down_proj.weight,
+                          self.down_proj.bias, triton_gemm="down" in TRITON_GEMM, silu_mul=True,
                           backend=self.kernel_backend)
 
 
@@ -182,7 +193,7 @@ class DecoderLayer(nn.Module):
     def post_attention(self, attn_out, residual):
         """(this layer's MLP output, the residual stream before it) from the attention's
         output [T, H, D]."""
-        x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size))
+        x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size), "o")
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
