@@ -335,9 +335,10 @@ class Sampler:
         if argmax is not None and all(s.plain for s in states):
             if argmax.shape != (num_rows,):
                 raise ValueError(f"argmax of {tuple(argmax.shape)} for {num_rows} rows")
-            # A GPU's tokens are copied out before the next replay overwrites the graph's
-            # buffer (stream order); a CPU's "copy" would be the buffer itself.
-            return self._plain_output(argmax if argmax.is_cuda else argmax.clone())
+            # The device tokens stay the graph's buffer (the next step's input ids read it
+            # before the next replay overwrites it); their host copy must be a copy: a
+            # GPU's is (queued now, in stream order), a CPU's is made here.
+            return self._plain_output(argmax, own_host_copy=not argmax.is_cuda)
         if device.type != "cpu" and all(s.plain for s in states):
             # Fast path on a GPU (the usual decode step): argmax of the 16-bit logits as
             # they are (widening to float32 is exact, so the same token, first index on
@@ -415,8 +416,9 @@ class Sampler:
         return sample_from_probs_(probs, to_device(u, device))
 
     @staticmethod
-    def _plain_output(tokens: torch.Tensor) -> SampledOnDevice:
-        """The tokens alone (no row asks for logprobs)."""
+    def _plain_output(tokens: torch.Tensor, own_host_copy: bool = False) -> SampledOnDevice:
+        """The tokens alone (no row asks for logprobs); ``own_host_copy``: a CPU's host
+        side a copy of them, not the tensor itself."""
         num_rows = tokens.shape[0]
 
         # The int64 tokens go to the host as they are: narrowed there (a few hundred
@@ -427,7 +429,7 @@ class Sampler:
                                  np.full(num_rows, np.nan, dtype=np.float32),
                                  np.zeros(num_rows, dtype=np.int32),
                                  np.zeros(0, np.int32), np.zeros(0, np.float32))
-        return SampledOnDevice(tokens, [tokens], plain)
+        return SampledOnDevice(tokens, [tokens.clone() if own_host_copy else tokens], plain)
 
     @staticmethod
     def _output(raw: torch.Tensor, tokens: torch.Tensor,

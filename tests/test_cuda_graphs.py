@@ -110,6 +110,32 @@ def test_plain_greedy_graph_steps_sample_nothing_but_the_graphs_tokens(model_dir
     assert given.count(True) == runner.graph_steps == 7 and len(given) == 9
 
 
+def test_overlapped_plain_greedy_steps_feed_on_the_graphs_tokens(model_dir):
+    """Steps left in flight (as on a GPU): a steady decode's input ids ARE the previous
+    step's device tokens, here the graph's own token buffer, which the next replay
+    overwrites only after they were read (and their host copy is a copy): plain greedy
+    through twin graphs gives depth 1's eager tokens, step for step."""
+    from test_executor_overlap import _run_script_overlapped
+    from test_executor_pipeline import OTHER, PROMPT, SCRIPT, THIRD, _run_script
+
+    runs = []
+    for graphed in (False, True):
+        runner = small_runner(model_dir)
+        if graphed:
+            _with_twin_graphs(runner, max_batch=4)
+        d = Driver(runner)
+        for rid, prompt in (("a", PROMPT), ("b", OTHER), ("c", THIRD)):
+            d.add(rid, prompt)
+        runs.append((runner, _run_script_overlapped(d, SCRIPT) if graphed
+                     else _run_script(d, SCRIPT, False)))
+    (_, eager), (graphed_runner, graphed) = runs
+    assert [r.step_id for r in graphed] == [r.step_id for r in eager]
+    for a, b in zip(eager, graphed, strict=True):
+        assert a.request_ids == b.request_ids and not b.errors
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert graphed_runner.graph_steps >= 3
+
+
 def test_graph_logits_serve_a_step_where_some_rows_do_not_sample(model_dir):
     """A decode graph computes every row's logits; a one-token step whose rows do not all
     sample (a prompt's last-but-one token beside decodes) takes the sampling rows' logits
