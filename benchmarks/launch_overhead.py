@@ -5,7 +5,8 @@ Runs on a CPU (the tensors are CPU tensors; nothing is computed). Triton's own l
 is not in it (a GPU's: executor_bench --profile, ``host_profile_*``).
 
 Cases (JSON lines, DESIGN §8): one per entry point, the Qwen2.5-0.5B sizes at 256 decode
-tokens (the prefill case: 8 chunks of 64): ``us_per_call`` (mean of ``--calls``).
+tokens (the prefill case: 8 chunks of 64; argmax_rows: 256 rows of its 151,936-entry
+vocabulary): ``us_per_call`` (mean of ``--calls``).
 
     python benchmarks/launch_overhead.py [--calls 20000]
 """
@@ -31,10 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # the launchers' GPU path (no interpreter)
     import torch
-    from pagedserve.kernels import decode_attention, layer_ops, ops, prefill_attention
+    from pagedserve.kernels import (
+        decode_attention,
+        layer_ops,
+        ops,
+        prefill_attention,
+        sampling_ops,
+    )
 
     for module, names in ((decode_attention, ["_decode_kernel", "_reduce_kernel"]),
                           (prefill_attention, ["_prefill_kernel"]),
+                          (sampling_ops, ["_argmax_chunks_kernel", "_argmax_rows_kernel"]),
                           (layer_ops, ["_rms_norm_kernel", "_rotary_kernel",
                                        "_rotary_cache_kernel", "_silu_and_mul_kernel"])):
         for name in names:
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cos_sin = torch.randn(tokens, 2, dim).to(bf16)
     gate_up = torch.randn(tokens, 2 * inter).to(bf16)
     slots = torch.arange(tokens)
+    logits = torch.zeros(tokens, 151936, dtype=bf16)  # Qwen2.5's vocabulary
     cases = {
         "paged_attention_decode": lambda: ops.paged_attention(
             q, kc, vc, tables, starts, lens, 0.125, max_query_len=1, backend="triton"),
@@ -66,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             q, k, k, cos_sin, kc, vc, slots, backend="triton"),
         "rms_norm_residual": lambda: ops.rms_norm(x, weight, 1e-6, residual, backend="triton"),
         "silu_and_mul": lambda: ops.silu_and_mul(gate_up, backend="triton"),
+        # the sampler's greedy tokens, eager when a decode graph does not compute them
+        # (cuda_graphs.py: since the thirteenth session it does, for plain greedy steps)
+        "argmax_rows": lambda: ops.argmax_rows(logits, backend="triton"),
     }
     for name, call in cases.items():
         call()

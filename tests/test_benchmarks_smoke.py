@@ -212,7 +212,8 @@ def test_steady_serving_small(tmp_path):
 def test_launch_overhead_runs():
     records = {r["case"]: r for r in _run("launch_overhead.py", "--calls", "50")}
     assert set(records) == {"paged_attention_decode", "paged_attention_prefill",
-                            "rotary_embedding_and_cache", "rms_norm_residual", "silu_and_mul"}
+                            "rotary_embedding_and_cache", "rms_norm_residual", "silu_and_mul",
+                            "argmax_rows"}
     assert all(r["us_per_call"] > 0 for r in records.values())
 
 
