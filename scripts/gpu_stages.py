@@ -83,8 +83,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                  + ("" if ctx.small else ",tune")]
         bench = _py(ctx, "benchmarks/kernels_bench.py", *cases,
                     *(["--dry-run"] if ctx.small else []))
-        # The decode cases and the rotary fused into the decode launch, in a step of their own, to run alone when the device
-        # time is short.
+        # The decode cases and the rotary fused into the decode launch, in a step of their
+        # own, to run alone when the device time is short.
         decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode,decode_rope",
                      *(["--dry-run"] if ctx.small else []))
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
