@@ -1,6 +1,7 @@
 """The decode attention kernel's launch rules (decode_attention.py launches it): how many
 KV splits a sequence gets, how many tokens a tile holds, when the split-K reduction runs in
-the same launch, and the fused reduction's arrival counters. Host arithmetic only: cheap, and nothing here synchronises with the device."""
+the same launch, and the fused reduction's arrival counters. Host arithmetic only: cheap,
+and nothing here synchronises with the device."""
 
 from __future__ import annotations
 
