@@ -87,7 +87,6 @@ class ModelRunner:
         self.graph_steps = 0  # steps that replayed a graph
         self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
         self._graph_tokens: torch.Tensor | None = None  # and their argmax
-        self._argmax: torch.Tensor | None = None  # this step's sampling rows' greedy tokens
         # Steps with prompt tokens in graph pieces around the attention (mixed_graphs.py).
         self.mixed_graphs = mixed_graphs
         self.mixed_graph_steps = 0
@@ -286,7 +285,7 @@ class ModelRunner:
                 log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
                 time.sleep(seconds)
             hidden = self._forward(batch)
-            logits = self._logits(hidden, batch)
+            logits, argmax = self._logits(hidden, batch)
             if events is not None:
                 events[1].record()
             states = [self.requests[r]._sampling for r in batch.sample_ids]
@@ -294,7 +293,7 @@ class ModelRunner:
             sampled = None
             if states and self._sample_first(states):
                 self.sampled_first_steps += 1
-                sampled = self.sampler.launch(logits, states, argmax=self._argmax)
+                sampled = self.sampler.launch(logits, states, argmax=argmax)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step is read back if still in flight; its result goes out
             # at once, then its tokens go into the sampling states this step's sampling
@@ -316,8 +315,7 @@ class ModelRunner:
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
                 # forward, and its kernels queue right behind it.
-                sampled = self.sampler.launch(logits, states, grammar_bits,
-                                              argmax=self._argmax)
+                sampled = self.sampler.launch(logits, states, grammar_bits, argmax=argmax)
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
@@ -419,20 +417,19 @@ class ModelRunner:
             return mixed.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
 
-    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The logits of the rows that sample: a decode graph's own (it computes every
-        row's: all of them when every row samples, the usual decode step), else the
-        vocabulary matmul over those rows' hidden states. Sets ``_argmax``: the graph's
-        greedy tokens when every row samples (the sampler's for plain greedy rows)."""
+    def _logits(self, hidden: torch.Tensor,
+                batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the logits of the rows that sample, their greedy tokens or None): a decode
+        graph's own (it computes every row's logits and argmax: all of them when every row
+        samples, the usual decode step), else the vocabulary matmul over those rows' hidden
+        states (the sampler computes what it needs)."""
         ready, self._graph_logits = self._graph_logits, None
         tokens, self._graph_tokens = self._graph_tokens, None
-        self._argmax = None
-        if ready is not None:
-            if batch.sample_rows.shape[0] == ready.shape[0]:
-                self._argmax = tokens
-                return ready
-            return ready[batch.sample_rows]
-        return self.model.compute_logits(hidden[batch.sample_rows])
+        if ready is None:
+            return self.model.compute_logits(hidden[batch.sample_rows]), None
+        if batch.sample_rows.shape[0] == ready.shape[0]:
+            return ready, tokens
+        return ready[batch.sample_rows], None
 
     def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:
         if not moves:

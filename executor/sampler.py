@@ -332,14 +332,15 @@ class Sampler:
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
         device = logits.device
-        if argmax is not None and all(s.plain for s in states):
+        plain = all(s.plain for s in states)
+        if plain and argmax is not None:
             if argmax.shape != (num_rows,):
                 raise ValueError(f"argmax of {tuple(argmax.shape)} for {num_rows} rows")
             # The device tokens stay the graph's buffer (the next step's input ids read it
             # before the next replay overwrites it); their host copy must be a copy: a
             # GPU's is (queued now, in stream order), a CPU's is made here.
             return self._plain_output(argmax, own_host_copy=not argmax.is_cuda)
-        if device.type != "cpu" and all(s.plain for s in states):
+        if plain and device.type != "cpu":
             # Fast path on a GPU (the usual decode step): argmax of the 16-bit logits as
             # they are (widening to float32 is exact, so the same token, first index on
             # ties); the float32 copy and an argmax over it cost ~0.17 ms a step at 256

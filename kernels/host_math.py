@@ -36,7 +36,6 @@ FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
 TRITON_GEMM_ENV = "PAGEDSERVE_DECODE_TRITON_GEMM"
 TRITON_GEMM_MAX_TOKENS = 512
 TRITON_GEMM_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-SWITCHES = (FUSED_ROPE_ENV,)
 
 
 def triton_gemm_from_env(environ=os.environ) -> frozenset[str]:
@@ -61,4 +60,3 @@ def switch_from_env(name: str, environ=os.environ) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name}={value!r}: expected 0 or 1")
     return value == "1"
-

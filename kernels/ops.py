@@ -166,6 +166,7 @@ def paged_attention(
         sliding_window=sliding_window, out=out, backend=backend, max_query_len=max_query_len,
     )
 
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            triton_gemm: bool = False, silu_mul: bool = False,
            backend: str = "auto") -> torch.Tensor:
