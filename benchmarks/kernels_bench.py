@@ -51,6 +51,9 @@ GEMM cases (``gemm/...``, only when asked for: ``--cases gemm``): the layer's pr
 and the head at the Qwen2.5-0.5B sizes under cuBLAS and cuBLASLt (benchmarks/kernels_gemm.py).
 Decode-rope cases (``decode_rope/...``, only when asked for): the rotary embedding and the
 cache write inside the decode launch against the two launches (benchmarks/kernels_fusions.py).
+Decode-tail cases (``decode_tail/...``, only when asked for): the decode kernel at contexts
+ending inside a tile, the tail in its own loop or in the whole tiles' loop, 64- or 128-token
+tiles, beside a copy of the same bytes (benchmarks/kernels_tail.py).
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -69,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also u
 from kernels_fusions import bench_decode_rope  # noqa: E402
 from kernels_gemm import bench_gemm  # noqa: E402
 from kernels_sampling import bench_sampling  # noqa: E402
+from kernels_tail import bench_decode_tail  # noqa: E402
 from kernels_tune import (  # noqa: E402
     bench_decode_tune,
     bench_prefill_tune,
@@ -260,6 +264,8 @@ def main() -> int:
         bench_gemm(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "decode_rope" in cases:
         bench_decode_rope(torch, device, dtype, timed, args.dry_run)
+    if "decode_tail" in cases:
+        bench_decode_tail(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "prefill_tune" in cases:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "tune" in cases:

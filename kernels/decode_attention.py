@@ -20,7 +20,8 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
 3. per tile, token -> (block_tables[seq, pos // block_size], pos % block_size) gives the cache
    row; scores = q @ k^T, online softmax, acc += p @ v; the tiles wholly inside
    [lo, seq_len) run without the token mask (and without any load mask when the head
-   dimension is unpadded), the window's first tile and the last partial tile with it;
+   dimension is unpadded), the window's first tile and the last partial tile with it
+   (``MASK_EVERY_TILE``: every tile from the first whole one on with it, in one loop);
 4. one split: write acc / l in the output dtype. Several: write the normalised fp32
    partial acc / l and its lse (base 2); they are combined either by ``_reduce_kernel`` (a
    second launch) or (up to ``FUSED_REDUCE_MAX_SPLITS`` splits) by the split that finishes
@@ -50,6 +51,7 @@ import triton.language as tl
 from .decode_reduce import _combine_if_last, _reduce_kernel
 from .decode_rules import (  # noqa: F401 - the rules are read through this module too
     FUSED_REDUCE_MAX_SPLITS,
+    MASK_EVERY_TILE,
     _counters,
     _num_sms,
     _split_counters,
@@ -130,6 +132,10 @@ def _decode_kernel(
     k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,
     stride_kns, stride_knh, stride_vns, stride_vnh, stride_cs, stride_cc,
     ROPE: tl.constexpr,
+    # True: the unmasked middle tiles and the last partial one in one masked loop (the
+    # tail's loads pipelined behind the tile before it, every tile paying the mask);
+    # False: the tail in a loop of its own (see the launcher's ``mask_every_tile``).
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -192,6 +198,8 @@ def _decode_kernel(
     # window's first tile and the last partial one are masked. Same tiles, same order.
     full_lo = tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK_N), tile_begin), tile_end)
     full_hi = tl.maximum(tl.minimum(seq_len // BLOCK_N, tile_end), full_lo)
+    if MASK_EVERY_TILE:
+        full_hi = full_lo  # [full_lo, tile_end) in the masked loop below
     table_ptr = block_tables_ptr + seq * stride_bts
     acc, l_i, m_i = _decode_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
@@ -291,11 +299,15 @@ def paged_decode_attention_triton(
     num_stages: int | None = None,
     fused_reduce: bool | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mask_every_tile: bool | None = None,
 ) -> torch.Tensor:
     """Launch plain (1 split) or split-K decode; ``num_splits=None`` applies the rule above.
     ``block_n`` (tokens per tile), ``num_warps``, ``num_stages`` and ``fused_reduce`` (split-K
     combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
     launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them).
+    ``mask_every_tile`` (None: ``MASK_EVERY_TILE``): the last partial tile read in the same
+    loop as the whole ones, every tile masked (the same tiles in the same order, the same
+    values to the bit), instead of in a loop of its own (``--cases decode_tail`` times both).
     ``rope`` = (key, value, cos_sin,
     slot_mapping) of the new tokens (one a sequence, [S, Hkv, D], [S, Hkv, D], [S, 2, D],
     [S]): ``query`` and ``key`` are not yet rotated; the kernel rotates them, as
@@ -368,6 +380,7 @@ def paged_decode_attention_triton(
         stride_kns=rope_strides[0], stride_knh=rope_strides[1], stride_vns=rope_strides[2],
         stride_vnh=rope_strides[3], stride_cs=rope_strides[4], stride_cc=rope_strides[5],
         ROPE=rope is not None,
+        MASK_EVERY_TILE=MASK_EVERY_TILE if mask_every_tile is None else mask_every_tile,
         num_warps=num_warps,
         num_stages=1 if interpreting else (2 if num_stages is None else num_stages),
     )

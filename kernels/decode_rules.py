@@ -83,6 +83,17 @@ def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
     return 64
 
 
+# A context that ends inside a tile (most of them: a serving step's lengths are not
+# multiples of 128) reads that last tile in a masked loop of its own after the unmasked
+# tiles, so its loads wait alone, with no tile's arithmetic to hide behind. True: one masked
+# loop for both (the tail pipelined behind the tile before it, every tile paying the mask).
+# The model's attention ran at 0.73 of copy bandwidth (H200, batch 256 at contexts 1,025-
+# 1,061, 44 us a layer) against 0.82 in kernels_bench at exactly 1,024 (39 us): a ninth
+# 128-token tile for the last few tokens, or more. False until kernels_bench's
+# ``decode_tail`` cases have timed both on a GPU.
+MASK_EVERY_TILE = False
+
+
 # Split-K reduction in the attention launch (``_combine_if_last``) instead of a second
 # launch: saves the second kernel's launch and ramp (a few us, against 11-45 us kernels at the
 # split rule's shapes), costs the last split a serial read of the partials. Measured on an

@@ -110,6 +110,10 @@ def drive_launchers(quick: bool) -> None:
                         *args, num_splits=splits, fused_reduce=fused)
             # the launcher's own tile rule on a small and a large grid
             decode_attention.paged_decode_attention_triton(*args)
+            # the last partial tile in the loop of the whole ones (decode_rules.MASK_EVERY_TILE)
+            for splits in (1, 4):
+                decode_attention.paged_decode_attention_triton(*args, num_splits=splits,
+                                                               mask_every_tile=True)
             # the rotary with the cache write in the launch (decode steps of the model with
             # PAGEDSERVE_DECODE_FUSED_ROPE), plain and split-K
             num = decode.query.shape[0]

@@ -87,6 +87,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # own, to run alone when the device time is short.
         decode = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode,decode_rope",
                      *(["--dry-run"] if ctx.small else []))
+        # The decode kernel at contexts ending inside a tile (kernels_tail.py): the tail in
+        # its own loop or the whole tiles' (decode_rules.MASK_EVERY_TILE), 64/128-token tiles.
+        tail = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode_tail",
+                   *(["--dry-run"] if ctx.small else []))
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
                    *(["--dry-run"] if ctx.small else []))
@@ -94,7 +98,8 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         sampling = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "sampling",
                        *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
-                Step("kernels_decode", decode, 240), Step("kernels_gemm", gemm, 150),
+                Step("kernels_decode", decode, 240), Step("kernels_decode_tail", tail, 120),
+                Step("kernels_gemm", gemm, 150),
                 Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":
         def executor_bench(traces: Path) -> list[str]:

@@ -167,6 +167,22 @@ def test_kernels_bench_layer_and_tune_cases_dry_run():
                for r in records if r["case"].startswith("layer/"))
 
 
+def test_kernels_bench_decode_tail_and_rope_cases_dry_run():
+    """The decode kernel at contexts ending inside a tile and on one (four launch variants
+    and a copy of the same bytes) and the rotary in the decode launch, through the
+    interpreter."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases", "decode_tail,decode_rope")
+    cases = {r["case"]: r for r in records}
+    assert {"decode_tail/qwen2.5_0.5b/b2/ctx64", "decode_tail/qwen2.5_0.5b/b2/ctx101",
+            "decode_rope/qwen2.5_0.5b/b2/ctx40"} <= set(cases)
+    for r in records:
+        if r["case"].startswith("decode_tail/"):
+            assert all(r[k] > 0 for k in ("latency_us_p50", "every_tile_latency_us_p50",
+                                          "n64_latency_us_p50", "n64_every_tile_latency_us_p50",
+                                          "same_size_copy_gb_per_s", "copy_bw_ratio_same_size"))
+    assert cases["decode_rope/qwen2.5_0.5b/b2/ctx40"]["two_launches_latency_us_p50"] > 0
+
+
 def test_executor_bench_profile_on_cpu(tmp_path):
     """--profile's per-step operator table (on a GPU: device kernels, in the GPU check), and
     the pipelined loop's trace: host phases per step, nested as they run, and the trace."""

@@ -109,6 +109,40 @@ def test_fused_split_k_leaves_its_counters_at_zero():
     assert torch.equal(first, again)
 
 
+@pytest.mark.parametrize("num_splits, window, fused, dtype", [
+    (1, None, None, torch.float32),
+    (1, 20, None, torch.bfloat16),  # the window's first tile masked too
+    (3, None, True, torch.float16),
+    (4, 50, False, torch.float32),
+    (16, None, True, torch.float32),  # empty splits
+])
+def test_decode_masking_every_tile_is_bit_identical(num_splits, window, fused, dtype):
+    """``mask_every_tile``: the last partial tile read in the loop of the whole ones (all
+    masked) gives the same output to the bit as the tail's own loop, and the twin's values.
+    Lengths end inside a tile (97, 37, 200), on a tile's last token (64: no tail) and at 1."""
+    batch = make_paged_batch(
+        [(1, 97), (1, 1), (1, 37), (1, 200), (1, 64)], num_kv_heads=2, group=4, head_dim=80,
+        block_size=8, dtype=dtype, device=DEVICE, seed=num_splits + 20,
+    )
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    launch = dict(sliding_window=window, num_splits=num_splits, block_n=16, fused_reduce=fused)
+    apart = paged_decode_attention_triton(*args, mask_every_tile=False, **launch)
+    every = paged_decode_attention_triton(*args, mask_every_tile=True, **launch)
+    assert torch.equal(every, apart)
+    _close(every, reference.paged_decode_attention(*args, sliding_window=window), dtype)
+
+
+def test_decode_with_rope_masking_every_tile_is_bit_identical():
+    """The rotary and cache write in the launch with every tile masked: the same output and
+    caches as the two launches (each with every tile masked)."""
+    inputs = rope_decode_inputs(2, 7, 64, torch.bfloat16, ROPE_SEQS, DEVICE)
+    (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
+        *inputs, num_splits=3, block_n=16, mask_every_tile=True)
+    assert torch.equal(out, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 # Lengths 97, 37 and 200 end inside a 16-token tile, 64 on a tile's last token (an unmasked
 # tile); window 5 puts the new token in the window's first (masked) tile.
 ROPE_SEQS = [(1, 97), (1, 1), (1, 37), (1, 200), (1, 64)]

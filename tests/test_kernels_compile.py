@@ -39,6 +39,8 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     decode = [r["constexprs"] for r in records if r["case"] == "_decode_kernel"]
     assert any(c["ROPE"] and not c["FUSED_REDUCE"] for c in decode)
     assert any(c["ROPE"] and c["FUSED_REDUCE"] for c in decode)
+    assert any(c["MASK_EVERY_TILE"] and c["NUM_SPLITS"] > 1 for c in decode)
+    assert any(c["MASK_EVERY_TILE"] and c["NUM_SPLITS"] == 1 for c in decode)
     # The rotation rounds its products and its sum apart, as the twin and the rotary kernel
     # do, in every kernel that rotates (no fma.rn.bf16; the H200 found the decode kernel's
     # fused rotation an ulp off the rotary kernel's while both contracted differently).

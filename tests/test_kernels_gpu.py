@@ -233,6 +233,23 @@ def test_copy_blocks_grid_gpu(dtype, block_size, head_dim):
     assert torch.equal(kv_cache, expected)
 
 
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128)])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_decode_masking_every_tile_gpu(kv_heads, group, head_dim, num_splits):
+    """``mask_every_tile`` compiled natively (bf16, the launcher's tiles): the tail read in
+    the loop of the whole tiles gives the tail's own loop's output to the bit, at contexts
+    ending inside a tile (1,061 as the executor benchmark's steps, 4,133) and on one."""
+    seqs = [(1, n) for n in [1061] * 60 + [1024, 1, 4133, 17]]
+    batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                             block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=5)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    apart = paged_decode_attention_triton(*args, num_splits=num_splits, mask_every_tile=False)
+    every = paged_decode_attention_triton(*args, num_splits=num_splits, mask_every_tile=True)
+    _close(every, reference.paged_decode_attention(*args), torch.bfloat16)
+    assert torch.equal(every, apart)
+
+
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128), (2, 6, 80)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_decode_rope_in_the_launch_gpu(kv_heads, group, head_dim, num_splits):
