@@ -47,7 +47,9 @@ Cases:
   torch.profiler (``profile_gpu_b256_{eager,graphs}``; on CPU ``profile_cpu_tiny_b128``):
   per step, how many device kernels ran and how long they took together, and the kernels
   that took the most (name, launches and microseconds per step). What splits a step
-  between attention, matmuls and the small elementwise kernels (the GPU check runs it).
+  between attention, matmuls and the small elementwise kernels (the GPU check runs it);
+  on a GPU also batch 8's graph steps (``profile_gpu_b8_graphs``, the top 20): a
+  low-concurrency step's kernels.
   Then under cProfile (``host_profile_gpu_b256_{eager,graphs}``, ``host_profile_cpu_tiny_b128``):
   the host's functions by own time per step — where an eager step's ~12 ms of host time on
   the H200 went (Triton's launcher, torch operators, pagedserve's Python). And
@@ -384,6 +386,15 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
                                                         feed=True), warmup=3)
             emit_loop(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs", run, batch, context,
                       bound_s)
+        if profile and graphed and batch == 8:
+            # A small batch's device kernels: its forward takes ~1.25 ms on an H200 (the
+            # pipelined b64 case, step_overhead at 32 streams) against ~0.24 ms of weight
+            # reads: which kernels hold a low-concurrency step's latency.
+            cache.kv_cache.normal_()
+            runner = ModelRunner(model, cache, graphs=graphs)
+            profile_steps(runner, decode_plans(batch, context, block_size, steps,
+                                               cfg.vocab_size), f"profile_gpu_b{batch}_graphs",
+                          top=20)
         if profile and batch == 256:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)

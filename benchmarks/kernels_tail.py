@@ -69,7 +69,7 @@ def bench_decode_tail(torch, device, dtype, timed, copy_gb_per_s: float, dry_run
                 dst = torch.empty_like(src)
                 copy_us = timed(lambda src=src, dst=dst: dst.copy_(src))
                 same = 2 * kv_bytes / copy_us / 1e3  # read + write, as the 1 GiB copy
-                record["same_size_copy_gb_per_s"] = round(same, 1)
+                record["same_size_copy_gb_per_s"] = float(f"{same:.4g}")
                 record["copy_bw_ratio_same_size"] = float(f"{kv_bytes / latency / 1e3 / same:.4g}")
                 emit(record)
                 del b, args, out, src, dst
