@@ -13,6 +13,11 @@ import torch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.grammar import GrammarCompiler
+from pagedserve.executor.kernel_checks import (
+    check_fused_decode_rope,
+    check_fused_ops,
+    check_sampler_kernels,
+)
 from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
@@ -58,7 +63,8 @@ def build_runner(
     # loads would be counted as ours. The window is now the kernel checks and the profile.
     baseline = memory_baseline(device) if device.type == "cuda" else None
     if device.type == "cuda":
-        _check_fused_ops(model)
+        check_fused_ops(model)
+        check_fused_decode_rope(model)
     max_len = max_model_len or config.max_model_len
     why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
     mixed_tokens = 0 if why_eager or not _mixed_graphs_wanted() else max_num_batched_tokens
@@ -91,102 +97,8 @@ def build_runner(
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed)
     if device.type == "cuda":
-        _check_sampler_kernels(runner, config.vocab_size)
+        check_sampler_kernels(runner, config.vocab_size)
     return runner
-
-
-def _check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
-    """Run the sampler's device kernels (the whole-row top-p threshold, the greedy argmax)
-    once against their twins at the model's vocabulary and dtype; if one fails to compile or
-    disagrees (top-p: by more than a token at a rounding edge), the sampler uses the twins
-    (logged): its top-p steps then wait for their forward to learn which rows need a full
-    sort."""
-    from pagedserve.kernels import ops
-
-    device = runner.cache.device
-    gen = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(4, vocab, generator=gen, device=device) * torch.tensor(
-        [[0.1], [1.0], [3.0], [0.5]], device=device)
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    top_p = torch.tensor([0.3, 0.6, 0.9, 0.99], device=device)
-    flags = torch.ones(4, dtype=torch.bool, device=device)
-    kept = {}
-    try:
-        for backend in ("torch", "triton"):
-            thresholds = torch.zeros(4, 1, device=device)
-            ops.top_p_thresholds_(logits, lse, top_p, thresholds, flags, backend=backend)
-            kept[backend] = (logits >= thresholds).sum(-1)
-        worst = int((kept["triton"] - kept["torch"]).abs().max())
-        if worst > 1:
-            raise ValueError(f"top-p kept-token counts differ by {worst}")
-        tied = logits.to(runner.cache.kv_cache.dtype)  # the model's dtype
-        tied[:, vocab // 2] = tied[:, 7] = tied.max() + 1  # ties: the first index wins
-        if not torch.equal(ops.argmax_rows(tied, backend="triton"),
-                           ops.argmax_rows(tied, backend="torch")):
-            raise ValueError("argmax_rows disagrees")
-    except Exception as exc:
-        log.warning("sampler kernels off, torch forms used: %s: %s", type(exc).__name__, exc)
-        runner.sampler.kernel_backend = "torch"
-
-
-def _check_fused_ops(model: LlamaForCausalLM) -> None:
-    """Run the fused layer kernels (kernels/layer_ops.py) once at this model's sizes against
-    their torch twins; where one fails to compile or disagrees, every module uses the torch
-    forms (logged): lose speed, not service."""
-    from pagedserve.kernels import ops
-
-    cfg, param = model.config, model.model.embed_tokens.weight
-    dtype, device = param.dtype, param.device
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-    tokens, hidden = 5, cfg.hidden_size
-    x, residual, weight = rand(tokens, hidden), rand(tokens, hidden), rand(hidden)
-    qkv = rand(tokens, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
-    q = qkv[:, :cfg.num_heads * cfg.head_dim].view(tokens, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, cfg.num_heads * cfg.head_dim:].view(tokens, -1, cfg.head_dim)[:, :cfg.num_kv_heads]
-    cos_sin = model.cos_sin_cache[torch.arange(tokens, device=device) * 7].to(dtype)
-    gate_up = rand(tokens, 2 * cfg.intermediate_size)
-    v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(
-        tokens, cfg.num_kv_heads, cfg.head_dim)
-    slots = torch.tensor([3, -1, 0, 9, 4], device=device)  # a padding row among them
-    cache_shape = (2, 8, cfg.num_kv_heads, cfg.head_dim)
-
-    def rotary_and_cache(backend):
-        caches = torch.zeros(cache_shape, dtype=dtype, device=device), torch.zeros(
-            cache_shape, dtype=dtype, device=device)
-        q_rot, k_rot = ops.rotary_embedding_and_cache(q.clone(), k.clone(), v, cos_sin,
-                                                      *caches, slots, backend=backend)
-        return q_rot, k_rot, *caches
-
-    checks = {
-        "rms_norm": lambda backend: ops.rms_norm(x, weight, cfg.rms_norm_eps, backend=backend),
-        "rms_norm_residual": lambda backend: ops.rms_norm(
-            x, weight, cfg.rms_norm_eps, residual.clone(), backend=backend),
-        "rms_norm_per_head": lambda backend: ops.rms_norm(
-            q, weight[:cfg.head_dim], cfg.rms_norm_eps, backend=backend),
-        "rotary_embedding": lambda backend: ops.rotary_embedding(
-            q.clone(), k.clone(), cos_sin, backend=backend),
-        "rotary_embedding_and_cache": rotary_and_cache,
-        "silu_and_mul": lambda backend: ops.silu_and_mul(gate_up, backend=backend),
-    }
-    try:
-        for name, run in checks.items():
-            want, got = run("torch"), run("triton")
-            for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want)),
-                            strict=True):
-                if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
-                    raise ValueError(f"{name}: max difference "
-                                     f"{(a.float() - b.float()).abs().max().item():.3g}")
-    except Exception as exc:
-        log.warning("fused layer kernels off, torch forms used: %s: %s",
-                    type(exc).__name__, exc)
-        for module in model.modules():
-            if hasattr(module, "kernel_backend"):
-                module.kernel_backend = "torch"
 
 
 def _mixed_graphs_wanted() -> bool:

@@ -22,7 +22,7 @@ from pagedserve.executor.process import (
     load_curve_keys,
     plan_prep_from_env,
 )
-from pagedserve.kernels.host_math import FUSED_ROPE_ENV, switch_from_env, triton_gemm_from_env
+from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
 from pagedserve.protos.wire import Hello
 
 from pagedserve.affinity import (
@@ -83,8 +83,8 @@ def run_executor(args: argparse.Namespace) -> int:
         fault_sleep = fault_sleep_from_env()  # the testing hook, read once
         profile_window = profiler_from_env()  # PAGEDSERVE_TORCH_PROFILER_DIR (step_trace.py)
         plan_prep = plan_prep_from_env()  # PAGEDSERVE_PLAN_PREP: io / main
-        # The decode step's A/B switches, read leniently where they apply (llama.py).
-        switch_from_env(FUSED_ROPE_ENV)
+        # The decode step's switches, read leniently where they apply (llama.py).
+        fused_rope_from_env()  # PAGEDSERVE_DECODE_FUSED_ROPE: 0, 1 or unset
         triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: which projections
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)

@@ -25,9 +25,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Switches of the decode step for A/B runs, read at import where they apply and checked at
-# an executor's start: decode steps' rotary embedding and cache write done by the attention
-# kernel (its ``rope``; executor/models/llama.py).
+# Switches of the decode step, read at import where they apply and checked at an executor's
+# start: decode steps' rotary embedding and cache write done by the attention kernel (its
+# ``rope``; executor/models/llama.py; on by default wherever the Triton kernels run).
 FUSED_ROPE_ENV = "PAGEDSERVE_DECODE_FUSED_ROPE"
 # The model's projections through the split-K Triton GEMM (kernels/linear_ops.py) for
 # batches of up to TRITON_GEMM_MAX_TOKENS tokens, instead of cuBLAS: "1" every projection,
@@ -53,10 +53,14 @@ def triton_gemm_from_env(environ=os.environ) -> frozenset[str]:
     return frozenset(names)
 
 
-def switch_from_env(name: str, environ=os.environ) -> bool:
-    """A 0/1 switch: "1" on, "0" or unset off. Raises ValueError (one line) for anything
-    else."""
-    value = environ.get(name, "")
+def fused_rope_from_env(environ=os.environ, strict: bool = True) -> bool | None:
+    """PAGEDSERVE_DECODE_FUSED_ROPE: "1" True (always), "0" False (never), unset None (the
+    default: wherever the Triton kernels run). Anything else raises ValueError (one line),
+    or with ``strict=False`` reads as unset (the model's import, before the executor has
+    checked it)."""
+    value = environ.get(FUSED_ROPE_ENV, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    return value == "1"
+        if strict:
+            raise ValueError(f"{FUSED_ROPE_ENV}={value!r}: expected 0 or 1")
+        value = ""
+    return {"0": False, "1": True}.get(value)

@@ -40,6 +40,12 @@ __all__ = [
 _BACKENDS = ("auto", "triton", "torch")
 
 
+def runs_triton(tensor: torch.Tensor, backend: str = "auto") -> bool:
+    """Does an op on ``tensor`` with ``backend`` take the Triton kernel (natively on CUDA,
+    or forced by PAGEDSERVE_KERNEL_BACKEND=triton), not the torch twin?"""
+    return _use_triton(backend, tensor)
+
+
 def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
     if backend == "auto":
         backend = os.environ.get("PAGEDSERVE_KERNEL_BACKEND", "auto")

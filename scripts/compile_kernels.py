@@ -114,8 +114,8 @@ def drive_launchers(quick: bool) -> None:
             for splits in (1, 4):
                 decode_attention.paged_decode_attention_triton(*args, num_splits=splits,
                                                                mask_every_tile=True)
-            # the rotary with the cache write in the launch (decode steps of the model with
-            # PAGEDSERVE_DECODE_FUSED_ROPE), plain and split-K
+            # the rotary with the cache write in the launch (the model's decode steps on a
+            # GPU, unless PAGEDSERVE_DECODE_FUSED_ROPE=0), plain and split-K
             num = decode.query.shape[0]
             rope = (torch.zeros(num, kv_heads, dim, dtype=dtype),
                     torch.zeros(num, kv_heads, dim, dtype=dtype),

@@ -61,11 +61,10 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text(errors="replace"))
 
 
-# The rotary and the new token's cache write inside the decode attention launch (the
-# model's A/B: executor/models/llama.py, off by default until a GPU has checked it).
-FUSED_ROPE_ON = {"PAGEDSERVE_DECODE_FUSED_ROPE": "1"}
-# Every switch of the decode step's device time (each off by default until measured).
-ALL_SWITCHES_ON = {**FUSED_ROPE_ON, "PAGEDSERVE_DECODE_TRITON_GEMM": "1"}
+# The rotary and the new token's cache write inside the decode attention launch is the
+# default on a GPU (executor/models/llama.py, since the fourteenth session, checked to the
+# bit at each executor's start): its A/B runs turn it off.
+FUSED_ROPE_OFF = {"PAGEDSERVE_DECODE_FUSED_ROPE": "0"}
 
 
 def plan_stage(name: str, ctx: Context) -> list[Step]:
@@ -109,36 +108,30 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
 
         traces = ctx.out_dir / "traces"
         memory = _py(ctx, "scripts/gpu_steps.py", "memory", *model, *small)
-        # The A/B runs of the decode step's device time, each with its switch(es) on and its
-        # traces apart: the rotary and cache write inside the attention launch; the
-        # projections through the autotuned split-K Triton GEMM (its tuning, at every graph
-        # size, in the graphs' warm-up), all four or the narrow two; both switches at once;
-        # torch preferring cuBLASLt for every matmul.
-        variants = [("fused_rope", "fused-rope", FUSED_ROPE_ON, 200),
+        # The A/B runs of the decode step's device time, each with its switch set and its
+        # traces apart: the rotary and cache write as a launch of their own again (the
+        # default fuses them into the attention launch); the projections through the
+        # autotuned split-K Triton GEMM (its tuning, at every graph size, in the graphs'
+        # warm-up), all four or the narrow two; torch preferring cuBLASLt for every matmul.
+        variants = [("no_fused_rope", "no-fused-rope", FUSED_ROPE_OFF, 200),
                     ("triton_gemm", "triton-gemm", {"PAGEDSERVE_DECODE_TRITON_GEMM": "1"}, 300),
                     # only the narrow projections (few output tiles for cuBLAS): on the H200
                     # all four together lost 730 us of kernels a step (the sixth run)
                     ("triton_gemm_narrow", "triton-gemm-narrow",
                      {"PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,o"}, 200),
-                    ("all_switches", "all-switches", ALL_SWITCHES_ON, 300),
                     ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200)]
         return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),
                 Step("memory_profile", memory, 150),
                 *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,
                        env=env) for name, folder, env, timeout in variants)]
     if name == "cluster":
-        def check(what: str, timeout_s: float, suffix: str = "",
-                  env: dict[str, str] | None = None) -> Step:
-            return Step(what.replace("-", "_") + suffix,
+        def check(what: str, timeout_s: float) -> Step:
+            return Step(what.replace("-", "_"),
                         _py(ctx, "scripts/gpu_cluster.py", what, *model, "--log-dir",
-                            str(ctx.work_dir / ("cluster-logs" + suffix)), *small),
-                        timeout_s, env=env)
-        # fp32_exact_fused_rope: the cluster's executors with the rotary in the decode
-        # launch, still HF float32's tokens exactly (before that switch may default on).
+                            str(ctx.work_dir / "cluster-logs"), *small), timeout_s)
         return [*_common(ctx), _model(ctx), check("bf16-migration", 180),
                 check("fp32-exact", 120), check("preempt-swap", 100),
-                check("preempt-recompute", 100),
-                check("fp32-exact", 120, "_fused_rope", FUSED_ROPE_ON)]
+                check("preempt-recompute", 100)]
     if name == "throughput":
         hf = _py(ctx, "benchmarks/hf_batch_bench.py", *model, *small)
         # The API edges in worker processes: on an H100 the router's CPU per step at 256
@@ -179,8 +172,6 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # Four plans in flight: at 32 streams a forward (1.24 ms on the H200) is shorter
         # than the round trip, and depth 3 still left the device idle 0.34-0.58 ms a step.
         overhead_depth4 = with_workers("step-overhead-depth4", 4)
-        # Depth 4 with the rotary in the decode launch (fewer graph nodes, shorter steps).
-        overhead_depth4_rope = with_workers("step-overhead-depth4-fused-rope", 4)
         trace_env = {"PAGEDSERVE_TORCH_PROFILER_DIR": str(ctx.out_dir / "traces" / "serve-depth3"),
                      "PAGEDSERVE_TORCH_PROFILER_STEPS": "20:10" if ctx.small else "300:30"}
         # Depth 4 at 32 streams with the profiling window: where the 0.23 ms the device
@@ -239,8 +230,6 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
                 Step("step_overhead_depth4_trace32", depth4_trace32, 60, env=trace32_env),
-                Step("step_overhead_depth4_fused_rope", overhead_depth4_rope, 80,
-                     env=FUSED_ROPE_ON),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),

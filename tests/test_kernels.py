@@ -480,3 +480,14 @@ def test_triton_gemm_switch_names_projections():
     for bad in ("2", "qkv,lm_head", "yes", "qkv,"):
         with pytest.raises(ValueError, match="comma list of qkv, o, gate_up, down"):
             read({env: bad})
+
+
+def test_fused_rope_switch():
+    """PAGEDSERVE_DECODE_FUSED_ROPE: unset None (the default: where Triton runs), 0 False,
+    1 True; anything else a one-line error, or unset when read leniently (at import)."""
+    env, read = host_math.FUSED_ROPE_ENV, host_math.fused_rope_from_env
+    assert read({}) is None and read({env: ""}) is None
+    assert read({env: "0"}) is False and read({env: "1"}) is True
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        read({env: "on"})
+    assert read({env: "on"}, strict=False) is None

@@ -190,11 +190,11 @@ def test_model_forward_fused_equals_torch_forms(tmp_path, arch):
 
 
 def test_startup_check_falls_back_to_torch_forms(tmp_path, monkeypatch):
-    from pagedserve.executor import runner_setup
+    from pagedserve.executor import kernel_checks
     from pagedserve.kernels import layer_ops
 
     runner = _tiny_model(tmp_path, "qwen2")
-    runner_setup._check_fused_ops(runner.model)  # passes: nothing changes
+    kernel_checks.check_fused_ops(runner.model)  # passes: nothing changes
     assert {m.kernel_backend for m in runner.model.modules()
             if hasattr(m, "kernel_backend")} == {"auto"}
 
@@ -202,9 +202,108 @@ def test_startup_check_falls_back_to_torch_forms(tmp_path, monkeypatch):
         raise RuntimeError("PassManager::run failed")
 
     monkeypatch.setattr(layer_ops, "silu_and_mul_triton", broken)
-    runner_setup._check_fused_ops(runner.model)
+    kernel_checks.check_fused_ops(runner.model)
     backends = [m.kernel_backend for m in runner.model.modules() if hasattr(m, "kernel_backend")]
     assert backends and set(backends) == {"torch"}
+
+
+def _fusing(model, device=DEVICE) -> list[bool]:
+    from types import SimpleNamespace
+
+    from pagedserve.executor.models.llama import Attention
+
+    probe = SimpleNamespace(max_query_len=1, slot_mapping=torch.empty(0, device=device))
+    return [m.fuses_decode_rope(probe) for m in model.modules() if isinstance(m, Attention)]
+
+
+def test_decode_rope_fuses_by_default_where_triton_runs(tmp_path, monkeypatch):
+    """llama.Attention.fused_decode_rope: None (PAGEDSERVE_DECODE_FUSED_ROPE unset) fuses the
+    decode steps' rotary into the attention launch wherever the Triton kernels run (a GPU,
+    or PAGEDSERVE_KERNEL_BACKEND=triton), not on the torch twins; 0 never, 1 always; never
+    for a step with prompt tokens or once the layer kernels fell back to the torch forms."""
+    from types import SimpleNamespace
+
+    from pagedserve.executor.models import llama
+
+    runner = _tiny_model(tmp_path, "qwen2")
+    monkeypatch.setattr(llama.Attention, "fused_decode_rope", None)
+    monkeypatch.delenv("PAGEDSERVE_KERNEL_BACKEND", raising=False)
+    assert _fusing(runner.model, "cpu") == [False, False]
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_BACKEND", "triton")
+    assert _fusing(runner.model, "cpu") == [True, True]
+    attention = runner.model.model.layers[0].self_attn
+    assert not attention.fuses_decode_rope(
+        SimpleNamespace(max_query_len=2, slot_mapping=torch.empty(0)))
+    monkeypatch.setattr(llama.Attention, "fused_decode_rope", False)
+    assert _fusing(runner.model, "cpu") == [False, False]
+    monkeypatch.delenv("PAGEDSERVE_KERNEL_BACKEND")
+    monkeypatch.setattr(llama.Attention, "fused_decode_rope", True)
+    assert _fusing(runner.model, "cpu") == [True, True]
+    _set_backend(runner.model, "torch")
+    assert _fusing(runner.model, "cpu") == [False, False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_startup_check_of_the_decode_rope_fusion(tmp_path, monkeypatch, dtype):
+    """kernel_checks.check_fused_decode_rope: the fused launch equal to the two launches
+    to the bit (the interpreter here) leaves the fusion on; a launch that differs by a
+    little or fails turns it off on every layer (the two launches then serve)."""
+    from pagedserve.executor import kernel_checks
+    from pagedserve.executor.models import llama
+    from pagedserve.executor.runner_setup import build_runner
+    from pagedserve.kernels import ops
+
+    from pagedserve.tinymodels import build_model
+
+    monkeypatch.setattr(llama.Attention, "fused_decode_rope", True)
+    path = build_model(tmp_path / "qwen2", arch="qwen2", num_layers=2, hidden_size=64,
+                       num_heads=4, num_kv_heads=2, intermediate_size=96, vocab_size=128)
+    runner = build_runner(str(path), device=DEVICE, dtype=dtype, num_gpu_blocks=16,
+                          num_cpu_blocks=0, enforce_eager=True)
+    small = dict(lens=(37, 0, 17, 32), splits=(None, 3))
+    kernel_checks.check_fused_decode_rope(runner.model, **small)
+    assert _fusing(runner.model) == [True, True]
+
+    decode = ops.paged_decode_attention
+
+    def off_by_a_little(*args, rope=None, **kwargs):
+        out = decode(*args, rope=rope, **kwargs)
+        return out.add_(1e-3) if rope is not None else out
+
+    monkeypatch.setattr(ops, "paged_decode_attention", off_by_a_little)
+    kernel_checks.check_fused_decode_rope(runner.model, **small)
+    assert _fusing(runner.model) == [False, False]
+
+    for attention in runner.model.modules():
+        if isinstance(attention, llama.Attention):
+            del attention.fused_decode_rope  # back to the class's: fused
+
+    def broken(*args, rope=None, **kwargs):
+        if rope is not None:
+            raise RuntimeError("PassManager::run failed")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_decode_attention", broken)
+    assert _fusing(runner.model) == [True, True]
+    kernel_checks.check_fused_decode_rope(runner.model, **small)
+    assert _fusing(runner.model) == [False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_rope_fusion_passes_its_startup_check_gpu(tmp_path, dtype):
+    """On a GPU the decode steps' rotary is fused into the attention launch by default, and
+    build_runner's start-up check (the fused launch against the two launches, to the bit,
+    at the Qwen2.5-0.5B attention shape: 14 q / 2 KV heads of 64) leaves it on."""
+    from pagedserve.executor.runner_setup import build_runner
+
+    from pagedserve.tinymodels import build_model
+
+    path = build_model(tmp_path / "qwen2", arch="qwen2", num_layers=2, hidden_size=896,
+                       num_heads=14, num_kv_heads=2, intermediate_size=96, vocab_size=128)
+    runner = build_runner(str(path), device="cuda", dtype=dtype, num_gpu_blocks=16,
+                          num_cpu_blocks=0, enforce_eager=True)
+    assert _fusing(runner.model, "cuda") == [True, True]
 
 
 @pytest.mark.gpu

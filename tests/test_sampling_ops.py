@@ -174,21 +174,21 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     kept when it agrees, and the sampler falls back to the twin when it fails or disagrees."""
     from types import SimpleNamespace
 
-    from pagedserve.executor import runner_setup
+    from pagedserve.executor import kernel_checks
     from pagedserve.executor.sampler import Sampler
     from pagedserve.kernels import sampling_ops
 
     cache = SimpleNamespace(device=torch.device(DEVICE),
                             kv_cache=torch.zeros(1, dtype=torch.bfloat16))
     runner = SimpleNamespace(cache=cache, sampler=Sampler())
-    runner_setup._check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "auto"
 
     def wrong(logits, lse, top_p, thresholds, unresolved, exp_floor):
         thresholds.fill_(float("-inf"))  # keeps every token
 
     monkeypatch.setattr(sampling_ops, "top_p_thresholds_triton", wrong)
-    runner_setup._check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "torch"
 
     def broken(*args):
@@ -196,7 +196,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
 
     runner.sampler.kernel_backend = "auto"
     monkeypatch.setattr(sampling_ops, "top_p_thresholds_triton", broken)
-    runner_setup._check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "torch"
 
     def last_index(logits):  # ties to the last index: not torch's argmax
@@ -205,7 +205,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     runner.sampler.kernel_backend = "auto"
     monkeypatch.undo()
     monkeypatch.setattr(sampling_ops, "argmax_rows_triton", last_index)
-    runner_setup._check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "torch"
 
 

@@ -12,14 +12,13 @@ argument (AttentionMetadata), never module state.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from pagedserve.executor.models.config import ModelConfig
 from pagedserve.kernels import ops
-from pagedserve.kernels.host_math import FUSED_ROPE_ENV, triton_gemm_from_env
+from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
 from torch import nn
 
 
@@ -73,10 +72,14 @@ class Attention(nn.Module):
     kernel_backend = "auto"  # of the rotary embedding; see RMSNorm
     # Decode steps (one token a sequence): the rotary embedding and the cache write done by
     # the attention kernel in its launch (ops.paged_decode_attention's rope), not a launch
-    # before it. PAGEDSERVE_DECODE_FUSED_ROPE=1; off until a GPU has measured it. Read at
+    # before it: one launch a layer fewer (on an H200, 2026-11-27: 0.452 of the bandwidth
+    # bound at batch 256 against 0.420). None (the default): wherever the Triton kernels
+    # run (a GPU); PAGEDSERVE_DECODE_FUSED_ROPE=0 never, =1 always. An executor on a GPU
+    # checks at start that the fused launch gives the two launches' values to the bit at
+    # its model's shapes, and turns it off where it does not (runner_setup.py). Read at
     # import, leniently: this module is imported before an executor checks the value (and
     # exits 2 on a bad one).
-    fused_decode_rope = os.environ.get(FUSED_ROPE_ENV) == "1"
+    fused_decode_rope: bool | None = fused_rope_from_env(strict=False)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -96,8 +99,10 @@ class Attention(nn.Module):
     def fuses_decode_rope(self, attn: AttentionMetadata) -> bool:
         """Does a step of this shape take `decode_rope`? (Qwen3's q/k norms come between
         the projection and the rotary: not fused.)"""
-        return (attn.max_query_len == 1 and self.fused_decode_rope and not self.qk_norm
-                and self.kernel_backend == "auto")
+        if attn.max_query_len != 1 or self.qk_norm or self.kernel_backend != "auto":
+            return False
+        fused = self.fused_decode_rope
+        return ops.runs_triton(attn.slot_mapping) if fused is None else fused
 
     def decode_rope(self, x, cos_sin, kv_cache: torch.Tensor,
                     attn: AttentionMetadata) -> torch.Tensor:
