@@ -21,7 +21,9 @@ Cases:
   forward and sampling p50 — the executor as `serve` runs it, without the router;
   ``..._b256_graphs_top_p`` with every row sampling at top-p 0.95 (all nuclei past the
   first 256 tokens on the random model: the sampler's whole-row kernel on every row), and
-  ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step).
+  ``..._top_p_sort`` with the sampler on the sort it replaced (a host read a step), and
+  ``..._temperature`` with every row sampling at temperature 1 alone (the keyed draw:
+  kernels/draw_ops.py on a GPU).
 * ``gpu_qwen2.5-0.5b_serve_loop_b{64,256}_graphs``: the same 40 decodes through the
   executor process's waiting rule (executor_steps.serve_loop_steps): the pipelined loop
   above reads the step in flight back as soon as the next plan is not decoded yet, which
@@ -361,7 +363,10 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
         pipelined = [("", None, "auto")] if graphed and batch in (64, 256) else []
         if graphed and batch == 256:
             top_p = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
-            pipelined += [("_top_p", top_p, "auto"), ("_top_p_sort", top_p, "torch")]
+            pipelined += [("_top_p", top_p, "auto"), ("_top_p_sort", top_p, "torch"),
+                          # temperature alone (the OpenAI API's default top_p is 1): the
+                          # keyed draw after the division, the sampler's plainest random row
+                          ("_temperature", SamplingParams(temperature=1.0, seed=7), "auto")]
         for suffix, sampling, sampler_backend in pipelined:
             cache.kv_cache.normal_()
             runner = ModelRunner(model, cache, graphs=graphs)

@@ -8,7 +8,11 @@ what an overlapped step would wait. ``radixB_latency_us_p50``: the kernel with i
 cutting the key range into 2^B parts a pass (32 / B reads of each row), to choose
 ``sampling_ops.RADIX_BITS``; ``radixB_chunksC_latency_us_p50``: each row spread over C
 programs, one launch a pass, to choose ``sampling_ops.TOP_P_CHUNKS`` (one unresolved row
-costs one program's whole walk of its row otherwise: ~1 ms on an H200)."""
+costs one program's whole walk of its row otherwise: ~1 ms on an H200). ``draw/...``: the
+keyed draw (softmax, min-p, inverse CDF: kernels/draw_ops.py, what every sampling row
+ends with) on 1 to 256 rows at temperature 1, against the twin's passes it replaces
+(``torch_latency_us_p50``: the twin over a fresh copy of the rows, less the copy's time),
+both graph-timed."""
 
 from __future__ import annotations
 
@@ -26,6 +30,24 @@ def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
               "gb_per_s": float(f"{logits.numel() * logits.element_size() / kernel / 1e3:.4g}"),
               "speedup_ratio": float(f"{twin / kernel:.3g}")})  # (tiny in the interpreter)
     bench_top_p(torch, ops, device, timed, dry_run)
+    bench_draw(torch, ops, device, timed, dry_run)
+
+
+def bench_draw(torch, ops, device, timed, dry_run: bool) -> None:
+    vocab = 600 if dry_run else 151_936
+    for rows in (1, 4) if dry_run else (1, 8, 64, 256):
+        gen = torch.Generator(device=device).manual_seed(rows)
+        x = torch.randn(rows, vocab, generator=gen, device=device) * 2.0
+        scratch = torch.empty_like(x)
+        u = torch.rand(rows, generator=gen, device=device, dtype=torch.float64)
+        kernel = timed(lambda x=x, u=u: ops.keyed_draw_(x, None, u, backend="triton"))
+        copy = timed(lambda x=x, s=scratch: s.copy_(x))
+        twin = timed(lambda x=x, u=u, s=scratch: ops.keyed_draw_(s.copy_(x), None, u,
+                                                                 backend="torch"))
+        emit({"case": f"draw/v{vocab}/r{rows}", "latency_us_p50": round(kernel, 2),
+              "torch_latency_us_p50": round(twin - copy, 2),
+              "gb_per_s": float(f"{2 * x.numel() * x.element_size() / kernel / 1e3:.4g}"),
+              "speedup_ratio": float(f"{(twin - copy) / kernel:.3g}")})
 
 
 def bench_top_p(torch, ops, device, timed, dry_run: bool) -> None:

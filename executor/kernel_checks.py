@@ -27,11 +27,11 @@ log = logging.getLogger(__name__)
 
 
 def check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
-    """Run the sampler's device kernels (the whole-row top-p threshold, the greedy argmax)
-    once against their twins at the model's vocabulary and dtype; if one fails to compile or
-    disagrees (top-p: by more than a token at a rounding edge), the sampler uses the twins
-    (logged): its top-p steps then wait for their forward to learn which rows need a full
-    sort."""
+    """Run the sampler's device kernels (the whole-row top-p threshold, the greedy argmax,
+    the keyed draw) once against their twins at the model's vocabulary and dtype; if one
+    fails to compile or disagrees (top-p: by more than a token at a rounding edge), the
+    sampler uses the twins (logged): its top-p steps then wait for their forward to learn
+    which rows need a full sort."""
     from pagedserve.kernels import ops
 
     device = runner.cache.device
@@ -55,6 +55,15 @@ def check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
         if not torch.equal(ops.argmax_rows(tied, backend="triton"),
                            ops.argmax_rows(tied, backend="torch")):
             raise ValueError("argmax_rows disagrees")
+        u = torch.tensor([0.01, 0.37, 0.9, 1.0 - 2.0 ** -54], dtype=torch.float64,
+                         device=device)
+        min_p = torch.tensor([0.0, 0.1, 0.0, 0.02], device=device)
+        for rows_min_p in (None, min_p):
+            drawn = [ops.keyed_draw_(logits.clone(), rows_min_p, u, backend=backend)
+                     for backend in ("triton", "torch")]
+            if not torch.equal(*drawn):
+                raise ValueError(f"keyed_draw_ disagrees: {drawn[0].tolist()} against "
+                                 f"{drawn[1].tolist()}")
     except Exception as exc:
         log.warning("sampler kernels off, torch forms used: %s: %s", type(exc).__name__, exc)
         runner.sampler.kernel_backend = "torch"

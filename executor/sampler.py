@@ -27,7 +27,10 @@ Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
    The nucleus is read from the best 256 tokens; a row whose nucleus reaches past them is
    sorted whole on a CPU, and thresholded whole on a GPU by a kernel that needs no host
    read (kernels/sampling_ops.py: the same nucleus up to float rounding at its edge);
-5. keyed inverse-CDF sampling (below).
+5. keyed inverse-CDF sampling (below); the softmax, min-p and the draw are
+   ``ops.keyed_draw_``: on a GPU three launches that read the row twice and write only
+   the tokens (kernels/draw_ops.py), the same tokens as the twin's passes up to the float
+   rounding of a cumulative sum at a token's edge.
 
 Randomness. Each sampling row draws ONE uniform, a counter-based hash of
 (seed, sample_index, output position) where position = number of output tokens the
@@ -51,7 +54,6 @@ Logprobs are the log-softmax of the RAW logits (before penalties and temperature
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -67,7 +69,6 @@ from pagedserve.protos.wire import SamplingParams
 
 _TOP_P_FIRST_K = 256  # top-p first looks at this many best tokens, sorts fully only if needed
 _MASK64 = (1 << 64) - 1
-_EXP_FLOOR = reference.EXP_FLOOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,20 +147,6 @@ def keyed_uniform(seeds: Sequence[int], sample_indices: Sequence[int],
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
-def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw per row: probs [N, V] >= 0, unnormalised, is overwritten by its
-    cumsum; u float64 [N] in (0, 1). Returns int64 [N]: the first i with cdf[i] > u * total,
-    which always has probability > 0."""
-    cdf = probs.cumsum_(-1)
-    total = cdf[:, -1:]
-    target = (u.unsqueeze(1).to(torch.float64) * total.to(torch.float64)).to(cdf.dtype)
-    idx = torch.searchsorted(cdf, target, right=True)
-    # u * total rounded up to total: take the last token with mass. Computed for every row
-    # and selected (no device-to-host read of "any row over?": sampling never syncs).
-    over = idx >= cdf.shape[1]
-    idx = torch.where(over, torch.searchsorted(cdf, total.contiguous(), right=False), idx)
-    return idx.squeeze(1)
-
 # --------------------------------------------------------------------------- logit processors
 
 
@@ -188,20 +175,6 @@ def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
         unresolved = (n_keep == first_k) & (desc[:, -1] > float("-inf"))
         ops.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved, backend=backend)
     return logits.masked_fill_(logits < thresholds, float("-inf"))
-
-
-def _exp_relative_to_max_(x: torch.Tensor) -> torch.Tensor:
-    """In place: unnormalised softmax exp(x - max), max 1. Relative probabilities below
-    exp(-86.5) (near fp32's smallest normal number; -inf included) become exactly 0:
-    an exp that underflows is ~20x slower on CPU, and a cdf cannot resolve such mass."""
-    x.sub_(x.amax(-1, keepdim=True)).clamp_(min=_EXP_FLOOR).exp_()
-    return torch.nn.functional.threshold_(x, math.exp(_EXP_FLOOR + 0.5), 0.0)
-
-
-def apply_min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """In place: zero the (unnormalised) probabilities below ``min_p * max`` of their row."""
-    threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
-    return probs.masked_fill_(probs < threshold, 0.0)
 
 
 def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
@@ -408,13 +381,14 @@ class Sampler:
         if p_rows:
             _on_rows_(x, p_rows, functools.partial(apply_top_p_, backend=self.kernel_backend),
                       [params[i].top_p for i in p_rows])
-        probs = _exp_relative_to_max_(x)
-        m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        if m_rows:
-            _on_rows_(probs, m_rows, apply_min_p_, [params[i].min_p for i in m_rows])
+        min_p = None
+        if any(p.min_p > 0.0 for p in params):
+            min_p = to_device([p.min_p for p in params], device, torch.float32)
         u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
                           [s.num_output_tokens for s in states])
-        return sample_from_probs_(probs, to_device(u, device))
+        # softmax, min-p and the keyed draw: one kernel set on a GPU (draw_ops.py), the
+        # twin's in-place passes over x elsewhere
+        return ops.keyed_draw_(x, min_p, to_device(u, device), backend=self.kernel_backend)
 
     @staticmethod
     def _plain_output(tokens: torch.Tensor, own_host_copy: bool = False) -> SampledOnDevice:

@@ -296,6 +296,21 @@ def top_p_thresholds_(
         reference.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved)
 
 
+def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor, *,
+                backend: str = "auto") -> torch.Tensor:
+    """int64 [R]: each row's token by the keyed inverse-CDF draw (reference.keyed_draw_:
+    x [R, V] fp32 logits with temperature and filters applied, -inf where excluded, which
+    the twin overwrites; ``min_p`` [R] or None; u float64 [R]). The Triton path reads x
+    twice and one chunk of each row a third time, writes nothing but the tokens, and reads
+    nothing back (draw_ops.py); the twin's tokens but where a cumulative sum's rounding
+    lands on a token's edge."""
+    if _use_triton(backend, x):
+        from .draw_ops import keyed_draw_triton
+
+        return keyed_draw_triton(x, min_p, u)
+    return reference.keyed_draw_(x, min_p, u)
+
+
 def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """int64 [R]: the first index of each row's largest logit (greedy tokens); the Triton
     form splits each row over many programs (torch's walks a row with one)."""

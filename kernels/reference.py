@@ -19,6 +19,7 @@ lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; it
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -414,3 +415,40 @@ def top_p_thresholds_(logits: torch.Tensor, lse: torch.Tensor, top_p: torch.Tens
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """int64 [R]: the first index of each row's largest logit."""
     return logits.argmax(-1)
+
+
+# --- the keyed draw (twin of draw_ops.py) --------------------------------------------------
+
+
+def exp_relative_to_max_(x: torch.Tensor) -> torch.Tensor:
+    """In place: unnormalised softmax exp(x - max), max 1. Relative probabilities below
+    exp(-86.5) (near fp32's smallest normal number; -inf included) become exactly 0:
+    an exp that underflows is ~20x slower on CPU, and a cdf cannot resolve such mass."""
+    x.sub_(x.amax(-1, keepdim=True)).clamp_(min=EXP_FLOOR).exp_()
+    return torch.nn.functional.threshold_(x, math.exp(EXP_FLOOR + 0.5), 0.0)
+
+
+def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: probs [N, V] >= 0, unnormalised, is overwritten by its
+    cumsum; u float64 [N] in (0, 1). Returns int64 [N]: the first i with cdf[i] > u * total,
+    which always has probability > 0."""
+    cdf = probs.cumsum_(-1)
+    total = cdf[:, -1:]
+    target = (u.unsqueeze(1).to(torch.float64) * total.to(torch.float64)).to(cdf.dtype)
+    idx = torch.searchsorted(cdf, target, right=True)
+    # u * total rounded up to total: take the last token with mass. Computed for every row
+    # and selected (no device-to-host read of "any row over?": sampling never syncs).
+    over = idx >= cdf.shape[1]
+    idx = torch.where(over, torch.searchsorted(cdf, total.contiguous(), right=False), idx)
+    return idx.squeeze(1)
+
+
+def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: one token a row of x [R, V] (fp32 logits, temperature and filters applied,
+    -inf where excluded; overwritten): probabilities exp(x - max) (below exp(-86.5) of the
+    best: 0), those below ``min_p`` [R] of the best zeroed (None: no row has min_p), then
+    the first token whose cumulative probability exceeds u [R] (float64) of the total."""
+    probs = exp_relative_to_max_(x)
+    if min_p is not None:
+        probs.masked_fill_(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
+    return sample_from_probs_(probs, u)

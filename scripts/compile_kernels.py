@@ -177,6 +177,12 @@ def drive_launchers(quick: bool) -> None:
         sampling_ops.top_p_thresholds_triton(
             rows, torch.zeros(4, 1), torch.full((4,), 0.9), torch.zeros(4, 1),
             torch.ones(4, dtype=torch.bool), -87.0, radix_bits=bits, chunks=chunks)
+    # the keyed draw (softmax, min-p, inverse CDF), with and without min-p
+    from pagedserve.kernels.draw_ops import keyed_draw_triton
+
+    u = torch.full((4,), 0.5, dtype=torch.float64)
+    for min_p in (None, torch.zeros(4)):
+        keyed_draw_triton(rows, min_p, u)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,8 @@ def test_every_launch_compiles_for_sm90(tmp_path):
             "_rms_norm_kernel", "_silu_and_mul_kernel", "_copy_blocks_kernel",
             "_reshape_and_cache_kernel", "_argmax_chunks_kernel", "_argmax_rows_kernel",
             "_top_p_threshold_kernel", "_linear_kernel", "_top_p_pass_kernel",
-            "_top_p_piece_min_kernel", "_top_p_row_min_kernel"} <= compiled
+            "_top_p_piece_min_kernel", "_top_p_row_min_kernel", "_chunk_max_kernel",
+            "_chunk_mass_kernel", "_chunk_pick_kernel"} <= compiled
     fused = [r for r in records if r["case"] == "_decode_kernel"
              and r["constexprs"]["FUSED_REDUCE"]]
     assert fused and records[-1]["case"] == "summary" and records[-1]["launches"] >= 18
@@ -53,5 +54,5 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     if any("stack_bytes" in r for r in records):
         for r in records:
             if r["case"] in ("_decode_kernel", "_prefill_kernel", "_top_p_pass_kernel",
-                             "_linear_kernel"):
+                             "_linear_kernel", "_chunk_mass_kernel", "_chunk_pick_kernel"):
                 assert r["stack_bytes"] == 0, r

@@ -11,8 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.executor.sampler import Sampler, keyed_uniform, sample_from_probs_
+from pagedserve.executor.sampler import Sampler, keyed_uniform
 from pagedserve.executor.sampling_state import SamplingState
+from pagedserve.kernels.reference import sample_from_probs_
 from pagedserve.protos.wire import NewRequest, SamplingParams
 
 torch.set_num_threads(1)

@@ -176,7 +176,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
 
     from pagedserve.executor import kernel_checks
     from pagedserve.executor.sampler import Sampler
-    from pagedserve.kernels import sampling_ops
+    from pagedserve.kernels import draw_ops, sampling_ops
 
     cache = SimpleNamespace(device=torch.device(DEVICE),
                             kv_cache=torch.zeros(1, dtype=torch.bfloat16))
@@ -205,6 +205,15 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     runner.sampler.kernel_backend = "auto"
     monkeypatch.undo()
     monkeypatch.setattr(sampling_ops, "argmax_rows_triton", last_index)
+    kernel_checks.check_sampler_kernels(runner, 600)
+    assert runner.sampler.kernel_backend == "torch"
+
+    def first_token(x, min_p, u):  # not the draw
+        return torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+
+    runner.sampler.kernel_backend = "auto"
+    monkeypatch.undo()
+    monkeypatch.setattr(draw_ops, "keyed_draw_triton", first_token)
     kernel_checks.check_sampler_kernels(runner, 600)
     assert runner.sampler.kernel_backend == "torch"
 

@@ -1,0 +1,97 @@
+"""The keyed inverse-CDF draw (kernels/draw_ops.py) against its twin (reference.keyed_draw_),
+under TRITON_INTERPRET=1 on CPU (natively on a GPU): the same token on seeded rows — flat and
+peaked, ties, -inf from top-k / top-p, one token left, min_p, several chunks a row and one —
+at keys from the smallest to the largest the sampler makes (u * total rounded up to the
+total: the last token with mass); never a token of probability 0; and the frequencies of a
+known distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import draw_ops, ops, reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+U_SMALLEST, U_LARGEST = 0.5 * 2.0 ** -53, 1.0 - 2.0 ** -54  # keyed_uniform's range
+
+
+def _rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.05, 0.5, 2.0, 6.0, 30.0])[torch.arange(num_rows) % 5].unsqueeze(1)
+    x = torch.randn(num_rows, vocab, generator=gen) * scale
+    x[1::6] = x[1::6].round()  # ties
+    x[2::6, : vocab // 3] = float("-inf")  # what top-k leaves
+    x[3::6, 1:] = float("-inf")  # one token left (at index 0)
+    x[4::6, : vocab - 1] = float("-inf")  # one token left (the last)
+    return x
+
+
+def _draw(x, min_p, u, device, backend, chunk=None):
+    x, u = x.to(device), u.to(device)
+    min_p = None if min_p is None else min_p.to(device)
+    if backend == "twin":
+        return reference.keyed_draw_(x.clone(), min_p, u).cpu()
+    if chunk is None:
+        return ops.keyed_draw_(x, min_p, u, backend="triton").cpu()
+    return draw_ops.keyed_draw_triton(x, min_p, u, chunk=chunk).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab, chunk", [(1000, 64), (600, 1024), (2051, 128)])
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_draw_matches_twin(device, vocab, chunk, with_min_p):
+    rows = 12
+    x = _rows(rows, vocab, seed=vocab + with_min_p)
+    gen = torch.Generator().manual_seed(7)
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    u[0], u[5], u[6], u[11] = U_SMALLEST, U_LARGEST, U_LARGEST, U_SMALLEST
+    min_p = None
+    if with_min_p:
+        min_p = torch.tensor([0.0, 0.05, 0.3, 0.0] * 3, dtype=torch.float32)
+    got = _draw(x, min_p, u, device, "triton", chunk)
+    want = _draw(x, min_p, u, device, "twin")
+    assert got.tolist() == want.tolist()
+    assert torch.isfinite(x[torch.arange(rows), got]).all()  # never an excluded token
+    assert got[3] == 0 and got[4] == vocab - 1  # the one token left
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_at_the_ends_of_the_key_range(device):
+    """The smallest key takes the first token with mass; the largest (u * total rounded up
+    to the total) the last token with mass, whichever chunk holds it."""
+    vocab = 700
+    x = torch.full((4, vocab), float("-inf"))
+    x[:, [3, 130, 131, 500]] = torch.tensor([0.0, 1.0, -1.0, 2.0])
+    x[2:, 500] = float("-inf")  # the last token with mass is 131, in a middle chunk
+    u = torch.tensor([U_SMALLEST, U_LARGEST, U_SMALLEST, U_LARGEST], dtype=torch.float64)
+    got = _draw(x, None, u, device, "triton", chunk=64)
+    assert got.tolist() == [3, 500, 3, 131]
+    assert got.tolist() == _draw(x, None, u, device, "twin").tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_frequencies_follow_the_probabilities(device):
+    """Keys evenly spread over (0, 1) draw each token in proportion to its probability."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    n = 128
+    x = torch.full((n, 64), float("-inf"))
+    x[:, [0, 17, 40, 41, 63]] = probs.log()
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    got = _draw(x, None, u, device, "triton", chunk=16)
+    counts = torch.bincount(got, minlength=64)[[0, 17, 40, 41, 63]]
+    assert counts.tolist() == (probs * n).round().long().tolist()
+
+
+def test_draw_rejects_bad_inputs():
+    x = torch.zeros(2, 8)
+    u = torch.full((2,), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float32"):
+        draw_ops.keyed_draw_triton(x.double(), None, u)
+    with pytest.raises(ValueError, match="u must be float64"):
+        draw_ops.keyed_draw_triton(x, None, u.float())
+    with pytest.raises(ValueError, match="min_p"):
+        draw_ops.keyed_draw_triton(x, torch.zeros(3), u)
+    with pytest.raises(ValueError, match="power of two"):
+        draw_ops.keyed_draw_triton(x, None, u, chunk=100)
+    assert draw_ops.keyed_draw_triton(torch.zeros(0, 8), None,
+                                      torch.zeros(0, dtype=torch.float64)).shape == (0,)
