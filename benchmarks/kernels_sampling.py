@@ -29,8 +29,8 @@ def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
               "latency_us_p50": round(kernel, 2), "torch_latency_us_p50": round(twin, 2),
               "gb_per_s": float(f"{logits.numel() * logits.element_size() / kernel / 1e3:.4g}"),
               "speedup_ratio": float(f"{twin / kernel:.3g}")})  # (tiny in the interpreter)
+    bench_draw(torch, ops, device, timed, dry_run)  # before top-p's long sweep
     bench_top_p(torch, ops, device, timed, dry_run)
-    bench_draw(torch, ops, device, timed, dry_run)
 
 
 def bench_draw(torch, ops, device, timed, dry_run: bool) -> None:
