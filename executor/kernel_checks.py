@@ -7,7 +7,8 @@ speed is lost, never service or a token.
   their torch twins;
 * `check_fused_decode_rope`: the rotary embedding and cache write inside the decode
   attention's launch against the two launches it replaces, to the bit;
-* `check_sampler_kernels`: the sampler's top-p threshold and greedy argmax against theirs.
+* `check_sampler_kernels`: the sampler's top-p threshold, greedy argmax and keyed draw
+  against theirs.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Attention(nn.Module):
     # bound at batch 256 against 0.420). None (the default): wherever the Triton kernels
     # run (a GPU); PAGEDSERVE_DECODE_FUSED_ROPE=0 never, =1 always. An executor on a GPU
     # checks at start that the fused launch gives the two launches' values to the bit at
-    # its model's shapes, and turns it off where it does not (runner_setup.py). Read at
+    # its model's shapes, and turns it off where it does not (kernel_checks.py). Read at
     # import, leniently: this module is imported before an executor checks the value (and
     # exits 2 on a bad one).
     fused_decode_rope: bool | None = fused_rope_from_env(strict=False)
