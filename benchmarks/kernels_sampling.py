@@ -12,7 +12,9 @@ costs one program's whole walk of its row otherwise: ~1 ms on an H200). ``draw/.
 keyed draw (softmax, min-p, inverse CDF: kernels/draw_ops.py, what every sampling row
 ends with) on 1 to 256 rows at temperature 1, against the twin's passes it replaces
 (``torch_latency_us_p50``: the twin over a fresh copy of the rows, less the copy's time),
-both graph-timed."""
+both graph-timed; ``temperature_latency_us_p50``: the draw dividing the model's 16-bit
+logits by the temperature itself (the sampler's rows without top-k or top-p), against
+``divide_then_draw_latency_us_p50``, the division into a float32 buffer and the draw."""
 
 from __future__ import annotations
 
@@ -29,11 +31,11 @@ def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
               "latency_us_p50": round(kernel, 2), "torch_latency_us_p50": round(twin, 2),
               "gb_per_s": float(f"{logits.numel() * logits.element_size() / kernel / 1e3:.4g}"),
               "speedup_ratio": float(f"{twin / kernel:.3g}")})  # (tiny in the interpreter)
-    bench_draw(torch, ops, device, timed, dry_run)  # before top-p's long sweep
+    bench_draw(torch, ops, device, dtype, timed, dry_run)  # before top-p's long sweep
     bench_top_p(torch, ops, device, timed, dry_run)
 
 
-def bench_draw(torch, ops, device, timed, dry_run: bool) -> None:
+def bench_draw(torch, ops, device, dtype, timed, dry_run: bool) -> None:
     vocab = 600 if dry_run else 151_936
     for rows in (1, 4) if dry_run else (1, 8, 64, 256):
         gen = torch.Generator(device=device).manual_seed(rows)
@@ -44,10 +46,21 @@ def bench_draw(torch, ops, device, timed, dry_run: bool) -> None:
         copy = timed(lambda x=x, s=scratch: s.copy_(x))
         twin = timed(lambda x=x, u=u, s=scratch: ops.keyed_draw_(s.copy_(x), None, u,
                                                                  backend="torch"))
+        # The sampler's temperature-only rows: the model's 16-bit logits divided inside
+        # the draw, against the division into a float32 buffer and the draw over it.
+        logits = (x * 3.0).to(dtype)
+        temps = torch.full((rows,), 0.8, device=device)
+        folded = timed(lambda lg=logits, u=u, t=temps: ops.keyed_draw_(
+            lg, None, u, temperature=t, backend="triton"))
+        divided = timed(lambda lg=logits, u=u, t=temps, s=scratch: ops.keyed_draw_(
+            torch.div(lg, t.unsqueeze(1), out=s), None, u, backend="triton"))
         emit({"case": f"draw/v{vocab}/r{rows}", "latency_us_p50": round(kernel, 2),
               "torch_latency_us_p50": round(twin - copy, 2),
               "gb_per_s": float(f"{2 * x.numel() * x.element_size() / kernel / 1e3:.4g}"),
-              "speedup_ratio": float(f"{(twin - copy) / kernel:.3g}")})
+              "speedup_ratio": float(f"{(twin - copy) / kernel:.3g}"),
+              "logits_dtype": str(dtype).removeprefix("torch."),
+              "temperature_latency_us_p50": round(folded, 2),
+              "divide_then_draw_latency_us_p50": round(divided, 2)})
 
 
 def bench_top_p(torch, ops, device, timed, dry_run: bool) -> None:

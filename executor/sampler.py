@@ -367,28 +367,34 @@ class Sampler:
         None); ``logits`` is not modified."""
         device, vocab = logits.device, logits.shape[1]
         params = [s.params for s in states]
-        temps = to_device([p.temperature for p in params], device).unsqueeze(1)
-        x = self._buffer(1, (len(states), vocab), device)
-        if rows is None:
-            torch.div(logits, temps, out=x)
-        else:
-            torch.index_select(logits, 0, to_device(rows, device), out=x).div_(temps)
+        temps = to_device([p.temperature for p in params], device)
+        row_idx = None if rows is None else to_device(rows, device)
         k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-        if k_rows:
-            ks = [params[i].top_k for i in k_rows]
-            _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)
         p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        if p_rows:
-            _on_rows_(x, p_rows, functools.partial(apply_top_p_, backend=self.kernel_backend),
-                      [params[i].top_p for i in p_rows])
         min_p = None
         if any(p.min_p > 0.0 for p in params):
             min_p = to_device([p.min_p for p in params], device, torch.float32)
-        u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
-                          [s.num_output_tokens for s in states])
-        # softmax, min-p and the keyed draw: one kernel set on a GPU (draw_ops.py), the
-        # twin's in-place passes over x elsewhere
-        return ops.keyed_draw_(x, min_p, to_device(u, device), backend=self.kernel_backend)
+        u = to_device(keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
+                                    [s.num_output_tokens for s in states]), device)
+        x = self._buffer(1, (len(states), vocab), device)
+        backend = self.kernel_backend
+        # Softmax, min-p and the keyed draw: one kernel set on a GPU (draw_ops.py), the
+        # twin's in-place passes over x elsewhere. With no top-k or top-p row the division
+        # by the temperature is the draw's too: a GPU writes no tempered copy.
+        if not k_rows and not p_rows:
+            return ops.keyed_draw_(logits, min_p, u, temperature=temps, rows=row_idx, out=x,
+                                   backend=backend)
+        if rows is None:
+            torch.div(logits, temps.unsqueeze(1), out=x)
+        else:
+            torch.index_select(logits, 0, row_idx, out=x).div_(temps.unsqueeze(1))
+        if k_rows:
+            ks = [params[i].top_k for i in k_rows]
+            _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)
+        if p_rows:
+            _on_rows_(x, p_rows, functools.partial(apply_top_p_, backend=backend),
+                      [params[i].top_p for i in p_rows])
+        return ops.keyed_draw_(x, min_p, u, backend=backend)
 
     @staticmethod
     def _plain_output(tokens: torch.Tensor, own_host_copy: bool = False) -> SampledOnDevice:

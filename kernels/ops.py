@@ -297,17 +297,31 @@ def top_p_thresholds_(
 
 
 def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor, *,
-                backend: str = "auto") -> torch.Tensor:
-    """int64 [R]: each row's token by the keyed inverse-CDF draw (reference.keyed_draw_:
-    x [R, V] fp32 logits with temperature and filters applied, -inf where excluded, which
-    the twin overwrites; ``min_p`` [R] or None; u float64 [R]). The Triton path reads x
-    twice and one chunk of each row a third time, writes nothing but the tokens, and reads
-    nothing back (draw_ops.py); the twin's tokens but where a cumulative sum's rounding
-    lands on a token's edge."""
+                temperature: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """int64 [R]: each row's token by the keyed inverse-CDF draw (reference.keyed_draw_;
+    ``min_p`` [R] or None; u float64 [R]). x [R, V]: float32 logits with temperature and
+    filters applied, -inf where excluded (the twin overwrites them); or, with
+    ``temperature`` [R], the logits as the model left them, row r being x[rows[r]]
+    (``rows`` int64 [R]; None: x[r]) divided by temperature[r] (the twin divides into
+    ``out``, a float32 [R, V] buffer, or a new one). The Triton path reads the rows twice and
+    one chunk of each a third time, writes nothing but the tokens and reads nothing back
+    (draw_ops.py): the twin's tokens but where a cumulative sum's rounding lands on a
+    token's edge."""
     if _use_triton(backend, x):
         from .draw_ops import keyed_draw_triton
 
-        return keyed_draw_triton(x, min_p, u)
+        return keyed_draw_triton(x, min_p, u, temperature=temperature, rows=rows)
+    if temperature is not None:
+        shape = (x.shape[0] if rows is None else rows.shape[0], x.shape[1])
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=x.device)
+        if rows is None:
+            x = torch.div(x, temperature.unsqueeze(1), out=out)
+        elif x.dtype == torch.float32:
+            x = torch.index_select(x, 0, rows, out=out).div_(temperature.unsqueeze(1))
+        else:  # 16-bit logits: widened (exactly) into the buffer first
+            x = out.copy_(torch.index_select(x, 0, rows)).div_(temperature.unsqueeze(1))
     return reference.keyed_draw_(x, min_p, u)
 
 

@@ -183,6 +183,11 @@ def drive_launchers(quick: bool) -> None:
     u = torch.full((4,), 0.5, dtype=torch.float64)
     for min_p in (None, torch.zeros(4)):
         keyed_draw_triton(rows, min_p, u)
+    # ... dividing 16-bit logits by the temperature itself, all rows and picked ones
+    logits16 = torch.zeros(6, 151_936, dtype=torch.bfloat16)
+    keyed_draw_triton(logits16[:4], None, u, temperature=torch.ones(4))
+    keyed_draw_triton(logits16, torch.zeros(4), u, temperature=torch.ones(4),
+                      rows=torch.tensor([5, 0, 2, 3]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,15 +82,50 @@ def test_draw_frequencies_follow_the_probabilities(device):
     assert counts.tolist() == (probs * n).round().long().tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pick_rows", [False, True])
+def test_draw_divides_by_the_temperature_itself(device, dtype, pick_rows):
+    """``temperature=`` (and ``rows=``): the logits as the model left them (16-bit too),
+    each row divided by its temperature inside the draw, no tempered copy written; the
+    twin's tokens (which divide into a buffer as the sampler did)."""
+    logits = _rows(10, 900, seed=3).to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor([9, 0, 4, 7, 3, 2]) if pick_rows else None
+    n = 6 if pick_rows else 10
+    temperature = torch.rand(n, generator=gen) * 1.5 + 0.05
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    u[0] = U_LARGEST
+    min_p = torch.tensor([0.0, 0.2] * (n // 2))
+    draws = {}
+    for backend in ("triton", "torch"):
+        draws[backend] = ops.keyed_draw_(
+            logits.to(device), min_p.to(device), u.to(device),
+            temperature=temperature.to(device),
+            rows=None if rows is None else rows.to(device), backend=backend).cpu()
+    assert draws["triton"].tolist() == draws["torch"].tolist()
+    picked = logits if rows is None else logits[rows]
+    assert torch.isfinite(picked.float()[torch.arange(n), draws["triton"]]).all()
+
+
 def test_draw_rejects_bad_inputs():
     x = torch.zeros(2, 8)
     u = torch.full((2,), 0.5, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32"):
         draw_ops.keyed_draw_triton(x.double(), None, u)
+    with pytest.raises(ValueError, match="float tensor"):
+        draw_ops.keyed_draw_triton(x.double(), None, u, temperature=torch.ones(2))
     with pytest.raises(ValueError, match="u must be float64"):
         draw_ops.keyed_draw_triton(x, None, u.float())
     with pytest.raises(ValueError, match="min_p"):
         draw_ops.keyed_draw_triton(x, torch.zeros(3), u)
+    with pytest.raises(ValueError, match="rows= only with temperature="):
+        draw_ops.keyed_draw_triton(x, None, u, rows=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="temperature must be float32"):
+        draw_ops.keyed_draw_triton(x, None, u, temperature=torch.ones(3))
+    with pytest.raises(ValueError, match="u must be float64 \\[3\\]"):
+        draw_ops.keyed_draw_triton(x, None, u, temperature=torch.ones(3),
+                                   rows=torch.tensor([0, 1, 1]))
     with pytest.raises(ValueError, match="power of two"):
         draw_ops.keyed_draw_triton(x, None, u, chunk=100)
     assert draw_ops.keyed_draw_triton(torch.zeros(0, 8), None,
