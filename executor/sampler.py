@@ -265,8 +265,14 @@ class Sampler:
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
         # Of the device kernels the sampler calls (kernels.ops): "torch" after the executor's
-        # start-up check found one failing (runner_setup).
+        # start-up check found one failing (kernel_checks.py).
         self.kernel_backend = "auto"
+        # 16-bit logits widened to a float32 copy before anything reads them? None: on a
+        # CPU (its argmax and arithmetic over bf16 are slow) and wherever a row asks for
+        # logprobs or a grammar; a GPU otherwise reads them as they are (widening is exact,
+        # so every value is the same) and skips a pass over [R, V]. Tests set False to run
+        # the GPU's path on a CPU.
+        self.widen_logits: bool | None = None
 
     def _buffer(self, slot: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         if device.type != "cpu":  # the caching allocator makes fresh tensors cheap there
@@ -327,7 +333,11 @@ class Sampler:
         if plain_greedy and device.type != "cpu":  # min_tokens met, penalties not yet due
             return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         raw = logits
-        if logits.dtype != torch.float32:  # argmax of bf16 is slow on CPU; convert once
+        widen = self.widen_logits
+        if widen is None:
+            widen = (device.type == "cpu" or bool(grammar_rows)
+                     or any(p.logprobs is not None for p in params))
+        if logits.dtype != torch.float32 and widen:  # once, for every reader below
             raw = self._buffer(2, logits.shape, device).copy_(logits)
         if plain_greedy:
             return self._output(raw, raw.argmax(-1), params)  # fast path
@@ -384,10 +394,7 @@ class Sampler:
         if not k_rows and not p_rows:
             return ops.keyed_draw_(logits, min_p, u, temperature=temps, rows=row_idx, out=x,
                                    backend=backend)
-        if rows is None:
-            torch.div(logits, temps.unsqueeze(1), out=x)
-        else:
-            torch.index_select(logits, 0, row_idx, out=x).div_(temps.unsqueeze(1))
+        reference.tempered(logits, temps, row_idx, out=x)
         if k_rows:
             ks = [params[i].top_k for i in k_rows]
             _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)

@@ -313,15 +313,7 @@ def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor, *,
 
         return keyed_draw_triton(x, min_p, u, temperature=temperature, rows=rows)
     if temperature is not None:
-        shape = (x.shape[0] if rows is None else rows.shape[0], x.shape[1])
-        if out is None:
-            out = torch.empty(shape, dtype=torch.float32, device=x.device)
-        if rows is None:
-            x = torch.div(x, temperature.unsqueeze(1), out=out)
-        elif x.dtype == torch.float32:
-            x = torch.index_select(x, 0, rows, out=out).div_(temperature.unsqueeze(1))
-        else:  # 16-bit logits: widened (exactly) into the buffer first
-            x = out.copy_(torch.index_select(x, 0, rows)).div_(temperature.unsqueeze(1))
+        x = reference.tempered(x, temperature, rows, out=out)
     return reference.keyed_draw_(x, min_p, u)
 
 

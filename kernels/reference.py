@@ -443,6 +443,20 @@ def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(1)
 
 
+def tempered(x: torch.Tensor, temperature: torch.Tensor, rows: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, V]: x[rows] (None: x) divided by temperature [R], written into ``out``
+    (or a new tensor); 16-bit x is widened (exactly) first."""
+    shape = (x.shape[0] if rows is None else rows.shape[0], x.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    if rows is None:
+        return torch.div(x, temperature.unsqueeze(1), out=out)
+    if x.dtype == torch.float32:
+        return torch.index_select(x, 0, rows, out=out).div_(temperature.unsqueeze(1))
+    return out.copy_(torch.index_select(x, 0, rows)).div_(temperature.unsqueeze(1))
+
+
 def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     """int64 [R]: one token a row of x [R, V] (fp32 logits, temperature and filters applied,
     -inf where excluded; overwritten): probabilities exp(x - max) (below exp(-86.5) of the

@@ -92,6 +92,33 @@ def test_top_k_1_is_greedy_and_mixed_batches_keep_greedy_rows_exact():
     np.testing.assert_array_equal(out.token_ids[greedy], logits.argmax(-1).numpy()[greedy])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_read_as_they_are_sample_what_the_widened_copy_does(dtype):
+    """``widen_logits=False`` (a GPU's default where no row asks for logprobs or a grammar:
+    no float32 copy of the 16-bit logits): every kind of row — greedy, temperature alone
+    (the draw divides), top-k, top-p, min-p, penalties, logit bias, a greedy and random mix
+    (a subset of rows through the draw) — gets the token the widened copy gives."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(8, 700, generator=gen) * 3).to(dtype)
+    batches = [
+        [state(temperature=0.9, seed=i) for i in range(8)],
+        [state(temperature=0.7, seed=i, top_k=20) for i in range(8)],
+        [state(temperature=1.1, seed=i, top_p=0.8, min_p=0.05) for i in range(8)],
+        [state(temperature=0.0 if i % 3 == 0 else 1.0, seed=i, output=[5, 6, 5],
+               repetition_penalty=1.3 if i % 2 else 1.0, logit_bias_ids=(7,),
+               logit_bias_values=(2.0,))
+         for i in range(8)],
+        [state(temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(8)],
+    ]
+    for states in batches:
+        tokens = {}
+        for widen in (True, False):
+            sampler = Sampler()
+            sampler.widen_logits = widen
+            tokens[widen] = sampler(logits, states).token_ids.tolist()
+        assert tokens[False] == tokens[True]
+
+
 def test_empty_batch():
     out = Sampler()(torch.zeros(0, 10), [])
     assert out.token_ids.shape == (0,) and out.logprobs.shape == (0,)
