@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from pagedserve.executor.device_copy import to_device
+from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
 from pagedserve.executor.penalties import has_penalty, penalise_rows_
 from pagedserve.executor.sampling_state import SamplingState, is_greedy
@@ -377,15 +377,19 @@ class Sampler:
         None); ``logits`` is not modified."""
         device, vocab = logits.device, logits.shape[1]
         params = [s.params for s in states]
-        temps = to_device([p.temperature for p in params], device)
-        row_idx = None if rows is None else to_device(rows, device)
         k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
         p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        min_p = None
+        u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
+                          [s.num_output_tokens for s in states])
+        # The rows' figures in one copy to the device (a GPU: one pinned buffer, one launch)
+        wanted = [([p.temperature for p in params], torch.float32), (u, torch.float64)]
+        if rows is not None:
+            wanted.append((rows, torch.int64))
         if any(p.min_p > 0.0 for p in params):
-            min_p = to_device([p.min_p for p in params], device, torch.float32)
-        u = to_device(keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
-                                    [s.num_output_tokens for s in states]), device)
+            wanted.append(([p.min_p for p in params], torch.float32))
+        temps, u, *rest = to_device_many(wanted, device)
+        row_idx = rest.pop(0) if rows is not None else None
+        min_p = rest.pop(0) if rest else None
         x = self._buffer(1, (len(states), vocab), device)
         backend = self.kernel_backend
         # Softmax, min-p and the keyed draw: one kernel set on a GPU (draw_ops.py), the
