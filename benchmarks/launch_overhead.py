@@ -5,8 +5,8 @@ Runs on a CPU (the tensors are CPU tensors; nothing is computed). Triton's own l
 is not in it (a GPU's: executor_bench --profile, ``host_profile_*``).
 
 Cases (JSON lines, DESIGN §8): one per entry point, the Qwen2.5-0.5B sizes at 256 decode
-tokens (the prefill case: 8 chunks of 64; argmax_rows: 256 rows of its 151,936-entry
-vocabulary): ``us_per_call`` (mean of ``--calls``).
+tokens (the prefill case: 8 chunks of 64; argmax_rows and keyed_draw: 256 rows of its
+151,936-entry vocabulary): ``us_per_call`` (mean of ``--calls``).
 
     python benchmarks/launch_overhead.py [--calls 20000]
 """
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from pagedserve.kernels import (
         decode_attention,
+        draw_ops,
         layer_ops,
         ops,
         prefill_attention,
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     for module, names in ((decode_attention, ["_decode_kernel", "_reduce_kernel"]),
                           (prefill_attention, ["_prefill_kernel"]),
                           (sampling_ops, ["_argmax_chunks_kernel", "_argmax_rows_kernel"]),
+                          (draw_ops, ["_chunk_max_kernel", "_chunk_mass_kernel",
+                                      "_chunk_pick_kernel"]),
                           (layer_ops, ["_rms_norm_kernel", "_rotary_kernel",
                                        "_rotary_cache_kernel", "_silu_and_mul_kernel"])):
         for name in names:
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     gate_up = torch.randn(tokens, 2 * inter).to(bf16)
     slots = torch.arange(tokens)
     logits = torch.zeros(tokens, 151936, dtype=bf16)  # Qwen2.5's vocabulary
+    keys, temps = torch.full((tokens,), 0.5, dtype=torch.float64), torch.ones(tokens)
     cases = {
         "paged_attention_decode": lambda: ops.paged_attention(
             q, kc, vc, tables, starts, lens, 0.125, max_query_len=1, backend="triton"),
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         # the sampler's greedy tokens, eager when a decode graph does not compute them
         # (cuda_graphs.py: since the thirteenth session it does, for plain greedy steps)
         "argmax_rows": lambda: ops.argmax_rows(logits, backend="triton"),
+        # the sampler's keyed draw of 256 temperature-only rows (three launches)
+        "keyed_draw": lambda: ops.keyed_draw_(logits, None, keys, temperature=temps,
+                                              backend="triton"),
     }
     for name, call in cases.items():
         call()

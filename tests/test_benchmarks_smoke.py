@@ -230,7 +230,7 @@ def test_launch_overhead_runs():
     records = {r["case"]: r for r in _run("launch_overhead.py", "--calls", "50")}
     assert set(records) == {"paged_attention_decode", "paged_attention_prefill",
                             "rotary_embedding_and_cache", "rms_norm_residual", "silu_and_mul",
-                            "argmax_rows"}
+                            "argmax_rows", "keyed_draw"}
     assert all(r["us_per_call"] > 0 for r in records.values())
 
 
