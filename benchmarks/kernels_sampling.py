@@ -14,7 +14,8 @@ ends with) on 1 to 256 rows at temperature 1, against the twin's passes it repla
 (``torch_latency_us_p50``: the twin over a fresh copy of the rows, less the copy's time),
 both graph-timed; ``temperature_latency_us_p50``: the draw dividing the model's 16-bit
 logits by the temperature itself (the sampler's rows without top-k or top-p), against
-``divide_then_draw_latency_us_p50``, the division into a float32 buffer and the draw."""
+``divide_then_draw_latency_us_p50``, the division into a float32 buffer and the draw.
+``top_p_parts/...``: what a top-p step spends before the draw, part by part."""
 
 from __future__ import annotations
 
@@ -32,7 +33,34 @@ def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
               "gb_per_s": float(f"{logits.numel() * logits.element_size() / kernel / 1e3:.4g}"),
               "speedup_ratio": float(f"{twin / kernel:.3g}")})  # (tiny in the interpreter)
     bench_draw(torch, ops, device, dtype, timed, dry_run)  # before top-p's long sweep
+    bench_top_p_parts(torch, device, timed, dry_run)
     bench_top_p(torch, ops, device, timed, dry_run)
+
+
+def bench_top_p_parts(torch, device, timed, dry_run: bool) -> None:
+    """What a top-p step spends before the draw (executor/sampler.py apply_top_p_), part
+    by part, at 256 rows: the rows' log-sum-exp, their best 256 tokens (torch's topk), the
+    threshold from those, and the fill of what falls below it (the whole-row kernel for
+    rows past their best 256 is timed by bench_top_p)."""
+    from pagedserve.kernels import reference
+
+    num_rows, vocab = (4, 600) if dry_run else (256, 151_936)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(num_rows, vocab, generator=gen, device=device) * 2.0
+    scratch = torch.empty_like(x)
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    desc = x.topk(256, dim=-1).values
+    top_p = torch.full((num_rows,), 0.9, device=device)
+    thresholds, _ = reference.top_p_threshold(desc, lse, top_p)
+    copy = timed(lambda: scratch.copy_(x))
+    emit({"case": f"top_p_parts/v{vocab}/r{num_rows}",
+          "logsumexp_latency_us_p50": round(timed(
+              lambda: torch.logsumexp(x, -1, keepdim=True)), 2),
+          "topk256_latency_us_p50": round(timed(lambda: x.topk(256, dim=-1)), 2),
+          "threshold_of_256_latency_us_p50": round(timed(
+              lambda: reference.top_p_threshold(desc, lse, top_p)), 2),
+          "masked_fill_latency_us_p50": round(timed(lambda: scratch.copy_(x).masked_fill_(
+              scratch < thresholds, float("-inf"))) - copy, 2)})
 
 
 def bench_draw(torch, ops, device, dtype, timed, dry_run: bool) -> None:

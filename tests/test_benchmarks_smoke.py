@@ -154,6 +154,7 @@ def test_kernels_bench_layer_and_tune_cases_dry_run():
     assert top_p["kernel_latency_us_p50"] > 0 and top_p["sort_latency_us_p50"] > 0
     assert cases["argmax/v600/r4"]["speedup_ratio"] > 0
     assert cases["draw/v600/r4"]["latency_us_p50"] > 0
+    assert cases["top_p_parts/v600/r4"]["topk256_latency_us_p50"] > 0
     decode = cases["tune/qwen2.5_0.5b/b2/ctx600"]
     assert set(decode["splits"]) == {"1", "2", "1_n128", "2_n128", "2_n128_fused"}
     assert decode["default_latency_us_p50"] > 0 and decode["rule_splits"] == 2
