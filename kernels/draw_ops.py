@@ -23,6 +23,7 @@ the tokens:
    chunk's end, the chunk's last token with mass. So the token always has p > 0, and it is
    the twin's except where the two sums' different orders round a token's edge across the
    target (probability ~1e-7 a draw). Deterministic: the same inputs give the same token.
+   A row with no mass at all (every logit -inf) gets token 0, as the twin's search does.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, mass_ptr, 
         if over:
             token = last
         tl.store(out_ptr + row, token.to(tl.int64))
+    if (total <= 0.0) & (chunk == 0):  # no token has mass (every logit -inf): token 0,
+        tl.store(out_ptr + row, tl.zeros([], tl.int64))  # as the twin's search gives
 
 
 def keyed_draw_triton(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor,

@@ -431,7 +431,7 @@ def exp_relative_to_max_(x: torch.Tensor) -> torch.Tensor:
 def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw per row: probs [N, V] >= 0, unnormalised, is overwritten by its
     cumsum; u float64 [N] in (0, 1). Returns int64 [N]: the first i with cdf[i] > u * total,
-    which always has probability > 0."""
+    which always has probability > 0 (token 0 for a row with no mass at all)."""
     cdf = probs.cumsum_(-1)
     total = cdf[:, -1:]
     target = (u.unsqueeze(1).to(torch.float64) * total.to(torch.float64)).to(cdf.dtype)
@@ -440,6 +440,9 @@ def sample_from_probs_(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # and selected (no device-to-host read of "any row over?": sampling never syncs).
     over = idx >= cdf.shape[1]
     idx = torch.where(over, torch.searchsorted(cdf, total.contiguous(), right=False), idx)
+    # A row with no mass at all (every logit -inf: nothing allowed) would search past its
+    # end: token 0 instead, in range (draw_ops.py does the same).
+    idx = torch.where(total > 0, idx, torch.zeros_like(idx))
     return idx.squeeze(1)
 
 

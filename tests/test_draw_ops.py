@@ -67,6 +67,10 @@ def test_draw_at_the_ends_of_the_key_range(device):
     got = _draw(x, None, u, device, "triton", chunk=64)
     assert got.tolist() == [3, 500, 3, 131]
     assert got.tolist() == _draw(x, None, u, device, "twin").tolist()
+    # a row with nothing left (every logit -inf): token 0 from both, never an unset one
+    x[1] = float("-inf")
+    assert _draw(x, None, u, device, "triton", chunk=64).tolist()[1] == 0
+    assert _draw(x, None, u, device, "twin").tolist()[1] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -188,6 +188,16 @@ def test_zero_probability_tokens_are_never_drawn_even_when_u_is_almost_one():
 # --------------------------------------------------------------------------- keyed randomness
 
 
+def test_a_row_with_nothing_allowed_gets_token_0_not_one_past_the_vocabulary():
+    """Every logit -inf (nothing allowed): the draw's search would run past the row; the
+    sampler answers token 0 (in range) for it and samples the other rows as usual (the
+    device's draw does the same: tests/test_draw_ops.py)."""
+    logits = torch.full((3, 40), NEG_INF)
+    logits[0, 7] = logits[2, 30] = 1.0
+    out = sample(logits, [state(temperature=1.0, seed=s) for s in range(3)])
+    assert out.token_ids.tolist() == [7, 0, 30]
+
+
 def test_same_key_same_token_whatever_the_batch():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(16, 300, generator=gen)
