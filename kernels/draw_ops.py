@@ -6,7 +6,9 @@ search of it). Over [256, 151,936] fp32 rows the twin runs ~8 elementwise kernel
 reading and writing the whole [R, V] buffer (~155 MB a pass at 256 rows), plus a scan and
 two searches. Here each row is cut into CHUNK-element chunks, a program each, and three
 launches read it twice and one chunk of it a third time, writing only per-chunk figures and
-the tokens:
+the tokens. A row's values are x's float32 rows, or (``temperature=``) the model's logits
+of any float dtype, row r being x[rows[r]], divided by temperature[r] as they are read
+(IEEE division, as torch's): no tempered copy is written at all.
 
 1. ``_chunk_max_kernel``: each chunk's largest logit;
 2. ``_chunk_mass_kernel``: the row's max m (from the chunks' maxima); each chunk's mass,
@@ -23,7 +25,7 @@ the tokens:
    chunk's end, the chunk's last token with mass. So the token always has p > 0, and it is
    the twin's except where the two sums' different orders round a token's edge across the
    target (probability ~1e-7 a draw). Deterministic: the same inputs give the same token.
-   A row with no mass at all (every logit -inf) gets token 0, as the twin's search does.
+   A row with no mass at all (every logit -inf) gets token 0, as the twin does.
 """
 
 from __future__ import annotations
