@@ -187,7 +187,10 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits) -> str:
     slots = tables.long()[torch.arange(num), pos // block] * block + pos % block
     slots[seq_lens == 0] = -1  # a padding row writes nothing
     tables, seq_lens, slots = tables.to(device), seq_lens.to(device), slots.to(device)
-    cos_sin = model.cos_sin_cache[pos.to(device)].to(dtype)
+    # (the angles of positions the model has: an index past its cache would be a device-side
+    # assert on a GPU, which no exception handler survives)
+    cos_sin = model.cos_sin_cache[pos.clamp(max=model.cos_sin_cache.shape[0] - 1)
+                                  .to(device)].to(dtype)
     caches = rand(first, block, kv_heads, dim), rand(first, block, kv_heads, dim)
     q, k, v = rand(num, heads, dim), rand(num, kv_heads, dim), rand(num, kv_heads, dim)
     scale = dim ** -0.5

@@ -257,11 +257,16 @@ def test_startup_check_of_the_decode_rope_fusion(tmp_path, monkeypatch, dtype):
 
     monkeypatch.setattr(llama.Attention, "fused_decode_rope", True)
     path = build_model(tmp_path / "qwen2", arch="qwen2", num_layers=2, hidden_size=64,
-                       num_heads=4, num_kv_heads=2, intermediate_size=96, vocab_size=128)
+                       num_heads=4, num_kv_heads=2, intermediate_size=96, vocab_size=128,
+                       max_position_embeddings=64)
     runner = build_runner(str(path), device=DEVICE, dtype=dtype, num_gpu_blocks=16,
                           num_cpu_blocks=0, enforce_eager=True)
     small = dict(lens=(37, 0, 17, 32), splits=(None, 3))
     kernel_checks.check_fused_decode_rope(runner.model, **small)
+    assert _fusing(runner.model) == [True, True]
+    # contexts past the model's positions (a short-context model; the default check's
+    # 1,061): the angles of positions it has, no index past its rotary cache
+    kernel_checks.check_fused_decode_rope(runner.model, lens=(100, 0, 17), splits=(1,))
     assert _fusing(runner.model) == [True, True]
 
     decode = ops.paged_decode_attention
