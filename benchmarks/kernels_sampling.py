@@ -38,10 +38,11 @@ def bench_sampling(torch, ops, device, dtype, timed, dry_run: bool) -> None:
 
 
 def bench_top_p_parts(torch, device, timed, dry_run: bool) -> None:
-    """What a top-p step spends before the draw (executor/sampler.py apply_top_p_), part
-    by part, at 256 rows: the rows' log-sum-exp, their best 256 tokens (torch's topk), the
-    threshold from those, and the fill of what falls below it (the whole-row kernel for
-    rows past their best 256 is timed by bench_top_p)."""
+    """What a top-p step spends before the draw (executor/sampler.py top_p_thresholds),
+    part by part, at 256 rows: the rows' log-sum-exp, their best 256 tokens (torch's topk),
+    the threshold from those (the whole-row kernel for rows past their best 256 is timed by
+    bench_top_p), and the fill of what falls below it, which a GPU no longer writes (the
+    draw applies the threshold as it reads: what that saves)."""
     from pagedserve.kernels import reference
 
     num_rows, vocab = (4, 600) if dry_run else (256, 151_936)

@@ -159,11 +159,12 @@ def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor,
     return logits.masked_fill_(logits < kth, float("-inf"))
 
 
-def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
-                 backend: str = "auto") -> torch.Tensor:
-    """In place: keep the nucleus, the tokens in descending order while the probability
-    mass strictly before them is < top_p (so at least the best token survives).
-    ``backend``: of the whole-row threshold (kernels.ops.top_p_thresholds_)."""
+def top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """[R, 1]: each row's nucleus threshold, the value of the last token kept (the tokens in
+    descending order while the probability mass strictly before them is < top_p, so at
+    least the best token; ties with it kept too). ``backend``: of the whole-row threshold
+    (kernels.ops.top_p_thresholds_)."""
     vocab = logits.shape[1]
     lse = torch.logsumexp(logits, -1, keepdim=True)
     first_k = min(vocab, _TOP_P_FIRST_K)
@@ -174,6 +175,13 @@ def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
         # the whole row (on a GPU, computed for the rows that need it with no host read).
         unresolved = (n_keep == first_k) & (desc[:, -1] > float("-inf"))
         ops.top_p_thresholds_(logits, lse, top_p, thresholds, unresolved, backend=backend)
+    return thresholds
+
+
+def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
+                 backend: str = "auto") -> torch.Tensor:
+    """In place: keep the nucleus (`top_p_thresholds`), every other logit -inf."""
+    thresholds = top_p_thresholds(logits, top_p, backend=backend)
     return logits.masked_fill_(logits < thresholds, float("-inf"))
 
 
@@ -402,10 +410,18 @@ class Sampler:
         if k_rows:
             ks = [params[i].top_k for i in k_rows]
             _on_rows_(x, k_rows, functools.partial(apply_top_k_, k_max=max(ks)), ks)
+        floor = None
         if p_rows:
-            _on_rows_(x, p_rows, functools.partial(apply_top_p_, backend=backend),
-                      [params[i].top_p for i in p_rows])
-        return ops.keyed_draw_(x, min_p, u, backend=backend)
+            # The nucleus as a floor a row the draw applies as it reads (no fill written
+            # over [R, V]; the twin fills)
+            top_p = to_device([params[i].top_p for i in p_rows], device)
+            if len(p_rows) == len(params):
+                floor = top_p_thresholds(x, top_p, backend=backend).view(-1)
+            else:
+                p_idx = to_device(p_rows, device)
+                floor = torch.full((len(params),), float("-inf"), device=device)
+                floor[p_idx] = top_p_thresholds(x[p_idx], top_p, backend=backend).view(-1)
+        return ops.keyed_draw_(x, min_p, u, floor=floor, backend=backend)
 
     @staticmethod
     def _plain_output(tokens: torch.Tensor, own_host_copy: bool = False) -> SampledOnDevice:

@@ -46,11 +46,11 @@ _MAX_CHUNKS = 256  # rows up to 2M entries: the chunk figures of a row are read 
 
 
 @triton.jit
-def _values(x_ptr, rows_ptr, temp_ptr, row, idx, vocab, stride_row, HAS_ROWS: tl.constexpr,
-            HAS_TEMP: tl.constexpr):
+def _values(x_ptr, rows_ptr, temp_ptr, floor_ptr, row, idx, vocab, stride_row,
+            HAS_ROWS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr):
     """Row ``row``'s values at ``idx`` (-inf past the vocabulary), in float32: x[rows[row]]
     (HAS_ROWS) or x[row], divided by temperature[row] (HAS_TEMP; IEEE-rounded, as torch's
-    division)."""
+    division), -inf below floor[row] (HAS_FLOOR: a top-p threshold)."""
     if HAS_ROWS:
         src = tl.load(rows_ptr + row).to(tl.int64)
     else:
@@ -59,29 +59,35 @@ def _values(x_ptr, rows_ptr, temp_ptr, row, idx, vocab, stride_row, HAS_ROWS: tl
                 other=float("-inf")).to(tl.float32)
     if HAS_TEMP:
         x = tl.div_rn(x, tl.load(temp_ptr + row))
+    if HAS_FLOOR:
+        x = tl.where(x < tl.load(floor_ptr + row), float("-inf"), x)
     return x
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, vocab, stride_row, num_chunks,
-                      CHUNK: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_TEMP: tl.constexpr):
+def _chunk_max_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, vocab, stride_row,
+                      num_chunks, CHUNK: tl.constexpr, HAS_ROWS: tl.constexpr,
+                      HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = _values(x_ptr, rows_ptr, temp_ptr, row, idx, vocab, stride_row, HAS_ROWS, HAS_TEMP)
+    x = _values(x_ptr, rows_ptr, temp_ptr, floor_ptr, row, idx, vocab, stride_row, HAS_ROWS,
+                HAS_TEMP, HAS_FLOOR)
     tl.store(max_ptr + row * num_chunks + chunk, tl.max(x, 0))
 
 
 @triton.jit
-def _probs(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, row, chunk, vocab, stride_row,
-           num_chunks, exp_floor, zero_below, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-           HAS_MIN_P: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_TEMP: tl.constexpr):
+def _probs(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, row, chunk, vocab,
+           stride_row, num_chunks, exp_floor, zero_below, CHUNK: tl.constexpr,
+           CHUNKS_PAD: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_ROWS: tl.constexpr,
+           HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr):
     """(this chunk's p [CHUNK], their indices): the twin's probabilities of the chunk."""
     offs_c = tl.arange(0, CHUNKS_PAD)
     m = tl.max(tl.load(max_ptr + row * num_chunks + offs_c, mask=offs_c < num_chunks,
                        other=float("-inf")), 0)
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = _values(x_ptr, rows_ptr, temp_ptr, row, idx, vocab, stride_row, HAS_ROWS, HAS_TEMP)
+    x = _values(x_ptr, rows_ptr, temp_ptr, floor_ptr, row, idx, vocab, stride_row, HAS_ROWS,
+                HAS_TEMP, HAS_FLOOR)
     p = tl.exp(tl.maximum(x - m, exp_floor))
     p = tl.where(p > zero_below, p, 0.0)
     if HAS_MIN_P:
@@ -90,15 +96,16 @@ def _probs(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, row, chunk, vocab, str
 
 
 @triton.jit
-def _chunk_mass_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, mass_ptr, vocab,
-                       stride_row, num_chunks, exp_floor, zero_below, CHUNK: tl.constexpr,
-                       CHUNKS_PAD: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                       HAS_ROWS: tl.constexpr, HAS_TEMP: tl.constexpr):
+def _chunk_mass_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, mass_ptr,
+                       vocab, stride_row, num_chunks, exp_floor, zero_below,
+                       CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                       HAS_ROWS: tl.constexpr, HAS_TEMP: tl.constexpr,
+                       HAS_FLOOR: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    p, _ = _probs(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, row, chunk, vocab,
+    p, _ = _probs(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, row, chunk, vocab,
                   stride_row, num_chunks, exp_floor, zero_below, CHUNK, CHUNKS_PAD,
-                  HAS_MIN_P, HAS_ROWS, HAS_TEMP)
+                  HAS_MIN_P, HAS_ROWS, HAS_TEMP, HAS_FLOOR)
     tl.store(mass_ptr + row * num_chunks + chunk, tl.sum(p, 0))
 
 
@@ -108,11 +115,11 @@ def _add(a, b):
 
 
 @triton.jit
-def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, mass_ptr, u_ptr, out_ptr,
-                       vocab, stride_row, num_chunks, exp_floor, zero_below,
+def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, mass_ptr,
+                       u_ptr, out_ptr, vocab, stride_row, num_chunks, exp_floor, zero_below,
                        CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
                        HAS_MIN_P: tl.constexpr, HAS_ROWS: tl.constexpr,
-                       HAS_TEMP: tl.constexpr):
+                       HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs_c = tl.arange(0, CHUNKS_PAD)
@@ -127,9 +134,9 @@ def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, mass_ptr, 
     # u * total rounded up to the total: the last chunk that added mass
     over = (target >= total) & (cum_before < cum_through) & (cum_through == total)
     if holds | over:
-        p, idx = _probs(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, row, chunk, vocab,
-                        stride_row, num_chunks, exp_floor, zero_below, CHUNK, CHUNKS_PAD,
-                        HAS_MIN_P, HAS_ROWS, HAS_TEMP)
+        p, idx = _probs(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, row, chunk,
+                        vocab, stride_row, num_chunks, exp_floor, zero_below, CHUNK,
+                        CHUNKS_PAD, HAS_MIN_P, HAS_ROWS, HAS_TEMP, HAS_FLOOR)
         walked = cum_before + tl.associative_scan(p, 0, _add)
         first = tl.min(tl.where(walked > target, idx, 2147483647), 0)
         last = tl.max(tl.where(p > 0.0, idx, -1), 0)
@@ -143,11 +150,14 @@ def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, max_ptr, min_p_ptr, mass_ptr, 
 
 def keyed_draw_triton(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor,
                       *, temperature: torch.Tensor | None = None,
-                      rows: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+                      rows: torch.Tensor | None = None, floor: torch.Tensor | None = None,
+                      chunk: int = CHUNK) -> torch.Tensor:
     """int64 [R]: see the module docstring (``x`` is read, not written). With
     ``temperature`` [R] (float32), row r is x[rows[r]] (``rows`` int64 [R]; None: x[r]) in
     float32 divided by temperature[r], x of any float dtype — the logits as the model left
-    them, no tempered copy made; without, x is the float32 rows themselves. ``chunk`` (a
+    them, no tempered copy made; without, x is the float32 rows themselves. ``floor`` [R]
+    (float32): values below it are excluded, as a top-p threshold's fill would (-inf: none).
+    ``chunk`` (a
     power of two) overrides the elements a program reads (tests cut small rows into several
     chunks with it)."""
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -163,7 +173,7 @@ def keyed_draw_triton(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tens
         raise ValueError(f"u must be float64 [{num_rows}]")
     for name, t, dtype in (("min_p", min_p, torch.float32),
                            ("temperature", temperature, torch.float32),
-                           ("rows", rows, torch.int64)):
+                           ("rows", rows, torch.int64), ("floor", floor, torch.float32)):
         if t is not None and (t.shape != (num_rows,) or t.dtype != dtype):
             raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')} "
                              f"[{num_rows}]")
@@ -179,22 +189,25 @@ def keyed_draw_triton(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tens
     chunks_pad = max(2, next_power_of_2(num_chunks))
     maxima = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
     masses = torch.empty_like(maxima)
-    flags = dict(HAS_ROWS=rows is not None, HAS_TEMP=temperature is not None)
+    flags = dict(HAS_ROWS=rows is not None, HAS_TEMP=temperature is not None,
+                 HAS_FLOOR=floor is not None)
     has_min_p = min_p is not None
     # (unused pointers stand in for the absent ones)
-    min_p, rows, temperature = (u if t is None else t for t in (min_p, rows, temperature))
-    floor, zero_below = float(EXP_FLOOR), math.exp(EXP_FLOOR + 0.5)
+    min_p, rows, temperature, floor = (u if t is None else t
+                                       for t in (min_p, rows, temperature, floor))
+    exp_floor, zero_below = float(EXP_FLOOR), math.exp(EXP_FLOOR + 0.5)
     warps = 1 if INTERPRETING else 8
     grid = (num_rows, num_chunks)
-    _chunk_max_kernel[grid](x, rows, temperature, maxima, vocab, x.stride(0), num_chunks,
-                            CHUNK=chunk, **flags, num_warps=warps)
-    _chunk_mass_kernel[grid](x, rows, temperature, maxima, min_p, masses, vocab, x.stride(0),
-                             num_chunks, floor, zero_below, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-                             HAS_MIN_P=has_min_p, **flags, num_warps=warps)
+    _chunk_max_kernel[grid](x, rows, temperature, floor, maxima, vocab, x.stride(0),
+                            num_chunks, CHUNK=chunk, **flags, num_warps=warps)
+    _chunk_mass_kernel[grid](x, rows, temperature, floor, maxima, min_p, masses, vocab,
+                             x.stride(0), num_chunks, exp_floor, zero_below, CHUNK=chunk,
+                             CHUNKS_PAD=chunks_pad, HAS_MIN_P=has_min_p, **flags,
+                             num_warps=warps)
     # (16 warps: the chunk's scan holds a few [CHUNK] vectors; at 8 the sm_90 build of the
     # temperature form spilled)
-    _chunk_pick_kernel[grid](x, rows, temperature, maxima, min_p, masses, u, out, vocab,
-                             x.stride(0), num_chunks, floor, zero_below, CHUNK=chunk,
+    _chunk_pick_kernel[grid](x, rows, temperature, floor, maxima, min_p, masses, u, out,
+                             vocab, x.stride(0), num_chunks, exp_floor, zero_below, CHUNK=chunk,
                              CHUNKS_PAD=chunks_pad, HAS_MIN_P=has_min_p, **flags,
                              num_warps=1 if INTERPRETING else 16)
     return out

@@ -298,22 +298,28 @@ def top_p_thresholds_(
 
 def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor, *,
                 temperature: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                floor: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                backend: str = "auto") -> torch.Tensor:
     """int64 [R]: each row's token by the keyed inverse-CDF draw (reference.keyed_draw_;
     ``min_p`` [R] or None; u float64 [R]). x [R, V]: float32 logits with temperature and
     filters applied, -inf where excluded (the twin overwrites them); or, with
     ``temperature`` [R], the logits as the model left them, row r being x[rows[r]]
     (``rows`` int64 [R]; None: x[r]) divided by temperature[r] (the twin divides into
-    ``out``, a float32 [R, V] buffer, or a new one). The Triton path reads the rows twice and
+    ``out``, a float32 [R, V] buffer, or a new one). ``floor`` [R] (float32, -inf: none):
+    the values below it excluded, as a top-p threshold's fill (the twin fills them with
+    -inf). The Triton path reads the rows twice and
     one chunk of each a third time, writes nothing but the tokens and reads nothing back
     (draw_ops.py): the twin's tokens but where a cumulative sum's rounding lands on a
     token's edge."""
     if _use_triton(backend, x):
         from .draw_ops import keyed_draw_triton
 
-        return keyed_draw_triton(x, min_p, u, temperature=temperature, rows=rows)
+        return keyed_draw_triton(x, min_p, u, temperature=temperature, rows=rows,
+                                 floor=floor)
     if temperature is not None:
         x = reference.tempered(x, temperature, rows, out=out)
+    if floor is not None:
+        x.masked_fill_(x < floor.unsqueeze(1), float("-inf"))
     return reference.keyed_draw_(x, min_p, u)
 
 

@@ -188,6 +188,8 @@ def drive_launchers(quick: bool) -> None:
     keyed_draw_triton(logits16[:4], None, u, temperature=torch.ones(4))
     keyed_draw_triton(logits16, torch.zeros(4), u, temperature=torch.ones(4),
                       rows=torch.tensor([5, 0, 2, 3]))
+    # ... with a top-p floor a row (the threshold applied as the rows are read)
+    keyed_draw_triton(rows, None, u, floor=torch.zeros(4))
 
 
 def main(argv: list[str] | None = None) -> int:

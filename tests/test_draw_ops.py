@@ -28,20 +28,24 @@ def _rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
     return x
 
 
-def _draw(x, min_p, u, device, backend, chunk=None):
+def _draw(x, min_p, u, device, backend, chunk=None, floor=None):
     x, u = x.to(device), u.to(device)
     min_p = None if min_p is None else min_p.to(device)
+    floor = None if floor is None else floor.to(device)
     if backend == "twin":
-        return reference.keyed_draw_(x.clone(), min_p, u).cpu()
+        return ops.keyed_draw_(x.clone(), min_p, u, floor=floor, backend="torch").cpu()
     if chunk is None:
-        return ops.keyed_draw_(x, min_p, u, backend="triton").cpu()
-    return draw_ops.keyed_draw_triton(x, min_p, u, chunk=chunk).cpu()
+        return ops.keyed_draw_(x, min_p, u, floor=floor, backend="triton").cpu()
+    return draw_ops.keyed_draw_triton(x, min_p, u, floor=floor, chunk=chunk).cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab, chunk", [(1000, 64), (600, 1024), (2051, 128)])
 @pytest.mark.parametrize("with_min_p", [False, True])
-def test_draw_matches_twin(device, vocab, chunk, with_min_p):
+@pytest.mark.parametrize("with_floor", [False, True])
+def test_draw_matches_twin(device, vocab, chunk, with_min_p, with_floor):
+    """``floor`` (a top-p threshold a row, -inf for rows without): the values below it
+    excluded as the twin's fill excludes them."""
     rows = 12
     x = _rows(rows, vocab, seed=vocab + with_min_p)
     gen = torch.Generator().manual_seed(7)
@@ -50,10 +54,16 @@ def test_draw_matches_twin(device, vocab, chunk, with_min_p):
     min_p = None
     if with_min_p:
         min_p = torch.tensor([0.0, 0.05, 0.3, 0.0] * 3, dtype=torch.float32)
-    got = _draw(x, min_p, u, device, "triton", chunk)
-    want = _draw(x, min_p, u, device, "twin")
+    floor = None
+    if with_floor:  # the row's 90th percentile of its finite values, or none
+        floor = torch.tensor([torch.quantile(r[torch.isfinite(r)], 0.9).item() if i % 3
+                              else float("-inf") for i, r in enumerate(x)])
+    got = _draw(x, min_p, u, device, "triton", chunk, floor)
+    want = _draw(x, min_p, u, device, "twin", floor=floor)
     assert got.tolist() == want.tolist()
     assert torch.isfinite(x[torch.arange(rows), got]).all()  # never an excluded token
+    if floor is not None:
+        assert (x[torch.arange(rows), got] >= floor).all()
     assert got[3] == 0 and got[4] == vocab - 1  # the one token left
 
 
@@ -133,6 +143,8 @@ def test_draw_rejects_bad_inputs():
     with pytest.raises(ValueError, match="u must be float64 \\[3\\]"):
         draw_ops.keyed_draw_triton(x, None, u, temperature=torch.ones(3),
                                    rows=torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="floor must be float32"):
+        draw_ops.keyed_draw_triton(x, None, u, floor=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="power of two"):
         draw_ops.keyed_draw_triton(x, None, u, chunk=100)
     assert draw_ops.keyed_draw_triton(torch.zeros(0, 8), None,
