@@ -178,13 +178,6 @@ def top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor, *,
     return thresholds
 
 
-def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, *,
-                 backend: str = "auto") -> torch.Tensor:
-    """In place: keep the nucleus (`top_p_thresholds`), every other logit -inf."""
-    thresholds = top_p_thresholds(logits, top_p, backend=backend)
-    return logits.masked_fill_(logits < thresholds, float("-inf"))
-
-
 def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
     """``fn(x[rows], *params)`` written back in place; no gather when every row takes part."""
     params = [to_device(p, x.device) for p in row_params]
@@ -390,14 +383,16 @@ class Sampler:
         u = keyed_uniform([p.seed for p in params], [s.sample_index for s in states],
                           [s.num_output_tokens for s in states])
         # The rows' figures in one copy to the device (a GPU: one pinned buffer, one launch)
-        wanted = [([p.temperature for p in params], torch.float32), (u, torch.float64)]
+        wanted = {"temps": ([p.temperature for p in params], torch.float32),
+                  "u": (u, torch.float64)}
         if rows is not None:
-            wanted.append((rows, torch.int64))
+            wanted["rows"] = (rows, torch.int64)
         if any(p.min_p > 0.0 for p in params):
-            wanted.append(([p.min_p for p in params], torch.float32))
-        temps, u, *rest = to_device_many(wanted, device)
-        row_idx = rest.pop(0) if rows is not None else None
-        min_p = rest.pop(0) if rest else None
+            wanted["min_p"] = ([p.min_p for p in params], torch.float32)
+        on_device = dict(zip(wanted, to_device_many(list(wanted.values()), device),
+                             strict=True))
+        temps, u = on_device["temps"], on_device["u"]
+        row_idx, min_p = on_device.get("rows"), on_device.get("min_p")
         x = self._buffer(1, (len(states), vocab), device)
         backend = self.kernel_backend
         # Softmax, min-p and the keyed draw: one kernel set on a GPU (draw_ops.py), the

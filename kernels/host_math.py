@@ -38,9 +38,11 @@ TRITON_GEMM_MAX_TOKENS = 512
 TRITON_GEMM_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-def triton_gemm_from_env(environ=os.environ) -> frozenset[str]:
+def triton_gemm_from_env(environ=os.environ, strict: bool = True) -> frozenset[str]:
     """The projections PAGEDSERVE_DECODE_TRITON_GEMM sends through the Triton GEMM. Raises
-    ValueError (one line) for a value other than 0, 1 or a list of known names."""
+    ValueError (one line) for a value other than 0, 1 or a list of known names, or with
+    ``strict=False`` reads it as none (the model's import, before the executor has checked
+    it)."""
     value = environ.get(TRITON_GEMM_ENV, "")
     if value in ("", "0"):
         return frozenset()
@@ -48,6 +50,8 @@ def triton_gemm_from_env(environ=os.environ) -> frozenset[str]:
         return frozenset(TRITON_GEMM_PROJECTIONS)
     names = [n.strip() for n in value.split(",")]
     if not all(n in TRITON_GEMM_PROJECTIONS for n in names):
+        if not strict:
+            return frozenset()
         raise ValueError(f"{TRITON_GEMM_ENV}={value!r}: expected 0, 1 or a comma list of "
                          f"{', '.join(TRITON_GEMM_PROJECTIONS)}")
     return frozenset(names)

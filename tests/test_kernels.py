@@ -480,6 +480,7 @@ def test_triton_gemm_switch_names_projections():
     for bad in ("2", "qkv,lm_head", "yes", "qkv,"):
         with pytest.raises(ValueError, match="comma list of qkv, o, gate_up, down"):
             read({env: bad})
+        assert read({env: bad}, strict=False) == frozenset()  # at import: none
 
 
 def test_fused_rope_switch():

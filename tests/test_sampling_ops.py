@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.executor.sampler import apply_top_p_
+from pagedserve.executor.sampler import top_p_thresholds
 from pagedserve.kernels import ops, reference, sampling_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,6 +107,13 @@ def test_kernel_resolves_neighbouring_floats(radix_bits, device, chunks):
     got = _thresholds(logits, top_p, flags, "triton", radix_bits, device, chunks)
     assert got[:, 0].tolist() == [1.0, above, 1.0]
     assert torch.equal(got, _thresholds(logits, top_p, flags, "torch", device=device))
+
+
+def apply_top_p_(logits: torch.Tensor, top_p: torch.Tensor, backend: str) -> torch.Tensor:
+    """In place: the nucleus kept (the sampler's `top_p_thresholds`), every other logit
+    -inf (what the sampler's twin fills; a GPU's draw applies the threshold as a floor)."""
+    thresholds = top_p_thresholds(logits, top_p, backend=backend)
+    return logits.masked_fill_(logits < thresholds, float("-inf"))
 
 
 def test_sampler_top_p_same_tokens_kept_with_the_kernel():

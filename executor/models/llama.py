@@ -21,19 +21,11 @@ from pagedserve.kernels import ops
 from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
 from torch import nn
 
-
-def _triton_gemm_projections() -> frozenset[str]:
-    """PAGEDSERVE_DECODE_TRITON_GEMM (1, or some of qkv, o, gate_up, down): those
-    projections of batches of up to 512 tokens through the split-K Triton GEMM
-    (ops.linear), not cuBLAS; none until a GPU has measured them. Read at import,
-    leniently (an executor checks the value at its start and exits 2 on a bad one)."""
-    try:
-        return triton_gemm_from_env()
-    except ValueError:
-        return frozenset()
-
-
-TRITON_GEMM = _triton_gemm_projections()
+# PAGEDSERVE_DECODE_TRITON_GEMM (1, or some of qkv, o, gate_up, down): those projections of
+# batches of up to 512 tokens through the split-K Triton GEMM (ops.linear), not cuBLAS; none
+# until a GPU has measured them. Read at import, leniently (an executor checks the value at
+# its start and exits 2 on a bad one).
+TRITON_GEMM = triton_gemm_from_env(strict=False)
 
 
 def project(linear: nn.Linear, x: torch.Tensor, name: str) -> torch.Tensor:
