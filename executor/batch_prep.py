@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
+from pagedserve.executor.graph_feed import GraphFeed
 from pagedserve.executor.models import AttentionMetadata
-from pagedserve.executor.plan_inputs import PlanInputs
+from pagedserve.executor.plan_inputs import PlanInputs, build_tensors
 from pagedserve.protos.wire import RequestError, StepPlan
 
 if TYPE_CHECKING:
@@ -28,15 +29,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Batch:
-    """The valid part of a plan, as device tensors."""
+    """The valid part of a plan, as device tensors; or, for a decode step that runs as a
+    fed graph (``feed``), as host arrays, with only the input ids on the device when they
+    are there (else None), no positions, attention metadata or sample rows (every row
+    samples)."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn: AttentionMetadata
-    sample_rows: torch.Tensor  # index into the hidden states of the tokens that sample
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    attn: AttentionMetadata | None
+    sample_rows: torch.Tensor | None  # index into the hidden states of the tokens that sample
     sample_ids: list[str]  # their requests, same order
     sample_state_rows: np.ndarray  # their rows in RequestRows, same order
     kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
+    feed: GraphFeed | None = None
 
 
 def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
@@ -95,7 +100,7 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
         # sampled them (a steady decode batch): its input ids ARE that step's tokens on
         # the device, with no index list to copy there and no scatter.
         return self._full_batch(pre, rows, input_ids=pending.device_tokens)
-    batch = self._full_batch(pre, rows)
+    batch = self._full_batch(pre, rows, ids_patched=on_device)
     if on_device:
         tokens = pending.device_tokens
         if pick is not None:
@@ -117,10 +122,23 @@ def _positions(among: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
 
 
 def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
-               input_ids: torch.Tensor | None = None) -> Batch:
+               input_ids: torch.Tensor | None = None, ids_patched: bool = False) -> Batch:
     """Every row kept: the tensors precompute built, the fed input ids (``input_ids``:
-    already on the device), the tables."""
+    already on the device; ``ids_patched``: the caller writes some into the batch's on the
+    device), the tables. A decode step that fits the graphs runs fed: host arrays, and
+    the ids on the device only when they are there."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
+    graphs = self.graphs
+    if pre.feedable and graphs is not None and graphs.can_feed(rows.shape[0], pre.longest):
+        if ids_patched:
+            input_ids = to_device(pre.token_ids, self.device, torch.int64)
+        return Batch(
+            input_ids=input_ids, positions=None, attn=None, sample_rows=None,
+            sample_ids=pre.sample_ids, sample_state_rows=rows,
+            feed=GraphFeed(pre.plan_positions, pre.slots, pre.seq_lens, pre.tables,
+                           None if input_ids is not None else pre.token_ids))
+    if pre.positions is None:  # precompute left them to a graph's stage
+        build_tensors(pre, self.device)
     if input_ids is None:
         input_ids, block_tables = to_device_many(
             ((pre.token_ids, torch.int64), (pre.tables, torch.int32)), self.device)

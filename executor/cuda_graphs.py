@@ -25,10 +25,19 @@ eager.
 Static inputs: one set of buffers sized for the largest graph, ``input_ids``, ``positions``,
 ``slot_mapping``, ``seq_lens`` [B_max] and ``block_tables`` [B_max, W] with
 W = ceil(max_model_len / block_size); the graph of size B reads the first B rows (views of
-the same storage), so a replay only copies this step's rows in. A block-table row is read
-only up to its context length, so what earlier steps left beyond it needs no clearing.
-The decode kernel picks its split-K partition count from shapes (the table width, the batch
-size), so each graph's count is fixed at capture, with the full width W.
+the same storage). A block-table row is read only up to its context length, so what earlier
+steps left beyond it needs no clearing. The decode kernel picks its split-K partition count
+from shapes (the table width, the batch size), so each graph's count is fixed at capture,
+with the full width W.
+
+Feeding them (graph_feed.py): each graph's first node (``ops.graph_inputs_``) writes the
+static inputs from ``stage``, one int32 buffer the host fills for the step (its rows' values
+and tables, packed) and copies in with one copy (``run_feed``); padding rows are written
+there too, and a steady decode's token ids are read straight from ``last_tokens``, where
+every graph leaves its rows' greedy tokens. ``run`` (inputs already on the device) copies
+them in buffer by buffer instead and tells the graph's first node to leave them.
+``PAGEDSERVE_GRAPH_FEED=0``, or a cache with 2^31 slots or more (the stage is int32), keeps
+the graphs without that node: every step then goes through ``run``.
 
 Memory: graphs are captured largest first into one private memory pool, which smaller
 graphs reuse; ``graph_memory_bytes`` measures a capture against a scratch cache before the
@@ -56,8 +65,16 @@ import time
 from collections.abc import Callable
 
 import torch
+from pagedserve.executor.graph_feed import GraphFeed, StagingRing, feeds_wanted, pack
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
 from pagedserve.kernels import ops
+from pagedserve.kernels.graph_input_ops import (
+    ALL_IN_PLACE,
+    IDS_FROM_LAST_TOKENS,
+    IDS_FROM_STAGE,
+    IDS_IN_PLACE,
+    stage_words,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +158,18 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # Every graph's greedy tokens land here, row for row (a steady decode's next input
+        # ids); the staged inputs the graphs' first node reads (None: not fed, see above).
+        self.last_tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        num_slots = kv_cache.shape[2] * kv_cache.shape[3] if kv_cache.dim() == 6 else 0
+        self.feeds = feeds_wanted() and n > 0 and num_slots < 2 ** 31
+        self.stage: torch.Tensor | None = None
+        self.fed = [0, 0, 0]  # fed steps by where their ids came from (ids_from 0, 1, 2)
+        self._ring: StagingRing | None = None  # made at the first fed step
+        if self.feeds:
+            self.stage = torch.zeros(stage_words(n, self.width), dtype=torch.int32, device=dev)
+            self._in_place = torch.tensor([n, 0, ALL_IN_PLACE, 0], dtype=torch.int32,
+                                          device=dev)
         self._replays: dict[int, _Replay] = {}
         self._captured: list[int] = []  # sorted(self._replays), kept for the per-step lookup
         self._pool = None  # the private memory pool every graph shares
@@ -181,10 +210,15 @@ class DecodeGraphs:
         self.capture_s += time.perf_counter() - t0
 
     def _outputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden, logits, greedy tokens) of the static inputs' first ``size`` rows."""
+        """(hidden, logits, greedy tokens) of the static inputs' first ``size`` rows (fed
+        graphs: written from the stage first)."""
+        if self.feeds:
+            ops.graph_inputs_(self.stage, self.input_ids[:size], self.positions[:size],
+                              self.slot_mapping[:size], self.seq_lens[:size],
+                              self.block_tables[:size], self.last_tokens)
         hidden = self._forward(size)
         logits = self.model.compute_logits(hidden)
-        return hidden, logits, ops.argmax_rows(logits)
+        return hidden, logits, ops.argmax_rows(logits, out=self.last_tokens[:size])
 
     def _capture_twin(self, size: int) -> _Replay:
         holder = _Replay(lambda: None, *self._outputs(size))
@@ -211,6 +245,11 @@ class DecodeGraphs:
             outputs = self._outputs(size)
         return _Replay(graph.replay, *outputs, graph)
 
+    @property
+    def feed_rows(self) -> int:
+        """The most rows a fed step can have (0: the graphs are not fed)."""
+        return self._captured[-1] if self.feeds and self._captured else 0
+
     # -------------------------------------------------------------------------- replay
     def size_for(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds ``num_seqs`` sequences."""
@@ -222,6 +261,35 @@ class DecodeGraphs:
         return (attn.max_query_len == 1 and attn.block_tables.shape[1] <= self.width
                 and bool(captured) and 0 < input_ids.shape[0] <= captured[-1])
 
+    def can_feed(self, num_seqs: int, width: int) -> bool:
+        """Can a decode step of ``num_seqs`` rows, tables ``width`` wide, run fed
+        (`run_feed`)?"""
+        captured = self._captured
+        return (self.feeds and bool(captured) and 0 < num_seqs <= captured[-1]
+                and width <= self.width)
+
+    def run_feed(self, feed: GraphFeed, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """`run` from host arrays (``can_feed`` true): the token ids are ``feed``'s or
+        ``input_ids`` on the device (read from ``last_tokens`` by the graph when they are
+        its rows there, else copied in first); the rest packed into a staging buffer and
+        copied to ``stage`` in one copy; replay."""
+        n = feed.num_rows
+        if input_ids is None:
+            ids_from = IDS_FROM_STAGE
+        elif (input_ids.data_ptr() == self.last_tokens.data_ptr()
+              and input_ids.shape == (n,) and input_ids.dtype == torch.long):
+            ids_from = IDS_FROM_LAST_TOKENS
+        else:
+            ids_from = IDS_IN_PLACE
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.fed[ids_from] += 1
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = StagingRing(self.stage.shape[0], self.device)
+        i = ring.take()
+        ring.copy_out(i, pack(ring.arrays[i], feed, ids_from), self.stage)
+        return self._replay(n)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode batch (``can_run`` true): copy its rows in, pad
@@ -229,7 +297,6 @@ class DecodeGraphs:
         the next replay (and every row's logits and greedy token in ``self.logits`` and
         ``self.tokens``, likewise)."""
         n = input_ids.shape[0]
-        size = self.size_for(n)
         shape = (n, attn.block_tables.shape[1])
         views = self._views.get(shape)
         if views is None:
@@ -241,9 +308,15 @@ class DecodeGraphs:
         for static, value in zip(views, (input_ids, positions, attn.slot_mapping,
                                          attn.seq_lens, attn.block_tables), strict=True):
             static.copy_(value, non_blocking=True)
+        if self.feeds:
+            self.stage[:4].copy_(self._in_place)
+        size = self.size_for(n)
         if size > n:
             self._pad(n, size)
-        replay = self._replays[size]
+        return self._replay(n)
+
+    def _replay(self, n: int) -> torch.Tensor:
+        replay = self._replays[self.size_for(n)]
         replay.replay()
         self.logits = replay.logits[:n]
         self.tokens = replay.tokens[:n]

@@ -46,6 +46,7 @@ as it is called, that time counts in ``forward_s``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -83,7 +84,7 @@ class ModelRunner:
                  grammars: GrammarCompiler | None = None,
                  mixed_graphs: MixedGraphs | None = None) -> None:
         self.model = model
-        self.graphs = graphs  # captured decode steps (CUDA), None: every step eager
+        self._graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
         self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
         self._graph_tokens: torch.Tensor | None = None  # and their argmax
@@ -100,6 +101,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                                  self.max_model_len, self.vocab_size, self.device, grammars)
+        self.graphs = graphs  # the limits learn the fed graphs' sizes
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
@@ -130,6 +132,19 @@ class ModelRunner:
         # Called with a previous step's result as soon as it is read back after the next
         # step's launch (overlapped steps; else submit() returns it).
         self.result_ready: Callable[[StepResult], None] | None = None
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        """Set the decode graphs (tests set them after construction): the plans'
+        precompute learns the fed steps' limits, for which it builds no tensors."""
+        self._graphs = graphs
+        rows = graphs.feed_rows if graphs is not None else 0
+        self.limits = dataclasses.replace(self.limits, graph_rows=rows,
+                                          graph_width=graphs.width if rows else 0)
 
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
@@ -406,6 +421,11 @@ class ModelRunner:
         it fits (cuda_graphs.py), graph pieces for a step with prompt tokens that fits
         (mixed_graphs.py), else the model eagerly."""
         self._graph_logits = self._graph_tokens = None
+        if batch.feed is not None:
+            self.graph_steps += 1
+            hidden = self.graphs.run_feed(batch.feed, batch.input_ids)
+            self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
+            return hidden
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
@@ -427,7 +447,7 @@ class ModelRunner:
         tokens, self._graph_tokens = self._graph_tokens, None
         if ready is None:
             return self.model.compute_logits(hidden[batch.sample_rows]), None
-        if batch.sample_rows.shape[0] == ready.shape[0]:
+        if batch.sample_rows is None or batch.sample_rows.shape[0] == ready.shape[0]:
             return ready, tokens
         return ready[batch.sample_rows], None
 

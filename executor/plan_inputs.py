@@ -31,6 +31,10 @@ class PlanLimits:
     vocab_size: int
     device: torch.device
     grammars: GrammarCompiler | None = None  # structured output (None: not available)
+    # Decode steps of at most this many rows, tables at most this wide, run as fed graphs
+    # (graph_feed.py): their batch tensors are not built (0: none are).
+    graph_rows: int = 0
+    graph_width: int = 0
 
 
 @dataclass(slots=True)
@@ -61,7 +65,12 @@ class PlanInputs:
     # When no row is condemned by the plan: its tensors (one packed copy to the device);
     # the input ids and block tables are arrays the main thread fills in place (token_ids,
     # fed; tables, gathered) and moves in one more packed copy (batch_prep.full_batch).
+    # A decode step every row of which samples (``feedable``) that fits the fed graphs gets
+    # no tensors here: its arrays go to a graph's stage (batch_prep.full_batch builds the
+    # tensors after all when it does not run as one).
     tables: np.ndarray | None = None  # int32 [S, longest], filled by RequestRows.gather
+    plan_positions: np.ndarray | None = None  # [T], the plan's
+    feedable: bool = False
     positions: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
@@ -166,17 +175,31 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     inputs.do_sample_rows = None if do_sample.all() else np.flatnonzero(do_sample)
     inputs.unfed, inputs.bad = unfed, bad
     if not bad and not unfed:  # the usual case: the tensors of every row, built here
-        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-        (inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens_t,
-         inputs.sample_rows) = to_device_many(
-            ((plan.positions, torch.int64), (slots, torch.int64),
-             (query_start_loc, torch.int32), (seq_lens, torch.int32),
-             (query_start_loc[1:][do_sample] - 1, torch.int64)), limits.device)
         inputs.max_query_len = int(num_new.max())
         inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
         inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                strict=True) if d]
+        inputs.plan_positions = plan.positions
+        inputs.feedable = inputs.max_query_len == 1 and inputs.do_sample_rows is None
+        if not (inputs.feedable and num_seqs <= limits.graph_rows
+                and inputs.longest <= limits.graph_width):
+            build_tensors(inputs, limits.device)
     return inputs
+
+
+def build_tensors(inputs: PlanInputs, device: torch.device) -> None:
+    """The batch tensors of a plan none of whose rows is condemned (but the input ids and
+    block tables), in one packed copy to ``device``."""
+    num_new = inputs.num_new
+    query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+    sample_ends = query_start_loc[1:]
+    if inputs.do_sample_rows is not None:
+        sample_ends = sample_ends[inputs.do_sample_rows]
+    (inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens_t,
+     inputs.sample_rows) = to_device_many(
+        ((inputs.plan_positions, torch.int64), (inputs.slots, torch.int64),
+         (query_start_loc, torch.int32), (inputs.seq_lens, torch.int32),
+         (sample_ends - 1, torch.int64)), device)
 
 
 def _new_states(plan: StepPlan, limits: PlanLimits) -> tuple[list[SamplingState], dict[str, str]]:

@@ -35,6 +35,7 @@ __all__ = [
     "silu_and_mul",
     "top_p_thresholds_",
     "argmax_rows",
+    "graph_inputs_",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -323,11 +324,31 @@ def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor, *,
     return reference.keyed_draw_(x, min_p, u)
 
 
-def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """int64 [R]: the first index of each row's largest logit (greedy tokens); the Triton
-    form splits each row over many programs (torch's walks a row with one)."""
+def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None,
+                backend: str = "auto") -> torch.Tensor:
+    """int64 [R]: the first index of each row's largest logit (greedy tokens; into ``out``,
+    int64 [R], when given); the Triton form splits each row over many programs (torch's
+    walks a row with one)."""
     if _use_triton(backend, logits):
         from .sampling_ops import argmax_rows_triton
 
-        return argmax_rows_triton(logits)
-    return reference.argmax_rows(logits)
+        return argmax_rows_triton(logits, out=out)
+    return reference.argmax_rows(logits, out=out)
+
+
+def graph_inputs_(stage: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, last_tokens: torch.Tensor, *,
+                  backend: str = "auto") -> None:
+    """A decode graph's static inputs (token ids, positions, slots, context lengths, block
+    tables) written from the one staged int32 buffer the host copied in, padding rows
+    included (graph_input_ops.py: the layout; ``last_tokens``: the previous replay's
+    greedy tokens, read when the header says the ids are those)."""
+    if _use_triton(backend, stage):
+        from .graph_input_ops import graph_inputs_triton
+
+        graph_inputs_triton(stage, input_ids, positions, slot_mapping, seq_lens,
+                            block_tables, last_tokens)
+    else:
+        reference.graph_inputs_(stage, input_ids, positions, slot_mapping, seq_lens,
+                                block_tables, last_tokens)

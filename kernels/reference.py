@@ -412,9 +412,30 @@ def top_p_thresholds_(logits: torch.Tensor, lse: torch.Tensor, top_p: torch.Tens
         thresholds[rows] = top_p_threshold(full, lse[rows], top_p[rows])[0]
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: the first index of each row's largest logit."""
-    return logits.argmax(-1)
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R]: the first index of each row's largest logit (into ``out`` when given)."""
+    if out is None:
+        return logits.argmax(-1)
+    return torch.argmax(logits, -1, out=out)
+
+
+def graph_inputs_(stage: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, last_tokens: torch.Tensor) -> None:
+    """A decode graph's static inputs from its staged buffer (graph_input_ops.py has the
+    layout and the rules); reads the header on the host."""
+    n, w, ids_from = (int(v) for v in stage[:3].tolist())
+    if ids_from == 3:
+        return
+    values = stage[4:4 + 4 * n].view(4, n).long()
+    if ids_from == 0:
+        input_ids[:n] = values[0]
+    elif ids_from == 1:
+        input_ids[:n] = last_tokens[:n]
+    positions[:n], slot_mapping[:n], seq_lens[:n] = values[1], values[2], values[3]
+    block_tables[:n, :w] = stage[4 + 4 * n:4 + 4 * n + n * w].view(n, w)
+    input_ids[n:], positions[n:], seq_lens[n:] = 0, 0, 0
+    slot_mapping[n:] = -1
 
 
 # --- the keyed draw (twin of draw_ops.py) --------------------------------------------------

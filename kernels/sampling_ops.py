@@ -317,15 +317,19 @@ def _argmax_rows_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks,
     tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_chunks + first).to(tl.int64))
 
 
-def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: the first index of each row's largest logit (fp32/fp16/bf16 [R, V], last
-    axis contiguous). Two launches, nothing read back."""
+    axis contiguous; into ``out``, int64 [R] contiguous, when given). Two launches,
+    nothing read back."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be [R, V] with a contiguous last axis")
     if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported logits dtype {logits.dtype}")
     num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (num_rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out must be int64 [{num_rows}] contiguous")
     chunk = min(ARGMAX_CHUNK, next_power_of_2(max(vocab, 16)))
     num_chunks = cdiv(vocab, chunk)
     if num_chunks > _ARGMAX_MAX_CHUNKS:

@@ -190,6 +190,14 @@ def drive_launchers(quick: bool) -> None:
                       rows=torch.tensor([5, 0, 2, 3]))
     # ... with a top-p floor a row (the threshold applied as the rows are read)
     keyed_draw_triton(rows, None, u, floor=torch.zeros(4))
+    # a decode graph's inputs from its one staged buffer (tables 2,048 wide: 32k tokens)
+    from pagedserve.kernels.graph_input_ops import graph_inputs_triton, stage_words
+
+    graph_inputs_triton(torch.zeros(stage_words(256, 2048), dtype=torch.int32),
+                        *(torch.zeros(256, dtype=torch.long) for _ in range(3)),
+                        torch.zeros(256, dtype=torch.int32),
+                        torch.zeros(256, 2048, dtype=torch.int32),
+                        torch.zeros(256, dtype=torch.long))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,9 @@ def gpu_test_files() -> list[str]:
 # default on a GPU (executor/models/llama.py, since the fourteenth session, checked to the
 # bit at each executor's start): its A/B runs turn it off.
 FUSED_ROPE_OFF = {"PAGEDSERVE_DECODE_FUSED_ROPE": "0"}
+# A decode graph step's inputs through one staged copy that the graph scatters itself is the
+# default (executor/graph_feed.py, fifteenth session): its A/B runs copy them buffer by buffer.
+GRAPH_FEED_OFF = {"PAGEDSERVE_GRAPH_FEED": "0"}
 
 
 def plan_stage(name: str, ctx: Context) -> list[Step]:
@@ -119,7 +122,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                     # all four together lost 730 us of kernels a step (the sixth run)
                     ("triton_gemm_narrow", "triton-gemm-narrow",
                      {"PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,o"}, 200),
-                    ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200)]
+                    ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200),
+                    # a graph step's inputs copied buffer by buffer, as before the staged
+                    # feed (executor/graph_feed.py, fifteenth session)
+                    ("no_graph_feed", "no-graph-feed", GRAPH_FEED_OFF, 200)]
         return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),
                 Step("memory_profile", memory, 150),
                 *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,
@@ -230,6 +236,11 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      env={"PAGEDSERVE_PLAN_PREP": "main"}),
                 Step("step_overhead_depth3_trace", depth3_trace, 80, env=trace_env),
                 Step("step_overhead_depth4_trace32", depth4_trace32, 60, env=trace32_env),
+                # Depth 4 with each graph step's inputs copied buffer by buffer (A/B of the
+                # staged feed: the host's launches between two forwards, 6-10 against 1-2)
+                Step("step_overhead_depth4_no_graph_feed",
+                     [*overhead_depth4[:-1], str(ctx.work_dir / "step-overhead-depth4-no-feed")],
+                     100, env=GRAPH_FEED_OFF),
                 Step("step_overhead_client_procs", overhead_procs, 70),
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),

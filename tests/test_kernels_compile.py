@@ -33,7 +33,7 @@ def test_every_launch_compiles_for_sm90(tmp_path):
             "_reshape_and_cache_kernel", "_argmax_chunks_kernel", "_argmax_rows_kernel",
             "_top_p_threshold_kernel", "_linear_kernel", "_top_p_pass_kernel",
             "_top_p_piece_min_kernel", "_top_p_row_min_kernel", "_chunk_max_kernel",
-            "_chunk_mass_kernel", "_chunk_pick_kernel"} <= compiled
+            "_chunk_mass_kernel", "_chunk_pick_kernel", "_graph_inputs_kernel"} <= compiled
     fused = [r for r in records if r["case"] == "_decode_kernel"
              and r["constexprs"]["FUSED_REDUCE"]]
     assert fused and records[-1]["case"] == "summary" and records[-1]["launches"] >= 18
