@@ -64,6 +64,7 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from pagedserve.executor.graph_feed import GraphFeed, StagingRing, feeds_wanted, pack
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
@@ -162,11 +163,15 @@ class DecodeGraphs:
         # ids); the staged inputs the graphs' first node reads (None: not fed, see above).
         self.last_tokens = torch.zeros(n, dtype=torch.long, device=dev)
         num_slots = kv_cache.shape[2] * kv_cache.shape[3] if kv_cache.dim() == 6 else 0
-        self.feeds = feeds_wanted() and n > 0 and num_slots < 2 ** 31
+        # The graphs scatter the stage (their first node); `feeds`: steps are fed (off
+        # when the start-up check finds the scatter wrong: `run` then tells it to leave
+        # the buffers as copied).
+        self.scatters = feeds_wanted() and n > 0 and num_slots < 2 ** 31
+        self.feeds = self.scatters
         self.stage: torch.Tensor | None = None
         self.fed = [0, 0, 0]  # fed steps by where their ids came from (ids_from 0, 1, 2)
         self._ring: StagingRing | None = None  # made at the first fed step
-        if self.feeds:
+        if self.scatters:
             self.stage = torch.zeros(stage_words(n, self.width), dtype=torch.int32, device=dev)
             self._in_place = torch.tensor([n, 0, ALL_IN_PLACE, 0], dtype=torch.int32,
                                           device=dev)
@@ -212,7 +217,7 @@ class DecodeGraphs:
     def _outputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden, logits, greedy tokens) of the static inputs' first ``size`` rows (fed
         graphs: written from the stage first)."""
-        if self.feeds:
+        if self.scatters:
             ops.graph_inputs_(self.stage, self.input_ids[:size], self.positions[:size],
                               self.slot_mapping[:size], self.seq_lens[:size],
                               self.block_tables[:size], self.last_tokens)
@@ -308,12 +313,49 @@ class DecodeGraphs:
         for static, value in zip(views, (input_ids, positions, attn.slot_mapping,
                                          attn.seq_lens, attn.block_tables), strict=True):
             static.copy_(value, non_blocking=True)
-        if self.feeds:
+        if self.scatters:
             self.stage[:4].copy_(self._in_place)
         size = self.size_for(n)
         if size > n:
             self._pad(n, size)
         return self._replay(n)
+
+    @torch.inference_mode()
+    def check_feed(self) -> str:
+        """After capture: "" when a fed replay writes the static inputs the host packed
+        (rows, padding, ids from the stage and then from the last tokens), else what it
+        got wrong (the executor then turns feeding off and copies buffer by buffer). Two
+        replays of at most 3 rows, slots -1 (no cache write), reading block 0 only; the
+        next step overwrites everything they leave."""
+        if not (self.feeds and self._captured):
+            return ""
+        n = min(3, self._captured[-1])
+        size, w = self.size_for(n), min(2, self.width)
+        feed = GraphFeed(positions=np.arange(5, 5 + n), slots=np.full(n, -1),
+                         seq_lens=np.arange(1, 1 + n), tables=np.zeros((n, w), np.int32),
+                         token_ids=np.arange(1, 1 + n))
+        expected = {"positions": [*range(5, 5 + n)] + [0] * (size - n),
+                    "slot_mapping": [-1] * size,
+                    "seq_lens": [*range(1, 1 + n)] + [0] * (size - n)}
+        try:
+            for ids in (None, self.last_tokens[:n]):
+                want_ids = ([*range(1, 1 + n)] if ids is None else ids.tolist()) \
+                    + [0] * (size - n)
+                self.block_tables[:n, :w].fill_(7)
+                self.run_feed(feed, ids)
+                got = {"input_ids": self.input_ids[:size].tolist(),
+                       **{k: getattr(self, k)[:size].tolist() for k in expected}}
+                wrong = [k for k, v in {"input_ids": want_ids, **expected}.items()
+                         if got[k] != v]
+                if self.block_tables[:n, :w].any():
+                    wrong.append("block_tables")
+                if wrong:
+                    return (f"a fed replay of {n} rows (ids from "
+                            f"{'the stage' if ids is None else 'the last tokens'}) wrote "
+                            f"{', '.join(wrong)} wrong")
+            return ""
+        finally:
+            self.fed = [0, 0, 0]  # the steps' count
 
     def _replay(self, n: int) -> torch.Tensor:
         replay = self._replays[self.size_for(n)]

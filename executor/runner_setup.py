@@ -122,8 +122,17 @@ def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: 
                     max_num_seqs: int) -> DecodeGraphs | None:
     """The decode graphs, or None (logged) when capturing fails: the executor runs eager."""
     graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs)
-    return _captured(graphs, cache.device, "CUDA graphs off, every step eager",
-                     f"{len(graphs.sizes)} decode batch sizes up to {graphs.max_batch}")
+    graphs = _captured(graphs, cache.device, "CUDA graphs off, every step eager",
+                       f"{len(graphs.sizes)} decode batch sizes up to {graphs.max_batch}")
+    if graphs is not None:
+        try:
+            wrong = graphs.check_feed()
+        except Exception as exc:  # noqa: BLE001 - a feed that fails costs speed, not service
+            wrong = f"{type(exc).__name__}: {exc}"
+        if wrong:
+            log.warning("decode graph steps copy their inputs buffer by buffer: %s", wrong)
+            graphs.feeds = False
+    return graphs
 
 
 def _captured(graphs, device: torch.device, off: str, what: str):

@@ -139,3 +139,42 @@ def test_precompute_leaves_the_fed_steps_tensors_to_the_stage(model_dir):
     runner.graphs = graphs
     five = runner.precompute(d.plan({r: None for r in "abcde"}))
     assert five.feedable and five.positions is not None  # 5 rows: over the graphs' 4
+
+
+def test_start_up_check_turns_a_wrong_scatter_off(model_dir, monkeypatch):
+    """The executor's start-up check (runner_setup._capture_graphs: `check_feed`) passes on
+    the twin; a scatter that writes a padding row wrong fails it, feeding goes off, and
+    the graphs (whose first node is still that scatter) take their inputs buffer by buffer
+    with the same tokens as eager steps."""
+    from pagedserve.executor import runner_setup
+    from pagedserve.kernels import ops
+
+    runner = small_runner(model_dir)
+    graphs = runner_setup._capture_graphs(runner.model, runner.cache, runner.max_model_len, 4)
+    assert graphs.feeds and graphs.check_feed() == "" and graphs.fed == [0, 0, 0]
+    scatter = ops.graph_inputs_
+
+    def wrong(stage, input_ids, positions, slot_mapping, *rest, **kw):
+        scatter(stage, input_ids, positions, slot_mapping, *rest, **kw)
+        if int(stage[2]) != 3 and slot_mapping.shape[0] > int(stage[0]):
+            slot_mapping[-1] = 0  # a padding row that would write block 0
+
+    monkeypatch.setattr(ops, "graph_inputs_", wrong)
+    runner = small_runner(model_dir)
+    graphs = runner_setup._capture_graphs(runner.model, runner.cache, runner.max_model_len, 4)
+    assert graphs.scatters and not graphs.feeds and graphs.feed_rows == 0
+    assert "slot_mapping" in _check_message(graphs)
+    runner.graphs = graphs
+    fed = _drive(runner)
+    eager = _drive(small_runner(model_dir))
+    assert runner.graph_steps == 7 and graphs.fed == [0, 0, 0]
+    for rid in PROMPTS:
+        assert fed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+
+
+def _check_message(graphs) -> str:
+    graphs.feeds = True
+    try:
+        return graphs.check_feed()
+    finally:
+        graphs.feeds = False
