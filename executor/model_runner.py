@@ -308,7 +308,7 @@ class ModelRunner:
             sampled = None
             if states and self._sample_first(states):
                 self.sampled_first_steps += 1
-                sampled = self.sampler.launch(logits, states, argmax=argmax)
+                sampled = self.sampler.launch(logits, states, argmax=argmax, plain=True)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step is read back if still in flight; its result goes out
             # at once, then its tokens go into the sampling states this step's sampling

@@ -302,17 +302,20 @@ class Sampler:
 
     def launch(self, logits: torch.Tensor, states: Sequence[SamplingState],
                grammar_bits: np.ndarray | None = None,
-               argmax: torch.Tensor | None = None) -> SampledOnDevice:
+               argmax: torch.Tensor | None = None,
+               plain: bool | None = None) -> SampledOnDevice:
         """`__call__` without waiting: the tokens stay on the device and their copies to
         the host are queued (the executor launches its next step before reading them).
         ``argmax``: every row's greedy token, already computed from these ``logits`` (a
         decode graph's, cuda_graphs.py): when every row is plain greedy, they are the
-        tokens, and nothing is launched but their copy."""
+        tokens, and nothing is launched but their copy. ``plain``: whether every row is plain
+        greedy, when the caller has looked already (None: looked at here)."""
         num_rows, vocab = logits.shape
         if num_rows != len(states):
             raise ValueError(f"{num_rows} rows of logits for {len(states)} states")
         device = logits.device
-        plain = all(s.plain for s in states)
+        if plain is None:
+            plain = all(s.plain for s in states)
         if plain and argmax is not None:
             if argmax.shape != (num_rows,):
                 raise ValueError(f"argmax of {tuple(argmax.shape)} for {num_rows} rows")

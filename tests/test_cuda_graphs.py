@@ -98,9 +98,9 @@ def test_plain_greedy_graph_steps_sample_nothing_but_the_graphs_tokens(model_dir
     given = []
     launch = runner.sampler.launch
 
-    def spy(logits, states, grammar_bits=None, argmax=None):
+    def spy(logits, states, grammar_bits=None, argmax=None, plain=None):
         given.append(argmax is not None)
-        return launch(logits, states, grammar_bits, argmax=argmax)
+        return launch(logits, states, grammar_bits, argmax=argmax, plain=plain)
 
     runner.sampler.launch = spy
     graphed = _drive(runner)

@@ -51,9 +51,9 @@ class Spy:
             return forward(batch)
 
         class SpySampler:
-            def launch(_, logits, states, grammar_bits=None, argmax=None):
+            def launch(_, logits, states, grammar_bits=None, argmax=None, plain=None):
                 self.sampled_outputs.append([s.output_token_ids.tolist() for s in states])
-                return sampler.launch(logits, states, grammar_bits, argmax=argmax)
+                return sampler.launch(logits, states, grammar_bits, argmax=argmax, plain=plain)
 
         runner._forward, runner.sampler = spy_forward, SpySampler()
 

@@ -136,9 +136,9 @@ def test_previous_result_goes_out_before_the_next_sampling(model_dir):
     d.runner.result_ready = result_ready
     launch = d.runner.sampler.launch
 
-    def spy_launch(logits, states, grammar_bits=None, argmax=None):
+    def spy_launch(logits, states, grammar_bits=None, argmax=None, plain=None):
         events.append(("sample", None))
-        return launch(logits, states, grammar_bits, argmax=argmax)
+        return launch(logits, states, grammar_bits, argmax=argmax, plain=plain)
 
     d.runner.sampler.launch = spy_launch
     d.add("a", PROMPT)
@@ -254,9 +254,9 @@ def test_sampling_goes_before_the_read_back_only_when_that_waits_and_rows_are_pl
     sampler, resolve = runner.sampler, runner._pending.resolve
 
     class Recorder:
-        def launch(_, logits, states, grammar_bits=None, argmax=None):
+        def launch(_, logits, states, grammar_bits=None, argmax=None, plain=None):
             order.append("sample")
-            out = sampler.launch(logits, states, grammar_bits, argmax=argmax)
+            out = sampler.launch(logits, states, grammar_bits, argmax=argmax, plain=plain)
             out._event = _SampledEvent(device_done)
             return out
 
