@@ -122,6 +122,11 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                     # all four together lost 730 us of kernels a step (the sixth run)
                     ("triton_gemm_narrow", "triton-gemm-narrow",
                      {"PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,o"}, 200),
+                    # only the down projection, SiLU-and-multiply in its operand loads:
+                    # the layer's SiLU launch and cuBLAS's split-K reduce (2 of its 9
+                    # graph nodes, ~4.6 us a layer on the H200) against the GEMM's speed
+                    ("triton_gemm_down", "triton-gemm-down",
+                     {"PAGEDSERVE_DECODE_TRITON_GEMM": "down"}, 200),
                     ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200),
                     # a graph step's inputs copied buffer by buffer, as before the staged
                     # feed (executor/graph_feed.py, fifteenth session)
