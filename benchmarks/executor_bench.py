@@ -29,6 +29,9 @@ Cases:
   above reads the step in flight back as soon as the next plan is not decoded yet, which
   serialised every other step on an H200 (2026-11-27 trace); this one waits for the plan
   or the device's end of the step, whichever comes first, as `serve` does.
+  ``..._serve_loop_b{64,256}_graphs_unfed``: the same with the graphs' staged feed off
+  (executor/graph_feed.py: each input copied into the graphs' buffers on its own, as
+  before the fifteenth session), right after: the feed's A/B on one warm machine.
 * ``gpu_qwen2.5-0.5b_mixed_b{64,256}_chunk256``: the same decodes with a 256-token prompt
   computed in every step (a stream ending and the next starting, steadily), eagerly, and
   ``..._pieces`` through the graph pieces cut at the attention calls
@@ -384,13 +387,18 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             # The same through the executor process's waiting rule (serve_loop_steps): no
             # read-back of the step in flight just because the next plan is still being
             # decoded (the loop above does that, and serialises every other step).
-            cache.kv_cache.normal_()
-            runner = ModelRunner(model, cache, graphs=graphs)
-            run = serve_loop_steps(runner, decode_plans(batch, context, block_size,
-                                                        pipelined_steps_n, cfg.vocab_size,
-                                                        feed=True), warmup=3)
-            emit_loop(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs", run, batch, context,
-                      bound_s)
+            # Then with the graph's inputs copied buffer by buffer (``_unfed``: the same
+            # graphs, their feed turned off as the start-up check would), back to back.
+            for suffix, feeds in (("", graphs.feeds), ("_unfed", False)):
+                cache.kv_cache.normal_()
+                fed_before, graphs.feeds = graphs.feeds, feeds
+                runner = ModelRunner(model, cache, graphs=graphs)
+                run = serve_loop_steps(runner, decode_plans(batch, context, block_size,
+                                                            pipelined_steps_n, cfg.vocab_size,
+                                                            feed=True), warmup=3)
+                graphs.feeds = fed_before
+                emit_loop(f"gpu_qwen2.5-0.5b_serve_loop_b{batch}_graphs{suffix}", run, batch,
+                          context, bound_s)
         if profile and graphed and batch == 8:
             # A small batch's device kernels: its forward takes ~1.25 ms on an H200 (the
             # pipelined b64 case, step_overhead at 32 streams) against ~0.24 ms of weight
