@@ -24,10 +24,17 @@ from pagedserve.kernels.graph_input_ops import HEADER_WORDS
 FEED_ENV = "PAGEDSERVE_GRAPH_FEED"
 
 
-def feeds_wanted() -> bool:
+def feeds_wanted(strict: bool = False) -> bool:
     """`PAGEDSERVE_GRAPH_FEED=0` in an executor's environment: graph steps copy their inputs
-    buffer by buffer, as before the staged feed."""
-    return os.environ.get(FEED_ENV, "1") != "0"
+    buffer by buffer, as before the staged feed (1 or unset: fed). Another value raises
+    ValueError (one line) when ``strict`` (the executor's start: exit 2), else counts as
+    unset."""
+    value = os.environ.get(FEED_ENV, "")
+    if value not in ("", "0", "1"):
+        if strict:
+            raise ValueError(f"{FEED_ENV}={value!r}: expected 0 or 1")
+        return True
+    return value != "0"
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import random
 import socket
 import sys
 
+from pagedserve.executor.graph_feed import feeds_wanted
 from pagedserve.executor.process import (
     ExecutorProcess,
     _setup_logging,
@@ -86,6 +87,7 @@ def run_executor(args: argparse.Namespace) -> int:
         # The decode step's switches, read leniently where they apply (llama.py).
         fused_rope_from_env()  # PAGEDSERVE_DECODE_FUSED_ROPE: 0, 1 or unset
         triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: which projections
+        feeds_wanted(strict=True)  # PAGEDSERVE_GRAPH_FEED: 0, 1 or unset (graph_feed.py)
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2

@@ -427,7 +427,7 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
     """PAGEDSERVE_PLAN_PREP=main (the I/O thread only decodes; the main thread runs
     `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
     run; a value other than io or main stops the executor at start (exit code 2), as does
-    a bad PAGEDSERVE_DECODE_FUSED_ROPE."""
+    a bad PAGEDSERVE_DECODE_FUSED_ROPE, _TRITON_GEMM or PAGEDSERVE_GRAPH_FEED."""
     prompt = [0, 17, 250, 33, 9]
     ref = _driver(model_dir)
     ref.add("r", prompt)
@@ -448,7 +448,8 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
         router.close()
     assert "PAGEDSERVE_PLAN_PREP=main: plans prepared on the main thread" in proc.stderr.read()
     # A bad value of any A/B switch read at start (PAGEDSERVE_DECODE_FUSED_ROPE,
-    # _TRITON_GEMM: kernels/host_math.py) stops the executor with exit code 2.
+    # _TRITON_GEMM: kernels/host_math.py; PAGEDSERVE_GRAPH_FEED: executor/graph_feed.py)
+    # stops the executor with exit code 2.
     for env, message in [({"PAGEDSERVE_PLAN_PREP": "both"},
                           "PAGEDSERVE_PLAN_PREP='both': expected io or main"),
                          ({"PAGEDSERVE_PLAN_PREP": "io",
@@ -457,7 +458,10 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
                          ({"PAGEDSERVE_DECODE_FUSED_ROPE": "0",
                            "PAGEDSERVE_DECODE_TRITON_GEMM": "qkv,lm_head"},
                           "PAGEDSERVE_DECODE_TRITON_GEMM='qkv,lm_head': expected 0, 1 or a "
-                          "comma list of qkv, o, gate_up, down")]:
+                          "comma list of qkv, o, gate_up, down"),
+                         ({"PAGEDSERVE_DECODE_TRITON_GEMM": "0",
+                           "PAGEDSERVE_GRAPH_FEED": "off"},
+                          "PAGEDSERVE_GRAPH_FEED='off': expected 0 or 1")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")

@@ -178,3 +178,16 @@ def _check_message(graphs) -> str:
         return graphs.check_feed()
     finally:
         graphs.feeds = False
+
+
+def test_feed_switch(monkeypatch):
+    from pagedserve.executor.graph_feed import feeds_wanted
+
+    monkeypatch.delenv("PAGEDSERVE_GRAPH_FEED", raising=False)
+    assert feeds_wanted() and feeds_wanted(strict=True)
+    monkeypatch.setenv("PAGEDSERVE_GRAPH_FEED", "0")
+    assert not feeds_wanted(strict=True)
+    monkeypatch.setenv("PAGEDSERVE_GRAPH_FEED", "off")  # the executor's start refuses it
+    assert feeds_wanted()
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        feeds_wanted(strict=True)
