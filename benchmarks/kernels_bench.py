@@ -54,6 +54,9 @@ cache write inside the decode launch against the two launches (benchmarks/kernel
 Decode-tail cases (``decode_tail/...``, only when asked for): the decode kernel at contexts
 ending inside a tile, the tail in its own loop or in the whole tiles' loop, 64- or 128-token
 tiles, beside a copy of the same bytes (benchmarks/kernels_tail.py).
+Decode-wide cases (``decode_wide/...``, only when asked for): a 1k context through a table
+as wide as a decode graph's (its split count from the width), against the context's own
+table (benchmarks/kernels_tail.py).
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -72,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also u
 from kernels_fusions import bench_decode_rope  # noqa: E402
 from kernels_gemm import bench_gemm  # noqa: E402
 from kernels_sampling import bench_sampling  # noqa: E402
-from kernels_tail import bench_decode_tail  # noqa: E402
+from kernels_tail import bench_decode_tail, bench_decode_wide  # noqa: E402
 from kernels_tune import (  # noqa: E402
     bench_decode_tune,
     bench_prefill_tune,
@@ -266,6 +269,8 @@ def main() -> int:
         bench_decode_rope(torch, device, dtype, timed, args.dry_run)
     if "decode_tail" in cases:
         bench_decode_tail(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
+    if "decode_wide" in cases:
+        bench_decode_wide(torch, device, dtype, timed, args.dry_run)
     if "prefill_tune" in cases:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "tune" in cases:

@@ -75,3 +75,49 @@ def bench_decode_tail(torch, device, dtype, timed, copy_gb_per_s: float, dry_run
                 del b, args, out, src, dst
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+
+
+# Table widths of the ``decode_wide`` cases: the context's own, and what a decode graph's
+# static tables have (cuda_graphs.py: the model's longest context; 2,048 16-token blocks
+# for Qwen2.5's 32,768 tokens), from which the split rule counts its splits.
+WIDE_TABLE_BLOCKS = 2048
+
+
+def bench_decode_wide(torch, device, dtype, timed, dry_run: bool) -> None:
+    """kernels_bench.py's `--cases decode_wide`: the decode kernel at a short context through
+    a table as wide as a decode graph's. In a graph the split count comes from the table
+    width, so at small batches a 1k context gets the splits of a 32k one (batch 8: 33 splits
+    for 9 tiles, with the reduction in a second launch); the empty splits write no partial
+    output and the reductions read only the splits with a tile (fifteenth session). Per
+    batch (1, 8, 32, 64) at context 1,061, the Qwen2.5-0.5B attention shape: the rule's
+    splits and latency (graph-timed, us) with the context's own table and with a
+    2,048-block one, and their ratio: what a graph step's attention costs over an eager
+    one's at that size."""
+    from pagedserve.kernels.decode_attention import _num_sms, choose_num_splits
+    from pagedserve.kernels.decode_attention import paged_decode_attention_triton as attend
+    from pagedserve.kernels.testing import make_paged_batch
+
+    num_heads, num_kv_heads, head_dim, block = 14, 2, 64, 16
+    batches, context, wide = ((2,), 40, 64) if dry_run else ((1, 8, 32, 64), 1061,
+                                                               WIDE_TABLE_BLOCKS)
+    for batch in batches:
+        record = {"case": f"decode_wide/qwen2.5_0.5b/b{batch}/ctx{context}",
+                  "dtype": str(dtype).removeprefix("torch."), "table_blocks_wide": wide}
+        for name, blocks in (("exact", -(-context // block)), ("wide", wide)):
+            b = make_paged_batch([(1, context)] * batch, num_kv_heads=num_kv_heads,
+                                 group=num_heads // num_kv_heads, head_dim=head_dim,
+                                 block_size=block, dtype=dtype, device=device, seed=1,
+                                 extra_table_columns=blocks - -(-context // block))
+            args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale)
+            out = torch.empty_like(b.query)
+            record[f"{name}_num_splits"] = choose_num_splits(
+                batch, num_kv_heads, b.block_tables.shape[1] * block, _num_sms(device),
+                head_dim)
+            record[f"{name}_latency_us_p50"] = round(
+                timed(lambda args=args, out=out: attend(*args, out=out)), 2)
+            del b, args, out
+        record["wide_vs_exact_ratio"] = round(
+            record["wide_latency_us_p50"] / record["exact_latency_us_p50"], 3)
+        emit(record)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -23,7 +23,10 @@ Algorithm of ``_decode_kernel``, program (seq, kv_head, split):
    dimension is unpadded), the window's first tile and the last partial tile with it
    (``MASK_EVERY_TILE``: every tile from the first whole one on with it, in one loop);
 4. one split: write acc / l in the output dtype. Several: write the normalised fp32
-   partial acc / l and its lse (base 2); they are combined either by ``_reduce_kernel`` (a
+   partial acc / l and its lse (base 2; an empty split, one past the sequence's tiles,
+   writes lse = -inf alone: in CUDA graphs the split count comes from the table width, the
+   model's longest context, so a short sequence leaves most splits empty); they are
+   combined, over the sequence's non-empty splits only, either by ``_reduce_kernel`` (a
    second launch) or (up to ``FUSED_REDUCE_MAX_SPLITS`` splits) by the split that finishes
    last: each split counts itself in on a per-(seq, kv_head) counter after its partials are written, and the
    one that brings the count to ``num_splits`` reads every split's partials back, writes the
@@ -148,6 +151,9 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_begin = lo_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, lo_tile + num_tiles)
+    # The splits with a tile, the first ``active`` (0 for a padding row); the others are
+    # empty (a context shorter than the table width the split count was chosen for).
+    active = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D_PAD)
@@ -222,12 +228,15 @@ def _decode_kernel(
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # Empty split (short sequence): l_i == 0, lse = -inf, and the reduction ignores it.
+        # Empty split (split >= active): lse = -inf and no partial output written; the
+        # reductions read only the active splits' (the same sums: an empty split's weight
+        # is 0).
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         base = seq * stride_ps + heads * stride_ph + split * stride_pk
         # every padded column too (zeros): the reduction reads whole rows
-        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None])
+        filled = mask_g & (offs_g * 0 + split < active)  # a [BLOCK_G] mask
+        tl.store(part_out_ptr + base[:, None] + offs_d[None, :], out, mask=filled[:, None])
         # part_lse is part_out without its last axis: same index, strides divided by its
         # padded head dim.
         tl.store(part_lse_ptr + base // D_PAD, lse, mask=mask_g)
@@ -235,7 +244,7 @@ def _decode_kernel(
             _combine_if_last(
                 out_ptr, part_out_ptr, part_lse_ptr,
                 split_counters_ptr + seq * tl.num_programs(1) + kv_head,
-                seq, heads, mask_g, offs_d, mask_d,
+                seq, heads, mask_g, offs_d, mask_d, active,
                 stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
                 BLOCK_G, D_PAD, NUM_SPLITS,
             )

@@ -12,12 +12,13 @@ import triton.language as tl
 @triton.jit
 def _combine_if_last(
     out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    seq, heads, mask_g, offs_d, mask_d,
+    seq, heads, mask_g, offs_d, mask_d, active,
     stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
     BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     """Called by every split of (seq, kv_head) after writing its partials; the last to
-    arrive combines them (out = sum_k 2^(lse_k - lse) out_k) and resets the counter.
+    arrive combines the first ``active`` (the splits with a tile; the others' weight is 0)
+    (out = sum_k 2^(lse_k - lse) out_k) and resets the counter.
     Ordering: the barrier puts every thread's partial stores before the counter's
     acq_rel increment (a release at GPU scope, cumulative over the CTA); the last
     arrival's acquire makes the other splits' stores visible to its loads, which go to L2
@@ -29,7 +30,7 @@ def _combine_if_last(
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
-        for k in range(NUM_SPLITS):  # online: one split's partials in registers at a time
+        for k in range(active):  # online: one split's partials in registers at a time
             base = seq * stride_ps + heads * stride_ph + k * stride_pk
             lse_k = tl.load(part_lse_ptr + base // D_PAD, mask=mask_g, other=float("-inf"),
                             cache_modifier=".cg")
@@ -61,7 +62,8 @@ def _reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    """Program (seq, head): out = sum_k 2^(lse_k - lse) * out_k with lse = log2 sum 2^lse_k."""
+    """Program (seq, head): out = sum_k 2^(lse_k - lse) * out_k with lse = log2 sum 2^lse_k;
+    an empty split (lse_k = -inf) wrote no partial output, and none is read."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_k = tl.arange(0, SPLITS_PAD)
@@ -74,7 +76,9 @@ def _reduce_kernel(
     w = tl.exp2(lse - m_safe)  # 0 for empty splits
     total = tl.sum(w, 0)
     w = w / tl.where(total > 0, total, 1.0)
-    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=mask_k[:, None], other=0.0)
+    filled = mask_k & (lse > float("-inf"))
+    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=filled[:, None],
+                    other=0.0)
     out = tl.sum(parts * w[:, None], 0)
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + offs_d,

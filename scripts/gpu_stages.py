@@ -93,6 +93,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # its own loop or the whole tiles' (decode_rules.MASK_EVERY_TILE), 64/128-token tiles.
         tail = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode_tail",
                    *(["--dry-run"] if ctx.small else []))
+        # A 1k context through a decode graph's table width (its splits from the width,
+        # mostly empty at small batches) against its own (kernels_tail.py).
+        wide = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode_wide",
+                   *(["--dry-run"] if ctx.small else []))
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
                    *(["--dry-run"] if ctx.small else []))
@@ -101,6 +105,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                        *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
                 Step("kernels_decode", decode, 240), Step("kernels_decode_tail", tail, 120),
+                Step("kernels_decode_wide", wide, 60),
                 Step("kernels_gemm", gemm, 150),
                 Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":

@@ -171,12 +171,16 @@ def test_kernels_bench_layer_and_tune_cases_dry_run():
 
 def test_kernels_bench_decode_tail_and_rope_cases_dry_run():
     """The decode kernel at contexts ending inside a tile and on one (four launch variants
-    and a copy of the same bytes) and the rotary in the decode launch, through the
-    interpreter."""
-    records = _run("kernels_bench.py", "--dry-run", "--cases", "decode_tail,decode_rope")
+    and a copy of the same bytes), through a graph-wide table (its splits mostly empty),
+    and the rotary in the decode launch, through the interpreter."""
+    records = _run("kernels_bench.py", "--dry-run", "--cases",
+                   "decode_tail,decode_rope,decode_wide")
     cases = {r["case"]: r for r in records}
     assert {"decode_tail/qwen2.5_0.5b/b2/ctx64", "decode_tail/qwen2.5_0.5b/b2/ctx101",
-            "decode_rope/qwen2.5_0.5b/b2/ctx40"} <= set(cases)
+            "decode_rope/qwen2.5_0.5b/b2/ctx40", "decode_wide/qwen2.5_0.5b/b2/ctx40"} <= set(cases)
+    wide = cases["decode_wide/qwen2.5_0.5b/b2/ctx40"]
+    assert (wide["exact_num_splits"], wide["wide_num_splits"]) == (1, 4)
+    assert wide["wide_vs_exact_ratio"] > 0 and wide["exact_latency_us_p50"] > 0
     for r in records:
         if r["case"].startswith("decode_tail/"):
             assert all(r[k] > 0 for k in ("latency_us_p50", "every_tile_latency_us_p50",

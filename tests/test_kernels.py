@@ -88,6 +88,34 @@ def test_split_k_decode_matches_twin(num_splits, window, dtype, fused):
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("num_splits, fused", [(8, True), (16, False), (33, False)])
+def test_empty_splits_leave_no_partials_and_none_is_read(monkeypatch, num_splits, fused):
+    """A short context through many splits (a decode graph's, counted from its table width):
+    the splits past the context's tiles write no partial output, and neither reduction
+    reads one — with every partial buffer starting as NaN, the output is still the twin's
+    (a reduction that read an unwritten partial would be NaN: NaN * 0)."""
+    batch = make_paged_batch(
+        [(1, 97), (1, 1), (1, 37), (1, 20)], num_kv_heads=2, group=4, head_dim=64,
+        block_size=8, dtype=torch.float32, device=DEVICE, seed=num_splits,
+        extra_table_columns=60,
+    )
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.scale)
+    want = reference.paged_decode_attention(*args)
+    empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got = paged_decode_attention_triton(*args, out=want.new_zeros(want.shape),
+                                        num_splits=num_splits, block_n=16, fused_reduce=fused)
+    monkeypatch.undo()
+    assert not got.isnan().any()
+    _close(got, want, torch.float32)
+
+
 def test_fused_split_k_leaves_its_counters_at_zero():
     """The fused reduction's arrival counters are shared by every launch on the device:
     each launch must leave them as it found them, or the next one combines too early.
