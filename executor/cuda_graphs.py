@@ -28,7 +28,8 @@ W = ceil(max_model_len / block_size); the graph of size B reads the first B rows
 the same storage). A block-table row is read only up to its context length, so what earlier
 steps left beyond it needs no clearing. The decode kernel picks its split-K partition count
 from shapes (the table width, the batch size), so each graph's count is fixed at capture,
-with the full width W.
+with the full width W: at small batches a short context leaves most splits empty (they
+write no partials and are not read back: kernels/decode_attention.py).
 
 Feeding them (graph_feed.py): each graph's first node (``ops.graph_inputs_``) writes the
 static inputs from ``stage``, one int32 buffer the host fills for the step (its rows' values
