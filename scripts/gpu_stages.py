@@ -105,7 +105,7 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                        *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
                 Step("kernels_decode", decode, 240), Step("kernels_decode_tail", tail, 120),
-                Step("kernels_decode_wide", wide, 60),
+                Step("kernels_decode_wide", wide, 90),
                 Step("kernels_gemm", gemm, 150),
                 Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":
