@@ -320,6 +320,8 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             graphs = DecodeGraphs(model, cache.kv_cache, block_size,
                                   blocks_per_seq * block_size, batch)
             graphs.capture([batch])
+            wrong = graphs.check_feed()  # as an executor checks at start (runner_setup.py)
+            assert not wrong, wrong
         runner = ModelRunner(model, cache, graphs=graphs)
         times = time_steps(runner, decode_plans(batch, context, block_size, steps,
                                                 cfg.vocab_size))
