@@ -270,9 +270,7 @@ class DecodeGraphs:
     def can_feed(self, num_seqs: int, width: int) -> bool:
         """Can a decode step of ``num_seqs`` rows, tables ``width`` wide, run fed
         (`run_feed`)?"""
-        captured = self._captured
-        return (self.feeds and bool(captured) and 0 < num_seqs <= captured[-1]
-                and width <= self.width)
+        return 0 < num_seqs <= self.feed_rows and width <= self.width
 
     def run_feed(self, feed: GraphFeed, input_ids: torch.Tensor | None) -> torch.Tensor:
         """`run` from host arrays (``can_feed`` true): the token ids are ``feed``'s or
@@ -328,7 +326,7 @@ class DecodeGraphs:
         got wrong (the executor then turns feeding off and copies buffer by buffer). Two
         replays of at most 3 rows, slots -1 (no cache write), reading block 0 only; the
         next step overwrites everything they leave."""
-        if not (self.feeds and self._captured):
+        if not self.feed_rows:
             return ""
         n = min(3, self._captured[-1])
         size, w = self.size_for(n), min(2, self.width)

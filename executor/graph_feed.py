@@ -13,12 +13,12 @@ the graphs' own tokens, the stage's copy and the replay.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from pagedserve.kernels.graph_input_ops import HEADER_WORDS
+from pagedserve.kernels.host_math import switch_from_env
 
 # The executor's way back to one copy per static buffer (tests and A/B runs set it to 0).
 FEED_ENV = "PAGEDSERVE_GRAPH_FEED"
@@ -28,13 +28,8 @@ def feeds_wanted(strict: bool = False) -> bool:
     """`PAGEDSERVE_GRAPH_FEED=0` in an executor's environment: graph steps copy their inputs
     buffer by buffer, as before the staged feed (1 or unset: fed). Another value raises
     ValueError (one line) when ``strict`` (the executor's start: exit 2), else counts as
-    unset."""
-    value = os.environ.get(FEED_ENV, "")
-    if value not in ("", "0", "1"):
-        if strict:
-            raise ValueError(f"{FEED_ENV}={value!r}: expected 0 or 1")
-        return True
-    return value != "0"
+    unset (`host_math.switch_from_env`)."""
+    return switch_from_env(FEED_ENV, strict=strict) is not False
 
 
 @dataclass(slots=True)

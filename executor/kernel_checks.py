@@ -8,7 +8,10 @@ speed is lost, never service or a token.
 * `check_fused_decode_rope`: the rotary embedding and cache write inside the decode
   attention's launch against the two launches it replaces, to the bit;
 * `check_sampler_kernels`: the sampler's top-p threshold, greedy argmax and keyed draw
-  against theirs.
+  against theirs;
+* `check_graph_feed` (after the decode graphs are captured): a fed replay writes the static
+  inputs the host packed (cuda_graphs.py `check_feed`), else the steps copy their inputs
+  buffer by buffer.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.models.llama import Attention
 
 if TYPE_CHECKING:
+    from pagedserve.executor.cuda_graphs import DecodeGraphs
     from pagedserve.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -211,3 +215,16 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits) -> str:
                 return (f"{name} differs at num_splits={num_splits} (max "
                         f"{(a.float() - b.float()).abs().max().item():.3g})")
     return ""
+
+
+def check_graph_feed(graphs: DecodeGraphs) -> None:
+    """Where the captured decode graphs are fed (graph_feed.py), check once that a fed replay
+    writes what the host packed; if not (or it fails), the steps copy their inputs buffer
+    by buffer (logged)."""
+    try:
+        wrong = graphs.check_feed()
+    except Exception as exc:  # noqa: BLE001 - a feed that fails costs speed, not service
+        wrong = f"{type(exc).__name__}: {exc}"
+    if wrong:
+        log.warning("decode graph steps copy their inputs buffer by buffer: %s", wrong)
+        graphs.feeds = False

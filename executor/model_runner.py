@@ -84,7 +84,6 @@ class ModelRunner:
                  grammars: GrammarCompiler | None = None,
                  mixed_graphs: MixedGraphs | None = None) -> None:
         self.model = model
-        self._graphs = graphs  # captured decode steps (CUDA), None: every step eager
         self.graph_steps = 0  # steps that replayed a graph
         self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
         self._graph_tokens: torch.Tensor | None = None  # and their argmax
@@ -101,7 +100,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                                  self.max_model_len, self.vocab_size, self.device, grammars)
-        self.graphs = graphs  # the limits learn the fed graphs' sizes
+        # Captured decode steps (CUDA), None: every step eager; the setter tells the limits
+        # the fed graphs' sizes.
+        self.graphs = graphs
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs

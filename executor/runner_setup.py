@@ -16,6 +16,7 @@ from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.kernel_checks import (
     check_fused_decode_rope,
     check_fused_ops,
+    check_graph_feed,
     check_sampler_kernels,
 )
 from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
@@ -125,13 +126,7 @@ def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: 
     graphs = _captured(graphs, cache.device, "CUDA graphs off, every step eager",
                        f"{len(graphs.sizes)} decode batch sizes up to {graphs.max_batch}")
     if graphs is not None:
-        try:
-            wrong = graphs.check_feed()
-        except Exception as exc:  # noqa: BLE001 - a feed that fails costs speed, not service
-            wrong = f"{type(exc).__name__}: {exc}"
-        if wrong:
-            log.warning("decode graph steps copy their inputs buffer by buffer: %s", wrong)
-            graphs.feeds = False
+        check_graph_feed(graphs)
     return graphs
 
 

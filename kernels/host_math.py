@@ -57,14 +57,19 @@ def triton_gemm_from_env(environ=os.environ, strict: bool = True) -> frozenset[s
     return frozenset(names)
 
 
-def fused_rope_from_env(environ=os.environ, strict: bool = True) -> bool | None:
-    """PAGEDSERVE_DECODE_FUSED_ROPE: "1" True (always), "0" False (never), unset None (the
-    default: wherever the Triton kernels run). Anything else raises ValueError (one line),
-    or with ``strict=False`` reads as unset (the model's import, before the executor has
-    checked it)."""
-    value = environ.get(FUSED_ROPE_ENV, "")
+def switch_from_env(name: str, environ=os.environ, strict: bool = True) -> bool | None:
+    """A 0/1 switch: "1" True, "0" False, unset None (the switch's default applies). Anything
+    else raises ValueError (one line), or with ``strict=False`` reads as unset (a module's
+    import, before the executor has checked the value at its start)."""
+    value = environ.get(name, "")
     if value not in ("", "0", "1"):
         if strict:
-            raise ValueError(f"{FUSED_ROPE_ENV}={value!r}: expected 0 or 1")
+            raise ValueError(f"{name}={value!r}: expected 0 or 1")
         value = ""
     return {"0": False, "1": True}.get(value)
+
+
+def fused_rope_from_env(environ=os.environ, strict: bool = True) -> bool | None:
+    """PAGEDSERVE_DECODE_FUSED_ROPE (`switch_from_env`): True always, False never, None (the
+    default) wherever the Triton kernels run."""
+    return switch_from_env(FUSED_ROPE_ENV, environ, strict)
