@@ -253,8 +253,8 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
 def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     """`pipelined_steps` with the executor process's own waiting rule (executor/process.py
     `serve`): with no plan in the inbox the main thread blocks on the inbox, where a watcher
-    thread (the process's `FlightWatch`) puts `StepDone` once the step in flight is done on
-    the device, and whichever comes first wins: the next plan (launched behind the step in
+    thread (the process's `FlightWatch`, given the step in flight just then) puts
+    `StepDone` once that step is done on the device, and whichever comes first wins: the next plan (launched behind the step in
     flight) or StepDone (that step read back and answered). `pipelined_steps` instead reads
     the step in flight back at once when the next plan is not decoded yet, which serialises
     every other step on a GPU (a trace on an H200, 2026-11-27: the device idle ~1.4 ms in
@@ -276,9 +276,17 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     io.start()
     try:
         with torch.inference_mode():  # as the executor process runs its loop
-            launched = 0
+            launched, watched = 0, -1
             while launched < len(io.frames):
-                msg = io.inbox.get()
+                try:
+                    msg = io.inbox.get_nowait()
+                except queue.Empty:  # about to wait: the step in flight watched (once)
+                    inflight = runner.inflight_step
+                    wait = runner.inflight_waiter()
+                    if inflight is not None and inflight[0] != watched and wait is not None:
+                        watched = inflight[0]
+                        watch.jobs.put((watched, wait, io.inbox))
+                    msg = io.inbox.get()
                 if isinstance(msg, StepDone):
                     inflight = runner.inflight_step
                     if inflight is not None and inflight[0] == msg.step_id:
@@ -294,9 +302,6 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
                         io.held.append(result)
                     else:
                         send_now(result)
-                wait = runner.inflight_waiter()
-                if wait is not None:
-                    watch.jobs.put((plan.step_id, wait, io.inbox))
             result = runner.collect()
             if result is not None:
                 figures.record(result)

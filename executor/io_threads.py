@@ -4,8 +4,9 @@
   the main thread's current step is within its deadline (a step past it silences the
   heartbeats, so the router declares a hung executor dead); records router echoes and
   "register again" requests.
-* `FlightWatch`: waits for each step left in flight to finish on the device and puts
-  `StepDone` in the main thread's inbox.
+* `FlightWatch`: waits for a step left in flight to finish on the device and puts
+  `StepDone` in the main thread's inbox (asked only when the inbox is empty, so the main
+  thread would otherwise wait for the next plan alone).
 * `MainSocketIO`: owns the registered main DEALER for one registration. It decodes every
   message into `inbox` (a plan with its plan-only inputs prepared ahead, `PlanReady`; an
   undecodable message as `Rejected`; its own failure as `IOFailed`) and sends what the main
@@ -257,7 +258,7 @@ class StepDone(NamedTuple):
 
 
 class FlightWatch(threading.Thread):
-    """Waits for each step left in flight to finish on the device (an event wait, the GIL
+    """Waits for the steps it is given to finish on the device (an event wait, the GIL
     released) and then puts `StepDone` in the inbox it was given: the main loop blocks on
     the inbox alone, and wakes for whichever comes first, the next plan (then the step in
     flight is read back after the next launch) or the device's end of the step (then it is

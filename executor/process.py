@@ -188,7 +188,8 @@ class ExecutorProcess:
         self.heartbeat = HeartbeatThread(self.ctx, args.router, self.executor_id,
                                          args.heartbeat_timeout / 4, self._configure)
         self.heartbeat.cores = self.io_cores
-        self.flight_watch: FlightWatch | None = None  # started for the first step in flight
+        self.flight_watch: FlightWatch | None = None  # started for the first step it watches
+        self._watched = -1  # the step id the flight watch was last given
         self.profiler = None
         if profile_window is not None:
             from pagedserve.executor.step_trace import StepProfiler
@@ -252,6 +253,7 @@ class ExecutorProcess:
         self.heartbeat.registered.clear()
         self._take_socket_back()
         self.runner.reset()
+        self._watched = -1  # the next registration's step ids may repeat
         attempt = 0
         while True:
             self._check_parent()
@@ -359,15 +361,27 @@ class ExecutorProcess:
             hb.end_step()
         for result in results:
             self.io.send(result, wake=result.step_id != plan.step_id)
-        wait = self.runner.inflight_waiter()
-        if wait is not None:
-            if self.flight_watch is None:
-                self.flight_watch = FlightWatch()
-                self.flight_watch.start()
-            self.flight_watch.jobs.put((plan.step_id, wait, self.io.inbox))
         if plan.deadline_s > 0 and time.monotonic() - start > plan.deadline_s:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
+
+    def _watch_inflight(self) -> None:
+        """The inbox is empty and the main thread is about to wait on it: have the flight
+        watch put `StepDone` there when the step in flight is done on the device (once a
+        step). Only then: while plans keep coming, each is launched before the step in
+        flight is read back, and a watch of every step was a thread's wake-up, a GIL
+        hand-over and an inbox message a step, each thrown away."""
+        inflight = self.runner.inflight_step
+        if inflight is None or inflight[0] == self._watched:
+            return
+        wait = self.runner.inflight_waiter()
+        if wait is None:
+            return
+        if self.flight_watch is None:
+            self.flight_watch = FlightWatch()
+            self.flight_watch.start()
+        self._watched = inflight[0]
+        self.flight_watch.jobs.put((inflight[0], wait, self.io.inbox))
 
     def _collect(self) -> None:
         """No plan waiting: the step in flight is read back and its result sent."""
@@ -419,6 +433,7 @@ class ExecutorProcess:
                     # Nothing to run next: results go out now; a step in flight answers
                     # when the device is done with it (StepDone) or the next plan comes.
                     self.io.flush()
+                    self._watch_inflight()
                     msg = None
                 try:
                     if msg is None:

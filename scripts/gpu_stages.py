@@ -226,10 +226,17 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                              *([] if ctx.small else ["--streams", "256"]), "--profile")
         # ... with requests ending and starting, about one a step (the serving case)
         engine_churn = _py(ctx, "benchmarks/engine_bench.py", *engine_args, "--churn")
+        # The executor's host work on this host's cores, on a virtual device (no GPU
+        # involved; benchmarks/executor_host.py): its ceiling with an instant device and
+        # whether it keeps an H200-speed one busy, against the CPU machine's figures.
+        executor_host = _py(ctx, "benchmarks/executor_host.py", "--depths", "4",
+                            *(["--rows", "8", "--steps", "80", "--warmup", "20"]
+                              if ctx.small else ["--rows", "32,256"]))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
                 Step("engine_bench_churn", engine_churn, 60),
+                Step("executor_host", executor_host, 60),
                 Step("engine_bench_hub_profile", engine_profile, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),

@@ -248,3 +248,28 @@ def test_detok_bench_quick(tmp_path):
     assert [r["case"] for r in lines] == ["push", "append", "append_stops2"]
     assert all(r["concatenating_decoder"] and r["tokens"] > 1000 for r in lines)
     assert len({r["text_crc32"] for r in lines}) == 1
+
+
+def test_executor_host_virtual_device():
+    """The executor process on the virtual device: every decode step runs as a fed graph
+    (its ids the previous step's tokens, left on the "device"), the figures are there, and
+    a device slower than the host is kept busy."""
+    lines = _run("executor_host.py", "--rows", "8", "--depths", "2", "--steps", "60",
+                 "--warmup", "10", "--device-ms", "0,3")
+    assert [r["case"] for r in lines] == ["b8_d2_dev0ms", "b8_d2_dev3ms"]
+    for r in lines:
+        assert r["steps"] == 50
+        # Every one of the 59 decode steps ran as a fed graph.
+        assert sum(r["fed_steps"]) == 59, r
+        for key in ("step_us_p50", "step_us_mean", "device_idle_us_p50", "host_cpu_us_per_step",
+                    "main_cpu_us_per_step", "io_cpu_us_per_step", "switches_per_step"):
+            assert r[key] is not None and r[key] >= 0, (r["case"], key)
+    fast, slow = lines
+    assert fast["busy_ratio"] is None and fast["wake_late_us_p50"] is None
+    # A 3 ms device step is far slower than the host's work: it paces the steps, and each
+    # step is launched before the one in flight is read back, so its ids are that step's
+    # tokens left on the device (all but the first decode's: the prompts' step's tokens,
+    # sampled eagerly, are copied in). With an instant device the step in flight is often
+    # read back first (ids from the host: the stage).
+    assert 0.5 < slow["busy_ratio"] <= 1.0 and slow["step_us_mean"] >= 3000 * 0.95
+    assert slow["fed_steps"][1] >= 55, slow
