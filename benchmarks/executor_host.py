@@ -99,13 +99,10 @@ class VirtualDevice:
 
 def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
     """Run `pagedserve executor argv` on the virtual device; write its figures to
-    ``stats_path`` at exit (and its threads' ids as they start)."""
-    import threading
-
+    ``stats_path`` when it stops serving."""
     from pagedserve.executor import (
         cuda_graphs,
         graph_feed,
-        io_threads,
         model_runner,
         process,
         runner_setup,
@@ -113,12 +110,11 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
     )
 
     device = VirtualDevice(step_s)
-    tids: dict[str, int] = {"main": threading.get_native_id()}
     graphs: list = []  # the executor's DecodeGraphs, once captured
 
     def dump() -> None:
         Path(stats_path).write_text(json.dumps(
-            {"launches": device.launches, "late": device.late, "tids": tids,
+            {"launches": device.launches, "late": device.late,
              "fed": graphs[0].fed if graphs else [0, 0, 0]}))
 
     serve = process.ExecutorProcess.serve  # the process ends in os._exit: no atexit
@@ -129,18 +125,6 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
         finally:
             dump()
     process.ExecutorProcess.serve = serve_then_dump
-
-    def named(cls, name):  # record the OS thread id of each thread as it starts
-        run = cls.run
-
-        def wrapped(self):
-            tids[name] = threading.get_native_id()
-            return run(self)
-        cls.run = wrapped
-
-    named(io_threads.MainSocketIO, "io")
-    named(io_threads.FlightWatch, "watch")
-    named(io_threads.HeartbeatThread, "heartbeat")
 
     # Graphs on the CPU (their twins), whose replay only queues device time.
     cuda_graphs.graphs_supported = lambda dev: ""
@@ -201,21 +185,25 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
 # ----------------------------------------------------------------- the router's side
 
 
-def _thread_figures(pid: int, tid: int) -> tuple[float, float, int]:
-    """(user seconds, system seconds, context switches) of one thread so far."""
-    task = Path(f"/proc/{pid}/task/{tid}")
-    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+# The executor's threads by their OS names (executor/io_threads.py names them).
+THREAD_KEYS = {"executor-io": "io", "flight-watch": "watch", "heartbeat": "heartbeat"}
+
+
+def _threads(pid: int) -> dict[int, tuple[str, float, float, int]]:
+    """{thread id: (its key here, user s, system s, context switches)} of a process."""
     tick = os.sysconf("SC_CLK_TCK")
-    switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
-                   if line.endswith("ctxt_switches") or "ctxt_switches:" in line)
-    return int(fields[11]) / tick, int(fields[12]) / tick, switches
-
-
-def _threads(pid: int) -> dict[int, tuple[float, float, int]]:
     out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended
-            out[int(tid)] = _thread_figures(pid, int(tid))
+            text = (task / "stat").read_text()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()
+            switches = sum(int(line.split()[1])
+                           for line in (task / "status").read_text().splitlines()
+                           if "ctxt_switches:" in line)
+            key = "main" if int(task.name) == pid else THREAD_KEYS.get(name, "other")
+            out[int(task.name)] = (key, int(fields[11]) / tick, int(fields[12]) / tick,
+                                   switches)
     return out
 
 
@@ -293,14 +281,13 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
     n = len(arrivals) - warmup
     periods = np.diff(arrivals[warmup - 1:]) * 1e6
     idle = [i for t, i in figures["launches"] if t0 < t <= t1]
-    by_name = {v: k for k, v in figures["tids"].items()}
-    per_thread: dict[str, list[float]] = {}  # name -> [user s, system s, switches]
-    for tid, (user, system, switches) in cpu1.items():
-        before = cpu0.get(tid, (0.0, 0.0, 0))
-        into = per_thread.setdefault(by_name.get(tid, "other"), [0.0, 0.0, 0])
-        into[0] += user - before[0]
-        into[1] += system - before[1]
-        into[2] += switches - before[2]
+    per_thread: dict[str, list[float]] = {}  # key -> [user s, system s, switches]
+    for tid, (key, user, system, switches) in cpu1.items():
+        before = cpu0.get(tid, (key, 0.0, 0.0, 0))
+        into = per_thread.setdefault(key, [0.0, 0.0, 0])
+        into[0] += user - before[1]
+        into[1] += system - before[2]
+        into[2] += switches - before[3]
     total = [sum(v[i] for v in per_thread.values()) for i in range(3)]
     return {
         "bench": "executor_host", "case": f"b{rows}_d{depth}_dev{device_ms:g}ms",
@@ -309,6 +296,7 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
         "fed_steps": figures["fed"],
         "step_us_p50": round(float(np.median(periods)), 1),
         "step_us_mean": round((t1 - t0) / n * 1e6, 1),
+        "step_us_p90": round(float(np.percentile(periods, 90)), 1),
         "device_idle_us_p50": round(statistics.median(idle) * 1e6, 1) if idle else None,
         "device_idle_us_mean": round(statistics.fmean(idle) * 1e6, 1) if idle else None,
         "busy_ratio": round(min(1.0, len(idle) * device_ms / 1e3 / (t1 - t0)), 3)

@@ -29,7 +29,7 @@ from pagedserve.protos.codec import Codec
 from pagedserve.protos.wire import Heartbeat, Shutdown, StepPlan, WireError
 from pagedserve.protos.zmq_io import NOBLOCK, recv_frames, send_frames
 
-from pagedserve.affinity import pin_current_thread
+from pagedserve.affinity import name_current_thread, pin_current_thread
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -81,6 +81,7 @@ class HeartbeatThread(threading.Thread):
         return True
 
     def run(self) -> None:
+        name_current_thread(self.name)
         pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
         codec = Codec()
         sock = self.ctx.socket(zmq.DEALER)
@@ -201,6 +202,7 @@ class MainSocketIO(threading.Thread):
 
     # this thread ---------------------------------------------------------------------
     def run(self) -> None:
+        name_current_thread(self.name)
         pin_current_thread(self.cores)  # off the compute cores (pagedserve.affinity)
         codec = Codec()
         sock, wake = self.sock, self._wake_rx
@@ -269,6 +271,7 @@ class FlightWatch(threading.Thread):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     def run(self) -> None:
+        name_current_thread(self.name)
         while (job := self.jobs.get()) is not None:
             step_id, wait, inbox = job
             with contextlib.suppress(Exception):  # the main thread meets it when it reads

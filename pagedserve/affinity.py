@@ -17,6 +17,8 @@ step_overhead). Pinning only applies to CPU executors, and only when every execu
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 
 class AffinityError(ValueError):
@@ -70,6 +72,19 @@ def pin_current_thread(cores: list[int] | set[int]) -> bool:
         return False
     try:
         os.sched_setaffinity(0, set(cores))
+    except OSError:
+        return False
+    return True
+
+
+def name_current_thread(name: str) -> bool:
+    """Give the calling thread ``name`` (at most 15 bytes kept) as the OS sees it, so that
+    top -H, py-spy and /proc (the step-overhead benchmark's CPU a thread) tell the
+    executor's threads apart instead of showing each as the interpreter's name. False where
+    the platform has no /proc/self/task (the thread keeps its name)."""
+    try:
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        comm.write_bytes(name.encode()[:15])
     except OSError:
         return False
     return True

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 import pytest
 
-from pagedserve.affinity import AffinityError, format_cores, parse_cores, plan_serve
+from pagedserve.affinity import (
+    AffinityError,
+    format_cores,
+    name_current_thread,
+    parse_cores,
+    plan_serve,
+)
 
 
 def test_parse_and_format_cores():
@@ -43,3 +51,21 @@ def test_executor_pins_its_compute_thread_and_returns_the_other_cores():
             _pin_compute(str((os.cpu_count() or 1) + 7))
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc")
+def test_name_current_thread_is_what_the_os_shows():
+    """The name goes to the calling thread alone, cut to the 15 bytes Linux keeps."""
+    seen = {}
+
+    def run():
+        seen["ok"] = name_current_thread("executor-io-and-more")
+        seen["tid"] = threading.get_native_id()
+        seen["comm"] = Path(f"/proc/self/task/{seen['tid']}/comm").read_text().strip()
+
+    before = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["ok"] and seen["comm"] == "executor-io-and"
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == before

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,6 +93,10 @@ def test_register_execute_heartbeat_reregister_shutdown(model_dir):
         # Heartbeats arrive on their own socket (another routing id); recv echoes them.
         hb_ident, beat = router.recv(timeout_s=5, want=Heartbeat)
         assert beat.executor_id == "ex-1" and hb_ident != ident
+        # Its threads carry their names where the OS shows them (top -H, /proc).
+        names = {(task / "comm").read_text().strip()
+                 for task in Path(f"/proc/{proc.pid}/task").iterdir()}
+        assert {"heartbeat", "executor-io"} <= names, names
 
         # A malformed message is answered with an ErrorReport, never executed.
         router.sock.send_multipart([ident, b"\xc1garbage"])
