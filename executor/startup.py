@@ -15,14 +15,9 @@ import random
 import socket
 import sys
 
+from pagedserve.executor.env_switches import fault_sleep_from_env, plan_prep_from_env
 from pagedserve.executor.graph_feed import feeds_wanted
-from pagedserve.executor.process import (
-    ExecutorProcess,
-    _setup_logging,
-    fault_sleep_from_env,
-    load_curve_keys,
-    plan_prep_from_env,
-)
+from pagedserve.executor.process import ExecutorProcess, _setup_logging, load_curve_keys
 from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
 from pagedserve.protos.wire import Hello
 
