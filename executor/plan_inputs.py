@@ -97,6 +97,9 @@ def check_block_moves(plan: StepPlan, limits: PlanLimits) -> str:
     return ""
 
 
+_NONE = np.zeros(0, np.int64)  # no rows
+
+
 def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     """The part of a step that depends on the plan alone: the block-move checks, the new
     requests' sampling states, the rows' arrays (the table changes as one scatter's
@@ -119,9 +122,16 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     seq_lens = plan.num_computed_tokens.astype(np.int64) + num_new
     starts = plan.block_table_starts.astype(np.int64)
     lens = plan.block_table_lens.astype(np.int64)
-    ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32, limits.device)
-    row_of_token = np.repeat(np.arange(num_seqs), num_new)
-    first_token = np.cumsum(num_new) - num_new
+    ids = plan.block_table_ids if plan.block_table_ids is not None else np.zeros(0, np.int32)
+    # A step of one token a row (every decode step) skips the per-token bookkeeping below
+    # (the executor's I/O thread holds the GIL while it runs this, every step).
+    max_query_len = int(num_new.max())
+    one_each = max_query_len == 1 and plan.num_tokens == num_seqs
+    if one_each:  # the row of token i is i, and so is its first token
+        row_of_token = first_token = np.arange(num_seqs)
+    else:
+        row_of_token = np.repeat(np.arange(num_seqs), num_new)
+        first_token = np.cumsum(num_new) - num_new
     slots = plan.slot_mapping.astype(np.int64)
     token_ids = plan.token_ids.astype(np.int64)  # a copy: fed tokens are written in
     marked_rows = np.zeros(num_seqs, dtype=bool)
@@ -129,12 +139,14 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
         marked_rows = plan.feed_sampled.astype(bool)
     marked = np.flatnonzero(marked_rows)
     prev = plan.step_id - 1
-    one = num_new[marked] == 1
-    unfed = {i: (f"marked to be fed its sample of step {prev} but scheduled with "
-                 f"{num_new[i]} tokens (a marked row is a decode of one token)")
-             for i in marked[~one].tolist()}
-    if unfed:
-        marked = marked[one]
+    unfed: dict[int, str] = {}
+    if not one_each:
+        one = num_new[marked] == 1
+        unfed = {i: (f"marked to be fed its sample of step {prev} but scheduled with "
+                     f"{num_new[i]} tokens (a marked row is a decode of one token)")
+                 for i in marked[~one].tolist()}
+        if unfed:
+            marked = marked[one]
 
     # Vectorised checks; a bad token, block id or length condemns its request. The
     # tokens of marked rows are checked when fed (a -1 left unfed is an error there).
@@ -142,7 +154,8 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     bad_token = (
         (slots < -1) | (slots >= num_blocks * bs)
         | (plan.positions < 0) | (plan.positions >= limits.max_model_len)
-        | (((token_ids < 0) | (token_ids >= limits.vocab_size)) & ~marked_rows[row_of_token])
+        | (((token_ids < 0) | (token_ids >= limits.vocab_size))
+           & ~(marked_rows if one_each else marked_rows[row_of_token]))
     )
     new_len = starts + lens
     bad: dict[int, str] = {}
@@ -151,7 +164,7 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
         (id_seq[(ids < 0) | (ids >= num_blocks)], f"block id out of range (have {num_blocks})"),
         (np.flatnonzero(seq_lens > np.minimum(limits.max_model_len, new_len * bs)),
          "its tokens do not fit its blocks or max_model_len"),
-        (np.flatnonzero(num_new == 0), "scheduled with no new tokens"),
+        (_NONE if one_each else np.flatnonzero(num_new == 0), "scheduled with no new tokens"),
     ):
         if rows.shape[0]:
             for i in rows.tolist():
@@ -172,13 +185,15 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
     inputs.row_of_token, inputs.slots, inputs.token_ids = row_of_token, slots, token_ids
     inputs.marked, inputs.feed_at = marked, first_token[marked]
     inputs.all_marked = marked.shape[0] == num_seqs
-    inputs.do_sample_rows = None if do_sample.all() else np.flatnonzero(do_sample)
+    every_row_samples = bool(do_sample.all())
+    inputs.do_sample_rows = None if every_row_samples else np.flatnonzero(do_sample)
     inputs.unfed, inputs.bad = unfed, bad
     if not bad and not unfed:  # the usual case: the tensors of every row, built here
-        inputs.max_query_len = int(num_new.max())
+        inputs.max_query_len = max_query_len
         inputs.tables = np.empty((num_seqs, inputs.longest), dtype=np.int32)
-        inputs.sample_ids = [r for r, d in zip(plan.request_ids, do_sample.tolist(),
-                                               strict=True) if d]
+        inputs.sample_ids = (list(plan.request_ids) if every_row_samples else
+                             [r for r, d in zip(plan.request_ids, do_sample.tolist(),
+                                                strict=True) if d])
         inputs.plan_positions = plan.positions
         inputs.feedable = inputs.max_query_len == 1 and inputs.do_sample_rows is None
         if not (inputs.feedable and num_seqs <= limits.graph_rows
