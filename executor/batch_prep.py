@@ -184,10 +184,12 @@ def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError
     by_id = keep[pre.id_seq]
     table.set_tails(kept_rows, new_len, rows[pre.id_seq[by_id]], pre.id_cols[by_id],
                     pre.ids[by_id])
+    reported = {e.request_id for e in errors}  # one error a request (a failed fork's child)
     for i, message in sorted(bad.items()):
         rid = plan.request_ids[i]
         log.error("step %d: request %s: %s", plan.step_id, rid, message)
-        errors.append(RequestError(rid, message))
+        if rid not in reported:
+            errors.append(RequestError(rid, message))
         self._drop(rid)
     if not bad:
         return self._full_batch(pre, rows)

@@ -476,6 +476,7 @@ class ModelRunner:
             parent = self.requests.get(fork.parent_id)
             if parent is None:
                 errors.append(RequestError(fork.child_id, f"fork of unknown {fork.parent_id!r}"))
+                self._drop(fork.child_id)  # a state under that id is not the router's child
                 continue
             # The child inherits the parent's table and last sample too (its row is a copy):
             # a fork planned while that token was in flight feeds it to both (their common

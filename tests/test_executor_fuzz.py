@@ -1,0 +1,204 @@
+"""Wire-valid but wild StepPlans straight into a ModelRunner (no router): whatever a plan
+holds (unknown requests, marked decodes with nothing to feed, slots, positions, token and
+block ids just outside their ranges, rows with no tokens, forks of unknown parents, block
+moves out of range, requests finished twice), `execute` returns a StepResult and never
+raises, answers every row that samples (a token or an error), and the runner keeps
+serving: a clean request afterwards samples what it samples on a fresh runner.
+
+Sampling parameters stay within what the router validates (the executor takes them as
+validated: protos/wire.py SamplingParams)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pagedserve.executor.runner_setup import build_runner
+from pagedserve.protos.wire import (
+    Fork,
+    NewRequest,
+    SamplingParams,
+    StepPlan,
+    int32,
+    int64_pairs,
+)
+
+from pagedserve.tinymodels import build_model
+
+BS, NUM_GPU, NUM_CPU, MAX_LEN = 8, 24, 8, 96
+POOL = ["a", "b", "c", "d"]  # the wild plans' request ids
+CLEAN = [0, 17, 250, 33, 9, 480, 77, 5, 61, 300]  # the clean request's prompt afterwards
+CLEAN_BLOCKS = [20, 21, 22, 23]  # its blocks (the wild plans may write anywhere)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("fuzz") / "llama", "llama")
+
+
+def _runner(model_dir):
+    return build_runner(str(model_dir), num_gpu_blocks=NUM_GPU, num_cpu_blocks=NUM_CPU,
+                        block_size=BS, max_model_len=MAX_LEN, progress=False)
+
+
+def _clean_tokens(runner, step_id: int) -> list[int]:
+    """A greedy request ("z") prefilled then decoded twice: its three tokens."""
+    greedy = SamplingParams(temperature=0.0)
+    n = len(CLEAN)
+    plan = StepPlan(
+        step_id=step_id, request_ids=["z"],
+        new_requests=[NewRequest(request_id="z", prompt_token_ids=int32(CLEAN),
+                                 output_token_ids=int32([]), sampling=greedy)],
+        num_computed_tokens=int32([0]), num_new_tokens=int32([n]),
+        do_sample=np.ones(1, np.uint8), token_ids=int32(CLEAN), positions=int32(range(n)),
+        slot_mapping=np.array([CLEAN_BLOCKS[p // BS] * BS + p % BS for p in range(n)],
+                              np.int64),
+        block_table_starts=int32([0]), block_table_lens=int32([2]),
+        block_table_ids=int32(CLEAN_BLOCKS[:2]))
+    out = []
+    for k in range(3):
+        result = runner.execute(plan)
+        assert not result.errors and result.request_ids == ["z"], result.errors
+        token = int(result.token_ids[0])
+        out.append(token)
+        pos = n + k
+        plan = StepPlan(
+            step_id=step_id + k + 1, request_ids=["z"], num_computed_tokens=int32([pos]),
+            num_new_tokens=int32([1]), do_sample=np.ones(1, np.uint8),
+            token_ids=int32([token]), positions=int32([pos]),
+            slot_mapping=np.array([CLEAN_BLOCKS[pos // BS] * BS + pos % BS], np.int64),
+            block_table_starts=int32([2]), block_table_lens=int32([0]), block_table_ids=None,
+            finished_ids=["z"] if k == 2 else [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return _clean_tokens(_runner(model_dir), 1)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir):
+    return _runner(model_dir)
+
+
+SAMPLING = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
+    top_k=st.sampled_from([0, 5]), seed=st.integers(0, 3),
+    repetition_penalty=st.sampled_from([1.0, 1.3]),
+    presence_penalty=st.sampled_from([0.0, 0.5]), min_tokens=st.integers(0, 2),
+    logprobs=st.sampled_from([None, 0, 2]), stop_token_ids=st.sampled_from([(), (3,)]),
+    eos_token_ids=st.sampled_from([(), (1,)]), ignore_eos=st.booleans(),
+    logit_bias_ids=st.sampled_from([(), (7,)]).map(tuple),
+    prompt_logprobs=st.sampled_from([None, None, 1]),
+).map(lambda p: SamplingParams(**{**{f: getattr(p, f) for f in p.__struct_fields__},
+                                  "logit_bias_values": (2.0,) * len(p.logit_bias_ids)}))
+
+
+@st.composite
+def wild_plan(draw, step_id: int, vocab: int):
+    ids = draw(st.lists(st.sampled_from(POOL), unique=True, max_size=4))
+    s = len(ids)
+    num_new = [draw(st.integers(0, 4)) for _ in range(s)]
+    t = sum(num_new)
+    lens = [draw(st.integers(0, 2)) for _ in range(s)]
+    ints = lambda lo, hi, n: draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
+    new = [NewRequest(request_id=rid,
+                      prompt_token_ids=int32(ints(0, vocab - 1, draw(st.integers(1, 12)))),
+                      output_token_ids=int32(ints(0, vocab - 1, draw(st.integers(0, 2)))),
+                      sampling=draw(SAMPLING), sample_index=draw(st.integers(0, 1)))
+           for rid in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=2))]
+
+    def pairs(lo_limit, hi_limit):
+        if not draw(st.booleans()):
+            return None
+        return int64_pairs([(draw(st.integers(-1, lo_limit)), draw(st.integers(-1, hi_limit)))])
+
+    copy = pairs(NUM_GPU, NUM_GPU)
+    if copy is not None and copy[0, 0] == copy[0, 1]:
+        copy = None  # a block both source and target: the wire rejects it
+    forks = [Fork(parent_id=draw(st.sampled_from(POOL)), child_id=child,
+                  sample_index=draw(st.integers(0, 2)))
+             for child in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=1))]
+    plan = StepPlan(
+        step_id=step_id, request_ids=ids, new_requests=new, forks=forks,
+        num_computed_tokens=int32(ints(0, MAX_LEN, s)), num_new_tokens=int32(num_new),
+        do_sample=np.array(ints(0, 1, s), np.uint8),
+        feed_sampled=np.array(ints(0, 1, s), np.uint8) if draw(st.booleans()) else None,
+        token_ids=int32(ints(-2, vocab, t)), positions=int32(ints(-1, MAX_LEN, t)),
+        slot_mapping=np.array(ints(-2, NUM_GPU * BS, t), np.int64),
+        block_table_starts=int32(ints(0, 4, s)), block_table_lens=int32(lens),
+        block_table_ids=int32(ints(-1, NUM_GPU, sum(lens))) if sum(lens) or
+        draw(st.booleans()) else None,
+        swap_out=pairs(NUM_GPU, NUM_CPU), swap_in=pairs(NUM_CPU, NUM_GPU), copy=copy,
+        finished_ids=draw(st.lists(st.sampled_from(POOL), unique=True, max_size=2)))
+    plan.validate()
+    return plan
+
+
+STEP = [1000]  # step ids keep growing across examples (the runner is the module's)
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_wild_plans_never_raise_and_every_sampling_row_is_answered(runner, data):
+    vocab = runner.vocab_size
+    runner.reset()  # each example from an empty state (as after registering), replayable
+    for _ in range(data.draw(st.integers(1, 4))):
+        STEP[0] += 1
+        plan = data.draw(wild_plan(STEP[0], vocab))
+        result = runner.execute(plan)
+        assert result.step_id == plan.step_id
+        errors = {e.request_id for e in result.errors}
+        assert len(errors) == len(result.errors), result.errors  # one error a request
+        assert set(result.request_ids) <= set(plan.request_ids)
+        assert not set(result.request_ids) & errors, result.errors
+        if result.request_ids:
+            assert result.token_ids.shape == (len(result.request_ids),)
+            assert ((result.token_ids >= 0) & (result.token_ids < vocab)).all()
+        if "" not in errors:  # not a step that failed as a whole
+            sampling = {rid for rid, d in zip(plan.request_ids, plan.do_sample, strict=True)
+                        if d}
+            assert sampling <= set(result.request_ids) | errors, (sampling, result)
+
+
+def test_the_runner_still_serves_after_the_wild_plans(runner, reference):
+    """Runs after the fuzz (same module runner): a clean request samples what a fresh
+    runner samples."""
+    STEP[0] += 10
+    assert _clean_tokens(runner, STEP[0]) == reference
+
+
+def test_a_failed_fork_condemns_a_request_already_under_the_childs_id(runner):
+    """Found by the fuzz: a fork of an unknown parent whose child id names a request the
+    executor holds, scheduled in the same plan, used to run that old request and report
+    both its token and the fork's error. Now the old state is dropped with the fork's error
+    alone (one error a request), and the id is unknown here afterwards."""
+    runner.reset()
+    greedy = SamplingParams(temperature=0.0)
+    STEP[0] += 1
+    prefill = StepPlan(
+        step_id=STEP[0], request_ids=["a"],
+        new_requests=[NewRequest(request_id="a", prompt_token_ids=int32([3, 4, 5]),
+                                 output_token_ids=int32([]), sampling=greedy)],
+        num_computed_tokens=int32([0]), num_new_tokens=int32([3]),
+        do_sample=np.ones(1, np.uint8), token_ids=int32([3, 4, 5]), positions=int32([0, 1, 2]),
+        slot_mapping=np.array([0, 1, 2], np.int64), block_table_starts=int32([0]),
+        block_table_lens=int32([1]), block_table_ids=int32([0]))
+    first = runner.execute(prefill)
+    assert first.request_ids == ["a"] and not first.errors
+    STEP[0] += 1
+    decode = StepPlan(
+        step_id=STEP[0], request_ids=["a"], forks=[Fork(parent_id="ghost", child_id="a", sample_index=0)],
+        num_computed_tokens=int32([3]), num_new_tokens=int32([1]),
+        do_sample=np.ones(1, np.uint8), token_ids=int32([int(first.token_ids[0])]),
+        positions=int32([3]), slot_mapping=np.array([3], np.int64),
+        block_table_starts=int32([1]), block_table_lens=int32([0]))
+    result = runner.execute(decode)
+    assert result.request_ids == []
+    assert [(e.request_id, e.message) for e in result.errors] == [("a", "fork of unknown 'ghost'")]
+    assert "a" not in runner.requests
