@@ -153,17 +153,51 @@ def test_wild_plans_never_raise_and_every_sampling_row_is_answered(runner, data)
         plan = data.draw(wild_plan(STEP[0], vocab))
         result = runner.execute(plan)
         assert result.step_id == plan.step_id
-        errors = {e.request_id for e in result.errors}
-        assert len(errors) == len(result.errors), result.errors  # one error a request
-        assert set(result.request_ids) <= set(plan.request_ids)
-        assert not set(result.request_ids) & errors, result.errors
-        if result.request_ids:
-            assert result.token_ids.shape == (len(result.request_ids),)
-            assert ((result.token_ids >= 0) & (result.token_ids < vocab)).all()
-        if "" not in errors:  # not a step that failed as a whole
-            sampling = {rid for rid, d in zip(plan.request_ids, plan.do_sample, strict=True)
-                        if d}
-            assert sampling <= set(result.request_ids) | errors, (sampling, result)
+        _check_result(plan, result, vocab)
+
+
+@pytest.fixture(scope="module")
+def overlapped(model_dir):
+    r = _runner(model_dir)
+    r.overlap_steps = True  # a GPU's loop: a sampling step stays in flight until the next
+    return r
+
+
+def _check_result(plan: StepPlan, result, vocab: int) -> None:
+    errors = {e.request_id for e in result.errors}
+    assert len(errors) == len(result.errors), result.errors  # one error a request
+    assert set(result.request_ids) <= set(plan.request_ids)
+    assert not set(result.request_ids) & errors, result.errors
+    if result.request_ids:
+        assert result.token_ids.shape == (len(result.request_ids),)
+        assert ((result.token_ids >= 0) & (result.token_ids < vocab)).all()
+    if "" not in errors:  # not a step that failed as a whole
+        sampling = {rid for rid, d in zip(plan.request_ids, plan.do_sample, strict=True) if d}
+        assert sampling <= set(result.request_ids) | errors, (sampling, result)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_wild_plans_with_steps_left_in_flight(overlapped, data):
+    """The same through `submit` and `collect` with steps left in flight (a marked decode
+    then fed from the step in flight): every plan answered once, in order."""
+    vocab = overlapped.vocab_size
+    overlapped.reset()
+    plans, results = [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        STEP[0] += 1
+        plans.append(data.draw(wild_plan(STEP[0], vocab)))
+        results += overlapped.submit(plans[-1])
+        if data.draw(st.booleans()):
+            last = overlapped.collect()  # no plan waiting: the step in flight read back
+            results += [last] if last is not None else []
+    last = overlapped.collect()
+    results += [last] if last is not None else []
+    assert [r.step_id for r in results] == [p.step_id for p in plans]
+    for plan, result in zip(plans, results, strict=True):
+        _check_result(plan, result, vocab)
 
 
 def test_the_runner_still_serves_after_the_wild_plans(runner, reference):
