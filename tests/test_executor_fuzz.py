@@ -2,14 +2,18 @@
 holds (unknown requests, marked decodes with nothing to feed, slots, positions, token and
 block ids just outside their ranges, rows with no tokens, forks of unknown parents, block
 moves out of range, requests finished twice), `execute` returns a StepResult and never
-raises, answers every row that samples (a token or an error), and the runner keeps
-serving: a clean request afterwards samples what it samples on a fresh runner.
+raises, answers every row that samples once (a token or an error), and the runner keeps
+serving: a clean request afterwards samples what it samples on a fresh runner. The same
+with steps left in flight (`submit`/`collect`). And one row of a correct step broken one
+way: that request alone is named, with that check's message, and the others' tokens are
+exactly those they sample alone.
 
 Sampling parameters stay within what the router validates (the executor takes them as
 validated: protos/wire.py SamplingParams)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +27,7 @@ from pagedserve.protos.wire import (
     int32,
     int64_pairs,
 )
+from test_executor_support import Driver
 
 from pagedserve.tinymodels import build_model
 
@@ -236,3 +241,96 @@ def test_a_failed_fork_condemns_a_request_already_under_the_childs_id(runner):
     assert result.request_ids == []
     assert [(e.request_id, e.message) for e in result.errors] == [("a", "fork of unknown 'ghost'")]
     assert "a" not in runner.requests
+
+
+# ------------------------------------------------------------- one row corrupted, exactly
+
+CORRUPTIONS = ("slot", "position", "token", "block", "start", "fit", "unknown")
+
+
+def _corrupt(plan: StepPlan, row: int, kind: str, vocab: int):
+    """``plan`` with row ``row`` broken in one way: (the plan, the request id the executor
+    must name, its message); None when the row has no such field to break (no table
+    change for "block")."""
+    first = int(plan.num_new_tokens[:row].sum())  # the row's first token
+    rid = plan.request_ids[row]
+    arrays = {k: getattr(plan, k).copy() for k in (
+        "slot_mapping", "positions", "token_ids", "block_table_ids", "block_table_starts",
+        "num_computed_tokens")}
+    fields: dict = {}
+    message = "a slot, position or token id out of range"
+    if kind == "slot":
+        arrays["slot_mapping"][first] = NUM_GPU * BS
+    elif kind == "position":
+        arrays["positions"][first] = MAX_LEN
+    elif kind == "token":
+        arrays["token_ids"][first] = vocab
+    elif kind == "block":
+        if not plan.block_table_lens[row]:
+            return None
+        arrays["block_table_ids"][int(plan.block_table_lens[:row].sum())] = NUM_GPU
+        message = f"block id out of range (have {NUM_GPU})"
+    elif kind == "start":
+        start = int(plan.block_table_starts[row])
+        arrays["block_table_starts"][row] = start + 1
+        message = f"block table change at {start + 1} beyond its {start}"
+    elif kind == "fit":
+        capacity = int(plan.block_table_starts[row] + plan.block_table_lens[row]) * BS
+        arrays["num_computed_tokens"][row] = capacity
+        message = "its tokens do not fit its blocks or max_model_len"
+    else:  # a request this executor never heard of, in the row's place
+        fields["request_ids"] = [*plan.request_ids[:row], "ghost", *plan.request_ids[row + 1:]]
+        rid, message = "ghost", "unknown request (never sent as a new request)"
+    bad = msgspec.structs.replace(plan, **{**arrays, **fields})
+    bad.validate()
+    return bad, rid, message
+
+
+@pytest.fixture(scope="module")
+def solo(model_dir):
+    return _runner(model_dir)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_corrupted_row_is_named_and_the_others_sample_as_alone(runner, solo, data):
+    """A step of 2-4 greedy requests (prefill or decode), one row broken one way: the
+    executor names that request with that check's message and no other, the other rows
+    sample, and every survivor's tokens, then and 3 steps on, are those it samples alone
+    on a fresh runner. Exact token ids, not a tolerance."""
+    vocab = runner.vocab_size
+    runner.reset()
+    d = Driver(runner)
+    rids = [f"q{i}" for i in range(data.draw(st.integers(2, 4)))]
+    prompts = {r: data.draw(st.lists(st.integers(0, vocab - 1), min_size=3, max_size=12))
+               for r in rids}
+    for r in rids:
+        d.add(r, prompts[r])
+    before = data.draw(st.integers(0, 2))  # outputs before the broken step (0: a prefill)
+    if before:
+        d.generate(rids, before)
+    d.step_id = STEP[0] = STEP[0] + 10
+    plan = d.plan({r: None for r in rids})
+    row, kind = data.draw(st.integers(0, len(rids) - 1)), data.draw(st.sampled_from(CORRUPTIONS))
+    broken = _corrupt(plan, row, kind, vocab)
+    if broken is None:
+        return
+    bad, named, message = broken
+    result = runner.execute(bad)
+    victim = rids[row]
+    assert [(e.request_id, e.message) for e in result.errors] == [(named, message)]
+    survivors = [r for r in rids if r != victim]
+    assert result.request_ids == survivors
+    d.accept(result)
+    del d.seqs[victim]
+    if kind == "unknown":  # the victim's state is still here: the router would finish it
+        d.step({r: None for r in survivors}, finished_ids=[victim])
+    d.generate(survivors, before + 3)
+    assert victim not in runner.requests
+    for r in survivors:
+        alone = Driver(solo)
+        solo.reset()
+        alone.add(r, prompts[r])
+        alone.generate([r], before + 3)
+        assert d.seqs[r].outputs[:before + 3] == alone.seqs[r].outputs, r
