@@ -27,6 +27,7 @@ from pagedserve.protos.wire import (
     int32,
     int64_pairs,
 )
+from pagedserve.router.structured import build_grammar
 from test_executor_support import Driver
 
 from pagedserve.tinymodels import build_model
@@ -88,6 +89,8 @@ def runner(model_dir):
     return _runner(model_dir)
 
 
+GRAMMARS = {"choice": build_grammar("choice", ["ab", "b"]),
+            "regex": build_grammar("regex", "[a-c]+")}
 SAMPLING = st.builds(
     SamplingParams,
     temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
@@ -98,6 +101,10 @@ SAMPLING = st.builds(
     eos_token_ids=st.sampled_from([(), (1,)]), ignore_eos=st.booleans(),
     logit_bias_ids=st.sampled_from([(), (7,)]).map(tuple),
     prompt_logprobs=st.sampled_from([None, None, 1]),
+    # Structured output: most free, some a format (the router's compiled grammars), one
+    # this executor cannot use (the request is then condemned).
+    grammar=st.sampled_from(["", "", "", "choice", "regex", "not a grammar"]).map(
+        lambda g: GRAMMARS.get(g, g)),
 ).map(lambda p: SamplingParams(**{**{f: getattr(p, f) for f in p.__struct_fields__},
                                   "logit_bias_values": (2.0,) * len(p.logit_bias_ids)}))
 
