@@ -6,7 +6,9 @@ raises, answers every row that samples once (a token or an error), and the runne
 serving: a clean request afterwards samples what it samples on a fresh runner. The same
 with steps left in flight (`submit`/`collect`). And one row of a correct step broken one
 way: that request alone is named, with that check's message, and the others' tokens are
-exactly those they sample alone.
+exactly those they sample alone, one step at a time and as a GPU runs (steps in flight,
+pipelined decodes in any row order as fed decode graphs: ids from the stage, from the
+graphs' last tokens and copied in all occur).
 
 Sampling parameters stay within what the router validates (the executor takes them as
 validated: protos/wire.py SamplingParams)."""
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import (
     Fork,
@@ -113,9 +116,14 @@ SAMPLING = st.builds(
 def wild_plan(draw, step_id: int, vocab: int):
     ids = draw(st.lists(st.sampled_from(POOL), unique=True, max_size=4))
     s = len(ids)
-    num_new = [draw(st.integers(0, 4)) for _ in range(s)]
+    # Weighted towards rows that pass the checks (one token, sampling, a table from 0 that
+    # holds the tokens), so that whole steps run, some as fed graphs, among the wild ones.
+    num_new = [draw(st.sampled_from([0, 1, 1, 1, 1, 2, 4])) for _ in range(s)]
     t = sum(num_new)
     lens = [draw(st.integers(0, 2)) for _ in range(s)]
+    starts = [draw(st.sampled_from([0, 0, 0, 1, 2, 4])) for _ in range(s)]
+    computed = [draw(st.integers(0, max(0, (starts[i] + lens[i]) * BS - num_new[i]))
+                     if draw(st.booleans()) else st.integers(0, MAX_LEN)) for i in range(s)]
     ints = lambda lo, hi, n: draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
     new = [NewRequest(request_id=rid,
                       prompt_token_ids=int32(ints(0, vocab - 1, draw(st.integers(1, 12)))),
@@ -136,12 +144,12 @@ def wild_plan(draw, step_id: int, vocab: int):
              for child in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=1))]
     plan = StepPlan(
         step_id=step_id, request_ids=ids, new_requests=new, forks=forks,
-        num_computed_tokens=int32(ints(0, MAX_LEN, s)), num_new_tokens=int32(num_new),
-        do_sample=np.array(ints(0, 1, s), np.uint8),
+        num_computed_tokens=int32(computed), num_new_tokens=int32(num_new),
+        do_sample=np.array([draw(st.sampled_from([0, 1, 1, 1])) for _ in range(s)], np.uint8),
         feed_sampled=np.array(ints(0, 1, s), np.uint8) if draw(st.booleans()) else None,
         token_ids=int32(ints(-2, vocab, t)), positions=int32(ints(-1, MAX_LEN, t)),
         slot_mapping=np.array(ints(-2, NUM_GPU * BS, t), np.int64),
-        block_table_starts=int32(ints(0, 4, s)), block_table_lens=int32(lens),
+        block_table_starts=int32(starts), block_table_lens=int32(lens),
         block_table_ids=int32(ints(-1, NUM_GPU, sum(lens))) if sum(lens) or
         draw(st.booleans()) else None,
         swap_out=pairs(NUM_GPU, NUM_CPU), swap_in=pairs(NUM_CPU, NUM_GPU), copy=copy,
@@ -170,8 +178,13 @@ def test_wild_plans_never_raise_and_every_sampling_row_is_answered(runner, data)
 
 @pytest.fixture(scope="module")
 def overlapped(model_dir):
+    """A GPU's loop on the CPU: a sampling step stays in flight until the next, and decode
+    steps of up to 3 rows run as fed decode graphs (their CPU twin; 4 rows: eager)."""
     r = _runner(model_dir)
-    r.overlap_steps = True  # a GPU's loop: a sampling step stays in flight until the next
+    r.overlap_steps = True
+    graphs = DecodeGraphs(r.model, r.cache.kv_cache, BS, MAX_LEN, 3)
+    graphs.capture()
+    r.graphs = graphs
     return r
 
 
@@ -298,14 +311,19 @@ def solo(model_dir):
     return _runner(model_dir)
 
 
+@pytest.mark.parametrize("loop", ["eager", "graphs"])
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_one_corrupted_row_is_named_and_the_others_sample_as_alone(runner, solo, data):
+def test_one_corrupted_row_is_named_and_the_others_sample_as_alone(loop, runner, overlapped,
+                                                                     solo, data):
     """A step of 2-4 greedy requests (prefill or decode), one row broken one way: the
     executor names that request with that check's message and no other, the other rows
     sample, and every survivor's tokens, then and 3 steps on, are those it samples alone
-    on a fresh runner. Exact token ids, not a tolerance."""
+    on a fresh runner (eager, one step at a time). Exact token ids, not a tolerance. Run
+    eagerly one step at a time, and as a GPU runs (steps left in flight, the decode steps
+    of up to 3 rows as fed graphs: their CPU twin)."""
+    runner = runner if loop == "eager" else overlapped
     vocab = runner.vocab_size
     runner.reset()
     d = Driver(runner)
@@ -333,11 +351,23 @@ def test_one_corrupted_row_is_named_and_the_others_sample_as_alone(runner, solo,
     del d.seqs[victim]
     if kind == "unknown":  # the victim's state is still here: the router would finish it
         d.step({r: None for r in survivors}, finished_ids=[victim])
-    d.generate(survivors, before + 3)
+    if loop == "eager":
+        d.generate(survivors, before + 3)
+    else:  # pipelined, as the router sends them: a decode fed the step in flight's token
+        previous: set[str] = set()  # the rows of the step in flight
+        for _ in range(3):  # rows in any order, one sitting a step out now and then
+            order = data.draw(st.permutations(survivors))
+            if len(order) > 1 and data.draw(st.booleans()):
+                order = order[1:]
+            plan = d.plan({r: None for r in order}, feed=[r for r in order if r in previous])
+            for done in runner.submit(plan):
+                d.accept(done)
+            previous = set(order)
+        d.accept(runner.collect())
     assert victim not in runner.requests
     for r in survivors:
         alone = Driver(solo)
         solo.reset()
         alone.add(r, prompts[r])
-        alone.generate([r], before + 3)
-        assert d.seqs[r].outputs[:before + 3] == alone.seqs[r].outputs, r
+        alone.generate([r], len(d.seqs[r].outputs))
+        assert d.seqs[r].outputs == alone.seqs[r].outputs, r
