@@ -108,6 +108,8 @@ log = logging.getLogger("pagedserve.executor")
 WELCOME_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_BACKOFF_S = 8.0
+
+
 def _setup_logging(fmt: str) -> None:
     from pagedserve.logs import setup_logging
     setup_logging(fmt)
