@@ -37,9 +37,11 @@ Figures, over the steps after ``--warmup`` (one case per rows x depth x device t
                                OS's timer slack, a cost a GPU's spinning event wait does not
                                have: subtract it when reading the idle time).
 With ``--device-ms 0`` the device is infinitely fast: the step time is the host ceiling.
+``--phases``: also ``phases_cpu_wall_calls_per_step``, the executor's main and I/O threads'
+time by phase (executor_host_phases.py has the list), a plan's worth.
 
     .venv/bin/python benchmarks/executor_host.py [--rows 32,256] [--depths 2,4]
-        [--device-ms 0,auto] [--steps 1000] [--warmup 100]
+        [--device-ms 0,auto] [--steps 1000] [--warmup 100] [--phases]
 
 ``auto`` device times are the sixth GPU run's forward + sampling at that many streams
 (H200, 2026-11-27, `step_overhead_workers_depth4`): 1.28 ms at 32 rows, 1.98 at 256.
@@ -62,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 AUTO_DEVICE_MS = {32: 1.28, 256: 1.98}  # H200 sixth run: forward + sampling p50
 PROMPT_LEN, BLOCK_SIZE, MAX_MODEL_LEN = 16, 16, 1024
+PHASES_ENV = "EXECUTOR_HOST_PHASES"  # 1: the executor times its phases (--phases)
 # A wait sleeps until this long before its end, then yields in a loop: a sleep alone woke
 # ~120 us late on the 2-core VM (timer slack), where a GPU's event wait spins.
 SPIN_S = 200e-6
@@ -111,11 +114,17 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
 
     device = VirtualDevice(step_s)
     graphs: list = []  # the executor's DecodeGraphs, once captured
+    phases = None
+    if os.environ.get(PHASES_ENV) == "1":
+        from executor_host_phases import install
+
+        phases = install()
 
     def dump() -> None:
         Path(stats_path).write_text(json.dumps(
             {"launches": device.launches, "late": device.late,
-             "fed": graphs[0].fed if graphs else [0, 0, 0]}))
+             "fed": graphs[0].fed if graphs else [0, 0, 0],
+             "phases": phases() if phases is not None else None}))
 
     serve = process.ExecutorProcess.serve  # the process ends in os._exit: no atexit
 
@@ -208,7 +217,7 @@ def _threads(pid: int) -> dict[int, tuple[str, float, float, int]]:
 
 
 def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int,
-             warmup: int) -> dict:
+             warmup: int, phases: bool = False) -> dict:
     import numpy as np
     import zmq
     from executor_steps import pipelined_decode_plans
@@ -231,7 +240,8 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
            "--num-gpu-blocks", str(blocks), "--swap-space", "0", "--max-num-seqs",
            str(max(rows, 8)), "--max-model-len", str(MAX_MODEL_LEN), "--executor-id", "host",
            "--heartbeat-timeout", "30"]
-    env = {**os.environ, "PAGEDSERVE_PARENT_PID": str(os.getpid())}
+    env = {**os.environ, "PAGEDSERVE_PARENT_PID": str(os.getpid()),
+           PHASES_ENV: "1" if phases else "0"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     arrivals: list[float] = []
@@ -310,6 +320,7 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
            for k, v in sorted(per_thread.items()) if k in ("main", "io", "watch")},
         "wake_late_us_p50": round(statistics.median(figures["late"]) * 1e6, 1)
         if figures["late"] else None,
+        **({"phases_cpu_wall_calls_per_step": figures["phases"]} if phases else {}),
     }
 
 
@@ -326,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                          "that many rows)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the executor's phases by thread (executor_host_phases.py; "
+                         "the timers slow the steps a little)")
     args = ap.parse_args(argv)
     if args.steps + PROMPT_LEN > MAX_MODEL_LEN or args.warmup < 2 or args.steps <= args.warmup:
         ap.error(f"need 2 <= --warmup < --steps <= {MAX_MODEL_LEN - PROMPT_LEN}")
@@ -338,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         for device_ms in times:
             for depth in [int(d) for d in args.depths.split(",")]:
                 print(json.dumps(run_case(model_dir, rows, depth, device_ms, args.steps,
-                                          args.warmup)), flush=True)
+                                          args.warmup, args.phases)), flush=True)
     return 0
 
 

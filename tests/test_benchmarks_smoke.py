@@ -255,7 +255,7 @@ def test_executor_host_virtual_device():
     (its ids the previous step's tokens, left on the "device"), the figures are there, and
     a device slower than the host is kept busy."""
     lines = _run("executor_host.py", "--rows", "8", "--depths", "2", "--steps", "60",
-                 "--warmup", "10", "--device-ms", "0,3")
+                 "--warmup", "10", "--device-ms", "0,3", "--phases")
     assert [r["case"] for r in lines] == ["b8_d2_dev0ms", "b8_d2_dev3ms"]
     for r in lines:
         assert r["steps"] == 50
@@ -264,6 +264,13 @@ def test_executor_host_virtual_device():
         for key in ("step_us_p50", "step_us_mean", "device_idle_us_p50", "host_cpu_us_per_step",
                     "main_cpu_us_per_step", "io_cpu_us_per_step", "switches_per_step"):
             assert r[key] is not None and r[key] >= 0, (r["case"], key)
+        # --phases: the executor's own timers, a plan's worth, on the thread they run on
+        phases = r["phases_cpu_wall_calls_per_step"]
+        for thread, labels in (("main", ("execute", "prepare", "forward", "read_back")),
+                               ("io", ("decode", "precompute", "encode", "send"))):
+            for label in labels:
+                cpu, wall, calls = phases[thread][label]
+                assert 0 < cpu <= wall * 1.5 + 50 and calls > 0.5, (thread, label)
     fast, slow = lines
     assert fast["busy_ratio"] is None and fast["wake_late_us_p50"] is None
     # A 3 ms device step is far slower than the host's work: it paces the steps, and each
