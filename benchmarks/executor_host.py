@@ -37,11 +37,17 @@ Figures, over the steps after ``--warmup`` (one case per rows x depth x device t
                                OS's timer slack, a cost a GPU's spinning event wait does not
                                have: subtract it when reading the idle time).
 With ``--device-ms 0`` the device is infinitely fast: the step time is the host ceiling.
+``--device cuda [--model-dir DIR]``: no virtual device; the executor on the GPU as `serve`
+runs it (real graphs, events, copies), the router being this script as above; then
+``result_gap_us_*`` (the StepResults' own gap: the device's idle before each step, read
+from CUDA events) is the figure, the executor without the router and the API edges
+around it (on the CPU it is host time).
 ``--phases``: also ``phases_cpu_wall_calls_per_step``, the executor's main and I/O threads'
 time by phase (executor_host_phases.py has the list), a plan's worth.
 
     .venv/bin/python benchmarks/executor_host.py [--rows 32,256] [--depths 2,4]
         [--device-ms 0,auto] [--steps 1000] [--warmup 100] [--phases]
+        [--device cuda --model-dir DIR]
 
 ``auto`` device times are the sixth GPU run's forward + sampling at that many streams
 (H200, 2026-11-27, `step_overhead_workers_depth4`): 1.28 ms at 32 rows, 1.98 at 256.
@@ -135,6 +141,18 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
             dump()
     process.ExecutorProcess.serve = serve_then_dump
 
+    capture = cuda_graphs.DecodeGraphs.capture  # the executor's graphs, for their counts
+
+    def capture_and_keep(self, *a, **kw):
+        if not graphs:
+            graphs.append(self)
+        return capture(self, *a, **kw)
+    cuda_graphs.DecodeGraphs.capture = capture_and_keep
+    from pagedserve.cli import main as cli_main
+
+    if "cuda" in argv[argv.index("--device") + 1]:  # the real device, as `serve` runs it
+        return cli_main(["executor", *argv])
+
     # Graphs on the CPU (their twins), whose replay only queues device time.
     cuda_graphs.graphs_supported = lambda dev: ""
     runner_setup.check_graph_feed = lambda graphs: None  # a null replay writes nothing
@@ -143,8 +161,6 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
     def null_twin(self, size):
         holder = capture_twin(self, size)  # outputs computed once, kept as they are
         holder.replay = device.launch
-        if not graphs:
-            graphs.append(self)
         return holder
     cuda_graphs.DecodeGraphs._capture_twin = null_twin
 
@@ -185,9 +201,6 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
         self.__dict__.setdefault("_starts", {})[i] = max(time.monotonic(), device.free_at)
     graph_feed.StagingRing.take = ring_take
     graph_feed.StagingRing.copy_out = ring_copy_out
-
-    from pagedserve.cli import main as cli_main
-
     return cli_main(["executor", *argv])
 
 
@@ -217,7 +230,9 @@ def _threads(pid: int) -> dict[int, tuple[str, float, float, int]]:
 
 
 def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int,
-             warmup: int, phases: bool = False) -> dict:
+             warmup: int, phases: bool = False, device: str = "cpu") -> dict:
+    """One case. ``device`` "cuda": the executor on the GPU as `serve` runs it (no virtual
+    device: ``device_ms`` unused), the model's own context length."""
     import numpy as np
     import zmq
     from executor_steps import pipelined_decode_plans
@@ -236,21 +251,28 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
     fd, stats = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cmd = [sys.executable, __file__, "--launch", stats, str(device_ms / 1e3), "--",
-           "--model", model_dir, "--router", f"tcp://127.0.0.1:{port}", "--device", "cpu",
+           "--model", model_dir, "--router", f"tcp://127.0.0.1:{port}", "--device", device,
            "--num-gpu-blocks", str(blocks), "--swap-space", "0", "--max-num-seqs",
-           str(max(rows, 8)), "--max-model-len", str(MAX_MODEL_LEN), "--executor-id", "host",
-           "--heartbeat-timeout", "30"]
+           str(max(rows, 8)), "--executor-id", "host", "--heartbeat-timeout", "30",
+           *(["--max-model-len", str(MAX_MODEL_LEN)] if device == "cpu" else [])]
     env = {**os.environ, "PAGEDSERVE_PARENT_PID": str(os.getpid()),
            PHASES_ENV: "1" if phases else "0"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    # The executor's log (a pipe could fill and block it); closed in the finally below.
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+    def why() -> str:
+        log.seek(0)
+        return log.read()[-3000:]
     arrivals: list[float] = []
+    gaps: list[float] = []  # the results' gap_s (GPU: the device idle before the step)
+    forwards: list[float] = []
     try:
         ident = None
         deadline = time.monotonic() + 300
         while ident is None:
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the executor did not register: {proc.stderr.read()}")
+                raise RuntimeError(f"the executor did not register: {why()}")
             if sock.poll(200):
                 who, *frames = sock.recv_multipart(copy=False)
                 msg = codec.decode(frames)
@@ -265,7 +287,7 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
                 sock.send_multipart([ident, *plans[sent]], copy=False)
                 sent += 1
             if not sock.poll(60_000):
-                raise RuntimeError(f"no result in 60 s: {proc.stderr.read()}")
+                raise RuntimeError(f"no result in 60 s: {why()}")
             who, *frames = sock.recv_multipart(copy=False)
             msg = codec.decode(frames)
             if isinstance(msg, Heartbeat):
@@ -274,6 +296,8 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
                 if msg.errors:
                     raise RuntimeError(f"step {msg.step_id}: {msg.errors}")
                 arrivals.append(time.monotonic())
+                gaps.append(msg.gap_s)
+                forwards.append(msg.forward_s)
                 if len(arrivals) == warmup:
                     cpu0 = _threads(proc.pid)
         cpu1 = _threads(proc.pid)
@@ -285,6 +309,7 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
             proc.wait()
         sock.close(0)
         ctx.term()
+        log.close()
     figures = json.loads(Path(stats).read_text())
     os.unlink(stats)
     t0, t1 = arrivals[warmup - 1], arrivals[-1]
@@ -299,9 +324,18 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
         into[1] += system - before[2]
         into[2] += switches - before[3]
     total = [sum(v[i] for v in per_thread.values()) for i in range(3)]
+    window_gaps = sorted(gaps[warmup:])
     return {
-        "bench": "executor_host", "case": f"b{rows}_d{depth}_dev{device_ms:g}ms",
-        "rows": rows, "depth": depth, "device_ms": device_ms, "steps": n,
+        "bench": "executor_host",
+        "case": (f"b{rows}_d{depth}_dev{device_ms:g}ms" if device == "cpu" else
+                 f"{device}_{Path(model_dir).name}_b{rows}_d{depth}"),
+        "rows": rows, "depth": depth, "device": device,
+        "device_ms": device_ms if device == "cpu" else None, "steps": n,
+        # The results' own figures: on a GPU the device's idle before each step (events)
+        # and its forward; on the CPU host time (the virtual device's idle is below).
+        "result_gap_us_p50": round(window_gaps[len(window_gaps) // 2] * 1e6, 1),
+        "result_gap_us_mean": round(statistics.fmean(window_gaps) * 1e6, 1),
+        "result_forward_us_p50": round(statistics.median(forwards[warmup:]) * 1e6, 1),
         # Graph steps fed by where their ids came from: the stage, the last tokens, copied in.
         "fed_steps": figures["fed"],
         "step_us_p50": round(float(np.median(periods)), 1),
@@ -310,7 +344,7 @@ def run_case(model_dir: str, rows: int, depth: int, device_ms: float, steps: int
         "device_idle_us_p50": round(statistics.median(idle) * 1e6, 1) if idle else None,
         "device_idle_us_mean": round(statistics.fmean(idle) * 1e6, 1) if idle else None,
         "busy_ratio": round(min(1.0, len(idle) * device_ms / 1e3 / (t1 - t0)), 3)
-        if device_ms else None,
+        if device_ms and device == "cpu" else None,
         "host_cpu_us_per_step": round((total[0] + total[1]) / n * 1e6, 1),
         "host_sys_us_per_step": round(total[1] / n * 1e6, 1),
         "switches_per_step": round(total[2] / n, 1),
@@ -337,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
                          "that many rows)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the executor on the GPU as `serve` runs it (no virtual "
+                         "device; --device-ms unused)")
+    ap.add_argument("--model-dir", default=None,
+                    help="the model (default: the tiny one, `--model tiny`)")
     ap.add_argument("--phases", action="store_true",
                     help="also time the executor's phases by thread (executor_host_phases.py; "
                          "the timers slow the steps a little)")
@@ -345,14 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"need 2 <= --warmup < --steps <= {MAX_MODEL_LEN - PROMPT_LEN}")
     from pagedserve.models import ensure_tiny_model
 
-    model_dir = str(ensure_tiny_model())
+    model_dir = args.model_dir or str(ensure_tiny_model())
     for rows in [int(r) for r in args.rows.split(",")]:
-        times = [AUTO_DEVICE_MS.get(rows, 1.28) if x == "auto" else float(x)
-                 for x in args.device_ms.split(",")]
+        times = ([0.0] if args.device == "cuda" else
+                 [AUTO_DEVICE_MS.get(rows, 1.28) if x == "auto" else float(x)
+                  for x in args.device_ms.split(",")])
         for device_ms in times:
             for depth in [int(d) for d in args.depths.split(",")]:
                 print(json.dumps(run_case(model_dir, rows, depth, device_ms, args.steps,
-                                          args.warmup, args.phases)), flush=True)
+                                          args.warmup, args.phases, args.device)),
+                      flush=True)
     return 0
 
 

@@ -232,11 +232,20 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         executor_host = _py(ctx, "benchmarks/executor_host.py", "--depths", "4",
                             *(["--rows", "8", "--steps", "80", "--warmup", "20"]
                               if ctx.small else ["--rows", "32,256"]))
+        # ... and the executor process alone on the GPU with the model (no router, no API
+        # edges): does it keep the device busy at 32 streams by itself? (The sixth run's
+        # step_overhead idled 0.43 ms a step there with the router in the loop.)
+        executor_host_cuda = _py(ctx, "benchmarks/executor_host.py", "--depths", "4",
+                                 "--model-dir", str(ctx.model_dir),
+                                 *(["--device", "cpu", "--rows", "8", "--steps", "80",
+                                    "--warmup", "20"] if ctx.small else
+                                   ["--device", "cuda", "--rows", "32,256"]))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
                 Step("engine_bench_churn", engine_churn, 60),
                 Step("executor_host", executor_host, 60),
+                Step("executor_host_cuda", executor_host_cuda, 120),
                 Step("engine_bench_hub_profile", engine_profile, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),
