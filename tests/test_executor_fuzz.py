@@ -201,13 +201,28 @@ def _check_result(plan: StepPlan, result, vocab: int) -> None:
         assert sampling <= set(result.request_ids) | errors, (sampling, result)
 
 
+@pytest.fixture(scope="module")
+def cuda_runner(tmp_path_factory):
+    """On a GPU as `serve` runs it: steps left in flight, decode steps of up to 3 rows as
+    fed CUDA graphs (float32; head dim 64)."""
+    model = build_model(tmp_path_factory.mktemp("fuzz-cuda") / "llama", "llama",
+                        hidden_size=256, num_heads=4, num_kv_heads=2)
+    return build_runner(str(model), device="cuda", dtype="float32", num_gpu_blocks=NUM_GPU,
+                        num_cpu_blocks=NUM_CPU, block_size=BS, max_model_len=MAX_LEN,
+                        max_num_seqs=3, progress=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
-def test_wild_plans_with_steps_left_in_flight(overlapped, data):
+def test_wild_plans_with_steps_left_in_flight(device, request, data):
     """The same through `submit` and `collect` with steps left in flight (a marked decode
-    then fed from the step in flight): every plan answered once, in order."""
+    then fed from the step in flight): every plan answered once, in order; on the CPU
+    through the graphs' twin, on a GPU through real CUDA graphs."""
+    overlapped = request.getfixturevalue("overlapped" if device == "cpu" else "cuda_runner")
+    assert overlapped.overlap_steps and overlapped.graphs is not None
     vocab = overlapped.vocab_size
     overlapped.reset()
     plans, results = [], []
