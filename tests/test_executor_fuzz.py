@@ -116,44 +116,62 @@ SAMPLING = st.builds(
 def wild_plan(draw, step_id: int, vocab: int):
     ids = draw(st.lists(st.sampled_from(POOL), unique=True, max_size=4))
     s = len(ids)
-    # Weighted towards rows that pass the checks (one token, sampling, a table from 0 that
-    # holds the tokens), so that whole steps run, some as fed graphs, among the wild ones.
-    num_new = [draw(st.sampled_from([0, 1, 1, 1, 1, 2, 4])) for _ in range(s)]
+    # Half the plans are "coherent": every row one the executor can run as far as the plan
+    # alone tells (its request sent along, a table from 0 that holds its tokens, in-range
+    # values, no fork, move or finish), so that whole steps run, steps stay in flight and
+    # decodes run as fed graphs among the wild plans; the other half are wild throughout.
+    coherent = draw(st.booleans())
+    num_new = [draw(st.sampled_from([1, 1, 1, 2, 4] if coherent else [0, 1, 1, 2, 4]))
+               for _ in range(s)]
     t = sum(num_new)
-    lens = [draw(st.integers(0, 2)) for _ in range(s)]
-    starts = [draw(st.sampled_from([0, 0, 0, 1, 2, 4])) for _ in range(s)]
-    computed = [draw(st.integers(0, max(0, (starts[i] + lens[i]) * BS - num_new[i]))
-                     if draw(st.booleans()) else st.integers(0, MAX_LEN)) for i in range(s)]
     ints = lambda lo, hi, n: draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
+    if coherent:
+        computed = [draw(st.integers(0, MAX_LEN - 4 - n)) for n in num_new]
+        starts = [0] * s
+        lens = [-(-(c + n) // BS) for c, n in zip(computed, num_new, strict=True)]
+        in_range = dict(tokens=(0, vocab - 1), positions=(0, MAX_LEN - 1),
+                        slots=(-1, NUM_GPU * BS - 1), blocks=(0, NUM_GPU - 1))
+        sent = [rid for rid in ids if draw(st.integers(0, 3))]  # most rows' requests sent
+    else:
+        lens = [draw(st.integers(0, 2)) for _ in range(s)]
+        starts = [draw(st.sampled_from([0, 0, 1, 2, 4])) for _ in range(s)]
+        computed = [draw(st.integers(0, MAX_LEN)) for _ in range(s)]
+        in_range = dict(tokens=(-2, vocab), positions=(-1, MAX_LEN),
+                        slots=(-2, NUM_GPU * BS), blocks=(-1, NUM_GPU))
+        sent = draw(st.lists(st.sampled_from(POOL), unique=True, max_size=2))
     new = [NewRequest(request_id=rid,
                       prompt_token_ids=int32(ints(0, vocab - 1, draw(st.integers(1, 12)))),
                       output_token_ids=int32(ints(0, vocab - 1, draw(st.integers(0, 2)))),
                       sampling=draw(SAMPLING), sample_index=draw(st.integers(0, 1)))
-           for rid in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=2))]
+           for rid in sent]
 
     def pairs(lo_limit, hi_limit):
-        if not draw(st.booleans()):
+        if coherent or not draw(st.booleans()):
             return None
         return int64_pairs([(draw(st.integers(-1, lo_limit)), draw(st.integers(-1, hi_limit)))])
 
     copy = pairs(NUM_GPU, NUM_GPU)
     if copy is not None and copy[0, 0] == copy[0, 1]:
         copy = None  # a block both source and target: the wire rejects it
-    forks = [Fork(parent_id=draw(st.sampled_from(POOL)), child_id=child,
-                  sample_index=draw(st.integers(0, 2)))
-             for child in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=1))]
+    forks = [] if coherent else [
+        Fork(parent_id=draw(st.sampled_from(POOL)), child_id=child,
+             sample_index=draw(st.integers(0, 2)))
+        for child in draw(st.lists(st.sampled_from(POOL), unique=True, max_size=1))]
+    n_ids = sum(lens)
     plan = StepPlan(
         step_id=step_id, request_ids=ids, new_requests=new, forks=forks,
         num_computed_tokens=int32(computed), num_new_tokens=int32(num_new),
         do_sample=np.array([draw(st.sampled_from([0, 1, 1, 1])) for _ in range(s)], np.uint8),
         feed_sampled=np.array(ints(0, 1, s), np.uint8) if draw(st.booleans()) else None,
-        token_ids=int32(ints(-2, vocab, t)), positions=int32(ints(-1, MAX_LEN, t)),
-        slot_mapping=np.array(ints(-2, NUM_GPU * BS, t), np.int64),
+        token_ids=int32(ints(*in_range["tokens"], t)),
+        positions=int32(ints(*in_range["positions"], t)),
+        slot_mapping=np.array(ints(*in_range["slots"], t), np.int64),
         block_table_starts=int32(starts), block_table_lens=int32(lens),
-        block_table_ids=int32(ints(-1, NUM_GPU, sum(lens))) if sum(lens) or
-        draw(st.booleans()) else None,
+        block_table_ids=int32(ints(*in_range["blocks"], n_ids))
+        if n_ids or draw(st.booleans()) else None,
         swap_out=pairs(NUM_GPU, NUM_CPU), swap_in=pairs(NUM_CPU, NUM_GPU), copy=copy,
-        finished_ids=draw(st.lists(st.sampled_from(POOL), unique=True, max_size=2)))
+        finished_ids=[] if coherent else draw(st.lists(st.sampled_from(POOL), unique=True,
+                                                       max_size=2)))
     plan.validate()
     return plan
 
