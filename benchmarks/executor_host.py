@@ -182,6 +182,9 @@ def launch(stats_path: str, step_s: float, argv: list[str]) -> int:
         def wait(self) -> None:
             device.wait_until(self.done_at)
 
+        def done(self) -> bool:
+            return time.monotonic() >= self.done_at
+
         def result(self):
             device.wait_until(self.done_at)
             return super().result()

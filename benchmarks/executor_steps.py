@@ -280,13 +280,16 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
             while launched < len(io.frames):
                 try:
                     msg = io.inbox.get_nowait()
-                except queue.Empty:  # about to wait: the step in flight watched (once)
-                    inflight = runner.inflight_step
-                    wait = runner.inflight_waiter()
-                    if inflight is not None and inflight[0] != watched and wait is not None:
-                        watched = inflight[0]
-                        watch.jobs.put((watched, wait, io.inbox))
-                    msg = io.inbox.get()
+                except queue.Empty:  # about to wait: the step in flight read back if
+                    inflight = runner.inflight_step  # done, else watched (once)
+                    sampled = runner.inflight_sampled()
+                    if sampled is not None and sampled.done():
+                        msg = StepDone(inflight[0])
+                    else:
+                        if sampled is not None and inflight[0] != watched:
+                            watched = inflight[0]
+                            watch.jobs.put((watched, sampled.wait, io.inbox))
+                        msg = io.inbox.get()
                 if isinstance(msg, StepDone):
                     inflight = runner.inflight_step
                     if inflight is not None and inflight[0] == msg.step_id:

@@ -63,7 +63,7 @@ from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
 from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
-from pagedserve.executor.sampler import Sampler
+from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
@@ -254,10 +254,11 @@ class ModelRunner:
         f = self._inflight
         return None if f is None else (f.plan.step_id, f.plan.deadline_s)
 
-    def inflight_waiter(self) -> Callable[[], None] | None:
-        """What blocks (without the GIL) until the step in flight is done on the device."""
+    def inflight_sampled(self) -> SampledOnDevice | None:
+        """The step in flight's tokens (`wait()` blocks without the GIL until the device is
+        done with them, `done()` asks); None when no step that samples is in flight."""
         f = self._inflight
-        return None if f is None or f.sampled is None else f.sampled.wait
+        return None if f is None else f.sampled
 
     def _finished_now(self, result: StepResult) -> StepResult:
         """A step that ends without staying in flight: the previous one's result first."""

@@ -348,14 +348,14 @@ class ExecutorProcess:
         inflight = self.runner.inflight_step
         if inflight is None or inflight[0] == self._watched:
             return
-        wait = self.runner.inflight_waiter()
-        if wait is None:
+        sampled = self.runner.inflight_sampled()
+        if sampled is None:
             return
         if self.flight_watch is None:
             self.flight_watch = FlightWatch()
             self.flight_watch.start()
         self._watched = inflight[0]
-        self.flight_watch.jobs.put((inflight[0], wait, self.io.inbox))
+        self.flight_watch.jobs.put((inflight[0], sampled.wait, self.io.inbox))
 
     def _collect(self) -> None:
         """No plan waiting: the step in flight is read back and its result sent."""
@@ -405,8 +405,14 @@ class ExecutorProcess:
                     msg = self.io.inbox.get_nowait()
                 except queue.Empty:
                     # Nothing to run next: results go out now; a step in flight answers
-                    # when the device is done with it (StepDone) or the next plan comes.
+                    # now if the device is done with it, else when it is (StepDone) or
+                    # when the next plan comes, whichever is first.
                     self.io.flush()
+                    sampled = self.runner.inflight_sampled()
+                    if sampled is not None and sampled.done():  # no thread hand-over
+                        self._collect()
+                        self.io.flush()
+                        continue
                     self._watch_inflight()
                     msg = None
                 try:

@@ -110,6 +110,10 @@ class SampledOnDevice:
         if self._event is not None:
             self._event.synchronize()
 
+    def done(self) -> bool:
+        """Are the tokens' copies done (no wait)? Always on a CPU."""
+        return self._event is None or self._event.query()
+
     def elapsed_s(self, since) -> float:
         """Device seconds from the CUDA event ``since`` (recorded earlier, with timing) to
         the end of these copies; after `result()`."""
