@@ -280,3 +280,8 @@ def test_executor_host_virtual_device():
     # read back first (ids from the host: the stage).
     assert 0.5 < slow["busy_ratio"] <= 1.0 and slow["step_us_mean"] >= 3000 * 0.95
     assert slow["fed_steps"][1] >= 55, slow
+    # A step still running when the main thread has no plan to wait on is answered through
+    # the flight watch (its thread woke a step); one the device is done with, at once (an
+    # instant device: no watch thread at all).
+    assert slow["watch_switches_per_step"] >= 1, slow
+    assert not fast.get("watch_switches_per_step"), fast
