@@ -5,8 +5,8 @@
   heartbeats, so the router declares a hung executor dead); records router echoes and
   "register again" requests.
 * `FlightWatch`: waits for a step left in flight to finish on the device and puts
-  `StepDone` in the main thread's inbox (asked only when the inbox is empty, so the main
-  thread would otherwise wait for the next plan alone).
+  `StepDone` in the main thread's inbox (asked only when the inbox is empty and the step
+  is still running, so the main thread would otherwise wait for the next plan alone).
 * `MainSocketIO`: owns the registered main DEALER for one registration. It decodes every
   message into `inbox` (a plan with its plan-only inputs prepared ahead, `PlanReady`; an
   undecodable message as `Rejected`; its own failure as `IOFailed`) and sends what the main

@@ -340,11 +340,11 @@ class ExecutorProcess:
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
 
     def _watch_inflight(self) -> None:
-        """The inbox is empty and the main thread is about to wait on it: have the flight
-        watch put `StepDone` there when the step in flight is done on the device (once a
-        step). Only then: while plans keep coming, each is launched before the step in
-        flight is read back, and a watch of every step was a thread's wake-up, a GIL
-        hand-over and an inbox message a step, each thrown away."""
+        """The inbox is empty, the step in flight still running and the main thread about
+        to wait: have the flight watch put `StepDone` there when the device is done with
+        it (once a step). Only then: while plans keep coming, each is launched before the
+        step in flight is read back, and a watch of every step was a thread's wake-up, a
+        GIL hand-over and an inbox message a step, each thrown away."""
         inflight = self.runner.inflight_step
         if inflight is None or inflight[0] == self._watched:
             return
