@@ -351,12 +351,12 @@ def solo(model_dir):
 def test_one_corrupted_row_is_named_and_the_others_sample_as_alone(loop, runner, overlapped,
                                                                      solo, data):
     """A step of 2-4 greedy requests (prefill, some rows a chunk of their prompt, or
-    decode), one row broken one way: the
-    executor names that request with that check's message and no other, the other rows
-    sample, and every survivor's tokens, then and 3 steps on, are those it samples alone
-    on a fresh runner (eager, one step at a time). Exact token ids, not a tolerance. Run
-    eagerly one step at a time, and as a GPU runs (steps left in flight, the decode steps
-    of up to 3 rows as fed graphs: their CPU twin)."""
+    decode), one row broken one way: the executor names that request with that check's
+    message and no other, the other rows that end their prompt sample, and every
+    survivor's tokens, then and 3 steps on, are those it samples alone on a fresh runner
+    (eager, one step at a time). Exact token ids, not a tolerance. Run eagerly one step
+    at a time, and as a GPU runs (steps left in flight, the decode steps of up to 3 rows
+    as fed graphs: their CPU twin)."""
     runner = runner if loop == "eager" else overlapped
     vocab = runner.vocab_size
     runner.reset()
