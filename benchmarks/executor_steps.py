@@ -252,10 +252,11 @@ def pipelined_steps(runner: ModelRunner, plans, warmup: int) -> dict:
 
 def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
     """`pipelined_steps` with the executor process's own waiting rule (executor/process.py
-    `serve`): with no plan in the inbox the main thread blocks on the inbox, where a watcher
-    thread (the process's `FlightWatch`, given the step in flight just then) puts
-    `StepDone` once that step is done on the device, and whichever comes first wins: the next plan (launched behind the step in
-    flight) or StepDone (that step read back and answered). `pipelined_steps` instead reads
+    `serve`): with no plan in the inbox, a step in flight the device is done with is read
+    back at once; else the main thread blocks on the inbox, where a watcher thread (the
+    process's `FlightWatch`, `ask`) puts `StepDone` once that step is done, and whichever
+    comes first wins: the next plan (launched behind the step in flight) or StepDone (that
+    step read back and answered). `pipelined_steps` instead reads
     the step in flight back at once when the next plan is not decoded yet, which serialises
     every other step on a GPU (a trace on an H200, 2026-11-27: the device idle ~1.4 ms in
     every second step). Results read back after a launch go out at once
@@ -271,25 +272,17 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
         io.wake.put(result)
 
     watch = FlightWatch()
-    watch.start()
     runner.before_forward, runner.result_ready = io.before_forward, send_now
     io.start()
     try:
         with torch.inference_mode():  # as the executor process runs its loop
-            launched, watched = 0, -1
+            launched = 0
             while launched < len(io.frames):
                 try:
                     msg = io.inbox.get_nowait()
-                except queue.Empty:  # about to wait: the step in flight read back if
-                    inflight = runner.inflight_step  # done, else watched (once)
-                    sampled = runner.inflight_sampled()
-                    if sampled is not None and sampled.done():
-                        msg = StepDone(inflight[0])
-                    else:
-                        if sampled is not None and inflight[0] != watched:
-                            watched = inflight[0]
-                            watch.jobs.put((watched, sampled.wait, io.inbox))
-                        msg = io.inbox.get()
+                except queue.Empty:  # about to wait (the process's rule)
+                    done = watch.ask(runner, io.inbox)
+                    msg = StepDone(runner.inflight_step[0]) if done else io.inbox.get()
                 if isinstance(msg, StepDone):
                     inflight = runner.inflight_step
                     if inflight is not None and inflight[0] == msg.step_id:
@@ -310,7 +303,8 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
                 figures.record(result)
     finally:
         io.stop()
-        watch.jobs.put(None)
-        watch.join()
+        if watch.is_alive():
+            watch.stop()
+            watch.join()
         runner.before_forward = runner.result_ready = None
     return figures.as_dict()

@@ -264,11 +264,39 @@ class FlightWatch(threading.Thread):
     released) and then puts `StepDone` in the inbox it was given: the main loop blocks on
     the inbox alone, and wakes for whichever comes first, the next plan (then the step in
     flight is read back after the next launch) or the device's end of the step (then it is
-    read back and answered at once, as the router may be waiting for it)."""
+    read back and answered at once, as the router may be waiting for it).
+
+    `ask` is the main thread's rule for when to use it (the thread starts at the first
+    step it is given)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="flight-watch")
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.watched = -1  # the step id last given (-1: none; reset on registering again)
+
+    def ask(self, runner, inbox: queue.SimpleQueue) -> bool:
+        """The main thread has no plan and is about to wait on ``inbox``: True when the
+        `ModelRunner`'s step in flight is done on the device already (read it back now, no
+        thread hand-over); else the watch puts `StepDone` there once it is (given each step
+        once), False. Only then: while plans keep coming, each is launched before the step
+        in flight is read back, and watching every step was a wake-up, a GIL hand-over and
+        an inbox message a step, each thrown away."""
+        sampled = runner.inflight_sampled()
+        if sampled is None:
+            return False
+        if sampled.done():
+            return True
+        step_id = runner.inflight_step[0]
+        if step_id != self.watched:
+            if not self.is_alive():
+                self.start()
+            self.watched = step_id
+            self.jobs.put((step_id, sampled.wait, inbox))
+        return False
+
+    def stop(self) -> None:
+        if self.is_alive():
+            self.jobs.put(None)
 
     def run(self) -> None:
         name_current_thread(self.name)

@@ -162,8 +162,7 @@ class ExecutorProcess:
         self.heartbeat = HeartbeatThread(self.ctx, args.router, self.executor_id,
                                          args.heartbeat_timeout / 4, self._configure)
         self.heartbeat.cores = self.io_cores
-        self.flight_watch: FlightWatch | None = None  # started for the first step it watches
-        self._watched = -1  # the step id the flight watch was last given
+        self.flight_watch = FlightWatch()  # started for the first step it watches
         self.profiler = None
         if profile_window is not None:
             from pagedserve.executor.step_trace import StepProfiler
@@ -227,7 +226,7 @@ class ExecutorProcess:
         self.heartbeat.registered.clear()
         self._take_socket_back()
         self.runner.reset()
-        self._watched = -1  # the next registration's step ids may repeat
+        self.flight_watch.watched = -1  # the next registration's step ids may repeat
         attempt = 0
         while True:
             self._check_parent()
@@ -339,24 +338,6 @@ class ExecutorProcess:
             log.warning("step %d ended %.3g s after it started (deadline %.3g s); heartbeats "
                         "resume", plan.step_id, time.monotonic() - start, plan.deadline_s)
 
-    def _watch_inflight(self) -> None:
-        """The inbox is empty, the step in flight still running and the main thread about
-        to wait: have the flight watch put `StepDone` there when the device is done with
-        it (once a step). Only then: while plans keep coming, each is launched before the
-        step in flight is read back, and a watch of every step was a thread's wake-up, a
-        GIL hand-over and an inbox message a step, each thrown away."""
-        inflight = self.runner.inflight_step
-        if inflight is None or inflight[0] == self._watched:
-            return
-        sampled = self.runner.inflight_sampled()
-        if sampled is None:
-            return
-        if self.flight_watch is None:
-            self.flight_watch = FlightWatch()
-            self.flight_watch.start()
-        self._watched = inflight[0]
-        self.flight_watch.jobs.put((inflight[0], sampled.wait, self.io.inbox))
-
     def _collect(self) -> None:
         """No plan waiting: the step in flight is read back and its result sent."""
         inflight = self.runner.inflight_step
@@ -408,12 +389,10 @@ class ExecutorProcess:
                     # now if the device is done with it, else when it is (StepDone) or
                     # when the next plan comes, whichever is first.
                     self.io.flush()
-                    sampled = self.runner.inflight_sampled()
-                    if sampled is not None and sampled.done():  # no thread hand-over
+                    if self.flight_watch.ask(self.runner, self.io.inbox):
                         self._collect()
                         self.io.flush()
                         continue
-                    self._watch_inflight()
                     msg = None
                 try:
                     if msg is None:
@@ -450,8 +429,7 @@ class ExecutorProcess:
             if self.profiler is not None:
                 self.profiler.close()
             self._take_socket_back()  # sends the results still queued (Shutdown(exit=True))
-            if self.flight_watch is not None:
-                self.flight_watch.jobs.put(None)
+            self.flight_watch.stop()
             self.heartbeat.stop.set()
             if self.sock is not None:
                 self.sock.close(0)
