@@ -58,6 +58,7 @@ from pagedserve.executor.batch_prep import Batch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.grammar import GrammarCompiler
+from pagedserve.executor.host_pool import HostPool
 from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
@@ -98,6 +99,8 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model.config.max_model_len,
                                  model.config.max_model_len)
         self.sampler = Sampler()
+        # The read-backs' events and host buffers, used again (host_pool.py)
+        self.host_pool = self.sampler.pool = HostPool(self.device)
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                                  self.max_model_len, self.vocab_size, self.device, grammars)
         # Captured decode steps (CUDA), None: every step eager; the setter tells the limits
@@ -112,8 +115,9 @@ class ModelRunner:
         self.sampled_first_steps = 0  # steps sampled before the previous read back (_sample_first)
         self._prev_end: float | None = None  # perf_counter: end of the previous step's sampling
         # CUDA: the event after the previous step's device work (None: none, or that step
-        # ran no forward; then gap_s is host time).
-        self._prev_end_event = None
+        # ran no forward; then gap_s is host time), and that step's pooled objects, given
+        # back once the next step's gap has been read from it.
+        self._prev_end_event = self._prev_end_pooled = None
         self._inflight: InFlight | None = None  # launched, tokens not yet read back
         # Leave sampling steps in flight (submit): on a GPU, whose work runs apart from the
         # host's. On a CPU the forward is done when launched, so a step left in flight
@@ -159,7 +163,7 @@ class ModelRunner:
         self._pending = PendingSamples(self.rows, self._resolve)
         self._retired = None
         self._prev_end = None
-        self._prev_end_event = None
+        self._prev_end_event = self._prev_end_pooled = None
 
     def block_table(self, request_id: str) -> list[int]:
         """The block table this runner holds for a request (KeyError when none)."""
@@ -265,7 +269,7 @@ class ModelRunner:
         self._resolve()
         self.steps_done += 1
         self._prev_end = time.perf_counter()
-        self._prev_end_event = None  # no device work: the next gap is host time
+        self._prev_end_event = self._prev_end_pooled = None  # the next gap: host time
         return result
 
     def _submit(self, plan: StepPlan, pre: PlanInputs | None) -> StepResult | None:
@@ -288,12 +292,12 @@ class ModelRunner:
         # The gap: host time here; on a GPU replaced by the device's idle time between the
         # previous step's end and this forward once this step is read back (_resolve).
         result["gap_s"] = 0.0 if prev_end is None else t0 - prev_end
-        after_event = self._prev_end_event
+        after = self._prev_end_event, self._prev_end_pooled
         if batch is None:
             return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
             self.before_forward()
-        events = self._forward_events()
+        events = self.host_pool.timing_pair()
         try:
             if events is not None:
                 events[0].record()
@@ -345,8 +349,8 @@ class ModelRunner:
         self._retired = plan, pre, batch
         if scores is not None:
             result.update(scores)
-        flight = InFlight(plan, batch, sampled, result, errors, events, t0, t1, after_event)
-        self._prev_end_event = flight.end_event
+        flight = InFlight(plan, batch, sampled, result, errors, events, t0, t1, *after)
+        self._prev_end_event, self._prev_end_pooled = flight.end_event, flight.pooled()
         if sampled is not None:
             # Recorded once read back (after the next forward is launched); the next
             # step's marked decodes are fed from here.
@@ -397,6 +401,8 @@ class ModelRunner:
         else:  # a CPU ran it all as it was called
             forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1
+        if flight.after_pooled:  # the step before this one: nothing reads its objects now
+            self.host_pool.give(flight.after_pooled)
         result, errors = flight.result, flight.errors
         if out is None:
             self._ready.append(StepResult(**result, errors=errors, forward_s=forward_s))
@@ -410,12 +416,6 @@ class ModelRunner:
             top_logprobs=out.top_logprobs, errors=errors, forward_s=forward_s,
             sample_s=sample_s,
         ))
-
-    def _forward_events(self) -> tuple | None:
-        """CUDA: two timing events around a step's forward (no host sync for the figure)."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     # ------------------------------------------------------------------------------ parts
     def _forward(self, batch: Batch) -> torch.Tensor:

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.grammar import apply_grammar_masks_, fill_grammar_masks
+from pagedserve.executor.host_pool import HostPool
 from pagedserve.executor.penalties import has_penalty, penalise_rows_
 from pagedserve.executor.sampling_state import SamplingState, is_greedy
 from pagedserve.kernels import ops, reference
@@ -85,25 +86,44 @@ class SamplerOutput:
 class SampledOnDevice:
     """What `Sampler.launch` returns: the sampled ``tokens`` (int64 [R], on the logits'
     device, for feeding the next step there) and their copies to the host, already queued
-    behind the sampling kernels (pinned buffers, one CUDA event after them). `result()`
-    waits for that event only, so a step launched after this one is not waited for."""
+    behind the sampling kernels (host buffers and one CUDA event after them, from the
+    sampler's HostPool when it has one). `result()` waits for that event only, so a step
+    launched after this one is not waited for. `pooled()`: what goes back to the pool once
+    nothing reads it (host_pool.py: when the step after this one has been read back)."""
 
-    __slots__ = ("tokens", "_host", "_event", "_finish")
+    __slots__ = ("tokens", "_host", "_event", "_finish", "_bases")
 
     @property
     def event(self):
         """CUDA: the event after the tokens' copies to the host (None on a CPU)."""
         return self._event
 
-    def __init__(self, tokens: torch.Tensor, host: list[torch.Tensor], finish) -> None:
+    def __init__(self, tokens: torch.Tensor, host: list[torch.Tensor], finish,
+                 pool: HostPool | None = None, copy_on_cpu: bool = False) -> None:
         self.tokens = tokens
-        self._finish = finish  # host tensors -> SamplerOutput
+        self._finish = finish  # host tensors -> SamplerOutput (copies: the buffers go back)
+        self._bases: list[torch.Tensor] = []
         if tokens.device.type == "cuda":
-            self._host = [_pinned_copy(t) for t in host]
-            self._event = torch.cuda.Event(enable_timing=True)
+            self._host = [self._copy(t, pool, True) for t in host]
+            self._event = pool.event() if pool is not None else torch.cuda.Event(
+                enable_timing=True)
             self._event.record()
         else:
-            self._host, self._event = host, None
+            self._host = [self._copy(t, pool, False) for t in host] if copy_on_cpu else host
+            self._event = None
+
+    def _copy(self, t: torch.Tensor, pool: HostPool | None, non_blocking: bool):
+        """``t``'s copy on the host (queued, on a GPU), into a buffer of ``pool``'s."""
+        if pool is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=non_blocking)
+        else:
+            out, base = pool.buffer(tuple(t.shape), t.dtype)
+            self._bases.append(base)
+        return out.copy_(t, non_blocking=non_blocking)
+
+    def pooled(self) -> list:
+        """The pool's objects this holds (its event, its host buffers' bases)."""
+        return [self._event, *self._bases]
 
     def wait(self) -> None:
         """Until the tokens' copies are done (the GIL released meanwhile)."""
@@ -123,11 +143,6 @@ class SampledOnDevice:
         if self._event is not None:
             self._event.synchronize()
         return self._finish(*[t.numpy() for t in self._host])
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- randomness
@@ -278,6 +293,9 @@ class Sampler:
         # so every value is the same) and skips a pass over [R, V]. Tests set False to run
         # the GPU's path on a CPU.
         self.widen_logits: bool | None = None
+        # The read-backs' events and host buffers, used again (the runner's, which gives
+        # them back; host_pool.py). None: made fresh every launch.
+        self.pool: HostPool | None = None
 
     def _buffer(self, slot: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         if device.type != "cpu":  # the caching allocator makes fresh tensors cheap there
@@ -425,8 +443,8 @@ class Sampler:
                 floor[p_idx] = top_p_thresholds(x[p_idx], top_p, backend=backend).view(-1)
         return ops.keyed_draw_(x, min_p, u, floor=floor, backend=backend)
 
-    @staticmethod
-    def _plain_output(tokens: torch.Tensor, own_host_copy: bool = False) -> SampledOnDevice:
+    def _plain_output(self, tokens: torch.Tensor,
+                      own_host_copy: bool = False) -> SampledOnDevice:
         """The tokens alone (no row asks for logprobs); ``own_host_copy``: a CPU's host
         side a copy of them, not the tensor itself."""
         num_rows = tokens.shape[0]
@@ -439,17 +457,16 @@ class Sampler:
                                  np.full(num_rows, np.nan, dtype=np.float32),
                                  np.zeros(num_rows, dtype=np.int32),
                                  np.zeros(0, np.int32), np.zeros(0, np.float32))
-        return SampledOnDevice(tokens, [tokens.clone() if own_host_copy else tokens], plain)
+        return SampledOnDevice(tokens, [tokens], plain, self.pool, copy_on_cpu=own_host_copy)
 
-    @staticmethod
-    def _output(raw: torch.Tensor, tokens: torch.Tensor,
+    def _output(self, raw: torch.Tensor, tokens: torch.Tensor,
                 params: Sequence[SamplingParams]) -> SampledOnDevice:
         """The tokens and, for the rows that ask, their logprobs and top-k, computed on the
         device and queued for the host (no read here: boolean selections are done there)."""
         num_rows = raw.shape[0]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            return Sampler._plain_output(tokens)
+            return self._plain_output(tokens)
         chosen = tokens
         if len(lp_rows) < num_rows:
             idx = to_device(lp_rows, raw.device)
@@ -468,6 +485,7 @@ class Sampler:
             logprobs[lp_rows] = chosen_lp
             top_counts = np.zeros(num_rows, dtype=np.int32)
             top_counts[lp_rows] = ks
+            token_ids = token_ids.copy()  # a view of a host buffer that goes back
             if not k_max:
                 return SamplerOutput(token_ids, logprobs, top_counts,
                                      np.zeros(0, np.int32), np.zeros(0, np.float32))
@@ -475,4 +493,4 @@ class Sampler:
             return SamplerOutput(token_ids, logprobs, top_counts, top_ids[want],
                                  top_lps[want].astype(np.float32))
 
-        return SampledOnDevice(tokens, host, finish)
+        return SampledOnDevice(tokens, host, finish, self.pool)

@@ -83,17 +83,24 @@ class InFlight:
     """A step launched whose result is not yet built (ModelRunner.submit)."""
 
     __slots__ = ("plan", "batch", "sampled", "result", "errors", "events", "t0", "t1",
-                 "after_event")
+                 "after_event", "after_pooled")
 
     def __init__(self, plan: StepPlan, batch: Batch, sampled: SampledOnDevice | None,
                  result: dict, errors: list[RequestError], events: tuple | None, t0: float,
-                 t1: float, after_event=None) -> None:
+                 t1: float, after_event=None, after_pooled: list | None = None) -> None:
         self.plan, self.batch, self.sampled = plan, batch, sampled
         self.result, self.errors, self.events = result, errors, events
         self.t0, self.t1 = t0, t1
         # CUDA: the event at the end of the previous step's device work (its gap_s is
         # measured from there to events[0] once both are done); None: the host's gap_s.
         self.after_event = after_event
+        # The HostPool's objects of the step that event ends (its events, its tokens' host
+        # buffers): given back once this step is read back, the last that reads them.
+        self.after_pooled = after_pooled
+
+    def pooled(self) -> list:
+        """This step's HostPool objects (its forward's events, its sampling's)."""
+        return [*(self.events or ()), *(self.sampled.pooled() if self.sampled else ())]
 
     @property
     def end_event(self):

@@ -240,12 +240,17 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                                  *(["--device", "cpu", "--rows", "8", "--steps", "80",
                                     "--warmup", "20"] if ctx.small else
                                    ["--device", "cuda", "--rows", "32,256"]))
+        # What a step's read-back objects (timing events, the tokens' pinned buffer) cost
+        # this host made fresh against reused (executor/host_pool.py; no model, seconds).
+        host_sync = _py(ctx, "benchmarks/host_sync_bench.py",
+                        *(["--calls", "200"] if ctx.small else []))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
                 Step("engine_bench_churn", engine_churn, 60),
                 Step("executor_host", executor_host, 60),
                 Step("executor_host_cuda", executor_host_cuda, 120),
+                Step("host_sync", host_sync, 60),
                 Step("engine_bench_hub_profile", engine_profile, 60),
                 Step("hf_batch_bench", hf, 150),
                 Step("step_overhead", overhead, 150),

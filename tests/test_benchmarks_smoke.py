@@ -239,6 +239,13 @@ def test_launch_overhead_runs():
     assert all(r["us_per_call"] > 0 for r in records.values())
 
 
+def test_host_sync_bench_runs():
+    """On a CPU the buffer cases alone (no events, nothing pinned)."""
+    records = {r["case"]: r for r in _run("host_sync_bench.py", "--calls", "50")}
+    assert set(records) == {"tokens_copy_fresh", "tokens_copy_pooled"}
+    assert all(r["us_per_call"] > 0 and r["device"] == "cpu" for r in records.values())
+
+
 def test_detok_bench_quick(tmp_path):
     """The text path's cases on the tiny byte-level tokenizer: every case makes the same
     text (stop strings that never match hold nothing back at the end)."""

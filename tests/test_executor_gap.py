@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from pagedserve.executor.host_pool import HostPool
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams, StepPlan, StepResult
 from test_executor_support import Driver
@@ -365,9 +366,6 @@ def test_gap_is_the_device_idle_between_steps_when_steps_overlap(model_dir):
     runner.overlap_steps = True  # a CPU runs each forward as it is launched: force it
     clock_at_launch: list[float] = []
 
-    def events():
-        return _ClockEvent(), _ClockEvent()
-
     forward = runner._forward
 
     def launch() -> None:  # just before the forward's first event: it starts then
@@ -379,25 +377,31 @@ def test_gap_is_the_device_idle_between_steps_when_steps_overlap(model_dir):
         return hidden
 
     runner.before_forward = launch
-    runner._forward_events = events
+    runner.host_pool = pool = HostPool(runner.device, new_event=_ClockEvent)
     runner._forward = timed_forward
     for rid, prompt in {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}.items():
         driver.add(rid, prompt)
-    clock_at_launch += [10.0 - 0.002, 10.25, 10.252, 10.254 + 0.5]
+    clock_at_launch += [10.0 - 0.002, 10.25, 10.252, 10.254 + 0.1, 10.356 + 0.5]
     results = runner.submit(driver.plan({"a": None, "b": None}))
     assert results == []  # left in flight
-    for _ in range(3):
+    for _ in range(4):
         ready = runner.submit(driver.plan({"a": None, "b": None}, feed={"a", "b"}))
         for result in ready:
             driver.accept(result)
         results += ready
     results.append(runner.collect())
-    assert [r.step_id for r in results] == [0, 1, 2, 3]
+    assert [r.step_id for r in results] == [0, 1, 2, 3, 4]
     assert not any(r.errors for r in results)
     gaps = [round(r.gap_s, 6) for r in results]
-    # 0: the first step; 0.25 s idle; queued right behind (0); 0.5 s idle.
-    assert gaps == [0.0, 0.25, 0.0, 0.5], gaps
-    assert [round(r.forward_s, 6) for r in results] == [0.002] * 4
+    # 0: the first step; 0.25 s idle; queued right behind (0); 0.1 s and 0.5 s idle.
+    assert gaps == [0.0, 0.25, 0.0, 0.1, 0.5], gaps
+    assert [round(r.forward_s, 6) for r in results] == [0.002] * 5
+    # A step's events come back to the pool once the step after it is read back (its gap
+    # read from them; given back earlier, step 4 would re-record step 2's end before step
+    # 3's gap is read from it): step 0's when step 1 was read back (inside step 2's
+    # submit), in time for step 3 to time its forward with them, step 1's for step 4;
+    # steps 2 and 3's came back by the end (step 4, the last, keeps its own).
+    assert pool.made_events == 6 and len(pool._events) == 4
 
 
 def test_a_steady_decode_step_takes_the_previous_steps_device_tokens_as_its_input_ids(
