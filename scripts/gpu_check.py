@@ -122,6 +122,7 @@ def next_stage(report: dict) -> str | None:
 # --- running a step -----------------------------------------------------------------------
 
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+PYTEST_DURATION = re.compile(r"\s*\d+(\.\d+)?s (call|setup|teardown) +\S")
 
 
 def read_output(kind: str, lines: list[str]) -> dict:
@@ -148,6 +149,9 @@ def read_output(kind: str, lines: list[str]) -> dict:
         out["pytest"] = counts
         out["failures"] = [x.strip() for x in lines
                            if x.startswith(("FAILED ", "ERROR "))][:20]
+        slowest = [x.strip() for x in lines if PYTEST_DURATION.match(x)][:15]
+        if slowest:  # --durations: "12.34s call     tests/test_x.py::test_y[...]"
+            out["slowest"] = slowest
     return out
 
 

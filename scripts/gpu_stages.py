@@ -76,8 +76,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
     if name == "kernels":
         # Compiling ~200 kernel variants is CPU work: spread it over workers when xdist is there.
         workers = [] if ctx.small or importlib.util.find_spec("xdist") is None else ["-n", "8"]
+        # --durations: the slowest tests (setup included) into the report, to see what the
+        # step's ~160 s of device time go to (the sixth run's 227 tests).
         pytest = [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                  *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+                  "--durations", "15", *workers, "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
                   *gpu_test_files()]
         # Every case but decode's and the sampler's (steps of their own): the grid, the
         # launch-configuration sweeps and the fused layer kernels.

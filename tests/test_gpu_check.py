@@ -318,3 +318,16 @@ def test_a_step_runs_with_its_own_environment(tmp_path, monkeypatch):
     log = (tmp_path / "out" / "throughput.log").read_text()
     assert '"overlap": null' in log and '"overlap": "0"' in log
     assert "env" not in steps["plain"] and steps["off"]["env"] == {"PAGEDSERVE_OVERLAP_STEPS": "0"}
+
+
+def test_pytest_output_read_back_with_the_slowest_tests():
+    lines = ["..F.", "============ slowest 15 durations ============",
+             "41.20s call     tests/test_cuda_graphs.py::test_graphs_equal_eager[bf16]",
+             "3.05s setup    tests/test_kernels_gpu.py::test_decode_gpu[64-8]",
+             "FAILED tests/test_k.py::test_x - boom",
+             "1 failed, 226 passed, 3 skipped in 160.41s (0:02:40)"]
+    out = gpu_check.read_output("pytest", lines)
+    assert out["pytest"] == {"failed": 1, "passed": 226, "skipped": 3}
+    assert out["failures"] == ["FAILED tests/test_k.py::test_x - boom"]
+    assert out["slowest"] == lines[2:4]
+    assert "slowest" not in gpu_check.read_output("pytest", lines[:1] + lines[4:])
