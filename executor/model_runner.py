@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from pagedserve.executor import batch_prep
+from pagedserve.executor import batch_prep, runner_requests
 from pagedserve.executor.batch_prep import Batch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
@@ -109,6 +109,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
+        self._not_plain = 0  # requests whose sampling is not plain greedy (runner_requests)
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
         self._pending = PendingSamples(self.rows, self._resolve)
         self.steps_done = 0
@@ -156,6 +157,7 @@ class ModelRunner:
         self.requests.clear()
         self._row_of.clear()
         self._scoring.clear()
+        self._not_plain = 0
         flight, self._inflight, self._ready = self._inflight, None, []
         if flight is not None and flight.sampled is not None:
             flight.sampled.result()  # its kernels done before the cache is used again
@@ -168,30 +170,6 @@ class ModelRunner:
     def block_table(self, request_id: str) -> list[int]:
         """The block table this runner holds for a request (KeyError when none)."""
         return self.rows.table(self.requests[request_id].row)
-
-    def _put(self, request_id: str, state: RequestState) -> None:
-        old = self.requests.get(request_id)
-        if old is not None:
-            self._pending.apply()  # before its row can change hands
-            self.rows.release(old.row)
-        self.requests[request_id] = state
-        self._row_of[request_id] = state.row
-        if state._sampling.params.prompt_logprobs is not None:
-            self._scoring[request_id] = state._sampling
-        else:
-            self._scoring.pop(request_id, None)
-
-    def _drop(self, request_id: str) -> None:
-        old = self.requests.pop(request_id, None)
-        if old is not None:
-            pending = self._pending
-            if pending.states and pending.token_ids is None:
-                pending.released.append(old.row)  # released once the step's tokens are in
-            else:
-                pending.apply()  # before its row can change hands
-                self.rows.release(old.row)
-            del self._row_of[request_id]
-            self._scoring.pop(request_id, None)
 
     # ------------------------------------------------------------------------------ step
     def execute(self, plan: StepPlan, inputs: PlanInputs | None = None) -> StepResult:
@@ -310,9 +288,10 @@ class ModelRunner:
             if events is not None:
                 events[1].record()
             states = [self.requests[r]._sampling for r in batch.sample_ids]
+            plain = True if self._all_plain() else None  # None: the rows are looked at
             t1 = time.perf_counter()
             sampled = None
-            if states and self._sample_first(states):
+            if states and self._sample_first(states, plain):
                 self.sampled_first_steps += 1
                 sampled = self.sampler.launch(logits, states, argmax=argmax, plain=True)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
@@ -332,11 +311,12 @@ class ModelRunner:
             if sampled is None and states:
                 # Structured output's masks are host work: done while a GPU runs the
                 # forward.
-                grammar_bits = Sampler.grammar_masks(states)
+                grammar_bits = None if plain else Sampler.grammar_masks(states)
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
                 # forward, and its kernels queue right behind it.
-                sampled = self.sampler.launch(logits, states, grammar_bits, argmax=argmax)
+                sampled = self.sampler.launch(logits, states, grammar_bits, argmax=argmax,
+                                              plain=plain)
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
@@ -364,7 +344,7 @@ class ModelRunner:
         self._resolve()  # read back now
         return self._ready.pop()
 
-    def _sample_first(self, states: list) -> bool:
+    def _sample_first(self, states: list, plain: bool | None = None) -> bool:
         """Launch this step's sampling before the previous step is read back? Only when
         that read would wait for the device (the previous step still running there: its
         event not reached) and no row's sampling reads the tokens it appends (every row
@@ -372,13 +352,15 @@ class ModelRunner:
         never changes). Then the sampler's launch (~0.1-0.3 ms of host time on a GPU)
         overlaps that wait instead of sitting between the device's end of the previous
         step and the preparation of the step after this one, the host's critical path when
-        a forward is short. Otherwise the previous step's result goes out first."""
+        a forward is short. Otherwise the previous step's result goes out first.
+        ``plain``: True when every request is plain greedy (the runner's count), None: the
+        rows are walked."""
         prev = self._inflight
         event = None if prev is None or prev.sampled is None else prev.sampled.event
         # The event first: when the device is done, the rows are not walked at all; when it
         # is not, the host has the wait to spare for the walk (and the sampler's own).
         return (event is not None and not event.query()
-                and all(s.plain for s in states))
+                and (plain or all(s.plain for s in states)))
 
     def _resolve(self) -> None:
         """Read the step in flight back and queue its StepResult (nothing when none)."""
@@ -462,31 +444,6 @@ class ModelRunner:
         _sync(self.device)
         return time.perf_counter() - t0
 
-    def _update_requests(self, plan: StepPlan,
-                         new_states: list[SamplingState]) -> list[RequestError]:
-        errors: list[RequestError] = []
-        if not (plan.finished_ids or plan.new_requests or plan.forks):
-            return errors
-        for rid in plan.finished_ids:
-            self._drop(rid)
-        for req, sampling in zip(plan.new_requests, new_states, strict=True):
-            self._put(req.request_id, RequestState(self.rows.add(), sampling, self._pending))
-        if plan.forks:
-            self._pending.apply()  # a child copies its parent's records
-        for fork in plan.forks:
-            parent = self.requests.get(fork.parent_id)
-            if parent is None:
-                errors.append(RequestError(fork.child_id, f"fork of unknown {fork.parent_id!r}"))
-                self._drop(fork.child_id)  # a state under that id is not the router's child
-                continue
-            # The child inherits the parent's table and last sample too (its row is a copy):
-            # a fork planned while that token was in flight feeds it to both (their common
-            # input).
-            self._put(fork.child_id, RequestState(
-                self.rows.fork(parent.row), parent.sampling.fork(fork.sample_index),
-                self._pending))
-        return errors
-
     def precompute(self, plan: StepPlan) -> PlanInputs:
         """`plan_inputs.precompute` against this runner's sizes (thread-safe: the I/O thread
         calls it on plan N+1 while step N's forward runs)."""
@@ -498,3 +455,9 @@ class ModelRunner:
     _prepare_checked = batch_prep.prepare_checked
     _condemned = batch_prep.condemned
     _batch_of = batch_prep.batch_of
+
+    # ---------------------------------------------------------------- runner_requests.py
+    _put = runner_requests.put
+    _drop = runner_requests.drop
+    _update_requests = runner_requests.update_requests
+    _all_plain = runner_requests.all_plain

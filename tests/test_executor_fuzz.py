@@ -192,6 +192,7 @@ def test_wild_plans_never_raise_and_every_sampling_row_is_answered(runner, data)
         result = runner.execute(plan)
         assert result.step_id == plan.step_id
         _check_result(plan, result, vocab)
+        _check_held(runner)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +218,12 @@ def _check_result(plan: StepPlan, result, vocab: int) -> None:
     if "" not in errors:  # not a step that failed as a whole
         sampling = {rid for rid, d in zip(plan.request_ids, plan.do_sample, strict=True) if d}
         assert sampling <= set(result.request_ids) | errors, (sampling, result)
+
+
+def _check_held(runner) -> None:
+    """The runner's count of requests that are not plain greedy (runner_requests.py) is
+    the count of those it holds."""
+    assert runner._not_plain == sum(not r._sampling.plain for r in runner.requests.values())
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +263,7 @@ def test_wild_plans_with_steps_left_in_flight(device, request, data):
     assert [r.step_id for r in results] == [p.step_id for p in plans]
     for plan, result in zip(plans, results, strict=True):
         _check_result(plan, result, vocab)
+    _check_held(overlapped)
 
 
 def test_the_runner_still_serves_after_the_wild_plans(runner, reference):

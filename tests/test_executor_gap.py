@@ -443,3 +443,39 @@ def test_a_steady_decode_step_takes_the_previous_steps_device_tokens_as_its_inpu
     assert shared == [False, True, True, False, False]
     assert {rid: driver.seqs[rid].outputs for rid in prompts} == (
         {rid: ref.seqs[rid].outputs for rid in prompts})
+
+
+def test_the_runner_counts_the_requests_that_are_not_plain_greedy(model_dir):
+    """runner_requests keeps the count of requests whose sampling is not plain greedy
+    through adds, forks, drops and a reset; while it is 0 the runner tells the sampler
+    every row is plain (no walk over the rows), else leaves it to look."""
+    driver = _driver(model_dir)
+    runner = driver.runner
+    told: list = []
+    launch = runner.sampler.launch
+
+    def spy(logits, states, grammar_bits=None, argmax=None, plain=None):
+        told.append(plain)
+        return launch(logits, states, grammar_bits, argmax=argmax, plain=plain)
+
+    runner.sampler.launch = spy
+    driver.add("a", [5, 6, 7])
+    driver.add("b", [8, 9])
+    driver.step({"a": None, "b": None})
+    assert runner._not_plain == 0 and told == [True]
+    driver.add("c", [10, 11, 12], sampling=SEEDED_PEN)
+    driver.step({"a": None, "c": None})
+    assert runner._not_plain == 1 and told[-1] is None
+    driver.fork("c", "c2", 1)
+    driver.step({"a": None, "c": None, "c2": None})
+    assert runner._not_plain == 2 and told[-1] is None
+    driver.step({"a": None, "b": None}, finished_ids=["c"])
+    assert runner._not_plain == 1 and told[-1] is None  # c2 is still held
+    driver.step({"a": None}, finished_ids=["c2", "b"])
+    assert runner._not_plain == 0 and told[-1] is True
+    assert sorted(runner.requests) == ["a"]
+    driver.add("d", [13, 14], sampling=SEEDED_PEN)
+    driver.step({"d": None})
+    assert runner._not_plain == 1
+    runner.reset()
+    assert runner._not_plain == 0 and not runner.requests
