@@ -315,6 +315,8 @@ class StepResult(_Message, tag="result", frozen=True):
             if r and wrong and (name == "token_ids" or arr is not None):
                 raise WireError(f"result {self.step_id}: {name} must have {r} entries")
         if self.top_counts is not None and r:
+            if int(self.top_counts.min()) < 0:
+                raise WireError(f"result {self.step_id}: a negative top count")
             n = int(self.top_counts.sum())
             for name in ("top_token_ids", "top_logprobs"):
                 arr = getattr(self, name)

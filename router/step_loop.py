@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from ..protos import wire
 from .errors import Unavailable
 from .plan_builder import build_plan
+from .result_checks import bad_token_rows, out_of_vocab_errors, without_rows
 from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
@@ -110,6 +111,7 @@ class StepLoop:
         self.config = engine.config
         self.metrics = engine.metrics
         self.depth = max(1, engine.config.pipeline_depth)
+        self.vocab_size = engine.info.vocab_size  # a result's tokens are checked against it
         path = os.environ.get("PAGEDSERVE_STEP_TRACE")
         self.trace = StepTrace(path) if path else None
 
@@ -288,7 +290,12 @@ class StepLoop:
         if result.forward_s > 0:  # the prefill and decode rates (routing's too)
             sched.cost.observe_step(plan.num_prefill_tokens, plan.num_decode_seqs,
                                     result.forward_s)
-        for err in result.errors:
+        errors = result.errors
+        bad = bad_token_rows(result, self.vocab_size)
+        if bad is not None:  # an executor's bug (result_checks.py): those requests fail
+            errors = [*errors, *out_of_vocab_errors(result, bad, self.vocab_size)]
+            result = without_rows(result, bad)
+        for err in errors:
             self.request_error(handle, plan, err)
             if not handle.healthy:
                 return []

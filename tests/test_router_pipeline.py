@@ -338,7 +338,8 @@ def test_the_periodic_invariant_check_takes_a_bounded_share_of_the_loop(monkeypa
     monkeypatch.setattr(step_loop, "time", SimpleNamespace(
         monotonic=lambda: clock["now"], perf_counter=lambda: clock["perf"]))
     config = EngineConfig(model_fingerprint="x", invariant_check_interval_s=5.0)
-    loop = step_loop.StepLoop(SimpleNamespace(config=config, metrics=None))
+    loop = step_loop.StepLoop(SimpleNamespace(config=config, metrics=None,
+                                              info=SimpleNamespace(vocab_size=64)))
     handle = SimpleNamespace(id="e0", kv=KV(), scheduler=SimpleNamespace(
         num_leaked_blocks=leaked), last_check=0.0, next_full_check=0.0, num_leaked_blocks=0)
     for t in (1000.0, 1001.0, 1006.0, 1030.0, 1049.0, 1055.0, 1056.0):

@@ -1,0 +1,63 @@
+"""What the router checks of an executor's StepResult beyond its shapes (wire.StepResult.
+validate, at decode): that every sampled token is in the model's vocabulary. An executor
+only sends one that is not through a bug (a sampling kernel's, say, on a row of NaN
+logits); without this check the token reached the text stage, whose tokenizer raises on a
+negative id, and the step loop's failure dropped every request of that executor. With it,
+the requests that got such a token fail alone, with the token named, and the rest of the
+step is applied as usual.
+
+HOT PATH (every result): one reduction over the step's tokens when all are good.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from ..protos import wire
+
+
+def bad_token_rows(result: wire.StepResult, vocab_size: int) -> np.ndarray | None:
+    """The indices of the result's rows whose token is outside [0, vocab_size) (None: none,
+    the usual case, found with one reduction)."""
+    tokens = result.token_ids
+    if not result.request_ids or tokens is None:
+        return None
+    # int32 tokens seen as uint32: a negative one is larger than any vocabulary
+    top = tokens.view(np.uint32).max() if tokens.dtype == np.int32 else None
+    if top is not None and int(top) < vocab_size:
+        return None
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    return bad if bad.shape[0] else None
+
+
+def without_rows(result: wire.StepResult, rows: np.ndarray) -> wire.StepResult:
+    """``result`` less the samples at ``rows``: their ids, tokens, logprobs and top-k
+    entries (the errors and every other field as they are)."""
+    keep = np.ones(len(result.request_ids), dtype=bool)
+    keep[rows] = False
+    changes: dict = {
+        "request_ids": [r for r, k in zip(result.request_ids, keep.tolist(), strict=True)
+                        if k],
+        "token_ids": result.token_ids[keep],
+    }
+    if result.logprobs is not None:
+        changes["logprobs"] = result.logprobs[keep]
+    counts = result.top_counts
+    if counts is not None:
+        changes["top_counts"] = counts[keep]
+        owner_kept = np.repeat(keep, counts)  # each top-k entry's row, kept or not
+        for name in ("top_token_ids", "top_logprobs"):
+            values = getattr(result, name)
+            if values is not None and values.shape[0] == owner_kept.shape[0]:
+                changes[name] = values[owner_kept]
+    return msgspec.structs.replace(result, **changes)
+
+
+def out_of_vocab_errors(result: wire.StepResult, rows: np.ndarray,
+                        vocab_size: int) -> list[wire.RequestError]:
+    """One error for each request at ``rows``, naming its token."""
+    return [wire.RequestError(result.request_ids[i],
+                              f"the executor sampled token {int(result.token_ids[i])}, "
+                              f"outside the vocabulary of {vocab_size}")
+            for i in rows.tolist()]

@@ -1,0 +1,76 @@
+"""router/result_checks.py: an executor's sampled tokens outside the vocabulary fail their
+requests alone (the rows taken out of the result exactly, top-k entries with them), and the
+router's step loop carries on with the rest (the pipeline rig)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pagedserve.protos import wire
+from pagedserve.protos.wire import WireError
+from pagedserve.router.result_checks import bad_token_rows, out_of_vocab_errors, without_rows
+from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, submit
+
+
+def _result(tokens, top_counts=None, **kw) -> wire.StepResult:
+    n = len(tokens)
+    return wire.StepResult(step_id=7, request_ids=[f"r{i}#0" for i in range(n)],
+                           token_ids=np.array(tokens, np.int32), top_counts=top_counts, **kw)
+
+
+@pytest.mark.parametrize("tokens, bad", [([0, 5, 9], None), ([], None), ([10], [0]),
+                                         ([3, -1, 9, 10, 2**31 - 1], [1, 3, 4])])
+def test_bad_rows_are_those_outside_the_vocabulary(tokens, bad):
+    found = bad_token_rows(_result(tokens), 10)
+    assert (found.tolist() if found is not None else None) == bad
+
+
+def test_the_bad_rows_leave_the_result_with_their_logprobs_and_top_entries():
+    counts = np.array([2, 0, 3, 1], np.int32)
+    result = _result([4, 99, -3, 6], counts,
+                     logprobs=np.array([-0.1, -0.2, -0.3, -0.4], np.float32),
+                     top_token_ids=np.arange(10, 16, dtype=np.int32),
+                     top_logprobs=np.arange(6, dtype=np.float32) * -1.0,
+                     errors=[wire.RequestError("x#0", "other")], forward_s=0.5)
+    result.validate()
+    bad = bad_token_rows(result, 10)
+    assert bad.tolist() == [1, 2]
+    kept = without_rows(result, bad)
+    kept.validate()
+    assert kept.request_ids == ["r0#0", "r3#0"] and kept.token_ids.tolist() == [4, 6]
+    assert kept.logprobs.tolist() == pytest.approx([-0.1, -0.4])
+    assert kept.top_counts.tolist() == [2, 1]
+    assert kept.top_token_ids.tolist() == [10, 11, 15]  # row 2's 12-14 gone with it
+    assert kept.top_logprobs.tolist() == [0.0, -1.0, -5.0]
+    assert kept.errors == result.errors and kept.forward_s == 0.5 and kept.step_id == 7
+    errors = out_of_vocab_errors(result, bad, 10)
+    assert [e.request_id for e in errors] == ["r1#0", "r2#0"]
+    assert "token 99" in errors[0].message and "token -3" in errors[1].message
+
+
+def test_a_negative_top_count_is_malformed():
+    result = _result([1, 2], np.array([2, -1], np.int32),
+                     top_token_ids=np.array([1], np.int32),
+                     top_logprobs=np.array([0.0], np.float32))
+    with pytest.raises(WireError, match="negative top count"):
+        result.validate()
+
+
+def test_a_token_outside_the_vocabulary_fails_its_request_alone():
+    """Request a's second token comes back as -1 (an executor's bug): a fails with the token
+    named, b gets all its tokens, the executor stays healthy and every block comes back."""
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=10)
+        b = await submit(engine, "b", [4, 5, 6], max_tokens=6)
+        ex.overrides[("a#0", 1)] = -1
+        ex.overrides[("b#0", 9)] = VOCAB  # never reached: b stops at 6
+        await ex.run_until_done([a, b])
+        assert a.error is not None and "token -1" in str(a.error)
+        assert a.tokens() == expected("a#0", 1)
+        assert b.error is None and b.tokens() == expected("b#0", 6)
+        while ex.unanswered():
+            await ex.answer()
+        assert engine.executors["e0"].healthy
+        assert free_blocks(engine) == (64, 64)
+    run(main())
