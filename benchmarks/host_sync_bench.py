@@ -5,6 +5,8 @@ mean of ``--calls``; the device only copies a few hundred bytes, so the host's s
 figure. One JSON line per case (DESIGN §8):
 
     event_record_fresh / _pooled      a timing event made and recorded / one recorded again
+    event_record_pooled_stream        the same given the current stream (record() looks
+                                      it up otherwise: a Python Stream object a call)
     tokens_copy_fresh / _pooled       256 int64 tokens to a pinned host buffer (allocated /
                                       the pool's), queued with non_blocking
     read_back_fresh / _pooled         a plain greedy step's whole read-back, as the sampler
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         reused = torch.cuda.Event(enable_timing=True)
         emit("event_record_fresh", _timed(args.calls, fresh_event))
         emit("event_record_pooled", _timed(args.calls, reused.record))
+        stream = torch.cuda.current_stream()  # record() looks it up when not given
+        emit("event_record_pooled_stream", _timed(args.calls, lambda: reused.record(stream)))
         torch.cuda.synchronize()
         emit("event_query", _timed(args.calls, reused.query))
         other = torch.cuda.Event(enable_timing=True)

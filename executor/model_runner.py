@@ -369,7 +369,7 @@ class ModelRunner:
             return
         out = flight.sampled.result() if flight.sampled is not None else None
         events = flight.events
-        if events is not None:
+        if events is not None and out is None:  # else done: the tokens' event came after it
             events[1].synchronize()
         end = self._prev_end = time.perf_counter()
         if events is not None:  # the forward as the device ran it; sampling the rest
