@@ -1,20 +1,35 @@
 """What the router checks of an executor's StepResult beyond its shapes (wire.StepResult.
-validate, at decode): that every sampled token is in the model's vocabulary. An executor
+validate, at decode): that every sampled token is in the model's vocabulary, and that every
+sample the plan asked for is answered. An executor
 only sends one that is not through a bug (a sampling kernel's, say, on a row of NaN
 logits); without this check the token reached the text stage, whose tokenizer raises on a
 negative id, and the step loop's failure dropped every request of that executor. With it,
 the requests that got such a token fail alone, with the token named, and the rest of the
-step is applied as usual.
+step is applied as usual. A sample answered with neither a token nor an error (a bug too)
+fails its request: the scheduler would otherwise wait for that token forever (the request
+never planned again, never ended).
 
-HOT PATH (every result): one reduction over the step's tokens when all are good.
+HOT PATH (every result): one reduction over the step's tokens when all are good; the
+unanswered samples are looked for only when the result has fewer rows than the plan sampled
+or its rows are not the plan's samples in order.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from ..protos import wire
+from .errors import Unavailable
+
+if TYPE_CHECKING:
+    from .engine import RouterEngine
+    from .sequence import Sequence
+
+log = logging.getLogger("pagedserve.router")
 
 
 def bad_token_rows(result: wire.StepResult, vocab_size: int) -> np.ndarray | None:
@@ -61,3 +76,21 @@ def out_of_vocab_errors(result: wire.StepResult, rows: np.ndarray,
                               f"the executor sampled token {int(result.token_ids[i])}, "
                               f"outside the vocabulary of {vocab_size}")
             for i in rows.tolist()]
+
+
+def fail_unanswered(engine: RouterEngine, executor_id: str, result: wire.StepResult,
+                    sampled: list[Sequence]) -> None:
+    """Fail the requests of the samples in ``sampled`` that ``result`` answers neither with
+    a token nor with an error and that are still live on that executor."""
+    answered = set(result.request_ids)
+    answered.update(e.request_id for e in result.errors)
+    live = engine.live
+    for seq in sampled:
+        group = seq.group
+        if seq.seq_id in answered or seq.finished \
+                or live.get(group.request_id) is not group or group.executor_id != executor_id:
+            continue
+        log.error("executor %s answered step %d with neither a token nor an error for %s",
+                  executor_id, result.step_id, seq.seq_id)
+        engine.delivery.fail(group, Unavailable(
+            f"the executor answered no token for {seq.seq_id} in step {result.step_id}"))

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from ..protos import wire
 from .errors import Unavailable
 from .plan_builder import build_plan
-from .result_checks import bad_token_rows, out_of_vocab_errors, without_rows
+from .result_checks import bad_token_rows, fail_unanswered, out_of_vocab_errors, without_rows
 from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
@@ -345,10 +345,14 @@ class StepLoop:
 
         `sampled`: the plan's samples in plan order. The executor answers them in that
         order (one token each, minus any it failed), so result row i is normally
-        `sampled[i]`; otherwise it is found among them by id."""
+        `sampled[i]`; otherwise it is found among those not answered yet by id (a second
+        row for one is dropped). A sample still live that got neither a token nor an error
+        (an executor's bug) fails its request: nothing would plan it again."""
         sched = handle.scheduler
         touched: list[Sequence] = []
         ids = result.request_ids
+        if len(ids) < len(sampled):
+            fail_unanswered(self.engine, handle.id, result, sampled)
         if not ids:
             return touched
         live = self.engine.live
@@ -366,9 +370,10 @@ class StepLoop:
             k = top_counts[i] if top_counts is not None else 0
             seq = sampled[i] if aligned else None
             if seq is None or seq.seq_id != seq_id:
-                if by_id is None:
-                    by_id = {s.seq_id: s for s in sampled}
-                seq = by_id.get(seq_id)
+                if by_id is None:  # those before row i are answered: by id from here on
+                    by_id = {s.seq_id: s for s in sampled[i:]}
+                    aligned = False
+                seq = by_id.pop(seq_id, None)
             group = seq.group if seq is not None else None
             if seq is None or seq.finished or live.get(group.request_id) is not group \
                     or group.executor_id != handle_id:
@@ -410,6 +415,8 @@ class StepLoop:
             touched.append(seq)
         if num_delivered:  # one counter update a step (as the text stage's)
             self.metrics.add_generation_tokens(num_delivered)
+        if by_id and len(ids) >= len(sampled):  # rows for others took some samples' places
+            fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
         return touched
 
     def request_error(self, handle: ExecutorHandle, plan: InFlightPlan,

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.protos import wire
 from pagedserve.protos.wire import WireError
 from pagedserve.router.result_checks import bad_token_rows, out_of_vocab_errors, without_rows
-from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, submit
+from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
 
 
 def _result(tokens, top_counts=None, **kw) -> wire.StepResult:
@@ -73,4 +73,78 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone():
             await ex.answer()
         assert engine.executors["e0"].healthy
         assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+def _answer_with(ex, change) -> None:
+    """Answer the oldest plan with ``change(result)`` instead of the executor's result."""
+    plan = ex.unanswered()[0]
+    ex.answered += 1
+    ex.engine.steps.on_result(ex.id, change(ex.result_for(plan)))
+
+
+def _replace_rows(result, ids, tokens):
+    import msgspec
+    return msgspec.structs.replace(result, request_ids=ids,
+                                   token_ids=np.array(tokens, dtype=np.int32))
+
+
+def test_a_row_twice_counts_once_and_a_row_for_another_request_is_dropped():
+    async def main():
+        engine, ex = make_engine(2)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=5)
+        b = await submit(engine, "b", [4, 5], max_tokens=5)
+        await ex.answer()  # both prefills
+        await ex.wait_plans(1)
+        # a's row twice (with another token the second time), then a row for "b" is left
+        # as it is; one plan later a row for a request this plan did not sample
+        _answer_with(ex, lambda r: _replace_rows(
+            r, [*r.request_ids, r.request_ids[0]], [*r.token_ids.tolist(), 9]))
+        await settle()
+        await ex.wait_plans(1)
+        plan = ex.unanswered()[0]
+        assert set(plan.request_ids) == {"a#0", "b#0"}
+        _answer_with(ex, lambda r: _replace_rows(
+            r, [*r.request_ids, "nobody#0"], [*r.token_ids.tolist(), 7]))
+        await settle()
+        await ex.run_until_done([a, b])
+        assert a.tokens() == expected("a#0", 5) and b.tokens() == expected("b#0", 5)
+        while ex.unanswered():
+            await ex.answer()
+        assert engine.executors["e0"].healthy and free_blocks(engine) == (64, 64)
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["missing", "replaced", "empty"])
+def test_a_sample_answered_with_nothing_fails_its_request_instead_of_hanging(how):
+    """A sampled request with neither a token nor an error in the result (its row left out,
+    taken by a row for another request, or no rows at all) would never be planned again;
+    it fails, the other request carries on."""
+    async def main():
+        engine, ex = make_engine(1)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=4)
+        b = await submit(engine, "b", [4, 5], max_tokens=4)
+        await ex.answer()
+        await ex.wait_plans(1)
+
+        def change(r):
+            keep = [i for i, rid in enumerate(r.request_ids) if rid != "a#0"]
+            ids = [r.request_ids[i] for i in keep]
+            tokens = r.token_ids[keep].tolist()
+            if how == "replaced":  # as many rows as samples, one for a request not planned
+                ids, tokens = [*ids, "nobody#0"], [*tokens, 3]
+            elif how == "empty":
+                ids, tokens = [], []
+            return _replace_rows(r, ids, tokens)
+        _answer_with(ex, change)
+        await settle()
+        assert a.done and "answered no token for a#0" in str(a.error)
+        if how == "empty":  # b's token was left out too
+            assert b.done and b.error is not None
+        else:
+            await ex.run_until_done([b])
+            assert b.error is None and b.tokens() == expected("b#0", 4)
+        while ex.unanswered():
+            await ex.answer()
+        assert engine.executors["e0"].healthy and free_blocks(engine) == (64, 64)
     run(main())

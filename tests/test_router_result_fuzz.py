@@ -1,0 +1,125 @@
+"""The router's step loop against an executor whose results go wrong in every per-request way
+a buggy one could send (each still well-formed on the wire): a token outside the
+vocabulary, a row for a request the plan did not sample or that does not exist, a row twice,
+a sampled request with neither a token nor an error, an error naming a request outside the
+plan or none at all, a result for a step never planned. Whatever the mix (hypothesis), the
+step loop keeps serving: the executor stays healthy, every request ends (its tokens, or an
+error), the KV invariants hold after every plan (the rig's debug checks) and every block
+comes back. Requests no result went wrong for get exactly the executor's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pagedserve.protos import wire
+from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
+
+FAULTS = ("out_of_vocab", "foreign_row", "unknown_row", "twice", "missing", "stray_error",
+          "unknown_error", "bogus_step")
+
+
+def _rows(result: wire.StepResult, keep: list[int], extra: list[tuple[str, int]] = ()):
+    """``result`` with the rows ``keep`` (indices, in that order) and ``extra`` rows."""
+    ids = [result.request_ids[i] for i in keep] + [rid for rid, _ in extra]
+    tokens = [int(result.token_ids[i]) for i in keep] + [tok for _, tok in extra]
+    return msgspec.structs.replace(result, request_ids=ids,
+                                   token_ids=np.array(tokens, dtype=np.int32))
+
+
+def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[str]):
+    """(the result to send, the sample ids it went wrong for, a bogus result or None)."""
+    fault = data.draw(st.sampled_from(FAULTS))
+    n = len(result.request_ids)
+    rows = list(range(n))
+    hit: set[str] = set()
+    bogus = None
+    if fault == "out_of_vocab" and n:
+        i = data.draw(st.integers(0, n - 1))
+        bad = data.draw(st.sampled_from([-1, -(2**31), VOCAB, VOCAB + 7, 2**31 - 1]))
+        result = _rows(result, rows[:i] + rows[i + 1:], [(result.request_ids[i], bad)])
+        hit.add(result.request_ids[-1])
+    elif fault == "foreign_row":  # a live request the plan did not sample
+        others = [r for r in live_ids if r not in plan.request_ids]
+        if others:
+            result = _rows(result, rows, [(data.draw(st.sampled_from(others)),
+                                           data.draw(st.integers(0, VOCAB - 3)))])
+    elif fault == "unknown_row":
+        result = _rows(result, rows, [("nobody#0", 5)])
+    elif fault == "twice" and n:
+        i = data.draw(st.integers(0, n - 1))
+        result = _rows(result, rows + [i])
+        hit.add(result.request_ids[i])
+    elif fault == "missing" and n:
+        i = data.draw(st.integers(0, n - 1))
+        hit.add(result.request_ids[i])
+        result = _rows(result, rows[:i] + rows[i + 1:])
+    elif fault == "stray_error":  # an error for a live request outside the plan
+        others = [r for r in live_ids if r not in plan.request_ids]
+        if others:
+            rid = data.draw(st.sampled_from(others))
+            hit.add(rid)
+            result = msgspec.structs.replace(
+                result, errors=[*result.errors, wire.RequestError(rid, "stray")])
+    elif fault == "unknown_error":
+        result = msgspec.structs.replace(
+            result, errors=[*result.errors, wire.RequestError("nobody#0", "who?")])
+    elif fault == "bogus_step":
+        bogus = wire.StepResult(step_id=plan.step_id + 1000, executor_id="e0",
+                                request_ids=list(result.request_ids),
+                                token_ids=result.token_ids.copy())
+    result.validate()  # what the router's link checks when it decodes one
+    return result, hit, bogus
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_wild_results_leave_the_step_loop_serving(data):
+    depth = data.draw(st.sampled_from([1, 2, 4]))
+    specs = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8),
+                                         st.integers(1, 2)), min_size=1, max_size=4))
+
+    async def main():
+        engine, ex = make_engine(depth)
+        streams = {}
+        for k, (prompt_len, max_tokens, n) in enumerate(specs):
+            rid = f"r{k}"
+            prompt = [(k * 5 + j) % (VOCAB - 2) for j in range(prompt_len)]
+            streams[rid] = (await submit(engine, rid, prompt, max_tokens=max_tokens, n=n),
+                            max_tokens, n)
+        wronged: set[str] = set()  # sample ids a result went wrong for
+        for _ in range(400):
+            if all(s.done for s, _, _ in streams.values()):
+                break
+            if not ex.unanswered():
+                await asyncio.sleep(0.002)
+                continue
+            plan = ex.unanswered()[0]
+            ex.answered += 1
+            result = ex.result_for(plan)
+            if data.draw(st.integers(0, 3)) == 0:  # a quarter of the results go wrong
+                live = [f"{rid}#{i}" for rid, (_, _, n) in streams.items() for i in range(n)]
+                result, hit, bogus = corrupt(data, result, plan, live)
+                wronged |= hit
+                if bogus is not None:
+                    engine.steps.on_result("e0", bogus)
+            engine.steps.on_result("e0", result)
+            await settle()
+            assert engine.executors["e0"].healthy
+        assert all(s.done for s, _, _ in streams.values()), "a request never ended"
+        for rid, (stream, max_tokens, n) in streams.items():
+            wrong = {f"{rid}#{i}" for i in range(n)} & wronged
+            if stream.error is None and not wrong:
+                for i in range(n):
+                    assert stream.tokens(i) == expected(f"{rid}#{i}", max_tokens)
+        while ex.unanswered():  # plans that only drop what ended
+            await ex.answer()
+        assert engine.executors["e0"].healthy
+        await settle()
+        assert free_blocks(engine) == (64, 64)
+
+    run(main())
