@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.router")
 
+# The most device (or CPU) blocks an executor may bring: the router keeps a KV manager of
+# numpy arrays over them (~9 bytes a block, 0.6 GB at this count; 2^26 blocks of 16 tokens
+# are a billion tokens, far past any device's cache). A Hello claiming more (a typo, a
+# bogus executor) is refused with the count, not left to fail inside the manager's arrays.
+MAX_EXECUTOR_BLOCKS = 1 << 26
+
 
 @dataclass
 class ExecutorHandle:
@@ -87,6 +93,11 @@ class Membership:
             return f"block size {hello.block_size}, the router uses {cfg.block_size}"
         if hello.num_gpu_blocks <= 0:
             return "no KV-cache blocks"
+        if hello.num_cpu_blocks < 0:
+            return f"{hello.num_cpu_blocks} CPU blocks"
+        if max(hello.num_gpu_blocks, hello.num_cpu_blocks) > MAX_EXECUTOR_BLOCKS:
+            return (f"{hello.num_gpu_blocks} device / {hello.num_cpu_blocks} CPU blocks, more "
+                    f"than the {MAX_EXECUTOR_BLOCKS} the router keeps for one executor")
         if hello.max_model_len < cfg.max_model_len:
             return (f"max_model_len {hello.max_model_len} is below the router's "
                     f"{cfg.max_model_len} (start both with the same --max-model-len)")

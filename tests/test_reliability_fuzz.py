@@ -232,6 +232,8 @@ def test_malformed_frames_to_router(cluster):
                            (_hello(block_size=32), "block size"),
                            (_hello(protocol_version=7), "protocol version"),
                            (_hello(num_gpu_blocks=0), "no KV-cache blocks"),
+                           (_hello(num_cpu_blocks=-3), "-3 CPU blocks"),
+                           (_hello(num_gpu_blocks=10**12), "more than the 67108864"),
                            (_hello(max_model_len=64), "max_model_len 64 is below")]:
             if why != "different model":
                 hello = msgspec.structs.replace(
