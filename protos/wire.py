@@ -320,7 +320,7 @@ class StepResult(_Message, tag="result", frozen=True):
             n = int(self.top_counts.sum())
             for name in ("top_token_ids", "top_logprobs"):
                 arr = getattr(self, name)
-                if n and (arr is None or arr.shape[0] != n):
+                if (n if arr is None else arr.ndim != 1 or arr.shape[0] != n):
                     raise WireError(f"result {self.step_id}: {name} must have {n} entries")
 
 

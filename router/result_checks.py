@@ -32,18 +32,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.router")
 
 
+def _outside(ids: np.ndarray, vocab_size: int) -> bool:
+    """Is any id outside [0, vocab_size)? One reduction for int32 ids (seen as uint32, a
+    negative one is larger than any vocabulary)."""
+    if ids.dtype == np.int32:
+        return int(ids.view(np.uint32).max()) >= vocab_size
+    return bool(((ids < 0) | (ids >= vocab_size)).any())
+
+
 def bad_token_rows(result: wire.StepResult, vocab_size: int) -> np.ndarray | None:
-    """The indices of the result's rows whose token is outside [0, vocab_size) (None: none,
-    the usual case, found with one reduction)."""
+    """The indices of the result's rows whose token, or one of whose top-k token ids, is
+    outside [0, vocab_size) (None: none, the usual case, found with one reduction, two
+    when the step has top-k entries)."""
     tokens = result.token_ids
     if not result.request_ids or tokens is None:
         return None
-    # int32 tokens seen as uint32: a negative one is larger than any vocabulary
-    top = tokens.view(np.uint32).max() if tokens.dtype == np.int32 else None
-    if top is not None and int(top) < vocab_size:
+    top_ids = result.top_token_ids
+    has_top = top_ids is not None and top_ids.shape[0] > 0 and result.top_counts is not None
+    if not _outside(tokens, vocab_size) and not (has_top and _outside(top_ids, vocab_size)):
         return None
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
-    return bad if bad.shape[0] else None
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if has_top:  # each top entry's row (validated: the counts sum to the entries)
+        wrong = (top_ids < 0) | (top_ids >= vocab_size)
+        owners = np.repeat(np.arange(len(result.request_ids)), result.top_counts)
+        bad[owners[wrong]] = True
+    found = np.flatnonzero(bad)
+    return found if found.shape[0] else None
+
+
+def prompt_scores_wrong(first: int, count: int, prompt_len: int, top_ids: np.ndarray,
+                        vocab_size: int) -> str:
+    """Why one request's prompt scores (tokens ``first`` .. ``first + count - 1``, their
+    top-k ids) cannot be its prompt's ("": they can)."""
+    if first < 0 or first + count > prompt_len:
+        return f"positions {first}..{first + count - 1} of a {prompt_len}-token prompt"
+    if top_ids.shape[0] and _outside(top_ids, vocab_size):
+        return f"top-k ids outside the vocabulary of {vocab_size}"
+    return ""
 
 
 def without_rows(result: wire.StepResult, rows: np.ndarray) -> wire.StepResult:
@@ -73,8 +98,8 @@ def out_of_vocab_errors(result: wire.StepResult, rows: np.ndarray,
                         vocab_size: int) -> list[wire.RequestError]:
     """One error for each request at ``rows``, naming its token."""
     return [wire.RequestError(result.request_ids[i],
-                              f"the executor sampled token {int(result.token_ids[i])}, "
-                              f"outside the vocabulary of {vocab_size}")
+                              f"the executor sampled token {int(result.token_ids[i])} (or "
+                              f"top-k ids) outside the vocabulary of {vocab_size}")
             for i in rows.tolist()]
 
 

@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING
 from ..protos import wire
 from .errors import Unavailable
 from .plan_builder import build_plan
-from .result_checks import bad_token_rows, fail_unanswered, out_of_vocab_errors, without_rows
+from .result_checks import (
+    bad_token_rows,
+    fail_unanswered,
+    out_of_vocab_errors,
+    prompt_scores_wrong,
+    without_rows,
+)
 from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
@@ -324,13 +330,22 @@ class StepLoop:
             have = len(group.prompt_logprobs) if group is not None else -1
             if group is not None and group.executor_id == handle.id and first <= have + 1:
                 lps = result.prompt_logprobs[ofs:ofs + count].tolist()
-                ids = result.prompt_top_token_ids[top_ofs:top_ofs + count * k].tolist()
+                top_ids = result.prompt_top_token_ids[top_ofs:top_ofs + count * k]
+                ids = top_ids.tolist()
                 vals = result.prompt_top_logprobs[top_ofs:top_ofs + count * k].tolist()
                 tokens = group.spec.prompt_token_ids
-                for j in range(have + 1 - first, count):  # new positions only
-                    top = tuple(zip(ids[j * k:(j + 1) * k], vals[j * k:(j + 1) * k],
-                                    strict=True))
-                    group.prompt_logprobs.append(TokenLogprob(tokens[first + j], lps[j], top))
+                wrong = prompt_scores_wrong(first, count, len(tokens), top_ids,
+                                            self.vocab_size)
+                if wrong:  # an executor's bug (result_checks.py): that request fails
+                    log.error("executor %s: prompt scores of %s: %s", handle.id, seq_id, wrong)
+                    self.engine.delivery.fail(group, Unavailable(
+                        f"the executor's prompt scores for {seq_id}: {wrong}"))
+                else:
+                    for j in range(have + 1 - first, count):  # new positions only
+                        top = tuple(zip(ids[j * k:(j + 1) * k], vals[j * k:(j + 1) * k],
+                                        strict=True))
+                        group.prompt_logprobs.append(
+                            TokenLogprob(tokens[first + j], lps[j], top))
             ofs += count
             top_ofs += count * k
 

@@ -4,6 +4,7 @@ router's step loop carries on with the rest (the pipeline rig)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from pagedserve.protos import wire
@@ -33,7 +34,7 @@ def test_the_bad_rows_leave_the_result_with_their_logprobs_and_top_entries():
                      top_logprobs=np.arange(6, dtype=np.float32) * -1.0,
                      errors=[wire.RequestError("x#0", "other")], forward_s=0.5)
     result.validate()
-    bad = bad_token_rows(result, 10)
+    bad = bad_token_rows(result, 20)
     assert bad.tolist() == [1, 2]
     kept = without_rows(result, bad)
     kept.validate()
@@ -43,9 +44,27 @@ def test_the_bad_rows_leave_the_result_with_their_logprobs_and_top_entries():
     assert kept.top_token_ids.tolist() == [10, 11, 15]  # row 2's 12-14 gone with it
     assert kept.top_logprobs.tolist() == [0.0, -1.0, -5.0]
     assert kept.errors == result.errors and kept.forward_s == 0.5 and kept.step_id == 7
-    errors = out_of_vocab_errors(result, bad, 10)
+    errors = out_of_vocab_errors(result, bad, 20)
     assert [e.request_id for e in errors] == ["r1#0", "r2#0"]
     assert "token 99" in errors[0].message and "token -3" in errors[1].message
+
+
+def test_a_top_k_id_outside_the_vocabulary_condemns_its_row():
+    counts = np.array([1, 2, 0], np.int32)
+    result = _result([1, 2, 3], counts, top_token_ids=np.array([4, 5, -7], np.int32),
+                     top_logprobs=np.zeros(3, np.float32))
+    result.validate()
+    assert bad_token_rows(result, 10).tolist() == [1]
+    assert bad_token_rows(msgspec.structs.replace(
+        result, top_token_ids=np.array([4, 5, 6], np.int32)), 10) is None
+
+
+@pytest.mark.parametrize("top_ids", [np.zeros(2, np.int32), np.zeros((1, 1), np.int32)])
+def test_top_entries_that_no_count_owns_are_malformed(top_ids):
+    result = _result([1], np.array([0 if top_ids.ndim == 1 else 1], np.int32),
+                     top_token_ids=top_ids, top_logprobs=np.zeros(top_ids.shape[0], np.float32))
+    with pytest.raises(WireError, match="top_token_ids must have"):
+        result.validate()
 
 
 def test_a_negative_top_count_is_malformed():
@@ -84,7 +103,6 @@ def _answer_with(ex, change) -> None:
 
 
 def _replace_rows(result, ids, tokens):
-    import msgspec
     return msgspec.structs.replace(result, request_ids=ids,
                                    token_ids=np.array(tokens, dtype=np.int32))
 
@@ -148,3 +166,13 @@ def test_a_sample_answered_with_nothing_fails_its_request_instead_of_hanging(how
             await ex.answer()
         assert engine.executors["e0"].healthy and free_blocks(engine) == (64, 64)
     run(main())
+
+
+@pytest.mark.parametrize("first, count, top, why", [
+    (1, 4, [3, 4], ""), (0, 5, [], ""), (2, 4, [], "positions 2..5 of a 5-token prompt"),
+    (6, 0, [], "positions 6..5"), (1, 2, [3, 64], "top-k ids outside the vocabulary of 64"),
+    (1, 2, [-1], "top-k ids outside")])
+def test_prompt_scores_must_be_the_prompts(first, count, top, why):
+    from pagedserve.router.result_checks import prompt_scores_wrong
+    wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), VOCAB)
+    assert (wrong.startswith(why) if why else wrong == ""), wrong

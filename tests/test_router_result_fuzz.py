@@ -2,7 +2,8 @@
 a buggy one could send (each still well-formed on the wire): a token outside the
 vocabulary, a row for a request the plan did not sample or that does not exist, a row twice,
 a sampled request with neither a token nor an error, an error naming a request outside the
-plan or none at all, a result for a step never planned. Whatever the mix (hypothesis), the
+plan or none at all, a result for a step never planned, prompt scores at positions past the
+prompt or with top ids outside the vocabulary. Whatever the mix (hypothesis), the
 step loop keeps serving: the executor stays healthy, every request ends (its tokens, or an
 error), the KV invariants hold after every plan (the rig's debug checks) and every block
 comes back. Requests no result went wrong for get exactly the executor's tokens."""
@@ -19,7 +20,24 @@ from pagedserve.protos import wire
 from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
 
 FAULTS = ("out_of_vocab", "foreign_row", "unknown_row", "twice", "missing", "stray_error",
-          "unknown_error", "bogus_step")
+          "unknown_error", "bogus_step", "prompt_scores")
+
+
+def wild_prompt_scores(data, ids: list[str]) -> dict:
+    """Prompt scores for some of ``ids`` (and for nobody): any positions, any top-k count,
+    top ids in or out of the vocabulary (shapes consistent, as the wire requires)."""
+    chosen = data.draw(st.lists(st.sampled_from([*ids, "nobody#0"]), min_size=1, max_size=3))
+    starts = [data.draw(st.integers(0, 14)) for _ in chosen]
+    counts = [data.draw(st.integers(0, 14)) for _ in chosen]
+    ks = [data.draw(st.integers(0, 2)) for _ in chosen]
+    n, k = sum(counts), sum(c * kk for c, kk in zip(counts, ks, strict=True))
+    top = data.draw(st.lists(st.sampled_from([0, 5, VOCAB - 1, VOCAB, -1]), min_size=k,
+                             max_size=k))
+    return {"prompt_ids": chosen, "prompt_starts": np.array(starts, np.int32),
+            "prompt_counts": np.array(counts, np.int32), "prompt_ks": np.array(ks, np.int32),
+            "prompt_logprobs": np.full(n, -1.5, np.float32),
+            "prompt_top_token_ids": np.array(top, np.int32),
+            "prompt_top_logprobs": np.full(k, -2.0, np.float32)}
 
 
 def _rows(result: wire.StepResult, keep: list[int], extra: list[tuple[str, int]] = ()):
@@ -67,6 +85,10 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
     elif fault == "unknown_error":
         result = msgspec.structs.replace(
             result, errors=[*result.errors, wire.RequestError("nobody#0", "who?")])
+    elif fault == "prompt_scores":
+        scores = wild_prompt_scores(data, list(result.request_ids) or live_ids)
+        hit.update(scores["prompt_ids"])  # scored wrongly, or not as the executor would
+        result = msgspec.structs.replace(result, **scores)
     elif fault == "bogus_step":
         bogus = wire.StepResult(step_id=plan.step_id + 1000, executor_id="e0",
                                 request_ids=list(result.request_ids),
@@ -81,16 +103,17 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
 def test_wild_results_leave_the_step_loop_serving(data):
     depth = data.draw(st.sampled_from([1, 2, 4]))
     specs = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8),
-                                         st.integers(1, 2)), min_size=1, max_size=4))
+                                         st.integers(1, 2), st.sampled_from([None, 1, 2])),
+                               min_size=1, max_size=4))
 
     async def main():
         engine, ex = make_engine(depth)
         streams = {}
-        for k, (prompt_len, max_tokens, n) in enumerate(specs):
+        for k, (prompt_len, max_tokens, n, prompt_logprobs) in enumerate(specs):
             rid = f"r{k}"
             prompt = [(k * 5 + j) % (VOCAB - 2) for j in range(prompt_len)]
-            streams[rid] = (await submit(engine, rid, prompt, max_tokens=max_tokens, n=n),
-                            max_tokens, n)
+            streams[rid] = (await submit(engine, rid, prompt, max_tokens=max_tokens, n=n,
+                                         prompt_logprobs=prompt_logprobs), max_tokens, n)
         wronged: set[str] = set()  # sample ids a result went wrong for
         for _ in range(400):
             if all(s.done for s, _, _ in streams.values()):
