@@ -17,6 +17,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedserve.protos import wire
+from pagedserve.router.scheduler import PreemptionMode
 from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
 
 FAULTS = ("out_of_vocab", "foreign_row", "unknown_row", "twice", "missing", "stray_error",
@@ -102,12 +103,15 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
 @given(data=st.data())
 def test_wild_results_leave_the_step_loop_serving(data):
     depth = data.draw(st.sampled_from([1, 2, 4]))
+    # few blocks: requests preempted (recomputed or swapped) between wrong results
+    blocks = data.draw(st.sampled_from([12, 20, 64]))
+    mode = data.draw(st.sampled_from(list(PreemptionMode)))
     specs = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8),
                                          st.integers(1, 2), st.sampled_from([None, 1, 2])),
                                min_size=1, max_size=4))
 
     async def main():
-        engine, ex = make_engine(depth)
+        engine, ex = make_engine(depth, num_gpu_blocks=blocks, mode=mode)
         streams = {}
         for k, (prompt_len, max_tokens, n, prompt_logprobs) in enumerate(specs):
             rid = f"r{k}"
@@ -143,6 +147,6 @@ def test_wild_results_leave_the_step_loop_serving(data):
             await ex.answer()
         assert engine.executors["e0"].healthy
         await settle()
-        assert free_blocks(engine) == (64, 64)
+        assert free_blocks(engine) == (blocks, blocks)
 
     run(main())
