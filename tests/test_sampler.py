@@ -266,6 +266,18 @@ def test_keyed_uniform_is_uniform_over_positions_and_seeds():
     assert keyed_uniform([2 ** 64 - 1], [0], [0])[0] == keyed_uniform([-1], [0], [0])[0]
 
 
+def test_keyed_uniform_takes_each_values_low_64_bits_in_one_conversion_or_the_slow_way():
+    """Values in [0, 2^64) convert at once; any other int (negative, wider) is taken mod
+    2^64 as before, and a pinned value keeps the draw every executor made for it."""
+    from pagedserve.executor.sampler import _low_64_bits
+    wide = [0, 1, -1, -2 ** 63, 2 ** 63, 2 ** 64 - 1, 2 ** 64, 2 ** 70 + 5, -2 ** 70]
+    assert _low_64_bits(wide).tolist() == [v % 2 ** 64 for v in wide]
+    assert _low_64_bits(np.array([-1, 5], np.int64)).tolist() == [2 ** 64 - 1, 5]
+    assert _low_64_bits(range(3)).tolist() == [0, 1, 2]
+    u = keyed_uniform([1234, 2 ** 64 + 1234], [0, 0], [7, 7])
+    assert u[0] == u[1] and u[0] == pytest.approx(float(keyed_uniform([1234], [0], [7])[0]))
+
+
 @pytest.mark.parametrize("params, logits", [
     (dict(temperature=1.0), [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5]),
     (dict(temperature=0.7, top_k=5), [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5]),
