@@ -17,6 +17,7 @@ or its rows are not the plan's samples in order.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -58,6 +59,27 @@ def bad_token_rows(result: wire.StepResult, vocab_size: int) -> np.ndarray | Non
         bad[owners[wrong]] = True
     found = np.flatnonzero(bad)
     return found if found.shape[0] else None
+
+
+_TIMINGS = ("forward_s", "sample_s", "swap_s", "gap_s")
+_warned_timings: set[str] = set()  # executors whose non-finite timings were logged once
+
+
+def sane_timings(result: wire.StepResult) -> wire.StepResult:
+    """``result`` with every timing that is not a finite number >= 0 (NaN, inf, negative:
+    an executor's bug) set to 0, which the metrics count as nothing waited and the cost
+    model does not learn from (an inf forward_s would have made every learned rate inf)."""
+    times = (result.forward_s, result.sample_s, result.swap_s, result.gap_s)
+    if all(0.0 <= t < math.inf for t in times):
+        return result
+    if result.executor_id not in _warned_timings:
+        _warned_timings.add(result.executor_id)
+        log.warning("executor %s sent timings %s (step %d): taken as 0 (logged once)",
+                    result.executor_id, dict(zip(_TIMINGS, times, strict=True)),
+                    result.step_id)
+    return msgspec.structs.replace(result, **{
+        name: (t if 0.0 <= t < math.inf else 0.0)
+        for name, t in zip(_TIMINGS, times, strict=True)})
 
 
 def prompt_scores_wrong(first: int, count: int, prompt_len: int, top_ids: np.ndarray,

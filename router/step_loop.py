@@ -43,15 +43,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..protos import wire
+from . import result_checks as checks
 from .errors import Unavailable
 from .plan_builder import build_plan
-from .result_checks import (
-    bad_token_rows,
-    fail_unanswered,
-    out_of_vocab_errors,
-    prompt_scores_wrong,
-    without_rows,
-)
 from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
@@ -284,6 +278,7 @@ class StepLoop:
         """The result of the oldest plan: its held blocks are free, its pending samples are
         no longer pending, timings teach the cost model; then the tokens (`apply_tokens`)."""
         sched = handle.scheduler
+        result = checks.sane_timings(result)
         handle.kv.plan_answered(plan.step_id)
         for seq in plan.sampled:
             seq.num_pending -= 1
@@ -297,10 +292,10 @@ class StepLoop:
             sched.cost.observe_step(plan.num_prefill_tokens, plan.num_decode_seqs,
                                     result.forward_s)
         errors = result.errors
-        bad = bad_token_rows(result, self.vocab_size)
+        bad = checks.bad_token_rows(result, self.vocab_size)
         if bad is not None:  # an executor's bug (result_checks.py): those requests fail
-            errors = [*errors, *out_of_vocab_errors(result, bad, self.vocab_size)]
-            result = without_rows(result, bad)
+            errors = [*errors, *checks.out_of_vocab_errors(result, bad, self.vocab_size)]
+            result = checks.without_rows(result, bad)
         for err in errors:
             self.request_error(handle, plan, err)
             if not handle.healthy:
@@ -334,7 +329,7 @@ class StepLoop:
                 ids = top_ids.tolist()
                 vals = result.prompt_top_logprobs[top_ofs:top_ofs + count * k].tolist()
                 tokens = group.spec.prompt_token_ids
-                wrong = prompt_scores_wrong(first, count, len(tokens), top_ids,
+                wrong = checks.prompt_scores_wrong(first, count, len(tokens), top_ids,
                                             self.vocab_size)
                 if wrong:  # an executor's bug (result_checks.py): that request fails
                     log.error("executor %s: prompt scores of %s: %s", handle.id, seq_id, wrong)
@@ -367,7 +362,7 @@ class StepLoop:
         touched: list[Sequence] = []
         ids = result.request_ids
         if len(ids) < len(sampled):
-            fail_unanswered(self.engine, handle.id, result, sampled)
+            checks.fail_unanswered(self.engine, handle.id, result, sampled)
         if not ids:
             return touched
         live = self.engine.live
@@ -431,7 +426,7 @@ class StepLoop:
         if num_delivered:  # one counter update a step (as the text stage's)
             self.metrics.add_generation_tokens(num_delivered)
         if by_id and len(ids) >= len(sampled):  # rows for others took some samples' places
-            fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
+            checks.fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
         return touched
 
     def request_error(self, handle: ExecutorHandle, plan: InFlightPlan,

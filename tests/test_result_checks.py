@@ -4,6 +4,8 @@ router's step loop carries on with the rest (the pipeline rig)."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -176,3 +178,16 @@ def test_prompt_scores_must_be_the_prompts(first, count, top, why):
     from pagedserve.router.result_checks import prompt_scores_wrong
     wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), VOCAB)
     assert (wrong.startswith(why) if why else wrong == ""), wrong
+
+
+def test_timings_that_are_not_finite_and_non_negative_are_taken_as_0(caplog):
+    from pagedserve.router.result_checks import sane_timings
+    good = _result([1], forward_s=0.5, gap_s=0.0, swap_s=0.25, sample_s=1e-4)
+    assert sane_timings(good) is good
+    bad = msgspec.structs.replace(good, executor_id="clock-bug", forward_s=math.nan,
+                                  gap_s=-1.0, swap_s=math.inf)
+    fixed = sane_timings(bad)
+    assert (fixed.forward_s, fixed.gap_s, fixed.swap_s, fixed.sample_s) == (0.0, 0.0, 0.0, 1e-4)
+    assert fixed.token_ids.tolist() == [1]
+    sane_timings(bad)
+    assert caplog.text.count("clock-bug sent timings") == 1  # once an executor

@@ -3,7 +3,7 @@ a buggy one could send (each still well-formed on the wire): a token outside the
 vocabulary, a row for a request the plan did not sample or that does not exist, a row twice,
 a sampled request with neither a token nor an error, an error naming a request outside the
 plan or none at all, a result for a step never planned, prompt scores at positions past the
-prompt or with top ids outside the vocabulary. Whatever the mix (hypothesis), the
+prompt or with top ids outside the vocabulary, timings that are not finite numbers >= 0. Whatever the mix (hypothesis), the
 step loop keeps serving: the executor stays healthy, every request ends (its tokens, or an
 error), the KV invariants hold after every plan (the rig's debug checks) and every block
 comes back. Requests no result went wrong for get exactly the executor's tokens."""
@@ -11,6 +11,7 @@ comes back. Requests no result went wrong for get exactly the executor's tokens.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import numpy as np
@@ -21,7 +22,7 @@ from pagedserve.router.scheduler import PreemptionMode
 from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
 
 FAULTS = ("out_of_vocab", "foreign_row", "unknown_row", "twice", "missing", "stray_error",
-          "unknown_error", "bogus_step", "prompt_scores")
+          "unknown_error", "bogus_step", "prompt_scores", "timings")
 
 
 def wild_prompt_scores(data, ids: list[str]) -> dict:
@@ -90,6 +91,11 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
         scores = wild_prompt_scores(data, list(result.request_ids) or live_ids)
         hit.update(scores["prompt_ids"])  # scored wrongly, or not as the executor would
         result = msgspec.structs.replace(result, **scores)
+    elif fault == "timings":  # the tokens are right, the clocks are not
+        wild = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e300])
+        result = msgspec.structs.replace(result, forward_s=data.draw(wild),
+                                         gap_s=data.draw(wild), swap_s=data.draw(wild),
+                                         sample_s=data.draw(wild))
     elif fault == "bogus_step":
         bogus = wire.StepResult(step_id=plan.step_id + 1000, executor_id="e0",
                                 request_ids=list(result.request_ids),
@@ -146,6 +152,8 @@ def test_wild_results_leave_the_step_loop_serving(data):
         while ex.unanswered():  # plans that only drop what ended
             await ex.answer()
         assert engine.executors["e0"].healthy
+        cost = engine.executors["e0"].scheduler.cost
+        assert math.isfinite(cost.s_per_token) and math.isfinite(cost.s_per_seq)
         await settle()
         assert free_blocks(engine) == (blocks, blocks)
 
