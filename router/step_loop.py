@@ -437,7 +437,7 @@ class StepLoop:
             return
         group = self._plan_group(plan, err.request_id)
         log.error("executor %s: request %s failed: %s", handle.id, err.request_id, err.message)
-        if group is not None:
+        if group is not None and group.executor_id == handle.id:  # not another's request
             self.engine.delivery.fail(
                 group, Unavailable(f"the executor failed the request: {err.message}"))
 

@@ -48,10 +48,12 @@ def sim_token(seq_id: str, out_pos: int) -> int:
 
 class FakeLink:
     def __init__(self) -> None:
-        self.sent: list = []
+        self.sent: list = []  # every message sent, in order
+        self.to: list[bytes] = []  # the routing id each went to
 
     def send(self, routing_id, msg) -> None:
         self.sent.append(msg)
+        self.to.append(routing_id)
 
     async def close(self) -> None:
         pass
@@ -63,6 +65,7 @@ class SimExecutor:
     def __init__(self, engine: RouterEngine, executor_id: str = "e0") -> None:
         self.engine = engine
         self.id = executor_id
+        self.routing_id = executor_id.encode()  # as the tests register it (on_hello)
         self.out: dict[str, list[int]] = {}  # seq id -> output tokens on this executor
         self.last: dict[str, tuple[int, int]] = {}  # seq id -> (step, token sampled)
         self.answered = 0
@@ -70,7 +73,9 @@ class SimExecutor:
 
     @property
     def plans(self) -> list[wire.StepPlan]:
-        return [m for m in self.engine.link.sent if isinstance(m, wire.StepPlan)]
+        link = self.engine.link
+        return [m for to, m in zip(link.to, link.sent, strict=True)
+                if to == self.routing_id and isinstance(m, wire.StepPlan)]
 
     def unanswered(self) -> list[wire.StepPlan]:
         return self.plans[self.answered:]

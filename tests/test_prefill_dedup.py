@@ -232,7 +232,6 @@ def test_waiters_follow_a_migrated_request_to_its_new_executor():
                            num_cpu_blocks=8, max_model_len=128)
         engine.membership.on_hello(b"e1", hello)
         ex1 = SimExecutor(engine, "e1")
-        ex1.answered = len(ex0.plans)
         engine.membership.executor_lost(engine.executors["e0"], "killed")
         await ex1.wait_plans(1)
         plan = ex1.unanswered()[0]

@@ -4,6 +4,7 @@ router's step loop carries on with the rest (the pipeline rig)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import msgspec
@@ -12,7 +13,17 @@ import pytest
 from pagedserve.protos import wire
 from pagedserve.protos.wire import WireError
 from pagedserve.router.result_checks import bad_token_rows, out_of_vocab_errors, without_rows
-from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
+from pipeline_rig import (
+    BS,
+    VOCAB,
+    SimExecutor,
+    expected,
+    free_blocks,
+    make_engine,
+    run,
+    settle,
+    submit,
+)
 
 
 def _result(tokens, top_counts=None, **kw) -> wire.StepResult:
@@ -191,3 +202,38 @@ def test_timings_that_are_not_finite_and_non_negative_are_taken_as_0(caplog):
     assert fixed.token_ids.tolist() == [1]
     sane_timings(bad)
     assert caplog.text.count("clock-bug sent timings") == 1  # once an executor
+
+
+def test_an_executor_cannot_fail_or_answer_a_request_that_lives_on_another():
+    """a runs on e0, b on e1; e0's results name b (an error, then a token): b goes on as
+    e1 answers it, and e0's own request is unaffected (depth 1: e0's plan after the first
+    is built once b has arrived, so only the executor tells b is not e0's)."""
+    async def main():
+        engine, ex0 = make_engine(1)
+        a = await submit(engine, "a", [1, 2, 3], max_tokens=4)
+        await ex0.wait_plans(1)
+        hello = wire.Hello(executor_id="e1", model_fingerprint="fp", device="cpu",
+                           dtype="float32", block_size=BS, num_gpu_blocks=64,
+                           num_cpu_blocks=8, max_model_len=128)
+        engine.membership.on_hello(b"e1", hello)
+        ex1 = SimExecutor(engine, "e1")
+        b = await submit(engine, "b", [7, 8, 9, 10], max_tokens=4)
+        await ex1.wait_plans(1)
+        assert engine.live["b"].executor_id == "e1"
+        await ex0.answer()  # e0's next plans are built after b arrived
+        await ex0.wait_plans(1)
+        _answer_with(ex0, lambda r: msgspec.structs.replace(
+            r, errors=[wire.RequestError("b#0", "not mine")]))
+        await settle()
+        _answer_with(ex0, lambda r: _replace_rows(
+            r, [*r.request_ids, "b#0"], [*r.token_ids.tolist(), 11]))
+        await settle()
+        assert not b.done
+        while not (a.done and b.done):
+            for ex in (ex0, ex1):
+                if ex.unanswered():
+                    await ex.answer()
+            await asyncio.sleep(0.001)
+        assert a.error is None and a.tokens() == expected("a#0", 4)
+        assert b.error is None and b.tokens() == expected("b#0", 4)
+    run(main())

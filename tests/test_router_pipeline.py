@@ -229,7 +229,6 @@ def test_executor_lost_with_two_plans_in_flight_resumes_from_the_last_received_t
                            num_cpu_blocks=8, max_model_len=128)
         engine.membership.on_hello(b"e1", hello)
         ex2 = SimExecutor(engine, "e1")
-        ex2.answered = len(ex.plans)
         engine.membership.executor_lost(engine.executors["e0"], "killed")
         await ex2.wait_plans(1)
         new = ex2.unanswered()[0].new_requests[0]
