@@ -3,10 +3,13 @@ a buggy one could send (each still well-formed on the wire): a token outside the
 vocabulary, a row for a request the plan did not sample or that does not exist, a row twice,
 a sampled request with neither a token nor an error, an error naming a request outside the
 plan or none at all, a result for a step never planned, prompt scores at positions past the
-prompt or with top ids outside the vocabulary, timings that are not finite numbers >= 0. Whatever the mix (hypothesis), the
-step loop keeps serving: the executor stays healthy, every request ends (its tokens, or an
-error), the KV invariants hold after every plan (the rig's debug checks) and every block
-comes back. Requests no result went wrong for get exactly the executor's tokens."""
+prompt or with top ids outside the vocabulary, timings that are not finite numbers >= 0; with
+one executor or two (then wrong rows and errors may name the other's requests). Whatever the
+mix (hypothesis), the step loop keeps serving: the executors stay healthy, every request
+ends (its tokens, or an error), the KV invariants hold after every plan (the rig's debug
+checks) and every block comes back. Requests no result went wrong for (a row twice is dropped, an error from the
+wrong executor ignored: those too) end without an error, with exactly the executor's
+tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedserve.protos import wire
 from pagedserve.router.scheduler import PreemptionMode
-from pipeline_rig import VOCAB, expected, free_blocks, make_engine, run, settle, submit
+from pipeline_rig import BS, VOCAB, SimExecutor, expected, make_engine, run, settle, submit
 
 FAULTS = ("out_of_vocab", "foreign_row", "unknown_row", "twice", "missing", "stray_error",
           "unknown_error", "bogus_step", "prompt_scores", "timings")
@@ -50,8 +53,10 @@ def _rows(result: wire.StepResult, keep: list[int], extra: list[tuple[str, int]]
                                    token_ids=np.array(tokens, dtype=np.int32))
 
 
-def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[str]):
-    """(the result to send, the sample ids it went wrong for, a bogus result or None)."""
+def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[str],
+            lives_on):
+    """(the result to send, the sample ids it may fail, a bogus result or None).
+    ``lives_on(sample id)``: the executor that request is on."""
     fault = data.draw(st.sampled_from(FAULTS))
     n = len(result.request_ids)
     rows = list(range(n))
@@ -69,10 +74,9 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
                                            data.draw(st.integers(0, VOCAB - 3)))])
     elif fault == "unknown_row":
         result = _rows(result, rows, [("nobody#0", 5)])
-    elif fault == "twice" and n:
+    elif fault == "twice" and n:  # the second row is dropped: nothing goes wrong
         i = data.draw(st.integers(0, n - 1))
         result = _rows(result, rows + [i])
-        hit.add(result.request_ids[i])
     elif fault == "missing" and n:
         i = data.draw(st.integers(0, n - 1))
         hit.add(result.request_ids[i])
@@ -81,7 +85,8 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
         others = [r for r in live_ids if r not in plan.request_ids]
         if others:
             rid = data.draw(st.sampled_from(others))
-            hit.add(rid)
+            if lives_on(rid) == result.executor_id:  # another executor's is not failed
+                hit.add(rid)
             result = msgspec.structs.replace(
                 result, errors=[*result.errors, wire.RequestError(rid, "stray")])
     elif fault == "unknown_error":
@@ -97,7 +102,7 @@ def corrupt(data, result: wire.StepResult, plan: wire.StepPlan, live_ids: list[s
                                          gap_s=data.draw(wild), swap_s=data.draw(wild),
                                          sample_s=data.draw(wild))
     elif fault == "bogus_step":
-        bogus = wire.StepResult(step_id=plan.step_id + 1000, executor_id="e0",
+        bogus = wire.StepResult(step_id=plan.step_id + 1000, executor_id=result.executor_id,
                                 request_ids=list(result.request_ids),
                                 token_ids=result.token_ids.copy())
     result.validate()  # what the router's link checks when it decodes one
@@ -112,12 +117,20 @@ def test_wild_results_leave_the_step_loop_serving(data):
     # few blocks: requests preempted (recomputed or swapped) between wrong results
     blocks = data.draw(st.sampled_from([12, 20, 64]))
     mode = data.draw(st.sampled_from(list(PreemptionMode)))
+    two = data.draw(st.booleans())  # a second executor: requests, wrong rows and errors
+    # for a request that lives on the other one
     specs = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8),
                                          st.integers(1, 2), st.sampled_from([None, 1, 2])),
                                min_size=1, max_size=4))
 
     async def main():
-        engine, ex = make_engine(depth, num_gpu_blocks=blocks, mode=mode)
+        engine, ex0 = make_engine(depth, num_gpu_blocks=blocks, mode=mode)
+        executors = [ex0]
+        if two:
+            engine.membership.on_hello(b"e1", wire.Hello(
+                executor_id="e1", model_fingerprint="fp", device="cpu", dtype="float32",
+                block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=16, max_model_len=128))
+            executors.append(SimExecutor(engine, "e1"))
         streams = {}
         for k, (prompt_len, max_tokens, n, prompt_logprobs) in enumerate(specs):
             rid = f"r{k}"
@@ -128,33 +141,43 @@ def test_wild_results_leave_the_step_loop_serving(data):
         for _ in range(400):
             if all(s.done for s, _, _ in streams.values()):
                 break
-            if not ex.unanswered():
+            waiting = [ex for ex in executors if ex.unanswered()]
+            if not waiting:
                 await asyncio.sleep(0.002)
                 continue
+            ex = data.draw(st.sampled_from(waiting))
             plan = ex.unanswered()[0]
             ex.answered += 1
             result = ex.result_for(plan)
             if data.draw(st.integers(0, 3)) == 0:  # a quarter of the results go wrong
                 live = [f"{rid}#{i}" for rid, (_, _, n) in streams.items() for i in range(n)]
-                result, hit, bogus = corrupt(data, result, plan, live)
+                result, hit, bogus = corrupt(
+                    data, result, plan, live,
+                    lambda sid: getattr(engine.live.get(sid.rpartition("#")[0]),
+                                        "executor_id", None))
                 wronged |= hit
                 if bogus is not None:
-                    engine.steps.on_result("e0", bogus)
-            engine.steps.on_result("e0", result)
+                    engine.steps.on_result(ex.id, bogus)
+            engine.steps.on_result(ex.id, result)
             await settle()
-            assert engine.executors["e0"].healthy
+            assert all(engine.executors[e.id].healthy for e in executors)
         assert all(s.done for s, _, _ in streams.values()), "a request never ended"
         for rid, (stream, max_tokens, n) in streams.items():
             wrong = {f"{rid}#{i}" for i in range(n)} & wronged
-            if stream.error is None and not wrong:
+            if not wrong:  # no result went wrong for it: served as if none had
+                assert stream.error is None, (rid, stream.error)
                 for i in range(n):
                     assert stream.tokens(i) == expected(f"{rid}#{i}", max_tokens)
-        while ex.unanswered():  # plans that only drop what ended
-            await ex.answer()
-        assert engine.executors["e0"].healthy
-        cost = engine.executors["e0"].scheduler.cost
-        assert math.isfinite(cost.s_per_token) and math.isfinite(cost.s_per_seq)
+        for ex in executors:
+            while ex.unanswered():  # plans that only drop what ended
+                await ex.answer()
         await settle()
-        assert free_blocks(engine) == (blocks, blocks)
+        for ex in executors:
+            handle = engine.executors[ex.id]
+            assert handle.healthy
+            cost = handle.scheduler.cost
+            assert math.isfinite(cost.s_per_token) and math.isfinite(cost.s_per_seq)
+            assert (handle.kv.num_free_gpu_blocks, handle.kv.stats().gpu.num_free_blocks) \
+                == (blocks, blocks)
 
     run(main())
