@@ -12,6 +12,10 @@ What the link does with each message (the executor's side is in executor/process
 * ErrorReport      -> `on_error(id, report)`.
 * anything from an executor the router does not know (it restarted, or the executor was
   declared dead) -> Shutdown(exit=False): "register again".
+* a StepResult, ErrorReport or goodbye naming an executor whose accepted Hello came from
+  another routing id (two processes with one --executor-id; a stale one after the other
+  re-registered) -> dropped and logged once an executor: it would have been taken as the
+  registered process's (its step ids are those of another step sequence).
 * a frame that does not decode -> logged and dropped, never executed.
 
 Security (DESIGN §2). With `curve_keys` (a folder from `pagedserve keygen`) the socket is a
@@ -168,6 +172,10 @@ class ExecutorLink:
         self._on_result = on_result
         self._on_error = on_error
         self._on_goodbye = on_goodbye
+        # executor id -> the routing id its accepted Hello came from (its main socket; its
+        # heartbeats come from a socket of their own)
+        self._main: dict[str, bytes] = {}
+        self._impostors_logged: set[str] = set()
         self._reader = SocketReader(self._sock, self._receive, log)
         self._monitor_task: asyncio.Task | None = None
 
@@ -249,7 +257,18 @@ class ExecutorLink:
 
     def _dispatch(self, routing_id: bytes, msg) -> None:
         if isinstance(msg, wire.Hello):
-            self.send(routing_id, self._on_hello(routing_id, msg))
+            welcome = self._on_hello(routing_id, msg)
+            if welcome.accepted:
+                self._main[msg.executor_id] = routing_id
+            self.send(routing_id, welcome)
+        elif isinstance(msg, (wire.StepResult, wire.ErrorReport, wire.Shutdown)) \
+                and self._main.get(msg.executor_id, routing_id) != routing_id:
+            if msg.executor_id not in self._impostors_logged:
+                self._impostors_logged.add(msg.executor_id)
+                log.error("a %s for executor %s came from a connection other than the one "
+                          "it registered on; dropped (two executors started with one "
+                          "--executor-id?) (logged once an executor)",
+                          type(msg).__name__, msg.executor_id)
         elif isinstance(msg, wire.Heartbeat):
             if self._on_heartbeat(msg.executor_id):
                 self.send(routing_id, msg)

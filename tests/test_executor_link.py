@@ -136,3 +136,53 @@ def test_malformed_frames_are_dropped_and_the_link_keeps_receiving(caplog):
     with caplog.at_level("WARNING", logger="pagedserve.router.link"):
         asyncio.run(main())
     assert "rejected a malformed message" in caplog.text
+
+
+def test_results_count_only_from_the_connection_an_executor_registered_on(caplog):
+    """Two connections claim executor "x": the one whose Hello was accepted last owns its
+    results, errors and goodbye; the other's are dropped (logged once)."""
+    async def main() -> None:
+        results, errors, goodbyes = [], [], []
+        link = ExecutorLink(
+            "tcp://127.0.0.1:0",
+            on_hello=lambda rid, h: wire.Welcome(executor_id=h.executor_id, accepted=True),
+            on_heartbeat=lambda eid: True,
+            on_result=lambda eid, r: results.append((eid, r.step_id)) or True,
+            on_error=lambda eid, e: errors.append((eid, e.message)) or True,
+            on_goodbye=lambda eid, why: goodbyes.append((eid, why)))
+        link.start()
+        codec = Codec()
+        ctx = zmq.Context()
+        a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        hello = wire.Hello(executor_id="x", model_fingerprint="fp", device="cpu",
+                           dtype="float32", block_size=16, num_gpu_blocks=8,
+                           num_cpu_blocks=0, max_model_len=64)
+        try:
+            for sock in (a, b):
+                sock.connect(link.endpoint)
+            a.send_multipart(codec.encode(hello))
+            await _wait_for(lambda: a.poll(0))
+            assert isinstance(codec.decode(a.recv_multipart()), wire.Welcome)
+            b.send_multipart(codec.encode(wire.StepResult(step_id=1, executor_id="x")))
+            b.send_multipart(codec.encode(wire.ErrorReport(message="b", executor_id="x")))
+            b.send_multipart(codec.encode(wire.Shutdown(reason="b", executor_id="x")))
+            a.send_multipart(codec.encode(wire.StepResult(step_id=2, executor_id="x")))
+            await _wait_for(lambda: results)
+            await asyncio.sleep(0.05)
+            assert results == [("x", 2)] and errors == [] and goodbyes == []
+            b.send_multipart(codec.encode(hello))  # b registers "x" now: a's are the stale
+            await _wait_for(lambda: b.poll(0))
+            a.send_multipart(codec.encode(wire.StepResult(step_id=3, executor_id="x")))
+            b.send_multipart(codec.encode(wire.StepResult(step_id=4, executor_id="x")))
+            b.send_multipart(codec.encode(wire.Shutdown(reason="bye", executor_id="x")))
+            await _wait_for(lambda: goodbyes)
+            assert results == [("x", 2), ("x", 4)] and goodbyes == [("x", "bye")]
+        finally:
+            a.close(0)
+            b.close(0)
+            ctx.term()
+            await link.close()
+
+    with caplog.at_level("ERROR", logger="pagedserve.router.link"):
+        asyncio.run(main())
+    assert caplog.text.count("came from a connection other than") == 1

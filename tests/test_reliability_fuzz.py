@@ -253,7 +253,8 @@ def test_malformed_frames_to_router(cluster):
     time.sleep(0.3)
     logs = cluster.logs()
     assert logs.count("rejected a malformed message") >= len(bad) - 1, logs
-    assert "result for step 1000000000" in logs
+    # f0's result from this socket, not the one f0 registered on: dropped by the link
+    assert "a StepResult for executor f0 came from a connection other than" in logs
     status = cluster.status()
     assert [e.id for e in status.executors] == ["f0"] and status.executors[0].healthy
     resp = cluster.stub.Generate(request(token_ids=[5, 6, 7], max_tokens=3, temperature=0.0),
