@@ -9,21 +9,12 @@ import math
 
 import msgspec
 import numpy as np
+import pipeline_rig as rig
 import pytest
 from pagedserve.protos import wire
 from pagedserve.protos.wire import WireError
 from pagedserve.router.result_checks import bad_token_rows, out_of_vocab_errors, without_rows
-from pipeline_rig import (
-    BS,
-    VOCAB,
-    SimExecutor,
-    expected,
-    free_blocks,
-    make_engine,
-    run,
-    settle,
-    submit,
-)
+from pipeline_rig import expected, make_engine, run, settle, submit
 
 
 def _result(tokens, top_counts=None, **kw) -> wire.StepResult:
@@ -96,7 +87,7 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone():
         a = await submit(engine, "a", [1, 2, 3], max_tokens=10)
         b = await submit(engine, "b", [4, 5, 6], max_tokens=6)
         ex.overrides[("a#0", 1)] = -1
-        ex.overrides[("b#0", 9)] = VOCAB  # never reached: b stops at 6
+        ex.overrides[("b#0", 9)] = rig.VOCAB  # never reached: b stops at 6
         await ex.run_until_done([a, b])
         assert a.error is not None and "token -1" in str(a.error)
         assert a.tokens() == expected("a#0", 1)
@@ -104,7 +95,7 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone():
         while ex.unanswered():
             await ex.answer()
         assert engine.executors["e0"].healthy
-        assert free_blocks(engine) == (64, 64)
+        assert rig.free_blocks(engine) == (64, 64)
     run(main())
 
 
@@ -142,7 +133,7 @@ def test_a_row_twice_counts_once_and_a_row_for_another_request_is_dropped():
         assert a.tokens() == expected("a#0", 5) and b.tokens() == expected("b#0", 5)
         while ex.unanswered():
             await ex.answer()
-        assert engine.executors["e0"].healthy and free_blocks(engine) == (64, 64)
+        assert engine.executors["e0"].healthy and rig.free_blocks(engine) == (64, 64)
     run(main())
 
 
@@ -177,7 +168,7 @@ def test_a_sample_answered_with_nothing_fails_its_request_instead_of_hanging(how
             assert b.error is None and b.tokens() == expected("b#0", 4)
         while ex.unanswered():
             await ex.answer()
-        assert engine.executors["e0"].healthy and free_blocks(engine) == (64, 64)
+        assert engine.executors["e0"].healthy and rig.free_blocks(engine) == (64, 64)
     run(main())
 
 
@@ -187,7 +178,7 @@ def test_a_sample_answered_with_nothing_fails_its_request_instead_of_hanging(how
     (1, 2, [-1], "top-k ids outside")])
 def test_prompt_scores_must_be_the_prompts(first, count, top, why):
     from pagedserve.router.result_checks import prompt_scores_wrong
-    wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), VOCAB)
+    wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), rig.VOCAB)
     assert (wrong.startswith(why) if why else wrong == ""), wrong
 
 
@@ -213,10 +204,10 @@ def test_an_executor_cannot_fail_or_answer_a_request_that_lives_on_another():
         a = await submit(engine, "a", [1, 2, 3], max_tokens=4)
         await ex0.wait_plans(1)
         hello = wire.Hello(executor_id="e1", model_fingerprint="fp", device="cpu",
-                           dtype="float32", block_size=BS, num_gpu_blocks=64,
+                           dtype="float32", block_size=rig.BS, num_gpu_blocks=64,
                            num_cpu_blocks=8, max_model_len=128)
         engine.membership.on_hello(b"e1", hello)
-        ex1 = SimExecutor(engine, "e1")
+        ex1 = rig.SimExecutor(engine, "e1")
         b = await submit(engine, "b", [7, 8, 9, 10], max_tokens=4)
         await ex1.wait_plans(1)
         assert engine.live["b"].executor_id == "e1"
