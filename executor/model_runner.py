@@ -288,7 +288,7 @@ class ModelRunner:
             if events is not None:
                 events[1].record()
             states = [self.requests[r]._sampling for r in batch.sample_ids]
-            plain = True if self._all_plain() else None  # None: the rows are looked at
+            plain = True if self._not_plain == 0 else None  # None: rows looked at
             t1 = time.perf_counter()
             sampled = None
             if states and self._sample_first(states, plain):
@@ -460,4 +460,3 @@ class ModelRunner:
     _put = runner_requests.put
     _drop = runner_requests.drop
     _update_requests = runner_requests.update_requests
-    _all_plain = runner_requests.all_plain

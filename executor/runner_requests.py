@@ -21,11 +21,6 @@ if TYPE_CHECKING:
     from pagedserve.executor.model_runner import ModelRunner
 
 
-def all_plain(self: ModelRunner) -> bool:
-    """Is every request's sampling plain greedy (so every step's rows are)?"""
-    return self._not_plain == 0
-
-
 def put(self: ModelRunner, request_id: str, state: RequestState) -> None:
     old = self.requests.get(request_id)
     if old is not None:

@@ -361,9 +361,9 @@ class StepLoop:
         sched = handle.scheduler
         touched: list[Sequence] = []
         ids = result.request_ids
-        if len(ids) < len(sampled):
-            checks.fail_unanswered(self.engine, handle.id, result, sampled)
         if not ids:
+            if sampled:  # none answered with a token
+                checks.fail_unanswered(self.engine, handle.id, result, sampled)
             return touched
         live = self.engine.live
         tokens = result.token_ids.tolist()
@@ -425,7 +425,7 @@ class StepLoop:
             touched.append(seq)
         if num_delivered:  # one counter update a step (as the text stage's)
             self.metrics.add_generation_tokens(num_delivered)
-        if by_id and len(ids) >= len(sampled):  # rows for others took some samples' places
+        if by_id:  # samples no row answered (left out, or others' rows in their places)
             checks.fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
         return touched
 
