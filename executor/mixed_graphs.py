@@ -40,6 +40,7 @@ On a CPU (tests only) "capture" keeps each piece as a function of the static buf
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 
@@ -218,6 +219,10 @@ def mixed_graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_token
                           dtype=dtype, device=device)
 
     def reserved() -> int:
+        # Collected first: garbage the collector would otherwise free during a capture (a
+        # dropped runner's cache, say) gives its segments back at the next empty_cache and
+        # takes them off the capture's growth (an H100 run measured 0 bytes that way).
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(device)

@@ -315,8 +315,9 @@ def paged_decode_attention_triton(
     combined in the same launch; None: up to ``FUSED_REDUCE_MAX_SPLITS`` splits) override the
     launch configuration (benchmarks/kernels_bench.py ``--cases tune`` sweeps them).
     ``mask_every_tile`` (None: ``MASK_EVERY_TILE``): the last partial tile read in the same
-    loop as the whole ones, every tile masked (the same tiles in the same order, the same
-    values to the bit), instead of in a loop of its own (``--cases decode_tail`` times both).
+    loop as the whole ones, every tile masked (the same tiles in the same order: equal to
+    the bit under the interpreter; compiled, within a bf16 ulp, the two loops' code
+    differing), instead of in a loop of its own (``--cases decode_tail`` times both).
     ``rope`` = (key, value, cos_sin,
     slot_mapping) of the new tokens (one a sequence, [S, Hkv, D], [S, Hkv, D], [S, 2, D],
     [S]): ``query`` and ``key`` are not yet rotated; the kernel rotates them, as

@@ -16,7 +16,9 @@ of any float dtype, row r being x[rows[r]], divided by temperature[r] as they ar
    0.5) or below ``min_p`` (the best token's p is exactly 1), as the twin makes them;
 3. ``_chunk_pick_kernel``: the chunks' inclusive cumulative masses (one scan, in chunk
    order, that every program of a row computes alike: the same values), the total, and the
-   target = u * total (in float64, rounded to float32 as the twin rounds it). The one chunk
+   target = u * total (in float64, rounded to float32 as the twin rounds it; the scan's
+   prefixes kept non-decreasing by a running maximum: natively a tree of additions, whose
+   rounding left a row with no chunk holding the target on an H100). The one chunk
    whose interval [cum before it, cum through it) holds the target recomputes its p, scans
    them from the cum before it, and writes the first token whose cumulative mass exceeds the
    target. When the target is not below the total (u * total rounded up to it: the twin's
@@ -115,6 +117,11 @@ def _add(a, b):
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr, mass_ptr,
                        u_ptr, out_ptr, vocab, stride_row, num_chunks, exp_floor, zero_below,
                        CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
@@ -124,9 +131,14 @@ def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr,
     chunk = tl.program_id(1)
     offs_c = tl.arange(0, CHUNKS_PAD)
     mass = tl.load(mass_ptr + row * num_chunks + offs_c, mask=offs_c < num_chunks, other=0.0)
-    cum = tl.associative_scan(mass, 0, _add)  # inclusive, in chunk order
-    total = tl.max(cum, 0)  # cum is non-decreasing: its last value
+    # Inclusive cumulative masses in chunk order, then their running maximum: a compiled
+    # scan adds in a tree, so one prefix may round below the one before it (and a padding
+    # lane's sum above the last chunk's); the running maximum makes the chunks' intervals
+    # disjoint and contiguous, and the total is the last real chunk's (the pads are not
+    # the row's). Every program of the row computes the same vector.
+    cum = tl.associative_scan(tl.associative_scan(mass, 0, _add), 0, _max)
     # one element picked out of a vector of zeros: exact
+    total = tl.sum(tl.where(offs_c == num_chunks - 1, cum, 0.0), 0)
     cum_before = tl.sum(tl.where(offs_c == chunk - 1, cum, 0.0), 0)
     cum_through = tl.sum(tl.where(offs_c == chunk, cum, 0.0), 0)
     target = (tl.load(u_ptr + row) * total.to(tl.float64)).to(tl.float32)
@@ -138,7 +150,9 @@ def _chunk_pick_kernel(x_ptr, rows_ptr, temp_ptr, floor_ptr, max_ptr, min_p_ptr,
                         vocab, stride_row, num_chunks, exp_floor, zero_below, CHUNK,
                         CHUNKS_PAD, HAS_MIN_P, HAS_ROWS, HAS_TEMP, HAS_FLOOR)
         walked = cum_before + tl.associative_scan(p, 0, _add)
-        first = tl.min(tl.where(walked > target, idx, 2147483647), 0)
+        # (p > 0: the chunk's scan is a tree too, so a token without mass could round
+        # across the target)
+        first = tl.min(tl.where((walked > target) & (p > 0.0), idx, 2147483647), 0)
         last = tl.max(tl.where(p > 0.0, idx, -1), 0)
         token = tl.where(first < 2147483647, first, last)
         if over:

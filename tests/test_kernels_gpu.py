@@ -237,8 +237,10 @@ def test_copy_blocks_grid_gpu(dtype, block_size, head_dim):
 @pytest.mark.parametrize("num_splits", [None, 4])
 def test_decode_masking_every_tile_gpu(kv_heads, group, head_dim, num_splits):
     """``mask_every_tile`` compiled natively (bf16, the launcher's tiles): the tail read in
-    the loop of the whole tiles gives the tail's own loop's output to the bit, at contexts
-    ending inside a tile (1,061 as the executor benchmark's steps, 4,133) and on one."""
+    the loop of the whole tiles gives the tail's own loop's output within one bf16 ulp, at
+    contexts ending inside a tile (1,061 as the executor benchmark's steps, 4,133) and on
+    one, both as close to the twin. (Equal to the bit under the interpreter; compiled, the
+    two loops' code differs and 16-23 of the outputs differed by one ulp on an H100.)"""
     seqs = [(1, n) for n in [1061] * 60 + [1024, 1, 4133, 17]]
     batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
                              block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=5)
@@ -246,8 +248,13 @@ def test_decode_masking_every_tile_gpu(kv_heads, group, head_dim, num_splits):
             batch.scale)
     apart = paged_decode_attention_triton(*args, num_splits=num_splits, mask_every_tile=False)
     every = paged_decode_attention_triton(*args, num_splits=num_splits, mask_every_tile=True)
-    _close(every, reference.paged_decode_attention(*args), torch.bfloat16)
-    assert torch.equal(every, apart)
+    want = reference.paged_decode_attention(*args)
+    _close(every, want, torch.bfloat16)
+    _close(apart, want, torch.bfloat16)
+    # one ulp of bf16 (8 bits of mantissa) at the larger magnitude of the two
+    scale = torch.maximum(every.float().abs(), apart.float().abs())
+    ulp = torch.exp2(torch.floor(torch.log2(scale.clamp_min(2.0 ** -126))) - 7)
+    assert ((every.float() - apart.float()).abs() <= ulp).all()
 
 
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128), (2, 6, 80)])
