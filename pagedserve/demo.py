@@ -93,7 +93,7 @@ async def _run(plan: DemoPlan, model: str) -> int:
     child_lines: deque[str] = deque(maxlen=60)
     children = ExecutorChildren(args, executor_argv,
                                 relay=lambda name, line: child_lines.append(f"[{name}] {line}"))
-    stop = asyncio.Event()
+    stop = children.stop_event = asyncio.Event()  # an executor failing at start sets it too
     result = {"rc": 1}
 
     async def on_bound(endpoint: str, engine) -> None:
@@ -102,6 +102,7 @@ async def _run(plan: DemoPlan, model: str) -> int:
             print(f"  started executor {executor_id} (pid {proc.pid})", flush=True)
 
     async def on_started(engine) -> None:
+        await children.started()
         ids = list(children.procs)
         work = asyncio.ensure_future(asyncio.to_thread(
             run_workload, plan, tee.grpc, tee.metrics, ids, model))
@@ -125,6 +126,8 @@ async def _run(plan: DemoPlan, model: str) -> int:
         raise
     finally:
         await children.stop()
+    if children.startup_failure is not None:
+        print(f"pagedserve demo: {children.startup_failure}", file=sys.stderr)
     if result["rc"] not in (0, 130):
         sys.stderr.write("executor output (last lines):\n" + "".join(child_lines))
     alive = [p.pid for p in children.procs.values() if p.returncode is None]

@@ -8,6 +8,11 @@ process still runs (it stopped heartbeating, or left a plan unanswered past its 
 hung kernel looks like this) is killed, so it is restarted (with --restart-executors) rather
 than left holding its device. On SIGINT/SIGTERM the router drains, asks
 the executors to shut down, and every child is waited for (then terminated, then killed).
+
+A child that exits while the cluster is still starting (before the ready line: serve waits
+for all N to register) ends serve with exit code 1, --restart-executors or not: what stops
+an executor at start (no memory left for its KV cache, a model it cannot load) would stop
+the next one alike, and serve would otherwise wait for it forever.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ class ExecutorChildren:
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
         self.num_gpus = _num_gpus() if not args.device else 0
+        # Until `started()`: an exit is a failed start, `startup_failure` says which child
+        # and `stop_event` (the router's, set by its owner) is set.
+        self.starting = True
+        self.startup_failure: str | None = None
+        self.stop_event: asyncio.Event | None = None
 
     def _command(self, index: int, endpoint: str, executor_id: str) -> list[str]:
         cmd = [sys.executable, "-m", "pagedserve.cli", "executor", *self.argv,
@@ -79,6 +89,10 @@ class ExecutorChildren:
         for i in range(self.args.executors):
             executor_id = f"{host}-serve{i}-{os.getpid()}"
             await self._spawn(i, endpoint, executor_id, engine)
+
+    async def started(self, engine=None) -> None:
+        """The cluster is ready: from now on a child's exit is a dead executor."""
+        self.starting = False
 
     def kill_hung(self, executor_id: str, why: str) -> None:
         proc = self.procs.get(executor_id)
@@ -111,6 +125,12 @@ class ExecutorChildren:
             return
         log.warning("executor %s exited with code %s", executor_id, rc)
         engine.executor_exited(executor_id, rc)
+        if self.starting:
+            self.startup_failure = (f"executor {executor_id} exited with code {rc} before "
+                                    "the cluster was ready (see its output)")
+            if self.stop_event is not None:
+                self.stop_event.set()
+            return
         if self.args.restart_executors:
             await asyncio.sleep(1.0)
             await self._spawn(index, endpoint, executor_id, engine)
@@ -156,11 +176,17 @@ def plan_cpu_affinity(args, num_gpus: int) -> list[list[int]] | None:
 async def _serve(args, argv: list[str]) -> int:
     compute = plan_cpu_affinity(args, _num_gpus() if not args.device else 0)
     children = ExecutorChildren(args, argv, compute_cores=compute)
+    children.stop_event = asyncio.Event()
     try:
-        return await serve_router(args, wait_for_executors=args.executors,
-                                  on_bound=children.start_all)
+        rc = await serve_router(args, wait_for_executors=args.executors,
+                                on_bound=children.start_all, on_started=children.started,
+                                stop_event=children.stop_event)
     finally:
         await children.stop()
+    if children.startup_failure is not None:
+        print(f"pagedserve serve: {children.startup_failure}", file=sys.stderr)
+        return 1
+    return rc
 
 
 def run_serve(args, argv: list[str]) -> int:

@@ -1,6 +1,10 @@
 """`pagedserve serve` as a child process for the GPU check and its benchmarks: started in a
 process group of its own with its output in a log file, ready once it prints its ready line
-(DESIGN §4), its executors' pids read from its log, stopped with SIGTERM then SIGKILL.
+(DESIGN §4), its executors' pids read from its log, stopped with SIGTERM then SIGKILL. On
+Linux it is killed when the process that started it dies (a GPU check step killed at its
+time limit otherwise left its server, in a session of its own, holding the GPU's memory:
+the next step's executors found no memory for a KV cache); its executors follow it (they
+watch their parent).
 
 The HTTP API is switched off (`--http-port -1`), so several servers (and the router's default
 port 8000) never collide.
@@ -9,6 +13,8 @@ port 8000) never collide.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import re
 import signal
@@ -20,6 +26,22 @@ from pathlib import Path
 
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
 STARTED = re.compile(r"started executor (\S+) \(pid (\d+)\)")
+
+
+# Looked up here, not in the forked child (a library loaded there could wait on a lock
+# another thread of the parent held).
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGKILL when the parent dies (Linux prctl
+    PR_SET_PDEATHSIG; nothing elsewhere), and now if it already has."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def free_port() -> int:
@@ -48,7 +70,8 @@ class ServeProcess:
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pagedserve.cli", *self.argv], stdout=log,
-                stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = READY.search(self.log())

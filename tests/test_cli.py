@@ -442,3 +442,27 @@ def test_serve_kills_a_hung_executor_and_restarts_it(tiny_model):
         channel.close()
     finally:
         proc.stop()
+
+
+# ------------------------------------------------------------------ a failed start
+
+
+def test_serve_exits_when_an_executor_fails_at_start(tiny_model):
+    """An executor that cannot start (here: a KV cache of no blocks, as one beside another
+    process's GPU memory finds) ends serve with exit code 1 and the reason, instead of serve
+    waiting for it forever; --restart-executors does not restart what would fail alike."""
+    proc = Proc(["serve", "--model", tiny_model, "--port", "0", "--metrics-port", "-1",
+                 "--http-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
+                 "--device", "cpu", "--kv-cache-space", "0.0000001", "--restart-executors"],
+                _env())
+    try:
+        rc = proc.p.wait(timeout=60)
+    finally:
+        proc.stop()
+    time.sleep(0.2)  # the reader threads take the last lines
+    assert rc == 1, proc.logs()
+    assert not any(READY.search(line) for line in proc.out), proc.logs()
+    assert any("no memory left for the KV cache" in line for line in proc.err), proc.logs()
+    (failure,) = [line for line in proc.err if line.startswith("pagedserve serve: ")]
+    assert "exited with code 2 before the cluster was ready" in failure, proc.logs()
+    assert len(proc.child_pids()) == 1 and not _alive(proc.child_pids()[0]), proc.logs()

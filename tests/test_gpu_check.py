@@ -7,8 +7,10 @@ nothing here needs CUDA, a model or the network."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -331,3 +333,35 @@ def test_pytest_output_read_back_with_the_slowest_tests():
     assert out["failures"] == ["FAILED tests/test_k.py::test_x - boom"]
     assert out["slowest"] == lines[2:4]
     assert "slowest" not in gpu_check.read_output("pytest", lines[:1] + lines[4:])
+
+
+def test_a_started_server_dies_with_the_process_that_started_it(tmp_path):
+    """serve_process's children (a session of their own, out of a killed step's process
+    group) are killed when their parent dies: a stand-in parent starts `sleep` the way
+    ServeProcess starts serve, prints its pid and is SIGKILLed."""
+    parent_code = (
+        "import functools, os, subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+        "from serve_process import _die_with_parent\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True,\n"
+        "                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # running
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{child}/stat") as f:  # reaped by init, or a zombie until then
+            if f.read().split()[2] == "Z":
+                return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    raise AssertionError("the child outlived its parent")
