@@ -77,6 +77,9 @@ class StagingRing:
                         for _ in range(count)]
         self.arrays = [b.numpy() for b in self.buffers]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(count)]
+        # recorded on the stream current now (the runner's; host_pool.py: record() without
+        # one builds a Stream object each call)
+        self.stream = torch.cuda.current_stream(device) if cuda else None
         self._used = [False] * count
         self._next = 0
 
@@ -93,5 +96,5 @@ class StagingRing:
         event that frees the buffer behind it)."""
         dst[:words].copy_(self.buffers[i][:words], non_blocking=True)
         if self.events[i] is not None:
-            self.events[i].record()
+            self.events[i].record(self.stream)
         self._used[i] = True

@@ -278,7 +278,7 @@ class ModelRunner:
         events = self.host_pool.timing_pair()
         try:
             if events is not None:
-                events[0].record()
+                self.host_pool.record(events[0])
             if self.fault_sleep is not None and self.fault_sleep[0] == step:
                 seconds, self.fault_sleep = self.fault_sleep[1], None
                 log.warning("step %d: fault injection: sleeping %.3g s", step, seconds)
@@ -286,7 +286,7 @@ class ModelRunner:
             hidden = self._forward(batch)
             logits, argmax = self._logits(hidden, batch)
             if events is not None:
-                events[1].record()
+                self.host_pool.record(events[1])
             states = [self.requests[r]._sampling for r in batch.sample_ids]
             plain = True if self._not_plain == 0 else None  # None: rows looked at
             t1 = time.perf_counter()

@@ -44,9 +44,12 @@ class SampledOnDevice:
         self._bases: list[torch.Tensor] = []
         if tokens.device.type == "cuda":
             self._host = [self._copy(t, pool, True) for t in host]
-            self._event = pool.event() if pool is not None else torch.cuda.Event(
-                enable_timing=True)
-            self._event.record()
+            if pool is not None:
+                self._event = pool.event()
+                pool.record(self._event)
+            else:
+                self._event = torch.cuda.Event(enable_timing=True)
+                self._event.record()
         else:
             self._host = [self._copy(t, pool, False) for t in host] if copy_on_cpu else host
             self._event = None

@@ -60,6 +60,39 @@ def test_events_only_where_there_is_a_clock():
     assert pool.event() is not None and pool.made_events == 3
 
 
+class _Recorded:
+    def __init__(self) -> None:
+        self.on: list = []
+
+    def record(self, *stream) -> None:
+        self.on.append(stream)
+
+
+def test_events_are_recorded_on_the_pools_stream():
+    """Given a stream (CUDA: the current one when the pool was made), ``record`` passes it
+    (record() alone looks it up every call); without one, the event's own record()."""
+    stream = object()
+    event = _Recorded()
+    HostPool(CPU, new_event=_Recorded, stream=stream).record(event)
+    HostPool(CPU, new_event=_Recorded).record(event)
+    assert event.on == [(stream,), ()]
+
+
+@pytest.mark.gpu
+def test_cuda_pool_records_on_the_current_stream():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda", 0)
+    pool = HostPool(device)
+    assert pool.stream == torch.cuda.current_stream(device)
+    start, end = pool.timing_pair()
+    pool.record(start)
+    torch.ones(1024, device=device).sum()
+    pool.record(end)
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0
+
+
 @pytest.mark.parametrize("rows", [3, 40])
 def test_a_plain_read_back_copies_out_of_the_pools_buffer(rows):
     """The sampler's plain tokens through a pooled host copy (a CPU's graph step copies the
