@@ -7,8 +7,10 @@ report, step and case it came from, met or not. Run on the CPU machine after a G
 Reports are read in the order given; a later report's figure for the same step and case
 replaces an earlier one. Both report forms are read: a run's own ``gpu_report.json``
 (``stages`` at the top) and a committed session report (``calls``, each with the
-``report`` of one device call, in order). One JSON line per target (DESIGN §8), then a
-table. The targets (issue 15):
+``report`` of one device call, in order). Figures are kept apart by the GPU that gave them
+(the ``env`` step's ``device``; a ratio to an H100's copy bandwidth says nothing of an
+H200's): every target is judged per device. One JSON line per target and device (DESIGN
+§8), then a table. The targets (issue 15):
 
 * ``decode_copy``: the decode kernel at batch >= 64 and context >= 1k (kernels_bench's
   ``decode/<shape>/b<B>/ctx<C>`` cases) at >= 0.85 of the measured device-to-device copy
@@ -42,16 +44,26 @@ def report_stages(report: dict) -> list[dict]:
     return [call["report"]["stages"] for call in report.get("calls", [])]
 
 
-def latest_records(paths: list[str]) -> dict[tuple[str, str, str], tuple[dict, str]]:
-    """(stage, step, case) -> (its latest record, the report it came from); the cases of a
-    step that ran again replace the earlier run's."""
-    latest: dict[tuple[str, str, str], tuple[dict, str]] = {}
+def stages_device(stages: dict) -> str:
+    """The GPU a device call ran on: its first ``env`` record's ``device``."""
+    for entry in stages.values():
+        for record in entry.get("steps", {}).get("env", {}).get("records") or []:
+            if record.get("device"):
+                return str(record["device"])
+    return "unknown"
+
+
+def latest_records(paths: list[str]) -> dict[tuple[str, str, str, str], tuple[dict, str]]:
+    """(device, stage, step, case) -> (its latest record, the report it came from); the
+    cases of a step that ran again on that device replace the earlier run's."""
+    latest: dict[tuple[str, str, str, str], tuple[dict, str]] = {}
     for path in paths:
         for stages in report_stages(json.loads(Path(path).read_text())):
+            device = stages_device(stages)
             for stage, entry in stages.items():
                 for step, result in entry.get("steps", {}).items():
                     for record in result.get("records") or []:
-                        key = (stage, step, _case(record))
+                        key = (device, stage, step, _case(record))
                         latest[key] = (record, Path(path).name)
     return latest
 
@@ -63,8 +75,16 @@ def _case(record: dict) -> str:
     return case
 
 
-def targets(latest: dict[tuple[str, str, str], tuple[dict, str]]) -> list[dict]:
-    """One row per target: ``target``, ``met``, the figures and where they came from."""
+def targets(latest: dict[tuple[str, str, str, str], tuple[dict, str]]) -> list[dict]:
+    """One row per target and device (devices in the order first seen): ``target``,
+    ``device``, ``met``, the figures and where they came from."""
+    devices = list(dict.fromkeys(key[0] for key in latest))
+    return [row for device in devices for row in _device_targets(
+        device, {key[1:]: value for key, value in latest.items() if key[0] == device})]
+
+
+def _device_targets(device: str, latest: dict[tuple[str, str, str], tuple[dict, str]]
+                    ) -> list[dict]:
     decode_by_case: dict[str, dict] = {}  # whichever step ran the decode cases last
     e2e, hf, gap = [], [], []
     for (stage, step, case), (record, source) in latest.items():
@@ -109,12 +129,14 @@ def targets(latest: dict[tuple[str, str, str], tuple[dict, str]]) -> list[dict]:
         "best_by_streams": {str(n): min(runs, key=lambda r: r["gap_ms_p50"])
                             for n, runs in sorted(by_streams.items())},
         "runs": gap})
-    return rows
+    return [{"target": row.pop("target"), "device": device, **row} for row in rows]
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
+        if not lines or row["device"] != rows[rows.index(row) - 1]["device"]:
+            lines.append(f"{row['device']}:")
         mark = "met" if row["met"] else "MISSED"
         name = row["target"]
         if name in ("decode_copy", "decode_vs_sdpa"):

@@ -1,7 +1,7 @@
 """scripts/gpu_targets.py against the committed GPU check reports (benchmarks/gpu_report-*.json):
-the figures benchmarks/README.md gives for the sixth run, read from the reports as the next
-GPU session will read its own; and the two report forms, a later report replacing an
-earlier one's case."""
+the figures benchmarks/README.md gives for the sixth run (H200) and the seventh (H100), read
+from the reports as the next GPU session will read its own, each device's apart; and the two
+report forms, a later report replacing an earlier one's case."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ import gpu_targets  # noqa: E402
 
 REPORTS = [str(ROOT / "benchmarks" / f"gpu_report-{name}.json") for name in (
     "2026-11-26", "2026-11-26-h200", "2026-11-27-h200", "2026-11-27-h200-b",
-    "2026-11-27-h200-c", "2026-11-27-h200-d")]
+    "2026-11-27-h200-c", "2026-11-27-h200-d", "2026-11-28-h100")]
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def _rows(device: str) -> dict[str, dict]:
+    rows = gpu_targets.targets(gpu_targets.latest_records(REPORTS))
+    assert list(dict.fromkeys(r["device"] for r in rows)) == [H100, H200]  # first seen
+    return {r["target"]: r for r in rows if r["device"] == device}
 
 
 def test_the_sixth_runs_figures():
-    rows = {r["target"]: r for r in gpu_targets.targets(gpu_targets.latest_records(REPORTS))}
+    rows = _rows(H200)
     copy, sdpa = rows["decode_copy"], rows["decode_vs_sdpa"]
     assert (copy["met"], copy["passing"], copy["of"]) == (False, 8, 12)
     assert sorted(m["case"] for m in copy["misses"]) == [
@@ -39,6 +46,18 @@ def test_the_sixth_runs_figures():
     assert not rows["gap"]["met"]
     assert (best["32"]["gap_ms_p50"], best["32"]["depth"]) == (0.23, 4)
     assert best["256"]["gap_ms_p50"] == 0.0121
+
+
+def test_the_seventh_runs_figures_are_the_h100s_alone():
+    rows = _rows(H100)
+    e2e = rows["end_to_end"]
+    assert e2e["met"] and e2e["default"]["of_bound_ratio"] == 0.546
+    assert all(r["report"] == "gpu_report-2026-11-28-h100.json" for r in e2e["runs"])
+    best = rows["gap"]["best_by_streams"]
+    assert rows["gap"]["met"] and best["32"]["gap_ms_p50"] == best["256"]["gap_ms_p50"] == 0.0013
+    # the H100's decode figures are still the first run's (before the kernels' work)
+    assert not rows["decode_copy"]["met"] and {
+        m["report"] for m in rows["decode_copy"]["misses"]} == {"gpu_report-2026-11-26.json"}
 
 
 def test_a_run_report_and_a_later_case_replacing_an_earlier_one(tmp_path):
