@@ -61,7 +61,11 @@ Cases:
   (``trace_gpu_b256_{pipelined,serve_loop}``, graphs) each pipelined loop under torch.profiler
   (benchmarks/executor_trace.py): the host's phases per step against the device's busy and
   idle time, and the host phase each idle stretch of the device began and ended in; with
-  ``--trace-dir`` its Chrome trace (gzip).
+  ``--trace-dir`` its Chrome trace (gzip). And the mixed steps with the graph pieces at
+  batch 64 and 256 (``profile_mixed``: ``profile_gpu_b{64,256}_mixed_chunk256_pieces``,
+  ``host_profile_...`` and ``serve_loop_...``; on CPU ``..._cpu_tiny_b32_mixed_chunk32``):
+  on the H100 (2026-11-28) such a step took 5.3 ms against 1.8 of a batch-64 decode
+  step, without saying how much of it was the device's.
 
 Sequences enter as take-overs: a NewRequest with a full prompt whose keys/values are
 already "in the cache" (random), so no prefill is timed or needed (not in the gap cases).
@@ -73,7 +77,7 @@ already "in the cache" (random), so no prefill is timed or needed (not in the ga
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import sys
 import tempfile
@@ -90,6 +94,13 @@ from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # executor_steps, also PYTHONSAFEPATH
+from executor_profile import (  # noqa: E402
+    emit,
+    fresh_runner,
+    host_profile_steps,
+    profile_mixed,
+    profile_steps,
+)
 from executor_steps import (  # noqa: E402
     decode_plans,
     mixed_plans,
@@ -100,12 +111,7 @@ from executor_steps import (  # noqa: E402
 )
 from executor_trace import trace_pipelined  # noqa: E402
 
-BENCH = "executor_bench"
 TRACE_STEPS = 20  # the pipelined trace's steps (3 of them warm-up)
-
-
-def emit(case: str, **figures) -> None:
-    print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
 
 
 def emit_loop(case: str, run: dict, batch: int, context: int, bound_s: float) -> None:
@@ -119,82 +125,6 @@ def emit_loop(case: str, run: dict, batch: int, context: int, bound_s: float) ->
          forward_us_p50=round(statistics.median(run["forwards"]) * 1e6, 1),
          sample_us_p50=round(statistics.median(run["samples"]) * 1e6, 1),
          steps=len(run["periods"]), cuda_graphs=True)
-
-
-def profile_steps(runner: ModelRunner, plans, case: str, top: int = 12) -> None:
-    """The plans' steps under torch.profiler (the first three as warm-up, outside it): per
-    measured step, device kernels (CUDA) or aten operators (CPU) by total time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    plans = list(plans)
-    warm, measured = plans[:3], plans[3:]
-    cuda = runner.device.type == "cuda"
-    for plan in warm:
-        runner.execute(plan)
-    if cuda:
-        torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for plan in measured:
-            runner.execute(plan)
-        if cuda:
-            torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / len(measured)
-    rows = []
-    for evt in prof.key_averages():
-        if cuda:
-            if evt.device_type != DeviceType.CUDA:
-                continue
-            total = getattr(evt, "self_device_time_total", None)
-            if total is None:
-                total = evt.self_cuda_time_total
-        else:
-            if not evt.key.startswith("aten::"):
-                continue
-            total = evt.self_cpu_time_total
-        rows.append((total, evt.count, evt.key))
-    rows.sort(reverse=True)
-    n = len(measured)
-    emit(case, steps=n, wall_us_per_step=round(wall * 1e6, 1),
-         kernels_per_step=round(sum(c for _, c, _ in rows) / n, 1),
-         kernel_us_per_step=round(sum(t for t, _, _ in rows) / n, 1),
-         unit="device kernels" if cuda else "aten operators (self CPU time)",
-         top=[{"name": name[:90], "per_step": round(count / n, 1),
-               "us_per_step": round(total / n, 1)} for total, count, name in rows[:top]])
-
-
-def host_profile_steps(runner: ModelRunner, plans, case: str, top: int = 15) -> None:
-    """The plans' steps under cProfile (the first three as warm-up, outside it): the host's
-    side of a step, the functions by their own time per measured step. Where an eager step's
-    host time goes (Triton's launcher, torch's operators, pagedserve's own Python); cProfile
-    adds its own cost to each call, so read the shares, not the microseconds."""
-    import cProfile
-    import pstats
-
-    plans = list(plans)
-    for plan in plans[:3]:
-        runner.execute(plan)
-    measured = plans[3:]
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    results = [runner.execute(plan) for plan in measured]
-    prof.disable()
-    assert not any(r.errors for r in results), [r.errors for r in results if r.errors][0]
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / len(measured)
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, _, own s, cumulative s, _)
-    n = len(measured)
-    rows = sorted(((own, calls, f"{Path(f).name}:{line}({name})")
-                   for (f, line, name), (calls, _, own, _, _) in stats.items()), reverse=True)
-    emit(case, steps=n, wall_us_per_step=round(wall * 1e6, 1),
-         profiled_us_per_step=round(sum(r[0] for r in rows) / n * 1e6, 1),
-         calls_per_step=round(sum(r[1] for r in rows) / n, 1), unit="cProfile own time",
-         top=[{"name": name[:90], "calls_per_step": round(calls / n, 1),
-               "us_per_step": round(own / n * 1e6, 1)} for own, calls, name in rows[:top]])
 
 
 def bench_cpu(steps: int, profile: bool = False, trace_dir: str | None = None) -> None:
@@ -214,6 +144,17 @@ def bench_cpu(steps: int, profile: bool = False, trace_dir: str | None = None) -
             emit(f"cpu_tiny_decode_b{batch}", batch=batch, context_tokens=context,
                  step_us_p50=round(p50 * 1e6, 1), decode_tok_per_s=round(batch / p50, 1),
                  threads=1, device="cpu")
+            if profile and batch == 32:
+                chunk = 32
+                blocks = num_blocks + 2 * (chunk // block_size)
+
+                new_runner = functools.partial(build_runner, str(model_dir),
+                                               num_gpu_blocks=blocks, num_cpu_blocks=0,
+                                               block_size=block_size, progress=False)
+                plans = functools.partial(mixed_plans, batch, context, chunk, block_size,
+                                          steps, runner.vocab_size)
+                profile_mixed(new_runner, plans, plans, f"cpu_tiny_b{batch}_mixed_chunk{chunk}",
+                              p50, batch=batch, context_tokens=context, prefill_tokens=chunk)
             if profile and batch == 128:
                 runner = build_runner(str(model_dir), num_gpu_blocks=num_blocks,
                                       num_cpu_blocks=0, block_size=block_size, progress=False)
@@ -357,6 +298,13 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
                      vs_decode_graph_step_ratio=round(mixed / p50, 3),
                      mixed_graph_steps=runner.mixed_graph_steps, steps=len(times),
                      pieces_capture_s=round(pieces.capture_s, 2) if mixed_graphs else None)
+            if profile:
+                plans = functools.partial(mixed_plans, batch, context, mixed_chunk, block_size)
+                profile_mixed(functools.partial(fresh_runner, model, cache, graphs, pieces),
+                              functools.partial(plans, steps, cfg.vocab_size),
+                              functools.partial(plans, pipelined_steps_n, cfg.vocab_size),
+                              f"gpu_b{batch}_mixed_chunk{mixed_chunk}_pieces", p50,
+                              batch=batch, context_tokens=context, prefill_tokens=mixed_chunk)
             del pieces, mixed_graphs
         # The same decode in the executor's own pipelined loop (plan N+1 decoded and
         # prepared on the I/O thread during step N, marked decodes fed on the device's

@@ -208,6 +208,13 @@ def test_executor_bench_profile_on_cpu(tmp_path):
     host = records["host_profile_cpu_tiny_b128"]
     assert host["steps"] == 3 and host["calls_per_step"] > 100 and len(host["top"]) == 15
     assert {"cpu_tiny_decode_b1", "cpu_tiny_decode_b128"} <= set(records)
+    # the mixed steps (a 32-token prompt beside 32 decodes): kernels, host, own loop
+    mixed = "cpu_tiny_b32_mixed_chunk32"
+    assert records[f"profile_{mixed}"]["steps"] == 3
+    assert records[f"host_profile_{mixed}"]["calls_per_step"] > 100
+    loop = records[f"serve_loop_{mixed}"]
+    assert loop["steps"] == 3 and loop["prefill_tokens"] == 32 and loop["forward_us_p50"] > 0
+    assert loop["step_us_mean"] > 0 and loop["vs_decode_step_ratio"] > 0
 
 
 def test_cancel_bench_small():
