@@ -287,6 +287,12 @@ def run_stage(stage: str, ctx: Context, args, report_path: Path, report: dict) -
             else:
                 print(f"[{stage}] {step.name} ...", flush=True)
                 record.update(run_step(step, ctx, log, min(step.timeout_s, left)))
+                if record["status"] == "timeout" and left < step.timeout_s:
+                    # cut by what the stage had left (its set-up steps count), not by the
+                    # step's own limit: not a hang
+                    record["error"] = (f"cut by the stage budget (--budget-s): {left:.0f} s "
+                                       f"were left, the step may take {step.timeout_s:.0f}")
+                    log.write(f"=== {step.name}: {record['error']}\n")
                 print(f"[{stage}] {step.name}: {record['status']} in {record['wall_s']} s",
                       flush=True)
                 if record["status"] != "passed":

@@ -150,6 +150,25 @@ def test_required_step_failure_and_spent_budget_leave_steps_not_run(tmp_path, mo
                     "error": "stage budget spent"}
 
 
+def test_a_step_cut_by_the_stage_budget_says_so(tmp_path, monkeypatch):
+    """A step stopped because the stage's budget ran out (its set-up steps count) is told
+    apart from one that outlived its own limit (a hang)."""
+    sleep = _py("import time; time.sleep(30)")
+    plan = {"cluster": [gpu_check.Step("env", _py(ENV), 20, required=True),
+                        gpu_check.Step("long", sleep, 60)],
+            "throughput": [gpu_check.Step("hangs", sleep, 0.5)]}
+    monkeypatch.setattr(gpu_check, "plan_stage", _fake_plan(plan))
+    assert _run(tmp_path, "--stage", "cluster", "--budget-s", "6") == 1
+    long = _report(tmp_path)["stages"]["cluster"]["steps"]["long"]
+    assert long["status"] == "timeout" and long["wall_s"] < 10
+    assert long["error"].startswith("cut by the stage budget (--budget-s): ")
+    assert long["error"].endswith("the step may take 60")
+    assert "cut by the stage budget" in (tmp_path / "out" / "cluster.log").read_text()
+    assert _run(tmp_path, "--stage", "throughput", "--budget-s", "60") == 1
+    hangs = _report(tmp_path)["stages"]["throughput"]["steps"]["hangs"]
+    assert hangs["status"] == "timeout" and "error" not in hangs
+
+
 def test_steps_picks_some_keeps_the_others_and_the_stage_is_partial(tmp_path, monkeypatch,
                                                                     capsys):
     plan = {"throughput": [gpu_check.Step("env", _py(ENV), 20, required=True),
