@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,12 +33,42 @@ def blocks_for_space(space_gib: float, cfg: ModelConfig, block_size: int, dtype)
     return int(space_gib * GiB) // block_bytes(cfg, block_size, dtype)
 
 
+class KvMemoryPlan(NamedTuple):
+    """What ``profile_num_gpu_blocks`` measured and gave the KV cache (bytes)."""
+
+    blocks: int
+    total: int  # the device's memory
+    utilization: float  # --gpu-memory-utilization
+    peak: int  # the weights and the largest step's activations (torch's peak)
+    outside_torch: int  # this process's memory outside torch's allocator
+    reserve: int  # CUDA graphs
+    free: int  # free on the device after the profile
+    activations: int  # the peak less what stays allocated (the weights)
+    block_bytes: int
+
+    def describe(self) -> str:
+        """One line: the two limits on the cache and what each is made of."""
+        def gib(n: float) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        share = self.total * self.utilization
+        budget = share - self.peak - self.outside_torch - self.reserve
+        room = self.free - self.activations - self.reserve
+        return (f"this executor's share {gib(share)} (--gpu-memory-utilization "
+                f"{self.utilization:.2f} of {gib(self.total)}) less the weights and the "
+                f"largest step's activations {gib(self.peak)}, CUDA graphs "
+                f"{gib(self.reserve)} and memory outside torch {gib(self.outside_torch)} "
+                f"leaves {gib(budget)}; free on the device {gib(self.free)} (other "
+                f"processes hold the rest) less the activations and graphs leaves "
+                f"{gib(room)}; a block takes {self.block_bytes:,} bytes")
+
+
 @torch.inference_mode()
 def profile_num_gpu_blocks(
     model: LlamaForCausalLM, block_size: int, max_num_batched_tokens: int,
     gpu_memory_utilization: float, device: torch.device, reserve_bytes: int = 0,
     baseline: tuple[int, int] | None = None,
-) -> int:
+) -> KvMemoryPlan:
     """Run one forward of ``max_num_batched_tokens`` prompt tokens (one sequence per
     max_model_len, so attention scratch is the largest the router may plan) with a scratch
     cache, then give the KV cache what is left of this executor's budget.
@@ -49,7 +80,9 @@ def profile_num_gpu_blocks(
     (``outside_torch_bytes``: NVML's figure for this process, else the device's growth
     since ``baseline`` = (device memory in use, torch reserved) taken once the model is
     loaded). The cache also never exceeds what is free on the device now less
-    the activation peak and the graphs, whoever holds the rest."""
+    the activation peak and the graphs, whoever holds the rest. Returns the blocks with
+    the figures they came from (``KvMemoryPlan.describe``: the executor's log, and its
+    error when nothing is left)."""
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     num_tokens = max(1, max_num_batched_tokens)
@@ -89,7 +122,10 @@ def profile_num_gpu_blocks(
     budget = total * gpu_memory_utilization - peak - outside_torch - reserve_bytes
     activations = max(0, peak - torch.cuda.memory_allocated(device))
     room = free - activations - reserve_bytes
-    return max(0, int(min(budget, room)) // block_bytes(cfg, block_size, dtype))
+    per_block = block_bytes(cfg, block_size, dtype)
+    return KvMemoryPlan(max(0, int(min(budget, room)) // per_block), total,
+                        gpu_memory_utilization, peak, outside_torch, reserve_bytes, free,
+                        activations, per_block)
 
 
 def outside_torch_bytes(device: torch.device, free: int, total: int, reserved: int,

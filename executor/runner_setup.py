@@ -39,6 +39,7 @@ def build_runner(
     memory is set aside before the KV cache is sized). Raises ModelNotSupported,
     FileNotFoundError or ValueError with a one-line message."""
     from pagedserve.executor.cache_engine import (
+        block_bytes,
         blocks_for_space,
         memory_accounting,
         memory_baseline,
@@ -74,20 +75,28 @@ def build_runner(
             reserve = 0 if why_eager else graph_memory_bytes(
                 model, block_size, max_len, max_num_seqs, device)
             reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device)
-            num_gpu_blocks = profile_num_gpu_blocks(
+            plan = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
                 gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
+            num_gpu_blocks = plan.blocks
             log.info("KV cache: %d blocks at --gpu-memory-utilization %.2f (memory outside "
-                     "torch counted by %s)", num_gpu_blocks, gpu_memory_utilization,
-                     memory_accounting(device))
+                     "torch counted by %s): %s", num_gpu_blocks, gpu_memory_utilization,
+                     memory_accounting(device), plan.describe())
+            why_none = (f"{plan.describe()}. Free the device, or raise "
+                        "--gpu-memory-utilization, or lower --max-num-batched-tokens or "
+                        "--max-num-seqs")
         else:
             num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
+            why_none = (f"--kv-cache-space {kv_cache_space:g} GiB holds no block of "
+                        f"{block_bytes(config, block_size, torch_dtype):,} bytes")
+    else:
+        why_none = "--num-gpu-blocks 0"
     if num_cpu_blocks is None:
         if swap_space is None:
             swap_space = 4.0 if device.type == "cuda" else 0.5
         num_cpu_blocks = blocks_for_space(swap_space, config, block_size, torch_dtype)
     if num_gpu_blocks <= 0:
-        raise ValueError("no memory left for the KV cache (num_gpu_blocks = 0)")
+        raise ValueError(f"no memory left for the KV cache (num_gpu_blocks = 0): {why_none}")
     cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
     graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
     mixed = _capture_mixed_graphs(model, cache, mixed_tokens) if mixed_tokens else None

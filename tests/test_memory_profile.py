@@ -79,3 +79,30 @@ def test_nvml_missing_or_failing(monkeypatch, fake_device):
     broken.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     assert cache_engine.process_device_bytes(fake_device) is None
+
+
+def test_the_plan_says_which_limit_left_no_block():
+    """The figures behind a KV cache of no blocks, as the executor's error gives them: a
+    device whose other processes hold most of it (the GPU check's stray server, H100)."""
+    plan = cache_engine.KvMemoryPlan(
+        blocks=0, total=80 * GiB, utilization=0.9, peak=3 * GiB, outside_torch=GiB // 2,
+        reserve=GiB // 4, free=2 * GiB, activations=2 * GiB, block_bytes=196_608)
+    assert plan.describe() == (
+        "this executor's share 72.00 GiB (--gpu-memory-utilization 0.90 of 80.00 GiB) less "
+        "the weights and the largest step's activations 3.00 GiB, CUDA graphs 0.25 GiB and "
+        "memory outside torch 0.50 GiB leaves 68.25 GiB; free on the device 2.00 GiB (other "
+        "processes hold the rest) less the activations and graphs leaves -0.25 GiB; a block "
+        "takes 196,608 bytes")
+
+
+def test_a_cpu_cache_of_no_block_names_its_flag(tmp_path):
+    from pagedserve.executor.runner_setup import build_runner
+
+    from pagedserve.tinymodels import build_model
+
+    model = build_model(tmp_path / "tiny", hidden_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, intermediate_size=128)
+    with pytest.raises(ValueError) as err:
+        build_runner(str(model), kv_cache_space=1e-7, progress=False)
+    assert str(err.value) == ("no memory left for the KV cache (num_gpu_blocks = 0): "
+                              "--kv-cache-space 1e-07 GiB holds no block of 8,192 bytes")  # fp32
