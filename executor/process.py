@@ -63,6 +63,11 @@ thread then only decodes: on a GPU its ~0.2 ms of numpy can otherwise take the G
 main thread prepares and launches a step). A bad value exits with code 2. For A/B runs
 (benchmarks/README, GPU check).
 
+The kernels' switches, read where they apply and checked here at start (a bad value exits
+with code 2): ``PAGEDSERVE_DECODE_FUSED_ROPE``, ``PAGEDSERVE_DECODE_TRITON_GEMM``,
+``PAGEDSERVE_GRAPH_FEED`` and ``PAGEDSERVE_MIXED_DECODE_SPLIT`` (kernels/host_math.py,
+executor/graph_feed.py).
+
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """
 

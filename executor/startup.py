@@ -18,7 +18,11 @@ import sys
 from pagedserve.executor.env_switches import fault_sleep_from_env, plan_prep_from_env
 from pagedserve.executor.graph_feed import feeds_wanted
 from pagedserve.executor.process import ExecutorProcess, _setup_logging, load_curve_keys
-from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
+from pagedserve.kernels.host_math import (
+    fused_rope_from_env,
+    mixed_decode_split_from_env,
+    triton_gemm_from_env,
+)
 from pagedserve.protos.wire import Hello
 
 from pagedserve.affinity import (
@@ -83,6 +87,7 @@ def run_executor(args: argparse.Namespace) -> int:
         fused_rope_from_env()  # PAGEDSERVE_DECODE_FUSED_ROPE: 0, 1 or unset
         triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: which projections
         feeds_wanted(strict=True)  # PAGEDSERVE_GRAPH_FEED: 0, 1 or unset (graph_feed.py)
+        mixed_decode_split_from_env()  # PAGEDSERVE_MIXED_DECODE_SPLIT: 0, 1 or unset
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2

@@ -69,6 +69,20 @@ def switch_from_env(name: str, environ=os.environ, strict: bool = True) -> bool 
     return {"0": False, "1": True}.get(value)
 
 
+# Steps with prompt tokens: the leading one-token sequences (the decodes beside a prompt
+# chunk) attended by the decode kernel (split-K over their contexts) and the rest by the
+# prefill kernel, two launches a layer, instead of the prefill kernel for all (one program
+# a decode sequence and KV head walking its whole context, a 128-row tile for its few
+# query rows). "1" on; "0" or unset off (ops.paged_attention), until a GPU has timed it
+# (executor_bench's mixed cases).
+MIXED_DECODE_SPLIT_ENV = "PAGEDSERVE_MIXED_DECODE_SPLIT"
+
+
+def mixed_decode_split_from_env(environ=os.environ, strict: bool = True) -> bool:
+    """PAGEDSERVE_MIXED_DECODE_SPLIT (`switch_from_env`; unset: off)."""
+    return bool(switch_from_env(MIXED_DECODE_SPLIT_ENV, environ, strict))
+
+
 def fused_rope_from_env(environ=os.environ, strict: bool = True) -> bool | None:
     """PAGEDSERVE_DECODE_FUSED_ROPE (`switch_from_env`): True always, False never, None (the
     default) wherever the Triton kernels run."""

@@ -21,7 +21,10 @@ import os
 import torch
 
 from . import reference
-from .host_math import TRITON_GEMM_MAX_TOKENS
+from .host_math import TRITON_GEMM_MAX_TOKENS, mixed_decode_split_from_env
+
+# Read at import, leniently (an executor checks the value at its start); tests set it.
+MIXED_DECODE_SPLIT = mixed_decode_split_from_env(strict=False)
 
 __all__ = [
     "reshape_and_cache",
@@ -159,19 +162,51 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    decode_split: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Unified entry: the decode kernel when ``max_query_len == 1`` (then ``query`` holds one
     token per sequence and ``query_start_loc`` is ``arange(num_seqs + 1)``), else the
-    prefill/extend kernel (chunked prefill, prefix-cache hits, mixed batches)."""
+    prefill/extend kernel (chunked prefill, prefix-cache hits, mixed batches).
+
+    ``decode_split`` = (d, the rest's query_start_loc rebased to 0) for a mixed batch whose
+    first d sequences have one query token each (``decode_split_of``; the switch
+    PAGEDSERVE_MIXED_DECODE_SPLIT): those go to the decode kernel and the rest to the
+    prefill kernel, each writing its rows of ``out``."""
     if max_query_len == 1:
         return paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale,
             sliding_window=sliding_window, out=out, backend=backend,
         )
+    if decode_split is not None:
+        d, rest_start_loc = decode_split
+        if out is None:
+            out = torch.empty_like(query)
+        paged_decode_attention(query[:d], key_cache, value_cache, block_tables[:d],
+                               seq_lens[:d], scale, sliding_window=sliding_window,
+                               out=out[:d], backend=backend)
+        paged_prefill_attention(query[d:], key_cache, value_cache, block_tables[d:],
+                                rest_start_loc, seq_lens[d:], scale,
+                                sliding_window=sliding_window, out=out[d:], backend=backend,
+                                max_query_len=max_query_len)
+        return out
     return paged_prefill_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
         sliding_window=sliding_window, out=out, backend=backend, max_query_len=max_query_len,
     )
+
+
+def decode_split_of(num_new, query_start_loc: torch.Tensor) -> tuple | None:
+    """``paged_attention``'s ``decode_split`` for a step whose sequences take ``num_new``
+    (numpy, host) query tokens each: (d, the rest's query_start_loc from 0, on the device),
+    d the leading one-token sequences; None unless the switch is on and the step has both
+    (one device subtraction a step, not a layer)."""
+    if not MIXED_DECODE_SPLIT or num_new.shape[0] == 0:
+        return None
+    not_one = num_new != 1
+    d = int(not_one.argmax()) if not_one.any() else num_new.shape[0]
+    if d == 0 or d == num_new.shape[0]:
+        return None
+    return d, query_start_loc[d:] - d
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -137,7 +137,12 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                     ("cublaslt", "cublaslt", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, 200),
                     # a graph step's inputs copied buffer by buffer, as before the staged
                     # feed (executor/graph_feed.py, fifteenth session)
-                    ("no_graph_feed", "no-graph-feed", GRAPH_FEED_OFF, 200)]
+                    ("no_graph_feed", "no-graph-feed", GRAPH_FEED_OFF, 200),
+                    # steps with prompt tokens: the leading decodes through the decode
+                    # kernel, the prompts through the prefill kernel (two launches a
+                    # layer; its mixed cases against the default's, eighteenth session)
+                    ("mixed_decode_split", "mixed-decode-split",
+                     {"PAGEDSERVE_MIXED_DECODE_SPLIT": "1"}, 200)]
         return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),
                 Step("memory_profile", memory, 150),
                 *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,

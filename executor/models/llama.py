@@ -43,6 +43,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1]
     seq_lens: torch.Tensor  # int32 [S], cached tokens incl. this step's
     max_query_len: int
+    # steps with prompt tokens: (d, the rest's query_start_loc from 0) when the first d
+    # sequences go to the decode kernel (ops.decode_split_of; off unless switched on)
+    decode_split: tuple[int, torch.Tensor] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +138,7 @@ class Attention(nn.Module):
         return ops.paged_attention(
             q, kv_cache[0], kv_cache[1], attn.block_tables, attn.query_start_loc,
             attn.seq_lens, self.scale, max_query_len=attn.max_query_len, out=out,
+            decode_split=attn.decode_split,
         )
 
 
