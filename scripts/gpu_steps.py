@@ -17,6 +17,7 @@ import importlib
 import json
 import pkgutil
 import platform
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -63,6 +64,18 @@ def _host() -> dict:
             "python_lto": "--with-lto" in config, "python_executable": sys.executable}
 
 
+def _gpu_processes() -> str:
+    """nvidia-smi's compute processes (pid, name, memory), or why they are unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(nvidia-smi: {exc})"
+    return "; ".join(line.strip() for line in out.stdout.splitlines() if line.strip()) \
+        or "(none listed)"
+
+
 def cmd_env(args) -> int:
     import torch
 
@@ -95,12 +108,21 @@ def cmd_env(args) -> int:
                    cuda_available=torch.cuda.is_available(), import_failures=failed)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
         figures.update(device=props.name, capability=f"{props.major}.{props.minor}",
                        multiprocessors=props.multi_processor_count,
                        total_memory_gib=round(props.total_memory / 2**30, 2),
+                       free_memory_gib=round(free / 2**30, 2),
                        device_count=torch.cuda.device_count())
-    ok = not failed and (args.small or torch.cuda.is_available())
+    # Half the device held by others before the stage starts (the seventh run: an earlier
+    # step's server left running held 64 GiB, the next cluster's executor got no KV cache
+    # and its step waited out its limit): stop here, saying who holds it.
+    taken = torch.cuda.is_available() and free < 0.5 * total
+    ok = not failed and (args.small or torch.cuda.is_available()) and not taken
     emit("env", ok=ok, **figures)
+    if taken:
+        print(f"the device has {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free before "
+              f"the stage: other processes hold it: {_gpu_processes()}", file=sys.stderr)
     for name, why in failed.items():
         print(f"import {name} failed: {why}", file=sys.stderr)
     if not torch.cuda.is_available() and not args.small:

@@ -384,3 +384,27 @@ def test_a_started_server_dies_with_the_process_that_started_it(tmp_path):
         time.sleep(0.05)
     os.kill(child, 9)
     raise AssertionError("the child outlived its parent")
+
+
+def test_env_stops_a_stage_on_a_device_others_hold(monkeypatch, capsys):
+    """The env step fails (the stage stops) when less than half the device is free before
+    it starts, naming the processes holding it: a stray server from an earlier step."""
+    import types
+
+    import gpu_steps
+    import torch
+
+    props = types.SimpleNamespace(name="FakeGPU", major=9, minor=0,
+                                  multi_processor_count=132, total_memory=80 << 30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_steps, "_gpu_processes", lambda: "4242, python3, 65536 MiB")
+    args = types.SimpleNamespace(small=False)
+    for free, rc in ((70 << 30, 0), (12 << 30, 1)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i, f=free: (f, 80 << 30))
+        assert gpu_steps.cmd_env(args) == rc
+        out, err = capsys.readouterr()
+        record = json.loads(out.splitlines()[-1])
+        assert record["free_memory_gib"] == free / 2**30 and record["ok"] is (rc == 0)
+        assert ("other processes hold it: 4242, python3, 65536 MiB" in err) is (rc == 1)
