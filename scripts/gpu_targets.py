@@ -133,10 +133,11 @@ def _device_targets(device: str, latest: dict[tuple[str, str, str], tuple[dict, 
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = []
+    lines, device = [], None
     for row in rows:
-        if not lines or row["device"] != rows[rows.index(row) - 1]["device"]:
-            lines.append(f"{row['device']}:")
+        if row["device"] != device:
+            device = row["device"]
+            lines.append(f"{device}:")
         mark = "met" if row["met"] else "MISSED"
         name = row["target"]
         if name in ("decode_copy", "decode_vs_sdpa"):
