@@ -153,8 +153,7 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             block_tables=block_tables,
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len,
-            decode_split=None if pre.max_query_len == 1 else ops.decode_split_of(
-                pre.num_new, pre.query_start_loc)),
+            decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc)),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
         sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows])
 
@@ -232,7 +231,6 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
     kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
     device = self.device
     starts = to_device(query_start_loc, device, torch.int32)
-    max_query_len = int(num_new.max())
     return Batch(
         input_ids=to_device(pre.token_ids[keep_token], device, torch.int64),
         positions=to_device(plan.positions[keep_token], device, torch.int64),
@@ -241,8 +239,8 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
             block_tables=to_device(block_tables, device, torch.int32),
             query_start_loc=starts,
             seq_lens=to_device(seq_lens, device, torch.int32),
-            max_query_len=max_query_len,
-            decode_split=None if max_query_len == 1 else ops.decode_split_of(num_new, starts),
+            max_query_len=int(num_new.max()),
+            decode_split=ops.decode_split_of(num_new, starts),
         ),
         sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
         sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],

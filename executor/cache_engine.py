@@ -34,9 +34,9 @@ def blocks_for_space(space_gib: float, cfg: ModelConfig, block_size: int, dtype)
 
 
 class KvMemoryPlan(NamedTuple):
-    """What ``profile_num_gpu_blocks`` measured and gave the KV cache (bytes)."""
+    """What ``profile_num_gpu_blocks`` measured (bytes), and the blocks it leaves the KV
+    cache: the smaller of the two limits, ``budget`` and ``room``, in whole blocks."""
 
-    blocks: int
     total: int  # the device's memory
     utilization: float  # --gpu-memory-utilization
     peak: int  # the weights and the largest step's activations (torch's peak)
@@ -46,21 +46,32 @@ class KvMemoryPlan(NamedTuple):
     activations: int  # the peak less what stays allocated (the weights)
     block_bytes: int
 
+    @property
+    def budget(self) -> float:
+        """This executor's share less what it holds besides the cache."""
+        return self.total * self.utilization - self.peak - self.outside_torch - self.reserve
+
+    @property
+    def room(self) -> float:
+        """What is free on the device now less what a step and the graphs will take."""
+        return self.free - self.activations - self.reserve
+
+    @property
+    def blocks(self) -> int:
+        return max(0, int(min(self.budget, self.room)) // self.block_bytes)
+
     def describe(self) -> str:
         """One line: the two limits on the cache and what each is made of."""
         def gib(n: float) -> str:
             return f"{n / GiB:.2f} GiB"
 
-        share = self.total * self.utilization
-        budget = share - self.peak - self.outside_torch - self.reserve
-        room = self.free - self.activations - self.reserve
-        return (f"this executor's share {gib(share)} (--gpu-memory-utilization "
-                f"{self.utilization:.2f} of {gib(self.total)}) less the weights and the "
-                f"largest step's activations {gib(self.peak)}, CUDA graphs "
-                f"{gib(self.reserve)} and memory outside torch {gib(self.outside_torch)} "
-                f"leaves {gib(budget)}; free on the device {gib(self.free)} (other "
-                f"processes hold the rest) less the activations and graphs leaves "
-                f"{gib(room)}; a block takes {self.block_bytes:,} bytes")
+        return (f"this executor's share {gib(self.total * self.utilization)} "
+                f"(--gpu-memory-utilization {self.utilization:.2f} of {gib(self.total)}) "
+                f"less the weights and the largest step's activations {gib(self.peak)}, "
+                f"CUDA graphs {gib(self.reserve)} and memory outside torch "
+                f"{gib(self.outside_torch)} leaves {gib(self.budget)}; free on the device "
+                f"{gib(self.free)} (other processes hold the rest) less the activations and "
+                f"graphs leaves {gib(self.room)}; a block takes {self.block_bytes:,} bytes")
 
 
 @torch.inference_mode()
@@ -119,13 +130,9 @@ def profile_num_gpu_blocks(
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     outside_torch = outside_torch_bytes(device, free, total, reserved, baseline)
-    budget = total * gpu_memory_utilization - peak - outside_torch - reserve_bytes
     activations = max(0, peak - torch.cuda.memory_allocated(device))
-    room = free - activations - reserve_bytes
-    per_block = block_bytes(cfg, block_size, dtype)
-    return KvMemoryPlan(max(0, int(min(budget, room)) // per_block), total,
-                        gpu_memory_utilization, peak, outside_torch, reserve_bytes, free,
-                        activations, per_block)
+    return KvMemoryPlan(total, gpu_memory_utilization, peak, outside_torch, reserve_bytes,
+                        free, activations, block_bytes(cfg, block_size, dtype))
 
 
 def outside_torch_bytes(device: torch.device, free: int, total: int, reserved: int,

@@ -199,7 +199,7 @@ def decode_split_of(num_new, query_start_loc: torch.Tensor) -> tuple | None:
     """``paged_attention``'s ``decode_split`` for a step whose sequences take ``num_new``
     (numpy, host) query tokens each: (d, the rest's query_start_loc from 0, on the device),
     d the leading one-token sequences; None unless the switch is on and the step has both
-    (one device subtraction a step, not a layer)."""
+    (a decode step has no other: None) — one device subtraction a step, not a layer."""
     if not MIXED_DECODE_SPLIT or num_new.shape[0] == 0:
         return None
     not_one = num_new != 1

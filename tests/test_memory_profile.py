@@ -85,7 +85,7 @@ def test_the_plan_says_which_limit_left_no_block():
     """The figures behind a KV cache of no blocks, as the executor's error gives them: a
     device whose other processes hold most of it (the GPU check's stray server, H100)."""
     plan = cache_engine.KvMemoryPlan(
-        blocks=0, total=80 * GiB, utilization=0.9, peak=3 * GiB, outside_torch=GiB // 2,
+        total=80 * GiB, utilization=0.9, peak=3 * GiB, outside_torch=GiB // 2,
         reserve=GiB // 4, free=2 * GiB, activations=2 * GiB, block_bytes=196_608)
     assert plan.describe() == (
         "this executor's share 72.00 GiB (--gpu-memory-utilization 0.90 of 80.00 GiB) less "
@@ -93,6 +93,9 @@ def test_the_plan_says_which_limit_left_no_block():
         "memory outside torch 0.50 GiB leaves 68.25 GiB; free on the device 2.00 GiB (other "
         "processes hold the rest) less the activations and graphs leaves -0.25 GiB; a block "
         "takes 196,608 bytes")
+    assert plan.blocks == 0
+    roomy = plan._replace(free=75 * GiB)  # room 72.75 GiB: the share (68.25) limits
+    assert roomy.blocks == int(68.25 * GiB) // 196_608
 
 
 def test_a_cpu_cache_of_no_block_names_its_flag(tmp_path):
