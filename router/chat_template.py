@@ -55,6 +55,8 @@ log = logging.getLogger("pagedserve.router")
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+# What the renderer itself gives every template (besides the special tokens).
+_RENDERER_NAMES = ("messages", "tools", "documents", "add_generation_prompt")
 FIELD = "messages"
 
 
@@ -188,30 +190,69 @@ class ChatTemplate:
         return template
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-               tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
+               continue_final_message: bool = False, tools: Sequence[Any] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text of `messages` (dicts with `role` and `content`: a string or text
         parts), with the assistant's generation prompt unless asked otherwise; `tools` (the
-        OpenAI tool definitions, or None) is the template's `tools`. Raises InvalidRequest
-        for a malformed conversation or one the template rejects."""
+        OpenAI tool definitions, or None) is the template's `tools`; `template_kwargs` extra
+        variables (not the names the renderer sets). `continue_final_message`: the text ends
+        where the last message's content does (`_continuation`). Raises InvalidRequest for a
+        malformed conversation or one the template rejects."""
         if self._template is None:
             raise InvalidRequest(f"{FIELD}: the model's {self.error}", field=FIELD)
-        chat = [self._template_message(m) for m in check_messages(messages)]
+        if continue_final_message and add_generation_prompt:
+            raise _bad("continue_final_message", "cannot be set with add_generation_prompt: "
+                       "the one continues the last message, the other starts a new one")
+        extra = self._check_template_kwargs(template_kwargs or {})
+        checked = check_messages(messages)
+        chat = [self._template_message(m) for m in checked]
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=chat, tools=_plain(list(tools)) if tools else None, documents=None,
-                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
+                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **extra})
         except _Raised as exc:
             raise InvalidRequest(f"{FIELD}: the chat template rejects the conversation: "
                                  f"{exc.message}", field=FIELD) from None
         except Exception as exc:  # noqa: BLE001 - a template is code: any failure is this input's
             raise InvalidRequest(f"{FIELD}: the chat template cannot render the conversation: "
                                  f"{type(exc).__name__}: {exc}", field=FIELD) from None
+        return _continuation(text, checked[-1]) if continue_final_message else text
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(kwargs) & ({*_RENDERER_NAMES, *self.special_tokens}))
+        if taken:
+            raise _bad("chat_template_kwargs", f"{', '.join(taken)}: set by the server, "
+                       "not by chat_template_kwargs")
+        return {str(k): _plain(v) for k, v in kwargs.items()}
 
     def _template_message(self, message: dict[str, Any]) -> dict[str, Any]:
         content = message.get("content")
         if isinstance(content, list) and not self.content_as_parts:
             message = {**message, "content": "\n".join(part["text"] for part in content)}
         return message
+
+
+def _continuation(text: str, final: dict[str, Any]) -> str:
+    """continue_final_message: `text` cut where the last message's content ends, so the model
+    continues that message (an assistant prefill) rather than reading the end-of-turn marks
+    the template writes after it. Templates often strip a content's surrounding spaces, so its
+    stripped text is looked for from the end; its trailing spaces are kept when the template
+    wrote them too. Text parts: the last one is what is continued."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = content[-1]["text"] if content else ""
+    core = (content or "").strip()
+    if not core:
+        raise _bad("continue_final_message", "the last message has no text to continue")
+    at = text.rfind(core)
+    if at < 0:
+        raise _bad("continue_final_message", "the chat template does not write the last "
+                   "message's text as given, so it cannot be continued")
+    end = at + len(core)
+    trailing = content[len(content.rstrip()):]
+    if trailing and text.startswith(trailing, end):
+        end += len(trailing)
+    return text[:end]
 
 
 # ------------------------------------------------------------------ the shared request path
@@ -226,17 +267,21 @@ class ChatPrompt:
 
 
 def render_chat(tokenizer, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-                tools: Sequence[Any] | None = None) -> ChatPrompt:
+                continue_final_message: bool = False, tools: Sequence[Any] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """The conversation `messages` (OpenAI's form: a list of {role, content: str | [text
-    parts]}, other keys passed to the template) rendered with `tokenizer.chat_template` and
-    tokenized without adding special tokens. Raises InvalidRequest naming the field: no chat
-    template, a malformed message, a template error. CPU-bound (a long conversation takes
-    milliseconds): callers on an event loop may run it in a thread."""
+    parts]}, other keys passed to the template) rendered with `tokenizer.chat_template`
+    (`ChatTemplate.render`'s options) and tokenized without adding special tokens. Raises
+    InvalidRequest naming the field: no chat template, a malformed message, a template error.
+    CPU-bound (a long conversation takes milliseconds): callers on an event loop may run it
+    in a thread."""
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise InvalidRequest(f"{FIELD}: the model has no chat template; send a prompt "
                              "(text or token ids) instead", field=FIELD)
-    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools,
+                           template_kwargs=template_kwargs)
     return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 

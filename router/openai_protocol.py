@@ -212,11 +212,27 @@ def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
     params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
     chat = messages_to_pb(messages)
+    _template_options(body, chat)
     tools = tool_calls(body, params, chat, tool_call_parser)
     request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
                       logprobs, tools)
+
+
+def _template_options(body: dict, chat: pb.ChatMessages) -> None:
+    """vLLM's chat-template fields: `add_generation_prompt`, `continue_final_message` (an
+    assistant prefill continued) and `chat_template_kwargs` (extra template variables, e.g.
+    {"enable_thinking": false}); validation.py renders with them."""
+    add = optional_bool(body, "add_generation_prompt")
+    if add is not None:
+        chat.add_generation_prompt = add
+    chat.continue_final_message = bool(optional_bool(body, "continue_final_message"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad("chat_template_kwargs", f"must be an object, got {json_type(kwargs)}")
+        chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
 
 
 def messages_to_pb(messages: list[dict]) -> pb.ChatMessages:
@@ -320,17 +336,22 @@ def chat_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText) -> lis
 
 def completion_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText,
                              offset: int) -> dict:
-    """The legacy completions `logprobs` object for a run of tokens starting at text `offset`."""
-    tokens, offsets = [], []
+    """The legacy completions `logprobs` object for a run of tokens starting at text `offset`.
+    Each `top_logprobs` entry holds the `logprobs` most likely tokens and, as OpenAI's
+    reference says ("up to logprobs+1 elements"), the chosen token when it is not among them."""
+    tokens, offsets, tops = [], [], []
     for lp in logprobs:
         s = text(lp.token_id)
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
+        top = {text(t): _finite(v) for t, v in lp.top}
+        top.setdefault(s, _finite(lp.logprob))
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-        "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

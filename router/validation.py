@@ -187,6 +187,19 @@ def tools_from_pb(chat) -> list[dict] | None:
     return _json_list("tools_json", chat.tools_json) or None
 
 
+def template_kwargs_from_pb(chat) -> dict | None:
+    """ChatMessages.chat_template_kwargs_json → the template's extra variables (None: none)."""
+    if not chat.chat_template_kwargs_json:
+        return None
+    try:
+        value = json.loads(chat.chat_template_kwargs_json)
+    except ValueError as exc:
+        raise _bad("chat_template_kwargs_json", f"is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _bad("chat_template_kwargs_json", "must be a JSON object")
+    return value
+
+
 def _json_list(field: str, text: str) -> list[dict]:
     """JSON text of an array of objects."""
     try:
@@ -228,8 +241,14 @@ def request_from_pb(
             if t >= limits.vocab_size:
                 raise _bad("prompt_token_ids", f"token id {t} ≥ vocab size {limits.vocab_size}")
     elif which == "messages":
-        chat = render_chat(tokenizer, messages_from_pb(request.messages),
-                           tools=tools_from_pb(request.messages))
+        form = request.messages
+        cont = form.continue_final_message
+        chat = render_chat(tokenizer, messages_from_pb(form), tools=tools_from_pb(form),
+                           continue_final_message=cont,
+                           add_generation_prompt=(form.add_generation_prompt
+                                                  if form.HasField("add_generation_prompt")
+                                                  else not cont),
+                           template_kwargs=template_kwargs_from_pb(form))
         prompt_text = chat.text
         ids = tuple(chat.token_ids)
         if not ids:

@@ -222,6 +222,74 @@ def test_template_errors_are_invalid_requests(model_dirs, caplog):
         template.render([{"role": "user", "content": "x"}])
 
 
+PREFILLS = [
+    [{"role": "user", "content": "Capital of France?"},
+     {"role": "assistant", "content": "The capital is"}],
+    [{"role": "user", "content": "List two."},
+     {"role": "assistant", "content": "  1. red\n2. "}],          # spaces the template keeps
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": TEXT("first", "Hello,")}],  # parts: the last continued
+]
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+    "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama"])
+def test_continue_final_message_equals_transformers(model_dirs, name):
+    """The prompt ends where the last message's text does, as apply_chat_template's
+    continue_final_message leaves it: the model continues that message."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(model_dirs[name]))
+    ours = Tokenizer.from_dir(model_dirs[name])
+    for messages in PREFILLS:
+        want = hf.apply_chat_template(_joined(messages), tokenize=False,
+                                      add_generation_prompt=False, continue_final_message=True)
+        got = render_chat(ours, messages, add_generation_prompt=False,
+                          continue_final_message=True)
+        assert got.text == want, messages
+        assert got.text.endswith(("The capital is", "2. ", "Hello,"))
+    trimmed = ChatTemplate(THINKING_TEMPLATE, {})  # strips the content: its spaces go too
+    assert trimmed.render(PREFILLS[1], add_generation_prompt=False,
+                          continue_final_message=True) == \
+        "<user>List two.</user><assistant>1. red\n2."
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(model_dirs):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
+    template = ChatTemplate(THINKING_TEMPLATE, {"eos_token": "</s>"})
+    messages = CONVERSATIONS[1]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        assert template.render(messages, template_kwargs=kwargs) == hf.apply_chat_template(
+            messages, chat_template=THINKING_TEMPLATE, tokenize=False,
+            add_generation_prompt=True, **kwargs)
+    assert template.render(messages, template_kwargs={"enable_thinking": False})\
+        .endswith("<assistant><think></think>")
+
+
+@pytest.mark.parametrize("kwargs, field, match", [
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message",
+     "cannot be set with add_generation_prompt"),
+    ({"add_generation_prompt": False, "continue_final_message": True,
+      "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]},
+     "continue_final_message", "no text to continue"),
+    ({"template_kwargs": {"messages": []}}, "chat_template_kwargs", "messages: set by the server"),
+    ({"template_kwargs": {"eos_token": "x", "tools": 1}}, "chat_template_kwargs",
+     "eos_token, tools: set by the server"),
+])
+def test_template_options_misused_are_invalid_requests(kwargs, field, match):
+    template = ChatTemplate(THINKING_TEMPLATE, {"eos_token": "</s>"})
+    messages = kwargs.pop("messages", PREFILLS[0])
+    with pytest.raises(InvalidRequest, match=match) as info:
+        template.render(messages, **kwargs)
+    assert info.value.field == field
+    hidden = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}")  # no content out
+    with pytest.raises(InvalidRequest, match="does not write the last message"):
+        hidden.render(PREFILLS[0], add_generation_prompt=False, continue_final_message=True)
+
+
 # ------------------------------------------------------------------ GenerateRequest.messages
 
 
@@ -243,6 +311,33 @@ def test_request_from_pb_renders_messages(model_dirs):
     plain = request_from_pb(pb.GenerateRequest(prompt="Hello"), tokenizer=tok, limits=limits)
     assert list(plain.prompt_token_ids) == tok.encode("Hello")  # old clients: unchanged, BOS
     assert plain.prompt_token_ids[0] == tok.bos_token_id and plain.prompt_text == "Hello"
+
+
+def test_request_from_pb_takes_the_template_options(model_dirs):
+    tok = Tokenizer.from_dir(model_dirs["chatml"])
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    turns = [pb.ChatMessage(role="user", content="Capital of France?"),
+             pb.ChatMessage(role="assistant", content="The capital is")]
+    plain = [{"role": m.role, "content": m.content} for m in turns]
+
+    def text(**options):
+        chat = pb.ChatMessages(messages=turns, **options)
+        return request_from_pb(pb.GenerateRequest(messages=chat), tokenizer=tok,
+                               limits=limits).prompt_text
+
+    assert text() == render_chat(tok, plain).text  # unset: the generation prompt
+    assert text(add_generation_prompt=False) == render_chat(
+        tok, plain, add_generation_prompt=False).text
+    # continue_final_message alone: the generation prompt off
+    assert text(continue_final_message=True).endswith("<|im_start|>assistant\nThe capital is")
+    with pytest.raises(InvalidRequest) as info:
+        text(continue_final_message=True, add_generation_prompt=True)
+    assert info.value.field == "continue_final_message"
+    for bad, field in (("[1]", "chat_template_kwargs_json"), ("{", "chat_template_kwargs_json"),
+                       ('{"tools": []}', "chat_template_kwargs")):
+        with pytest.raises(InvalidRequest) as info:
+            text(chat_template_kwargs_json=bad)
+        assert info.value.field == field
 
 
 @pytest.mark.parametrize("request_, field", [

@@ -96,6 +96,21 @@ def test_completion_prompt_list_numbers_choices_by_prompt(tok):
     _run(main())
 
 
+def test_completion_top_logprobs_hold_the_chosen_token_too():
+    """Legacy completions: the `logprobs` most likely tokens plus the chosen one when it is
+    not among them ("up to logprobs+1 elements", OpenAI's reference); chat's stay top-k."""
+    from pagedserve.router.openai_protocol import chat_logprobs_json, completion_logprobs_json
+    from pagedserve.router.types import TokenLogprob
+    text = {3: "a", 4: "b", 5: "c"}.__getitem__
+    lps = [TokenLogprob(3, -0.1, ((3, -0.1), (4, -2.5))),    # the top token chosen
+           TokenLogprob(5, -4.0, ((4, -0.2), (3, -1.9)))]    # a token outside the top 2
+    got = completion_logprobs_json(lps, text, offset=10)
+    assert got == {"tokens": ["a", "c"], "token_logprobs": [-0.1, -4.0],
+                   "top_logprobs": [{"a": -0.1, "b": -2.5}, {"b": -0.2, "a": -1.9, "c": -4.0}],
+                   "text_offset": [10, 11]}
+    assert [len(e["top_logprobs"]) for e in chat_logprobs_json(lps, text)] == [2, 2]
+
+
 def test_completion_logprobs(tok):
     async def main():
         async with serve(tok) as (_, _, http, _):
@@ -151,6 +166,40 @@ def test_chat_unary_and_stream(tok):
     _run(main())
 
 
+def test_chat_template_fields_as_vllm_takes_them(tok):
+    """add_generation_prompt, continue_final_message (an assistant prefill continued) and
+    chat_template_kwargs reach the template; misuse is a 400 naming the field."""
+    turns = [{"role": "user", "content": "Capital of France?"},
+             {"role": "assistant", "content": "The capital is"}]
+
+    async def main():
+        async with serve(tok) as (engine, _, http, _):
+            async def prompt(**fields):
+                status, body = await _post(http, "/v1/chat/completions", {
+                    "messages": turns, "max_tokens": 2, **fields})
+                assert status == 200, body
+                return engine.submitted[-1].prompt_text
+
+            assert (await prompt()).endswith("The capital is<|im_end|>\n<|im_start|>assistant\n")
+            assert (await prompt(add_generation_prompt=False)).endswith(
+                "The capital is<|im_end|>\n")
+            for fields in ({"continue_final_message": True},
+                           {"continue_final_message": True, "add_generation_prompt": False}):
+                assert (await prompt(**fields)).endswith("assistant\nThe capital is")
+            await prompt(chat_template_kwargs={"enable_thinking": False})
+            for fields, param in (
+                    ({"continue_final_message": True, "add_generation_prompt": True},
+                     "continue_final_message"),
+                    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+                    ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+                    ({"continue_final_message": "yes"}, "continue_final_message")):
+                status, body = await _post(http, "/v1/chat/completions",
+                                           {"messages": turns, **fields})
+                assert status == 400 and body["error"]["param"] == param, body
+
+    _run(main())
+
+
 def test_completion_stream_concatenates_to_unary(tok):
     async def main():
         async with serve(tok) as (_, _, http, _):
@@ -181,7 +230,8 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "top_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty",
            "frequency_penalty", "logprobs", "top_logprobs", "user", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-           "skip_special_tokens", "priority", "cache_salt", "echo", "best_of"]
+           "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -140,8 +140,11 @@ def test_echo_as_lm_evaluation_harness_reads_it(cluster, reference):
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     for i in range(1, len(ids)):
         assert logprobs["token_logprobs"][i] == pytest.approx(lp[i - 1, ids[i]].item(), abs=2e-4)
-        [(_, best)] = logprobs["top_logprobs"][i].items()
-        assert best == pytest.approx(lp[i - 1].max().item(), abs=2e-4)
+        # the top-1 and, when it is another token, the prompt's own (OpenAI: up to logprobs+1)
+        top = logprobs["top_logprobs"][i]
+        assert max(top.values()) == pytest.approx(lp[i - 1].max().item(), abs=2e-4)
+        assert top[logprobs["tokens"][i]] == pytest.approx(lp[i - 1, ids[i]].item(), abs=2e-4)
+        assert len(top) == (1 if lp[i - 1].argmax().item() == ids[i] else 2)
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
     grpc_text = cluster.stub.Generate(request(token_ids=ids, max_tokens=1, temperature=0.0),
                                       timeout=60).completions[0].text

@@ -42,7 +42,8 @@ def _numbers(message) -> dict[str, int]:
         (pb.GenerateRequest, {"request_id": 1, "prompt": 2, "prompt_token_ids": 3, "params": 4,
                               "priority": 5, "cache_salt": 6, "messages": 7}),
         (pb.TokenIds, {"ids": 1}),
-        (pb.ChatMessages, {"messages": 1, "tools_json": 2}),
+        (pb.ChatMessages, {"messages": 1, "tools_json": 2, "add_generation_prompt": 3,
+                           "continue_final_message": 4, "chat_template_kwargs_json": 5}),
         (pb.ChatMessage, {"role": 1, "content": 2, "parts": 3, "tool_calls_json": 4,
                           "tool_call_id": 5, "name": 6}),
         (pb.ChatContentPart, {"type": 1, "text": 2}),
@@ -93,6 +94,7 @@ def test_optional_fields_track_presence():
                                               "grammar"]
     assert pb.Completion.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
     assert pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
+    assert pb.ChatMessages.DESCRIPTOR.fields_by_name["add_generation_prompt"].has_presence
 
 
 def test_prompt_oneof_and_types():
