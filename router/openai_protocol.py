@@ -63,6 +63,7 @@ class ApiRequest:
     logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
     tools: ToolMode | None = None  # chat: the reply carries tool calls (tool_choice)
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply, top-k
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -120,6 +121,11 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
         logprobs = optional_int(body, "logprobs")
     if logprobs is not None:
         params.logprobs = logprobs
+    prompt_k = optional_int(body, "prompt_logprobs")
+    if prompt_k is not None:
+        if optional_bool(body, "stream"):
+            raise bad("prompt_logprobs", "prompt_logprobs is not supported in a stream")
+        params.prompt_logprobs = prompt_k
     logit_bias(body, params)
     structured_output(body, params)
     return params, logprobs
@@ -159,7 +165,8 @@ def completion_request(body: dict) -> ApiRequest:
     if echo and logprobs is not None:
         if optional_bool(body, "stream"):
             raise bad("echo", "echo with logprobs is not supported in a stream")
-        params.prompt_logprobs = logprobs  # the prompt's tokens are scored too
+        # the prompt's tokens are scored too (top-k: the larger of the two asks)
+        params.prompt_logprobs = max(logprobs, params.prompt_logprobs)
     best_of = optional_int(body, "best_of")
     if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
         raise bad("best_of", "best_of other than n is not supported")
@@ -188,7 +195,7 @@ def completion_request(body: dict) -> ApiRequest:
                    "or an array of arrays of token ids (and not empty)")
     n = params.n if params.HasField("n") else 1
     return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
-                      logprobs, echo=echo)
+                      logprobs, echo=echo, prompt_logprobs=_prompt_k(body))
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -217,7 +224,11 @@ def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
     request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
-                      logprobs, tools)
+                      logprobs, tools, prompt_logprobs=_prompt_k(body))
+
+
+def _prompt_k(body: dict) -> int | None:
+    return optional_int(body, "prompt_logprobs")  # checked once already, by _sampling
 
 
 def _template_options(body: dict, chat: pb.ChatMessages) -> None:
@@ -357,16 +368,38 @@ def completion_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText,
 
 
 def echo_logprobs_json(first_token_id: int, prompt: Sequence[TokenLogprob],
-                       text: TokenText) -> dict:
+                       text: TokenText, k: int) -> dict:
     """The legacy `logprobs` object of an echoed prompt: its first token has no score
-    (null), the others their prompt logprobs; offsets from 0."""
-    scored = completion_logprobs_json(prompt, text, len(text(first_token_id)))
+    (null), the others their prompt logprobs (top `k`); offsets from 0."""
+    scored = completion_logprobs_json([lp if len(lp.top) <= k else
+                                       TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+                                       for lp in prompt], text, len(text(first_token_id)))
     return {
         "tokens": [text(first_token_id), *scored["tokens"]],
         "token_logprobs": [None, *scored["token_logprobs"]],
         "top_logprobs": [None, *scored["top_logprobs"]],
         "text_offset": [0, *scored["text_offset"]],
     }
+
+
+def prompt_logprobs_json(prompt: Sequence[TokenLogprob], text: TokenText,
+                         k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token (nothing scores it), then per
+    token {token id: {logprob, rank, decoded_token}} for the prompt's own token and the `k`
+    most likely. rank: 1 for the most likely; null for the prompt's token when it is not
+    among the k (its rank is not computed)."""
+    out: list[dict | None] = [None]
+    for lp in prompt:
+        entries: dict[str, dict] = {}
+        top = lp.top[:k]
+        for rank, (token_id, logprob) in enumerate(top, 1):
+            entries[str(token_id)] = {"logprob": _finite(logprob), "rank": rank,
+                                      "decoded_token": text(token_id)}
+        if str(lp.token_id) not in entries:
+            entries = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": None,
+                                          "decoded_token": text(lp.token_id)}, **entries}
+        out.append(entries)
+    return out
 
 
 def _finite(x: float) -> float:

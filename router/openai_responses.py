@@ -29,6 +29,7 @@ from .openai_protocol import (
     chat_logprobs_json,
     completion_logprobs_json,
     echo_logprobs_json,
+    prompt_logprobs_json,
     stop_reason,
     usage_json,
 )
@@ -71,7 +72,7 @@ class ChoiceWriter:
         self.sent_tokens = False
         self.stop_token_ids = tuple(api.requests[0].params.stop_token_ids)
         self.tools = api.tools if api.chat else None
-        self.prompt_logprobs: dict[int, tuple] = {}  # echo: prompt index -> its scores
+        self.prompt_logprobs: dict[int, tuple] = {}  # prompt index -> its scores
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
         self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
 
@@ -124,8 +125,17 @@ class ChoiceWriter:
                                                      choice["logprobs"])
             choice["finish_reason"] = finish
             choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
+            if self.api.prompt_logprobs is not None and not self.api.chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs(i // self.api.n)
             choices.append(choice)
-        return {**self.head, "choices": choices, "usage": usage_json(self.usage)}
+        body = {**self.head, "choices": choices, "usage": usage_json(self.usage)}
+        if self.api.prompt_logprobs is not None and self.api.chat:
+            body["prompt_logprobs"] = self._prompt_logprobs(0)  # vLLM: the chat reply's own
+        return body
+
+    def _prompt_logprobs(self, prompt_index: int) -> list:
+        return prompt_logprobs_json(self.prompt_logprobs.get(prompt_index, ()), self.token_text,
+                                    self.api.prompt_logprobs)
 
     def _calls(self, text: str, finish: str | None) -> list[dict] | None:
         """The tool calls of a finished choice's whole text (None: not a call)."""
@@ -170,7 +180,8 @@ class ChoiceWriter:
 
     def _echo_logprobs(self, prompt_index: int) -> dict:
         return echo_logprobs_json(self._first_prompt_token(prompt_index),
-                                  self.prompt_logprobs.get(prompt_index, ()), self.token_text)
+                                  self.prompt_logprobs.get(prompt_index, ()), self.token_text,
+                                  self.api.logprobs)
 
     def first_chunks(self) -> list[dict]:
         """Chat: one chunk per choice whose delta carries the role. Completions with echo:

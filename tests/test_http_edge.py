@@ -231,7 +231,8 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "frequency_penalty", "logprobs", "top_logprobs", "user", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
-           "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+           "prompt_logprobs"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
 import pytest
 from cluster_harness import Cluster, request
+from pagedserve.router.chat_template import render_chat_ids
+from pagedserve.router.tokenizer import Tokenizer
 
 from pagedserve.tinymodels import build_model
 
@@ -119,11 +122,49 @@ def _preemptions(cluster) -> float:
                if line.startswith("pagedserve_preemptions_total{"))
 
 
-def _post(cluster, body: dict) -> dict:
-    req = urllib.request.Request(f"http://{cluster.http_address}/v1/completions",
+def _post(cluster, body: dict, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(f"http://{cluster.http_address}{path}",
                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
+
+
+def check_vllm_scores(got, ids, lp, k):
+    """vLLM's `prompt_logprobs` form: null, then {id: {logprob, rank, decoded_token}} per
+    token with the prompt's own token and the top k."""
+    assert got[0] is None and len(got) == len(ids)
+    for i, entries in enumerate(got[1:]):
+        top = lp[i].topk(k).indices.tolist() if k else []
+        assert set(entries) == {str(t) for t in [ids[i + 1], *top]}
+        for t, e in entries.items():
+            assert e["logprob"] == pytest.approx(lp[i, int(t)].item(), abs=2e-4)
+            assert e["rank"] == (top.index(int(t)) + 1 if int(t) in top else None)
+            assert isinstance(e["decoded_token"], str)
+
+
+def test_http_prompt_logprobs_as_vllm_returns_them(cluster, reference, model_dir):
+    """vLLM's extra field on both APIs: completions give each choice the scores of its
+    prompt, chat the reply (of the rendered conversation); with echo and logprobs both asked,
+    each gets its own top-k; not in a stream."""
+    lp = reference(PROMPT_IDS)
+    reply = _post(cluster, {"prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0, "n": 2,
+                            "prompt_logprobs": 2})
+    for choice in reply["choices"]:
+        check_vllm_scores(choice["prompt_logprobs"], PROMPT_IDS, lp, 2)
+    both = _post(cluster, {"prompt": PROMPT_IDS, "max_tokens": 1, "temperature": 0,
+                           "prompt_logprobs": 3, "logprobs": 1, "echo": True})["choices"][0]
+    check_vllm_scores(both["prompt_logprobs"], PROMPT_IDS, lp, 3)
+    assert all(top is None or len(top) <= 2 for top in both["logprobs"]["top_logprobs"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = _post(cluster, {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0},
+                 "/v1/chat/completions")
+    assert "prompt_logprobs" not in chat["choices"][0]
+    ids = render_chat_ids(Tokenizer.from_dir(model_dir), messages)
+    check_vllm_scores(chat["prompt_logprobs"], ids, reference(ids), 0)
+    assert "prompt_logprobs" not in _post(cluster, {"prompt": "a", "max_tokens": 1})["choices"][0]
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        _post(cluster, {"prompt": "a", "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+    assert bad.value.code == 400
 
 
 def test_echo_as_lm_evaluation_harness_reads_it(cluster, reference):
