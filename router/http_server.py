@@ -37,7 +37,7 @@ from aiohttp import web
 from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 from .frontend import Frontend, RequestSession
 from .grpc_server import tls_enabled
-from .openai_protocol import TokenText, chat_request, completion_request
+from .openai_protocol import TokenIdText, TokenText, chat_request, completion_request
 from .openai_responses import ChoiceWriter
 from .types import RequestOutput
 from .validation import request_from_pb
@@ -112,6 +112,7 @@ class OpenAIApp:
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self._token_text = TokenText(frontend.tokenizer)
+        self._token_ids_text = TokenIdText(frontend.tokenizer)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
@@ -170,7 +171,8 @@ class OpenAIApp:
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
-        writer = ChoiceWriter(api, response_id, created, self.model_name, self._token_text)
+        writer = ChoiceWriter(api, response_id, created, self.model_name,
+                              self._token_ids_text if api.tokens_as_ids else self._token_text)
         stream: web.StreamResponse | None = None
         try:
             try:

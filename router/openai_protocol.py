@@ -64,6 +64,7 @@ class ApiRequest:
     tools: ToolMode | None = None  # chat: the reply carries tool calls (tool_choice)
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply, top-k
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -131,7 +132,17 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
     return params, logprobs
 
 
+# vLLM's fields this server does not implement: a request that sets one is refused rather
+# than served as if it had not (its output would not be what the client asked for).
+_REFUSED = {"use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids",
+            "bad_words": "bad_words", "logits_processors": "logits_processors"}
+
+
 def _common(body: dict) -> dict:
+    for key, what in _REFUSED.items():
+        if body.get(key):  # null, false and [] ask for nothing
+            raise bad(key, f"{what} is not supported")
+    optional_bool(body, "return_tokens_as_token_ids")  # type-checked; read by _api_extras
     common: dict[str, Any] = {}
     priority = optional_int(body, "priority", *INT32_RANGE)
     if priority is not None:
@@ -195,7 +206,7 @@ def completion_request(body: dict) -> ApiRequest:
                    "or an array of arrays of token ids (and not empty)")
     n = params.n if params.HasField("n") else 1
     return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
-                      logprobs, echo=echo, prompt_logprobs=_prompt_k(body))
+                      logprobs, echo=echo, **_api_extras(body))
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -224,11 +235,13 @@ def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
     request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
-                      logprobs, tools, prompt_logprobs=_prompt_k(body))
+                      logprobs, tools, **_api_extras(body))
 
 
-def _prompt_k(body: dict) -> int | None:
-    return optional_int(body, "prompt_logprobs")  # checked once already, by _sampling
+def _api_extras(body: dict) -> dict:
+    """How vLLM's reply-shaping fields (checked already by _sampling and _common) shape it."""
+    return {"prompt_logprobs": optional_int(body, "prompt_logprobs"),
+            "tokens_as_ids": bool(optional_bool(body, "return_tokens_as_token_ids"))}
 
 
 def _template_options(body: dict, chat: pb.ChatMessages) -> None:
@@ -333,6 +346,14 @@ class TokenText:
 
     def __call__(self, token_id: int) -> str:
         return self._tokenizer.token_text(token_id)
+
+
+class TokenIdText(TokenText):
+    """vLLM's return_tokens_as_token_ids: each logprob's token written "token_id:{id}" (a
+    token that is not whole UTF-8 alone, part of a character, stays identifiable)."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def chat_logprobs_json(logprobs: Sequence[TokenLogprob], text: TokenText) -> list[dict]:

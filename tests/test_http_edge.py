@@ -127,6 +127,30 @@ def test_completion_logprobs(tok):
     _run(main())
 
 
+def test_tokens_as_token_ids(tok):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"; the text is
+    the text."""
+    async def main():
+        async with serve(tok) as (_, _, http, _):
+            status, body = await _post(http, "/v1/completions", {
+                "prompt": "Once upon", "max_tokens": 3, "logprobs": 1,
+                "return_tokens_as_token_ids": True})
+            assert status == 200, body
+            lp = body["choices"][0]["logprobs"]
+            assert all(t.startswith("token_id:") and t[9:].isdigit() for t in lp["tokens"])
+            assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+            assert body["choices"][0]["text"] and "token_id" not in body["choices"][0]["text"]
+            events = await _sse(http, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "stream": True, "logprobs": True, "top_logprobs": 1,
+                "return_tokens_as_token_ids": True})
+            entries = [e for c in events[:-1] for ch in c["choices"]
+                       for e in ((ch.get("logprobs") or {}).get("content") or [])]
+            assert len(entries) == 2 and all(e["token"].startswith("token_id:") for e in entries)
+
+    _run(main())
+
+
 def test_chat_unary_and_stream(tok):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"},
@@ -232,7 +256,7 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-           "prompt_logprobs"]
+           "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 
