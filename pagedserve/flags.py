@@ -105,6 +105,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "--model)"),
     ("tool-call-parser", _choice("none", "hermes"), "none", "router: how tool_choice \"auto\" "
      "finds tool calls in the output (hermes: <tool_call> JSON </tool_call>; none: auto is a 400)"),
+    ("reasoning-parser", _choice("none", "qwen3", "deepseek_r1"), "none", "router: split "
+     "a thinking model's <think> text into the chat message's reasoning_content (qwen3: when "
+     "the output opens with <think>; deepseek_r1: the output starts inside it)"),
     ("api-workers", _non_negative_int, 0, "router: processes serving the gRPC and HTTP APIs "
      "on shared ports, apart from the engine (0: the router process serves them)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),

@@ -41,7 +41,8 @@ class LocalEdges:
                 http = await start_http_server(
                     frontend, args.host, args.http_port, max_model_len=info.max_model_len,
                     served_model_name=args.served_model_name or Path(args.model).name,
-                    tool_call_parser=args.tool_call_parser, **tls)
+                    tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser, **tls)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

@@ -105,9 +105,10 @@ class OpenAIApp:
     """The routes, over a Frontend shared with the gRPC edge."""
 
     def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int,
-                 tool_call_parser: str = "none"):
+                 tool_call_parser: str = "none", reasoning_parser: str = "none"):
         self.frontend = frontend
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.created = int(time.time())
@@ -157,7 +158,7 @@ class OpenAIApp:
         fe = self.frontend
         try:
             body = await _read_json(request)
-            api = (chat_request(body, self.tool_call_parser) if chat
+            api = (chat_request(body, self.tool_call_parser, self.reasoning_parser) if chat
                    else completion_request(body))
             if api.model is not None and api.model != self.model_name:
                 raise ModelNotFound(f"the model {api.model!r} does not exist; this server "
@@ -318,12 +319,13 @@ class HttpServer:
 async def start_http_server(
     frontend: Frontend, host: str, port: int, *, served_model_name: str, max_model_len: int,
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-    reuse_port: bool = False, tool_call_parser: str = "none",
+    reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them)."""
-    app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser).make_app()
+    app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
+                    reasoning_parser).make_app()
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

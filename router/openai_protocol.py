@@ -65,6 +65,8 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply, top-k
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
+    reasoning: str = ""  # chat: the --reasoning-parser that splits the output ("": none)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -224,8 +226,11 @@ def chat_messages(body: dict) -> list[dict]:
     return messages
 
 
-def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
-    """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest)."""
+def chat_request(body: dict, tool_call_parser: str = "none",
+                 reasoning_parser: str = "none") -> ApiRequest:
+    """POST /v1/chat/completions body → ApiRequest (raises InvalidRequest). The reasoning
+    parser splits the output unless an output format constrains it from its first token
+    (structured output, a forced tool call): there is no free reasoning to split then."""
     messages = chat_messages(body)
     params, logprobs = _sampling(body, chat=True)
     stream, include_usage = _stream_flags(body)
@@ -234,8 +239,12 @@ def chat_request(body: dict, tool_call_parser: str = "none") -> ApiRequest:
     tools = tool_calls(body, params, chat, tool_call_parser)
     request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
     n = params.n if params.HasField("n") else 1
+    include = optional_bool(body, "include_reasoning")
+    reasoning = ("" if reasoning_parser == "none" or params.HasField("structured_output")
+                 else reasoning_parser)
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
-                      logprobs, tools, **_api_extras(body))
+                      logprobs, tools, reasoning=reasoning, include_reasoning=include is not False,
+                      **_api_extras(body))
 
 
 def _api_extras(body: dict) -> dict:

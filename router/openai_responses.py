@@ -33,6 +33,7 @@ from .openai_protocol import (
     stop_reason,
     usage_json,
 )
+from .reasoning_parsers import make_reasoning_parser, split_reasoning
 from .tool_parsers import make_parser, tool_call_id
 from .types import CompletionDelta, RequestOutput, Usage
 
@@ -75,6 +76,7 @@ class ChoiceWriter:
         self.prompt_logprobs: dict[int, tuple] = {}  # prompt index -> its scores
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
         self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
+        self.reasoners: dict = {}  # --reasoning-parser: each choice's parser (streams)
 
     def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.api.n + delta.index
@@ -100,6 +102,9 @@ class ChoiceWriter:
             choice: dict = {"index": i}
             lps = self.logprobs.get(i, [])
             finish = end.finish_reason if end else None
+            reasoning = None
+            if self.api.chat and self.api.reasoning:
+                reasoning, text = split_reasoning(self.api.reasoning, text)
             if self.api.chat and self.tools is not None and self.tools.parser:
                 choice["message"], finish = self._parsed_message(text, finish)
                 choice["logprobs"] = ({"content": chat_logprobs_json(lps, self.token_text)}
@@ -123,6 +128,8 @@ class ChoiceWriter:
                     if self.api.echo:
                         choice["logprobs"] = _joined(self._echo_logprobs(i // self.api.n),
                                                      choice["logprobs"])
+            if reasoning is not None:
+                choice["message"] = self._with_reasoning(choice["message"], reasoning)
             choice["finish_reason"] = finish
             choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
             if self.api.prompt_logprobs is not None and not self.api.chat:
@@ -136,6 +143,13 @@ class ChoiceWriter:
     def _prompt_logprobs(self, prompt_index: int) -> list:
         return prompt_logprobs_json(self.prompt_logprobs.get(prompt_index, ()), self.token_text,
                                     self.api.prompt_logprobs)
+
+    def _with_reasoning(self, message: dict, reasoning: str) -> dict:
+        """The message with its `reasoning_content` (null when none, or not asked for) and no
+        empty content (null, as vLLM gives it)."""
+        return {"role": "assistant", "content": message.get("content") or None,
+                "reasoning_content": (reasoning or None) if self.api.include_reasoning else None,
+                **{k: v for k, v in message.items() if k not in ("role", "content")}}
 
     def _calls(self, text: str, finish: str | None) -> list[dict] | None:
         """The tool calls of a finished choice's whole text (None: not a call)."""
@@ -212,9 +226,12 @@ class ChoiceWriter:
             choice: dict = {"index": i}
             want_lp = self.api.logprobs is not None
             if self.api.chat:
-                choice["delta"] = {"content": delta.text} if delta.text else {}
+                text, thought = self._reasoning_delta(i, delta)
+                choice["delta"] = {"content": text} if text else {}
                 if self.tools is not None:
-                    choice["delta"] = self._tool_delta(i, delta)
+                    choice["delta"] = self._tool_delta(i, text, delta.finish_reason)
+                if thought:
+                    choice["delta"] = {"reasoning_content": thought, **choice["delta"]}
                 choice["logprobs"] = ({"content": chat_logprobs_json(delta.logprobs,
                                                                      self.token_text)}
                                       if want_lp and delta.logprobs else None)
@@ -241,16 +258,32 @@ class ChoiceWriter:
             chunks.append(self._chunk([choice]))
         return chunks
 
-    def _tool_delta(self, i: int, delta: CompletionDelta) -> dict:
-        """A streamed chat delta of a tool-calling choice: a named call opens with its id and
-        name and grows its arguments by each text; a "required" array is held back and goes
-        out as its calls when the choice ends (or as content if it is not a whole array)."""
+    def _reasoning_delta(self, i: int, delta: CompletionDelta) -> tuple[str, str]:
+        """A streamed chat delta's (content text, reasoning text) under --reasoning-parser
+        (all content without one; the reasoning empty when not asked for)."""
+        if not self.api.reasoning:
+            return delta.text, ""
+        parser = self.reasoners.get(i)
+        if parser is None:
+            parser = self.reasoners[i] = make_reasoning_parser(self.api.reasoning)
+        piece = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            last = parser.finish()
+            piece.reasoning += last.reasoning
+            piece.content += last.content
+        return piece.content, piece.reasoning if self.api.include_reasoning else ""
+
+    def _tool_delta(self, i: int, text: str, finish_reason: str | None) -> dict:
+        """A streamed chat delta of a tool-calling choice (`text`: its content): a named call
+        opens with its id and name and grows its arguments by each text; a "required" array
+        is held back and goes out as its calls when the choice ends (or as content if it is
+        not a whole array)."""
         if self.tools.parser:
             parser = self.parsers.get(i)
             if parser is None:
                 parser = self.parsers[i] = make_parser(self.tools.parser, self.tools.parallel)
-            piece = parser.feed(delta.text)
-            if delta.finish_reason is not None:
+            piece = parser.feed(text)
+            if finish_reason is not None:
                 last = parser.finish()
                 piece.content += last.content
                 piece.calls += last.calls
@@ -259,20 +292,20 @@ class ChoiceWriter:
                 out["tool_calls"] = piece.calls
             return out
         if self.tools.name is not None:
-            if not delta.text:
+            if not text:
                 return {}
-            call: dict = {"index": 0, "function": {"arguments": delta.text}}
+            call: dict = {"index": 0, "function": {"arguments": text}}
             if i not in self.call_ids:
                 self.call_ids[i] = tool_call_id()
                 call = {"index": 0, "id": self.call_ids[i], "type": "function",
-                        "function": {"name": self.tools.name, "arguments": delta.text}}
+                        "function": {"name": self.tools.name, "arguments": text}}
             return {"tool_calls": [call]}
         held = self.text.setdefault(i, [])
-        held.append(delta.text)
-        if delta.finish_reason is None:
+        held.append(text)
+        if finish_reason is None:
             return {}
         text = "".join(held)
-        calls = required_calls(text) if delta.finish_reason == "stop" else None
+        calls = required_calls(text) if finish_reason == "stop" else None
         if calls is None:
             return {"content": text} if text else {}
         return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}

@@ -1,0 +1,179 @@
+"""--reasoning-parser (router/reasoning_parsers.py): a thinking model's <think> text apart
+from its answer, the same whatever the stream's chunking, and nothing lost."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pagedserve.router.reasoning_parsers import make_reasoning_parser, split_reasoning
+
+
+@pytest.mark.parametrize("name, text, reasoning, content", [
+    ("qwen3", "<think>\nAdd them.\n</think>\n\n4", "\nAdd them.\n", "\n\n4"),
+    ("qwen3", "  \n<think>x</think>y", "x", "y"),            # whitespace before the tag
+    ("qwen3", "4, no thinking", "", "4, no thinking"),       # enable_thinking false
+    ("qwen3", "<think>cut by max_tokens", "cut by max_tokens", ""),
+    ("qwen3", "<thin", "", "<thin"),                          # a partial tag is its text
+    ("qwen3", "", "", ""),
+    ("qwen3", "a <think>b</think> c", "", "a <think>b</think> c"),  # not at the start
+    ("deepseek_r1", "Add them.\n</think>\n\n4", "Add them.\n", "\n\n4"),
+    ("deepseek_r1", "<think>\nAdd.</think>4", "\nAdd.", "4"),
+    ("deepseek_r1", "still thinking", "still thinking", ""),
+    ("deepseek_r1", "x</think>y</think>z", "x", "y</think>z"),  # the first end tag ends it
+    ("deepseek_r1", "</thi", "</thi", ""),
+    ("none", "<think>x</think>y", "", "<think>x</think>y"),
+])
+def test_whole_outputs(name, text, reasoning, content):
+    assert split_reasoning(name, text) == (reasoning, content)
+
+
+def test_a_stream_holds_back_only_what_may_be_a_tag():
+    parser = make_reasoning_parser("qwen3")
+    got = [parser.feed(t) for t in ("<th", "ink>Let", " me</th", "ink>Hi", "!")]
+    assert [(p.reasoning, p.content) for p in got] == [
+        ("", ""), ("Let", ""), (" me", ""), ("", "Hi"), ("", "!")]
+    last = parser.finish()
+    assert (last.reasoning, last.content) == ("", "")
+
+
+_PIECES = st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "think>", "a", " ",
+                           "\n", "é🙂", "<", ">", "think"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.sampled_from(["qwen3", "deepseek_r1"]),
+       pieces=st.lists(_PIECES, max_size=12), cuts=st.lists(st.integers(0, 60), max_size=6))
+def test_any_chunking_gives_the_whole_texts_split(name, pieces, cuts):
+    """Streamed in any chunks, the pieces add up to the whole output's split; and
+    reasoning + content is the output less the tags that split it."""
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    parser = make_reasoning_parser(name)
+    reasoning = content = ""
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        piece = parser.feed(text[a:b])
+        reasoning, content = reasoning + piece.reasoning, content + piece.content
+    last = parser.finish()
+    got = (reasoning + last.reasoning, content + last.content)
+    assert got == split_reasoning(name, text)
+    head = text.lstrip()
+    if head.startswith("<think>"):
+        body = head[len("<think>"):]
+    else:  # deepseek_r1 starts inside the reasoning; qwen3 has none
+        body = text if name == "deepseek_r1" else None
+    if body is None:
+        assert got == ("", text)
+    elif "</think>" in body:
+        cut = body.index("</think>")
+        assert got == (body[:cut], body[cut + len("</think>"):])
+    else:
+        assert got == (body, "")
+
+
+# ------------------------------------------------------------------ the HTTP API
+
+
+from contextlib import asynccontextmanager  # noqa: E402
+
+import aiohttp  # noqa: E402
+from fake_engine import FakeEngine, make_tokenizer  # noqa: E402
+from http_rig import MODEL, _post, _run, _sse  # noqa: E402
+from pagedserve.router.frontend import Frontend  # noqa: E402
+from pagedserve.router.http_server import start_http_server  # noqa: E402
+from pagedserve.router.metrics import RouterMetrics  # noqa: E402
+from pagedserve.router.validation import Limits  # noqa: E402
+
+THOUGHT = "<think>\nAdd them.\n</think>\n\nIt is 4."
+ASK = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 200}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory)
+
+
+@asynccontextmanager
+async def _server(tok, text: str, **parsers):
+    engine = FakeEngine(tok)
+    engine.script = tok.encode(text)[1:] + [tok.eos_token_ids[0]]
+    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
+                        RouterMetrics())
+    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
+                                     max_model_len=256, **parsers)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
+            yield session
+    finally:
+        await server.stop()
+
+
+async def _both(session, body) -> tuple[dict, list[dict]]:
+    """The unary reply's message and the stream's deltas of one choice."""
+    status, reply = await _post(session, "/v1/chat/completions", body)
+    assert status == 200, reply
+    events = await _sse(session, "/v1/chat/completions", {**body, "stream": True})
+    return reply["choices"][0]["message"], [e["choices"][0]["delta"] for e in events[:-1]
+                                           if e["choices"]]
+
+
+def _joined(deltas, key):
+    return "".join(d.get(key) or "" for d in deltas)
+
+
+def test_chat_replies_carry_the_reasoning_apart(tok):
+    async def main():
+        async with _server(tok, THOUGHT, reasoning_parser="qwen3") as session:
+            message, deltas = await _both(session, ASK)
+            assert message == {"role": "assistant", "content": "\n\nIt is 4.",
+                               "reasoning_content": "\nAdd them.\n"}
+            assert _joined(deltas, "reasoning_content") == "\nAdd them.\n"
+            assert _joined(deltas, "content") == "\n\nIt is 4."
+            first = next(i for i, d in enumerate(deltas) if d.get("content"))
+            assert not any(d.get("reasoning_content") for d in deltas[first:])  # then answer
+            message, deltas = await _both(session, {**ASK, "include_reasoning": False})
+            assert message["reasoning_content"] is None and message["content"] == "\n\nIt is 4."
+            assert not _joined(deltas, "reasoning_content")
+            # a format from the first token: no reasoning to split
+            status, reply = await _post(session, "/v1/chat/completions",
+                                        {**ASK, "response_format": {"type": "json_object"}})
+            assert status == 200 and "reasoning_content" not in reply["choices"][0]["message"]
+            status, reply = await _post(session, "/v1/completions",
+                                        {"prompt": "2+2?", "max_tokens": 200})
+            assert reply["choices"][0]["text"] == THOUGHT  # completions: the text as it is
+        async with _server(tok, THOUGHT) as session:  # no parser: the model's text
+            message, _ = await _both(session, ASK)
+            assert message == {"role": "assistant", "content": THOUGHT}
+        async with _server(tok, "Add them.</think>4", reasoning_parser="deepseek_r1") as session:
+            message, deltas = await _both(session, ASK)
+            assert (message["reasoning_content"], message["content"]) == ("Add them.", "4")
+            assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == \
+                ("Add them.", "4")
+        async with _server(tok, "<think>cut", reasoning_parser="qwen3") as session:
+            message, _ = await _both(session, ASK)
+            assert message == {"role": "assistant", "content": None, "reasoning_content": "cut"}
+
+    _run(main())
+
+
+def test_tool_calls_are_found_in_the_content_only(tok):
+    """With both parsers: a <tool_call> written while thinking is reasoning, not a call."""
+    text = ('<think>Maybe <tool_call>{"name": "f", "arguments": {}}</tool_call>?</think>'
+            'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>')
+    body = {**ASK, "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+
+    async def main():
+        async with _server(tok, text, reasoning_parser="qwen3",
+                           tool_call_parser="hermes") as session:
+            message, deltas = await _both(session, body)
+            assert message["reasoning_content"].startswith("Maybe <tool_call>")
+            assert message["content"] == "Sure. "
+            [call] = message["tool_calls"]
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+            assert _joined(deltas, "reasoning_content") == message["reasoning_content"]
+            assert _joined(deltas, "content") == "Sure. "
+            assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == \
+                [call["function"]]
+
+    _run(main())
