@@ -153,6 +153,14 @@ def _common(body: dict) -> dict:
     if salt is not None:
         common["cache_salt"] = salt
     optional_str(body, "user")  # accepted (type-checked), not used
+    add_special = optional_bool(body, "add_special_tokens")
+    if add_special is not None:
+        common["add_special_tokens"] = add_special
+    truncate = optional_int(body, "truncate_prompt_tokens", -1)
+    # -1 (vLLM): to the model's length, which a longer prompt would exceed with its first
+    # output token anyway: no truncation, the length check refuses it as before
+    if truncate is not None and truncate != -1:
+        common["truncate_prompt_tokens"] = truncate
     return common
 
 

@@ -250,7 +250,8 @@ def request_from_pb(
                                                   else not cont),
                            template_kwargs=template_kwargs_from_pb(form))
         prompt_text = chat.text
-        ids = tuple(chat.token_ids)
+        ids = tuple(tokenizer.encode(chat.text) if request.add_special_tokens
+                    else chat.token_ids)
         if not ids:
             raise _bad("messages", "the conversation renders to no tokens")
         bad = [t for t in ids if t >= limits.vocab_size]
@@ -260,13 +261,17 @@ def request_from_pb(
         if not request.prompt:
             raise _bad("prompt", "empty prompt")
         prompt_text = request.prompt
-        ids = tuple(tokenizer.encode(prompt_text))
+        ids = tuple(tokenizer.encode(prompt_text, add_special_tokens=(
+            request.add_special_tokens if request.HasField("add_special_tokens") else True)))
         if not ids:
             raise _bad("prompt", "the prompt tokenizes to no tokens")
         bad = [t for t in ids if t >= limits.vocab_size]
         if bad:
             raise _bad("prompt", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
     field = which or "prompt"
+    if 0 < request.truncate_prompt_tokens < len(ids):
+        ids = ids[-request.truncate_prompt_tokens:]  # the last k: left truncation, as vLLM's
+        prompt_text = None  # no longer the text of the ids
     if to_context and len(ids) < limits.max_model_len:
         sampling = replace(sampling, max_tokens=limits.max_model_len - len(ids))
         if sampling.min_tokens > sampling.max_tokens:

@@ -81,6 +81,33 @@ def test_max_tokens_omitted_runs_to_the_context_limit(tok):
     _run(main())
 
 
+def test_prompt_tokenizing_fields_as_vllm_takes_them(tok):
+    """add_special_tokens (completions: BOS unless false; chat: none unless true) and
+    truncate_prompt_tokens (the last k; -1: no cut) reach the engine's prompt."""
+    async def main():
+        async with serve(tok) as (engine, _, http, _):
+            async def ids(path, **fields):
+                body = {"prompt": "Once upon a time", "max_tokens": 2, **fields}
+                if path.endswith("chat/completions"):
+                    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            **fields}
+                status, reply = await _post(http, path, body)
+                assert status == 200, reply
+                return list(engine.submitted[-1].prompt_token_ids)
+
+            whole = await ids("/v1/completions")
+            assert whole[0] == tok.bos_token_id
+            assert await ids("/v1/completions", add_special_tokens=False) == whole[1:]
+            assert await ids("/v1/completions", truncate_prompt_tokens=2) == whole[-2:]
+            assert await ids("/v1/completions", truncate_prompt_tokens=-1) == whole
+            chat = await ids("/v1/chat/completions")
+            assert chat[0] != tok.bos_token_id
+            assert await ids("/v1/chat/completions", add_special_tokens=True) == \
+                [tok.bos_token_id, *chat]
+
+    _run(main())
+
+
 def test_completion_prompt_list_numbers_choices_by_prompt(tok):
     async def main():
         async with serve(tok) as (engine, _, http, _):
@@ -256,7 +283,8 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-           "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words"]
+           "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words",
+           "add_special_tokens", "truncate_prompt_tokens"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -40,7 +40,8 @@ def _numbers(message) -> dict[str, int]:
     "message, expected",
     [
         (pb.GenerateRequest, {"request_id": 1, "prompt": 2, "prompt_token_ids": 3, "params": 4,
-                              "priority": 5, "cache_salt": 6, "messages": 7}),
+                              "priority": 5, "cache_salt": 6, "messages": 7,
+                              "add_special_tokens": 8, "truncate_prompt_tokens": 9}),
         (pb.TokenIds, {"ids": 1}),
         (pb.ChatMessages, {"messages": 1, "tools_json": 2, "add_generation_prompt": 3,
                            "continue_final_message": 4, "chat_template_kwargs_json": 5}),
@@ -95,6 +96,7 @@ def test_optional_fields_track_presence():
     assert pb.Completion.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
     assert pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name["stop_token_id"].has_presence
     assert pb.ChatMessages.DESCRIPTOR.fields_by_name["add_generation_prompt"].has_presence
+    assert pb.GenerateRequest.DESCRIPTOR.fields_by_name["add_special_tokens"].has_presence
 
 
 def test_prompt_oneof_and_types():
