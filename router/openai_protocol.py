@@ -193,6 +193,8 @@ def completion_request(body: dict) -> ApiRequest:
         raise bad("best_of", "best_of other than n is not supported")
     stream, include_usage = _stream_flags(body)
     common = _common(body)
+    if echo and common.get("truncate_prompt_tokens"):
+        raise bad("echo", "echo with truncate_prompt_tokens is not supported")
     prompt = body.get("prompt")
     requests: list[pb.GenerateRequest] = []
     if isinstance(prompt, str):
@@ -358,8 +360,8 @@ class TokenText:
     def decode(self, token_ids) -> str:
         return self._tokenizer.decode(list(token_ids))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def __call__(self, token_id: int) -> str:
         return self._tokenizer.token_text(token_id)

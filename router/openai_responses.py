@@ -189,7 +189,8 @@ class ChoiceWriter:
     def _first_prompt_token(self, prompt_index: int) -> int:
         req = self.api.requests[prompt_index]
         if req.WhichOneof("input") == "prompt":
-            return self.token_text.encode(req.prompt)[0]
+            add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+            return self.token_text.encode(req.prompt, add_special_tokens=add)[0]
         return req.prompt_token_ids.ids[0]
 
     def _echo_logprobs(self, prompt_index: int) -> dict:

@@ -56,6 +56,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}, 400,
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "truncate_prompt_tokens": 1}, 400,
+     "echo"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),

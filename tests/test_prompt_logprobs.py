@@ -193,3 +193,9 @@ def test_echo_as_lm_evaluation_harness_reads_it(cluster, reference):
     text = _post(cluster, {"prompt": "The router owns", "max_tokens": 3, "echo": True,
                            "temperature": 0})["choices"][0]
     assert text["text"].startswith("The router owns") and text["logprobs"] is None
+    # without the BOS: the echoed tokens are the prompt's own, one score each
+    bare = _post(cluster, {"prompt": "The router owns", "max_tokens": 1, "echo": True,
+                           "logprobs": 0, "temperature": 0, "add_special_tokens": False})
+    logprobs = bare["choices"][0]["logprobs"]
+    assert bare["usage"]["prompt_tokens"] == len(logprobs["tokens"]) - 1
+    assert "".join(logprobs["tokens"]) == bare["choices"][0]["text"]
