@@ -37,10 +37,18 @@ from aiohttp import web
 from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 from .frontend import Frontend, RequestSession
 from .grpc_server import tls_enabled
-from .openai_protocol import TokenIdText, TokenText, chat_request, completion_request
+from .openai_fields import optional_bool, optional_str
+from .openai_protocol import (
+    TokenIdText,
+    TokenText,
+    chat_request,
+    completion_request,
+    detokenize_ids,
+    tokenize_request,
+)
 from .openai_responses import ChoiceWriter
 from .types import RequestOutput
-from .validation import request_from_pb
+from .validation import prompt_from_pb, request_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,8 @@ class OpenAIApp:
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_post("/v1/completions", functools.partial(self.generate, chat=False))
         app.router.add_post("/v1/chat/completions", functools.partial(self.generate, chat=True))
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     # ------------------------------------------------------------------ small routes
@@ -151,6 +161,41 @@ class OpenAIApp:
             return error_response(ModelNotFound(f"the model {name!r} does not exist"))
         return web.json_response(self._model_card())
 
+    # ------------------------------------------------------------------ tokenizer routes
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the prompt's token ids as generation would see them."""
+        fe = self.frontend
+        try:
+            body = await _read_json(request)
+            self._check_model(body)
+            pb_request = tokenize_request(body)
+            ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request,
+                                             tokenizer=fe.tokenizer, limits=fe.limits)
+            reply = {"count": len(ids), "max_model_len": self.max_model_len,
+                     "tokens": list(ids)}
+            if optional_bool(body, "return_token_strs"):
+                reply["token_strs"] = [self._token_text(t) for t in ids]
+        except PagedServeError as exc:
+            return error_response(exc)
+        return web.json_response(reply, dumps=_dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids."""
+        try:
+            body = await _read_json(request)
+            self._check_model(body)
+            ids = detokenize_ids(body, self.frontend.limits.vocab_size)
+        except PagedServeError as exc:
+            return error_response(exc)
+        return web.json_response({"prompt": self._token_text.decode(ids)}, dumps=_dumps)
+
+    def _check_model(self, body: dict) -> None:
+        model = optional_str(body, "model")
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server "
+                                f"serves {self.model_name!r}")
+
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -160,9 +205,7 @@ class OpenAIApp:
             body = await _read_json(request)
             api = (chat_request(body, self.tool_call_parser, self.reasoning_parser) if chat
                    else completion_request(body))
-            if api.model is not None and api.model != self.model_name:
-                raise ModelNotFound(f"the model {api.model!r} does not exist; this server "
-                                    f"serves {self.model_name!r}")
+            self._check_model(body)
         except PagedServeError as exc:
             fe.count_failure(grpc_code(exc), API)
             return error_response(exc)

@@ -221,6 +221,41 @@ def completion_request(body: dict) -> ApiRequest:
                       logprobs, echo=echo, **_api_extras(body))
 
 
+def tokenize_request(body: dict) -> pb.GenerateRequest:
+    """POST /tokenize body (vLLM's and SGLang's): `prompt` (text or token ids) or `messages`
+    (rendered as /v1/chat/completions renders them: the template fields and `tools` apply),
+    `add_special_tokens` and `truncate_prompt_tokens` as on those routes → the
+    GenerateRequest whose prompt validation.prompt_from_pb tokenizes."""
+    common = _common(body)
+    if present(body, "messages"):
+        chat = messages_to_pb(chat_messages(body))
+        _template_options(body, chat)
+        tools = body.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise bad("tools", "must be an array of tool definitions")
+            chat.tools_json = json.dumps(tools, ensure_ascii=False)
+        return pb.GenerateRequest(messages=chat, **common)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(prompt=prompt, **common)
+    ids = token_ids(prompt, "prompt")
+    if ids is None:
+        raise bad("prompt", "is required: a string or an array of token ids (or send messages)")
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), **common)
+
+
+def detokenize_ids(body: dict, vocab_size: int) -> list[int]:
+    """POST /detokenize body: `tokens`, the ids to decode (each < the vocabulary)."""
+    ids = token_ids(body.get("tokens"), "tokens")
+    if ids is None:
+        raise bad("tokens", "is required: a non-empty array of token ids")
+    for t in ids:
+        if t >= vocab_size:
+            raise bad("tokens", f"token id {t} ≥ vocab size {vocab_size}")
+    return ids
+
+
 def chat_messages(body: dict) -> list[dict]:
     """The `messages` array, shape-checked (roles, text content); the template checks more."""
     messages = body.get("messages")

@@ -211,26 +211,12 @@ def _json_list(field: str, text: str) -> list[dict]:
     return value
 
 
-def request_from_pb(
-    request,
-    *,
-    tokenizer: Tokenizer,
-    limits: Limits,
-    request_id: str | None = None,
-    arrival_time: float | None = None,
-    deadline: float | None = None,
-    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-) -> RequestSpec:
-    """GenerateRequest → RequestSpec. `request_id` overrides the request's (the edge passes the
-    server-assigned id when the request's is empty). `default_max_tokens` applies when the
-    request sets none; None means the rest of the context (max_model_len − prompt tokens,
-    the OpenAI API's default as vLLM serves it)."""
-    rid = request.request_id if request_id is None else request_id
-    if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise _bad("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
-    to_context = default_max_tokens is None and not request.params.HasField("max_tokens")
-    sampling = sampling_from_pb(request.params, limits,
-                                limits.max_model_len if to_context else default_max_tokens)
+def prompt_from_pb(request, *, tokenizer: Tokenizer,
+                   limits: Limits) -> tuple[tuple[int, ...], str | None]:
+    """A GenerateRequest's prompt token ids (its text tokenized, its conversation rendered,
+    special tokens and left truncation as it asks) and its text where the ids are all of it.
+    Raises InvalidRequest naming the field: an empty prompt, an id ≥ the vocabulary, a
+    conversation the template refuses. The length against max_model_len is the caller's."""
     which = request.WhichOneof("input")
     prompt_text: str | None = None
     if which == "prompt_token_ids":
@@ -268,10 +254,34 @@ def request_from_pb(
         bad = [t for t in ids if t >= limits.vocab_size]
         if bad:
             raise _bad("prompt", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
-    field = which or "prompt"
     if 0 < request.truncate_prompt_tokens < len(ids):
         ids = ids[-request.truncate_prompt_tokens:]  # the last k: left truncation, as vLLM's
         prompt_text = None  # no longer the text of the ids
+    return ids, prompt_text
+
+
+def request_from_pb(
+    request,
+    *,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    request_id: str | None = None,
+    arrival_time: float | None = None,
+    deadline: float | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+) -> RequestSpec:
+    """GenerateRequest → RequestSpec. `request_id` overrides the request's (the edge passes the
+    server-assigned id when the request's is empty). `default_max_tokens` applies when the
+    request sets none; None means the rest of the context (max_model_len − prompt tokens,
+    the OpenAI API's default as vLLM serves it)."""
+    rid = request.request_id if request_id is None else request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise _bad("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+    to_context = default_max_tokens is None and not request.params.HasField("max_tokens")
+    sampling = sampling_from_pb(request.params, limits,
+                                limits.max_model_len if to_context else default_max_tokens)
+    ids, prompt_text = prompt_from_pb(request, tokenizer=tokenizer, limits=limits)
+    field = request.WhichOneof("input") or "prompt"
     if to_context and len(ids) < limits.max_model_len:
         sampling = replace(sampling, max_tokens=limits.max_model_len - len(ids))
         if sampling.min_tokens > sampling.max_tokens:
