@@ -229,6 +229,7 @@ class OpenAIApp:
                             writer.add(i, out)
                         return web.Response(body=_encode(writer.response()),
                                             content_type="application/json")
+                    writer.prompt_tokens = sum(len(s.spec.prompt_token_ids) for s in sessions)
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                          "Cache-Control": "no-cache"})
                     await stream.prepare(request)

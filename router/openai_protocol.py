@@ -67,6 +67,7 @@ class ApiRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
     reasoning: str = ""  # chat: the --reasoning-parser that splits the output ("": none)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -174,6 +175,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         if not stream:
             raise bad("stream_options", "is only allowed with stream set to true")
         include_usage = bool(optional_bool(options, "include_usage"))
+        optional_bool(options, "continuous_usage_stats")  # type-checked; read by _api_extras
     return stream, include_usage
 
 
@@ -294,8 +296,11 @@ def chat_request(body: dict, tool_call_parser: str = "none",
 
 def _api_extras(body: dict) -> dict:
     """How vLLM's reply-shaping fields (checked already by _sampling and _common) shape it."""
+    options = body.get("stream_options")
     return {"prompt_logprobs": optional_int(body, "prompt_logprobs"),
-            "tokens_as_ids": bool(optional_bool(body, "return_tokens_as_token_ids"))}
+            "tokens_as_ids": bool(optional_bool(body, "return_tokens_as_token_ids")),
+            "continuous_usage": bool(isinstance(options, dict)
+                                     and options.get("continuous_usage_stats") is True)}
 
 
 def _template_options(body: dict, chat: pb.ChatMessages) -> None:

@@ -77,6 +77,8 @@ class ChoiceWriter:
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
         self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
         self.reasoners: dict = {}  # --reasoning-parser: each choice's parser (streams)
+        self.prompt_tokens = 0  # continuous usage: the requests' prompt tokens (set by the edge)
+        self.streamed_tokens = 0  # continuous usage: the tokens the stream has carried
 
     def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.api.n + delta.index
@@ -175,7 +177,11 @@ class ChoiceWriter:
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {**self.head, "choices": choices}
-        if self.api.include_usage:
+        if self.api.continuous_usage:  # vLLM's: the counts so far on every chunk
+            chunk["usage"] = {"prompt_tokens": self.prompt_tokens,
+                              "completion_tokens": self.streamed_tokens,
+                              "total_tokens": self.prompt_tokens + self.streamed_tokens}
+        elif self.api.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -224,6 +230,7 @@ class ChoiceWriter:
                 continue
             i = self._index(prompt_index, delta)
             self.sent_tokens = self.sent_tokens or bool(delta.token_ids)
+            self.streamed_tokens += len(delta.token_ids)
             choice: dict = {"index": i}
             want_lp = self.api.logprobs is not None
             if self.api.chat:

@@ -178,6 +178,26 @@ def test_tokens_as_token_ids(tok):
     _run(main())
 
 
+def test_continuous_usage_stats_count_every_chunk(tok):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the counts so far;
+    the last ones agree with the final usage."""
+    async def main():
+        async with serve(tok) as (_, _, http, _):
+            events = await _sse(http, "/v1/completions", {
+                "prompt": ["Once upon", "A list"], "max_tokens": 5, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+            chunks = events[:-1]
+            final = chunks[-1]["usage"]
+            assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 20
+            counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+            assert counts == sorted(counts) and counts[-1] == 20 and counts[0] == 1
+            assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] and
+                       c["usage"]["total_tokens"] == final["prompt_tokens"] +
+                       c["usage"]["completion_tokens"] for c in chunks[:-1])
+
+    _run(main())
+
+
 def test_chat_unary_and_stream(tok):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"},
@@ -284,7 +304,7 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
            "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words",
-           "add_special_tokens", "truncate_prompt_tokens"]
+           "add_special_tokens", "truncate_prompt_tokens", "include_reasoning"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 
