@@ -59,3 +59,33 @@ def test_tokenize_gives_the_ids_generation_sees(tok):
                 assert status == code and reply["error"]["param"] == param, (body, reply)
 
     _run(main())
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6)
+_FIELDS = ["prompt", "messages", "add_special_tokens", "truncate_prompt_tokens", "tools",
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+           "return_token_strs", "model", "tokens"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+def test_any_json_body_is_tokenized_or_a_400(tok, body):
+    """Whatever /tokenize and /detokenize are sent: their ids or an InvalidRequest naming the
+    field, never another exception (a 500)."""
+    from pagedserve.router.errors import InvalidRequest
+    from pagedserve.router.openai_protocol import detokenize_ids, tokenize_request
+    from pagedserve.router.validation import Limits, prompt_from_pb
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    for route in (lambda: prompt_from_pb(tokenize_request(body), tokenizer=tok, limits=limits),
+                  lambda: tok.decode(detokenize_ids(body, tok.vocab_size))):
+        try:
+            route()
+        except InvalidRequest as exc:
+            assert exc.field and str(exc).startswith(exc.field), exc
