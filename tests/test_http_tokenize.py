@@ -1,19 +1,60 @@
-"""vLLM's /tokenize and /detokenize on the HTTP edge: the ids generation would see (text with
-its BOS, token ids as given, a conversation rendered as chat renders it, the special-token and
-truncation fields), their text back, and bad bodies as 400/404 naming the field."""
+"""How a prompt becomes token ids: GenerateRequest's add_special_tokens and
+truncate_prompt_tokens in validation, and vLLM's /tokenize and /detokenize on the HTTP edge
+(the ids generation would see: text with its BOS, token ids as given, a conversation rendered
+as chat renders it, those two fields), their text back, and bad bodies as 400/404 naming the
+field."""
 
 from __future__ import annotations
 
 import pytest
 from fake_engine import make_tokenizer
 from http_rig import MODEL, _post, _run, serve
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.router.chat_template import render_chat_ids
 from pagedserve.router.tokenizer import Tokenizer
+from pagedserve.router.validation import Limits, request_from_pb
+
+LIMITS = Limits(vocab_size=512, max_model_len=64)
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
     return make_tokenizer(tmp_path_factory)
+
+
+def test_special_tokens_and_left_truncation_of_the_prompt(tok):
+    """GenerateRequest.add_special_tokens (unset: BOS as HF adds it to text, none to a
+    rendered chat) and truncate_prompt_tokens (the last k tokens, whatever the input form)."""
+    def spec(**fields):
+        ids = fields.pop("ids", None)
+        request = pb.GenerateRequest(request_id="r", **fields)
+        if ids is not None:
+            request.prompt_token_ids.ids.extend(ids)
+        else:
+            request.prompt = "Hello there"
+        return request_from_pb(request, tokenizer=tok, limits=LIMITS)
+
+    with_bos = tok.encode("Hello there")
+    bare = tok.encode("Hello there", add_special_tokens=False)
+    assert with_bos == [tok.bos_token_id, *bare]
+    assert spec().prompt_token_ids == tuple(with_bos)
+    assert spec(add_special_tokens=True).prompt_token_ids == tuple(with_bos)
+    assert spec(add_special_tokens=False).prompt_token_ids == tuple(bare)
+    cut = spec(truncate_prompt_tokens=2)
+    assert cut.prompt_token_ids == tuple(with_bos[-2:]) and cut.prompt_text is None
+    assert spec(truncate_prompt_tokens=99).prompt_token_ids == tuple(with_bos)
+    assert spec(ids=[5, 6, 7, 8], truncate_prompt_tokens=3).prompt_token_ids == (6, 7, 8)
+    assert spec(ids=[5, 6], add_special_tokens=True).prompt_token_ids == (5, 6)  # ids as given
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="Hi")]))
+    rendered = request_from_pb(chat, tokenizer=tok, limits=LIMITS).prompt_token_ids
+    assert rendered[0] != tok.bos_token_id
+    chat.add_special_tokens = True
+    assert request_from_pb(chat, tokenizer=tok, limits=LIMITS).prompt_token_ids == \
+        (tok.bos_token_id, *rendered)
+    # a prompt longer than the model, kept to its end: served
+    long = spec(ids=list(range(1, 200)), truncate_prompt_tokens=40)
+    assert long.prompt_token_ids == tuple(range(160, 200))
 
 
 def test_tokenize_gives_the_ids_generation_sees(tok):

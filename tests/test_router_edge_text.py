@@ -474,38 +474,6 @@ def test_valid_edges_accepted(tok):
     assert spec.prompt_text is None and spec.prompt_token_ids == (1,) * 60
 
 
-def test_special_tokens_and_left_truncation_of_the_prompt(tok):
-    """GenerateRequest.add_special_tokens (unset: BOS as HF adds it to text, none to a
-    rendered chat) and truncate_prompt_tokens (the last k tokens, whatever the input form)."""
-    def spec(**fields):
-        request = _req(prompt=fields.pop("prompt", "Hello there"), ids=fields.pop("ids", None))
-        for key, value in fields.items():
-            setattr(request, key, value)
-        return request_from_pb(request, tokenizer=tok, limits=LIMITS)
-
-    with_bos = tok.encode("Hello there")
-    bare = tok.encode("Hello there", add_special_tokens=False)
-    assert with_bos == [tok.bos_token_id, *bare]
-    assert spec().prompt_token_ids == tuple(with_bos)
-    assert spec(add_special_tokens=True).prompt_token_ids == tuple(with_bos)
-    assert spec(add_special_tokens=False).prompt_token_ids == tuple(bare)
-    cut = spec(truncate_prompt_tokens=2)
-    assert cut.prompt_token_ids == tuple(with_bos[-2:]) and cut.prompt_text is None
-    assert spec(truncate_prompt_tokens=99).prompt_token_ids == tuple(with_bos)
-    assert spec(ids=[5, 6, 7, 8], truncate_prompt_tokens=3).prompt_token_ids == (6, 7, 8)
-    assert spec(ids=[5, 6], add_special_tokens=True).prompt_token_ids == (5, 6)  # ids as given
-    chat = pb.GenerateRequest(messages=pb.ChatMessages(
-        messages=[pb.ChatMessage(role="user", content="Hi")]))
-    rendered = request_from_pb(chat, tokenizer=tok, limits=LIMITS).prompt_token_ids
-    assert rendered[0] != tok.bos_token_id
-    chat.add_special_tokens = True
-    assert request_from_pb(chat, tokenizer=tok, limits=LIMITS).prompt_token_ids == \
-        (tok.bos_token_id, *rendered)
-    # a prompt longer than the model, kept to its end: served
-    long = spec(ids=list(range(1, 200)), truncate_prompt_tokens=40)
-    assert long.prompt_token_ids == tuple(range(160, 200))
-
-
 @settings(max_examples=200, deadline=None)
 @given(ids=st.lists(st.integers(0, 5), min_size=1, max_size=30),
        min_tokens=st.integers(0, 6), max_tokens=st.integers(1, 25),
