@@ -47,6 +47,7 @@ from .openai_protocol import (
     tokenize_request,
 )
 from .openai_responses import ChoiceWriter
+from .responses_api import ResponsesWriter, chat_body, response_field
 from .types import RequestOutput
 from .validation import prompt_from_pb, request_from_pb
 
@@ -128,8 +129,10 @@ class OpenAIApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
-        app.router.add_post("/v1/completions", functools.partial(self.generate, chat=False))
-        app.router.add_post("/v1/chat/completions", functools.partial(self.generate, chat=True))
+        app.router.add_post("/v1/completions",
+                            functools.partial(self.generate, kind="completions"))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.generate, kind="chat"))
+        app.router.add_post("/v1/responses", functools.partial(self.generate, kind="responses"))
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
@@ -198,25 +201,36 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def generate(self, request: web.Request, *, kind: str) -> web.StreamResponse:
+        """POST /v1/completions, /v1/chat/completions and /v1/responses (`kind`): the last
+        runs as the chat request it means (responses_api.py), its errors naming its own
+        fields."""
         arrival = time.monotonic()
         fe = self.frontend
+        responses = kind == "responses"
         try:
-            body = await _read_json(request)
-            api = (chat_request(body, self.tool_call_parser, self.reasoning_parser) if chat
-                   else completion_request(body))
-            self._check_model(body)
+            try:
+                body = await _read_json(request)
+                spec_body = chat_body(body) if responses else body
+                api = (completion_request(body) if kind == "completions" else
+                       chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
+                self._check_model(body)
+            except InvalidRequest as exc:
+                raise response_field(exc) if responses else exc from None
         except PagedServeError as exc:
             fe.count_failure(grpc_code(exc), API)
             return error_response(exc)
         except ConnectionError:  # gone while sending its body
             return web.Response(status=CLIENT_CLOSED_REQUEST)
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
+        response_id = prefix + uuid.uuid4().hex
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
         writer = ChoiceWriter(api, response_id, created, self.model_name,
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
+        if responses:
+            writer = ResponsesWriter(body, writer, response_id, created, self.model_name)
         stream: web.StreamResponse | None = None
         try:
             try:
@@ -233,16 +247,17 @@ class OpenAIApp:
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                          "Cache-Control": "no-cache"})
                     await stream.prepare(request)
-                    await _send(stream, writer.first_chunks())
+                    await _send(stream, writer.first_chunks(), writer)
                     async for i, out in _merge(sessions):
-                        await _send(stream, writer.chunks(i, out))  # one write per output
+                        await _send(stream, writer.chunks(i, out), writer)  # one write an output
             except PagedServeError as exc:  # counted by the session it ended
+                if responses and isinstance(exc, InvalidRequest):
+                    exc = response_field(exc)
                 if stream is None:
                     return error_response(exc)
                 # the stream had started: the error as its last event
-                await _send(stream, writer.failure_chunks(error_for(exc)[1]))
-            last = [writer.usage_chunk()] if api.include_usage else []
-            await _send(stream, last, done=True)
+                await _send(stream, writer.failure_chunks(error_for(exc)[1]), writer)
+            await _send(stream, writer.closing_chunks(), writer, done=writer.sse_done)
             await stream.write_eof()
         except ConnectionError:
             # The client closed the connection and a write found it closing before aiohttp
@@ -265,9 +280,15 @@ class OpenAIApp:
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
 
 
-async def _send(stream: web.StreamResponse, chunks: list[dict], done: bool = False) -> None:
-    """Server-sent events for `chunks` (and the closing `[DONE]`), in one write."""
-    events = [b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks]
+async def _send(stream: web.StreamResponse, chunks: list[dict], writer,
+                done: bool = False) -> None:
+    """Server-sent events for `chunks` (and the closing `[DONE]`), in one write; named
+    (`event: TYPE`) where the writer's API names them (the Responses API)."""
+    if writer.sse_named:
+        events = [b"event: " + chunk["type"].encode() + b"\ndata: " + _encode(chunk) + b"\n\n"
+                  for chunk in chunks]
+    else:
+        events = [b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks]
     if done:
         events.append(b"data: [DONE]\n\n")
     if events:

@@ -57,6 +57,9 @@ def required_calls(text: str) -> list[dict] | None:
 class ChoiceWriter:
     """Builds the response (or the SSE chunks) of one API request from its outputs."""
 
+    sse_done = True  # a stream ends with `data: [DONE]`
+    sse_named = False  # events are `data: JSON` alone
+
     def __init__(self, api: ApiRequest, response_id: str, created: int, model: str,
                  token_text: TokenText):
         self.api = api
@@ -335,6 +338,10 @@ class ChoiceWriter:
                 choice["text"] = ""
             chunks.append(self._chunk([choice]))
         return chunks
+
+    def closing_chunks(self) -> list[dict]:
+        """What a stream sends after its last output: the usage when asked for."""
+        return [self.usage_chunk()] if self.api.include_usage else []
 
     def usage_chunk(self) -> dict:
         return {**self.head, "choices": [], "usage": usage_json(self.usage)}

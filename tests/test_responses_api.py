@@ -1,0 +1,250 @@
+"""OpenAI's Responses API (router/responses_api.py) over a fake engine: a body becomes the
+chat request it means (input items, instructions, text.format, flat tools); the reply is a
+Response with its output items and usage; a stream is typed, numbered events whose deltas add
+up to the unary output; errors name the Responses field the client sent."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from fake_engine import FakeEngine, make_tokenizer
+from http_rig import MODEL, _post, _run
+from pagedserve.router.errors import InvalidRequest
+from pagedserve.router.frontend import Frontend
+from pagedserve.router.http_server import start_http_server
+from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.responses_api import chat_body
+from pagedserve.router.validation import Limits
+
+TOOLS = [{"type": "function", "name": "get_weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory)
+
+
+@asynccontextmanager
+async def _server(tok, text: str | None = None, **parsers):
+    engine = FakeEngine(tok)
+    if text is not None:
+        engine.script = tok.encode(text)[1:] + [tok.eos_token_ids[0]]
+    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
+                        RouterMetrics())
+    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
+                                     max_model_len=256, **parsers)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
+            yield engine, session
+    finally:
+        await server.stop()
+
+
+async def _events(session, body) -> list[dict]:
+    """A Responses stream's events: `event: TYPE` then `data: JSON` each, no [DONE]."""
+    events, name = [], None
+    async with session.post("/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            line = line.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                assert event["type"] == name
+                events.append(event)
+            else:
+                assert not line, line
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_bodies_become_the_chat_requests_they_mean():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    chat = chat_body({
+        "model": MODEL, "instructions": "Be brief.", "max_output_tokens": 9, "top_p": 0.5,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                  {"type": "reasoning", "id": "rs_1", "summary": []},
+                  call, {**call, "call_id": "c2"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                  {"type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "Done."}]}],
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": True}},
+        "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"},
+        "store": True, "metadata": {"k": "v"}})
+    assert chat == {
+        "model": MODEL, "top_p": 0.5, "max_completion_tokens": 9,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {}, "strict": True}},
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                    "parameters": TOOLS[0]["parameters"]}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    assert chat_body({"input": "Hi"})["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "input_image"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+])
+def test_bad_bodies_name_the_responses_field(body, field):
+    with pytest.raises(InvalidRequest) as info:
+        chat_body(body)
+    assert info.value.field == field and str(info.value).startswith(field)
+
+
+def test_unary_and_streamed_responses_agree(tok):
+    async def main():
+        async with _server(tok) as (engine, session):
+            body = {"model": MODEL, "input": "Once upon", "instructions": "Be brief.",
+                    "max_output_tokens": 6, "metadata": {"k": "v"}}
+            status, reply = await _post(session, "/v1/responses", body)
+            assert status == 200, reply
+            assert reply["id"].startswith("resp_") and reply["object"] == "response"
+            assert (reply["status"], reply["incomplete_details"]) == \
+                ("incomplete", {"reason": "max_output_tokens"})
+            [message] = reply["output"]
+            assert message["type"] == "message" and message["role"] == "assistant"
+            text = message["content"][0]["text"]
+            assert text and message["content"][0]["type"] == "output_text"
+            usage = reply["usage"]
+            assert usage["output_tokens"] == 6 and usage["total_tokens"] == \
+                usage["input_tokens"] + 6
+            assert reply["metadata"] == {"k": "v"} and reply["max_output_tokens"] == 6
+            prompt = engine.submitted[-1].prompt_text
+            assert "system\nBe brief." in prompt and prompt.endswith("assistant\n")
+
+            events = await _events(session, body)
+            types = [e["type"] for e in events]
+            assert types[:4] == ["response.created", "response.in_progress",
+                                 "response.output_item.added", "response.content_part.added"]
+            assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                                  "response.output_item.done", "response.incomplete"]
+            deltas = "".join(e["delta"] for e in events
+                             if e["type"] == "response.output_text.delta")
+            assert deltas == text == events[-1]["response"]["output"][0]["content"][0]["text"]
+            assert events[-1]["response"]["usage"] == usage
+
+    _run(main())
+
+
+def test_tool_calls_and_reasoning_are_output_items(tok):
+    thought = ('<think>They want weather.</think>Checking. <tool_call>{"name": "get_weather", '
+               '"arguments": {"city": "Oslo"}}</tool_call>')
+    body = {"input": "Weather in Oslo?", "tools": TOOLS, "max_output_tokens": 200}
+
+    async def main():
+        async with _server(tok, thought, reasoning_parser="qwen3",
+                           tool_call_parser="hermes") as (_, session):
+            status, reply = await _post(session, "/v1/responses", body)
+            assert status == 200 and reply["status"] == "completed", reply
+            kinds = [o["type"] for o in reply["output"]]
+            assert kinds == ["reasoning", "message", "function_call"]
+            assert reply["output"][0]["content"][0]["text"] == "They want weather."
+            assert reply["output"][1]["content"][0]["text"] == "Checking. "
+            call = reply["output"][2]
+            assert (call["name"], call["arguments"]) == ("get_weather", '{"city": "Oslo"}')
+            assert call["call_id"].startswith("call_") and call["status"] == "completed"
+
+            events = await _events(session, body)
+            done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+            assert [i["type"] for i in done] == kinds
+            assert [e["output_index"] for e in events
+                    if e["type"] == "response.output_item.added"] == [0, 1, 2]
+            assert "".join(e["delta"] for e in events
+                           if e["type"] == "response.reasoning_text.delta") == \
+                "They want weather."
+            assert events[-1]["type"] == "response.completed"
+            assert [o["type"] for o in events[-1]["response"]["output"]] == kinds
+
+    _run(main())
+
+
+def test_errors_name_the_field_the_client_sent(tok):
+    async def main():
+        async with _server(tok) as (_, session):
+            for body, field in (({"input": "x", "max_output_tokens": 10**4}, "max_output_tokens"),
+                                ({"input": [{"role": "user", "content": 3}]},
+                                 "input[0].content"),
+                                ({"input": "x", "model": "other"}, None)):
+                status, reply = await _post(session, "/v1/responses", body)
+                assert status in (400, 404) and reply["error"]["param"] == field, reply
+
+    _run(main())
+
+
+def test_a_stream_that_fails_ends_with_error_and_failed_events(tok):
+    async def main():
+        async with _server(tok) as (engine, session):
+            async def failing(spec):
+                async def outputs():
+                    from pagedserve.router.errors import Unavailable
+                    raise Unavailable("the executor running the request died")
+                    yield  # pragma: no cover
+                return outputs()
+            engine.submit = failing
+            events = await _events(session, {"input": "x"})
+            assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                                   "error", "response.failed"]
+            assert events[2]["code"] == "unavailable"
+            assert events[3]["response"]["status"] == "failed"
+
+    _run(main())
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6)
+_ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                             "input_image"]) | _JSON,
+    "role": st.sampled_from(["user", "assistant", "system"]) | _JSON,
+    "content": st.text(max_size=5) | _JSON, "call_id": st.text(max_size=3) | _JSON,
+    "name": _JSON, "arguments": _JSON, "output": _JSON})
+_FIELDS = ["instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+           "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "metadata",
+           "model"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(_ITEM, max_size=3) | _JSON,
+       body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+def test_any_responses_body_is_a_request_or_a_400(tok, items, body):
+    from pagedserve.router.openai_protocol import chat_request
+    from pagedserve.router.responses_api import response_field
+    from pagedserve.router.validation import request_from_pb
+    limits = Limits(vocab_size=tok.vocab_size, max_model_len=256)
+    try:
+        try:
+            api = chat_request(chat_body({**body, "input": items}))
+            for request in api.requests:
+                request_from_pb(request, tokenizer=tok, limits=limits, request_id="r",
+                                default_max_tokens=None)
+        except InvalidRequest as exc:
+            raise response_field(exc) from None
+    except InvalidRequest as exc:
+        assert exc.field and str(exc).startswith(exc.field), exc
