@@ -1,5 +1,5 @@
 """The OpenAI HTTP edge's test rig: a real aiohttp server on port 0 over a fake Engine
-(fake_engine.py), and the client helpers of test_http_edge.py and test_http_errors.py."""
+(fake_engine.py), the client helpers of the HTTP tests, and their any-JSON strategy."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import json
 
 import aiohttp
 from fake_engine import FakeEngine
+from hypothesis import strategies as st
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_server import start_http_server
 from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.validation import Limits
 
 MODEL = "tiny-chat"
+
+# Any JSON value (for bodies' fields): a request or a 400 naming the field, never a 500.
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6)
 
 
 @contextlib.asynccontextmanager
@@ -31,6 +39,36 @@ async def serve(tok, step_s=0.002, max_model_len=256):
     finally:
         await session.close()
         await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def scripted(tok, text: str | None = None, **parsers):
+    """A server whose engine answers every request with `text` then EOS (the fake's own
+    script when None); `parsers`: start_http_server's tool_call_parser / reasoning_parser.
+    Yields (engine, client session)."""
+    engine = FakeEngine(tok)
+    if text is not None:
+        engine.script = tok.encode(text)[1:] + [tok.eos_token_ids[0]]
+    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
+                        RouterMetrics())
+    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
+                                     max_model_len=256, **parsers)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
+            yield engine, session
+    finally:
+        await server.stop()
+
+
+def fail_every_submit(engine) -> None:
+    """Every request the engine takes fails before its first output (UNAVAILABLE)."""
+    async def failing(spec):
+        async def outputs():
+            from pagedserve.router.errors import Unavailable
+            raise Unavailable("the executor running the request died")
+            yield  # pragma: no cover
+        return outputs()
+    engine.submit = failing
 
 
 def _run(coro):

@@ -10,7 +10,7 @@ import logging
 import aiohttp
 import pytest
 from fake_engine import FakeEngine, eventually, make_tokenizer
-from http_rig import MODEL, _metric, _post, _run, _sse, serve
+from http_rig import MODEL, _metric, _post, _run, _sse, fail_every_submit, serve
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_server import start_http_server
 from pagedserve.router.tokenizer import Tokenizer
@@ -216,13 +216,7 @@ def test_a_write_that_finds_the_client_gone_ends_the_stream_quietly(tok, monkeyp
 def test_stream_failure_before_the_first_token_is_an_error_event(tok):
     async def main():
         async with serve(tok) as (engine, _, http, _):
-            async def failing(spec):
-                async def outputs():
-                    from pagedserve.router.errors import Unavailable
-                    raise Unavailable("the executor running the request died")
-                    yield  # pragma: no cover
-                return outputs()
-            engine.submit = failing
+            fail_every_submit(engine)
             events = await _sse(http, "/v1/completions", {"prompt": "x", "stream": True})
             assert events[-1] == "[DONE]"
             assert events[0]["error"]["code"] == "unavailable"

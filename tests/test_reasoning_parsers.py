@@ -74,15 +74,8 @@ def test_any_chunking_gives_the_whole_texts_split(name, pieces, cuts):
 # ------------------------------------------------------------------ the HTTP API
 
 
-from contextlib import asynccontextmanager  # noqa: E402
-
-import aiohttp  # noqa: E402
-from fake_engine import FakeEngine, make_tokenizer  # noqa: E402
-from http_rig import MODEL, _post, _run, _sse  # noqa: E402
-from pagedserve.router.frontend import Frontend  # noqa: E402
-from pagedserve.router.http_server import start_http_server  # noqa: E402
-from pagedserve.router.metrics import RouterMetrics  # noqa: E402
-from pagedserve.router.validation import Limits  # noqa: E402
+from fake_engine import make_tokenizer  # noqa: E402
+from http_rig import MODEL, _post, _run, _sse, scripted  # noqa: E402
 
 THOUGHT = "<think>\nAdd them.\n</think>\n\nIt is 4."
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 200}
@@ -91,21 +84,6 @@ ASK = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_t
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return make_tokenizer(tmp_path_factory)
-
-
-@asynccontextmanager
-async def _server(tok, text: str, **parsers):
-    engine = FakeEngine(tok)
-    engine.script = tok.encode(text)[1:] + [tok.eos_token_ids[0]]
-    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                        RouterMetrics())
-    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
-                                     max_model_len=256, **parsers)
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
-            yield session
-    finally:
-        await server.stop()
 
 
 async def _both(session, body) -> tuple[dict, list[dict]]:
@@ -123,7 +101,7 @@ def _joined(deltas, key):
 
 def test_chat_replies_carry_the_reasoning_apart(tok):
     async def main():
-        async with _server(tok, THOUGHT, reasoning_parser="qwen3") as session:
+        async with scripted(tok, THOUGHT, reasoning_parser="qwen3") as (_, session):
             message, deltas = await _both(session, ASK)
             assert message == {"role": "assistant", "content": "\n\nIt is 4.",
                                "reasoning_content": "\nAdd them.\n"}
@@ -141,15 +119,15 @@ def test_chat_replies_carry_the_reasoning_apart(tok):
             status, reply = await _post(session, "/v1/completions",
                                         {"prompt": "2+2?", "max_tokens": 200})
             assert reply["choices"][0]["text"] == THOUGHT  # completions: the text as it is
-        async with _server(tok, THOUGHT) as session:  # no parser: the model's text
+        async with scripted(tok, THOUGHT) as (_, session):  # no parser: the model's text
             message, _ = await _both(session, ASK)
             assert message == {"role": "assistant", "content": THOUGHT}
-        async with _server(tok, "Add them.</think>4", reasoning_parser="deepseek_r1") as session:
+        async with scripted(tok, "Add them.</think>4", reasoning_parser="deepseek_r1") as (_, session):
             message, deltas = await _both(session, ASK)
             assert (message["reasoning_content"], message["content"]) == ("Add them.", "4")
             assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == \
                 ("Add them.", "4")
-        async with _server(tok, "<think>cut", reasoning_parser="qwen3") as session:
+        async with scripted(tok, "<think>cut", reasoning_parser="qwen3") as (_, session):
             message, _ = await _both(session, ASK)
             assert message == {"role": "assistant", "content": None, "reasoning_content": "cut"}
 
@@ -164,8 +142,8 @@ def test_tool_calls_are_found_in_the_content_only(tok):
     body = {**ASK, "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
 
     async def main():
-        async with _server(tok, text, reasoning_parser="qwen3",
-                           tool_call_parser="hermes") as session:
+        async with scripted(tok, text, reasoning_parser="qwen3",
+                           tool_call_parser="hermes") as (_, session):
             message, deltas = await _both(session, body)
             assert message["reasoning_content"].startswith("Maybe <tool_call>")
             assert message["content"] == "Sure. "

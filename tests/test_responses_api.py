@@ -6,16 +6,11 @@ up to the unary output; errors name the Responses field the client sent."""
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
-import aiohttp
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
-from http_rig import MODEL, _post, _run
+from fake_engine import make_tokenizer
+from http_rig import ANY_JSON, MODEL, _post, _run, fail_every_submit, scripted
 from pagedserve.router.errors import InvalidRequest
-from pagedserve.router.frontend import Frontend
-from pagedserve.router.http_server import start_http_server
-from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.responses_api import chat_body
 from pagedserve.router.validation import Limits
 
@@ -26,22 +21,6 @@ TOOLS = [{"type": "function", "name": "get_weather",
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return make_tokenizer(tmp_path_factory)
-
-
-@asynccontextmanager
-async def _server(tok, text: str | None = None, **parsers):
-    engine = FakeEngine(tok)
-    if text is not None:
-        engine.script = tok.encode(text)[1:] + [tok.eos_token_ids[0]]
-    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                        RouterMetrics())
-    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
-                                     max_model_len=256, **parsers)
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as session:
-            yield engine, session
-    finally:
-        await server.stop()
 
 
 async def _events(session, body) -> list[dict]:
@@ -114,7 +93,7 @@ def test_bad_bodies_name_the_responses_field(body, field):
 
 def test_unary_and_streamed_responses_agree(tok):
     async def main():
-        async with _server(tok) as (engine, session):
+        async with scripted(tok) as (engine, session):
             body = {"model": MODEL, "input": "Once upon", "instructions": "Be brief.",
                     "max_output_tokens": 6, "metadata": {"k": "v"}}
             status, reply = await _post(session, "/v1/responses", body)
@@ -153,7 +132,7 @@ def test_tool_calls_and_reasoning_are_output_items(tok):
     body = {"input": "Weather in Oslo?", "tools": TOOLS, "max_output_tokens": 200}
 
     async def main():
-        async with _server(tok, thought, reasoning_parser="qwen3",
+        async with scripted(tok, thought, reasoning_parser="qwen3",
                            tool_call_parser="hermes") as (_, session):
             status, reply = await _post(session, "/v1/responses", body)
             assert status == 200 and reply["status"] == "completed", reply
@@ -181,7 +160,7 @@ def test_tool_calls_and_reasoning_are_output_items(tok):
 
 def test_errors_name_the_field_the_client_sent(tok):
     async def main():
-        async with _server(tok) as (_, session):
+        async with scripted(tok) as (_, session):
             for body, field in (({"input": "x", "max_output_tokens": 10**4}, "max_output_tokens"),
                                 ({"input": [{"role": "user", "content": 3}]},
                                  "input[0].content"),
@@ -194,14 +173,8 @@ def test_errors_name_the_field_the_client_sent(tok):
 
 def test_a_stream_that_fails_ends_with_error_and_failed_events(tok):
     async def main():
-        async with _server(tok) as (engine, session):
-            async def failing(spec):
-                async def outputs():
-                    from pagedserve.router.errors import Unavailable
-                    raise Unavailable("the executor running the request died")
-                    yield  # pragma: no cover
-                return outputs()
-            engine.submit = failing
+        async with scripted(tok) as (engine, session):
+            fail_every_submit(engine)
             events = await _events(session, {"input": "x"})
             assert [e["type"] for e in events] == ["response.created", "response.in_progress",
                                                    "error", "response.failed"]
@@ -214,25 +187,20 @@ def test_a_stream_that_fails_ends_with_error_and_failed_events(tok):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
-    max_leaves=6)
 _ITEM = st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
-                             "input_image"]) | _JSON,
-    "role": st.sampled_from(["user", "assistant", "system"]) | _JSON,
-    "content": st.text(max_size=5) | _JSON, "call_id": st.text(max_size=3) | _JSON,
-    "name": _JSON, "arguments": _JSON, "output": _JSON})
+                             "input_image"]) | ANY_JSON,
+    "role": st.sampled_from(["user", "assistant", "system"]) | ANY_JSON,
+    "content": st.text(max_size=5) | ANY_JSON, "call_id": st.text(max_size=3) | ANY_JSON,
+    "name": ANY_JSON, "arguments": ANY_JSON, "output": ANY_JSON})
 _FIELDS = ["instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
            "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "metadata",
            "model"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(items=st.lists(_ITEM, max_size=3) | _JSON,
-       body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+@given(items=st.lists(_ITEM, max_size=3) | ANY_JSON,
+       body=st.dictionaries(st.sampled_from(_FIELDS), ANY_JSON, max_size=4))
 def test_any_responses_body_is_a_request_or_a_400(tok, items, body):
     from pagedserve.router.openai_protocol import chat_request
     from pagedserve.router.responses_api import response_field
