@@ -24,9 +24,10 @@ The output items, in order: a `reasoning` item (with --reasoning-parser, when th
 thought), a `message` with one `output_text` part (when it wrote text), one `function_call`
 per tool call. `status` is "completed", or "incomplete" with `incomplete_details.reason`
 "max_output_tokens" when the length cut it. Streamed: `response.created`,
-`response.in_progress`, then each item's `output_item.added`, its parts' deltas
-(`reasoning_text.delta`, `output_text.delta`; a function call's arguments in one
-`function_call_arguments.delta` once the call is whole) and `.done` events, and
+`response.in_progress`, then each item's `output_item.added`, its deltas
+(`reasoning_text.delta`, `output_text.delta`, `function_call_arguments.delta`: a named
+call's arguments as they are generated, a parsed or required call's whole) and `.done`
+events, and
 `response.completed` (or `response.incomplete`) with the whole Response; every event has
 a `type` and a `sequence_number`, and goes out as `event: TYPE` + `data: JSON`.
 """
@@ -266,11 +267,11 @@ class ResponsesWriter:
             "metadata": body.get("metadata") or {}, "store": False, "output": [],
             "usage": None}
         self.seq = 0
-        self.open: str | None = None  # the item being streamed: "reasoning" or "message"
+        self.open: str | None = None  # the item being streamed: reasoning, message or call
         self.items: list[dict] = []  # the stream's closed items, in order
         self.text = {"reasoning": "", "message": ""}
         self.item_id = ""
-        self.calls: dict[int, dict] = {}  # streamed tool calls by index
+        self.call: dict = {}  # the tool call being streamed (chat's form, with its index)
         self.finish: str | None = None
         self.failed = False
 
@@ -325,14 +326,7 @@ class ResponsesWriter:
             if delta.get("content"):
                 events += self._text("message", delta["content"])
             for call in delta.get("tool_calls") or []:
-                known = self.calls.get(call["index"])
-                if known is None:
-                    self.calls[call["index"]] = {
-                        "id": call.get("id", ""), "function": {
-                            "name": call["function"].get("name", ""),
-                            "arguments": call["function"].get("arguments", "")}}
-                else:
-                    known["function"]["arguments"] += call["function"].get("arguments", "")
+                events += self._call(call)
             if choice.get("finish_reason") is not None:
                 self.finish = choice["finish_reason"]
         return events
@@ -361,10 +355,38 @@ class ResponsesWriter:
                                   content_index=0, delta=text, **extra))
         return events
 
+    def _call(self, call: dict) -> list[dict]:
+        """A chat tool-call delta: a new index opens a function_call item (closing the item
+        before it), every piece of arguments is a delta of the open one (a named call's grow
+        chunk by chunk; a parsed or required call comes whole)."""
+        events = []
+        if self.open != "call" or self.call["index"] != call["index"]:
+            events += self._close()
+            self.open, self.item_id = "call", _new_id("fc")
+            self.call = {"index": call["index"], "id": call.get("id", ""), "function": {
+                "name": call["function"].get("name", ""), "arguments": ""}}
+            item = {**_call_item(self.call, status="in_progress"), "id": self.item_id}
+            events.append(self._event("response.output_item.added",
+                                      output_index=len(self.items), item=item))
+        piece = call["function"].get("arguments", "")
+        if piece:
+            self.call["function"]["arguments"] += piece
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=self.item_id, output_index=len(self.items),
+                                      delta=piece))
+        return events
+
     def _close(self) -> list[dict]:
         """The `.done` events of the item being streamed."""
         if self.open is None:
             return []
+        if self.open == "call":
+            self.open, index = None, len(self.items)
+            item = {**_call_item(self.call), "id": self.item_id}
+            self.items.append(item)
+            return [self._event("response.function_call_arguments.done", item_id=self.item_id,
+                                output_index=index, arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         kind, text, index = self.open, self.text[self.open], len(self.items)
         self.open = None
         if kind == "reasoning":
@@ -392,22 +414,10 @@ class ResponsesWriter:
                 self._event("response.failed", response=failed)]
 
     def closing_chunks(self) -> list[dict]:
-        """The open item's end, each tool call's item, and the whole Response."""
+        """The open item's end and the whole Response."""
         if self.failed:
             return []
         events = self._close()
-        for call in self.calls.values():
-            index = len(self.items)
-            item = _call_item(call)
-            self.items.append(item)
-            events += [
-                self._event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=index, delta=item["arguments"]),
-                self._event("response.function_call_arguments.done", item_id=item["id"],
-                            output_index=index, arguments=item["arguments"]),
-                self._event("response.output_item.done", output_index=index, item=item)]
         final = self._finished(self.items, self.finish,
                                self.chat.usage_chunk()["usage"])
         kind = "response.incomplete" if final["status"] == "incomplete" else \

@@ -158,6 +158,28 @@ def test_tool_calls_and_reasoning_are_output_items(tok):
     _run(main())
 
 
+def test_a_named_calls_arguments_stream_as_they_come(tok):
+    args = '{"city": "Oslo, Norway"}'
+    body = {"input": "Weather?", "tools": TOOLS, "max_output_tokens": 200,
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+
+    async def main():
+        async with scripted(tok, args) as (_, session):
+            status, reply = await _post(session, "/v1/responses", body)
+            assert [(o["type"], o["name"], o["arguments"]) for o in reply["output"]] == \
+                [("function_call", "get_weather", args)]
+            events = await _events(session, body)
+            pieces = [e["delta"] for e in events
+                      if e["type"] == "response.function_call_arguments.delta"]
+            assert len(pieces) > 1 and "".join(pieces) == args
+            [added] = [e for e in events if e["type"] == "response.output_item.added"]
+            [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+            assert added["item"]["status"] == "in_progress" and done["arguments"] == args
+            assert added["item"]["id"] == done["item_id"] == events[-1]["response"]["output"][0]["id"]
+
+    _run(main())
+
+
 def test_errors_name_the_field_the_client_sent(tok):
     async def main():
         async with scripted(tok) as (_, session):
