@@ -15,7 +15,9 @@ What maps to what:
   json_schema) -> `response_format`; `tools` (flat function definitions) and `tool_choice`
   (`{"type": "function", "name"}` for a named one) -> chat's nested forms;
   `temperature`, `top_p`, `parallel_tool_calls`, `stream`, `user` and vLLM's sampling
-  extras as they are.
+  extras as they are. `include: ["message.output_text.logprobs"]` or `top_logprobs` ->
+  chat's logprobs: the message's output_text part carries every output token's scores
+  (a reasoning's tokens' too: chat scores tokens, not items), streamed on the text deltas.
 * Nothing is stored: `previous_response_id`, `conversation` and `background` are a 400
   (send the conversation in `input`); `store` and `metadata` are accepted (metadata is
   echoed).
@@ -44,7 +46,7 @@ from .types import RequestOutput
 
 # chat body field -> the Responses field a client sent it as (for errors naming the field)
 _FIELD_OF = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-             "response_format": "text.format", "messages": "input"}
+             "response_format": "text.format", "messages": "input", "logprobs": "top_logprobs"}
 # passed to the chat body as they are
 _SAME = ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "top_k",
          "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
@@ -93,6 +95,15 @@ def chat_body(body: dict) -> dict:
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list)
+                                    and all(isinstance(x, str) for x in include)):
+        raise bad("include", f"must be an array of strings, got {json_type(include)}")
+    top = body.get("top_logprobs")
+    if "message.output_text.logprobs" in (include or ()) or top is not None:
+        chat["logprobs"] = True
+        if top is not None:
+            chat["top_logprobs"] = top
     tools = body.get("tools")
     if tools is not None:
         chat["tools"] = _tools(tools)
@@ -228,10 +239,10 @@ def _usage(usage: dict | None) -> dict | None:
             "total_tokens": usage["total_tokens"]}
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+def _message_item(item_id: str, text: str, logprobs: list, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
+                         "logprobs": logprobs}]}
 
 
 def _reasoning_item(item_id: str, text: str) -> dict:
@@ -272,6 +283,8 @@ class ResponsesWriter:
         self.text = {"reasoning": "", "message": ""}
         self.item_id = ""
         self.call: dict = {}  # the tool call being streamed (chat's form, with its index)
+        self.scored: list[dict] = []  # logprobs of tokens not yet on a text delta
+        self.message_scores: list[dict] = []  # logprobs the message's deltas carried
         self.finish: str | None = None
         self.failed = False
 
@@ -296,7 +309,8 @@ class ResponsesWriter:
         if message.get("reasoning_content"):
             output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
         if message.get("content"):
-            output.append(_message_item(_new_id("msg"), message["content"]))
+            scored = (choice.get("logprobs") or {}).get("content") or []
+            output.append(_message_item(_new_id("msg"), message["content"], scored))
         output += [_call_item(c) for c in message.get("tool_calls") or []]
         return self._finished(output, choice["finish_reason"], reply["usage"])
 
@@ -321,6 +335,7 @@ class ResponsesWriter:
         for chunk in self.chat.chunks(prompt_index, out):
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
+            self.scored += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
@@ -350,7 +365,10 @@ class ResponsesWriter:
         self.text[kind] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else \
             "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":  # the tokens scored since the last text delta (reasoning's too)
+            extra["logprobs"], self.scored = self.scored, []
+            self.message_scores += extra["logprobs"]
         events.append(self._event(name, item_id=self.item_id, output_index=len(self.items),
                                   content_index=0, delta=text, **extra))
         return events
@@ -394,9 +412,10 @@ class ResponsesWriter:
             done = self._event("response.reasoning_text.done", item_id=self.item_id,
                                output_index=index, content_index=0, text=text)
         else:
-            item = _message_item(self.item_id, text)
+            item = _message_item(self.item_id, text, self.message_scores)
             done = self._event("response.output_text.done", item_id=self.item_id,
-                               output_index=index, content_index=0, text=text, logprobs=[])
+                               output_index=index, content_index=0, text=text,
+                               logprobs=self.message_scores)
         self.items.append(item)
         return [done,
                 self._event("response.content_part.done", item_id=self.item_id,

@@ -84,6 +84,7 @@ def test_bodies_become_the_chat_requests_they_mean():
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "x", "include": "all"}, "include"),
 ])
 def test_bad_bodies_name_the_responses_field(body, field):
     with pytest.raises(InvalidRequest) as info:
@@ -180,6 +181,29 @@ def test_a_named_calls_arguments_stream_as_they_come(tok):
     _run(main())
 
 
+def test_logprobs_ride_on_the_message(tok):
+    body = {"input": "Once upon", "max_output_tokens": 5, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
+
+    async def main():
+        async with scripted(tok) as (_, session):
+            status, reply = await _post(session, "/v1/responses", body)
+            scored = reply["output"][0]["content"][0]["logprobs"]
+            assert len(scored) == 5 and all(len(e["top_logprobs"]) == 2 for e in scored)
+            assert set(scored[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+            events = await _events(session, body)
+            streamed = [e for ev in events if ev["type"] == "response.output_text.delta"
+                        for e in ev["logprobs"]]
+            assert streamed == scored
+            [done] = [ev for ev in events if ev["type"] == "response.output_text.done"]
+            assert done["logprobs"] == scored
+            status, reply = await _post(session, "/v1/responses", {"input": "x",
+                                                                    "max_output_tokens": 2})
+            assert reply["output"][0]["content"][0]["logprobs"] == []
+
+    _run(main())
+
+
 def test_errors_name_the_field_the_client_sent(tok):
     async def main():
         async with scripted(tok) as (_, session):
@@ -216,6 +240,7 @@ _ITEM = st.fixed_dictionaries({}, optional={
     "content": st.text(max_size=5) | ANY_JSON, "call_id": st.text(max_size=3) | ANY_JSON,
     "name": ANY_JSON, "arguments": ANY_JSON, "output": ANY_JSON})
 _FIELDS = ["instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+           "include", "top_logprobs",
            "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "metadata",
            "model"]
 
