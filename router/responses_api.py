@@ -71,6 +71,8 @@ def response_field(exc: InvalidRequest) -> InvalidRequest:
     message = str(exc)
     if message.startswith(field):
         message = new + message[len(field):]
+    if base in ("max_tokens", "max_completion_tokens"):  # the length check names it too
+        message = message.replace(f"+ {base} (", f"+ {renamed} (")
     return InvalidRequest(message, field=new)
 
 

@@ -213,6 +213,8 @@ def test_errors_name_the_field_the_client_sent(tok):
                                 ({"input": "x", "model": "other"}, None)):
                 status, reply = await _post(session, "/v1/responses", body)
                 assert status in (400, 404) and reply["error"]["param"] == field, reply
+                assert field != "max_output_tokens" or \
+                    "+ max_output_tokens (10000) > max_model_len" in reply["error"]["message"]
 
     _run(main())
 
