@@ -34,6 +34,8 @@ import grpc
 import msgspec
 from aiohttp import web
 
+from pagedserve import __version__
+
 from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 from .frontend import Frontend, RequestSession
 from .grpc_server import tls_enabled
@@ -127,6 +129,7 @@ class OpenAIApp:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_post("/v1/completions",
@@ -150,6 +153,9 @@ class OpenAIApp:
             return web.json_response({"status": "ok"})
         why = "the router is draining" if fe.draining else "no executor is up"
         return web.json_response(error_json(503, why, code="unavailable"), status=503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,

@@ -2,7 +2,7 @@
 truncate_prompt_tokens in validation, and vLLM's /tokenize and /detokenize on the HTTP edge
 (the ids generation would see: text with its BOS, token ids as given, a conversation rendered
 as chat renders it, those two fields), their text back, and bad bodies as 400/404 naming the
-field."""
+field; and /version.
 
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ def test_tokenize_gives_the_ids_generation_sees(tok):
             assert list(engine.submitted[-1].prompt_token_ids) == chat
             assert not engine.submitted[:-1]  # tokenizing submits nothing
 
+            async with http.get("/version") as r:
+                from pagedserve import __version__
+                assert r.status == 200 and await r.json() == {"version": __version__}
             status, reply = await _post(http, "/detokenize", {"tokens": tok.encode(text)})
             assert status == 200 and reply["prompt"] == tok.decode(tok.encode(text))
             for path, body, code, param in (
