@@ -2,7 +2,7 @@
 truncate_prompt_tokens in validation, and vLLM's /tokenize and /detokenize on the HTTP edge
 (the ids generation would see: text with its BOS, token ids as given, a conversation rendered
 as chat renders it, those two fields), their text back, and bad bodies as 400/404 naming the
-field; and /version.
+field; and /version."""
 
 from __future__ import annotations
 
