@@ -1,5 +1,6 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token's logprob given the
-tokens before it, plus the top-k, from the hidden states of the step that computed it.
+tokens before it, its rank in that distribution and the top-k, from the hidden states of
+the step that computed it.
 
 A prefill row at position p predicts the token at p + 1, so a step that computes positions
 c .. c + n - 1 of a prompt of L tokens scores prompt tokens c + 1 .. min(c + n, L - 1): the
@@ -57,12 +58,15 @@ def score_prompts(model, hidden: torch.Tensor, request_ids: list[str],
     index = torch.from_numpy(np.concatenate(hidden_rows)).to(hidden.device)
     target = torch.from_numpy(np.concatenate(targets).astype(np.int64)).to(hidden.device)
     owner_k = np.repeat(np.asarray(ks, dtype=np.int64), counts)
-    chosen, top_ids, top_lps = [], [], []
+    chosen, ranks, top_ids, top_lps = [], [], [], []
     for lo in range(0, index.shape[0], SLICE_ROWS):
         hi = min(lo + SLICE_ROWS, index.shape[0])
         lp = torch.log_softmax(model.compute_logits(hidden[index[lo:hi]]).float(), -1)
         vocab = lp.shape[1]
-        chosen.append(lp.gather(1, target[lo:hi].unsqueeze(1)).squeeze(1).cpu())
+        picked = lp.gather(1, target[lo:hi].unsqueeze(1))
+        chosen.append(picked.squeeze(1).cpu())
+        # rank: 1 + how many tokens are strictly more likely (ties share the better rank)
+        ranks.append(((lp > picked).sum(1) + 1).cpu())
         k_max = min(int(owner_k[lo:hi].max()), vocab)
         if k_max:
             top = lp.topk(k_max, dim=-1)
@@ -77,6 +81,7 @@ def score_prompts(model, hidden: torch.Tensor, request_ids: list[str],
         prompt_counts=np.asarray(counts, dtype=np.int32),
         prompt_ks=np.minimum(np.asarray(ks, dtype=np.int32), vocab),
         prompt_logprobs=torch.cat(chosen).numpy().astype(np.float32),
+        prompt_ranks=torch.cat(ranks).numpy().astype(np.int32),
         prompt_top_token_ids=torch.cat(top_ids or [empty_i]).numpy().astype(np.int32),
         prompt_top_logprobs=torch.cat(top_lps or [empty_f]).numpy().astype(np.float32),
     )

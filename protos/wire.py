@@ -291,6 +291,7 @@ class StepResult(_Message, tag="result", frozen=True):
     prompt_counts: np.ndarray | None = None  # int32 [Q]
     prompt_ks: np.ndarray | None = None  # int32 [Q]
     prompt_logprobs: np.ndarray | None = None  # float32 [sum(counts)]
+    prompt_ranks: np.ndarray | None = None  # int32 [sum(counts)]: 1 + tokens more likely
     prompt_top_token_ids: np.ndarray | None = None  # int32 [sum(counts * ks)]
     prompt_top_logprobs: np.ndarray | None = None  # float32 [sum(counts * ks)]
 
@@ -304,8 +305,10 @@ class StepResult(_Message, tag="result", frozen=True):
             n = int(self.prompt_counts.sum())
             k = int((self.prompt_counts * self.prompt_ks).sum())
             for name, size in (("prompt_logprobs", n), ("prompt_top_token_ids", k),
-                               ("prompt_top_logprobs", k)):
+                               ("prompt_top_logprobs", k), ("prompt_ranks", n)):
                 arr = getattr(self, name)
+                if name == "prompt_ranks" and arr is None:
+                    continue  # optional: an executor may leave the ranks out
                 if arr is None or arr.ndim != 1 or arr.shape[0] != size:
                     raise WireError(f"result {self.step_id}: {name} must have {size} entries")
         r = len(self.request_ids)

@@ -55,6 +55,7 @@ def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,  # None: unset
         )
         for lp in logprobs
     ]

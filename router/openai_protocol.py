@@ -466,8 +466,8 @@ def prompt_logprobs_json(prompt: Sequence[TokenLogprob], text: TokenText,
                          k: int) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: null for the first prompt token (nothing scores it), then per
     token {token id: {logprob, rank, decoded_token}} for the prompt's own token and the `k`
-    most likely. rank: 1 for the most likely; null for the prompt's token when it is not
-    among the k (its rank is not computed)."""
+    most likely. rank: the top's place (1: the most likely); the prompt token's own, 1 + the
+    tokens more likely (null where the executor did not compute it)."""
     out: list[dict | None] = [None]
     for lp in prompt:
         entries: dict[str, dict] = {}
@@ -475,9 +475,13 @@ def prompt_logprobs_json(prompt: Sequence[TokenLogprob], text: TokenText,
         for rank, (token_id, logprob) in enumerate(top, 1):
             entries[str(token_id)] = {"logprob": _finite(logprob), "rank": rank,
                                       "decoded_token": text(token_id)}
-        if str(lp.token_id) not in entries:
-            entries = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": None,
-                                          "decoded_token": text(lp.token_id)}, **entries}
+        own = str(lp.token_id)
+        if own in entries:
+            if lp.rank is not None:
+                entries[own]["rank"] = lp.rank
+        else:
+            entries = {own: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                             "decoded_token": text(lp.token_id)}, **entries}
         out.append(entries)
     return out
 

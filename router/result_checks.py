@@ -83,13 +83,15 @@ def sane_timings(result: wire.StepResult) -> wire.StepResult:
 
 
 def prompt_scores_wrong(first: int, count: int, prompt_len: int, top_ids: np.ndarray,
-                        vocab_size: int) -> str:
+                        vocab_size: int, ranks: np.ndarray | None = None) -> str:
     """Why one request's prompt scores (tokens ``first`` .. ``first + count - 1``, their
-    top-k ids) cannot be its prompt's ("": they can)."""
+    top-k ids, their ranks when sent) cannot be its prompt's ("": they can)."""
     if first < 0 or first + count > prompt_len:
         return f"positions {first}..{first + count - 1} of a {prompt_len}-token prompt"
     if top_ids.shape[0] and _outside(top_ids, vocab_size):
         return f"top-k ids outside the vocabulary of {vocab_size}"
+    if ranks is not None and ranks.shape[0] and (ranks.min() < 1 or ranks.max() > vocab_size):
+        return f"ranks outside 1..{vocab_size}"
     return ""
 
 

@@ -325,12 +325,15 @@ class StepLoop:
             have = len(group.prompt_logprobs) if group is not None else -1
             if group is not None and group.executor_id == handle.id and first <= have + 1:
                 lps = result.prompt_logprobs[ofs:ofs + count].tolist()
+                rank_arr = (result.prompt_ranks[ofs:ofs + count]
+                            if result.prompt_ranks is not None else None)
+                ranks = rank_arr.tolist() if rank_arr is not None else [None] * count
                 top_ids = result.prompt_top_token_ids[top_ofs:top_ofs + count * k]
                 ids = top_ids.tolist()
                 vals = result.prompt_top_logprobs[top_ofs:top_ofs + count * k].tolist()
                 tokens = group.spec.prompt_token_ids
                 wrong = checks.prompt_scores_wrong(first, count, len(tokens), top_ids,
-                                            self.vocab_size)
+                                                   self.vocab_size, rank_arr)
                 if wrong:  # an executor's bug (result_checks.py): that request fails
                     log.error("executor %s: prompt scores of %s: %s", handle.id, seq_id, wrong)
                     self.engine.delivery.fail(group, Unavailable(
@@ -340,7 +343,7 @@ class StepLoop:
                         top = tuple(zip(ids[j * k:(j + 1) * k], vals[j * k:(j + 1) * k],
                                         strict=True))
                         group.prompt_logprobs.append(
-                            TokenLogprob(tokens[first + j], lps[j], top))
+                            TokenLogprob(tokens[first + j], lps[j], top, ranks[j]))
             ofs += count
             top_ofs += count * k
 

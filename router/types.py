@@ -83,11 +83,13 @@ class RequestSpec:
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """The sampled token's logprob and the top-k alternatives [(token_id, logprob), ...],
-    most likely first."""
+    most likely first; `rank` (1 + tokens more likely) where it was computed (a prompt
+    token's score), else None."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 # The two per-token types below are plain (not frozen) slotted dataclasses, read-only by

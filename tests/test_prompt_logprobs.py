@@ -50,10 +50,18 @@ def reference(model_dir):
     return scores
 
 
+def rank_range(lp_row, token: int) -> range:
+    """The ranks a token may have at a position, given 2e-4 of float noise: 1 + the tokens
+    surely more likely, up to 1 + those possibly more likely."""
+    v = lp_row[token].item()
+    return range(int((lp_row > v + 2e-4).sum()) + 1, int((lp_row > v - 2e-4).sum()) + 2)
+
+
 def check_scores(got, ids, lp, k):
     assert [p.token_id for p in got] == ids[1:]
     for i, p in enumerate(got):
         assert p.logprob == pytest.approx(lp[i, ids[i + 1]].item(), abs=2e-4)
+        assert p.HasField("rank") and p.rank in rank_range(lp[i], ids[i + 1])
         top = lp[i].topk(k) if k else None
         assert [t.token_id for t in p.top] == (top.indices.tolist() if k else [])
         for t, v in zip(p.top, top.values.tolist() if k else [], strict=True):
@@ -131,14 +139,17 @@ def _post(cluster, body: dict, path: str = "/v1/completions") -> dict:
 
 def check_vllm_scores(got, ids, lp, k):
     """vLLM's `prompt_logprobs` form: null, then {id: {logprob, rank, decoded_token}} per
-    token with the prompt's own token and the top k."""
+    token with the prompt's own token (its rank computed) and the top k (their places)."""
     assert got[0] is None and len(got) == len(ids)
     for i, entries in enumerate(got[1:]):
         top = lp[i].topk(k).indices.tolist() if k else []
         assert set(entries) == {str(t) for t in [ids[i + 1], *top]}
         for t, e in entries.items():
             assert e["logprob"] == pytest.approx(lp[i, int(t)].item(), abs=2e-4)
-            assert e["rank"] == (top.index(int(t)) + 1 if int(t) in top else None)
+            if int(t) == ids[i + 1]:  # the prompt's own token: its rank in the distribution
+                assert e["rank"] in rank_range(lp[i], ids[i + 1])
+            else:
+                assert e["rank"] == top.index(int(t)) + 1
             assert isinstance(e["decoded_token"], str)
 
 

@@ -62,7 +62,7 @@ def _numbers(message) -> dict[str, int]:
                                "prompt_logprobs": 4}),
         (pb.Completion, {"index": 1, "text": 2, "token_ids": 3, "finish_reason": 4,
                          "stop_string": 5, "stop_token_id": 6, "logprobs": 7}),
-        (pb.TokenLogprob, {"token_id": 1, "logprob": 2, "top": 3}),
+        (pb.TokenLogprob, {"token_id": 1, "logprob": 2, "top": 3, "rank": 4}),
         (pb.TopLogprob, {"token_id": 1, "logprob": 2}),
         (pb.Usage, {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3}),
         (pb.GenerateStreamResponse, {"request_id": 1, "index": 2, "text": 3, "token_ids": 4,

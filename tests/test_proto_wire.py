@@ -108,11 +108,16 @@ def test_result_prompt_scores_roundtrip_and_are_checked():
                   prompt_counts=int32([3, 2]), prompt_ks=int32([2, 0]),
                   prompt_logprobs=f32([-1, -2, -3, -4, -5]),
                   prompt_top_token_ids=int32([7, 8, 7, 9, 1, 2]),
-                  prompt_top_logprobs=f32([-0.5, -1, -0.1, -2, -0.3, -0.4]))
+                  prompt_top_logprobs=f32([-0.5, -1, -0.1, -2, -0.3, -0.4]),
+                  prompt_ranks=int32([3, 1, 40, 2, 2]))
     r = roundtrip(wire.StepResult(step_id=3, **scores))
     assert r.prompt_ids == ["a#0", "b#0"] and r.prompt_top_token_ids.tolist()[-1] == 2
+    assert r.prompt_ranks.tolist() == [3, 1, 40, 2, 2]
+    assert roundtrip(wire.StepResult(step_id=3, **{**scores, "prompt_ranks": None})) \
+        .prompt_ranks is None  # optional
     for name, bad in [("prompt_logprobs", f32([-1, -2])), ("prompt_top_token_ids", int32([7])),
-                      ("prompt_counts", int32([3])), ("prompt_ks", None)]:
+                      ("prompt_counts", int32([3])), ("prompt_ks", None),
+                      ("prompt_ranks", int32([1]))]:
         with pytest.raises(WireError, match=name):
             roundtrip(wire.StepResult(step_id=3, **{**scores, name: bad}))
 

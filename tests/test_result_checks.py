@@ -172,13 +172,16 @@ def test_a_sample_answered_with_nothing_fails_its_request_instead_of_hanging(how
     run(main())
 
 
-@pytest.mark.parametrize("first, count, top, why", [
-    (1, 4, [3, 4], ""), (0, 5, [], ""), (2, 4, [], "positions 2..5 of a 5-token prompt"),
-    (6, 0, [], "positions 6..5"), (1, 2, [3, 64], "top-k ids outside the vocabulary of 64"),
-    (1, 2, [-1], "top-k ids outside")])
-def test_prompt_scores_must_be_the_prompts(first, count, top, why):
+@pytest.mark.parametrize("first, count, top, ranks, why", [
+    (1, 4, [3, 4], None, ""), (0, 5, [], None, ""),
+    (2, 4, [], None, "positions 2..5 of a 5-token prompt"), (6, 0, [], None, "positions 6..5"),
+    (1, 2, [3, 64], None, "top-k ids outside the vocabulary of 64"),
+    (1, 2, [-1], None, "top-k ids outside"), (1, 2, [], [1, 64], ""),
+    (1, 2, [], [0, 1], "ranks outside 1..64"), (1, 2, [], [1, 65], "ranks outside")])
+def test_prompt_scores_must_be_the_prompts(first, count, top, ranks, why):
     from pagedserve.router.result_checks import prompt_scores_wrong
-    wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), rig.VOCAB)
+    wrong = prompt_scores_wrong(first, count, 5, np.array(top, np.int32), rig.VOCAB,
+                                None if ranks is None else np.array(ranks, np.int32))
     assert (wrong.startswith(why) if why else wrong == ""), wrong
 
 
