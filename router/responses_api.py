@@ -83,6 +83,9 @@ def chat_body(body: dict) -> dict:
         if body.get(key):
             raise bad(key, why)
     optional_bool(body, "store")  # accepted, nothing is stored
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad("metadata", f"must be an object, got {json_type(metadata)}")
     chat: dict[str, Any] = {key: body[key] for key in _SAME if key in body}
     if "model" in body:
         chat["model"] = body["model"]

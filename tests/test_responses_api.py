@@ -85,6 +85,7 @@ def test_bodies_become_the_chat_requests_they_mean():
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "x", "include": "all"}, "include"),
+    ({"input": "x", "metadata": ["k"]}, "metadata"),
 ])
 def test_bad_bodies_name_the_responses_field(body, field):
     with pytest.raises(InvalidRequest) as info:
