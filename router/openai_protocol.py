@@ -145,7 +145,6 @@ def _common(body: dict) -> dict:
     for key, what in _REFUSED.items():
         if body.get(key):  # null, false and [] ask for nothing
             raise bad(key, f"{what} is not supported")
-    optional_bool(body, "return_tokens_as_token_ids")  # type-checked; read by _api_extras
     common: dict[str, Any] = {}
     priority = optional_int(body, "priority", *INT32_RANGE)
     if priority is not None:
@@ -175,7 +174,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         if not stream:
             raise bad("stream_options", "is only allowed with stream set to true")
         include_usage = bool(optional_bool(options, "include_usage"))
-        optional_bool(options, "continuous_usage_stats")  # type-checked; read by _api_extras
     return stream, include_usage
 
 
@@ -295,12 +293,12 @@ def chat_request(body: dict, tool_call_parser: str = "none",
 
 
 def _api_extras(body: dict) -> dict:
-    """How vLLM's reply-shaping fields (checked already by _sampling and _common) shape it."""
-    options = body.get("stream_options")
+    """vLLM's reply-shaping fields (after _stream_flags: stream_options is an object or
+    absent)."""
+    options = body.get("stream_options") or {}
     return {"prompt_logprobs": optional_int(body, "prompt_logprobs"),
             "tokens_as_ids": bool(optional_bool(body, "return_tokens_as_token_ids")),
-            "continuous_usage": bool(isinstance(options, dict)
-                                     and options.get("continuous_usage_stats") is True)}
+            "continuous_usage": bool(optional_bool(options, "continuous_usage_stats"))}
 
 
 def _template_options(body: dict, chat: pb.ChatMessages) -> None:
