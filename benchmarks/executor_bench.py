@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -91,6 +92,11 @@ from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM, ModelConfig
 from pagedserve.executor.runner_setup import build_runner
+from pagedserve.kernels.kv_dtypes import (
+    KV_CACHE_DTYPE_CHOICES,
+    kv_dtype_name,
+    resolve_kv_cache_dtype,
+)
 from pagedserve.protos.wire import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # executor_steps, also PYTHONSAFEPATH
@@ -106,6 +112,7 @@ from executor_steps import (  # noqa: E402
     mixed_plans,
     pipelined_decode_plans,
     pipelined_steps,
+    randomise_cache,
     serve_loop_steps,
     time_steps,
 )
@@ -223,7 +230,7 @@ def copy_bandwidth_bytes_per_s(device, num_bytes: int = 1 << 30) -> float:
 
 
 def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
-              trace_dir: str | None = None) -> None:
+              trace_dir: str | None = None, kv_cache_dtype: str = "auto") -> None:
     if not torch.cuda.is_available():
         emit("gpu_qwen2.5-0.5b_decode", skipped="no CUDA device")
         return
@@ -246,7 +253,9 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth_bytes_per_s(device)
     context, block_size = 1024, 16
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    kv_bytes_per_token = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+                          * kv_dtype.itemsize)
     pipelined_steps_n = max(steps, 40)
     blocks_per_seq = (context + pipelined_steps_n + block_size) // block_size
     cases = [(64, False), (256, False), (1, False), (8, False),
@@ -254,8 +263,8 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
     mixed_chunk = 256
     for batch, graphed in cases:
         num_blocks = batch * blocks_per_seq + 2 * (mixed_chunk // block_size)
-        cache = CacheEngine(cfg, block_size, num_blocks, 0, dtype, device)
-        cache.kv_cache.normal_()
+        cache = CacheEngine(cfg, block_size, num_blocks, 0, kv_dtype, device)
+        randomise_cache(cache.kv_cache)
         graphs = None
         if graphed:
             graphs = DecodeGraphs(model, cache.kv_cache, block_size,
@@ -278,7 +287,7 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
              copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
              device=torch.cuda.get_device_name(device),
              model="loaded" if model_dir else "initialised in place",
-             cuda_graphs=graphed)
+             cuda_graphs=graphed, kv_cache_dtype=kv_dtype_name(kv_dtype))
         if graphed and batch in (64, 256):
             # One 256-token prompt joins the decodes in every step: the executor runs such
             # a step eagerly (its graphs are decode-only), as a server does whenever a
@@ -287,7 +296,7 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             pieces = MixedGraphs(model, cache.kv_cache, batch + mixed_chunk)
             pieces.capture()
             for suffix, mixed_graphs in (("", None), ("_pieces", pieces)):
-                cache.kv_cache.normal_()
+                randomise_cache(cache.kv_cache)
                 runner = ModelRunner(model, cache, graphs=graphs, mixed_graphs=mixed_graphs)
                 times = time_steps(runner, mixed_plans(batch, context, mixed_chunk,
                                                        block_size, steps, cfg.vocab_size))
@@ -321,7 +330,7 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
                           # keyed draw after the division, the sampler's plainest random row
                           ("_temperature", SamplingParams(temperature=1.0, seed=7), "auto")]
         for suffix, sampling, sampler_backend in pipelined:
-            cache.kv_cache.normal_()
+            randomise_cache(cache.kv_cache)
             runner = ModelRunner(model, cache, graphs=graphs)
             runner.sampler.kernel_backend = sampler_backend
             run = pipelined_steps(runner, decode_plans(batch, context, block_size,
@@ -340,7 +349,7 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             # Then with the graph's inputs copied buffer by buffer (``_unfed``: the same
             # graphs, their feed turned off as the start-up check would), back to back.
             for suffix, feeds in (("", graphs.feeds), ("_unfed", False)):
-                cache.kv_cache.normal_()
+                randomise_cache(cache.kv_cache)
                 fed_before, graphs.feeds = graphs.feeds, feeds
                 runner = ModelRunner(model, cache, graphs=graphs)
                 run = serve_loop_steps(runner, decode_plans(batch, context, block_size,
@@ -353,13 +362,13 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             # A small batch's device kernels: its forward takes ~1.25 ms on an H200 (the
             # pipelined b64 case, step_overhead at 32 streams) against ~0.24 ms of weight
             # reads: which kernels hold a low-concurrency step's latency.
-            cache.kv_cache.normal_()
+            randomise_cache(cache.kv_cache)
             runner = ModelRunner(model, cache, graphs=graphs)
             profile_steps(runner, decode_plans(batch, context, block_size, steps,
                                                cfg.vocab_size), f"profile_gpu_b{batch}_graphs",
                           top=20)
         if profile and batch == 256:
-            cache.kv_cache.normal_()
+            randomise_cache(cache.kv_cache)
             runner = ModelRunner(model, cache, graphs=graphs)
             mode = "graphs" if graphed else "eager"
             profile_steps(runner, decode_plans(batch, context, block_size, steps,
@@ -370,7 +379,7 @@ def bench_gpu(steps: int, model_dir: str | None = None, profile: bool = False,
             # The pipelined loops' period: host phases against device idle.
             loops = (("pipelined", pipelined_steps), ("serve_loop", serve_loop_steps))
             for name, loop in loops if graphed else ():
-                cache.kv_cache.normal_()
+                randomise_cache(cache.kv_cache)
                 runner = ModelRunner(model, cache, graphs=graphs)
                 case = f"trace_gpu_b{batch}_{name}"
                 emit(case, **trace_pipelined(
@@ -393,6 +402,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gap-steps", type=int, default=100)
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest batch's steps (kernels per step)")
+    parser.add_argument("--kv-cache-dtype", default=os.environ.get(
+        "PAGEDSERVE_KV_CACHE_DTYPE", "auto"), choices=KV_CACHE_DTYPE_CHOICES,
+        help="GPU cases: the KV cache's dtype (default $PAGEDSERVE_KV_CACHE_DTYPE, else "
+             "auto: the model's bf16); the bound counts its bytes")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write the pipelined trace's Chrome trace here")
     args = parser.parse_args(argv)
@@ -402,7 +415,8 @@ def main(argv=None) -> int:
     if not args.gpu_only:
         bench_cpu(args.steps, args.profile, args.trace_dir)
     if not args.cpu_only:
-        bench_gpu(args.steps, args.model_dir, args.profile, args.trace_dir)
+        bench_gpu(args.steps, args.model_dir, args.profile, args.trace_dir,
+                  args.kv_cache_dtype)
     return 0
 
 

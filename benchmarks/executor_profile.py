@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import torch
-from executor_steps import serve_loop_steps
+from executor_steps import randomise_cache, serve_loop_steps
 from pagedserve.executor.model_runner import ModelRunner
 
 BENCH = "executor_bench"
@@ -22,7 +22,7 @@ def emit(case: str, **figures) -> None:
 
 def fresh_runner(model, cache, graphs, mixed_graphs) -> ModelRunner:
     """A runner over ``cache`` refilled with random keys and values (GPU cases)."""
-    cache.kv_cache.normal_()
+    randomise_cache(cache.kv_cache)
     return ModelRunner(model, cache, graphs=graphs, mixed_graphs=mixed_graphs)
 
 

@@ -308,3 +308,15 @@ def serve_loop_steps(runner: ModelRunner, plans, warmup: int) -> dict:
             watch.join()
         runner.before_forward = runner.result_ready = None
     return figures.as_dict()
+
+
+def randomise_cache(kv_cache) -> None:
+    """Random keys and values in every slot (standard normal), an fp8 cache (kv_dtypes.py)
+    filled layer by layer through bfloat16 (torch draws no fp8 numbers)."""
+    import torch
+
+    if kv_cache.element_size() != 1:
+        kv_cache.normal_()
+        return
+    for layer in kv_cache:
+        layer.copy_(torch.randn(layer.shape, dtype=torch.bfloat16, device=layer.device))

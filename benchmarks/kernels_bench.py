@@ -57,6 +57,9 @@ tiles, beside a copy of the same bytes (benchmarks/kernels_tail.py).
 Decode-wide cases (``decode_wide/...``, only when asked for): a 1k context through a table
 as wide as a decode graph's (its split count from the width), against the context's own
 table (benchmarks/kernels_tail.py).
+Decode-fp8 cases (``decode_fp8/...``, only when asked for): the decode kernel on an fp8 KV
+cache beside the bf16 one, and its tile choices (benchmarks/kernels_fp8.py).
+
 Cache cases: ``reshape_and_cache`` (new tokens' K and V written by slot) and ``copy_blocks``
 (copy-on-write pairs over every layer), ``gb_per_s`` counting bytes read and written, and
 ``copy_bw_ratio`` against the same copy bandwidth.
@@ -72,6 +75,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_tune, also under PYTHONSAFEPATH
+from kernels_fp8 import bench_decode_fp8  # noqa: E402
 from kernels_fusions import bench_decode_rope  # noqa: E402
 from kernels_gemm import bench_gemm  # noqa: E402
 from kernels_sampling import bench_sampling  # noqa: E402
@@ -271,6 +275,8 @@ def main() -> int:
         bench_decode_tail(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "decode_wide" in cases:
         bench_decode_wide(torch, device, dtype, timed, args.dry_run)
+    if "decode_fp8" in cases:
+        bench_decode_fp8(torch, device, dtype, timed, copy_gb_per_s, args.dry_run)
     if "prefill_tune" in cases:
         bench_prefill_tune(torch, device, dtype, timed, shapes, args.dry_run)
     if "tune" in cases:

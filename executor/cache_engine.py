@@ -78,7 +78,7 @@ class KvMemoryPlan(NamedTuple):
 def profile_num_gpu_blocks(
     model: LlamaForCausalLM, block_size: int, max_num_batched_tokens: int,
     gpu_memory_utilization: float, device: torch.device, reserve_bytes: int = 0,
-    baseline: tuple[int, int] | None = None,
+    baseline: tuple[int, int] | None = None, kv_dtype: torch.dtype | None = None,
 ) -> KvMemoryPlan:
     """Run one forward of ``max_num_batched_tokens`` prompt tokens (one sequence per
     max_model_len, so attention scratch is the largest the router may plan) with a scratch
@@ -95,7 +95,7 @@ def profile_num_gpu_blocks(
     the figures they came from (``KvMemoryPlan.describe``: the executor's log, and its
     error when nothing is left)."""
     cfg = model.config
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = kv_dtype or model.model.embed_tokens.weight.dtype  # the cache's
     num_tokens = max(1, max_num_batched_tokens)
     seq_len = min(cfg.max_model_len, num_tokens)
     lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * bool(

@@ -55,7 +55,7 @@ def check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
         worst = int((kept["triton"] - kept["torch"]).abs().max())
         if worst > 1:
             raise ValueError(f"top-p kept-token counts differ by {worst}")
-        tied = logits.to(runner.cache.kv_cache.dtype)  # the model's dtype
+        tied = logits.to(runner.model.model.embed_tokens.weight.dtype)  # the model's dtype
         tied[:, vocab // 2] = tied[:, 7] = tied.max() + 1  # ties: the first index wins
         if not torch.equal(ops.argmax_rows(tied, backend="triton"),
                            ops.argmax_rows(tied, backend="torch")):
@@ -142,11 +142,13 @@ DECODE_ROPE_CHECK_SPLITS = (None, 1, 4)
 
 
 def check_fused_decode_rope(model: LlamaForCausalLM, lens=DECODE_ROPE_CHECK_LENS,
-                            splits=DECODE_ROPE_CHECK_SPLITS) -> None:
+                            splits=DECODE_ROPE_CHECK_SPLITS,
+                            kv_dtype: torch.dtype | None = None) -> None:
     """Where the model's decode steps would rotate and cache their new token inside the
     attention launch (llama.Attention.fuses_decode_rope), check once that the launch gives
     the output and both caches of the two launches (rotary-and-cache, then attention) to
-    the bit, at this model's head shapes and dtype; if not (or a kernel fails), every
+    the bit, at this model's head shapes and dtype and the cache's (``kv_dtype``, default
+    the model's); if not (or a kernel fails), every
     attention layer takes the two launches (logged). The two launches are what transformers
     matches (the HF-equivalence tests), so a model that passes serves the same tokens
     either way."""
@@ -156,7 +158,7 @@ def check_fused_decode_rope(model: LlamaForCausalLM, lens=DECODE_ROPE_CHECK_LENS
     if not fusing:
         return
     try:
-        why = _decode_rope_mismatch(model, lens, splits)
+        why = _decode_rope_mismatch(model, lens, splits, kv_dtype)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here runs as two launches
         why = f"{type(exc).__name__}: {exc}"
     if why:
@@ -166,9 +168,11 @@ def check_fused_decode_rope(model: LlamaForCausalLM, lens=DECODE_ROPE_CHECK_LENS
             attention.fused_decode_rope = False
 
 
-def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits) -> str:
+def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits,
+                          kv_dtype: torch.dtype | None) -> str:
     """"" when the fused launch equals the two launches to the bit, else what differed."""
     from pagedserve.kernels import ops
+    from pagedserve.kernels.kv_dtypes import to_cache_dtype
 
     cfg, param = model.config, model.model.embed_tokens.weight
     dtype, device = param.dtype, param.device
@@ -195,7 +199,8 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits) -> str:
     # assert on a GPU, which no exception handler survives)
     cos_sin = model.cos_sin_cache[pos.clamp(max=model.cos_sin_cache.shape[0] - 1)
                                   .to(device)].to(dtype)
-    caches = rand(first, block, kv_heads, dim), rand(first, block, kv_heads, dim)
+    caches = [to_cache_dtype(rand(first, block, kv_heads, dim), kv_dtype or dtype)
+              for _ in range(2)]
     q, k, v = rand(num, heads, dim), rand(num, kv_heads, dim), rand(num, kv_heads, dim)
     scale = dim ** -0.5
     for num_splits in splits:
@@ -211,7 +216,8 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits) -> str:
         pairs = (("output", fused, two), ("key cache", fused_caches[0], two_caches[0]),
                  ("value cache", fused_caches[1], two_caches[1]))
         for name, a, b in pairs:
-            if not torch.equal(a, b):
+            if not torch.equal(*(t.view(torch.uint8) if t.element_size() == 1 else t
+                                 for t in (a, b))):
                 return (f"{name} differs at num_splits={num_splits} (max "
                         f"{(a.float() - b.float()).abs().max().item():.3g})")
     return ""

@@ -32,9 +32,10 @@ def build_runner(
     kv_cache_space: float = 1.0, swap_space: float | None = None,
     gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
-    max_num_seqs: int = 256, enforce_eager: bool = False,
+    max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
-    """Load the model, size the caches (DESIGN §4 flags) and, on CUDA unless
+    """Load the model, size the caches (DESIGN §4 flags; ``kv_cache_dtype``: the model's
+    dtype, or an fp8 one, kernels/kv_dtypes.py) and, on CUDA unless
     ``enforce_eager``, capture the decode graphs for up to ``max_num_seqs`` sequences (their
     memory is set aside before the KV cache is sized). Raises ModelNotSupported,
     FileNotFoundError or ValueError with a one-line message."""
@@ -47,12 +48,15 @@ def build_runner(
     )
     from pagedserve.executor.cuda_graphs import graph_memory_bytes, graphs_supported
     from pagedserve.executor.models import load_config, load_model, resolve_dtype
+    from pagedserve.kernels.kv_dtypes import kv_dtype_name, resolve_kv_cache_dtype
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     config = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config, device)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch_dtype)
+    _check_kv_dtype_on(device, kv_dtype)
     if block_size not in (8, 16, 32, 64, 128):
         raise ValueError(f"--block-size {block_size}: must be one of 8, 16, 32, 64, 128")
     if max_model_len is not None and max_model_len > config.max_model_len:
@@ -66,7 +70,7 @@ def build_runner(
     baseline = memory_baseline(device) if device.type == "cuda" else None
     if device.type == "cuda":
         check_fused_ops(model)
-        check_fused_decode_rope(model)
+        check_fused_decode_rope(model, kv_dtype=kv_dtype)
     max_len = max_model_len or config.max_model_len
     why_eager = "--enforce-eager" if enforce_eager else graphs_supported(device)
     mixed_tokens = 0 if why_eager or not _mixed_graphs_wanted() else max_num_batched_tokens
@@ -77,7 +81,8 @@ def build_runner(
             reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device)
             plan = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
-                gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline)
+                gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline,
+                kv_dtype=kv_dtype)
             num_gpu_blocks = plan.blocks
             log.info("KV cache: %d blocks at --gpu-memory-utilization %.2f (memory outside "
                      "torch counted by %s): %s", num_gpu_blocks, gpu_memory_utilization,
@@ -86,18 +91,22 @@ def build_runner(
                         "--gpu-memory-utilization, or lower --max-num-batched-tokens or "
                         "--max-num-seqs")
         else:
-            num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, torch_dtype)
+            num_gpu_blocks = blocks_for_space(kv_cache_space, config, block_size, kv_dtype)
             why_none = (f"--kv-cache-space {kv_cache_space:g} GiB holds no block of "
-                        f"{block_bytes(config, block_size, torch_dtype):,} bytes")
+                        f"{block_bytes(config, block_size, kv_dtype):,} bytes")
     else:
         why_none = "--num-gpu-blocks 0"
     if num_cpu_blocks is None:
         if swap_space is None:
             swap_space = 4.0 if device.type == "cuda" else 0.5
-        num_cpu_blocks = blocks_for_space(swap_space, config, block_size, torch_dtype)
+        num_cpu_blocks = blocks_for_space(swap_space, config, block_size, kv_dtype)
     if num_gpu_blocks <= 0:
         raise ValueError(f"no memory left for the KV cache (num_gpu_blocks = 0): {why_none}")
-    cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, torch_dtype, device)
+    cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, kv_dtype, device)
+    if kv_dtype != torch_dtype:
+        log.info("KV cache in %s (--kv-cache-dtype %s): %s bytes a block, the model in %s",
+                 kv_dtype_name(kv_dtype), kv_cache_dtype,
+                 f"{block_bytes(config, block_size, kv_dtype):,}", kv_dtype_name(torch_dtype))
     graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
     mixed = _capture_mixed_graphs(model, cache, mixed_tokens) if mixed_tokens else None
     # Structured output: llguidance's mask threads take the CPU executor's thread budget.
@@ -109,6 +118,17 @@ def build_runner(
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size)
     return runner
+
+
+def _check_kv_dtype_on(device: torch.device, kv_dtype: torch.dtype) -> None:
+    """ValueError (one line) where the device's kernels cannot convert the cache's fp8
+    format: Triton has e4m3 (``fp8e4nv``) from compute capability 8.9 (Ada, Hopper) on."""
+    if device.type != "cuda" or kv_dtype != torch.float8_e4m3fn:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or newer "
+                         f"(this GPU: {capability[0]}.{capability[1]}); use fp8_e5m2")
 
 
 def _mixed_graphs_wanted() -> bool:

@@ -67,6 +67,7 @@ def run_executor(args: argparse.Namespace) -> int:
     from pagedserve.executor.models import ModelNotSupported
     from pagedserve.executor.runner_setup import build_runner
     from pagedserve.executor.step_trace import profiler_from_env
+    from pagedserve.kernels.kv_dtypes import kv_dtype_name
 
     from pagedserve.logs import progress_bars_enabled
 
@@ -112,6 +113,7 @@ def run_executor(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,
             progress=progress_bars_enabled(args.log_format),
             max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
@@ -119,14 +121,16 @@ def run_executor(args: argparse.Namespace) -> int:
     cache = runner.cache
     hello = Hello(
         executor_id=executor_id, model_fingerprint=runner.model.config.fingerprint,
-        device=str(cache.device), dtype=str(cache.kv_cache.dtype).removeprefix("torch."),
+        device=str(cache.device),
+        dtype=str(runner.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
         block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks,
         num_cpu_blocks=cache.num_cpu_blocks, max_model_len=runner.max_model_len,
         pid=os.getpid(), hostname=socket.gethostname(),
     )
-    log.info("executor %s: %s on %s (%s), %d device blocks, %d cpu blocks of %d tokens",
-             executor_id, runner.model.config.architecture, hello.device, hello.dtype,
-             hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size)
+    log.info("executor %s: %s on %s (%s, KV cache %s), %d device blocks, %d cpu blocks of "
+             "%d tokens", executor_id, runner.model.config.architecture, hello.device,
+             hello.dtype, kv_dtype_name(cache.kv_cache.dtype), hello.num_gpu_blocks,
+             hello.num_cpu_blocks, hello.block_size)
     # Everything allocated so far (the model, torch, the imports: ~170k objects) lives as
     # long as the process: moved out of the collector's reach, so that a full collection
     # while serving scans only what serving allocates (it took ~110 ms, a stalled step).

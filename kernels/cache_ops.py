@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
+from .kv_dtypes import to_cache
 
 # --- reshape_and_cache -------------------------------------------------------------------------
 
@@ -49,11 +50,11 @@ def _reshape_and_cache_kernel(
     )
     tl.store(
         key_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
-        k.to(key_cache_ptr.dtype.element_ty), mask=mask,
+        to_cache(k, key_cache_ptr), mask=mask,
     )
     tl.store(
         value_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
-        v.to(value_cache_ptr.dtype.element_ty), mask=mask,
+        to_cache(v, value_cache_ptr), mask=mask,
     )
 
 

@@ -62,6 +62,7 @@ from .decode_rules import (  # noqa: F401 - the rules are read through this modu
     choose_num_splits,
 )
 from .host_math import INTERPRETING, next_power_of_2
+from .kv_dtypes import is_fp8, to_cache
 from .kv_tiles import check_query_and_caches, load_kv_tile, softmax_update, tile_scores
 from .layer_ops import rotated
 
@@ -89,6 +90,7 @@ def _decode_tiles(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kv_head,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                             offs_d, mask_d, BLOCK_SIZE, MASKED, EVEN_D, UPCAST)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's bytes widened (else as loaded)
         s = tile_scores(q, k, UPCAST) * qk_scale_log2
         if MASKED:
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -187,9 +189,9 @@ def _decode_kernel(
         block_id = slot // BLOCK_SIZE
         in_block = slot % BLOCK_SIZE
         tl.store(k_cache_ptr + block_id * stride_kb + in_block * stride_kt + kv_head * stride_kh
-                 + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=write)
+                 + offs_d, to_cache(k_new, k_cache_ptr), mask=write)
         tl.store(v_cache_ptr + block_id * stride_vb + in_block * stride_vt + kv_head * stride_vh
-                 + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
+                 + offs_d, to_cache(v_new, v_cache_ptr), mask=write)
         tl.debug_barrier()
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=io_mask, other=0.0)
@@ -349,7 +351,7 @@ def paged_decode_attention_triton(
     block_g = max(16, next_power_of_2(group))
     if block_n is None:
         block_n = choose_block_n(num_seqs * num_kv_heads * num_splits, num_sms, head_dim,
-                                 query.dtype)
+                                 query.dtype, is_fp8(key_cache.dtype))
     upcast = interpreting or query.dtype == torch.float32
     window = int(sliding_window) if sliding_window and sliding_window > 0 else _NO_WINDOW
     qk_scale_log2 = float(scale) * _LOG2E

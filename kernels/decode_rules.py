@@ -67,16 +67,24 @@ def choose_num_splits(
 # 128-token program holds 38 KiB of shared memory at head dim 64 and 72 KiB at 128 (80 pads
 # to 128): at most 3 fit an SM (227 KiB) there, so a grid of 3-4 a SM would run in two
 # waves; the limit is 3 for heads wider than 64.
+# An fp8 cache (kv_dtypes.py) keeps 64: its tiles are widened to the query's dtype after
+# the load, and with 128 tokens the widened K and V tiles and the loads in flight overflowed
+# the registers (compiled for sm_90, bf16 queries, head dim 64: 128 registers and 8-24
+# bytes of spills a thread, at 2 or 3 stages; 64 tokens: 102-112 registers, none). Half
+# the bytes of a 16-bit 64-token tile: not yet timed on a GPU (kernels_bench's fp8 cases).
 _WIDE_TILE_PROGRAMS_PER_SM = 4
 _WIDE_TILE_PROGRAMS_PER_SM_D128 = 3
 
 
 def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
-    """Tokens per tile of the decode kernel for a grid of ``num_programs``. See above."""
+                   dtype: torch.dtype, kv_fp8: bool = False) -> int:
+    """Tokens per tile of the decode kernel for a grid of ``num_programs`` (``dtype``: the
+    query's; ``kv_fp8``: an fp8 cache). See above."""
     d_pad = next_power_of_2(head_dim)
     if d_pad > 128:
         return 32
+    if kv_fp8:
+        return 64
     per_sm = _WIDE_TILE_PROGRAMS_PER_SM if d_pad <= 64 else _WIDE_TILE_PROGRAMS_PER_SM_D128
     if dtype != torch.float32 and num_programs <= per_sm * num_sms:
         return 128

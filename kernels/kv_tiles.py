@@ -8,11 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_dtypes import is_fp8
+
 
 def check_query_and_caches(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, rows: str) -> None:
     """Raise ValueError/TypeError unless ``query`` is [rows, num_heads, head_dim] and both
-    caches [num_blocks, block_size, num_kv_heads, head_dim] with its head dim and dtype,
+    caches [num_blocks, block_size, num_kv_heads, head_dim] with its head dim and dtype (or
+    both one fp8 dtype: kv_dtypes.py),
     num_kv_heads dividing num_heads, and every last axis contiguous (``rows``: the query's
     first axis as the messages name it)."""
     if query.dim() != 3:
@@ -30,9 +33,11 @@ def check_query_and_caches(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported query dtype {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    if key_cache.dtype != value_cache.dtype or (
+            key_cache.dtype != query.dtype and not is_fp8(key_cache.dtype)):
         raise TypeError(
-            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+            f"dtype mismatch: query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype} "
+            "(the caches hold the query's dtype or an fp8 one)"
         )
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("the head_dim axis of query and caches must be contiguous (stride 1)")

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .cache_ops import check_cache_write
 from .host_math import cdiv, next_power_of_2
+from .kv_dtypes import to_cache
 
 
 @triton.jit
@@ -192,15 +193,14 @@ def _rotary_cache_kernel(
     offs_h = tl.arange(0, BLOCK_HK)
     kmask = (offs_h < cached_heads)[:, None] & dmask[None, :]
     kdst = key_cache_ptr + slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
-    kt = key_cache_ptr.dtype.element_ty
-    tl.store(kdst, k1.to(kt), mask=kmask)
-    tl.store(kdst + HALF, k2.to(kt), mask=kmask)
+    tl.store(kdst, to_cache(k1, key_cache_ptr), mask=kmask)
+    tl.store(kdst + HALF, to_cache(k2, key_cache_ptr), mask=kmask)
     offs_v = tl.arange(0, BLOCK_DV)
     vmask = (offs_h < cached_heads)[:, None] & (offs_v < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
                 mask=vmask, other=0.0)
     tl.store(value_cache_ptr + slot * stride_vs + offs_h[:, None] * stride_vch
-             + offs_v[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=vmask)
+             + offs_v[None, :], to_cache(v, value_cache_ptr), mask=vmask)
 
 
 def rotary_embedding_and_cache_triton(

@@ -61,6 +61,7 @@ def _attend_tiles(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, key_valid, kv_head,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                             offs_d, mask_d, BLOCK_SIZE, MASKED, EVEN_D, UPCAST)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's bytes widened (else as loaded)
         s = tile_scores(q, k, UPCAST)
         if MASKED:
             allowed = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]

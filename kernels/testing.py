@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .kv_dtypes import to_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,18 @@ def make_paged_batch(
     seed: int = 0,
     spare_blocks: int = 3,
     extra_table_columns: int = 1,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
+    """``kv_dtype``: the caches' (default ``dtype``; an fp8 one holds the keys and values
+    rounded, and ``dense_keys`` / ``dense_values`` are then what it holds, widened)."""
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [(seq_len + block_size - 1) // block_size for _, seq_len in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = (100 * torch.randn(shape, generator=gen)).to(dtype)
-    value_cache = (100 * torch.randn(shape, generator=gen)).to(dtype)
+    key_cache = to_cache_dtype(100 * torch.randn(shape, generator=gen), kv_dtype)
+    value_cache = to_cache_dtype(100 * torch.randn(shape, generator=gen), kv_dtype)
     order = torch.randperm(num_blocks, generator=gen)
     width = max(blocks_per_seq, default=0) + extra_table_columns
     block_tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
@@ -66,6 +71,8 @@ def make_paged_batch(
         pos = torch.arange(seq_len)
         slots = (ids[pos // block_size] * block_size + pos % block_size) if seq_len else pos
         reference.reshape_and_cache(k, v, key_cache, value_cache, slots)
+        if kv_dtype != dtype:  # what the cache holds
+            k, v = to_cache_dtype(k, kv_dtype).to(dtype), to_cache_dtype(v, kv_dtype).to(dtype)
         dense_keys.append(k.to(device))
         dense_values.append(v.to(device))
         queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
@@ -137,12 +144,13 @@ PREFILL_CASES = [
 ]
 
 
-def rope_decode_inputs(kv_heads, group, head_dim, dtype, seqs, device, seed=3):
+def rope_decode_inputs(kv_heads, group, head_dim, dtype, seqs, device, seed=3, kv_dtype=None):
     """A decode batch whose new tokens (one a sequence, at position seq_len - 1) arrive
     unrotated: (batch, q, k, v, cos_sin, slots), the second sequence a padding row (slot
     -1: nothing written): for the decode kernel's ``rope`` path."""
     batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                             block_size=16, dtype=dtype, device=device, seed=seed)
+                             block_size=16, dtype=dtype, device=device, seed=seed,
+                             kv_dtype=kv_dtype)
     num = len(seqs)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     pos = batch.seq_lens.long() - 1

@@ -115,6 +115,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("device", str, None, "executor: cuda when available, else cpu"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",
      "model dtype (auto: the checkpoint's; float32 where a CPU would emulate it)"),
+    ("kv-cache-dtype", _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
+     "executor: KV cache element type (auto: the model's; fp8 = fp8_e4m3: one byte a value, "
+     "twice the blocks of a 16-bit cache, unscaled and saturating)"),
     ("block-size", _block_size, 16, "tokens per KV-cache block (8, 16, 32, 64, 128)"),
     ("num-gpu-blocks", _positive_int, None, "device KV blocks (default: memory profiling)"),
     ("gpu-memory-utilization", float, 0.9, "CUDA: fraction of device memory to use"),

@@ -154,6 +154,7 @@ def drive_launchers(quick: bool) -> None:
         ops.copy_blocks(kv, torch.tensor([[0, 3], [1, 2]]), backend="triton")
         logits = torch.zeros(4, 151_936, dtype=dtype)
         ops.argmax_rows(logits, backend="triton")
+    drive_fp8_cache(quick)
     # The split-K GEMM (kernels/linear_ops.py, benchmarks/kernels_gemm.py's sweep): the
     # largest tiles and stages of the sweep, split and not, with and without bias.
     from pagedserve.kernels.linear_ops import linear_triton
@@ -200,6 +201,47 @@ def drive_launchers(quick: bool) -> None:
                         torch.zeros(256, dtype=torch.long))
 
 
+def drive_fp8_cache(quick: bool) -> None:
+    """The launchers that read or write the KV cache, on fp8 caches (`--kv-cache-dtype`)
+    under the bf16 model of the quick set: every write rounds and saturates (kv_dtypes.py),
+    every read widens (quick: e4m3 only; e5m2 differs in two constants)."""
+    from pagedserve.kernels import decode_attention, ops
+    from pagedserve.kernels.testing import make_paged_batch
+
+    dtype, heads, kv_heads, dim = torch.bfloat16, 14, 2, 64
+    for kv_dtype in (torch.float8_e4m3fn,) + (() if quick else (torch.float8_e5m2,)):
+        decode = make_paged_batch([(1, 1000), (1, 37)], num_kv_heads=kv_heads,
+                                  group=heads // kv_heads, head_dim=dim, block_size=16,
+                                  dtype=dtype, device="cpu", kv_dtype=kv_dtype)
+        args = (decode.query, decode.key_cache, decode.value_cache, decode.block_tables,
+                decode.seq_lens, decode.scale)
+        num = decode.query.shape[0]
+        rope = (torch.zeros(num, kv_heads, dim, dtype=dtype),
+                torch.zeros(num, kv_heads, dim, dtype=dtype),
+                torch.zeros(num, 2, dim, dtype=dtype), torch.arange(num))
+        for splits in (1, 4):
+            decode_attention.paged_decode_attention_triton(*args, num_splits=splits)
+            decode_attention.paged_decode_attention_triton(*args, num_splits=splits, rope=rope)
+        prefill = make_paged_batch([(64, 64), (17, 300)], num_kv_heads=kv_heads,
+                                   group=heads // kv_heads, head_dim=dim, block_size=16,
+                                   dtype=dtype, device="cpu", kv_dtype=kv_dtype)
+        ops.paged_attention(prefill.query, prefill.key_cache, prefill.value_cache,
+                            prefill.block_tables, prefill.query_start_loc, prefill.seq_lens,
+                            prefill.scale, max_query_len=prefill.max_query_len,
+                            backend="triton")
+        tokens = 8
+        q = torch.zeros(tokens, heads, dim, dtype=dtype)
+        k = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
+        slots = torch.arange(tokens)
+        ops.rotary_embedding_and_cache(q, k, k, torch.zeros(tokens, 2, dim, dtype=dtype),
+                                       decode.key_cache, decode.value_cache, slots,
+                                       backend="triton")
+        ops.reshape_and_cache(k, k, decode.key_cache, decode.value_cache, slots,
+                              backend="triton")
+        kv = torch.zeros(2, 2, 16, 16, 2, 64, dtype=kv_dtype)
+        ops.copy_blocks(kv, torch.tensor([[0, 3], [1, 2]]), backend="triton")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
@@ -217,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         record = {"bench": "compile_kernels", "case": name, "arch": f"sm_{args.arch}",
                   "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()},
-                  "num_warps": options["num_warps"], "num_stages": options["num_stages"]}
+                  "num_warps": options["num_warps"], "num_stages": options["num_stages"],
+                  # an fp8 KV cache among its pointers (its element type)
+                  "fp8": sorted({t.lstrip("*") for t in signature.values()
+                                 if isinstance(t, str) and t.startswith("*fp8")})}
         try:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                       target=target, options=options)

@@ -102,12 +102,15 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # The decoder layer's projections under cuBLAS and cuBLASLt (kernels_gemm.py).
         gemm = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "gemm",
                    *(["--dry-run"] if ctx.small else []))
+        # The decode kernel on an fp8 KV cache beside bf16, and its tiles (kernels_fp8.py).
+        fp8 = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "decode_fp8",
+                  *(["--dry-run"] if ctx.small else []))
         # The sampler's kernels alone (argmax; top-p by radix and by pieces a row).
         sampling = _py(ctx, "benchmarks/kernels_bench.py", "--cases", "sampling",
                        *(["--dry-run"] if ctx.small else []))
         return [*_common(ctx), Step("pytest_gpu", pytest, 330, reads="pytest"),
                 Step("kernels_decode", decode, 240), Step("kernels_decode_tail", tail, 120),
-                Step("kernels_decode_wide", wide, 90),
+                Step("kernels_decode_wide", wide, 90), Step("kernels_decode_fp8", fp8, 120),
                 Step("kernels_gemm", gemm, 150),
                 Step("kernels_sampling", sampling, 120), Step("kernels_bench", bench, 300)]
     if name == "executor":
@@ -142,7 +145,10 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                     # kernel, the prompts through the prefill kernel (two launches a
                     # layer; its mixed cases against the default's, eighteenth session)
                     ("mixed_decode_split", "mixed-decode-split",
-                     {"PAGEDSERVE_MIXED_DECODE_SPLIT": "1"}, 200)]
+                     {"PAGEDSERVE_MIXED_DECODE_SPLIT": "1"}, 200),
+                    # an fp8 KV cache (--kv-cache-dtype fp8, twentieth session): half the
+                    # KV bytes a step reads; its bound counts them
+                    ("fp8_kv", "fp8-kv", {"PAGEDSERVE_KV_CACHE_DTYPE": "fp8"}, 200)]
         return [*_common(ctx), _model(ctx), Step("executor_bench", executor_bench(traces), 200),
                 Step("memory_profile", memory, 150),
                 *(Step(f"executor_bench_{name}", executor_bench(traces / folder), timeout,

@@ -42,6 +42,12 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert any(c["ROPE"] and c["FUSED_REDUCE"] for c in decode)
     assert any(c["MASK_EVERY_TILE"] and c["NUM_SPLITS"] > 1 for c in decode)
     assert any(c["MASK_EVERY_TILE"] and c["NUM_SPLITS"] == 1 for c in decode)
+    # An fp8 KV cache (--kv-cache-dtype fp8): every kernel that writes or reads the cache
+    # (copy_blocks copies any cache as same-width integers)
+    fp8 = {(r["case"], r["constexprs"].get("ROPE")) for r in records
+           if "fp8e4nv" in r.get("fp8", ())}
+    assert {("_decode_kernel", True), ("_decode_kernel", False), ("_prefill_kernel", None),
+            ("_rotary_cache_kernel", None), ("_reshape_and_cache_kernel", None)} <= fp8, fp8
     # The rotation rounds its products and its sum apart, as the twin and the rotary kernel
     # do, in every kernel that rotates (no fma.rn.bf16; the H200 found the decode kernel's
     # fused rotation an ulp off the rotary kernel's while both contracted differently).

@@ -268,6 +268,9 @@ def test_startup_check_of_the_decode_rope_fusion(tmp_path, monkeypatch, dtype):
     # 1,061): the angles of positions it has, no index past its rotary cache
     kernel_checks.check_fused_decode_rope(runner.model, lens=(100, 0, 17), splits=(1,))
     assert _fusing(runner.model) == [True, True]
+    # on an fp8 cache (--kv-cache-dtype fp8): both launches round and saturate alike
+    kernel_checks.check_fused_decode_rope(runner.model, **small, kv_dtype=torch.float8_e4m3fn)
+    assert _fusing(runner.model) == [True, True]
 
     decode = ops.paged_decode_attention
 
