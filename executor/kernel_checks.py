@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
+def check_sampler_kernels(runner: ModelRunner, vocab: int, dtype: torch.dtype) -> None:
     """Run the sampler's device kernels (the whole-row top-p threshold, the greedy argmax,
-    the keyed draw) once against their twins at the model's vocabulary and dtype; if one
+    the keyed draw) once against their twins at the model's vocabulary and dtype (its
+    logits'); if one
     fails to compile or disagrees (top-p: by more than a token at a rounding edge), the
     sampler uses the twins (logged): its top-p steps then wait for their forward to learn
     which rows need a full sort."""
@@ -55,7 +56,7 @@ def check_sampler_kernels(runner: ModelRunner, vocab: int) -> None:
         worst = int((kept["triton"] - kept["torch"]).abs().max())
         if worst > 1:
             raise ValueError(f"top-p kept-token counts differ by {worst}")
-        tied = logits.to(runner.model.model.embed_tokens.weight.dtype)  # the model's dtype
+        tied = logits.to(dtype)
         tied[:, vocab // 2] = tied[:, 7] = tied.max() + 1  # ties: the first index wins
         if not torch.equal(ops.argmax_rows(tied, backend="triton"),
                            ops.argmax_rows(tied, backend="torch")):

@@ -116,7 +116,7 @@ def build_runner(
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed)
     if device.type == "cuda":
-        check_sampler_kernels(runner, config.vocab_size)
+        check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner
 
 

@@ -185,17 +185,16 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     from pagedserve.executor.sampler import Sampler
     from pagedserve.kernels import draw_ops, sampling_ops
 
-    cache = SimpleNamespace(device=torch.device(DEVICE),
-                            kv_cache=torch.zeros(1, dtype=torch.bfloat16))
+    cache = SimpleNamespace(device=torch.device(DEVICE))
     runner = SimpleNamespace(cache=cache, sampler=Sampler())
-    kernel_checks.check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600, torch.bfloat16)
     assert runner.sampler.kernel_backend == "auto"
 
     def wrong(logits, lse, top_p, thresholds, unresolved, exp_floor):
         thresholds.fill_(float("-inf"))  # keeps every token
 
     monkeypatch.setattr(sampling_ops, "top_p_thresholds_triton", wrong)
-    kernel_checks.check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600, torch.bfloat16)
     assert runner.sampler.kernel_backend == "torch"
 
     def broken(*args):
@@ -203,7 +202,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
 
     runner.sampler.kernel_backend = "auto"
     monkeypatch.setattr(sampling_ops, "top_p_thresholds_triton", broken)
-    kernel_checks.check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600, torch.bfloat16)
     assert runner.sampler.kernel_backend == "torch"
 
     def last_index(logits):  # ties to the last index: not torch's argmax
@@ -212,7 +211,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     runner.sampler.kernel_backend = "auto"
     monkeypatch.undo()
     monkeypatch.setattr(sampling_ops, "argmax_rows_triton", last_index)
-    kernel_checks.check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600, torch.bfloat16)
     assert runner.sampler.kernel_backend == "torch"
 
     def first_token(x, min_p, u):  # not the draw
@@ -221,7 +220,7 @@ def test_startup_check_keeps_or_drops_the_kernel(monkeypatch):
     runner.sampler.kernel_backend = "auto"
     monkeypatch.undo()
     monkeypatch.setattr(draw_ops, "keyed_draw_triton", first_token)
-    kernel_checks.check_sampler_kernels(runner, 600)
+    kernel_checks.check_sampler_kernels(runner, 600, torch.bfloat16)
     assert runner.sampler.kernel_backend == "torch"
 
 
