@@ -31,6 +31,31 @@ def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup may use (a container's or pod's CPU
+    limit), from cgroup v2's ``cpu.max`` or v1's CFS quota; None when unlimited or unknown.
+    A pod limited to 2 CPUs on a 64-core node sees all 64 in its affinity."""
+    base = Path(root)
+    try:
+        quota, period = (base / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((base / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def usable_cores() -> float:
+    """The cores this process may run on, capped by its cgroup's CPU quota."""
+    cores = len(available_cores()) or (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return cores if quota is None else min(cores, quota)
+
+
 def parse_cores(text: str) -> list[int]:
     """'1' / '2-3' / '0,2-3' -> sorted core ids; raises AffinityError."""
     cores: set[int] = set()

@@ -58,7 +58,8 @@ def _cluster_args(plan: DemoPlan, model: str) -> tuple[argparse.Namespace, list[
     router_argv = ["--model", model, "--executors", str(plan.num_executors),
                    "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "-1",
                    "--executor-bind", "tcp://127.0.0.1:*", "--shutdown-timeout", "5",
-                   "--preemption-mode", "auto", "--routing", "prefix"]
+                   "--preemption-mode", "auto", "--routing", "prefix",
+                   "--api-workers", "0"]  # a scripted workload of a few streams
     parser = argparse.ArgumentParser(prog="pagedserve demo")
     add_server_flags(parser)
     return parser.parse_args(router_argv + executor_argv), executor_argv

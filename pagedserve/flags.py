@@ -90,6 +90,17 @@ def _non_negative_int(value: str) -> int:
     return n
 
 
+def _api_workers(value: str) -> int | str:
+    """`auto` (resolved when the router starts: router/api_workers.resolve_api_workers) or a
+    count."""
+    if value == "auto":
+        return value
+    try:
+        return _non_negative_int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto or a count") from None
+
+
 # (flag, type, default, help). None as default: derived at run time (see help).
 FLAGS: list[tuple[str, object, object, str]] = [
     ("model", str, None, "a Hugging Face directory, a .gguf file, a hub id, `default` (the "
@@ -108,8 +119,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("reasoning-parser", _choice("none", "qwen3", "deepseek_r1"), "none", "router: split "
      "a thinking model's <think> text into the chat message's reasoning_content (qwen3: when "
      "the output opens with <think>; deepseek_r1: the output starts inside it)"),
-    ("api-workers", _non_negative_int, 0, "router: processes serving the gRPC and HTTP APIs "
-     "on shared ports, apart from the engine (0: the router process serves them)"),
+    ("api-workers", _api_workers, "auto", "router: processes serving the gRPC and HTTP APIs "
+     "on shared ports, apart from the engine (0: the router process serves them; auto: 2 "
+     "where the router may use 8 cores or more and its executors are not on CPUs, else 0)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
     ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
     ("device", str, None, "executor: cuda when available, else cpu"),

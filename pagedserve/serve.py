@@ -155,12 +155,16 @@ class ExecutorChildren:
             task.cancel()
 
 
+def _on_cpu(args, num_gpus: int) -> bool:
+    """Do serve's executors run on CPUs (`--device cpu`, or no device given and no GPU)?"""
+    return (args.device or "").startswith("cpu") or (not args.device and not num_gpus)
+
+
 def plan_cpu_affinity(args, num_gpus: int) -> list[list[int]] | None:
     """CPU executors get cores of their own (`--cpu-affinity auto`, the default) when each
     one's --cpu-threads cores still leave one for the router; this process (the router and
     everything it starts besides executors) moves to the remaining cores. None: no pinning."""
-    on_cpu = (args.device or "").startswith("cpu") or (not args.device and not num_gpus)
-    if args.cpu_affinity != "auto" or not on_cpu:
+    if args.cpu_affinity != "auto" or not _on_cpu(args, num_gpus):
         return None
     plan = plan_serve(args.executors, max(1, args.cpu_threads))
     if plan is None:
@@ -174,13 +178,15 @@ def plan_cpu_affinity(args, num_gpus: int) -> list[list[int]] | None:
 
 
 async def _serve(args, argv: list[str]) -> int:
-    compute = plan_cpu_affinity(args, _num_gpus() if not args.device else 0)
+    num_gpus = _num_gpus() if not args.device else 0
+    compute = plan_cpu_affinity(args, num_gpus)
     children = ExecutorChildren(args, argv, compute_cores=compute)
     children.stop_event = asyncio.Event()
     try:
         rc = await serve_router(args, wait_for_executors=args.executors,
                                 on_bound=children.start_all, on_started=children.started,
-                                stop_event=children.stop_event)
+                                stop_event=children.stop_event,
+                                executors_on_gpu=not _on_cpu(args, num_gpus))
     finally:
         await children.stop()
     if children.startup_failure is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import event_loop
 from ..cpu_dtypes import checkpoint_dtype
 from ..gc_tuning import freeze_heap
+from .api_workers import resolve_api_workers
 from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
@@ -128,12 +129,15 @@ async def serve_router(
     on_bound: Callable[[str, RouterEngine], Awaitable[None]] | None = None,
     on_started: Callable[[RouterEngine], Awaitable[None]] | None = None,
     stop_event: asyncio.Event | None = None,
+    executors_on_gpu: bool | None = None,
 ) -> int:
     """Run the router until SIGINT/SIGTERM (or `stop_event`), then drain and exit 0.
+    (``executors_on_gpu``: what `serve` knows of its executors, for `--api-workers auto`.)
 
     Prints `pagedserve ready grpc=HOST:PORT metrics=HOST:PORT executors=N http=HOST:PORT`
     once listening
     and, with `wait_for_executors`, once that many executors have registered."""
+    args.api_workers = resolve_api_workers(getattr(args, "api_workers", 0), executors_on_gpu)
     info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
                                         args.dtype)
     tokenizer = Tokenizer.from_dir(args.model)

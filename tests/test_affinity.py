@@ -69,3 +69,44 @@ def test_name_current_thread_is_what_the_os_shows():
     thread.join()
     assert seen["ok"] and seen["comm"] == "executor-io-and"
     assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == before
+
+
+def test_cpu_quota_from_cgroup_v2_and_v1(tmp_path):
+    from pagedserve.affinity import cpu_quota
+
+    assert cpu_quota(str(tmp_path)) is None  # neither file
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(str(tmp_path)) is None  # unlimited
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(str(tmp_path)) == 2.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    assert cpu_quota(str(v1)) == 1.5
+
+
+def test_api_workers_auto(monkeypatch):
+    """`--api-workers auto` (the default): 2 where the router may use 8 cores or more and
+    its executors are not on CPUs; else 0; a number as given."""
+    import argparse
+
+    from pagedserve.router.api_workers import resolve_api_workers
+
+    from pagedserve import affinity
+    from pagedserve.flags import add_server_flags
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    assert parser.parse_args([]).api_workers == "auto"
+    assert parser.parse_args(["--api-workers", "3"]).api_workers == 3
+    for bad in ("-1", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--api-workers", bad])
+    for cores, on_gpu, want in ((16, True, 2), (16, None, 2), (16, False, 0), (8, True, 2),
+                                (7.5, True, 0), (2, None, 0)):
+        monkeypatch.setattr(affinity, "usable_cores", lambda cores=cores: cores)
+        assert resolve_api_workers("auto", on_gpu) == want, (cores, on_gpu)
+    assert resolve_api_workers(0, True) == 0 and resolve_api_workers(3, False) == 3
