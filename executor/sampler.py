@@ -14,7 +14,10 @@ Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
    ``frequency * count + presence * (count > 0)``, count = occurrences in the output);
    repetition is applied first;
 2. min_tokens: while a request has fewer than ``min_tokens`` output tokens, its EOS ids
-   (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+   (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf; bad words (vLLM's): the
+   last token of each bad word whose other tokens end the output (every step, for a
+   one-token word) is set to -inf; allowed_token_ids: every other token is set to -inf
+   (where the masks above would leave none of them, they are not applied to the row);
 2b. structured output: every token the request's grammar cannot take next is set to -inf
    (grammar.py; one bitmask for all constrained rows);
 3. greedy rows (temperature < 1e-5, or top_k == 1) take the exact argmax (first index on
@@ -170,6 +173,35 @@ def _min_tokens_masked_ids(state: SamplingState, vocab: int) -> list[int]:
     return [t for t in ids if 0 <= t < vocab]
 
 
+def _bad_word_ids(state: SamplingState, vocab: int) -> list[int]:
+    """The last token of every bad word whose other tokens end the output (a one-token
+    word's always): the tokens this step may not sample."""
+    out = state.output_token_ids
+    banned = []
+    for word in state.params.bad_words_token_ids:
+        head = len(word) - 1
+        if head <= out.shape[0] and (head == 0 or out[-head:].tolist() == list(word[:-1])) \
+                and 0 <= word[-1] < vocab:
+            banned.append(word[-1])
+    return banned
+
+
+def apply_allowed_(logits: torch.Tensor, rows: list[int],
+                   params: Sequence[SamplingParams]) -> torch.Tensor:
+    """In place: row rows[i] keeps the logits of params[i].allowed_token_ids, every other
+    token -inf."""
+    vocab, device = logits.shape[1], logits.device
+    counts = [len(p.allowed_token_ids) for p in params]
+    r = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+    t = np.fromiter((t for p in params for t in p.allowed_token_ids), np.int64, r.shape[0])
+    keep = (t >= 0) & (t < vocab)
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    allowed[to_device(r[keep], device), to_device(t[keep], device)] = True
+    idx = to_device(rows, device)
+    logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+    return logits
+
+
 class RowWork(NamedTuple):
     """What a step's rows ask the sampler for beyond an argmax (row indices)."""
 
@@ -179,6 +211,7 @@ class RowWork(NamedTuple):
     mask_ids: list[int]
     bias_rows: list[int]
     grammar_rows: list[int]
+    allowed_rows: list[int]  # rows restricted to their allowed_token_ids
     plain_greedy: bool  # none of the above and no logprobs: the argmax alone
 
 
@@ -190,23 +223,31 @@ def row_work(states: Sequence[SamplingState], vocab: int) -> RowWork:
     mask_ids: list[int] = []
     bias_rows: list[int] = []
     grammar_rows: list[int] = []
+    allowed_rows: list[int] = []
     for i, s in enumerate(states):
         p = s.params
         if (p.repetition_penalty != 1.0 or p.presence_penalty
                 or p.frequency_penalty) and has_penalty(s):
             pen_rows.append(i)
-        if s.num_output_tokens < p.min_tokens:
-            ids = _min_tokens_masked_ids(s, vocab)
-            mask_rows += [i] * len(ids)
-            mask_ids += ids
+        masked = _min_tokens_masked_ids(s, vocab) if s.num_output_tokens < p.min_tokens else []
+        if p.bad_words_token_ids:
+            masked += _bad_word_ids(s, vocab)
+        if masked and p.allowed_token_ids and set(p.allowed_token_ids) <= set(masked):
+            masked = []  # nothing left to sample: the allowed tokens win
+        if masked:
+            mask_rows += [i] * len(masked)
+            mask_ids += masked
         if p.logit_bias_ids:
             bias_rows.append(i)
         if s.grammar is not None:
             grammar_rows.append(i)
+        if p.allowed_token_ids:
+            allowed_rows.append(i)
     plain_greedy = (all(greedy) and not pen_rows and not mask_rows and not bias_rows
-                    and not grammar_rows and all(s.params.logprobs is None for s in states))
+                    and not grammar_rows and not allowed_rows
+                    and all(s.params.logprobs is None for s in states))
     return RowWork(greedy, pen_rows, mask_rows, mask_ids, bias_rows, grammar_rows,
-                   plain_greedy)
+                   allowed_rows, plain_greedy)
 
 
 # --------------------------------------------------------------------------- sampler
@@ -292,7 +333,7 @@ class Sampler:
             # checks below cost ~0.1 ms of host time at 256 rows.
             return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
         params = [s.params for s in states]
-        (greedy, pen_rows, mask_rows, mask_ids, bias_rows, grammar_rows,
+        (greedy, pen_rows, mask_rows, mask_ids, bias_rows, grammar_rows, allowed_rows,
          plain_greedy) = row_work(states, vocab)
         if plain_greedy and device.type != "cpu":  # min_tokens met, penalties not yet due
             return self._plain_output(ops.argmax_rows(logits, backend=self.kernel_backend))
@@ -307,7 +348,7 @@ class Sampler:
             return self._output(raw, raw.argmax(-1), params)  # fast path
 
         x = raw
-        if pen_rows or mask_rows or bias_rows:
+        if pen_rows or mask_rows or bias_rows or allowed_rows:
             x = self._buffer(0, raw.shape, device).copy_(raw)
         if bias_rows:
             apply_logit_bias_(x, bias_rows, [params[i] for i in bias_rows])
@@ -315,6 +356,8 @@ class Sampler:
             penalise_rows_(x, pen_rows, states)
         if mask_rows:
             x[to_device(mask_rows, device), to_device(mask_ids, device)] = float("-inf")
+        if allowed_rows:
+            apply_allowed_(x, allowed_rows, [params[i] for i in allowed_rows])
         if grammar_rows:
             if grammar_bits is None:
                 grammar_bits = self.grammar_masks(states)

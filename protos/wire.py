@@ -31,8 +31,9 @@ import msgspec
 import numpy as np
 
 # 2: pipelined steps (feed_sampled, deadline_s, gap_s); 3: logit_bias, grammar; 4: small arrays
-# share frame 1 (references carry a byte offset)
-PROTOCOL_VERSION = 4
+# share frame 1 (references carry a byte offset); 5: allowed_token_ids, bad_words_token_ids
+# (an executor that ignored them would sample what the request forbids)
+PROTOCOL_VERSION = 5
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -113,6 +114,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias_values: tuple[float, ...] = ()  # same length and order
     grammar: str = ""  # structured output: an llguidance grammar; "" = free text
     prompt_logprobs: int | None = None  # score the prompt tokens computed: top-k of each
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled; () = any
+    # the last token of each is masked while the output ends with the tokens before it
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def has_logit_bias(self) -> bool:

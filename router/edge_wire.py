@@ -21,7 +21,8 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 5  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns
+EDGE_PROTOCOL_VERSION = 6  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+# 6: SamplingSpec.allowed_token_ids, bad_words_token_ids
 
 
 class EdgeHello(msgspec.Struct, tag=True):

@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
-from .openai_fields import UINT32_MAX, bad, json_type
+from .openai_fields import UINT32_MAX, bad, json_type, token_ids
 from .structured import build_grammar
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -51,6 +51,25 @@ def logit_bias(body: dict, params: pb.SamplingParams) -> None:
             raise bad("logit_bias", f"bias of token {key} must be a number, "
                                     f"got {json_type(value)}")
         params.logit_bias[int(key)] = float(value)
+
+
+def token_restrictions(body: dict, params: pb.SamplingParams) -> None:
+    """vLLM's `allowed_token_ids` (an array of token ids) and `bad_words` (an array of
+    strings) into params; ids against the vocabulary and the words' count and blankness are
+    checked by validation.py. null or [] asks for nothing."""
+    allowed = body.get("allowed_token_ids")
+    if allowed:
+        ids = token_ids(allowed, "allowed_token_ids")
+        if ids is None:
+            raise bad("allowed_token_ids", "must be an array of token ids")
+        params.allowed_token_ids.extend(ids)
+    words = body.get("bad_words")
+    if isinstance(words, str):
+        words = [words]
+    if words is not None and not (isinstance(words, list)
+                                  and all(isinstance(w, str) for w in words)):
+        raise bad("bad_words", f"must be an array of strings, got {json_type(words)}")
+    params.bad_words.extend(words or ())
 
 
 def structured_output(body: dict, params: pb.SamplingParams) -> None:

@@ -7,8 +7,8 @@ the chat template) and one set of error rules. What is OpenAI-specific stays her
 * field names and shapes: `max_completion_tokens` over `max_tokens`, `stop` as a string or a
   list, chat `logprobs` (bool) + `top_logprobs`, completions `logprobs` (int), vLLM's extra
   sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-  skip_special_tokens, include_stop_str_in_output, priority, cache_salt); `logit_bias` and
-  the structured-output formats (openai_formats.py);
+  skip_special_tokens, include_stop_str_in_output, priority, cache_salt); `logit_bias`,
+  `allowed_token_ids`, `bad_words` and the structured-output formats (openai_formats.py);
 * a completions `prompt` may be a list of prompts: each is its own engine request, and choice
   `index` = prompt index × n + sample index (as OpenAI and vLLM number them);
 * `max_tokens` omitted → the rest of the context (validation computes it once the prompt is
@@ -43,7 +43,13 @@ from .openai_fields import (
     present,
     token_ids,
 )
-from .openai_formats import ToolMode, logit_bias, structured_output, tool_calls
+from .openai_formats import (
+    ToolMode,
+    logit_bias,
+    structured_output,
+    token_restrictions,
+    tool_calls,
+)
 from .tokenizer import Tokenizer
 from .types import CompletionDelta, TokenLogprob, Usage
 
@@ -131,14 +137,14 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
             raise bad("prompt_logprobs", "prompt_logprobs is not supported in a stream")
         params.prompt_logprobs = prompt_k
     logit_bias(body, params)
+    token_restrictions(body, params)
     structured_output(body, params)
     return params, logprobs
 
 
 # vLLM's fields this server does not implement: a request that sets one is refused rather
 # than served as if it had not (its output would not be what the client asked for).
-_REFUSED = {"use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids",
-            "bad_words": "bad_words", "logits_processors": "logits_processors"}
+_REFUSED = {"use_beam_search": "beam search", "logits_processors": "logits_processors"}
 
 
 def _common(body: dict) -> dict:

@@ -55,6 +55,8 @@ def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.S
         logit_bias_values=tuple(v for _, v in sp.logit_bias),
         grammar=sp.grammar,
         prompt_logprobs=sp.prompt_logprobs,
+        allowed_token_ids=sp.allowed_token_ids,
+        bad_words_token_ids=sp.bad_words_token_ids,
     )
 
 

@@ -54,6 +54,10 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     grammar: str = ""  # structured output: an llguidance grammar (structured.py); "" = free text
     prompt_logprobs: int | None = None  # score the prompt: top-k per prompt token
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (ascending); () = any
+    # bad words as token sequences (validation.bad_words_token_ids): the last token of one
+    # is masked while the output ends with the rest of it
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ MAX_TEMPERATURE = 100.0
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries per request
+MAX_BAD_WORDS = 128  # words per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,15 @@ def sampling_from_pb(params, limits: Limits,
         raise _bad("prompt_logprobs",
                    f"must be ≤ {limits.max_logprobs} (--max-logprobs), got {prompt_logprobs}")
     logit_bias = _logit_bias(params.logit_bias, limits.vocab_size)
+    allowed = tuple(sorted(set(params.allowed_token_ids)))
+    if allowed and allowed[-1] >= limits.vocab_size:
+        raise _bad("allowed_token_ids", f"token id {allowed[-1]} ≥ vocab size "
+                   f"{limits.vocab_size}")
+    if len(params.bad_words) > MAX_BAD_WORDS:
+        raise _bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(params.bad_words)}")
+    for i, word in enumerate(params.bad_words):
+        if not word.strip():
+            raise _bad("bad_words", f"word {i} is blank")
     grammar = ""
     if params.HasField("structured_output"):
         grammar = grammar_from_pb(params.structured_output)
@@ -135,6 +145,7 @@ def sampling_from_pb(params, limits: Limits,
         logit_bias=logit_bias,
         grammar=grammar,
         prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=allowed,
     )
 
 
@@ -260,6 +271,20 @@ def prompt_from_pb(request, *, tokenizer: Tokenizer,
     return ids, prompt_text
 
 
+def bad_words_token_ids(words, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as the model would write it: the word as given (its leading
+    spaces dropped: at the start of the text) and after a space (inside a text, where a
+    word-initial token usually carries the space), without special tokens; distinct
+    sequences in first-seen order. What vLLM bans for its bad_words."""
+    seen: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seen.setdefault(ids, None)
+    return tuple(seen)
+
+
 def request_from_pb(
     request,
     *,
@@ -281,6 +306,9 @@ def request_from_pb(
     sampling = sampling_from_pb(request.params, limits,
                                 limits.max_model_len if to_context else default_max_tokens)
     ids, prompt_text = prompt_from_pb(request, tokenizer=tokenizer, limits=limits)
+    if request.params.bad_words:
+        sampling = replace(sampling, bad_words_token_ids=bad_words_token_ids(
+            request.params.bad_words, tokenizer))
     field = request.WhichOneof("input") or "prompt"
     if to_context and len(ids) < limits.max_model_len:
         sampling = replace(sampling, max_tokens=limits.max_model_len - len(ids))

@@ -81,6 +81,35 @@ def test_greedy_chat_equals_hf_apply_chat_template(client, model_name, model_dir
     assert reply.usage.completion_tokens == decisive
 
 
+def test_allowed_token_ids_and_bad_words_over_http(client, model_name, model_dir):
+    """vLLM's allowed_token_ids and bad_words through the OpenAI SDK's extra_body: sampled
+    outputs hold allowed tokens only; a greedy completion never writes a banned one-token
+    word (its free completion did)."""
+    allowed = list(range(30, 60))
+    reply = client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=3,
+        seed=5, logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                        "return_tokens_as_token_ids": True})
+    for choice in reply.choices:
+        ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+        assert len(ids) == 12 and set(ids) <= set(allowed), ids
+    def greedy_ids(**extra):
+        reply = client.completions.create(
+            model=model_name, prompt="Once upon a time", max_tokens=12, temperature=0,
+            logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                    **extra})
+        return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+
+    free = greedy_ids()
+    tok = HFReference(model_dir).tokenizer
+    # a token of the free completion that is a word of its own: its text encodes to it
+    word, token = next((tok.decode([t]), t) for t in free if tok.decode([t]).strip() and (
+        tok.encode(tok.decode([t]).lstrip(), add_special_tokens=False) == [t]
+        or tok.encode(" " + tok.decode([t]).lstrip(), add_special_tokens=False) == [t]))
+    banned = greedy_ids(bad_words=[word])
+    assert token in free and token not in banned and banned != free
+
+
 def test_completions_unary_stream_n_seed_stop_logprobs(client, model_name):
     kw = dict(model=model_name, prompt="The router owns", max_tokens=12, temperature=0,
               extra_body={"ignore_eos": True})

@@ -54,7 +54,7 @@ def _numbers(message) -> dict[str, int]:
                              "presence_penalty": 14, "frequency_penalty": 15,
                              "include_stop_str_in_output": 16, "keep_special_tokens": 17,
                              "logit_bias": 18, "structured_output": 19,
-                             "prompt_logprobs": 20}),
+                             "prompt_logprobs": 20, "allowed_token_ids": 21, "bad_words": 22}),
         (pb.StructuredOutput, {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4,
                                "grammar": 5}),
         (pb.Choices, {"choices": 1}),

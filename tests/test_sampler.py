@@ -437,6 +437,8 @@ _PARAM_FIELDS = st.fixed_dictionaries({
     "logit_bias_ids": st.sampled_from([(), (3,)]),
     "logprobs": st.sampled_from([None, 0, 2]),
     "eos_token_ids": st.sampled_from([(), (1,)]),
+    "allowed_token_ids": st.sampled_from([(), (2, 4)]),
+    "bad_words_token_ids": st.sampled_from([(), ((5,),), ((3, 6),)]),
 })
 
 
@@ -456,7 +458,8 @@ def test_a_plain_state_asks_nothing_of_the_per_row_pass(fields, outputs, prompt)
     expected = ((fields["temperature"] < 1e-5 or fields["top_k"] == 1)
                 and fields["repetition_penalty"] == 1.0 and not fields["presence_penalty"]
                 and not fields["frequency_penalty"] and not fields["min_tokens"]
-                and not fields["logit_bias_ids"] and fields["logprobs"] is None)
+                and not fields["logit_bias_ids"] and fields["logprobs"] is None
+                and not fields["allowed_token_ids"] and not fields["bad_words_token_ids"])
     assert state.plain == expected
     if state.plain:
         assert row_work([state], vocab=10).plain_greedy
