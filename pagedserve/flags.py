@@ -121,7 +121,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "the output opens with <think>; deepseek_r1: the output starts inside it)"),
     ("api-workers", _api_workers, "auto", "router: processes serving the gRPC and HTTP APIs "
      "on shared ports, apart from the engine (0: the router process serves them; auto: 2 "
-     "where the router may use 8 cores or more and its executors are not on CPUs, else 0)"),
+     "when serve starts its executors on GPUs and the router may use 8 cores or more, "
+     "else 0)"),
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
     ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
     ("device", str, None, "executor: cuda when available, else cpu"),

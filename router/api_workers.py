@@ -36,9 +36,10 @@ RESTART_MIN_S, RESTART_MAX_S = 0.5, 8.0
 STABLE_S = 30.0  # a worker up this long resets the restart pause
 
 
-# `--api-workers auto`: this many workers where the router may use AUTO_MIN_CORES cores or
-# more (its affinity, capped by its cgroup's CPU quota) and its executors are not known to
-# run on CPUs; else none. Why: at 256 streams on one GPU executor the router process
+# `--api-workers auto`: this many workers where `serve` starts its executors on GPUs and the
+# router may use AUTO_MIN_CORES cores or more (its affinity, capped by its cgroup's CPU
+# quota); else none (a router alone, whose executors join from elsewhere, serves both APIs
+# itself unless given a count: what it will serve is not known). Why: at 256 streams on one GPU executor the router process
 # serving both APIs itself spent more CPU a step than the ~2 ms forward (H200, 2026-11-26:
 # 25.0k tok/s, the device idle 4.6 ms between steps; with 2 workers 32.6k and 1.1 ms), and
 # the workers used 2.2 cores there: with the engine's one and an executor's, 8 leaves room.
@@ -53,18 +54,15 @@ AUTO_MIN_CORES = 8
 def resolve_api_workers(value, executors_on_gpu: bool | None) -> int:
     """The count `--api-workers` means: a number as given; `auto` by the rule above
     (``executors_on_gpu``: what `serve` knows of the executors it starts; None for a
-    router whose executors join from elsewhere)."""
+    router whose executors join from elsewhere). The router's "listening" log line says
+    how many it started."""
     if value != "auto":
         return int(value)
+    if not executors_on_gpu:
+        return 0
     from pagedserve.affinity import usable_cores
 
-    cores = usable_cores()
-    workers = AUTO_API_WORKERS if executors_on_gpu is not False and cores >= AUTO_MIN_CORES \
-        else 0
-    log.info("--api-workers auto: %d (%g usable cores, executors %s)", workers, cores,
-             {True: "on GPUs", False: "on CPUs", None: "joining from elsewhere"}[
-                 executors_on_gpu])
-    return workers
+    return AUTO_API_WORKERS if usable_cores() >= AUTO_MIN_CORES else 0
 
 
 class ApiWorkerError(OSError):

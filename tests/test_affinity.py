@@ -89,8 +89,8 @@ def test_cpu_quota_from_cgroup_v2_and_v1(tmp_path):
 
 
 def test_api_workers_auto(monkeypatch):
-    """`--api-workers auto` (the default): 2 where the router may use 8 cores or more and
-    its executors are not on CPUs; else 0; a number as given."""
+    """`--api-workers auto` (the default): 2 where serve's executors are on GPUs and the
+    router may use 8 cores or more; else 0 (a router alone too); a number as given."""
     import argparse
 
     from pagedserve.router.api_workers import resolve_api_workers
@@ -105,8 +105,8 @@ def test_api_workers_auto(monkeypatch):
     for bad in ("-1", "two"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--api-workers", bad])
-    for cores, on_gpu, want in ((16, True, 2), (16, None, 2), (16, False, 0), (8, True, 2),
-                                (7.5, True, 0), (2, None, 0)):
+    for cores, on_gpu, want in ((16, True, 2), (16, None, 0), (16, False, 0), (8, True, 2),
+                                (7.5, True, 0), (2, True, 0)):
         monkeypatch.setattr(affinity, "usable_cores", lambda cores=cores: cores)
         assert resolve_api_workers("auto", on_gpu) == want, (cores, on_gpu)
     assert resolve_api_workers(0, True) == 0 and resolve_api_workers(3, False) == 3

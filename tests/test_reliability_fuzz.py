@@ -81,6 +81,10 @@ def params(draw):
     if draw(st.booleans()):
         p.logit_bias.update(draw(st.dictionaries(U32, WILD_FLOAT, max_size=5)))
     if draw(st.booleans()):
+        p.allowed_token_ids.extend(draw(st.lists(U32, max_size=5)))
+    if draw(st.booleans()):
+        p.bad_words.extend(draw(st.lists(TEXT, max_size=3)))
+    if draw(st.booleans()):
         so = p.structured_output
         kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "choice",
                                      "grammar"]))
@@ -114,7 +118,7 @@ def valid_params(draw):
     if draw(st.booleans()):
         wild = draw(params())
         field = draw(st.sampled_from([f.name for f in pb.SamplingParams.DESCRIPTOR.fields]))
-        if field in ("stop", "stop_token_ids"):
+        if field in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             getattr(p, field)[:] = getattr(wild, field)
         elif field == "logit_bias":
             p.logit_bias.clear()
