@@ -203,13 +203,16 @@ def drive_launchers(quick: bool) -> None:
 
 def drive_fp8_cache(quick: bool) -> None:
     """The launchers that read or write the KV cache, on fp8 caches (`--kv-cache-dtype`)
-    under the bf16 model of the quick set: every write rounds and saturates (kv_dtypes.py),
-    every read widens (quick: e4m3 only; e5m2 differs in two constants)."""
+    under a bf16 model (quick: e4m3 only; e5m2 differs in two constants) and a float16 and
+    float32 one: every write rounds and saturates (kv_dtypes.py), every read widens."""
     from pagedserve.kernels import decode_attention, ops
     from pagedserve.kernels.testing import make_paged_batch
 
-    dtype, heads, kv_heads, dim = torch.bfloat16, 14, 2, 64
-    for kv_dtype in (torch.float8_e4m3fn,) + (() if quick else (torch.float8_e5m2,)):
+    heads, kv_heads, dim = 14, 2, 64
+    pairs = [(torch.bfloat16, torch.float8_e4m3fn)] if quick else [
+        (dtype, kv_dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+        for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    for dtype, kv_dtype in pairs:
         decode = make_paged_batch([(1, 1000), (1, 37)], num_kv_heads=kv_heads,
                                   group=heads // kv_heads, head_dim=dim, block_size=16,
                                   dtype=dtype, device="cpu", kv_dtype=kv_dtype)

@@ -10,16 +10,10 @@ import torch
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.kernels.kv_dtypes import to_cache_dtype
 from test_executor_support import Driver, assert_greedy_equal, hf_reference
+from test_models import NUM_TOKENS, PROMPTS
 
 from pagedserve.tinymodels import build_model
 
-PROMPTS = [
-    [0, 17, 250, 33, 9, 480, 77, 5, 61, 300, 12, 13],
-    [0, 400, 3, 3, 3, 91, 200, 201, 202, 7, 8, 9, 10, 11, 99, 98, 97, 96, 95, 94, 93, 92, 91,
-     90, 89, 88, 87, 86, 85, 84, 83, 82, 81, 80, 79, 78, 77, 76, 75, 74, 73],
-    [0, 5],
-]
-NUM_TOKENS = 12
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -51,13 +45,9 @@ def hf_fp8_reference(model_dir, prompt, num_tokens, kv_dtype):
     return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
 
 
-@pytest.mark.parametrize("name", list(FP8))
-def test_greedy_matches_transformers_with_a_rounding_cache(model_dir, name):
+def _greedy_against_a_rounding_reference(runner, model_dir, kv_dtype) -> None:
     """All prompts in one batch (the long one in two prefill chunks, then decodes), each
-    equal to transformers alone with its cache rounded to the format."""
-    runner = build_runner(str(model_dir), num_gpu_blocks=64, num_cpu_blocks=0, block_size=8,
-                          progress=False, kv_cache_dtype=name)
-    assert runner.cache.kv_cache.dtype == FP8[name]
+    equal to transformers alone with its cache rounded to ``kv_dtype``."""
     driver = Driver(runner)
     rids = [f"r{i}" for i in range(len(PROMPTS))]
     for rid, prompt in zip(rids, PROMPTS, strict=True):
@@ -65,8 +55,16 @@ def test_greedy_matches_transformers_with_a_rounding_cache(model_dir, name):
     driver.step({"r0": None, "r1": 20, "r2": None})
     driver.generate(rids, NUM_TOKENS)
     for rid, prompt in zip(rids, PROMPTS, strict=True):
-        ref, logits = hf_fp8_reference(model_dir, prompt, NUM_TOKENS, FP8[name])
+        ref, logits = hf_fp8_reference(model_dir, prompt, NUM_TOKENS, kv_dtype)
         assert_greedy_equal(driver.seqs[rid].outputs, ref, logits)
+
+
+@pytest.mark.parametrize("name", list(FP8))
+def test_greedy_matches_transformers_with_a_rounding_cache(model_dir, name):
+    runner = build_runner(str(model_dir), num_gpu_blocks=64, num_cpu_blocks=0, block_size=8,
+                          progress=False, kv_cache_dtype=name)
+    assert runner.cache.kv_cache.dtype == FP8[name]
+    _greedy_against_a_rounding_reference(runner, model_dir, FP8[name])
 
 
 def test_an_fp8_cache_holds_four_times_the_float32_blocks(model_dir):
@@ -123,15 +121,7 @@ def test_greedy_matches_transformers_with_a_rounding_cache_gpu(model_dir, name):
     runner = build_runner(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks=64,
                           num_cpu_blocks=0, block_size=8, progress=False, kv_cache_dtype=name,
                           max_num_seqs=8)
-    driver = Driver(runner)
-    rids = [f"r{i}" for i in range(len(PROMPTS))]
-    for rid, prompt in zip(rids, PROMPTS, strict=True):
-        driver.add(rid, prompt)
-    driver.step({"r0": None, "r1": 20, "r2": None})
-    driver.generate(rids, NUM_TOKENS)
-    for rid, prompt in zip(rids, PROMPTS, strict=True):
-        ref, logits = hf_fp8_reference(model_dir, prompt, NUM_TOKENS, FP8[name])
-        assert_greedy_equal(driver.seqs[rid].outputs, ref, logits)
+    _greedy_against_a_rounding_reference(runner, model_dir, FP8[name])
 
 
 def test_a_cluster_with_an_fp8_executor_beside_a_float32_one(model_dir):
