@@ -22,8 +22,8 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Does a request with these params take its row's argmax and nothing else (no
-    penalties, bias, min_tokens mask, allowed or bad tokens, or logprobs)? The sampler's fast path when every row
-    of a step does (a grammar is the state's, checked apart)."""
+    penalties, bias, min_tokens mask, allowed or bad tokens, or logprobs)? The sampler's
+    fast path when every row of a step does (a grammar is the state's, checked apart)."""
     return (is_greedy(params) and params.repetition_penalty == 1.0 and not params.presence_penalty
             and not params.frequency_penalty and not params.min_tokens
             and not params.logit_bias_ids and params.logprobs is None
