@@ -244,3 +244,22 @@ def test_fp8_cache_natively_gpu(kv_dtype, num_splits):
     ops.reshape_and_cache(values, values, cache[0], cache[1], slots, backend="triton")
     reference.reshape_and_cache(values, values, twin[0], twin[1], slots)
     assert _same(cache, twin)
+
+
+def test_e4m3_is_refused_on_a_gpu_older_than_ada(monkeypatch):
+    """Triton converts e4m3 from compute capability 8.9 on: an executor on an older GPU
+    refuses it at start (one line), and takes e5m2."""
+    from pagedserve.executor import runner_setup
+
+    cuda = torch.device("cuda", 0)
+    for capability, kv_dtype, refused in (((8, 0), torch.float8_e4m3fn, True),
+                                          ((8, 0), torch.float8_e5m2, False),
+                                          ((8, 9), torch.float8_e4m3fn, False),
+                                          ((9, 0), torch.float8_e4m3fn, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        if refused:
+            with pytest.raises(ValueError, match="compute capability 8.9 or newer"):
+                runner_setup._check_kv_dtype_on(cuda, kv_dtype)
+        else:
+            runner_setup._check_kv_dtype_on(cuda, kv_dtype)
+    runner_setup._check_kv_dtype_on(torch.device("cpu"), torch.float8_e4m3fn)
