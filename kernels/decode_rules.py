@@ -72,6 +72,8 @@ def choose_num_splits(
 # the registers (compiled for sm_90, bf16 queries, head dim 64: 128 registers and 8-24
 # bytes of spills a thread, at 2 or 3 stages; 64 tokens: 102-112 registers, none). Half
 # the bytes of a 16-bit 64-token tile: not yet timed on a GPU (kernels_bench's fp8 cases).
+# Under a float32 model (float32 dots: a GPU's exactness checks, not its speed) 64 tokens
+# took 255 registers and spilled 160 bytes, 32 tokens 168 and none.
 _WIDE_TILE_PROGRAMS_PER_SM = 4
 _WIDE_TILE_PROGRAMS_PER_SM_D128 = 3
 
@@ -84,7 +86,7 @@ def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
     if d_pad > 128:
         return 32
     if kv_fp8:
-        return 64
+        return 32 if dtype == torch.float32 else 64
     per_sm = _WIDE_TILE_PROGRAMS_PER_SM if d_pad <= 64 else _WIDE_TILE_PROGRAMS_PER_SM_D128
     if dtype != torch.float32 and num_programs <= per_sm * num_sms:
         return 128
