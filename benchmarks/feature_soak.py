@@ -6,10 +6,13 @@ runs the executors' own per-request state — grammar matchers, prompt scoring, 
 forks — for a few minutes, through aborts, client cancels and deadlines:
 
 * kinds, drawn uniformly: plain, a JSON schema, a regex, a choice, logit_bias (5 random
-  entries in [-100, 100]), prompt_logprobs (k 0-3); n = 2 for 30% of requests; greedy or
-  sampled; prompts of 5-120 random token ids, max_tokens 4-48;
+  entries in [-100, 100]), prompt_logprobs (k 0-3), allowed_token_ids (20 random ids) and
+  bad_words (the text of 3 random tokens) (the last two added 2026-11-28); n = 2 for 30%
+  of requests; greedy or sampled; prompts of 5-120 random token ids, max_tokens 4-48;
 * endings, in turn: run to the end (then checked: a constrained sample that stopped parses /
-  matches, prompt scores have one entry per prompt token but the first), client cancel after
+  matches, prompt scores have one entry per prompt token but the first, every token of an
+  allowed_token_ids sample allowed, no bad word's tokens whole in a sample's output), client
+  cancel after
   2 chunks, a deadline of 10-300 ms, the Abort RPC after 2 chunks.
 
 At the end: every device block free on every executor, `pagedserve_kv_blocks_leaked` 0, no
@@ -47,14 +50,18 @@ from soak_report import (  # noqa: E402
     soak_arguments,
 )
 
-KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs")
+KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs", "allowed",
+         "bad_words")
 ENDINGS = ("run", "cancel", "deadline", "abort")
 
 
 class Load(Tally):
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, model_dir: Path) -> None:
         super().__init__()
         self.cluster = cluster
+        from pagedserve.router.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_dir(model_dir)
 
     def make(self, rng: random.Random) -> tuple[str, pb.GenerateRequest]:
         ids = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
@@ -75,6 +82,11 @@ class Load(Tally):
                                           for _ in range(5)})
         elif kind == "prompt_logprobs":
             req.params.prompt_logprobs = rng.randrange(0, 4)
+        elif kind == "allowed":
+            req.params.allowed_token_ids.extend(rng.sample(range(3, 500), 20))
+        elif kind == "bad_words":
+            words = (self.tokenizer.decode([rng.randrange(3, 500)]) for _ in range(3))
+            req.params.bad_words.extend(w for w in words if w.strip())
         return kind, req
 
     def check(self, kind: str, req: pb.GenerateRequest, resp: pb.GenerateResponse) -> None:
@@ -84,6 +96,21 @@ class Load(Tally):
             error = constrained_error(kind, c.text)
             if error:
                 self.fail(error)
+        if kind == "allowed":
+            allowed = set(req.params.allowed_token_ids)
+            for c in resp.completions:
+                if not set(c.token_ids) <= allowed:
+                    self.fail(f"allowed: tokens {sorted(set(c.token_ids) - allowed)} not "
+                              f"allowed")
+        if kind == "bad_words":
+            from pagedserve.router.validation import bad_words_token_ids
+
+            for word in bad_words_token_ids(req.params.bad_words, self.tokenizer):
+                for c in resp.completions:
+                    out = list(c.token_ids)
+                    if any(out[j:j + len(word)] == list(word)
+                           for j in range(len(out) - len(word) + 1)):
+                        self.fail(f"bad_words: {word} in the output {out}")
         if kind == "prompt_logprobs" and (
                 len(resp.prompt_logprobs) != len(req.prompt_token_ids.ids) - 1):
             self.fail(f"prompt_logprobs: {len(resp.prompt_logprobs)} scores for "
@@ -128,7 +155,7 @@ class Load(Tally):
 
 def main(argv: list[str] | None = None) -> int:
     args = soak_arguments(__doc__).parse_args(argv)
-    return run_soak("feature_soak", args, lambda cluster, model_dir: Load(cluster))
+    return run_soak("feature_soak", args, Load)
 
 
 if __name__ == "__main__":
