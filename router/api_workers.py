@@ -39,7 +39,8 @@ STABLE_S = 30.0  # a worker up this long resets the restart pause
 # `--api-workers auto`: this many workers where `serve` starts its executors on GPUs and the
 # router may use AUTO_MIN_CORES cores or more (its affinity, capped by its cgroup's CPU
 # quota); else none (a router alone, whose executors join from elsewhere, serves both APIs
-# itself unless given a count: what it will serve is not known). Why: at 256 streams on one GPU executor the router process
+# itself unless given a count: what it will serve is not known). Why: at 256 streams on
+# one GPU executor the router process
 # serving both APIs itself spent more CPU a step than the ~2 ms forward (H200, 2026-11-26:
 # 25.0k tok/s, the device idle 4.6 ms between steps; with 2 workers 32.6k and 1.1 ms), and
 # the workers used 2.2 cores there: with the engine's one and an executor's, 8 leaves room.

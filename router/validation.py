@@ -26,6 +26,7 @@ PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries per request
 MAX_BAD_WORDS = 128  # words per request
+MAX_BAD_WORD_CHARS = 1000  # the sampler compares a word's tokens with the output every step
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,9 @@ def sampling_from_pb(params, limits: Limits,
     for i, word in enumerate(params.bad_words):
         if not word.strip():
             raise _bad("bad_words", f"word {i} is blank")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise _bad("bad_words", f"word {i} has {len(word)} characters (at most "
+                       f"{MAX_BAD_WORD_CHARS})")
     grammar = ""
     if params.HasField("structured_output"):
         grammar = grammar_from_pb(params.structured_output)

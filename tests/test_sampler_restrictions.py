@@ -125,7 +125,8 @@ def test_the_edge_refuses_bad_restrictions(tok):
 
     for params, field in (({"allowed_token_ids": [tok.vocab_size]}, "allowed_token_ids"),
                           ({"bad_words": ["x", " "]}, "bad_words"),
-                          ({"bad_words": ["w"] * 129}, "bad_words")):
+                          ({"bad_words": ["w"] * 129}, "bad_words"),
+                          ({"bad_words": ["w" * 1001]}, "bad_words")):
         with pytest.raises(InvalidRequest) as err:
             _spec(tok, **params)
         assert err.value.field == field
