@@ -25,7 +25,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .kv_dtypes import to_cache_dtype
+from .kv_dtypes import to_cache_dtype, widen_e4m3_
 
 
 def reshape_and_cache(
@@ -97,33 +97,13 @@ def _in_float32(t: torch.Tensor, slot: int) -> torch.Tensor:
     """``t`` itself when float32, else its float32 copy in scratch buffer ``slot``: the
     twins compute half-precision and fp8 caches in float32, as the kernels accumulate.
 
-    e4m3 bytes are widened two at a time through a table of every byte pair's two floats
-    (65,536 x 8 bytes): torch's own e4m3 conversion on a CPU took 5.8 ms for a batch-32
-    layer's keys (1.6 M values, the 2-core VM), a 256-entry table 1.24, the pair table
-    0.96, against 0.90 for e5m2's own (the top byte of a float16)."""
+    e4m3 bytes on a CPU: kv_dtypes.widen_e4m3_ (a table of byte pairs)."""
     if t.dtype == torch.float32:
         return t
     out = _scratch.get(slot, t.numel(), torch.float32, t.device).view(t.shape)
     if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu" or t.shape[-1] % 2:
         return out.copy_(t)
-    pairs = t.view(torch.int16)  # (the head dim is even: the strides divide by 2)
-    index = _scratch.get(slot, pairs.numel(), torch.int32, t.device)
-    index.view(pairs.shape).copy_(pairs)
-    index.bitwise_and_(0xFFFF)  # the pair's bytes as an unsigned code
-    torch.index_select(_E4M3_PAIRS, 0, index, out=out.view(-1).view(torch.int64))
-    return out
-
-
-def _e4m3_pairs() -> torch.Tensor:
-    """[65,536] int64: entry c holds the two float32 values of the byte pair whose int16
-    view is c (in memory order; the 0x7f and 0xff bytes are NaN, which a cache never holds:
-    writes saturate, kv_dtypes.py)."""
-    codes = torch.arange(65536, dtype=torch.int32).to(torch.int16)
-    values = codes.view(torch.uint8).view(torch.float8_e4m3fn).float()
-    return values.view(65536, 2).contiguous().view(torch.int64).view(65536)
-
-
-_E4M3_PAIRS = _e4m3_pairs()
+    return widen_e4m3_(t, out, _scratch.get(slot, t.numel() // 2, torch.int32, t.device))
 
 
 def paged_prefill_attention(
