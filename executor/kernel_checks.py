@@ -173,7 +173,7 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits,
                           kv_dtype: torch.dtype | None) -> str:
     """"" when the fused launch equals the two launches to the bit, else what differed."""
     from pagedserve.kernels import ops
-    from pagedserve.kernels.kv_dtypes import to_cache_dtype
+    from pagedserve.kernels.kv_dtypes import same_bytes, to_cache_dtype
 
     cfg, param = model.config, model.model.embed_tokens.weight
     dtype, device = param.dtype, param.device
@@ -217,8 +217,7 @@ def _decode_rope_mismatch(model: LlamaForCausalLM, lens, splits,
         pairs = (("output", fused, two), ("key cache", fused_caches[0], two_caches[0]),
                  ("value cache", fused_caches[1], two_caches[1]))
         for name, a, b in pairs:
-            if not torch.equal(*(t.view(torch.uint8) if t.element_size() == 1 else t
-                                 for t in (a, b))):
+            if not same_bytes(a, b):
                 return (f"{name} differs at num_splits={num_splits} (max "
                         f"{(a.float() - b.float()).abs().max().item():.3g})")
     return ""

@@ -148,16 +148,21 @@ def _on_rows_(x: torch.Tensor, rows: list[int], fn, *row_params: list) -> None:
         x[idx] = fn(x[idx], *params)
 
 
+def _row_token_pairs(rows, id_lists: Sequence[Sequence[int]],
+                     vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, token) index arrays of every id of ``id_lists[i]`` for ``rows[i]``, and which
+    pairs to keep (ids past the vocabulary are skipped: the router checked them against
+    the same one)."""
+    r = np.repeat(np.asarray(rows, dtype=np.int64), [len(ids) for ids in id_lists])
+    t = np.fromiter((t for ids in id_lists for t in ids), np.int64, r.shape[0])
+    return r, t, (t >= 0) & (t < vocab)
+
+
 def apply_logit_bias_(logits: torch.Tensor, rows: list[int],
                       params: Sequence[SamplingParams]) -> torch.Tensor:
-    """In place: row rows[i] gets params[i]'s bias added to its tokens' logits (ids past
-    the vocabulary are skipped; the router checked them against the same one)."""
-    vocab = logits.shape[1]
-    counts = [len(p.logit_bias_ids) for p in params]
-    r = np.repeat(np.asarray(rows, dtype=np.int64), counts)
-    t = np.fromiter((t for p in params for t in p.logit_bias_ids), np.int64, r.shape[0])
+    """In place: row rows[i] gets params[i]'s bias added to its tokens' logits."""
+    r, t, keep = _row_token_pairs(rows, [p.logit_bias_ids for p in params], logits.shape[1])
     v = np.fromiter((v for p in params for v in p.logit_bias_values), np.float32, r.shape[0])
-    keep = (t >= 0) & (t < vocab)
     device = logits.device
     logits[to_device(r[keep], device), to_device(t[keep], device)] += to_device(
         v[keep], device)  # ids distinct per row
@@ -191,10 +196,8 @@ def apply_allowed_(logits: torch.Tensor, rows: list[int],
     """In place: row rows[i] keeps the logits of params[i].allowed_token_ids, every other
     token -inf."""
     vocab, device = logits.shape[1], logits.device
-    counts = [len(p.allowed_token_ids) for p in params]
-    r = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
-    t = np.fromiter((t for p in params for t in p.allowed_token_ids), np.int64, r.shape[0])
-    keep = (t >= 0) & (t < vocab)
+    r, t, keep = _row_token_pairs(range(len(rows)), [p.allowed_token_ids for p in params],
+                                  vocab)
     allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
     allowed[to_device(r[keep], device), to_device(t[keep], device)] = True
     idx = to_device(rows, device)

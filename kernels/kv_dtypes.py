@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-# --kv-cache-dtype choices (vLLM's names): "auto" is the model's dtype; "fp8" is e4m3.
-KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+from pagedserve.flags import KV_CACHE_DTYPE_CHOICES
+
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
         "fp8_e5m2": torch.float8_e5m2}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -46,6 +46,15 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype and elements bit for bit (fp8 tensors compared as their bytes)."""
+    if a.dtype != b.dtype:
+        return False
+    if a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -41,6 +41,11 @@ def _block_size(value: str) -> int:
     return n
 
 
+# --kv-cache-dtype (vLLM's names): "auto" is the model's dtype; "fp8" is e4m3
+# (pagedserve/kernels/kv_dtypes.py resolves them).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 # Deeper than this, each request that ends would cost more dropped samples and blocks held
 # (one a level) for no gain: depth 3 already hides a round trip behind two forwards, and 4
 # behind three (for short forwards, e.g. a small batch on a GPU).
@@ -128,7 +133,7 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("device", str, None, "executor: cuda when available, else cpu"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",
      "model dtype (auto: the checkpoint's; float32 where a CPU would emulate it)"),
-    ("kv-cache-dtype", _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
+    ("kv-cache-dtype", _choice(*KV_CACHE_DTYPE_CHOICES), "auto",
      "executor: KV cache element type (auto: the model's; fp8 = fp8_e4m3: one byte a value, "
      "twice the blocks of a 16-bit cache, unscaled and saturating)"),
     ("block-size", _block_size, 16, "tokens per KV-cache block (8, 16, 32, 64, 128)"),

@@ -14,6 +14,7 @@ from pagedserve.kernels.kv_dtypes import (
     is_fp8,
     kv_dtype_name,
     resolve_kv_cache_dtype,
+    same_bytes,
     to_cache_dtype,
 )
 from pagedserve.kernels.testing import (
@@ -26,14 +27,6 @@ from pagedserve.kernels.testing import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
 
 
 def _edge_values(kv_dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
@@ -89,7 +82,7 @@ def test_cache_write_stores_the_twins_byte(kv_dtype, src):
     slots[3] = -1
     ops.reshape_and_cache(key, value, got[0], got[1], slots, backend="triton")
     reference.reshape_and_cache(key, value, want[0], want[1], slots)
-    assert _same(got, want)
+    assert same_bytes(got, want)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=kv_dtype_name)
@@ -115,7 +108,7 @@ def test_rotary_cache_write_into_fp8_matches_the_twin(kv_dtype):
                                                 backend=backend)
         runs.append((qq, kc, vc))
     (q1, kc1, vc1), (q2, kc2, vc2) = runs
-    assert torch.equal(q1, q2) and _same(kc1, kc2) and _same(vc1, vc2)
+    assert torch.equal(q1, q2) and same_bytes(kc1, kc2) and same_bytes(vc1, vc2)
     assert bool((kc1.float().abs() == torch.finfo(kv_dtype).max).any()) or kv_dtype == FP8[1]
 
 
@@ -185,8 +178,8 @@ def test_decode_rope_in_the_launch_on_an_fp8_cache_is_bit_identical(kv_dtype, nu
     (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(
         *inputs, num_splits=num_splits, block_n=16)
     assert torch.equal(out, want)
-    assert _same(kc, kc2) and _same(vc, vc2)
-    assert not _same(kc, inputs[0].key_cache)  # the new keys were written
+    assert same_bytes(kc, kc2) and same_bytes(vc, vc2)
+    assert not same_bytes(kc, inputs[0].key_cache)  # the new keys were written
 
 
 def test_copy_and_swap_move_fp8_blocks_bit_for_bit():
@@ -195,12 +188,13 @@ def test_copy_and_swap_move_fp8_blocks_bit_for_bit():
     mapping = torch.tensor([[0, 5], [2, 6], [4, 1]], device=DEVICE)
     ops.copy_blocks(kv, mapping, backend="triton")
     reference.copy_blocks(want, mapping)
-    assert _same(kv, want) and _same(kv[:, :, 5], kv[:, :, 0])
+    assert same_bytes(kv, want) and same_bytes(kv[:, :, 5], kv[:, :, 0])
     cpu = torch.zeros(3, 2, 4, 16, 2, 64, dtype=torch.float8_e4m3fn)
     ops.swap_blocks(kv, cpu, torch.tensor([[5, 0], [1, 3]]))
-    assert _same(cpu[:, :, 0], kv[:, :, 5].cpu()) and _same(cpu[:, :, 3], kv[:, :, 1].cpu())
+    assert same_bytes(cpu[:, :, 0], kv[:, :, 5].cpu())
+    assert same_bytes(cpu[:, :, 3], kv[:, :, 1].cpu())
     ops.swap_blocks(cpu, kv, torch.tensor([[3, 2]]))
-    assert _same(kv[:, :, 2], kv[:, :, 1])
+    assert same_bytes(kv[:, :, 2], kv[:, :, 1])
 
 
 def test_launchers_take_fp8_caches_under_any_query_and_refuse_mixed_ones():
@@ -236,14 +230,14 @@ def test_fp8_cache_natively_gpu(kv_dtype, num_splits):
     inputs = rope_decode_inputs(2, 7, 64, torch.bfloat16, seqs, DEVICE, kv_dtype=kv_dtype)
     (out, kc, vc), (want, kc2, vc2) = rope_fused_and_two_launches(*inputs,
                                                                   num_splits=num_splits)
-    assert torch.equal(out, want) and _same(kc, kc2) and _same(vc, vc2)
+    assert torch.equal(out, want) and same_bytes(kc, kc2) and same_bytes(vc, vc2)
     values = _edge_values(kv_dtype, 4096 * 2 * 64).view(4096, 2, 64).to(DEVICE, torch.bfloat16)
     cache = torch.zeros(2, 512, 8, 2, 64, dtype=kv_dtype, device=DEVICE)
     twin = cache.clone()
     slots = torch.randperm(4096, device=DEVICE)
     ops.reshape_and_cache(values, values, cache[0], cache[1], slots, backend="triton")
     reference.reshape_and_cache(values, values, twin[0], twin[1], slots)
-    assert _same(cache, twin)
+    assert same_bytes(cache, twin)
 
 
 def test_e4m3_is_refused_on_a_gpu_older_than_ada(monkeypatch):
