@@ -61,6 +61,7 @@ from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.host_pool import HostPool
 from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
+from pagedserve.executor.models.lora import LoraSet
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
 from pagedserve.executor.prompt_scores import score_prompts
 from pagedserve.executor.request_rows import RequestRows
@@ -83,7 +84,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, executor_id: str = "",
                  max_model_len: int | None = None, graphs: DecodeGraphs | None = None,
                  grammars: GrammarCompiler | None = None,
-                 mixed_graphs: MixedGraphs | None = None) -> None:
+                 mixed_graphs: MixedGraphs | None = None, loras: LoraSet | None = None) -> None:
         self.model = model
         self.graph_steps = 0  # steps that replayed a graph
         self._graph_logits: torch.Tensor | None = None  # the last replay's, every row's
@@ -106,6 +107,7 @@ class ModelRunner:
         # Captured decode steps (CUDA), None: every step eager; the setter tells the limits
         # the fed graphs' sizes.
         self.graphs = graphs
+        self.loras = loras  # the LoRA adapters installed on the model (None: none)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
@@ -151,6 +153,18 @@ class ModelRunner:
         rows = graphs.feed_rows if graphs is not None else 0
         self.limits = dataclasses.replace(self.limits, graph_rows=rows,
                                           graph_width=graphs.width if rows else 0)
+
+    @property
+    def loras(self) -> LoraSet | None:
+        return self._loras
+
+    @loras.setter
+    def loras(self, loras: LoraSet | None) -> None:
+        """Set the LoRA adapters installed on the model: the plans' precompute learns
+        their names (a new request naming another is condemned)."""
+        self._loras = loras
+        self.limits = dataclasses.replace(
+            self.limits, lora_names=frozenset(loras.slots) if loras is not None else frozenset())
 
     def reset(self) -> None:
         """Forget every request (a new registration starts with an empty cache state)."""
@@ -410,6 +424,9 @@ class ModelRunner:
             hidden = self.graphs.run_feed(batch.feed, batch.input_ids)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
+        if batch.attn.lora_mask is not None:  # no graph holds the adapters' update
+            return self.model(batch.input_ids, batch.positions, self.cache.kv_cache,
+                              batch.attn)
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)

@@ -35,6 +35,7 @@ class PlanLimits:
     # (graph_feed.py): their batch tensors are not built (0: none are).
     graph_rows: int = 0
     graph_width: int = 0
+    lora_names: frozenset[str] = frozenset()  # the LoRA adapters it serves
 
 
 @dataclass(slots=True)
@@ -224,6 +225,8 @@ def _new_states(plan: StepPlan, limits: PlanLimits) -> tuple[list[SamplingState]
     states: list[SamplingState] = []
     errors: dict[str, str] = {}
     for req in plan.new_requests:
+        if req.lora and req.lora not in limits.lora_names:
+            errors[req.request_id] = f"unknown LoRA adapter {req.lora!r}"
         try:
             states.append(SamplingState.from_new_request(req, limits.grammars))
         except GrammarError as exc:

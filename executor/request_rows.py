@@ -21,7 +21,9 @@ class RequestRows:
     * ``num_blocks`` int64 [capacity]: the table's length;
     * ``sampled_token``, ``sampled_step`` int64 [capacity]: the token the request last
       sampled on this executor and the step it was sampled in (-1: none yet); a decode of
-      the next step marked ``feed_sampled`` is fed that token.
+      the next step marked ``feed_sampled`` is fed that token;
+    * ``lora`` int64 [capacity]: the slot of the request's LoRA adapter (0: none;
+      models/lora.py LoraSet), set once when the request is added.
 
     A row is taken with ``add`` (empty table, nothing sampled) or ``fork`` (a copy of
     another row) and handed back with ``release``; a free row is zero with nothing sampled.
@@ -35,6 +37,7 @@ class RequestRows:
         self.num_blocks = np.zeros(capacity, dtype=np.int64)
         self.sampled_token = np.full(capacity, -1, dtype=np.int64)
         self.sampled_step = np.full(capacity, -1, dtype=np.int64)
+        self.lora = np.zeros(capacity, dtype=np.int64)
         self._free = list(range(capacity - 1, -1, -1))  # a stack: lowest row on top
         self._in_use = np.zeros(capacity, dtype=bool)
 
@@ -62,6 +65,7 @@ class RequestRows:
         self.num_blocks[row] = self.num_blocks[parent]
         self.sampled_token[row] = self.sampled_token[parent]
         self.sampled_step[row] = self.sampled_step[parent]
+        self.lora[row] = self.lora[parent]
         return row
 
     def release(self, row: int) -> None:
@@ -72,6 +76,7 @@ class RequestRows:
         self.tables[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self.sampled_token[row] = self.sampled_step[row] = -1
+        self.lora[row] = 0
         self._free.append(row)
 
     def clear(self) -> None:
@@ -79,6 +84,7 @@ class RequestRows:
         self.tables[:] = 0
         self.num_blocks[:] = 0
         self.sampled_token[:] = self.sampled_step[:] = -1
+        self.lora[:] = 0
         self._free = list(range(self.capacity - 1, -1, -1))
         self._in_use[:] = False
 
@@ -128,5 +134,6 @@ class RequestRows:
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(old, np.int64)])
         self.sampled_token = np.concatenate([self.sampled_token, np.full(old, -1, np.int64)])
         self.sampled_step = np.concatenate([self.sampled_step, np.full(old, -1, np.int64)])
+        self.lora = np.concatenate([self.lora, np.zeros(old, np.int64)])
         self._in_use = np.concatenate([self._in_use, np.zeros(old, bool)])
         self._free = list(range(2 * old - 1, old - 1, -1))  # called with none free

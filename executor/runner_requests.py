@@ -60,7 +60,10 @@ def update_requests(self: ModelRunner, plan: StepPlan,
     for rid in plan.finished_ids:
         drop(self, rid)
     for req, sampling in zip(plan.new_requests, new_states, strict=True):
-        put(self, req.request_id, RequestState(self.rows.add(), sampling, self._pending))
+        row = self.rows.add()
+        if req.lora and self.loras is not None:  # an unknown one is condemned (plan_inputs)
+            self.rows.lora[row] = self.loras.slots.get(req.lora, 0)
+        put(self, req.request_id, RequestState(row, sampling, self._pending))
     if plan.forks:
         self._pending.apply()  # a child copies its parent's records
     for fork in plan.forks:

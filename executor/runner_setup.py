@@ -22,6 +22,7 @@ from pagedserve.executor.kernel_checks import (
 from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
+from pagedserve.executor.models.lora import LoraSet, read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,14 @@ def build_runner(
     gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
     max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
+    lora_modules: tuple[tuple[str, str], ...] = (),
 ) -> ModelRunner:
     """Load the model, size the caches (DESIGN §4 flags; ``kv_cache_dtype``: the model's
     dtype, or an fp8 one, kernels/kv_dtypes.py) and, on CUDA unless
     ``enforce_eager``, capture the decode graphs for up to ``max_num_seqs`` sequences (their
-    memory is set aside before the KV cache is sized). Raises ModelNotSupported,
-    FileNotFoundError or ValueError with a one-line message."""
+    memory is set aside before the KV cache is sized); install the LoRA adapters
+    ``lora_modules`` ((name, directory) pairs, models/lora.py). Raises ModelNotSupported,
+    FileNotFoundError or ValueError (LoraError) with a one-line message."""
     from pagedserve.executor.cache_engine import (
         block_bytes,
         blocks_for_space,
@@ -62,7 +65,12 @@ def build_runner(
     if max_model_len is not None and max_model_len > config.max_model_len:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                          f"{config.max_model_len}")
+    adapters = [read_adapter(name, path, config) for name, path in lora_modules]
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    loras = LoraSet(adapters, model) if adapters else None
+    if loras is not None:
+        log.info("LoRA adapters: %s (rank %d as batched; steps with their tokens run "
+                 "eagerly)", ", ".join(loras.names), loras.rank)
     # Taken after the load (which allocates through torch alone, so nothing outside torch is
     # missed): where NVML cannot name this process, outside-torch memory is the device's
     # growth since this baseline, and a neighbour executor filling its cache while this one
@@ -114,7 +122,7 @@ def build_runner(
                                num_threads=torch.get_num_threads() if device.type == "cpu"
                                else None)
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
-                         graphs=graphs, grammars=grammars, mixed_graphs=mixed)
+                         graphs=graphs, grammars=grammars, mixed_graphs=mixed, loras=loras)
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner

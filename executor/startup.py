@@ -113,7 +113,7 @@ def run_executor(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,
             progress=progress_bars_enabled(args.log_format),
             max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, lora_modules=args.lora_modules,
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
@@ -126,6 +126,7 @@ def run_executor(args: argparse.Namespace) -> int:
         block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks,
         num_cpu_blocks=cache.num_cpu_blocks, max_model_len=runner.max_model_len,
         pid=os.getpid(), hostname=socket.gethostname(),
+        lora_adapters=tuple(runner.loras.names) if runner.loras is not None else (),
     )
     log.info("executor %s: %s on %s (%s, KV cache %s), %d device blocks, %d cpu blocks of "
              "%d tokens", executor_id, runner.model.config.architecture, hello.device,

@@ -18,7 +18,7 @@ import argparse
 import logging
 import sys
 
-from .flags import FlagError, add_server_flags
+from .flags import FlagError, add_server_flags, flatten_lora_modules
 
 log = logging.getLogger("pagedserve")
 
@@ -44,6 +44,7 @@ def _server_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def _parse_server(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
     parser = _server_parser(prog, description)
     args = parser.parse_args(argv)
+    flatten_lora_modules(args)
     return args
 
 

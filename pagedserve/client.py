@@ -32,7 +32,8 @@ def build_request(args):
     if args.logprobs is not None:
         params.logprobs = args.logprobs
     request = pb.GenerateRequest(request_id=args.request_id or "", params=params,
-                                 priority=args.priority, cache_salt=args.cache_salt or "")
+                                 priority=args.priority, cache_salt=args.cache_salt or "",
+                                 lora_adapter=args.lora_adapter or "")
     if args.chat:  # one user turn, rendered with the model's chat template by the server
         from .chat_client import chat_messages
         request.messages.CopyFrom(chat_messages([("user", args.prompt)], args.system))
@@ -66,6 +67,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--cache-salt", default=None)
+    p.add_argument("--lora-adapter", default=None,
+                   help="a LoRA adapter the server serves (GetModelInfo lists them)")
     p.add_argument("--request-id", default=None)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     args = p.parse_args(argv)

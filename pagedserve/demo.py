@@ -51,7 +51,7 @@ READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
 
 
 def _cluster_args(plan: DemoPlan, model: str) -> tuple[argparse.Namespace, list[str]]:
-    from .flags import add_server_flags
+    from .flags import add_server_flags, flatten_lora_modules
     executor_argv = ["--num-gpu-blocks", str(plan.num_gpu_blocks), "--num-cpu-blocks", "512",
                      "--block-size", str(plan.block_size), "--cpu-threads", "1",
                      "--log-format", "text"]
@@ -62,7 +62,9 @@ def _cluster_args(plan: DemoPlan, model: str) -> tuple[argparse.Namespace, list[
                    "--api-workers", "0"]  # a scripted workload of a few streams
     parser = argparse.ArgumentParser(prog="pagedserve demo")
     add_server_flags(parser)
-    return parser.parse_args(router_argv + executor_argv), executor_argv
+    args = parser.parse_args(router_argv + executor_argv)
+    flatten_lora_modules(args)
+    return args, executor_argv
 
 
 class _ReadyTee:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 
 class FlagError(ValueError):
@@ -106,6 +107,33 @@ def _api_workers(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{value!r} is not auto or a count") from None
 
 
+_LORA_NAME = re.compile(r"[^\s,=]{1,128}")
+
+
+def _lora_modules(value: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=DIR`` pairs, separated by commas or spaces (vLLM's ``--lora-modules``: one
+    argument a pair, or several in one)."""
+    pairs = []
+    for item in value.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not path or not _LORA_NAME.fullmatch(name):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not NAME=DIR (a name of 1-128 characters, no space, comma or =)")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+def flatten_lora_modules(args) -> None:
+    """``args.lora_modules`` as one tuple of (name, directory) pairs, from the list of each
+    argument's pairs argparse gives; FlagError on a name given twice."""
+    pairs = tuple(pair for given in args.lora_modules for pair in given)
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise FlagError(f"--lora-modules: {', '.join(twice)} given twice")
+    args.lora_modules = pairs
+
+
 # (flag, type, default, help). None as default: derived at run time (see help).
 FLAGS: list[tuple[str, object, object, str]] = [
     ("model", str, None, "a Hugging Face directory, a .gguf file, a hub id, `default` (the "
@@ -131,6 +159,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("executor-bind", str, "tcp://127.0.0.1:5557", "router: ZeroMQ address executors join"),
     ("router", str, "tcp://127.0.0.1:5557", "executor: the router's ZeroMQ address"),
     ("device", str, None, "executor: cuda when available, else cpu"),
+    ("lora-modules", _lora_modules, None, "LoRA adapters (PEFT directories) served beside "
+     "the model, each NAME=DIR; a request picks one by NAME (the OpenAI API's model, gRPC's "
+     "lora_adapter); router, executors and serve need the same names"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",
      "model dtype (auto: the checkpoint's; float32 where a CPU would emulate it)"),
     ("kv-cache-dtype", _choice(*KV_CACHE_DTYPE_CHOICES), "auto",
@@ -190,7 +221,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                 default = type_(env)  # type: ignore[operator]
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 raise FlagError(f"{env_name(flag)}={env!r}: {exc}") from None
-        if flag in _BOOLEAN_SWITCHES:
+        if flag == "lora-modules":  # each argument's pairs: flatten_lora_modules
+            parser.add_argument("--" + flag, type=type_, nargs="+",
+                                default=[] if default is None else [default], help=help_)
+        elif flag in _BOOLEAN_SWITCHES:
             # `--flag` alone means true; `--flag=0` is accepted too.
             parser.add_argument("--" + flag, type=type_, nargs="?", const=True,
                                 default=default, help=help_)

@@ -183,6 +183,51 @@ def build_model(
     return out_dir
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapter(
+    model_dir: str | Path, out_dir: str | Path, *, rank: int = 8, alpha: float = 16.0,
+    target_modules: tuple[str, ...] = LORA_TARGETS, std: float = 0.3, seed: int = 0,
+    use_rslora: bool = False, layers: tuple[int, ...] | None = None,
+) -> Path:
+    """Write a random LoRA adapter for the model at ``model_dir`` in PEFT's format
+    (adapter_config.json, adapter_model.safetensors with PEFT's tensor names) and return its
+    path. Both A and B are drawn (std ``std``; a trained adapter's B is not zero either),
+    so the adapter changes greedy outputs; ``layers``: the layers it has (default all)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in (range(config["num_hidden_layers"]) if layers is None else layers):
+        for module in target_modules:
+            fan_in, fan_out = shapes[module]
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = std * torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{prefix}.lora_B.weight"] = std * torch.randn(fan_out, rank, generator=gen)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
+        str(model_dir), "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": list(target_modules), "bias": "none", "use_rslora": use_rslora,
+        "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+        "layers_to_transform": list(layers) if layers is not None else None,
+        "inference_mode": True}, indent=2))
+    return out_dir
+
+
 DEMO_MODEL_VERSION = "demo-llama-v1"  # = pagedserve.models.TINY_DIR
 
 

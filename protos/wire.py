@@ -32,8 +32,9 @@ import numpy as np
 
 # 2: pipelined steps (feed_sampled, deadline_s, gap_s); 3: logit_bias, grammar; 4: small arrays
 # share frame 1 (references carry a byte offset); 5: allowed_token_ids, bad_words_token_ids
-# (an executor that ignored them would sample what the request forbids)
-PROTOCOL_VERSION = 5
+# (an executor that ignored them would sample what the request forbids); 6: LoRA adapters
+# (NewRequest.lora, Hello.lora_adapters)
+PROTOCOL_VERSION = 6
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -63,6 +64,7 @@ class Hello(_Message, tag="hello", frozen=True):
     protocol_version: int = PROTOCOL_VERSION
     pid: int = 0
     hostname: str = ""
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules names)
 
 
 class Welcome(_Message, tag="welcome", frozen=True):
@@ -135,6 +137,7 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     output_token_ids: np.ndarray  # int32
     sampling: SamplingParams
     sample_index: int = 0
+    lora: str = ""  # the LoRA adapter its tokens run with ("" = the base model)
 
 
 class Fork(msgspec.Struct, frozen=True):

@@ -31,7 +31,7 @@ from pagedserve.logs import setup_logging
 from pagedserve.subprocs import ParentWatch
 
 from .api_workers import ARGS_ENV, BIND_ERROR_EXIT
-from .app import limits_from_args, read_model_info
+from .app import limits_from_args, model_info_from_args
 from .frontend import Frontend
 from .grpc_server import start_server
 from .http_server import start_http_server
@@ -45,7 +45,7 @@ PARENT_POLL_S = 0.5
 
 async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port: int,
                      http_port: int, parent: ParentWatch) -> int:
-    info, _ = read_model_info(args.model, args.block_size, args.max_model_len, args.dtype)
+    info, _ = model_info_from_args(args)
     tokenizer = Tokenizer.from_dir(args.model)
     engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)

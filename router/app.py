@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -84,9 +85,27 @@ def read_model_info(model_dir: str, block_size: int, max_model_len: int | None,
     return info, hashlib.sha256(raw).hexdigest()
 
 
+def lora_names(args) -> tuple[str, ...]:
+    """The names of ``--lora-modules``, in the order given."""
+    return tuple(name for name, _ in getattr(args, "lora_modules", None) or ())
+
+
+def model_info_from_args(args) -> tuple[ModelInfoData, str]:
+    """`read_model_info` of ``--model`` with the LoRA adapters served beside it (a name
+    that is the served model's own is refused: the OpenAI API's `model` picks either)."""
+    info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
+                                        args.dtype)
+    names = lora_names(args)
+    served = getattr(args, "served_model_name", None)
+    if served in names:
+        raise ModelDirError(f"--lora-modules: {served!r} is the served model's name too")
+    return dataclasses.replace(info, lora_adapters=names), fingerprint
+
+
 def limits_from_args(args, info: ModelInfoData) -> Limits:
     return Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                  max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
+                  max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
+                  lora_adapters=lora_names(args))
 
 
 def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> EngineConfig:
@@ -104,6 +123,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         pipeline_depth=args.pipeline_depth,
         step_timeout_s=args.step_timeout,
         debug_checks=bool(getattr(args, "debug_checks", False)),
+        lora_adapters=lora_names(args),
         decode_lane_min_running=decode_lane_min_running(),
     )
 
@@ -138,8 +158,7 @@ async def serve_router(
     once listening
     and, with `wait_for_executors`, once that many executors have registered."""
     args.api_workers = resolve_api_workers(getattr(args, "api_workers", 0), executors_on_gpu)
-    info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
-                                        args.dtype)
+    info, fingerprint = model_info_from_args(args)
     tokenizer = Tokenizer.from_dir(args.model)
     metrics = RouterMetrics()
     engine = RouterEngine(engine_config_from_args(args, fingerprint, info), tokenizer, info,

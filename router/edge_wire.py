@@ -21,8 +21,8 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 6  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
-# 6: SamplingSpec.allowed_token_ids, bad_words_token_ids
+EDGE_PROTOCOL_VERSION = 7  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+# 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter
 
 
 class EdgeHello(msgspec.Struct, tag=True):

@@ -63,6 +63,7 @@ class EngineConfig:
     # PAGEDSERVE_DECODE_LANE_MIN_RUNNING)
     decode_lane_min_running: int = SchedulerConfig.decode_lane_min_running
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
+    lora_adapters: tuple[str, ...] = ()  # every executor must serve these (--lora-modules)
 
 
 class RouterEngine:

@@ -99,6 +99,7 @@ def model_info_to_pb(info: ModelInfoData) -> pb.ModelInfo:
         block_size=info.block_size,
         dtype=info.dtype,
         eos_token_ids=info.eos_token_ids,
+        lora_adapters=info.lora_adapters,
     )
 
 

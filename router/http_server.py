@@ -157,18 +157,29 @@ class OpenAIApp:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created,
+    def _model_card(self, name: str) -> dict:
+        """The served model's card, or a LoRA adapter's (its `parent` the model, as vLLM
+        lists them)."""
+        card = {"id": name, "object": "model", "created": self.created,
                 "owned_by": "pagedserve", "max_model_len": self.max_model_len}
+        if name != self.model_name:
+            card["parent"] = self.model_name
+        return card
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a body's `model` may name: the served model, then its LoRA adapters."""
+        return (self.model_name, *self.frontend.limits.lora_adapters)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list",
+                                  "data": [self._model_card(n) for n in self.model_names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.model_name:
+        if name not in self.model_names:
             return error_response(ModelNotFound(f"the model {name!r} does not exist"))
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(name))
 
     # ------------------------------------------------------------------ tokenizer routes
 
@@ -177,7 +188,7 @@ class OpenAIApp:
         fe = self.frontend
         try:
             body = await _read_json(request)
-            self._check_model(body)
+            self._lora_adapter(body)
             pb_request = tokenize_request(body)
             ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request,
                                              tokenizer=fe.tokenizer, limits=fe.limits)
@@ -193,17 +204,22 @@ class OpenAIApp:
         """vLLM's /detokenize: the text of token ids."""
         try:
             body = await _read_json(request)
-            self._check_model(body)
+            self._lora_adapter(body)
             ids = detokenize_ids(body, self.frontend.limits.vocab_size)
         except PagedServeError as exc:
             return error_response(exc)
         return web.json_response({"prompt": self._token_text.decode(ids)}, dumps=_dumps)
 
-    def _check_model(self, body: dict) -> None:
+    def _lora_adapter(self, body: dict) -> str:
+        """The LoRA adapter the body's `model` names ("": the served model, or no `model`);
+        ModelNotFound for any other name."""
         model = optional_str(body, "model")
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(f"the model {model!r} does not exist; this server "
-                                f"serves {self.model_name!r}")
+        if model is None or model == self.model_name:
+            return ""
+        if model in self.frontend.limits.lora_adapters:
+            return model
+        raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in self.model_names)}")
 
     # ------------------------------------------------------------------ generation
 
@@ -220,7 +236,9 @@ class OpenAIApp:
                 spec_body = chat_body(body) if responses else body
                 api = (completion_request(body) if kind == "completions" else
                        chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
-                self._check_model(body)
+                adapter = self._lora_adapter(body)
+                for pb_request in api.requests:
+                    pb_request.lora_adapter = adapter
             except InvalidRequest as exc:
                 raise response_field(exc) if responses else exc from None
         except PagedServeError as exc:
@@ -233,10 +251,11 @@ class OpenAIApp:
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
-        writer = ChoiceWriter(api, response_id, created, self.model_name,
+        model = adapter or self.model_name  # what the reply says served it
+        writer = ChoiceWriter(api, response_id, created, model,
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
         if responses:
-            writer = ResponsesWriter(body, writer, response_id, created, self.model_name)
+            writer = ResponsesWriter(body, writer, response_id, created, model)
         stream: web.StreamResponse | None = None
         try:
             try:

@@ -89,6 +89,10 @@ class Membership:
                    f"{wire.PROTOCOL_VERSION}"
         if hello.model_fingerprint != cfg.model_fingerprint:
             return "a different model (config.json fingerprint differs from the router's)"
+        if sorted(hello.lora_adapters) != sorted(cfg.lora_adapters):
+            return (f"LoRA adapters {', '.join(sorted(hello.lora_adapters)) or 'none'}, the "
+                    f"router serves {', '.join(sorted(cfg.lora_adapters)) or 'none'} (start "
+                    "both with the same --lora-modules)")
         if hello.block_size != cfg.block_size:
             return f"block size {hello.block_size}, the router uses {cfg.block_size}"
         if hello.num_gpu_blocks <= 0:

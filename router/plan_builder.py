@@ -67,6 +67,7 @@ def _new_request(seq: Sequence, eos_token_ids: tuple[int, ...]) -> wire.NewReque
         output_token_ids=np.asarray(seq.token_ids[seq.num_prompt_tokens:], dtype=np.int32),
         sampling=wire_sampling(seq.group, eos_token_ids),
         sample_index=seq.index,
+        lora=seq.group.spec.lora_adapter,
     )
 
 

@@ -79,7 +79,8 @@ class RequestSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     prompt_text: str | None = None
     priority: int = 0
-    cache_salt: str = ""
+    cache_salt: str = ""  # the prefix cache's: the client's, the adapter's, or a private one
+    lora_adapter: str = ""  # "" = the base model
     arrival_time: float = 0.0
     deadline: float | None = None
 
@@ -164,6 +165,7 @@ class ModelInfoData:
     block_size: int
     dtype: str
     eos_token_ids: tuple[int, ...]
+    lora_adapters: tuple[str, ...] = ()  # served beside the model (--lora-modules)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class Limits:
     max_n: int = 16
     max_logprobs: int = 20
     max_stop: int = 16
+    lora_adapters: tuple[str, ...] = ()  # the names a request may pick (--lora-modules)
 
 
 def _bad(field: str, message: str) -> InvalidRequest:
@@ -326,7 +327,15 @@ def request_from_pb(
             f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) > "
             f"max_model_len ({limits.max_model_len})",
         )
-    cache_salt = request.cache_salt
+    cache_salt, adapter = request.cache_salt, request.lora_adapter
+    if "\x00" in cache_salt:  # the separator of the salts the router adds below
+        raise _bad("cache_salt", "must not contain a NUL character")
+    if adapter:
+        if adapter not in limits.lora_adapters:
+            served = ", ".join(limits.lora_adapters) or "none"
+            raise _bad("lora_adapter", f"unknown LoRA adapter {adapter!r} (served: {served})")
+        # An adapter's keys and values are its own: its blocks are shared only within it.
+        cache_salt = f"{cache_salt}\x00lora:{adapter}"
     if sampling.prompt_logprobs is not None:
         # Every prompt token must be computed to be scored: a salt of its own keeps the
         # prefix cache from serving any of them (its samples still share its blocks).
@@ -338,6 +347,7 @@ def request_from_pb(
         prompt_text=prompt_text,
         priority=request.priority,
         cache_salt=cache_salt,
+        lora_adapter=adapter,
         arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         deadline=deadline,
     )

@@ -32,6 +32,7 @@ class Seq:
     synced: int = 0  # table entries the executor holds unchanged
     known: bool = False  # the executor has its state
     cpu_table: list[int] = field(default_factory=list)
+    lora: str = ""  # its LoRA adapter ("" = the base model)
 
     @property
     def outputs(self) -> list[int]:
@@ -52,18 +53,18 @@ class Driver:
         self._forks: list[Fork] = []
 
     def add(self, rid, prompt, sampling=GREEDY, sample_index=0, outputs=(),
-            shared_blocks=(), num_cached=0) -> Seq:
+            shared_blocks=(), num_cached=0, lora="") -> Seq:
         """A request; ``shared_blocks`` (full blocks of a cached prefix) cover ``num_cached``
-        tokens, which then are not computed again."""
+        tokens, which then are not computed again; ``lora``: its adapter's name."""
         seq = Seq(rid, list(prompt) + list(outputs), len(prompt), sampling, sample_index,
-                  num_computed=num_cached, table=list(shared_blocks))
+                  num_computed=num_cached, table=list(shared_blocks), lora=lora)
         self.seqs[rid] = seq
         return seq
 
     def fork(self, parent: str, child: str, sample_index: int) -> Seq:
         p = self.seqs[parent]
         seq = Seq(child, list(p.tokens), p.prompt_len, p.sampling, sample_index,
-                  p.num_computed, list(p.table), synced=len(p.table), known=True)
+                  p.num_computed, list(p.table), synced=len(p.table), known=True, lora=p.lora)
         self.seqs[child] = seq
         self._forks.append(Fork(parent, child, sample_index))
         return seq
@@ -106,7 +107,7 @@ class Driver:
                 new_requests.append(NewRequest(
                     request_id=rid, prompt_token_ids=int32(seq.tokens[:seq.prompt_len]),
                     output_token_ids=int32(seq.outputs), sampling=seq.sampling,
-                    sample_index=seq.sample_index))
+                    sample_index=seq.sample_index, lora=seq.lora))
                 seq.known, seq.synced = True, 0
             if rid in feed:
                 assert seq.num_computed == len(seq.tokens), "feed: the input is in flight"
@@ -240,7 +241,7 @@ class KVDriver(Driver):
                 new_requests.append(NewRequest(
                     request_id=rid, prompt_token_ids=int32(seq.tokens[:seq.prompt_len]),
                     output_token_ids=int32(seq.outputs), sampling=seq.sampling,
-                    sample_index=seq.sample_index))
+                    sample_index=seq.sample_index, lora=seq.lora))
                 seq.known = True
             end = seq.num_computed + n
             tokens += seq.tokens[seq.num_computed:end]

@@ -28,10 +28,22 @@ from torch import nn
 TRITON_GEMM = triton_gemm_from_env(strict=False)
 
 
-def project(linear: nn.Linear, x: torch.Tensor, name: str) -> torch.Tensor:
-    """The layer's projection ``name`` (qkv, o, gate_up: ops.linear, cuBLAS or the Triton
-    GEMM)."""
-    return ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM)
+def project(linear: nn.Linear, x: torch.Tensor, name: str,
+            lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's projection ``name`` (qkv, o, gate_up, down: ops.linear, cuBLAS or the
+    Triton GEMM), plus the LoRA adapters' update of each token where the step has tokens
+    with an adapter (``lora_mask``, models/lora.py)."""
+    y = ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM)
+    if lora_mask is not None and linear.lora is not None:
+        linear.lora.add_(y, x, lora_mask)
+    return y
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool) -> nn.Linear:
+    """A projection, with no LoRA update until a LoraSet installs one (models/lora.py)."""
+    linear = nn.Linear(fan_in, fan_out, bias)
+    linear.lora = None
+    return linear
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,9 @@ class AttentionMetadata:
     # steps with prompt tokens: (d, the rest's query_start_loc from 0) when the first d
     # sequences go to the decode kernel (ops.decode_split_of; off unless switched on)
     decode_split: tuple[int, torch.Tensor] | None = None
+    # steps with tokens of LoRA adapters: LoraSet.mask of the tokens' adapters [T, n*R]
+    # (None: no token has one). Not attention's, but every projection's per-step input.
+    lora_mask: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +98,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -103,29 +118,29 @@ class Attention(nn.Module):
                     attn: AttentionMetadata) -> torch.Tensor:
         """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
         inside the attention's launch: [T, H, D]."""
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, attn.lora_mask)
         return ops.paged_decode_attention(q, kv_cache[0], kv_cache[1], attn.block_tables,
                                           attn.seq_lens, self.scale,
                                           rope=(k, v, cos_sin, attn.slot_mapping))
 
-    def qkv(self, x):
+    def qkv(self, x, lora_mask: torch.Tensor | None = None):
         """(q [T, H, D], k and v [T, Hkv, D]): views of the fused projection, not rotated."""
-        q, k, v = project(self.qkv_proj, x, "qkv").split(
+        q, k, v = project(self.qkv_proj, x, "qkv", lora_mask).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),
                 k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
-        q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping)
+        q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping, attn.lora_mask)
         return project(self.o_proj, self.attend(q, kv_cache, attn).reshape(-1, self.q_size),
-                       "o")
+                       "o", attn.lora_mask)
 
-    def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D] rotated; the rotated keys and the values written into this layer's
         cache at ``slot_mapping`` (-1: not written)."""
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, lora_mask)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, _ = ops.rotary_embedding_and_cache(q, k, v, cos_sin, kv_cache[0], kv_cache[1],
@@ -148,14 +163,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, cfg.mlp_bias)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * size, cfg.mlp_bias)
         self.gate_up_proj.shard_sizes = (size, size)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, cfg.mlp_bias)
+        self.down_proj = _linear(size, cfg.hidden_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(project(self.gate_up_proj, x, "gate_up"), self.down_proj.weight,
-                          self.down_proj.bias, triton_gemm="down" in TRITON_GEMM, silu_mul=True,
-                          backend=self.kernel_backend)
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up = project(self.gate_up_proj, x, "gate_up", lora_mask)
+        down = self.down_proj
+        if lora_mask is not None and down.lora is not None:  # its input is needed apart
+            return project(down, ops.silu_and_mul(gate_up, backend=self.kernel_backend),
+                           "down", lora_mask)
+        return ops.linear(gate_up, down.weight, down.bias, triton_gemm="down" in TRITON_GEMM,
+                          silu_mul=True, backend=self.kernel_backend)
 
 
 class DecoderLayer(nn.Module):
@@ -169,13 +188,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos_sin, kv_cache, attn):
         """(this layer's MLP output, the residual stream before it): the residual add is
         fused into the next norm (the first layer's input is its own residual)."""
-        attention = self.self_attn
+        attention, lora_mask = self.self_attn, attn.lora_mask
         if attention.fuses_decode_rope(attn):
             x, residual = self.input_norm(x, residual)
             return self.post_attention(attention.decode_rope(x, cos_sin, kv_cache, attn),
-                                       residual)
-        q, residual = self.pre_attention(x, residual, cos_sin, kv_cache, attn.slot_mapping)
-        return self.post_attention(attention.attend(q, kv_cache, attn), residual)
+                                       residual, lora_mask)
+        q, residual = self.pre_attention(x, residual, cos_sin, kv_cache, attn.slot_mapping,
+                                         lora_mask)
+        return self.post_attention(attention.attend(q, kv_cache, attn), residual, lora_mask)
 
     def input_norm(self, x, residual):
         """(the normed input, the residual stream); the first layer's input is its own
@@ -184,19 +204,21 @@ class DecoderLayer(nn.Module):
             return self.input_layernorm(x), x
         return self.input_layernorm(x, residual)
 
-    def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping):
+    def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping, lora_mask=None):
         """(q, the residual stream): the input norm, q/k/v, rotary, the cache write. The
         halves either side of the attention call, for graphs captured around it
-        (executor/mixed_graphs.py)."""
+        (executor/mixed_graphs.py; graphs hold no LoRA update)."""
         x, residual = self.input_norm(x, residual)
-        return self.self_attn.qkv_and_cache(x, cos_sin, kv_cache, slot_mapping), residual
+        return self.self_attn.qkv_and_cache(x, cos_sin, kv_cache, slot_mapping,
+                                            lora_mask), residual
 
-    def post_attention(self, attn_out, residual):
+    def post_attention(self, attn_out, residual, lora_mask=None):
         """(this layer's MLP output, the residual stream before it) from the attention's
         output [T, H, D]."""
-        x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size), "o")
+        x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size), "o",
+                    lora_mask)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora_mask), residual
 
 
 def _on_meta_device() -> bool:

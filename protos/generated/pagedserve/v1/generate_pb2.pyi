@@ -139,7 +139,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "params", "priority", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "params", "priority", "cache_salt", "add_special_tokens", "truncate_prompt_tokens", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -158,7 +159,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     add_special_tokens: bool
     truncate_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -259,7 +261,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "eos_token_ids")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "eos_token_ids", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -274,7 +277,8 @@ class ModelInfo(_message.Message):
     block_size: int
     dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,232 @@
+"""LoRA adapters in PEFT's format, served beside the base model: every loaded adapter in
+every step, each token computed with its own request's adapter (or none).
+
+An adapter is a directory as PEFT's ``save_pretrained`` writes it: ``adapter_config.json``
+(``r``, ``lora_alpha``, ``use_rslora``, ...) and ``adapter_model.safetensors``
+(``...layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight``
+[out, r]). A module's update of its output is ``scaling * B (A x)``, ``scaling =
+lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), r the module's own rank (its tensors' shape, so
+PEFT's ``rank_pattern`` holds). What cannot be computed as PEFT computes it is refused at
+start, one line naming it: DoRA, trained biases, ``modules_to_save`` (whole modules, such as
+an lm_head), ``alpha_pattern``, adapters of the embedding or the head, pickled weights.
+
+The batched update, per projection (qkv, o, gate_up, down): with n adapters, each padded to
+the largest rank R, ``A`` stacks every adapter's A rows, shard by shard [S*n*R, in] (S: the
+shards of a fused projection some adapter targets, e.g. q, k, v), and ``B_s`` puts shard s's
+B of all adapters side by side [out_s, n*R], scaling folded in. For a batch x [T, in] whose
+tokens run adapters ``ids`` (0: none)::
+
+    h = (x @ A^T).view(T, S, n*R) * mask[:, None, :]     # mask[t, c] = ids[t] == owner[c]
+    y[:, shard s] += h[:, s] @ B_s^T
+
+A token keeps only its own adapter's R columns, so this is PEFT's ``scaling * B_a (A_a x)``
+for each token, and a token without an adapter adds exact zeros. It is two matmuls and a
+multiply a projection whatever the mix of adapters in the step: no gather of weights and no
+loop over adapters, static shapes, the mask built once a step (``LoraSet.mask``). The cost
+grows with n*R, as n*R more output rows of each projection would (benchmarks/lora_bench.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pagedserve.executor.models.config import ModelConfig
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# checkpoint module -> (submodule, our fused projection), the shards of one in order
+MODULES = {
+    "q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
+# ...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter name}].weight
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.[\w-]+)?\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter this executor cannot serve as PEFT would (one-line message)."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int  # its largest module rank
+    # (layer, checkpoint module) -> (A [r, in], B [out, r] times the scaling), float32
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a checkpoint module of the base model."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}[module]
+
+
+def _read_config(name: str, path: Path) -> dict:
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise LoraError(f"LoRA adapter {name}: {path} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter {name}: {path / CONFIG_FILE}: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"LoRA adapter {name}: {CONFIG_FILE} is not a JSON object")
+    refusals = [
+        (config.get("peft_type", "LORA") != "LORA",
+         f"peft_type {config.get('peft_type')!r} (only LORA)"),
+        (bool(config.get("use_dora")), "DoRA (use_dora)"),
+        (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')!r})"),
+        (bool(config.get("lora_bias")), "trained biases (lora_bias)"),
+        (bool(config.get("modules_to_save")),
+         f"modules_to_save {config.get('modules_to_save')!r} (whole modules)"),
+        (bool(config.get("alpha_pattern")), "alpha_pattern"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D layers)"),
+    ]
+    for refused, what in refusals:
+        if refused:
+            raise LoraError(f"LoRA adapter {name}: {what} is not supported")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise LoraError(f"LoRA adapter {name}: lora_alpha must be a positive number")
+    return config
+
+
+def read_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
+    """The adapter at ``path`` for the base model ``cfg``; LoraError (one line) when it is
+    not one this executor serves exactly."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LoraError(f"LoRA adapter {name}: {path} is not a directory")
+    config = _read_config(name, path)
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        pickled = " (adapter_model.bin is pickled: save it as safetensors)" \
+            if (path / "adapter_model.bin").exists() else ""
+        raise LoraError(f"LoRA adapter {name}: {path} has no {WEIGHTS_FILE}{pickled}")
+    halves: dict[tuple[int, str, str], torch.Tensor] = {}
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            match = _KEY.search(key)
+            if match is None or match.group(2) not in MODULES:
+                raise LoraError(f"LoRA adapter {name}: tensor {key!r} is not a LoRA A or B of "
+                                f"a projection ({', '.join(MODULES)})")
+            layer = int(match.group(1))
+            if layer >= cfg.num_layers:
+                raise LoraError(f"LoRA adapter {name}: {key!r} names layer {layer}; the "
+                                f"model has {cfg.num_layers}")
+            halves[(layer, match.group(2), match.group(3))] = f.get_tensor(key).float()
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    alpha = float(config.get("lora_alpha", 8))
+    for (layer, module, half) in sorted(halves):
+        if half != "A":
+            continue
+        a, b = halves[(layer, module, "A")], halves.get((layer, module, "B"))
+        where = f"LoRA adapter {name}: layer {layer} {module}"
+        if b is None:
+            raise LoraError(f"{where}: lora_A without lora_B")
+        fan_in, fan_out = module_shape(cfg, module)
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or rank == 0 or tuple(a.shape) != (rank, fan_in) \
+                or tuple(b.shape) != (fan_out, rank):
+            raise LoraError(f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)}, where "
+                            f"[r, {fan_in}] and [{fan_out}, r] expected")
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        weights[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
+    if any(half == "B" and (layer, module) not in weights
+           for layer, module, half in halves):
+        raise LoraError(f"LoRA adapter {name}: lora_B without lora_A")
+    if not weights:
+        raise LoraError(f"LoRA adapter {name}: {WEIGHTS_FILE} holds no LoRA weights")
+    return LoraAdapter(name=name, path=str(path),
+                       rank=max(a.shape[0] for a, _ in weights.values()), weights=weights)
+
+
+class ProjectionLora:
+    """The adapters' update of one projection (a plain object on the projection's
+    ``lora`` attribute, so never a parameter of the model)."""
+
+    def __init__(self, a: torch.Tensor, shards: list[tuple[int, int, torch.Tensor]],
+                 width: int) -> None:
+        self.a = a  # [S * n * R, in]
+        self.shards = shards  # (output offset, output size, B [size, n * R]) a shard
+        self.width = width  # n * R
+
+    def add_(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """y [T, out] += each token's own adapter's update of x [T, in]; y returned."""
+        h = (x @ self.a.t()).view(x.shape[0], len(self.shards), self.width)
+        h = h * mask[:, None, :]
+        for s, (offset, size, b) in enumerate(self.shards):
+            y[:, offset:offset + size].addmm_(h[:, s], b.t())
+        return y
+
+
+class LoraSet:
+    """The adapters an executor serves, installed on its model's projections; slot i + 1
+    is ``names[i]``, slot 0 no adapter."""
+
+    def __init__(self, adapters: list[LoraAdapter], model: torch.nn.Module) -> None:
+        if not adapters:
+            raise ValueError("a LoraSet needs at least one adapter")
+        self.names = [a.name for a in adapters]
+        self.slots = {name: i + 1 for i, name in enumerate(self.names)}
+        self.rank = max(a.rank for a in adapters)
+        cfg = model.config
+        weight = model.model.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        n, rank = len(adapters), self.rank
+        # owner[c]: the slot whose rank-R block column c is
+        self.owner = torch.arange(1, n + 1, device=self.device).repeat_interleave(rank)
+        for layer_index, layer in enumerate(model.model.layers):
+            for part, projection, modules in _projections():
+                linear = getattr(getattr(layer, part), projection)
+                linear.lora = self._projection(adapters, cfg, layer_index, modules)
+
+    def _projection(self, adapters: list[LoraAdapter], cfg: ModelConfig, layer: int,
+                    modules: list[str]) -> ProjectionLora | None:
+        """The update of one fused projection made of checkpoint ``modules`` (in shard
+        order), or None when no adapter targets any of them."""
+        n, rank = len(adapters), self.rank
+        a_blocks, shards, offset = [], [], 0
+        for module in modules:
+            fan_in, fan_out = module_shape(cfg, module)
+            if any((layer, module) in ad.weights for ad in adapters):
+                a = torch.zeros(n * rank, fan_in)
+                b = torch.zeros(fan_out, n * rank)
+                for i, ad in enumerate(adapters):
+                    if (layer, module) in ad.weights:
+                        a_i, b_i = ad.weights[(layer, module)]
+                        r = a_i.shape[0]
+                        a[i * rank:i * rank + r] = a_i
+                        b[:, i * rank:i * rank + r] = b_i
+                a_blocks.append(a)
+                shards.append((offset, fan_out, b.to(self.device, self.dtype)))
+            offset += fan_out
+        if not shards:
+            return None
+        return ProjectionLora(torch.cat(a_blocks).to(self.device, self.dtype), shards, n * rank)
+
+    def mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T, n*R] in the model's dtype: 1 where column c belongs to token t's adapter
+        (``ids`` [T] int64 slots on the device; 0 matches no column)."""
+        return (ids[:, None] == self.owner).to(self.dtype)
+
+
+def _projections() -> list[tuple[str, str, list[str]]]:
+    """(submodule, fused projection, its checkpoint modules in shard order) of a layer."""
+    fused: dict[tuple[str, str], list[str]] = {}
+    for module, (part, projection) in MODULES.items():
+        fused.setdefault((part, projection), []).append(module)
+    return [(part, projection, modules) for (part, projection), modules in fused.items()]

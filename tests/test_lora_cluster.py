@@ -1,0 +1,151 @@
+"""LoRA adapters on a real cluster (router with an API worker, one executor, both started
+with `--lora-modules`): the OpenAI API's `model` and gRPC's `lora_adapter` pick an adapter,
+whose greedy tokens are transformers + PEFT's; adapters never share prefix-cache blocks
+with each other or the base model; names are listed and unknown ones refused; an executor
+serving other adapters is refused at registration."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from cluster_harness import Cluster, request
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+from test_lora import peft_reference
+from test_models import PROMPTS
+
+from pagedserve.tinymodels import build_lora_adapter, build_model
+
+pytest.importorskip("peft")
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_cluster")
+    model = build_model(root / "qwen2", "qwen2")
+    return {"model": model,
+            "sql": build_lora_adapter(model, root / "sql", rank=8, alpha=16, seed=1),
+            "chat": build_lora_adapter(model, root / "chat", rank=4, alpha=8, seed=2,
+                                       target_modules=("q_proj", "v_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def cluster(dirs):
+    modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}"]
+    c = Cluster(dirs["model"], num_executors=1, executor_args=modules,
+                router_args=[*modules, "--api-workers", "1", "--served-model-name", "base"])
+    with c.running():
+        yield c
+
+
+def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{cluster.http_address}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _get(cluster, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://{cluster.http_address}{path}", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _completion(cluster, model: str, prompt: list[int]) -> dict:
+    status, body = _post(cluster, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_tokens_as_token_ids": True, "logprobs": 0})
+    assert status == 200, body
+    return body
+
+
+def _token_ids(body: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_the_openai_model_field_picks_the_adapter(cluster, dirs):
+    for model, adapter in (("sql", dirs["sql"]), ("chat", dirs["chat"]), ("base", None)):
+        body = _completion(cluster, model, PROMPTS[0])
+        assert body["model"] == model
+        ref, _ = peft_reference(dirs["model"], adapter, PROMPTS[0], MAX_TOKENS)
+        assert _token_ids(body) == ref, model
+    base, _ = peft_reference(dirs["model"], None, PROMPTS[0], MAX_TOKENS)
+    for adapter in ("sql", "chat"):
+        assert peft_reference(dirs["model"], dirs[adapter], PROMPTS[0], MAX_TOKENS)[0] != base
+
+
+def test_grpc_lora_adapter_field_and_model_info(cluster, dirs):
+    req = request(token_ids=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0,
+                  ignore_eos=True)
+    req.lora_adapter = "chat"
+    reply = cluster.stub.Generate(req, timeout=60)
+    ref, _ = peft_reference(dirs["model"], dirs["chat"], PROMPTS[1], MAX_TOKENS)
+    assert list(reply.completions[0].token_ids) == ref
+    info = cluster.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert list(info.lora_adapters) == ["sql", "chat"]
+    req.lora_adapter = "nope"
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.stub.Generate(req, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == ("lora_adapter: unknown LoRA adapter 'nope' "
+                                   "(served: sql, chat)")
+
+
+def test_adapters_never_share_prefix_cache_blocks(cluster):
+    """The same 41-token prompt (two full blocks of 16) under each name: the second request
+    of one name is served its two blocks from the cache, a first of another name none."""
+    prompt = [7, *PROMPTS[1][1:]]  # a prompt no other test sent
+    cached = []
+    for model in ("sql", "sql", "chat", "base", "chat", "base"):
+        usage = _completion(cluster, model, prompt)["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    assert cached == [0, 32, 0, 0, 32, 32]
+
+
+def test_models_are_listed_and_unknown_ones_refused(cluster):
+    status, listing = _get(cluster, "/v1/models")
+    assert status == 200
+    assert [(m["id"], m.get("parent")) for m in listing["data"]] == [
+        ("base", None), ("sql", "base"), ("chat", "base")]
+    assert _get(cluster, "/v1/models/chat")[1]["parent"] == "base"
+    status, body = _post(cluster, "/v1/chat/completions", {
+        "model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404
+    assert body["error"]["message"] == ("the model 'nope' does not exist; this server serves "
+                                        "'base', 'sql', 'chat'")
+    status, body = _post(cluster, "/tokenize", {"model": "sql", "prompt": "hi there"})
+    assert status == 200 and body["count"] > 0
+
+
+def test_chat_with_an_adapter(cluster, dirs):
+    status, body = _post(cluster, "/v1/chat/completions", {
+        "model": "sql", "messages": [{"role": "user", "content": "select"}],
+        "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    assert body["model"] == "sql" and body["usage"]["completion_tokens"] >= 1
+
+
+def test_an_executor_serving_other_adapters_is_refused(cluster, dirs):
+    proc = cluster._spawn(["executor", "--model", str(dirs["model"]), "--router", cluster.zmq,
+                           "--executor-id", "odd", "--lora-modules", f"sql={dirs['sql']}"],
+                          "odd")
+    try:
+        assert proc.wait(timeout=120) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread's last lines
+    tail = cluster.logs(n=None)
+    assert ("refused executor odd: LoRA adapters sql, the router serves chat, sql (start "
+            "both with the same --lora-modules)") in tail
