@@ -6,6 +6,7 @@ cannot be served exactly is refused at start with one line."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -216,14 +217,8 @@ _PREFIX = "base_model.model.model.layers.0.self_attn.q_proj"
 def test_what_cannot_be_served_exactly_is_refused(dirs, tmp_path, config_edit, tensors_edit,
                                                  message):
     path = _edited_copy(dirs["all"], tmp_path / "edited", config_edit, tensors_edit)
-    with pytest.raises(LoraError, match="^LoRA adapter x: .*" + _escaped(message)):
+    with pytest.raises(LoraError, match="^LoRA adapter x: .*" + re.escape(message)):
         read_adapter("x", path, load_config(dirs["model"]))
-
-
-def _escaped(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def test_missing_or_pickled_weights_are_refused(dirs, tmp_path):
@@ -260,3 +255,28 @@ def test_masks_pick_each_tokens_columns(dirs):
     assert mask.shape == (3, 3 * r)
     assert np.array_equal(mask.sum(1).numpy(), [0, r, r])
     assert mask[1, r:2 * r].all() and mask[2, :r].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adapters_on_a_gpu_beside_the_decode_graphs(dirs):
+    """On a GPU (float32, graphs captured as `serve` runs): steps with adapter tokens run
+    eagerly and equal PEFT; once only a base request is left, its decode steps replay the
+    graphs, and its tokens are transformers'."""
+    runner = build_runner(str(dirs["model"]), device="cuda", dtype="float32",
+                          num_gpu_blocks=96, num_cpu_blocks=0, block_size=8, progress=False,
+                          max_num_seqs=8,
+                          lora_modules=tuple((n, str(dirs[n])) for n in ("all", "qv")))
+    driver = Driver(runner)
+    cases = {"a": ("all", PROMPTS[0]), "q": ("qv", PROMPTS[1]), "b": ("", PROMPTS[2])}
+    for rid, (lora, prompt) in cases.items():
+        driver.add(rid, prompt, lora=lora)
+    driver.generate(["a", "q", "b"], NUM_TOKENS // 2)
+    graph_steps = runner.graph_steps
+    driver.generate(["b"], NUM_TOKENS)
+    assert runner.graph_steps > graph_steps
+    driver.generate(["a", "q"], NUM_TOKENS)
+    for rid, (lora, prompt) in cases.items():
+        ref, logits = peft_reference(dirs["model"], dirs[lora] if lora else None, prompt,
+                                     NUM_TOKENS)
+        assert_greedy_equal(driver.seqs[rid].outputs, ref, logits)
