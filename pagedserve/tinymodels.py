@@ -198,21 +198,16 @@ def build_lora_adapter(
     import torch
     from safetensors.torch import save_file
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-              "down_proj": (inter, hidden)}
+    from pagedserve.executor.models.config import load_config
+    from pagedserve.executor.models.lora import MODULES, module_shape
+
+    config = load_config(model_dir)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in (range(config["num_hidden_layers"]) if layers is None else layers):
+    for layer in (range(config.num_layers) if layers is None else layers):
         for module in target_modules:
-            fan_in, fan_out = shapes[module]
-            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            fan_in, fan_out = module_shape(config, module)
+            prefix = f"base_model.model.model.layers.{layer}.{MODULES[module][0]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = std * torch.randn(rank, fan_in, generator=gen)
             tensors[f"{prefix}.lora_B.weight"] = std * torch.randn(fan_out, rank, generator=gen)
     out_dir = Path(out_dir)
