@@ -5,9 +5,10 @@ case and setting (DESIGN §8):
 
 * ``decode_b{B}``: B requests decoding one token each at context ~256 (executor_steps.py's
   decode plans), the step's time with ``adapters`` loaded (0, 1 or 4) and ``with_adapter``
-  of the B rows running one (the rows take the loaded adapters in turn): 0 loaded; 4 loaded
-  and no row using one (such a step builds no mask: the base model's step); 1 loaded, every
-  row; 4 loaded, every row, mixed;
+  of the B rows running one (the rows take the first ``distinct_in_step`` adapters in turn):
+  0 loaded; 4 loaded and no row using one (such a step builds no mask: the base model's
+  step); 1 loaded, every row; 4 loaded, every row, mixed; 16 loaded, every row the same
+  one; 16 loaded, every row, as many distinct as the batch allows (up to 16);
 * ``prefill_{N}``: one prompt of N tokens computed whole (the time to its first token),
   with no adapter and with one.
 
@@ -83,12 +84,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [(f"a{i}", str(build_lora_adapter(
             model_dir, Path(tmp) / f"a{i}", rank=args.rank, alpha=2.0 * args.rank,
-            std=0.02, seed=i))) for i in range(4)]
-        settings = [(0, 0), (4, 0), (1, 1), (4, 4)]  # (adapters loaded, of them in use)
+            std=0.02, seed=i))) for i in range(16)]
+        # (adapters loaded, of them in use in a step)
+        settings = [(0, 0), (4, 0), (1, 1), (4, 4), (16, 1), (16, 16)]
         for batch in (1, 8, 32):
             for loaded, in_use in settings:
-                if in_use > batch:
-                    continue
+                if in_use > batch:  # 16 distinct: as many as the batch has, from 8 rows
+                    if (loaded, in_use) != (16, 16) or batch < 8:
+                        continue
+                    in_use = batch
                 runner = build_runner(model_dir, dtype="float32",
                                       num_gpu_blocks=batch * 20 + 8, num_cpu_blocks=0,
                                       block_size=block_size, progress=False,

@@ -18,6 +18,7 @@ import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.graph_feed import GraphFeed
 from pagedserve.executor.models import AttentionMetadata
+from pagedserve.executor.models.lora import LoraStep
 from pagedserve.executor.plan_inputs import PlanInputs, build_tensors
 from pagedserve.kernels import ops
 from pagedserve.protos.wire import RequestError, StepPlan
@@ -130,8 +131,8 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
     the ids on the device only when they are there."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
     graphs = self.graphs
-    lora_mask = lora_mask_of(self, rows, pre.num_new)
-    if pre.feedable and graphs is not None and lora_mask is None \
+    lora = lora_step_of(self, rows, pre.num_new)
+    if pre.feedable and graphs is not None and lora is None \
             and graphs.can_feed(rows.shape[0], pre.longest):
         if ids_patched:
             input_ids = to_device(pre.token_ids, self.device, torch.int64)
@@ -156,14 +157,13 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len,
             decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc),
-            lora_mask=lora_mask),
+            lora=lora),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
         sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows])
 
 
-def lora_mask_of(self: ModelRunner, rows: np.ndarray,
-                 num_new: np.ndarray) -> torch.Tensor | None:
-    """The step's LoRA mask (models/lora.py) from its rows' adapters and query lengths, or
+def lora_step_of(self: ModelRunner, rows: np.ndarray, num_new: np.ndarray) -> LoraStep | None:
+    """The step's LoRA view (models/lora.py) from its rows' adapters and query lengths, or
     None when no row has an adapter (then the step may run as a graph)."""
     loras = self.loras
     if loras is None:
@@ -171,7 +171,7 @@ def lora_mask_of(self: ModelRunner, rows: np.ndarray,
     slots = self.rows.lora[rows]
     if not slots.any():
         return None
-    return loras.mask(to_device(np.repeat(slots, num_new), self.device, torch.int64))
+    return loras.step(np.repeat(slots, num_new))
 
 
 def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
@@ -257,7 +257,7 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
             seq_lens=to_device(seq_lens, device, torch.int32),
             max_query_len=int(num_new.max()),
             decode_split=ops.decode_split_of(num_new, starts),
-            lora_mask=lora_mask_of(self, kept_rows, num_new),
+            lora=lora_step_of(self, kept_rows, num_new),
         ),
         sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
         sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],

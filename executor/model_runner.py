@@ -424,7 +424,7 @@ class ModelRunner:
             hidden = self.graphs.run_feed(batch.feed, batch.input_ids)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
-        if batch.attn.lora_mask is not None:  # no graph holds the adapters' update
+        if batch.attn.lora is not None:  # no graph holds the adapters' update
             return self.model(batch.input_ids, batch.positions, self.cache.kv_cache,
                               batch.attn)
         if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):

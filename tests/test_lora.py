@@ -153,30 +153,46 @@ def test_rows_carry_the_adapter_slot():
     assert not rows.lora.any()
 
 
-def test_the_batched_update_is_each_tokens_own(dirs):
-    """ProjectionLora.add_ against a per-token loop of scaling * B (A x)."""
+@pytest.mark.parametrize("slots", [[1, 0, 2, 3, 2], [0, 3, 3, 0, 1], [2, 0, 0, 0, 2]])
+def test_the_batched_update_is_each_tokens_own(dirs, slots):
+    """ProjectionLora.add_ against a per-token loop of scaling * B (A x): every adapter in
+    the step, two of the three (a gather of their columns), one."""
     runner = _runner(dirs)
     loras = runner.loras
     qkv = runner.model.model.layers[1].self_attn.qkv_proj
-    adapters = {name: read_adapter(name, dirs[name], runner.model.config)
-                for name in ("all", "qv", "mlp")}
+    cfg = runner.model.config
+    adapters = {name: read_adapter(name, dirs[name], cfg) for name in ("all", "qv", "mlp")}
     x = torch.randn(5, qkv.in_features)
-    ids = torch.tensor([1, 0, 2, 3, 2])
-    got = qkv.lora.add_(torch.zeros(5, qkv.out_features), x, loras.mask(ids))
-    for t, slot in enumerate(ids.tolist()):
+    step = loras.step(np.array(slots))
+    assert (step.cols is None) == (len(set(slots) - {0}) == 3)
+    got = qkv.lora.add_(torch.zeros(5, qkv.out_features), x, step)
+    sizes = {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+             "v_proj": cfg.num_kv_heads * cfg.head_dim}
+    for t, slot in enumerate(slots):
         want = torch.zeros(qkv.out_features)
         if slot:
             weights, offset = adapters[loras.names[slot - 1]].weights, 0
-            for module in ("q_proj", "k_proj", "v_proj"):
-                a, b = weights.get((1, module), (None, None))
-                size = (runner.model.config.num_heads if module == "q_proj" else
-                        runner.model.config.num_kv_heads) * runner.model.config.head_dim
-                if a is not None:
+            for module, size in sizes.items():
+                if (1, module) in weights:
+                    a, b = weights[(1, module)]
                     want[offset:offset + size] = b @ (a @ x[t])
                 offset += size
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
     assert runner.model.model.layers[0].self_attn.qkv_proj.lora is not None  # "all"
     assert runner.model.model.layers[0].mlp.down_proj.lora is not None  # "all", "mlp"
+
+
+def test_a_step_takes_only_its_adapters_columns(dirs):
+    loras = _runner(dirs).loras
+    r = loras.rank
+    step = loras.step(np.array([0, 3, 1, 3]))  # adapters 1 and 3 of 3: renumbered 1, 2
+    assert step.cols.tolist() == [*range(r), *range(2 * r, 3 * r)]
+    assert step.mask.shape == (4, 2 * r)
+    assert step.mask.sum(1).tolist() == [0, r, r, r]
+    assert step.mask[1, r:].all() and step.mask[2, :r].all() and step.mask[3, r:].all()
+    every = loras.step(np.array([2, 1, 3]))
+    assert every.cols is None and every.mask.shape == (3, 3 * r)
+    assert every.mask[0, r:2 * r].all() and every.mask.sum().item() == 3 * r
 
 
 # ------------------------------------------------------------------------------- refused
@@ -246,15 +262,6 @@ def test_the_executor_refuses_a_bad_adapter_in_one_line(dirs, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "pagedserve executor: LoRA adapter d: DoRA (use_dora) is not supported")
-
-
-def test_masks_pick_each_tokens_columns(dirs):
-    loras = _runner(dirs).loras
-    mask = loras.mask(torch.tensor([0, 2, 1]))
-    r = loras.rank
-    assert mask.shape == (3, 3 * r)
-    assert np.array_equal(mask.sum(1).numpy(), [0, r, r])
-    assert mask[1, r:2 * r].all() and mask[2, :r].all()
 
 
 @pytest.mark.gpu

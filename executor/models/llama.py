@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from pagedserve.executor.models.config import ModelConfig
+from pagedserve.executor.models.lora import LoraStep
 from pagedserve.kernels import ops
 from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
 from torch import nn
@@ -29,13 +30,13 @@ TRITON_GEMM = triton_gemm_from_env(strict=False)
 
 
 def project(linear: nn.Linear, x: torch.Tensor, name: str,
-            lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+            lora: LoraStep | None = None) -> torch.Tensor:
     """The layer's projection ``name`` (qkv, o, gate_up, down: ops.linear, cuBLAS or the
     Triton GEMM), plus the LoRA adapters' update of each token where the step has tokens
-    with an adapter (``lora_mask``, models/lora.py)."""
+    with an adapter (``lora``, models/lora.py)."""
     y = ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM)
-    if lora_mask is not None and linear.lora is not None:
-        linear.lora.add_(y, x, lora_mask)
+    if lora is not None and linear.lora is not None:
+        linear.lora.add_(y, x, lora)
     return y
 
 
@@ -58,9 +59,9 @@ class AttentionMetadata:
     # steps with prompt tokens: (d, the rest's query_start_loc from 0) when the first d
     # sequences go to the decode kernel (ops.decode_split_of; off unless switched on)
     decode_split: tuple[int, torch.Tensor] | None = None
-    # steps with tokens of LoRA adapters: LoraSet.mask of the tokens' adapters [T, n*R]
-    # (None: no token has one). Not attention's, but every projection's per-step input.
-    lora_mask: torch.Tensor | None = None
+    # steps with tokens of LoRA adapters: their adapters' columns and mask (LoraSet.step;
+    # None: no token has one). Not attention's, but every projection's per-step input.
+    lora: LoraStep | None = None
 
 
 class RMSNorm(nn.Module):
@@ -118,29 +119,29 @@ class Attention(nn.Module):
                     attn: AttentionMetadata) -> torch.Tensor:
         """`qkv_and_cache` then `attend` for a decode step, the rotary and the cache write
         inside the attention's launch: [T, H, D]."""
-        q, k, v = self.qkv(x, attn.lora_mask)
+        q, k, v = self.qkv(x, attn.lora)
         return ops.paged_decode_attention(q, kv_cache[0], kv_cache[1], attn.block_tables,
                                           attn.seq_lens, self.scale,
                                           rope=(k, v, cos_sin, attn.slot_mapping))
 
-    def qkv(self, x, lora_mask: torch.Tensor | None = None):
+    def qkv(self, x, lora: LoraStep | None = None):
         """(q [T, H, D], k and v [T, Hkv, D]): views of the fused projection, not rotated."""
-        q, k, v = project(self.qkv_proj, x, "qkv", lora_mask).split(
+        q, k, v = project(self.qkv_proj, x, "qkv", lora).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),
                 k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
     def forward(self, x, cos_sin, kv_cache: torch.Tensor, attn: AttentionMetadata):
-        q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping, attn.lora_mask)
+        q = self.qkv_and_cache(x, cos_sin, kv_cache, attn.slot_mapping, attn.lora)
         return project(self.o_proj, self.attend(q, kv_cache, attn).reshape(-1, self.q_size),
-                       "o", attn.lora_mask)
+                       "o", attn.lora)
 
     def qkv_and_cache(self, x, cos_sin, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      lora: LoraStep | None = None) -> torch.Tensor:
         """q [T, H, D] rotated; the rotated keys and the values written into this layer's
         cache at ``slot_mapping`` (-1: not written)."""
-        q, k, v = self.qkv(x, lora_mask)
+        q, k, v = self.qkv(x, lora)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, _ = ops.rotary_embedding_and_cache(q, k, v, cos_sin, kv_cache[0], kv_cache[1],
@@ -167,12 +168,12 @@ class MLP(nn.Module):
         self.gate_up_proj.shard_sizes = (size, size)
         self.down_proj = _linear(size, cfg.hidden_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x, "gate_up", lora_mask)
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        gate_up = project(self.gate_up_proj, x, "gate_up", lora)
         down = self.down_proj
-        if lora_mask is not None and down.lora is not None:  # its input is needed apart
+        if lora is not None and down.lora is not None:  # its input is needed apart
             return project(down, ops.silu_and_mul(gate_up, backend=self.kernel_backend),
-                           "down", lora_mask)
+                           "down", lora)
         return ops.linear(gate_up, down.weight, down.bias, triton_gemm="down" in TRITON_GEMM,
                           silu_mul=True, backend=self.kernel_backend)
 
@@ -188,14 +189,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos_sin, kv_cache, attn):
         """(this layer's MLP output, the residual stream before it): the residual add is
         fused into the next norm (the first layer's input is its own residual)."""
-        attention, lora_mask = self.self_attn, attn.lora_mask
+        attention, lora = self.self_attn, attn.lora
         if attention.fuses_decode_rope(attn):
             x, residual = self.input_norm(x, residual)
             return self.post_attention(attention.decode_rope(x, cos_sin, kv_cache, attn),
-                                       residual, lora_mask)
+                                       residual, lora)
         q, residual = self.pre_attention(x, residual, cos_sin, kv_cache, attn.slot_mapping,
-                                         lora_mask)
-        return self.post_attention(attention.attend(q, kv_cache, attn), residual, lora_mask)
+                                         lora)
+        return self.post_attention(attention.attend(q, kv_cache, attn), residual, lora)
 
     def input_norm(self, x, residual):
         """(the normed input, the residual stream); the first layer's input is its own
@@ -204,21 +205,21 @@ class DecoderLayer(nn.Module):
             return self.input_layernorm(x), x
         return self.input_layernorm(x, residual)
 
-    def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping, lora_mask=None):
+    def pre_attention(self, x, residual, cos_sin, kv_cache, slot_mapping, lora=None):
         """(q, the residual stream): the input norm, q/k/v, rotary, the cache write. The
         halves either side of the attention call, for graphs captured around it
         (executor/mixed_graphs.py; graphs hold no LoRA update)."""
         x, residual = self.input_norm(x, residual)
         return self.self_attn.qkv_and_cache(x, cos_sin, kv_cache, slot_mapping,
-                                            lora_mask), residual
+                                            lora), residual
 
-    def post_attention(self, attn_out, residual, lora_mask=None):
+    def post_attention(self, attn_out, residual, lora=None):
         """(this layer's MLP output, the residual stream before it) from the attention's
         output [T, H, D]."""
         x = project(self.self_attn.o_proj, attn_out.reshape(-1, self.self_attn.q_size), "o",
-                    lora_mask)
+                    lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, lora_mask), residual
+        return self.mlp(x, lora), residual
 
 
 def _on_meta_device() -> bool:

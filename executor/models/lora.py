@@ -11,19 +11,23 @@ start, one line naming it: DoRA, trained biases, ``modules_to_save`` (whole modu
 an lm_head), ``alpha_pattern``, adapters of the embedding or the head, pickled weights.
 
 The batched update, per projection (qkv, o, gate_up, down): with n adapters, each padded to
-the largest rank R, ``A`` stacks every adapter's A rows, shard by shard [S*n*R, in] (S: the
-shards of a fused projection some adapter targets, e.g. q, k, v), and ``B_s`` puts shard s's
-B of all adapters side by side [out_s, n*R], scaling folded in. For a batch x [T, in] whose
-tokens run adapters ``ids`` (0: none)::
+the largest rank R, ``A`` stacks every adapter's A rows, shard by shard [S, n*R, in] (S: the
+shards of a fused projection some adapter targets, e.g. q, k, v), and ``Bt_s`` stacks shard
+s's B^T of all adapters [n*R, out_s], scaling folded in. A step uses the k adapters its
+tokens name: their rows of A and Bt (``cols``, k*R of the n*R; all of them, no gather, when
+k = n). For a batch x [T, in] whose tokens run adapters ``ids`` (1..k among those, 0:
+none)::
 
-    h = (x @ A^T).view(T, S, n*R) * mask[:, None, :]     # mask[t, c] = ids[t] == owner[c]
-    y[:, shard s] += h[:, s] @ B_s^T
+    h = (x @ A[:, cols]^T).view(T, S, k*R) * mask[:, None, :]   # mask[t, c] = ids[t] == owner[c]
+    y[:, shard s] += h[:, s] @ Bt_s[cols]
 
 A token keeps only its own adapter's R columns, so this is PEFT's ``scaling * B_a (A_a x)``
 for each token, and a token without an adapter adds exact zeros. It is two matmuls and a
-multiply a projection whatever the mix of adapters in the step: no gather of weights and no
-loop over adapters, static shapes, the mask built once a step (``LoraSet.mask``). The cost
-grows with n*R, as n*R more output rows of each projection would (benchmarks/lora_bench.py).
+multiply a projection whatever the mix of adapters in the step (plus the gathers of the k
+adapters' rows when not all are in use): no loop over adapters, the mask and columns built
+once a step (``LoraSet.step``). The cost grows with k*R, as k*R more output rows of each
+projection would: adapters loaded but not used in a step cost nothing
+(benchmarks/lora_bench.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device_many
 from pagedserve.executor.models.config import ModelConfig
 from safetensors import safe_open
 
@@ -154,22 +160,32 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
                        rank=max(a.shape[0] for a, _ in weights.values()), weights=weights)
 
 
+@dataclass(frozen=True)
+class LoraStep:
+    """One step's view of the adapters (``LoraSet.step``): the columns (rows of A and Bt)
+    of the k adapters its tokens use, and each token's mask over them."""
+
+    mask: torch.Tensor  # [T, k*R] in the model's dtype
+    cols: torch.Tensor | None  # int64 [k*R] of the n*R; None: all n adapters, in order
+
+
 class ProjectionLora:
     """The adapters' update of one projection (a plain object on the projection's
     ``lora`` attribute, so never a parameter of the model)."""
 
-    def __init__(self, a: torch.Tensor, shards: list[tuple[int, int, torch.Tensor]],
-                 width: int) -> None:
-        self.a = a  # [S * n * R, in]
-        self.shards = shards  # (output offset, output size, B [size, n * R]) a shard
-        self.width = width  # n * R
+    def __init__(self, a: torch.Tensor, shards: list[tuple[int, int, torch.Tensor]]) -> None:
+        self.a = a  # [S, n * R, in]
+        self.shards = shards  # (output offset, output size, Bt [n * R, size]) a shard
 
-    def add_(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def add_(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
         """y [T, out] += each token's own adapter's update of x [T, in]; y returned."""
-        h = (x @ self.a.t()).view(x.shape[0], len(self.shards), self.width)
+        cols, mask = step.cols, step.mask
+        a = self.a if cols is None else self.a.index_select(1, cols)
+        h = (x @ a.reshape(-1, a.shape[-1]).t()).view(x.shape[0], a.shape[0], a.shape[1])
         h = h * mask[:, None, :]
-        for s, (offset, size, b) in enumerate(self.shards):
-            y[:, offset:offset + size].addmm_(h[:, s], b.t())
+        for s, (offset, size, bt) in enumerate(self.shards):
+            y[:, offset:offset + size].addmm_(h[:, s], bt if cols is None
+                                              else bt.index_select(0, cols))
         return y
 
 
@@ -204,24 +220,36 @@ class LoraSet:
             fan_in, fan_out = module_shape(cfg, module)
             if any((layer, module) in ad.weights for ad in adapters):
                 a = torch.zeros(n * rank, fan_in)
-                b = torch.zeros(fan_out, n * rank)
+                bt = torch.zeros(n * rank, fan_out)
                 for i, ad in enumerate(adapters):
                     if (layer, module) in ad.weights:
                         a_i, b_i = ad.weights[(layer, module)]
                         r = a_i.shape[0]
                         a[i * rank:i * rank + r] = a_i
-                        b[:, i * rank:i * rank + r] = b_i
+                        bt[i * rank:i * rank + r] = b_i.t()
                 a_blocks.append(a)
-                shards.append((offset, fan_out, b.to(self.device, self.dtype)))
+                shards.append((offset, fan_out, bt.to(self.device, self.dtype)))
             offset += fan_out
         if not shards:
             return None
-        return ProjectionLora(torch.cat(a_blocks).to(self.device, self.dtype), shards, n * rank)
+        return ProjectionLora(torch.stack(a_blocks).to(self.device, self.dtype), shards)
 
-    def mask(self, ids: torch.Tensor) -> torch.Tensor:
-        """[T, n*R] in the model's dtype: 1 where column c belongs to token t's adapter
-        (``ids`` [T] int64 slots on the device; 0 matches no column)."""
-        return (ids[:, None] == self.owner).to(self.dtype)
+    def step(self, slots: np.ndarray) -> LoraStep:
+        """The step whose tokens run adapter ``slots`` [T] (host integers; 0: none): the k
+        adapters among them renumbered 1..k in slot order, their columns, and the mask."""
+        n, rank = len(self.names), self.rank
+        active = np.unique(slots)
+        active = active[active > 0]
+        if active.shape[0] == n:
+            (ids_t,), cols = to_device_many(((slots, torch.int64),), self.device), None
+        else:
+            renumber = np.zeros(n + 1, np.int64)
+            renumber[active] = np.arange(1, active.shape[0] + 1)
+            columns = ((active - 1)[:, None] * rank + np.arange(rank)).reshape(-1)
+            ids_t, cols = to_device_many(((renumber[slots], torch.int64),
+                                          (columns, torch.int64)), self.device)
+        owner = self.owner[:active.shape[0] * rank]  # slots 1..k, R columns each
+        return LoraStep(mask=(ids_t[:, None] == owner).to(self.dtype), cols=cols)
 
 
 def _projections() -> list[tuple[str, str, list[str]]]:
