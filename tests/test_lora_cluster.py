@@ -149,3 +149,54 @@ def test_an_executor_serving_other_adapters_is_refused(cluster, dirs):
     tail = cluster.logs(n=None)
     assert ("refused executor odd: LoRA adapters sql, the router serves chat, sql (start "
             "both with the same --lora-modules)") in tail
+
+
+def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
+    """Runs last: a second executor joins with the same adapters; greedy streams of both
+    adapters and the base model run on the two; the executor holding more of them is
+    SIGKILLed mid-stream; every stream completes on the other with transformers + PEFT's
+    tokens (its requests re-sent there with their adapter, prompt and output so far)."""
+    import signal
+    import threading
+
+    cluster.start_executor("exec1")
+    cluster.wait_executors(2)
+    names = ["sql", "chat", "base", "sql", "chat", "base", "sql", "chat"]
+    prompts = [[9 + i, *PROMPTS[i % 2][1:]] for i in range(len(names))]
+    max_tokens = 32
+    refs = [peft_reference(dirs["model"], dirs.get(n), p, max_tokens)[0]
+            for n, p in zip(names, prompts, strict=True)]
+    results: dict[int, object] = {}
+    started = threading.Barrier(len(names) + 1, timeout=60)
+
+    def consume(i):
+        req = request(token_ids=prompts[i], max_tokens=max_tokens, temperature=0.0,
+                      ignore_eos=True)
+        req.lora_adapter = "" if names[i] == "base" else names[i]
+        try:
+            tokens = []
+            for n, chunk in enumerate(cluster.stub.Stream(req, timeout=120)):
+                tokens.extend(chunk.token_ids)
+                if n == 0:
+                    started.wait()
+            results[i] = tokens
+        except (grpc.RpcError, threading.BrokenBarrierError) as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    started.wait()
+    running = {e.id: e.running for e in cluster.status().executors if e.healthy}
+    victim = max(running, key=running.get)
+    assert running[victim] > 0
+    cluster.executors[victim].send_signal(signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    for i, ref in enumerate(refs):
+        assert results[i] == ref, (i, names[i], results[i])
+    healthy = {e.id: e.healthy for e in cluster.status().executors}
+    assert list(healthy.values()).count(True) == 1
+    migrated = [line for line in cluster.metrics().splitlines()
+                if line.startswith("pagedserve_migrations_total ")]
+    assert migrated and float(migrated[0].split()[1]) >= 1  # the kill was mid-stream
