@@ -67,8 +67,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.graph_feed import GraphFeed, StagingRing, feeds_wanted, pack
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.models.lora import LoraSet
 from pagedserve.kernels import ops
 from pagedserve.kernels.graph_input_ops import (
     ALL_IN_PLACE,
@@ -146,7 +148,7 @@ class DecodeGraphs:
     """Static decode buffers and one replay per batch size (see the module docstring)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 max_model_len: int, max_batch: int) -> None:
+                 max_model_len: int, max_batch: int, loras: LoraSet | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -160,6 +162,13 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # LoRA adapters (models/lora.py): every graph applies every adapter's update, each
+        # row's from its slot here (0: none, padding rows too; ``_set_lora``), so decode
+        # steps with adapter rows replay too; a step of base rows pays the dense update.
+        self.loras = loras
+        self.lora_slots = torch.zeros(n, dtype=torch.long, device=dev) \
+            if loras is not None else None
+        self._lora_rows = 0  # rows the last replay left nonzero slots in
         # Every graph's greedy tokens land here, row for row (a steady decode's next input
         # ids); the staged inputs the graphs' first node reads (None: not fed, see above).
         self.last_tokens = torch.zeros(n, dtype=torch.long, device=dev)
@@ -193,7 +202,8 @@ class DecodeGraphs:
         attn = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            max_query_len=1)
+            max_query_len=1, lora=None if self.loras is None
+            else self.loras.graph_step(self.lora_slots[:size]))
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, attn)
 
     @torch.inference_mode()
@@ -272,12 +282,15 @@ class DecodeGraphs:
         (`run_feed`)?"""
         return 0 < num_seqs <= self.feed_rows and width <= self.width
 
-    def run_feed(self, feed: GraphFeed, input_ids: torch.Tensor | None) -> torch.Tensor:
+    def run_feed(self, feed: GraphFeed, input_ids: torch.Tensor | None,
+                 lora_slots: np.ndarray | None = None) -> torch.Tensor:
         """`run` from host arrays (``can_feed`` true): the token ids are ``feed``'s or
         ``input_ids`` on the device (read from ``last_tokens`` by the graph when they are
         its rows there, else copied in first); the rest packed into a staging buffer and
-        copied to ``stage`` in one copy; replay."""
+        copied to ``stage`` in one copy; the rows' LoRA slots (None: none) copied in;
+        replay."""
         n = feed.num_rows
+        self._set_lora(lora_slots, n)
         if input_ids is None:
             ids_from = IDS_FROM_STAGE
         elif (input_ids.data_ptr() == self.last_tokens.data_ptr()
@@ -295,12 +308,13 @@ class DecodeGraphs:
         return self._replay(n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a decode batch (``can_run`` true): copy its rows in, pad
-        the rest of the graph's rows, replay; a view of the graph's output, valid until
-        the next replay (and every row's logits and greedy token in ``self.logits`` and
-        ``self.tokens``, likewise)."""
+            attn: AttentionMetadata, lora_slots: np.ndarray | None = None) -> torch.Tensor:
+        """The hidden states of a decode batch (``can_run`` true): copy its rows in (their
+        LoRA slots too: None, none), pad the rest of the graph's rows, replay; a view of
+        the graph's output, valid until the next replay (and every row's logits and greedy
+        token in ``self.logits`` and ``self.tokens``, likewise)."""
         n = input_ids.shape[0]
+        self._set_lora(lora_slots, n)
         shape = (n, attn.block_tables.shape[1])
         views = self._views.get(shape)
         if views is None:
@@ -356,6 +370,20 @@ class DecodeGraphs:
         finally:
             self.fed = [0, 0, 0]  # the steps' count
 
+    def _set_lora(self, slots: np.ndarray | None, n: int) -> None:
+        """The static LoRA slots for a step of ``n`` rows: ``slots`` (host, one a row) then
+        zeros, or zeros throughout (None); nothing to do when the buffer is zero already."""
+        if self.lora_slots is None or (slots is None and not self._lora_rows):
+            return
+        if slots is None:
+            self.lora_slots[:self._lora_rows].zero_()
+            self._lora_rows = 0
+            return
+        self.lora_slots[:n].copy_(to_device(slots, self.device, torch.long))
+        if self._lora_rows > n:
+            self.lora_slots[n:self._lora_rows].zero_()
+        self._lora_rows = n
+
     def _replay(self, n: int) -> torch.Tensor:
         replay = self._replays[self.size_for(n)]
         replay.replay()
@@ -372,7 +400,8 @@ class DecodeGraphs:
 
 @torch.inference_mode()
 def graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_model_len: int,
-                       max_batch: int, device: torch.device) -> int:
+                       max_batch: int, device: torch.device,
+                       loras: LoraSet | None = None) -> int:
     """Device memory the graphs of ``graph_batch_sizes(max_batch)`` will hold, measured
     before the KV cache exists: capture the largest size, then the smallest, against a
     one-block scratch cache (padding rows read and write no block). The largest capture
@@ -394,7 +423,7 @@ def graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_model_len: 
         return torch.cuda.memory_reserved(device)
 
     reserved_before = reserved()  # the static buffers count: the real graphs have them too
-    graphs = DecodeGraphs(model, scratch, block_size, max_model_len, sizes[-1])
+    graphs = DecodeGraphs(model, scratch, block_size, max_model_len, sizes[-1], loras)
 
     def held() -> int:
         return reserved() - reserved_before

@@ -421,19 +421,22 @@ class ModelRunner:
         self._graph_logits = self._graph_tokens = None
         if batch.feed is not None:
             self.graph_steps += 1
-            hidden = self.graphs.run_feed(batch.feed, batch.input_ids)
+            hidden = self.graphs.run_feed(batch.feed, batch.input_ids, batch.lora_slots)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
-        if batch.attn.lora is not None:  # no graph holds the adapters' update
+        graphs = self.graphs
+        if batch.attn.lora is not None and (graphs is None or graphs.loras is None):
+            # no graph holds the adapters' update (mixed graph pieces never do)
             return self.model(batch.input_ids, batch.positions, self.cache.kv_cache,
                               batch.attn)
-        if self.graphs is not None and self.graphs.can_run(batch.input_ids, batch.attn):
+        if graphs is not None and graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.attn, batch.lora_slots)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
         mixed = self.mixed_graphs
-        if mixed is not None and mixed.can_run(batch.input_ids, batch.attn):
+        if mixed is not None and batch.attn.lora is None \
+                and mixed.can_run(batch.input_ids, batch.attn):
             self.mixed_graph_steps += 1
             return mixed.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)

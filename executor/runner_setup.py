@@ -69,8 +69,9 @@ def build_runner(
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
     loras = LoraSet(adapters, model) if adapters else None
     if loras is not None:
-        log.info("LoRA adapters: %s (rank %d as batched; steps with their tokens run "
-                 "eagerly)", ", ".join(loras.names), loras.rank)
+        log.info("LoRA adapters: %s (rank %d as batched; decode graphs hold them, steps "
+                 "with prompt tokens of theirs run eagerly)", ", ".join(loras.names),
+                 loras.rank)
     # Taken after the load (which allocates through torch alone, so nothing outside torch is
     # missed): where NVML cannot name this process, outside-torch memory is the device's
     # growth since this baseline, and a neighbour executor filling its cache while this one
@@ -85,7 +86,7 @@ def build_runner(
     if num_gpu_blocks is None:
         if device.type == "cuda":
             reserve = 0 if why_eager else graph_memory_bytes(
-                model, block_size, max_len, max_num_seqs, device)
+                model, block_size, max_len, max_num_seqs, device, loras)
             reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device)
             plan = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
@@ -115,7 +116,8 @@ def build_runner(
         log.info("KV cache in %s (--kv-cache-dtype %s): %s bytes a block, the model in %s",
                  kv_dtype_name(kv_dtype), kv_cache_dtype,
                  f"{block_bytes(config, block_size, kv_dtype):,}", kv_dtype_name(torch_dtype))
-    graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs)
+    graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs,
+                                                    loras)
     mixed = _capture_mixed_graphs(model, cache, mixed_tokens) if mixed_tokens else None
     # Structured output: llguidance's mask threads take the CPU executor's thread budget.
     grammars = GrammarCompiler(Path(model_dir) / "tokenizer.json", config.vocab_size,
@@ -157,9 +159,11 @@ def _capture_mixed_graphs(model: LlamaForCausalLM, cache: CacheEngine,
 
 
 def _capture_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_model_len: int,
-                    max_num_seqs: int) -> DecodeGraphs | None:
-    """The decode graphs, or None (logged) when capturing fails: the executor runs eager."""
-    graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs)
+                    max_num_seqs: int, loras: LoraSet | None = None) -> DecodeGraphs | None:
+    """The decode graphs (holding the LoRA adapters' update when there are adapters), or
+    None (logged) when capturing fails: the executor runs eager."""
+    graphs = DecodeGraphs(model, cache.kv_cache, cache.block_size, max_model_len, max_num_seqs,
+                          loras)
     graphs = _captured(graphs, cache.device, "CUDA graphs off, every step eager",
                        f"{len(graphs.sizes)} decode batch sizes up to {graphs.max_batch}")
     if graphs is not None:

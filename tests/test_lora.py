@@ -88,6 +88,41 @@ def test_each_request_runs_its_own_adapter_in_one_batch(dirs):
             assert ref != base, f"adapter {lora} does not change this prompt's output"
 
 
+def _drive_mixed(runner):
+    """Four requests (three adapters, one base) prefilled together, then decode steps of
+    4, 3, 2, 1 rows as they finish (base last: its steps follow steps with adapter rows)."""
+    driver = Driver(runner)
+    cases = {"a": ("all", PROMPTS[0], 4), "q": ("qv", PROMPTS[1], 6), "m": ("mlp", PROMPTS[2], 8),
+             "b": ("", PROMPTS[0], NUM_TOKENS)}
+    for rid, (lora, prompt, _) in cases.items():
+        driver.add(rid, prompt, lora=lora)
+    while live := [r for r, c in cases.items() if len(driver.seqs[r].outputs) < c[2]]:
+        driver.step({r: None for r in live})
+    return driver, cases
+
+
+def test_decode_graphs_hold_the_adapters(dirs):
+    """Decode graphs captured with the adapters (the CPU twins of CUDA graphs): every decode
+    step replays one, fed, adapter rows and base rows together, padding rows and the
+    steps after adapter rows included; token for token the eager runner's and PEFT's."""
+    from pagedserve.executor.cuda_graphs import DecodeGraphs
+
+    eager, cases = _drive_mixed(_runner(dirs))
+    runner = _runner(dirs)
+    runner.graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
+                                 runner.max_model_len, 4, runner.loras)
+    runner.graphs.capture()
+    graphed, _ = _drive_mixed(runner)
+    assert runner.graph_steps == runner.steps_done - 1  # all but the prefill
+    assert sum(runner.graphs.fed) == runner.graph_steps
+    assert not runner.graphs.lora_slots.any()  # the base row's steps zeroed the slots
+    for rid, (lora, prompt, num_tokens) in cases.items():
+        assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
+        ref, logits = peft_reference(dirs["model"], dirs[lora] if lora else None, prompt,
+                                     num_tokens)
+        assert_greedy_equal(graphed.seqs[rid].outputs, ref, logits)
+
+
 def test_a_forked_sample_keeps_its_parents_adapter(dirs):
     runner = _runner(dirs, ("all",))
     driver = Driver(runner)
@@ -266,24 +301,19 @@ def test_the_executor_refuses_a_bad_adapter_in_one_line(dirs, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_adapters_on_a_gpu_beside_the_decode_graphs(dirs):
-    """On a GPU (float32, graphs captured as `serve` runs): steps with adapter tokens run
-    eagerly and equal PEFT; once only a base request is left, its decode steps replay the
-    graphs, and its tokens are transformers'."""
+def test_adapters_on_a_gpu_in_the_decode_graphs(dirs):
+    """On a GPU (float32, graphs captured as `serve` runs them, with the adapters): the
+    prefill eager, every decode step of adapter and base rows a graph replay (fed), the
+    base row's steps after the adapters' too; each request's tokens are transformers +
+    PEFT's."""
     runner = build_runner(str(dirs["model"]), device="cuda", dtype="float32",
                           num_gpu_blocks=96, num_cpu_blocks=0, block_size=8, progress=False,
                           max_num_seqs=8,
-                          lora_modules=tuple((n, str(dirs[n])) for n in ("all", "qv")))
-    driver = Driver(runner)
-    cases = {"a": ("all", PROMPTS[0]), "q": ("qv", PROMPTS[1]), "b": ("", PROMPTS[2])}
-    for rid, (lora, prompt) in cases.items():
-        driver.add(rid, prompt, lora=lora)
-    driver.generate(["a", "q", "b"], NUM_TOKENS // 2)
-    graph_steps = runner.graph_steps
-    driver.generate(["b"], NUM_TOKENS)
-    assert runner.graph_steps > graph_steps
-    driver.generate(["a", "q"], NUM_TOKENS)
-    for rid, (lora, prompt) in cases.items():
+                          lora_modules=tuple((n, str(dirs[n])) for n in ("all", "qv", "mlp")))
+    assert runner.graphs is not None and runner.graphs.loras is runner.loras
+    graphed, cases = _drive_mixed(runner)
+    assert runner.graph_steps == runner.steps_done - 1
+    for rid, (lora, prompt, num_tokens) in cases.items():
         ref, logits = peft_reference(dirs["model"], dirs[lora] if lora else None, prompt,
-                                     NUM_TOKENS)
-        assert_greedy_equal(driver.seqs[rid].outputs, ref, logits)
+                                     num_tokens)
+        assert_greedy_equal(graphed.seqs[rid].outputs, ref, logits)

@@ -251,6 +251,12 @@ class LoraSet:
         owner = self.owner[:active.shape[0] * rank]  # slots 1..k, R columns each
         return LoraStep(mask=(ids_t[:, None] == owner).to(self.dtype), cols=cols)
 
+    def graph_step(self, slots: torch.Tensor) -> LoraStep:
+        """Every adapter's view for a captured decode graph, from its static buffer of the
+        rows' ``slots`` (0: none): no host work, so a replay recomputes the mask from
+        what the buffer holds (a row without an adapter adds exact zeros)."""
+        return LoraStep(mask=(slots[:, None] == self.owner).to(self.dtype), cols=None)
+
 
 def _projections() -> list[tuple[str, str, list[str]]]:
     """(submodule, fused projection, its checkpoint modules in shard order) of a layer."""
