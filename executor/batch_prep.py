@@ -18,7 +18,6 @@ import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.graph_feed import GraphFeed
 from pagedserve.executor.models import AttentionMetadata
-from pagedserve.executor.models.lora import LoraStep
 from pagedserve.executor.plan_inputs import PlanInputs, build_tensors
 from pagedserve.kernels import ops
 from pagedserve.protos.wire import RequestError, StepPlan
@@ -44,8 +43,8 @@ class Batch:
     sample_state_rows: np.ndarray  # their rows in RequestRows, same order
     kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
     feed: GraphFeed | None = None
-    # the rows' LoRA adapter slots, for a decode graph holding the adapters (None: no row
-    # has one); the eager forward reads ``attn.lora`` instead
+    # each token's LoRA adapter slot, for graphs holding the adapters (None: no token has
+    # one); the eager forward reads ``attn.lora`` instead
     lora_slots: np.ndarray | None = None
 
 
@@ -134,7 +133,7 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
     the ids on the device only when they are there."""
     self.rows.gather(rows, pre.longest, out=pre.tables)
     graphs = self.graphs
-    lora_slots = lora_slots_of(self, rows)
+    lora_slots = lora_slots_of(self, rows, pre.num_new)
     if pre.feedable and graphs is not None and graphs.can_feed(rows.shape[0], pre.longest) \
             and (lora_slots is None or graphs.loras is not None):
         if ids_patched:
@@ -161,26 +160,20 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len,
             decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc),
-            lora=lora_step_of(self, lora_slots, pre.num_new)),
+            lora=None if lora_slots is None else self.loras.step(lora_slots)),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
         sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows],
         lora_slots=lora_slots)
 
 
-def lora_slots_of(self: ModelRunner, rows: np.ndarray) -> np.ndarray | None:
-    """The LoRA adapter slot of each of ``rows`` (models/lora.py), or None when none has
-    an adapter."""
+def lora_slots_of(self: ModelRunner, rows: np.ndarray,
+                  num_new: np.ndarray) -> np.ndarray | None:
+    """The LoRA adapter slot of each token of ``rows`` (models/lora.py; ``num_new`` tokens
+    a row), or None when no row has an adapter."""
     if self.loras is None:
         return None
     slots = self.rows.lora[rows]
-    return slots if slots.any() else None
-
-
-def lora_step_of(self: ModelRunner, slots: np.ndarray | None,
-                 num_new: np.ndarray) -> LoraStep | None:
-    """The eager forward's LoRA view of a step from its rows' ``slots`` and query
-    lengths (None: no row has an adapter)."""
-    return None if slots is None else self.loras.step(np.repeat(slots, num_new))
+    return np.repeat(slots, num_new) if slots.any() else None
 
 
 def prepare_checked(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
@@ -253,7 +246,7 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
     num_new, seq_lens = pre.num_new[keep], pre.seq_lens[keep]
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
     do_sample = plan.do_sample[keep].astype(bool)
-    lora_slots = lora_slots_of(self, kept_rows)
+    lora_slots = lora_slots_of(self, kept_rows, num_new)
     kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
     device = self.device
     starts = to_device(query_start_loc, device, torch.int32)
@@ -267,7 +260,7 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
             seq_lens=to_device(seq_lens, device, torch.int32),
             max_query_len=int(num_new.max()),
             decode_split=ops.decode_split_of(num_new, starts),
-            lora=lora_step_of(self, lora_slots, num_new),
+            lora=None if lora_slots is None else self.loras.step(lora_slots),
         ),
         sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
         sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],

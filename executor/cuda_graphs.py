@@ -67,10 +67,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.graph_feed import GraphFeed, StagingRing, feeds_wanted, pack
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
-from pagedserve.executor.models.lora import LoraSet
+from pagedserve.executor.models.lora import LoraSet, StaticLoraSlots
 from pagedserve.kernels import ops
 from pagedserve.kernels.graph_input_ops import (
     ALL_IN_PLACE,
@@ -163,12 +162,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # LoRA adapters (models/lora.py): every graph applies every adapter's update, each
-        # row's from its slot here (0: none, padding rows too; ``_set_lora``), so decode
+        # row's from its slot in ``lora_slots`` (0: none, padding rows too), so decode
         # steps with adapter rows replay too; a step of base rows pays the dense update.
         self.loras = loras
-        self.lora_slots = torch.zeros(n, dtype=torch.long, device=dev) \
-            if loras is not None else None
-        self._lora_rows = 0  # rows the last replay left nonzero slots in
+        self.lora_slots = StaticLoraSlots(n, dev) if loras is not None else None
         # Every graph's greedy tokens land here, row for row (a steady decode's next input
         # ids); the staged inputs the graphs' first node reads (None: not fed, see above).
         self.last_tokens = torch.zeros(n, dtype=torch.long, device=dev)
@@ -203,7 +200,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             max_query_len=1, lora=None if self.loras is None
-            else self.loras.graph_step(self.lora_slots[:size]))
+            else self.loras.graph_step(self.lora_slots.buffer[:size]))
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, attn)
 
     @torch.inference_mode()
@@ -290,7 +287,8 @@ class DecodeGraphs:
         copied to ``stage`` in one copy; the rows' LoRA slots (None: none) copied in;
         replay."""
         n = feed.num_rows
-        self._set_lora(lora_slots, n)
+        if self.lora_slots is not None:
+            self.lora_slots.set(lora_slots)
         if input_ids is None:
             ids_from = IDS_FROM_STAGE
         elif (input_ids.data_ptr() == self.last_tokens.data_ptr()
@@ -314,7 +312,8 @@ class DecodeGraphs:
         the graph's output, valid until the next replay (and every row's logits and greedy
         token in ``self.logits`` and ``self.tokens``, likewise)."""
         n = input_ids.shape[0]
-        self._set_lora(lora_slots, n)
+        if self.lora_slots is not None:
+            self.lora_slots.set(lora_slots)
         shape = (n, attn.block_tables.shape[1])
         views = self._views.get(shape)
         if views is None:
@@ -369,20 +368,6 @@ class DecodeGraphs:
             return ""
         finally:
             self.fed = [0, 0, 0]  # the steps' count
-
-    def _set_lora(self, slots: np.ndarray | None, n: int) -> None:
-        """The static LoRA slots for a step of ``n`` rows: ``slots`` (host, one a row) then
-        zeros, or zeros throughout (None); nothing to do when the buffer is zero already."""
-        if self.lora_slots is None or (slots is None and not self._lora_rows):
-            return
-        if slots is None:
-            self.lora_slots[:self._lora_rows].zero_()
-            self._lora_rows = 0
-            return
-        self.lora_slots[:n].copy_(to_device(slots, self.device, torch.long))
-        if self._lora_rows > n:
-            self.lora_slots[n:self._lora_rows].zero_()
-        self._lora_rows = n
 
     def _replay(self, n: int) -> torch.Tensor:
         replay = self._replays[self.size_for(n)]

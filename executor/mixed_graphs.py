@@ -33,6 +33,10 @@ bucket's pieces in replay order.
 Memory: ``mixed_graph_memory_bytes`` measures a capture of the largest bucket against a
 scratch cache before the KV cache is sized, as the decode graphs' is.
 
+LoRA adapters (models/lora.py): with adapters loaded, every piece applies every adapter's
+update, each token's from its slot in a static buffer (0: none, padding rows too), the mask
+built once a step by piece 0 into ``lora_mask`` and read by the others.
+
 On a CPU (tests only) "capture" keeps each piece as a function of the static buffers and
 "replay" calls it: the cut, the padding and the buffer traffic are tested without CUDA.
 """
@@ -44,9 +48,11 @@ import gc
 import logging
 import time
 
+import numpy as np
 import torch
 from pagedserve.executor.cuda_graphs import no_collection_while_capturing
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.models.lora import LoraSet, LoraStep, StaticLoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +87,7 @@ class MixedGraphs:
     """Static buffers and L + 1 captured pieces per token bucket (module docstring)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                 max_tokens: int) -> None:
+                 max_tokens: int, loras: LoraSet | None = None) -> None:
         cfg = model.config
         self.model = model
         self.layers = list(model.model.layers)
@@ -99,6 +105,10 @@ class MixedGraphs:
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self.attn_out = torch.zeros_like(self.q)
+        self.loras = loras
+        self.lora_slots = StaticLoraSlots(n, dev) if loras is not None else None
+        self.lora_mask = torch.zeros(n, loras.owner.shape[0], dtype=dtype, device=dev) \
+            if loras is not None else None
         self._pieces: dict[int, list] = {}  # bucket -> L + 1 replays
         self._captured: list[int] = []
         self._graphs: list = []  # the torch.cuda.CUDAGraph objects, kept alive
@@ -109,24 +119,36 @@ class MixedGraphs:
     def _piece(self, index: int, size: int) -> None:
         """Piece ``index`` of the forward over the first ``size`` rows of the buffers."""
         residual = self.residual[:size]
+        lora = self._lora(size, index == 0)
         if index == 0:
             x, cos_sin = self.model.embed(self.input_ids[:size], self.positions[:size])
             self.cos_sin[:size].copy_(cos_sin)
             q, res = self.layers[0].pre_attention(x, None, self.cos_sin[:size],
-                                                  self.kv_cache[0], self.slot_mapping[:size])
+                                                  self.kv_cache[0], self.slot_mapping[:size],
+                                                  lora)
             _keep(residual, res)
             self.q[:size].copy_(q)
             return
-        x, res = self.layers[index - 1].post_attention(self.attn_out[:size], residual)
+        x, res = self.layers[index - 1].post_attention(self.attn_out[:size], residual, lora)
         _keep(residual, res)
         if index == len(self.layers):
             self.hidden[:size].copy_(self.model.final_norm(x, residual))
             return
         q, res = self.layers[index].pre_attention(x, residual, self.cos_sin[:size],
                                                   self.kv_cache[index],
-                                                  self.slot_mapping[:size])
+                                                  self.slot_mapping[:size], lora)
         _keep(residual, res)
         self.q[:size].copy_(q)
+
+    def _lora(self, size: int, first: bool) -> LoraStep | None:
+        """The pieces' LoRA view over the first ``size`` tokens (None: no adapters); the
+        first piece builds the mask from the static slots."""
+        if self.loras is None:
+            return None
+        if first:
+            self.lora_mask[:size].copy_(
+                self.loras.graph_step(self.lora_slots.buffer[:size]).mask)
+        return LoraStep(mask=self.lora_mask[:size], cols=None)
 
     # ------------------------------------------------------------------------- capture
     @torch.inference_mode()
@@ -179,10 +201,13 @@ class MixedGraphs:
         return bool(captured) and 0 < input_ids.shape[0] <= captured[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of the step's tokens (``can_run`` true): a view of the static
-        output, valid until the next step."""
+            attn: AttentionMetadata, lora_slots: np.ndarray | None = None) -> torch.Tensor:
+        """The hidden states of the step's tokens (``can_run`` true; ``lora_slots``: each
+        token's adapter slot, None: none): a view of the static output, valid until the next
+        step."""
         n = input_ids.shape[0]
+        if self.lora_slots is not None:
+            self.lora_slots.set(lora_slots)
         size = self.size_for(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -205,7 +230,7 @@ class MixedGraphs:
 
 @torch.inference_mode()
 def mixed_graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_tokens: int,
-                             device: torch.device) -> int:
+                             device: torch.device, loras: LoraSet | None = None) -> int:
     """Device memory the mixed-step graphs for up to ``max_tokens`` tokens will hold,
     measured before the KV cache exists: the static buffers and the pool of the largest
     bucket (which the smaller ones reuse), captured against a one-block scratch cache,
@@ -228,7 +253,7 @@ def mixed_graph_memory_bytes(model: LlamaForCausalLM, block_size: int, max_token
         return torch.cuda.memory_reserved(device)
 
     before = reserved()
-    graphs = MixedGraphs(model, scratch, max_tokens)
+    graphs = MixedGraphs(model, scratch, max_tokens, loras)
     graphs.capture([sizes[-1]])
     largest = reserved() - before
     extra_each = 0

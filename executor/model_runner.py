@@ -424,21 +424,20 @@ class ModelRunner:
             hidden = self.graphs.run_feed(batch.feed, batch.input_ids, batch.lora_slots)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
+        # Graphs captured without the LoRA adapters cannot run a step with adapter tokens.
+        plain = batch.attn.lora is None
         graphs = self.graphs
-        if batch.attn.lora is not None and (graphs is None or graphs.loras is None):
-            # no graph holds the adapters' update (mixed graph pieces never do)
-            return self.model(batch.input_ids, batch.positions, self.cache.kv_cache,
-                              batch.attn)
-        if graphs is not None and graphs.can_run(batch.input_ids, batch.attn):
+        if graphs is not None and (plain or graphs.loras is not None) \
+                and graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
             hidden = graphs.run(batch.input_ids, batch.positions, batch.attn, batch.lora_slots)
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
         mixed = self.mixed_graphs
-        if mixed is not None and batch.attn.lora is None \
+        if mixed is not None and (plain or mixed.loras is not None) \
                 and mixed.can_run(batch.input_ids, batch.attn):
             self.mixed_graph_steps += 1
-            return mixed.run(batch.input_ids, batch.positions, batch.attn)
+            return mixed.run(batch.input_ids, batch.positions, batch.attn, batch.lora_slots)
         return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
 
     def _logits(self, hidden: torch.Tensor,

@@ -69,9 +69,8 @@ def build_runner(
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
     loras = LoraSet(adapters, model) if adapters else None
     if loras is not None:
-        log.info("LoRA adapters: %s (rank %d as batched; decode graphs hold them, steps "
-                 "with prompt tokens of theirs run eagerly)", ", ".join(loras.names),
-                 loras.rank)
+        log.info("LoRA adapters: %s (rank %d as batched; the graphs hold them)",
+                 ", ".join(loras.names), loras.rank)
     # Taken after the load (which allocates through torch alone, so nothing outside torch is
     # missed): where NVML cannot name this process, outside-torch memory is the device's
     # growth since this baseline, and a neighbour executor filling its cache while this one
@@ -87,7 +86,7 @@ def build_runner(
         if device.type == "cuda":
             reserve = 0 if why_eager else graph_memory_bytes(
                 model, block_size, max_len, max_num_seqs, device, loras)
-            reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device)
+            reserve += mixed_graph_memory_bytes(model, block_size, mixed_tokens, device, loras)
             plan = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
                 gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline,
@@ -118,7 +117,7 @@ def build_runner(
                  f"{block_bytes(config, block_size, kv_dtype):,}", kv_dtype_name(torch_dtype))
     graphs = None if why_eager else _capture_graphs(model, cache, max_len, max_num_seqs,
                                                     loras)
-    mixed = _capture_mixed_graphs(model, cache, mixed_tokens) if mixed_tokens else None
+    mixed = _capture_mixed_graphs(model, cache, mixed_tokens, loras) if mixed_tokens else None
     # Structured output: llguidance's mask threads take the CPU executor's thread budget.
     grammars = GrammarCompiler(Path(model_dir) / "tokenizer.json", config.vocab_size,
                                num_threads=torch.get_num_threads() if device.type == "cpu"
@@ -147,11 +146,11 @@ def _mixed_graphs_wanted() -> bool:
     return os.environ.get("PAGEDSERVE_MIXED_GRAPHS", "1") != "0"
 
 
-def _capture_mixed_graphs(model: LlamaForCausalLM, cache: CacheEngine,
-                          max_tokens: int) -> MixedGraphs | None:
-    """The graph pieces of steps with prompt tokens, or None (logged) when capturing
-    fails: those steps run eagerly."""
-    graphs = MixedGraphs(model, cache.kv_cache, max_tokens)
+def _capture_mixed_graphs(model: LlamaForCausalLM, cache: CacheEngine, max_tokens: int,
+                          loras: LoraSet | None = None) -> MixedGraphs | None:
+    """The graph pieces of steps with prompt tokens (holding the LoRA adapters' update when
+    there are adapters), or None (logged) when capturing fails: those steps run eagerly."""
+    graphs = MixedGraphs(model, cache.kv_cache, max_tokens, loras)
     return _captured(graphs, cache.device,
                      "graphs of steps with prompt tokens off, those steps eager",
                      f"steps with prompt tokens in {len(graphs.layers) + 1} pieces for "

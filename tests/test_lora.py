@@ -90,32 +90,41 @@ def test_each_request_runs_its_own_adapter_in_one_batch(dirs):
 
 def _drive_mixed(runner):
     """Four requests (three adapters, one base) prefilled together, then decode steps of
-    4, 3, 2, 1 rows as they finish (base last: its steps follow steps with adapter rows)."""
+    4, 3, 2, 1 rows as they finish (base last: its steps follow steps with adapter rows);
+    a fifth (an adapter's) arrives at the third step, its prompt beside the decodes."""
     driver = Driver(runner)
     cases = {"a": ("all", PROMPTS[0], 4), "q": ("qv", PROMPTS[1], 6), "m": ("mlp", PROMPTS[2], 8),
-             "b": ("", PROMPTS[0], NUM_TOKENS)}
+             "b": ("", PROMPTS[0], NUM_TOKENS), "late": ("qv", PROMPTS[0], 5)}
     for rid, (lora, prompt, _) in cases.items():
-        driver.add(rid, prompt, lora=lora)
-    while live := [r for r, c in cases.items() if len(driver.seqs[r].outputs) < c[2]]:
+        if rid != "late":
+            driver.add(rid, prompt, lora=lora)
+    while live := [r for r, c in cases.items()
+                   if r in driver.seqs and len(driver.seqs[r].outputs) < c[2]]:
         driver.step({r: None for r in live})
+        if driver.step_id == 2:
+            driver.add("late", cases["late"][1], lora=cases["late"][0])
     return driver, cases
 
 
-def test_decode_graphs_hold_the_adapters(dirs):
-    """Decode graphs captured with the adapters (the CPU twins of CUDA graphs): every decode
-    step replays one, fed, adapter rows and base rows together, padding rows and the
-    steps after adapter rows included; token for token the eager runner's and PEFT's."""
+def test_the_graphs_hold_the_adapters(dirs):
+    """Decode graphs and graph pieces captured with the adapters (the CPU twins of CUDA
+    graphs): every step replays one or the other (decode steps fed), adapter and base
+    tokens together, padding rows and the steps after adapter rows included; token for
+    token the eager runner's and PEFT's."""
     from pagedserve.executor.cuda_graphs import DecodeGraphs
+    from pagedserve.executor.mixed_graphs import MixedGraphs
 
     eager, cases = _drive_mixed(_runner(dirs))
     runner = _runner(dirs)
     runner.graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
-                                 runner.max_model_len, 4, runner.loras)
+                                 runner.max_model_len, 8, runner.loras)
     runner.graphs.capture()
+    runner.mixed_graphs = MixedGraphs(runner.model, runner.cache.kv_cache, 128, runner.loras)
+    runner.mixed_graphs.capture()
     graphed, _ = _drive_mixed(runner)
-    assert runner.graph_steps == runner.steps_done - 1  # all but the prefill
-    assert sum(runner.graphs.fed) == runner.graph_steps
-    assert not runner.graphs.lora_slots.any()  # the base row's steps zeroed the slots
+    assert runner.mixed_graph_steps == 2  # the first step's prompts, the late one's
+    assert runner.graph_steps == runner.steps_done - 2 == sum(runner.graphs.fed)
+    assert not runner.graphs.lora_slots.buffer.any()  # the base row's steps came last
     for rid, (lora, prompt, num_tokens) in cases.items():
         assert graphed.seqs[rid].outputs == eager.seqs[rid].outputs, rid
         ref, logits = peft_reference(dirs["model"], dirs[lora] if lora else None, prompt,
@@ -302,17 +311,17 @@ def test_the_executor_refuses_a_bad_adapter_in_one_line(dirs, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adapters_on_a_gpu_in_the_decode_graphs(dirs):
-    """On a GPU (float32, graphs captured as `serve` runs them, with the adapters): the
-    prefill eager, every decode step of adapter and base rows a graph replay (fed), the
-    base row's steps after the adapters' too; each request's tokens are transformers +
-    PEFT's."""
+    """On a GPU (float32, decode graphs and graph pieces captured as `serve` runs them,
+    with the adapters): every step of adapter and base tokens a replay of one or the
+    other, the base row's steps after the adapters' too; each request's tokens are
+    transformers + PEFT's."""
     runner = build_runner(str(dirs["model"]), device="cuda", dtype="float32",
                           num_gpu_blocks=96, num_cpu_blocks=0, block_size=8, progress=False,
                           max_num_seqs=8,
                           lora_modules=tuple((n, str(dirs[n])) for n in ("all", "qv", "mlp")))
-    assert runner.graphs is not None and runner.graphs.loras is runner.loras
+    assert runner.graphs.loras is runner.loras is runner.mixed_graphs.loras
     graphed, cases = _drive_mixed(runner)
-    assert runner.graph_steps == runner.steps_done - 1
+    assert runner.graph_steps + runner.mixed_graph_steps == runner.steps_done
     for rid, (lora, prompt, num_tokens) in cases.items():
         ref, logits = peft_reference(dirs["model"], dirs[lora] if lora else None, prompt,
                                      num_tokens)

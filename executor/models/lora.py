@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pagedserve.executor.device_copy import to_device_many
+from pagedserve.executor.device_copy import to_device, to_device_many
 from pagedserve.executor.models.config import ModelConfig
 from safetensors import safe_open
 
@@ -252,10 +252,29 @@ class LoraSet:
         return LoraStep(mask=(ids_t[:, None] == owner).to(self.dtype), cols=cols)
 
     def graph_step(self, slots: torch.Tensor) -> LoraStep:
-        """Every adapter's view for a captured decode graph, from its static buffer of the
-        rows' ``slots`` (0: none): no host work, so a replay recomputes the mask from
-        what the buffer holds (a row without an adapter adds exact zeros)."""
+        """Every adapter's view for a captured graph, from its static buffer of the tokens'
+        ``slots`` (0: none): no host work, so a replay recomputes the mask from what the
+        buffer holds (a token without an adapter adds exact zeros)."""
         return LoraStep(mask=(slots[:, None] == self.owner).to(self.dtype), cols=None)
+
+
+class StaticLoraSlots:
+    """A captured graph's static buffer of its tokens' adapter slots (``buffer``, zero
+    where no adapter: padding rows too), set before each replay."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(size, dtype=torch.long, device=device)
+        self._dirty = 0  # leading entries the last step may have left nonzero
+
+    def set(self, slots: np.ndarray | None) -> None:
+        """The next replay's slots: ``slots`` (host, one a token) then zeros, or zeros
+        throughout (None: nothing to copy when the buffer is zero already)."""
+        n = 0 if slots is None else slots.shape[0]
+        if n:
+            self.buffer[:n].copy_(to_device(slots, self.buffer.device, torch.long))
+        if self._dirty > n:
+            self.buffer[n:self._dirty].zero_()
+        self._dirty = n
 
 
 def _projections() -> list[tuple[str, str, list[str]]]:
