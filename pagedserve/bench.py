@@ -35,22 +35,12 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-DATASETS = ("random", "shared-prefix", "file")
+from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
+
 BACKENDS = ("grpc", "openai")
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One request of the workload: text or token ids, and its output length."""
-
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...] | None
-    max_tokens: int
-    prompt_len: int  # token count when known (ids), else 0 until usage says
 
 
 @dataclass
@@ -103,71 +93,7 @@ class BenchConfig:
     vocab_size: int | None = None  # openai: the token-id range of random prompts
     model: str | None = None  # openai: the model id (default: the server's first)
     connections: int = 1  # grpc: channels (TCP connections) the requests are spread over
-
-
-# ---------------------------------------------------------------------------------------
-# Datasets
-
-
-def _parse_range(text: str) -> tuple[int, int]:
-    parts = text.split(":")
-    if len(parts) == 1:
-        lo = hi = int(parts[0])
-    elif len(parts) == 2:
-        lo, hi = int(parts[0]), int(parts[1])
-    else:
-        raise argparse.ArgumentTypeError(f"expected A:B, got {text!r}")
-    if lo < 1 or hi < lo:
-        raise argparse.ArgumentTypeError(f"need 1 <= A <= B, got {text!r}")
-    return lo, hi
-
-
-def _random_ids(rng: np.random.Generator, n: int, vocab_size: int, low: int) -> tuple:
-    return tuple(int(x) for x in rng.integers(low, vocab_size, size=n))
-
-
-def sample_requests(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
-    """The workload, deterministic for cfg.seed. Token ids avoid the lowest ids (special
-    tokens in the tiny models) when the vocabulary is large enough."""
-    rng = np.random.default_rng(cfg.seed)
-    low = 3 if vocab_size > 16 else 0
-    out_lo, out_hi = cfg.output_len_range
-    if cfg.dataset == "random":
-        in_lo, in_hi = cfg.input_len_range
-        in_lens = rng.integers(in_lo, in_hi + 1, size=cfg.num_prompts)
-        out_lens = rng.integers(out_lo, out_hi + 1, size=cfg.num_prompts)
-        return [BenchRequest(None, _random_ids(rng, int(n), vocab_size, low), int(m), int(n))
-                for n, m in zip(in_lens, out_lens, strict=True)]
-    if cfg.dataset == "shared-prefix":
-        reqs = []
-        for _ in range(cfg.tenants):
-            prefix = _random_ids(rng, cfg.prefix_len, vocab_size, low)
-            for _ in range(cfg.questions_per_tenant):
-                ids = prefix + _random_ids(rng, cfg.question_len, vocab_size, low)
-                reqs.append(BenchRequest(None, ids, int(rng.integers(out_lo, out_hi + 1)),
-                                         len(ids)))
-        order = rng.permutation(len(reqs))  # tenants interleave, as real traffic does
-        return [reqs[i] for i in order]
-    if cfg.dataset == "file":
-        if not cfg.file:
-            raise ValueError("--dataset file needs --file PATH")
-        reqs = []
-        for line in Path(cfg.file).read_text().splitlines():
-            if not line.strip():
-                continue
-            max_tokens = int(rng.integers(out_lo, out_hi + 1))
-            if line.lstrip().startswith("{"):
-                obj = json.loads(line)
-                prompt = obj["prompt"]
-                max_tokens = int(obj.get("max_tokens", max_tokens))
-            else:
-                prompt = line
-            reqs.append(BenchRequest(prompt, None, max_tokens, 0))
-        if not reqs:
-            raise ValueError(f"{cfg.file} holds no prompts")
-        # --num-prompts: cycle through the file (in order) up to that many.
-        return [reqs[i % len(reqs)] for i in range(cfg.num_prompts)]
-    raise ValueError(f"unknown dataset {cfg.dataset!r}; known: {', '.join(DATASETS)}")
+    lora_modules: tuple[str, ...] = ()  # each request runs one of these adapters, at random
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,7 +116,7 @@ def _grpc_request(req: BenchRequest, cfg: BenchConfig):
     from .protos.generated.pagedserve.v1 import generate_pb2 as pb
     params = pb.SamplingParams(max_tokens=req.max_tokens, temperature=cfg.temperature,
                                ignore_eos=cfg.ignore_eos, seed=cfg.seed)
-    msg = pb.GenerateRequest(params=params)
+    msg = pb.GenerateRequest(params=params, lora_adapter=req.lora)
     if req.prompt_token_ids is not None:
         msg.prompt_token_ids.ids.extend(req.prompt_token_ids)
     else:
@@ -418,9 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests (random, file); shared-prefix sends "
                         "tenants x questions-per-tenant")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-len-range", type=_parse_range, default=(64, 256), metavar="A:B",
+    p.add_argument("--input-len-range", type=parse_range, default=(64, 256), metavar="A:B",
                    help="random: prompt tokens, uniform in [A, B]")
-    p.add_argument("--output-len-range", type=_parse_range, default=(16, 64), metavar="A:B",
+    p.add_argument("--output-len-range", type=parse_range, default=(16, 64), metavar="A:B",
                    help="max_tokens, uniform in [A, B] (file: unless the line says)")
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=256, help="tokens of each system prompt")
@@ -440,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=_positive_int, default=1,
                    help="grpc: connections to spread the requests over (a server with "
                         "--api-workers serves each connection from one worker)")
+    p.add_argument("--lora-modules", type=lambda v: tuple(n for n in v.split(",") if n),
+                   default=(), metavar="NAME[,NAME...]",
+                   help="each request runs one of these LoRA adapters, drawn at random")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -461,7 +390,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress and not args.json, timeout_s=args.timeout,
-        connections=args.connections)
+        connections=args.connections, lora_modules=args.lora_modules)
 
 
 def main(argv: list[str]) -> int:

@@ -33,7 +33,7 @@ async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> d
 
 
 def _openai_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict:
-    body = {"model": model, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
+    body = {"model": req.lora or model, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
             "seed": cfg.seed, "ignore_eos": cfg.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     body["prompt"] = list(req.prompt_token_ids) if req.prompt_token_ids is not None \

@@ -200,3 +200,28 @@ def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
     migrated = [line for line in cluster.metrics().splitlines()
                 if line.startswith("pagedserve_migrations_total ")]
     assert migrated and float(migrated[0].split()[1]) >= 1  # the kill was mid-stream
+
+
+def test_bench_spreads_requests_over_adapters(cluster):
+    """`pagedserve bench --lora-modules`: each request runs one of the names, drawn at
+    random, over gRPC and over the OpenAI API (a name the server lacks fails those
+    requests: the field travels)."""
+    import subprocess
+    import sys
+
+    def bench(address, *args):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedserve.cli", "bench", "--address", address, "--json",
+             "--num-prompts", "8", "--input-len-range", "8:16", "--output-len-range", "3:3",
+             "--seed", "2", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    for address, extra in ((cluster.address, ()),
+                           (cluster.http_address, ("--backend", "openai", "--vocab-size",
+                                                   "512"))):
+        good = bench(address, "--lora-modules", "sql,chat", *extra)
+        assert (good["completed"], good["failed"], good["total_output_tokens"]) == (8, 0, 24)
+        mixed = bench(address, "--lora-modules", "sql,nope", *extra)
+        assert mixed["completed"] > 0 and mixed["failed"] > 0
+        assert mixed["completed"] + mixed["failed"] == 8

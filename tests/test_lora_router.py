@@ -100,3 +100,19 @@ def test_registration_compares_the_adapters():
         "LoRA adapters none, the router serves chat, sql (start both with the same "
         "--lora-modules)")
     assert "LoRA adapters sql, the router" in membership.refusal(hello("sql"))
+
+
+def test_bench_draws_an_adapter_per_request_apart_from_the_prompts():
+    from pagedserve.bench import BenchConfig, _grpc_request
+    from pagedserve.bench_datasets import sample_requests
+    from pagedserve.bench_openai import _openai_body
+
+    plain = sample_requests(BenchConfig("x", num_prompts=12, seed=4), 512)
+    cfg = BenchConfig("x", num_prompts=12, seed=4, lora_modules=("sql", "chat"))
+    reqs = sample_requests(cfg, 512)
+    assert [r.prompt_token_ids for r in reqs] == [r.prompt_token_ids for r in plain]
+    assert {r.lora for r in reqs} == {"sql", "chat"} and {r.lora for r in plain} == {""}
+    assert [r.lora for r in sample_requests(cfg, 512)] == [r.lora for r in reqs]
+    assert _grpc_request(reqs[0], cfg).lora_adapter == reqs[0].lora
+    assert _openai_body(reqs[0], cfg, "base")["model"] == reqs[0].lora
+    assert _openai_body(plain[0], cfg, "base")["model"] == "base"

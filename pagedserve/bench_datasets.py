@@ -1,0 +1,112 @@
+"""`pagedserve bench`'s workloads: the request list of a run (`sample_requests`), seeded.
+
+Datasets: ``random`` (token-id prompts and output lengths drawn from ranges),
+``shared-prefix`` (tenants, each a system prompt shared by its questions, interleaved as
+real traffic interleaves them) and ``file`` (one prompt a line: text, or a JSON object with
+``prompt`` and optionally ``max_tokens``). With ``--lora-modules`` each request also runs
+one of the named LoRA adapters, drawn apart, so the prompts are those of a run without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .bench import BenchConfig
+
+DATASETS = ("random", "shared-prefix", "file")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of the workload: text or token ids, and its output length."""
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    max_tokens: int
+    prompt_len: int  # token count when known (ids), else 0 until usage says
+    lora: str = ""  # the LoRA adapter it runs ("": the model)
+
+
+# ---------------------------------------------------------------------------------------
+# Datasets
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) == 1:
+        lo = hi = int(parts[0])
+    elif len(parts) == 2:
+        lo, hi = int(parts[0]), int(parts[1])
+    else:
+        raise argparse.ArgumentTypeError(f"expected A:B, got {text!r}")
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"need 1 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int, low: int) -> tuple:
+    return tuple(int(x) for x in rng.integers(low, vocab_size, size=n))
+
+
+def sample_requests(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
+    """The workload, deterministic for cfg.seed; each request given one of
+    ``cfg.lora_modules`` (drawn apart: the prompts are those of a run without them)."""
+    reqs = _workload(cfg, vocab_size)
+    if cfg.lora_modules:
+        picks = np.random.default_rng(cfg.seed + 31).integers(len(cfg.lora_modules),
+                                                              size=len(reqs))
+        reqs = [dataclasses.replace(req, lora=cfg.lora_modules[i])
+                for req, i in zip(reqs, picks.tolist(), strict=True)]
+    return reqs
+
+
+def _workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
+    """Token ids avoid the lowest ids (special tokens in the tiny models) when the
+    vocabulary is large enough."""
+    rng = np.random.default_rng(cfg.seed)
+    low = 3 if vocab_size > 16 else 0
+    out_lo, out_hi = cfg.output_len_range
+    if cfg.dataset == "random":
+        in_lo, in_hi = cfg.input_len_range
+        in_lens = rng.integers(in_lo, in_hi + 1, size=cfg.num_prompts)
+        out_lens = rng.integers(out_lo, out_hi + 1, size=cfg.num_prompts)
+        return [BenchRequest(None, _random_ids(rng, int(n), vocab_size, low), int(m), int(n))
+                for n, m in zip(in_lens, out_lens, strict=True)]
+    if cfg.dataset == "shared-prefix":
+        reqs = []
+        for _ in range(cfg.tenants):
+            prefix = _random_ids(rng, cfg.prefix_len, vocab_size, low)
+            for _ in range(cfg.questions_per_tenant):
+                ids = prefix + _random_ids(rng, cfg.question_len, vocab_size, low)
+                reqs.append(BenchRequest(None, ids, int(rng.integers(out_lo, out_hi + 1)),
+                                         len(ids)))
+        order = rng.permutation(len(reqs))  # tenants interleave, as real traffic does
+        return [reqs[i] for i in order]
+    if cfg.dataset == "file":
+        if not cfg.file:
+            raise ValueError("--dataset file needs --file PATH")
+        reqs = []
+        for line in Path(cfg.file).read_text().splitlines():
+            if not line.strip():
+                continue
+            max_tokens = int(rng.integers(out_lo, out_hi + 1))
+            if line.lstrip().startswith("{"):
+                obj = json.loads(line)
+                prompt = obj["prompt"]
+                max_tokens = int(obj.get("max_tokens", max_tokens))
+            else:
+                prompt = line
+            reqs.append(BenchRequest(prompt, None, max_tokens, 0))
+        if not reqs:
+            raise ValueError(f"{cfg.file} holds no prompts")
+        # --num-prompts: cycle through the file (in order) up to that many.
+        return [reqs[i % len(reqs)] for i in range(cfg.num_prompts)]
+    raise ValueError(f"unknown dataset {cfg.dataset!r}; known: {', '.join(DATASETS)}")
