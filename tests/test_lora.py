@@ -227,7 +227,8 @@ def test_the_batched_update_is_each_tokens_own(dirs, slots):
 
 
 def test_a_step_takes_only_its_adapters_columns(dirs):
-    loras = _runner(dirs).loras
+    runner = _runner(dirs)
+    loras = runner.loras
     r = loras.rank
     step = loras.step(np.array([0, 3, 1, 3]))  # adapters 1 and 3 of 3: renumbered 1, 2
     assert step.cols.tolist() == [*range(r), *range(2 * r, 3 * r)]
@@ -237,6 +238,16 @@ def test_a_step_takes_only_its_adapters_columns(dirs):
     every = loras.step(np.array([2, 1, 3]))
     assert every.cols is None and every.mask.shape == (3, 3 * r)
     assert every.mask[0, r:2 * r].all() and every.mask.sum().item() == 3 * r
+    # a projection gathers a set's rows once while the set stays (a steady decode)
+    lora = runner.model.model.layers[0].mlp.down_proj.lora
+    x = torch.randn(4, lora.a.shape[-1])
+    y = torch.zeros(4, runner.model.config.hidden_size)
+    lora.add_(y, x, step)
+    first = lora._gathered
+    lora.add_(y, x, loras.step(np.array([3, 3, 1, 0])))
+    assert lora._gathered is first and first[0] == (1, 3)
+    lora.add_(y, x, loras.step(np.array([2, 0, 0, 0])))
+    assert lora._gathered[0] == (2,) and lora._gathered[1].shape[1] == r
 
 
 # ------------------------------------------------------------------------------- refused

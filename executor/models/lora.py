@@ -167,6 +167,7 @@ class LoraStep:
 
     mask: torch.Tensor  # [T, k*R] in the model's dtype
     cols: torch.Tensor | None  # int64 [k*R] of the n*R; None: all n adapters, in order
+    active: tuple[int, ...] = ()  # the k slots (with cols: the gathers' cache key)
 
 
 class ProjectionLora:
@@ -176,17 +177,29 @@ class ProjectionLora:
     def __init__(self, a: torch.Tensor, shards: list[tuple[int, int, torch.Tensor]]) -> None:
         self.a = a  # [S, n * R, in]
         self.shards = shards  # (output offset, output size, Bt [n * R, size]) a shard
+        # The last step's gathered rows (active slots, A, each shard's Bt): steps of the
+        # same adapters (a steady decode) gather nothing again.
+        self._gathered: tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]] | None = None
 
     def add_(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
         """y [T, out] += each token's own adapter's update of x [T, in]; y returned."""
-        cols, mask = step.cols, step.mask
-        a = self.a if cols is None else self.a.index_select(1, cols)
+        a, bts = self._weights(step)
         h = (x @ a.reshape(-1, a.shape[-1]).t()).view(x.shape[0], a.shape[0], a.shape[1])
-        h = h * mask[:, None, :]
-        for s, (offset, size, bt) in enumerate(self.shards):
-            y[:, offset:offset + size].addmm_(h[:, s], bt if cols is None
-                                              else bt.index_select(0, cols))
+        h = h * step.mask[:, None, :]
+        for s, ((offset, size, _), bt) in enumerate(zip(self.shards, bts, strict=True)):
+            y[:, offset:offset + size].addmm_(h[:, s], bt)
         return y
+
+    def _weights(self, step: LoraStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(A, each shard's Bt) of the step's adapters: all of them, or their gathered rows."""
+        if step.cols is None:
+            return self.a, [bt for _, _, bt in self.shards]
+        gathered = self._gathered
+        if gathered is None or gathered[0] != step.active:
+            gathered = self._gathered = (
+                step.active, self.a.index_select(1, step.cols),
+                [bt.index_select(0, step.cols) for _, _, bt in self.shards])
+        return gathered[1], gathered[2]
 
 
 class LoraSet:
@@ -249,7 +262,8 @@ class LoraSet:
             ids_t, cols = to_device_many(((renumber[slots], torch.int64),
                                           (columns, torch.int64)), self.device)
         owner = self.owner[:active.shape[0] * rank]  # slots 1..k, R columns each
-        return LoraStep(mask=(ids_t[:, None] == owner).to(self.dtype), cols=cols)
+        return LoraStep(mask=(ids_t[:, None] == owner).to(self.dtype), cols=cols,
+                        active=tuple(active.tolist()))
 
     def graph_step(self, slots: torch.Tensor) -> LoraStep:
         """Every adapter's view for a captured graph, from its static buffer of the tokens'
