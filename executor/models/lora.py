@@ -14,9 +14,9 @@ The batched update, per projection (qkv, o, gate_up, down): with n adapters, eac
 the largest rank R, ``A`` stacks every adapter's A rows, shard by shard [S, n*R, in] (S: the
 shards of a fused projection some adapter targets, e.g. q, k, v), and ``Bt_s`` stacks shard
 s's B^T of all adapters [n*R, out_s], scaling folded in. A step uses the k adapters its
-tokens name: their rows of A and Bt (``cols``, k*R of the n*R; all of them, no gather, when
-k = n). For a batch x [T, in] whose tokens run adapters ``ids`` (1..k among those, 0:
-none)::
+tokens name: their rows of A and Bt (``cols``, k*R of the n*R, gathered; all n, no gather,
+when k > n/2, and in captured graphs). For a batch x [T, in] whose tokens run adapters
+``ids`` (1..k among those, 0: none)::
 
     h = (x @ A[:, cols]^T).view(T, S, k*R) * mask[:, None, :]   # mask[t, c] = ids[t] == owner[c]
     y[:, shard s] += h[:, s] @ Bt_s[cols]
@@ -178,7 +178,10 @@ class ProjectionLora:
         self.a = a  # [S, n * R, in]
         self.shards = shards  # (output offset, output size, Bt [n * R, size]) a shard
         # The last step's gathered rows (active slots, A, each shard's Bt): steps of the
-        # same adapters (a steady decode) gather nothing again.
+        # same adapters (a steady decode) gather nothing again. On a CPU only: on a GPU the
+        # copies would hold device memory the KV cache's sizing did not count (there the
+        # decode steps replay graphs, which take every adapter and gather nothing).
+        self._keep_gathered = a.device.type == "cpu"
         self._gathered: tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]] | None = None
 
     def add_(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
@@ -196,9 +199,10 @@ class ProjectionLora:
             return self.a, [bt for _, _, bt in self.shards]
         gathered = self._gathered
         if gathered is None or gathered[0] != step.active:
-            gathered = self._gathered = (
-                step.active, self.a.index_select(1, step.cols),
-                [bt.index_select(0, step.cols) for _, _, bt in self.shards])
+            gathered = (step.active, self.a.index_select(1, step.cols),
+                        [bt.index_select(0, step.cols) for _, _, bt in self.shards])
+            if self._keep_gathered:
+                self._gathered = gathered
         return gathered[1], gathered[2]
 
 
@@ -249,11 +253,14 @@ class LoraSet:
 
     def step(self, slots: np.ndarray) -> LoraStep:
         """The step whose tokens run adapter ``slots`` [T] (host integers; 0: none): the k
-        adapters among them renumbered 1..k in slot order, their columns, and the mask."""
+        adapters among them renumbered 1..k in slot order, their columns, and the mask.
+        Where they are more than half the n adapters, all n are taken (no gather: the
+        rows it would skip cost less than gathering the rest)."""
         n, rank = len(self.names), self.rank
         active = np.unique(slots)
         active = active[active > 0]
-        if active.shape[0] == n:
+        if 2 * active.shape[0] > n:
+            active = np.arange(1, n + 1)
             (ids_t,), cols = to_device_many(((slots, torch.int64),), self.device), None
         else:
             renumber = np.zeros(n + 1, np.int64)
