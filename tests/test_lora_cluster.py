@@ -2,7 +2,8 @@
 with `--lora-modules`): the OpenAI API's `model` and gRPC's `lora_adapter` pick an adapter,
 whose greedy tokens are transformers + PEFT's; adapters never share prefix-cache blocks
 with each other or the base model; names are listed and unknown ones refused; an executor
-serving other adapters is refused at registration."""
+serving other adapters is refused at registration; `pagedserve bench --lora-modules`;
+preemption (recompute and swap) and an executor's SIGKILL keep every token."""
 
 from __future__ import annotations
 
@@ -151,6 +152,70 @@ def test_an_executor_serving_other_adapters_is_refused(cluster, dirs):
             "both with the same --lora-modules)") in tail
 
 
+def test_bench_spreads_requests_over_adapters(cluster):
+    """`pagedserve bench --lora-modules`: each request runs one of the names, drawn at
+    random, over gRPC and over the OpenAI API (a name the server lacks fails those
+    requests: the field travels)."""
+    import subprocess
+    import sys
+
+    def bench(address, *args):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedserve.cli", "bench", "--address", address, "--json",
+             "--num-prompts", "8", "--input-len-range", "8:16", "--output-len-range", "3:3",
+             "--seed", "2", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    for address, extra in ((cluster.address, ()),
+                           (cluster.http_address, ("--backend", "openai", "--vocab-size",
+                                                   "512"))):
+        good = bench(address, "--lora-modules", "sql,chat", *extra)
+        assert (good["completed"], good["failed"], good["total_output_tokens"]) == (8, 0, 24)
+        mixed = bench(address, "--lora-modules", "sql,nope", *extra)
+        assert mixed["completed"] > 0 and mixed["failed"] > 0
+        assert mixed["completed"] + mixed["failed"] == 8
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_adapter_requests_keep_their_tokens(dirs, mode):
+    """Six streams of two adapters and the base model on 12 device blocks (they need ~24):
+    preempted by `mode` and resumed (recompute: sent again with their adapter), each ends
+    with transformers + PEFT's tokens, and every block comes back."""
+    import threading
+
+    modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}"]
+    c = Cluster(dirs["model"], num_executors=1, router_args=[*modules, "--preemption-mode", mode],
+                executor_args=[*modules, "--num-gpu-blocks", "12", "--swap-space", "0.05"])
+    names = ["sql", "chat", "base"] * 2
+    prompts = [[20 + i, *PROMPTS[0][1:]] for i in range(len(names))]
+    max_tokens = 48
+    refs = [peft_reference(dirs["model"], dirs.get(n), p, max_tokens)[0]
+            for n, p in zip(names, prompts, strict=True)]
+    results: dict[int, object] = {}
+    with c.running():
+        def run(i):
+            req = request(token_ids=prompts[i], max_tokens=max_tokens, temperature=0.0,
+                          ignore_eos=True)
+            req.lora_adapter = "" if names[i] == "base" else names[i]
+            try:
+                results[i] = list(c.stub.Generate(req, timeout=120).completions[0].token_ids)
+            except grpc.RpcError as exc:
+                results[i] = exc
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(names))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [results[i] for i in range(len(names))] == refs
+        preempted = sum(float(line.rsplit(" ", 1)[1]) for line in c.metrics().splitlines()
+                        if line.startswith("pagedserve_preemptions_total{")
+                        and f'mode="{mode}"' in line)
+        assert preempted > 0
+        e = c.wait_blocks_free().executors[0]
+        assert e.num_free_gpu_blocks == e.num_gpu_blocks
+
+
 def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
     """Runs last: a second executor joins with the same adapters; greedy streams of both
     adapters and the base model run on the two; the executor holding more of them is
@@ -200,28 +265,3 @@ def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
     migrated = [line for line in cluster.metrics().splitlines()
                 if line.startswith("pagedserve_migrations_total ")]
     assert migrated and float(migrated[0].split()[1]) >= 1  # the kill was mid-stream
-
-
-def test_bench_spreads_requests_over_adapters(cluster):
-    """`pagedserve bench --lora-modules`: each request runs one of the names, drawn at
-    random, over gRPC and over the OpenAI API (a name the server lacks fails those
-    requests: the field travels)."""
-    import subprocess
-    import sys
-
-    def bench(address, *args):
-        proc = subprocess.run(
-            [sys.executable, "-m", "pagedserve.cli", "bench", "--address", address, "--json",
-             "--num-prompts", "8", "--input-len-range", "8:16", "--output-len-range", "3:3",
-             "--seed", "2", *args], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout)
-
-    for address, extra in ((cluster.address, ()),
-                           (cluster.http_address, ("--backend", "openai", "--vocab-size",
-                                                   "512"))):
-        good = bench(address, "--lora-modules", "sql,chat", *extra)
-        assert (good["completed"], good["failed"], good["total_output_tokens"]) == (8, 0, 24)
-        mixed = bench(address, "--lora-modules", "sql,nope", *extra)
-        assert mixed["completed"] > 0 and mixed["failed"] > 0
-        assert mixed["completed"] + mixed["failed"] == 8
