@@ -19,7 +19,9 @@ Pipeline (vLLM's order), on fp32 copies of the logits [R, V]:
    one-token word) is set to -inf; allowed_token_ids: every other token is set to -inf
    (where the masks above would leave none of them, they are not applied to the row);
 2b. structured output: every token the request's grammar cannot take next is set to -inf
-   (grammar.py; one bitmask for all constrained rows);
+   (grammar.py; one bitmask for all constrained rows); where the grammar and the
+   allowed_token_ids leave no token, the grammar wins (the row as it was before the allowed
+   mask, the grammar's applied), so the output still matches its format;
 3. greedy rows (temperature < 1e-5, or top_k == 1) take the exact argmax (first index on
    ties) and stop here;
 4. the other rows: divide by the temperature, keep the top-k logits, then the top-p nucleus
@@ -191,6 +193,16 @@ def _bad_word_ids(state: SamplingState, vocab: int) -> list[int]:
     return banned
 
 
+def _grammar_wins_(x: torch.Tensor, idx: torch.Tensor, before_allowed: torch.Tensor,
+                   bits: np.ndarray) -> None:
+    """In place: rows ``idx`` of x whose allowed tokens and grammar left none take their
+    logits before the allowed mask (``before_allowed``) with only the grammar's (``bits``,
+    their bitmask rows) applied. No host read: the choice is a ``torch.where`` per row."""
+    grammar_only = apply_grammar_masks_(before_allowed, list(range(idx.shape[0])), bits)
+    rows = x[idx]
+    x[idx] = torch.where(torch.isneginf(rows).all(-1, keepdim=True), grammar_only, rows)
+
+
 def apply_allowed_(logits: torch.Tensor, rows: list[int],
                    params: Sequence[SamplingParams]) -> torch.Tensor:
     """In place: row rows[i] keeps the logits of params[i].allowed_token_ids, every other
@@ -359,6 +371,11 @@ class Sampler:
             penalise_rows_(x, pen_rows, states)
         if mask_rows:
             x[to_device(mask_rows, device), to_device(mask_ids, device)] = float("-inf")
+        both = [i for i in allowed_rows if states[i].grammar is not None] \
+            if allowed_rows and grammar_rows else []
+        if both:  # the rows before the allowed mask, in case the grammar must win
+            both_idx = to_device(both, device)
+            before_allowed = x[both_idx]
         if allowed_rows:
             apply_allowed_(x, allowed_rows, [params[i] for i in allowed_rows])
         if grammar_rows:
@@ -367,6 +384,9 @@ class Sampler:
             # Nothing copied yet: the masked copy is the copy (one pass over [R, V]).
             out = self._buffer(0, raw.shape, device) if x is raw else None
             x = apply_grammar_masks_(x, grammar_rows, grammar_bits, out=out)
+        if both:
+            _grammar_wins_(x, both_idx, before_allowed,
+                           grammar_bits[[grammar_rows.index(i) for i in both]])
 
         if all(greedy):
             tokens = x.argmax(-1)

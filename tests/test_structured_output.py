@@ -385,3 +385,31 @@ def test_constrained_sampling_on_cuda_equals_cpu(compiler, tokenizer_dir):
     cpu = Sampler()(logits, states()).token_ids
     cuda = Sampler()(logits.cuda(), states()).token_ids
     assert cpu.tolist() == cuda.tolist()
+
+
+def test_the_grammar_wins_where_allowed_tokens_leave_none(compiler):
+    """A row with a grammar and allowed_token_ids: where they share tokens the best shared
+    one is taken; where they share none (every allowed token outside the format here) the
+    grammar wins, not a token of an all -inf row; a row beside it keeps its own masks."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    grammar = build_grammar("regex", "[0-9]{2}-(ab|cd)")
+    legal = sorted(allowed_ids(compiler, compiler.matcher(grammar, [EOS])))
+    outside = [t for t in range(3, 40) if t not in legal][:5]
+
+    def state(allowed, grammar_on=True, seed=None):
+        params = SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed or 0,
+                                grammar=grammar if grammar_on else "",
+                                eos_token_ids=(EOS,), allowed_token_ids=tuple(allowed))
+        s = SamplingState(params, 0, np.zeros(0, np.int64))
+        if grammar_on:
+            s.grammar = compiler.matcher(grammar, [EOS])
+        return s
+
+    shared = [legal[3], legal[5], *outside]
+    tokens = Sampler()(logits, [state(shared), state(outside), state(outside, False)]).token_ids
+    assert int(tokens[0]) == max(shared[:2], key=lambda t: float(logits[0, t]))
+    assert int(tokens[1]) == legal[int(logits[1, legal].argmax())]
+    assert int(tokens[2]) == outside[int(logits[2, outside].argmax())]
+    drawn = Sampler()(logits[:1], [state(outside, seed=7)]).token_ids
+    assert int(drawn[0]) in legal
