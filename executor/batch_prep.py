@@ -43,8 +43,8 @@ class Batch:
     sample_state_rows: np.ndarray  # their rows in RequestRows, same order
     kept: np.ndarray | None = None  # the plan rows in the batch (None: every row)
     feed: GraphFeed | None = None
-    # each token's LoRA adapter slot, for graphs holding the adapters (None: no token has
-    # one); the eager forward reads ``attn.lora`` instead
+    # each token's LoRA adapter slot (None: no token has one): a graph holding the
+    # adapters copies them in; an eager forward makes its LoraStep of them (model_runner)
     lora_slots: np.ndarray | None = None
 
 
@@ -159,8 +159,7 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             block_tables=block_tables,
             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens_t,
             max_query_len=pre.max_query_len,
-            decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc),
-            lora=None if lora_slots is None else self.loras.step(lora_slots)),
+            decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc)),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
         sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows],
         lora_slots=lora_slots)
@@ -260,7 +259,6 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
             seq_lens=to_device(seq_lens, device, torch.int32),
             max_query_len=int(num_new.max()),
             decode_split=ops.decode_split_of(num_new, starts),
-            lora=None if lora_slots is None else self.loras.step(lora_slots),
         ),
         sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
         sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],

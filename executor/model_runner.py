@@ -425,20 +425,23 @@ class ModelRunner:
             self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
             return hidden
         # Graphs captured without the LoRA adapters cannot run a step with adapter tokens.
-        plain = batch.attn.lora is None
+        slots = batch.lora_slots
         graphs = self.graphs
-        if graphs is not None and (plain or graphs.loras is not None) \
+        if graphs is not None and (slots is None or graphs.loras is not None) \
                 and graphs.can_run(batch.input_ids, batch.attn):
             self.graph_steps += 1
-            hidden = graphs.run(batch.input_ids, batch.positions, batch.attn, batch.lora_slots)
-            self._graph_logits, self._graph_tokens = self.graphs.logits, self.graphs.tokens
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.attn, slots)
+            self._graph_logits, self._graph_tokens = graphs.logits, graphs.tokens
             return hidden
         mixed = self.mixed_graphs
-        if mixed is not None and (plain or mixed.loras is not None) \
+        if mixed is not None and (slots is None or mixed.loras is not None) \
                 and mixed.can_run(batch.input_ids, batch.attn):
             self.mixed_graph_steps += 1
-            return mixed.run(batch.input_ids, batch.positions, batch.attn, batch.lora_slots)
-        return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, batch.attn)
+            return mixed.run(batch.input_ids, batch.positions, batch.attn, slots)
+        # Eagerly: the adapters the step's tokens use, made here only (graphs need none).
+        attn = batch.attn if slots is None else \
+            dataclasses.replace(batch.attn, lora=self.loras.step(slots))
+        return self.model(batch.input_ids, batch.positions, self.cache.kv_cache, attn)
 
     def _logits(self, hidden: torch.Tensor,
                 batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
