@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
+from pagedserve.executor.draft_rows import DraftRows, sampling_positions
 from pagedserve.executor.graph_feed import GraphFeed
 from pagedserve.executor.models import AttentionMetadata
 from pagedserve.executor.plan_inputs import PlanInputs, build_tensors
@@ -46,6 +47,8 @@ class Batch:
     # each token's LoRA adapter slot (None: no token has one): a graph holding the
     # adapters copies them in; an eager forward makes its LoraStep of them (model_runner)
     lora_slots: np.ndarray | None = None
+    # speculative decoding: per sampling position (None: no row has drafts)
+    drafts: DraftRows | None = None
 
 
 def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
@@ -79,7 +82,7 @@ def prepare(self: ModelRunner, plan: StepPlan, errors: list[RequestError],
     old_len = table.num_blocks[rows]
     pick = None  # positions of the marked rows among the pending ones (None: all, in order)
     if marked.shape[0]:
-        if not (pending.states and pending.step_id == plan.step_id - 1):
+        if not (pending.states and pending.step_id == plan.step_id - 1) or pending.drafted:
             return self._prepare_checked(plan, errors, pre, rows, old_len)
         marked_rows = rows if pre.all_marked else rows[marked]
         if marked_rows.tobytes() != pending.rows.tobytes():
@@ -146,6 +149,10 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             lora_slots=lora_slots)
     if pre.positions is None:  # precompute left them to a graph's stage
         build_tensors(pre, self.device)
+    state_rows = rows if pre.do_sample_rows is None else rows[pre.do_sample_rows]
+    if pre.drafts is not None:  # a row's own for each of its sampling positions
+        drafts = pre.drafts if pre.do_sample_rows is None else pre.drafts[pre.do_sample_rows]
+        state_rows = np.repeat(state_rows, drafts + 1)
     if input_ids is None:
         input_ids, block_tables = to_device_many(
             ((pre.token_ids, torch.int64), (pre.tables, torch.int32)), self.device)
@@ -161,8 +168,7 @@ def full_batch(self: ModelRunner, pre: PlanInputs, rows: np.ndarray,
             max_query_len=pre.max_query_len,
             decode_split=ops.decode_split_of(pre.num_new, pre.query_start_loc)),
         sample_rows=pre.sample_rows, sample_ids=pre.sample_ids,
-        sample_state_rows=rows if pre.do_sample_rows is None else rows[pre.do_sample_rows],
-        lora_slots=lora_slots)
+        sample_state_rows=state_rows, lora_slots=lora_slots, drafts=pre.draft_rows)
 
 
 def lora_slots_of(self: ModelRunner, rows: np.ndarray,
@@ -249,8 +255,18 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
     kept_ids = [r for r, k in zip(plan.request_ids, keep.tolist(), strict=True) if k]
     device = self.device
     starts = to_device(query_start_loc, device, torch.int32)
+    sample_ids = [r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s]
+    state_rows = kept_rows[do_sample]
+    token_ids = pre.token_ids[keep_token]
+    sample_index, drafted = query_start_loc[1:][do_sample] - 1, None
+    if pre.drafts is not None:  # a row's own for each of its sampling positions
+        counts = pre.drafts[keep][do_sample]
+        sample_index, counts, drafted = sampling_positions(sample_index + 1, counts, token_ids)
+        sample_ids = [r for r, c in zip(sample_ids, counts.tolist(), strict=True)
+                      for _ in range(c)]
+        state_rows = np.repeat(state_rows, counts)
     return Batch(
-        input_ids=to_device(pre.token_ids[keep_token], device, torch.int64),
+        input_ids=to_device(token_ids, device, torch.int64),
         positions=to_device(plan.positions[keep_token], device, torch.int64),
         attn=AttentionMetadata(
             slot_mapping=to_device(pre.slots[keep_token], device, torch.int64),
@@ -260,9 +276,10 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
             max_query_len=int(num_new.max()),
             decode_split=ops.decode_split_of(num_new, starts),
         ),
-        sample_rows=to_device(query_start_loc[1:][do_sample] - 1, device, torch.int64),
-        sample_ids=[r for r, s in zip(kept_ids, do_sample.tolist(), strict=True) if s],
-        sample_state_rows=kept_rows[do_sample],
+        sample_rows=to_device(sample_index, device, torch.int64),
+        sample_ids=sample_ids,
+        sample_state_rows=state_rows,
         kept=np.flatnonzero(keep),
         lora_slots=lora_slots,
+        drafts=drafted,
     )

@@ -57,6 +57,7 @@ from pagedserve.executor import batch_prep, runner_requests
 from pagedserve.executor.batch_prep import Batch
 from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.draft_rows import confirmed, draft_states, kept_rows
 from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.host_pool import HostPool
 from pagedserve.executor.mixed_graphs import MixedGraphs
@@ -305,7 +306,7 @@ class ModelRunner:
             plain = True if self._not_plain == 0 else None  # None: rows looked at
             t1 = time.perf_counter()
             sampled = None
-            if states and self._sample_first(states, plain):
+            if states and batch.drafts is None and self._sample_first(states, plain):
                 self.sampled_first_steps += 1
                 sampled = self.sampler.launch(logits, states, argmax=argmax, plain=True)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
@@ -328,9 +329,11 @@ class ModelRunner:
                 grammar_bits = None if plain else Sampler.grammar_masks(states)
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
-                # forward, and its kernels queue right behind it.
-                sampled = self.sampler.launch(logits, states, grammar_bits, argmax=argmax,
-                                              plain=plain)
+                # forward, and its kernels queue right behind it. Positions after drafts
+                # sample as if the drafts were output (draft_rows.py).
+                sampled = self.sampler.launch(
+                    logits, states if batch.drafts is None else draft_states(states, batch.drafts),
+                    grammar_bits, argmax=argmax, plain=plain)
             scores = None
             if self._scoring:  # prompt logprobs asked for by a request of the step
                 scores = score_prompts(self.model, hidden, plan.request_ids,
@@ -352,6 +355,7 @@ class ModelRunner:
             pending.states, pending.token_ids = states, None
             pending.device_tokens = sampled.tokens
             pending.rows, pending.step_id = batch.sample_state_rows, step
+            pending.drafted = batch.drafts is not None
         self._inflight = flight
         if sampled is not None and self.overlap_steps:
             return None
@@ -403,11 +407,21 @@ class ModelRunner:
         if out is None:
             self._ready.append(StepResult(**result, errors=errors, forward_s=forward_s))
             return
-        if self._pending.step_id == flight.plan.step_id:
-            self._pending.token_ids = out.token_ids
         batch = flight.batch
+        sample_ids = batch.sample_ids
+        pending = self._pending
+        if batch.drafts is not None:  # each row's confirmed drafts and one token more
+            keep = confirmed(out.token_ids, batch.drafts)
+            out = kept_rows(out, keep)
+            sample_ids = [r for r, k in zip(sample_ids, keep.tolist(), strict=True) if k]
+            if pending.step_id == flight.plan.step_id:
+                pending.states = [s for s, k in zip(pending.states, keep.tolist(),
+                                                    strict=True) if k]
+                pending.rows = pending.rows[keep]
+        if pending.step_id == flight.plan.step_id:
+            pending.token_ids = out.token_ids
         self._ready.append(StepResult(
-            **result, request_ids=batch.sample_ids, token_ids=out.token_ids,
+            **result, request_ids=sample_ids, token_ids=out.token_ids,
             logprobs=out.logprobs, top_counts=out.top_counts, top_token_ids=out.top_token_ids,
             top_logprobs=out.top_logprobs, errors=errors, forward_s=forward_s,
             sample_s=sample_s,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device_many
+from pagedserve.executor.draft_rows import DraftRows, sampling_positions
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import StepPlan
@@ -61,6 +62,8 @@ class PlanInputs:
     feed_at: np.ndarray | None = None  # int64: ... and where their token goes in token_ids
     all_marked: bool = False  # marked is every row
     do_sample_rows: np.ndarray | None = None  # int64: the rows that sample (None: all)
+    drafts: np.ndarray | None = None  # int64 [S]: drafts a row (None: no row has any)
+    draft_rows: DraftRows | None = None  # per sampling position, when some row has drafts
     unfed: dict[int, str] | None = None  # marked rows that cannot be fed whatever the state
     bad: dict[int, str] | None = None  # rows the plan alone condemns
     # When no row is condemned by the plan: its tensors (one packed copy to the device);
@@ -176,6 +179,9 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
             if rid in row:
                 bad.setdefault(row[rid], message)
     do_sample = plan.do_sample.astype(bool)
+    drafts = plan.num_draft_tokens
+    if drafts is not None and drafts.any():
+        inputs.drafts = drafts.astype(np.int64)
     inputs.num_new, inputs.seq_lens, inputs.starts, inputs.new_len = (
         num_new, seq_lens, starts, new_len)
     inputs.longest = int(new_len.max())
@@ -195,6 +201,10 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
         inputs.sample_ids = (list(plan.request_ids) if every_row_samples else
                              [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                 strict=True) if d])
+        if inputs.drafts is not None:  # a row's id for each of its sampling positions
+            counts = (inputs.drafts[do_sample] + 1).tolist()
+            inputs.sample_ids = [r for r, c in zip(inputs.sample_ids, counts, strict=True)
+                                 for _ in range(c)]
         inputs.plan_positions = plan.positions
         inputs.feedable = inputs.max_query_len == 1 and inputs.do_sample_rows is None
         if not (inputs.feedable and num_seqs <= limits.graph_rows
@@ -211,11 +221,17 @@ def build_tensors(inputs: PlanInputs, device: torch.device) -> None:
     sample_ends = query_start_loc[1:]
     if inputs.do_sample_rows is not None:
         sample_ends = sample_ends[inputs.do_sample_rows]
+    sample_index = sample_ends - 1
+    if inputs.drafts is not None:
+        drafts = inputs.drafts if inputs.do_sample_rows is None \
+            else inputs.drafts[inputs.do_sample_rows]
+        sample_index, _, inputs.draft_rows = sampling_positions(sample_ends, drafts,
+                                                                inputs.token_ids)
     (inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens_t,
      inputs.sample_rows) = to_device_many(
         ((inputs.plan_positions, torch.int64), (inputs.slots, torch.int64),
          (query_start_loc, torch.int32), (inputs.seq_lens, torch.int32),
-         (sample_ends - 1, torch.int64)), device)
+         (sample_index, torch.int64)), device)
 
 
 def _new_states(plan: StepPlan, limits: PlanLimits) -> tuple[list[SamplingState], dict[str, str]]:

@@ -113,6 +113,17 @@ class SamplingState:
         if self.grammar is not None:
             self.grammar.consume(token_id)
 
+    def with_drafts(self, drafts: np.ndarray) -> SamplingState:
+        """A copy whose output goes on with ``drafts`` (speculative decoding: the state the
+        position after them samples with), sharing the prompt. A grammar's matcher follows
+        confirmed tokens only: such a request is never sent drafts (ValueError)."""
+        if self.grammar is not None:
+            raise ValueError("draft tokens for a request under a grammar")
+        copy = SamplingState(self.params, self.sample_index,
+                             np.concatenate([self.output_token_ids, drafts]))
+        copy._prompt, copy._prompt_distinct = self._prompt, self._prompt_distinct
+        return copy
+
     def fork(self, sample_index: int) -> SamplingState:
         """A child with a copy of this state's output tokens, the same prompt (read-only,
         so shared rather than copied) and its own sample index."""

@@ -26,7 +26,7 @@ class PendingSamples:
     (`ModelRunner._prepare`), so the gap between two steps does neither."""
 
     __slots__ = ("table", "states", "token_ids", "rows", "step_id", "device_tokens",
-                 "resolve", "released")
+                 "resolve", "released", "drafted")
 
     def __init__(self, table: RequestRows, resolve: Callable[[], None]) -> None:
         self.table = table
@@ -35,6 +35,9 @@ class PendingSamples:
         self.token_ids: np.ndarray | None = None  # None while the step is in flight
         self.rows: np.ndarray | None = None
         self.step_id = -1
+        # the step had rows with drafts: a request may have several tokens (in order; its
+        # last is what a marked decode would be fed: `_prepare_checked` records them first)
+        self.drafted = False
         # While the step is in flight (launched, tokens not read back): its tokens on the
         # device, and rows whose release waits for the record (a dropped request's row
         # must not change hands before).
@@ -51,7 +54,12 @@ class PendingSamples:
         self.read_back()
         states, self.states = self.states, []
         if states:
-            self.table.record_samples(self.rows, self.token_ids, self.step_id)
+            rows, tokens = self.rows, self.token_ids
+            if self.drafted:  # a request's last token is its record
+                _, first_from_end = np.unique(rows[::-1], return_index=True)
+                last = rows.shape[0] - 1 - first_from_end
+                rows, tokens = rows[last], tokens[last]
+            self.table.record_samples(rows, tokens, self.step_id)
             for state, token in zip(states, self.token_ids.tolist(), strict=True):
                 state.append(token)
         released, self.released = self.released, []

@@ -107,6 +107,15 @@ def _api_workers(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{value!r} is not auto or a count") from None
 
 
+def _speculative_config(value: str):
+    """vLLM's ``--speculative-config`` JSON (router/speculative.py; "" -> off)."""
+    from pagedserve.router.speculative import SpeculativeConfigError, parse_speculative_config
+    try:
+        return parse_speculative_config(value)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _LORA_NAME = re.compile(r"[^\s,=]{1,128}")
 
 
@@ -188,6 +197,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
     ("enforce-eager", parse_bool, False, "CUDA: run every step eagerly (no CUDA graphs: "
      "neither for decode steps nor the pieces of steps with prompt tokens)"),
+    ("speculative-config", _speculative_config, None, "router: speculative decoding, "
+     "vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}': drafts from the request's own "
+     "tokens, outputs unchanged (default: off)"),
     ("pipeline-depth", _pipeline_depth, 2, "plans in flight per executor: 1 (one at a time) to 4"),
     ("step-timeout", _positive_float, 30.0, "seconds a plan may go unanswered (plus its work)"),
     ("heartbeat-timeout", float, 2.0, "seconds of executor silence before it counts as dead"),

@@ -33,8 +33,9 @@ import numpy as np
 # 2: pipelined steps (feed_sampled, deadline_s, gap_s); 3: logit_bias, grammar; 4: small arrays
 # share frame 1 (references carry a byte offset); 5: allowed_token_ids, bad_words_token_ids
 # (an executor that ignored them would sample what the request forbids); 6: LoRA adapters
-# (NewRequest.lora, Hello.lora_adapters)
-PROTOCOL_VERSION = 6
+# (NewRequest.lora, Hello.lora_adapters); 7: speculative decoding (StepPlan.num_draft_tokens;
+# a result row per emitted token)
+PROTOCOL_VERSION = 7
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -170,6 +171,11 @@ class StepPlan(_Message, tag="plan", frozen=True):
     ``deadline_s`` (0: none) is how long the step may take once the executor starts it: an
     executor still inside the step after that stops heartbeating, so the router declares
     it dead (a hung kernel) and moves its requests.
+
+    Speculative decoding: a row with ``num_draft_tokens[i] = d > 0`` is a decode whose
+    input is followed by d draft tokens (its ``num_new_tokens`` is 1 + d, it samples, it
+    is never marked). The executor samples at each of its 1 + d positions and answers
+    with the tokens up to and including the first that differs from the draft after it.
     """
 
     step_id: int
@@ -191,6 +197,7 @@ class StepPlan(_Message, tag="plan", frozen=True):
     copy: np.ndarray | None = None  # int64 [P, 2] (src device block, dst device block)
     finished_ids: list[str] = []  # drop their state (finished, aborted, preempted, moved)
     deadline_s: float = 0.0  # seconds the step may run on the executor (0: no deadline)
+    num_draft_tokens: np.ndarray | None = None  # [S]; speculative drafts after the input
 
     @property
     def num_seqs(self) -> int:
@@ -243,6 +250,16 @@ class StepPlan(_Message, tag="plan", frozen=True):
                 raise WireError(f"plan {step}: block_table_ids must be {n_ids} integers")
             if len(set(self.request_ids)) != s:
                 raise WireError(f"plan {step}: a request is scheduled twice")
+            drafts = self.num_draft_tokens
+            if drafts is not None:
+                if drafts.shape != (s,) or drafts.dtype.kind not in _INT_KINDS:
+                    raise WireError(f"plan {step}: num_draft_tokens must be {s} integers")
+                has = drafts > 0
+                if drafts.min() < 0 or (drafts[has] >= num_new[has]).any() \
+                        or not do_sample[has].all() \
+                        or (feed is not None and feed[has].any()):
+                    raise WireError(f"plan {step}: a row's drafts must be fewer than its "
+                                    "tokens, and the row sampling and not fed")
         for pairs in (self.swap_out, self.swap_in, self.copy):
             if pairs is not None and (
                 pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in _INT_KINDS
@@ -267,7 +284,9 @@ class RequestError(msgspec.Struct, frozen=True):
 
 
 class StepResult(_Message, tag="result", frozen=True):
-    """One per StepPlan. ``request_ids[i]`` sampled ``token_ids[i]``.
+    """One per StepPlan. ``request_ids[i]`` sampled ``token_ids[i]``. A row with draft
+    tokens answers with one entry per token it emits, consecutive and in order (the
+    drafts the sampler confirmed, then the token sampled where it stopped confirming).
 
     ``logprobs[i]`` is the sampled token's log-softmax of the raw logits (NaN when that
     request asked for none). Top-k logprobs are flat: request i owns the next

@@ -28,6 +28,7 @@ from .metrics import RouterMetrics
 from .routing import RoutingPolicy, candidate, choose
 from .scheduler import PreemptionMode, SchedulerConfig
 from .sequence import OutputChannel, OutputSink, RequestGroup
+from .speculative import SpeculativeConfig
 from .step_loop import StepLoop
 from .tokenizer import Tokenizer
 from .types import (
@@ -64,6 +65,7 @@ class EngineConfig:
     decode_lane_min_running: int = SchedulerConfig.decode_lane_min_running
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
     lora_adapters: tuple[str, ...] = ()  # every executor must serve these (--lora-modules)
+    speculative: SpeculativeConfig | None = None  # --speculative-config (None: off)
 
 
 class RouterEngine:

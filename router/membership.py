@@ -124,7 +124,7 @@ class Membership:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len, preemption_mode=cfg.preemption_mode,
             decode_lane_min_running=cfg.decode_lane_min_running,
-            pipeline_depth=cfg.pipeline_depth,
+            pipeline_depth=cfg.pipeline_depth, speculative=cfg.speculative,
         ))
         handle = ExecutorHandle(hello=hello, routing_id=routing_id, kv=kv, scheduler=sched)
         self.executors[hello.executor_id] = handle

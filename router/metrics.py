@@ -80,6 +80,9 @@ class RouterMetrics:
         self.prefix_cache_hits = Counter("pagedserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", ex, registry=r)
         self.preemptions = Counter("pagedserve_preemptions_total", "Preemptions, per executor and mode.", ["executor", "mode"], registry=r)
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
+        self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts_total", "Speculative decoding: decode rows sent with drafts.", ex, registry=r)
+        self.spec_draft_tokens = Counter("pagedserve_spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens sent.", ex, registry=r)
+        self.spec_accepted_tokens = Counter("pagedserve_spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens the sampler confirmed.", ex, registry=r)
         self.api_worker_restarts = Counter("pagedserve_api_worker_restarts_total", "API worker processes (--api-workers) that died and were started again.", registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens_total", "Generated tokens.", registry=r)
@@ -201,6 +204,13 @@ class RouterMetrics:
         """At an admission: `queries` prompt tokens looked up, `hits` found."""
         self.prefix_cache_queries.labels(executor=executor_id).inc(queries)
         self.prefix_cache_hits.labels(executor=executor_id).inc(hits)
+
+    def add_spec_decode(self, executor_id: str, drafts: int, draft_tokens: int,
+                        accepted: int) -> None:
+        """One plan's rows with drafts: how many, their draft tokens, those confirmed."""
+        self.spec_drafts.labels(executor=executor_id).inc(drafts)
+        self.spec_draft_tokens.labels(executor=executor_id).inc(draft_tokens)
+        self.spec_accepted_tokens.labels(executor=executor_id).inc(accepted)
 
     def inc_preemption(self, executor_id: str, mode: str, n: int = 1) -> None:
         if mode not in PREEMPTION_MODES:

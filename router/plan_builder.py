@@ -17,6 +17,10 @@ sequence has it pending, so its position is past the tokens received) goes out m
 `feed_sampled` with -1 in `token_ids`; the executor feeds it its own sample. A sequence that
 samples in this plan gets one more pending token when its row is added, taken back when the
 plan's result is in (or when the row is undone).
+
+Speculative decoding (router/speculative.py): a decode with drafts is a row of 1 + d tokens
+(its input, then the drafts, which are in no token list) with slots for all of them; the
+plan's `num_draft_tokens` says which rows those are.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class PlanRows:
     ids and an int64 array."""
 
     __slots__ = ("kv", "rows", "lane", "sampled", "fresh", "num_tokens", "num_prefill_tokens",
-                 "num_decode_seqs")
+                 "num_decode_seqs", "num_drafts", "speculating")
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -90,7 +94,10 @@ class PlanRows:
         self.fresh: list[Sequence] = []  # rows' samples the executor did not hold when added
         self.num_tokens = 0
         self.num_prefill_tokens = 0  # of num_tokens, in chunks of more than one token
-        self.num_decode_seqs = 0  # rows computing one token
+        self.num_decode_seqs = 0  # rows computing one token (or one and its drafts)
+        self.num_drafts: dict[Sequence, int] = {}  # rows with drafts: their number
+        # a sample of this plan may speculate: no plan may follow it before its result
+        self.speculating = False
 
     def add_lane(self, lane: LaneRows) -> None:
         """The decode lane's rows (router/decode_lane.py): they go first in the plan, so
@@ -151,6 +158,29 @@ class PlanRows:
                           tokens[start] if start < num_received else -1, entry[2],
                           entry[0], entry[1]))
 
+    def add_drafted(self, seq: Sequence, drafts: list[int]) -> None:
+        """Commit a decode of `seq` with `drafts` after its input (slots allocated for
+        all of them: `KVCacheManager.allocate` with the drafts as lookahead). The drafts
+        count as prefill tokens (a chunk's work), the row as a decode."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + 1
+        num_drafts = len(drafts)
+        seq.num_pending += 1
+        self.sampled.append(seq)
+        if not seq.on_executor:
+            self.fresh.append(seq)
+        self.num_tokens += 1 + num_drafts
+        self.num_prefill_tokens += num_drafts
+        self.num_decode_seqs += 1
+        self.num_drafts[seq] = num_drafts
+        seq_id = seq.seq_id
+        kv = self.kv
+        table_start, table_ids = kv.take_table_change(seq_id)
+        self.rows.append((seq, seq_id, start, 1 + num_drafts, True,
+                          [seq.token_ids[start], *drafts],
+                          kv.slot_mapping(seq_id, start, 1 + num_drafts), table_start,
+                          table_ids))
+
     def undo_group(self, group: RequestGroup) -> None:
         """Take back the rows of `group` (preempted in the step that committed them; never
         in a step that planned lane rows: see Scheduler._plan_with_lane)."""
@@ -162,7 +192,11 @@ class PlanRows:
         for r in mine:
             r[0].num_computed_tokens = r[2]
             self.num_tokens -= r[3]
-            if r[3] == 1:
+            drafted = self.num_drafts.pop(r[0], None)
+            if drafted is not None:
+                self.num_decode_seqs -= 1
+                self.num_prefill_tokens -= drafted
+            elif r[3] == 1:
                 self.num_decode_seqs -= 1
             else:
                 self.num_prefill_tokens -= r[3]
@@ -238,6 +272,12 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
             feed = lane.inputs < 0
             table_starts, table_lens = lane.table_starts, lane.table_changed
     feed_sampled = feed.astype(np.uint8) if feed.any() else None
+    num_drafts = None
+    if out.rows.num_drafts:
+        drafted = out.rows.num_drafts
+        num_drafts = np.fromiter((drafted.get(r[0], 0) for r in rows), np.uint8, num_rows)
+        if lane is not None:
+            num_drafts = np.concatenate([np.zeros(len(lane.ids), np.uint8), num_drafts])
     ops = kv.take_block_ops()
     return wire.StepPlan(
         step_id=step_id,
@@ -261,6 +301,7 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
         copy=ops.copy,
         finished_ids=list(out.dropped_seq_ids),
         deadline_s=deadline_s,
+        num_draft_tokens=num_drafts,
     )
 
 

@@ -18,6 +18,7 @@ from . import admission, decode_lane
 from .cost_model import CostModel
 from .plan_builder import PlanRows
 from .sequence import GroupStatus, RequestGroup, Sequence
+from .speculative import Drafter, SpeculativeConfig, may_speculate
 
 log = logging.getLogger("pagedserve.router.scheduler")
 
@@ -45,6 +46,9 @@ class SchedulerConfig:
     # Plans in flight per executor (the router's --pipeline-depth). From 3 on, a sample
     # whose token in flight comes from a plan older than the last one sent waits for it.
     pipeline_depth: int = 2
+    # Speculative decoding by n-gram lookup (router/speculative.py; None: off). The decode
+    # lane is off with it (a lane step's blocks are counted before the loop's drafts).
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -115,8 +119,9 @@ class Scheduler:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
-            if config.decode_lane_min_running > 0 else None
+            if config.decode_lane_min_running > 0 and self.drafter is None else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
         # Depth 3 and more: plans sent so far (the last one's number)
         self._hold_older_pending = config.pipeline_depth >= 3
@@ -208,6 +213,8 @@ class Scheduler:
     def _release_seq(self, seq: Sequence) -> None:
         if self.lane is not None:
             self.lane.evict(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         if self.kv.has_request(seq.seq_id):
             self.kv.free(seq.seq_id)  # its intent too
         else:
@@ -271,6 +278,8 @@ class Scheduler:
         budget, num_seqs, self._num_running_seqs = served
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
+        if self.drafter is not None:  # this plan must be answered before the next is built
+            out.rows.speculating = any(may_speculate(s.group) for s in out.rows.sampled)
         if self._hold_older_pending and not out.empty:  # (sent)
             self._plans_sent += 1
             for seq in out.rows.sampled:
@@ -292,6 +301,8 @@ class Scheduler:
                 return 0  # the tokens in flight already end it: known ahead
             if self._hold_older_pending and seq.sampled_plan != self._plans_sent:
                 return 0  # its token in flight is not the last plan's: wait for it
+            if self.drafter is not None and may_speculate(group):
+                return 0  # speculating samples decode from tokens received only
             if remaining > 1:  # a chunk never reaches past the tokens received
                 remaining = len(seq.token_ids) - seq.num_computed_tokens
         return remaining if remaining > 0 else 0
@@ -311,6 +322,7 @@ class Scheduler:
         # (bound once: this loop runs for every sample)
         commit, commit_decode = out.rows.add, out.rows.add_decode
         demand = self._demand
+        drafter = self.drafter
         i = 0
         while i < len(groups):
             group = groups[i]
@@ -326,8 +338,17 @@ class Scheduler:
                 if remaining <= 0:
                     continue
                 num_new = remaining if remaining < budget else budget
+                drafts = self._drafts(group, seq, budget) \
+                    if drafter is not None and num_new == 1 else None
                 waits = False
                 while True:
+                    if drafts:  # slots for the drafts too, or none drafted
+                        entry = kv.allocate(seq.seq_id, seq.token_ids, 1,
+                                            lookahead=len(drafts))
+                        if entry is None:
+                            drafts = None
+                            continue
+                        break
                     entry = kv.allocate_decode(seq.seq_id, seq.token_ids) if num_new == 1 \
                         else kv.allocate(seq.seq_id, seq.token_ids, num_new)
                     if entry is not None:
@@ -358,6 +379,11 @@ class Scheduler:
                     break
                 if waits:
                     continue
+                if drafts:
+                    out.rows.add_drafted(seq, drafts)
+                    budget -= 1 + len(drafts)
+                    num_seqs += 1
+                    continue
                 if num_new == 1:
                     commit_decode(seq, entry)
                     if lane is not None and len(group.seqs) == 1:
@@ -371,6 +397,17 @@ class Scheduler:
             else:  # (it left the running groups)
                 num_running_seqs -= len(active)
         return budget, num_seqs, num_running_seqs
+
+    def _drafts(self, group: RequestGroup, seq: Sequence, budget: int) -> list[int] | None:
+        """Drafts for a decode of `seq` (router/speculative.py), within the budget and so
+        that every token the row may emit fits max_tokens and max_model_len; None: none."""
+        if seq.num_pending or budget < 2 or not may_speculate(group):
+            return None
+        tokens = seq.token_ids
+        limit = min(budget - 1,
+                    group.spec.sampling.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1,
+                    self.config.max_model_len - len(tokens) - 1)
+        return self.drafter.drafts(seq, limit) or None
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier

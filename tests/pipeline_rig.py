@@ -70,6 +70,7 @@ class SimExecutor:
         self.last: dict[str, tuple[int, int]] = {}  # seq id -> (step, token sampled)
         self.answered = 0
         self.overrides: dict[tuple[str, int], int] = {}  # (seq id, out pos) -> token
+        self.num_drafted = 0  # rows answered that had drafts
 
     @property
     def plans(self) -> list[wire.StepPlan]:
@@ -98,12 +99,27 @@ class SimExecutor:
                     errors.append(wire.RequestError(rid, "no sample of the previous step"))
                     continue
             if plan.do_sample[i]:
-                pos = len(self.out[rid])
-                tok = self.overrides.get((rid, pos), sim_token(rid, pos))
-                self.out[rid].append(tok)
-                self.last[rid] = (plan.step_id, tok)
-                ids.append(rid)
-                tokens.append(tok)
+                # A row with d drafts (speculative decoding) emits its samples up to and
+                # including the first that differs from the draft after it.
+                d = int(plan.num_draft_tokens[i]) if plan.num_draft_tokens is not None else 0
+                first = int(plan.num_new_tokens[:i].sum())
+                row = plan.token_ids[first:first + 1 + d].tolist()
+                if d:
+                    self.num_drafted += 1
+                    assert not feed[i] and plan.num_new_tokens[i] == 1 + d
+                    at = plan.positions[first:first + 1 + d].tolist()
+                    assert at == list(range(at[0], at[0] + 1 + d)), at
+                    if self.out[rid]:
+                        assert row[0] == self.out[rid][-1], (rid, row)
+                for j in range(d + 1):
+                    pos = len(self.out[rid])
+                    tok = self.overrides.get((rid, pos), sim_token(rid, pos))
+                    self.out[rid].append(tok)
+                    self.last[rid] = (plan.step_id, tok)
+                    ids.append(rid)
+                    tokens.append(tok)
+                    if j == d or tok != row[j + 1]:
+                        break
         return wire.StepResult(step_id=plan.step_id, executor_id=self.id, request_ids=ids,
                                token_ids=np.array(tokens, dtype=np.int32), errors=errors,
                                forward_s=1e-3)

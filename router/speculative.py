@@ -1,0 +1,180 @@
+"""Speculative decoding by n-gram lookup ("prompt lookup decoding"), drafted by the router.
+
+The router holds every token of every request, so it can guess a decode's next tokens
+without a draft model: before a sample decodes, look for the latest earlier place in its
+prompt and output where its last n tokens occurred (n from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) and propose the (up to ``num_speculative_tokens``) tokens that
+followed there. Code, quotes of the prompt, JSON and edits of a given text repeat their
+context; such outputs are where this pays.
+
+The decode's row then carries its input token and the d drafts (1 + d positions, computed
+as a prompt chunk is, `StepPlan.num_draft_tokens`). The executor samples at every position
+with the randomness key the token there would have had anyway (seed, sample index, output
+position; the penalties, min_tokens and bad words seeing the drafts before it as output),
+and keeps the sampled tokens up to and including the first that differs from the draft
+after it. A kept token is exactly the token one-at-a-time decoding samples at its position,
+so outputs are token for token those of decoding without speculation (greedy or sampled);
+only the number of steps changes. One-hot drafts make this the usual rejection rule: a
+draft is kept with the probability the model gives it, and where it is not, the token
+comes from the model's distribution without it.
+
+A row whose tokens are not known before its result cannot be followed by a plan built
+before that result, so a plan with a speculating sample is the only plan in flight to its
+executor (`PlanRows.speculating`): with speculative decoding on, speculating samples run
+one step at a time, whatever ``--pipeline-depth``. Samples that never speculate (a grammar,
+n > 1 before its fork) pipeline as before, except beside speculating ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sequence import RequestGroup, Sequence
+
+MAX_SPECULATIVE_TOKENS = 15  # drafts a row (the wire's counts; more rarely pay)
+MAX_LOOKUP = 64  # longest n-gram matched
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config this router cannot use (one line, for the flag's error)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` for the ngram method (the one served here)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    def to_json(self) -> str:
+        return json.dumps({"method": self.method,
+                           "num_speculative_tokens": self.num_speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup_max,
+                           "prompt_lookup_min": self.prompt_lookup_min})
+
+
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The flag's JSON object (None or "" -> off). vLLM's keys and defaults for ngram: a
+    missing bound takes the other's value, both missing -> 5."""
+    if text is None or not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpeculativeConfigError(f"not a JSON object: {exc}") from None
+    if not isinstance(obj, dict):
+        raise SpeculativeConfigError("not a JSON object")
+    unknown = sorted(set(obj) - set(_KEYS))
+    if unknown:
+        raise SpeculativeConfigError(
+            f"unsupported key(s) {', '.join(unknown)} (supported: {', '.join(_KEYS)})")
+    method = obj.get("method", "ngram")
+    if method != "ngram":
+        raise SpeculativeConfigError(
+            f"method {method!r} is not served (only \"ngram\": drafts by prompt lookup)")
+
+    def count(key: str, default: int | None, high: int) -> int | None:
+        value = obj.get(key, default)
+        if value is None:
+            return None
+        if type(value) is not int or not 1 <= value <= high:
+            raise SpeculativeConfigError(f"{key} must be an integer in [1, {high}]")
+        return value
+
+    k = count("num_speculative_tokens", None, MAX_SPECULATIVE_TOKENS)
+    if k is None:
+        raise SpeculativeConfigError("num_speculative_tokens is required")
+    hi = count("prompt_lookup_max", None, MAX_LOOKUP)
+    lo = count("prompt_lookup_min", None, MAX_LOOKUP)
+    if hi is None and lo is None:
+        hi = lo = 5
+    hi = lo if hi is None else hi
+    lo = hi if lo is None else lo
+    if lo > hi:
+        raise SpeculativeConfigError("prompt_lookup_min must not exceed prompt_lookup_max")
+    return SpeculativeConfig(k, hi, lo)
+
+
+def may_speculate(group: RequestGroup) -> bool:
+    """Whether the group's samples decode with drafts: not under a grammar (its matcher
+    follows accepted tokens only), and not sample 0 of n > 1 before the fork."""
+    return group.forked and not group.spec.sampling.grammar
+
+
+def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` of ``n_min`` .. ``n_max`` tokens (empty: none occurs).
+
+    The candidates are the earlier places of the last token (one vectorised compare);
+    each longer n keeps those whose n - 1 tokens before match too, so the work is the
+    history's length once plus the few candidates times n."""
+    length = tokens.shape[0]
+    if length <= n_min or k <= 0:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    if ends.shape[0] == 0:
+        return tokens[:0]
+    n_top = min(n_max, length - 1)
+    ok = np.ones(ends.shape[0], dtype=bool)
+    matched = []  # matched[n - 1]: the candidates whose last n tokens match
+    for n in range(1, n_top + 1):
+        if n > 1:
+            back = ends - (n - 1)
+            ok &= back >= 0
+            ok[ok] &= tokens[back[ok]] == tokens[length - n]
+            if not ok.any():
+                break
+        matched.append(ok.copy())
+    for n in range(len(matched), n_min - 1, -1):
+        hits = np.flatnonzero(matched[n - 1])
+        if hits.shape[0]:
+            end = int(ends[hits[-1]])
+            return tokens[end + 1: end + 1 + k]
+    return tokens[:0]
+
+
+class Drafter:
+    """The drafts of one scheduler's samples: each sample's tokens as a numpy array grown
+    in place (only the tokens since its last lookup are copied), searched by `lookup`.
+    An entry belongs to one `Sequence` object (a new request taking an ended one's id
+    starts afresh) and goes when the scheduler releases the sample (`forget`)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._history: dict[str, list] = {}  # seq id -> [sequence, int64 buffer, filled]
+
+    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to ``limit`` (and num_speculative_tokens) drafts to follow the sample's last
+        token ([]: none found)."""
+        cfg = self.config
+        k = min(limit, cfg.num_speculative_tokens)
+        if k <= 0:
+            return []
+        tokens = seq.token_ids
+        n = len(tokens)
+        entry = self._history.get(seq.seq_id)
+        if entry is None or entry[0] is not seq:
+            entry = self._history[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0]
+        _, buf, have = entry
+        if buf.shape[0] < n:
+            grown = np.empty(max(64, 2 * n), dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = entry[1] = grown
+        if have < n:
+            buf[have:n] = tokens[have:n]
+            entry[2] = n
+        return lookup(buf[:n], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+
+    def forget(self, seq_id: str) -> None:
+        self._history.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._history)

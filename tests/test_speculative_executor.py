@@ -1,0 +1,177 @@
+"""Speculative decoding on the executor (executor/draft_rows.py), driven in-process with
+StepPlans: a decode row with drafts computes its input and the drafts and answers with its
+samples up to the first that differs from the draft after it. Greedy tokens equal
+transformers' whatever the drafts (all right, one wrong, all wrong: the keys and values
+written for rejected drafts are overwritten later), beside plain decodes and a prompt chunk;
+seeded sampling with penalties, min_tokens and logprobs gives exactly the tokens of
+decoding without drafts; overlapped steps feed the next plan's marked decodes after a
+drafted step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pagedserve.executor.draft_rows import confirmed, sampling_positions
+from pagedserve.executor.runner_setup import build_runner
+from pagedserve.protos.wire import SamplingParams, StepPlan
+from test_executor_support import Driver, assert_greedy_equal, hf_reference
+
+from pagedserve.tinymodels import build_model
+
+PROMPT = [0, 17, 250, 33, 9, 480, 77, 5, 61, 300, 12, 13, 14, 15, 16, 99, 98, 97, 96, 95]
+OTHER = [0, 400, 3, 3, 3, 91, 200, 201, 202]
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, repetition_penalty=1.2,
+                         frequency_penalty=0.3, presence_penalty=0.2, min_tokens=6,
+                         eos_token_ids=(2,), logprobs=2)
+
+
+class DraftDriver(Driver):
+    """`Driver` that can plan a decode with drafts: its row is the last token and the
+    drafts; after the result its computed tokens are the input and the confirmed drafts."""
+
+    def plan_drafts(self, drafts: dict[str, list[int]], schedule=None) -> StepPlan:
+        rows = {}
+        for rid, ds in drafts.items():
+            seq = self.seqs[rid]
+            assert seq.num_computed == len(seq.tokens) - 1, "a drafted row is a decode"
+            rows[rid] = (seq.num_computed, list(ds))
+            seq.tokens.extend(ds)  # planned as tokens to compute, taken back below
+        plan = self.plan({**{r: None for r in drafts}, **(schedule or {})})
+        for rid, (start, ds) in rows.items():
+            seq = self.seqs[rid]
+            del seq.tokens[len(seq.tokens) - len(ds):]
+            seq.num_computed = start + 1  # + the confirmed drafts, once answered
+        counts = np.array([len(drafts.get(r, ())) for r in plan.request_ids], np.uint8)
+        plan = StepPlan(**{f: getattr(plan, f) for f in plan.__struct_fields__
+                           if f not in ("num_draft_tokens", "type")},
+                        num_draft_tokens=counts)
+        plan.validate()
+        return plan
+
+    def accept(self, result) -> None:
+        emitted: dict[str, int] = {}
+        for rid in result.request_ids:
+            emitted[rid] = emitted.get(rid, 0) + 1
+        super().accept(result)
+        for rid, n in emitted.items():
+            if n > 1:  # the drafts it confirmed were computed
+                self.seqs[rid].num_computed += n - 1
+
+    def step_drafts(self, drafts, schedule=None):
+        result = self.runner.execute(self.plan_drafts(drafts, schedule))
+        assert not result.errors, result.errors
+        self.accept(result)
+        return result
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("spec") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_reference(model_dir, PROMPT, 30)
+
+
+def _driver(model_dir) -> DraftDriver:
+    return DraftDriver(build_runner(str(model_dir), num_gpu_blocks=48, num_cpu_blocks=8,
+                                    block_size=8, progress=False))
+
+
+def test_sampling_positions_and_confirmed_exactly():
+    # rows ending at 3, 7, 12 (exclusive): 0, 2 and 1 drafts
+    ends = np.array([3, 7, 12])
+    tokens = np.arange(100, 112)
+    index, counts, rows = sampling_positions(ends, np.array([0, 2, 1]), tokens)
+    assert index.tolist() == [2, 4, 5, 6, 10, 11] and counts.tolist() == [1, 3, 2]
+    assert rows.offsets.tolist() == [0, 0, 1, 2, 0, 1]
+    assert rows.draft_next.tolist() == [-1, 105, 106, -1, 111, -1]
+    # row 2 confirms its first draft then differs; row 3 confirms its draft
+    keep = confirmed(np.array([7, 105, 9, 8, 111, 3]), rows)
+    assert keep.tolist() == [True, True, True, False, True, True]
+    keep = confirmed(np.array([7, 1, 106, 8, 1, 3]), rows)
+    assert keep.tolist() == [True, True, False, False, True, False]
+
+
+def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, reference):
+    ref, logits = reference
+    d = _driver(model_dir)
+    d.add("a", PROMPT)
+    d.add("b", OTHER)
+    d.step({"a": None})  # prefill: token 0
+    out = d.seqs["a"].outputs
+    # all four right: five tokens in one step
+    res = d.step_drafts({"a": ref[1:5]}, schedule={"b": 5})
+    assert res.request_ids == ["a"] * 5 and d.seqs["a"].outputs == ref[:6]
+    # the second draft wrong: the first, then the model's own token
+    wrong = [ref[6], (ref[7] + 1) % 500, ref[8]]
+    res = d.step_drafts({"a": wrong}, schedule={"b": None})
+    assert res.request_ids == ["a", "a", "b"] and d.seqs["a"].outputs == ref[:8]
+    # all wrong (their keys and values are overwritten by later steps), across a block
+    res = d.step_drafts({"a": [(t + 3) % 500 for t in ref[8:14]]}, schedule={"b": None})
+    assert res.request_ids == ["a", "b"] and d.seqs["a"].outputs == ref[:9]
+    while len(d.seqs["a"].outputs) < 30:
+        n = len(d.seqs["a"].outputs)
+        d.step_drafts({"a": ref[n:n + 3]}, schedule={"b": None})
+    out = d.seqs["a"].outputs
+    assert_greedy_equal(out[:30], ref, logits)
+    ref_b, logits_b = hf_reference(model_dir, OTHER, len(d.seqs["b"].outputs))
+    assert_greedy_equal(d.seqs["b"].outputs, ref_b, logits_b)
+
+
+def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_dir):
+    plain = _driver(model_dir)
+    plain.add("a", PROMPT, sampling=SAMPLED)
+    logprobs = []
+    while len(plain.seqs["a"].outputs) < 24:
+        logprobs.append(plain.step({"a": None}).logprobs.tolist()[0])
+    want = plain.seqs["a"].outputs
+
+    d = _driver(model_dir)
+    d.add("a", PROMPT, sampling=SAMPLED)
+    d.add("b", OTHER, sampling=SamplingParams(temperature=0.0))
+    d.step({"a": None, "b": 4})
+    assert d.seqs["a"].outputs == want[:1]
+    steps = 0
+    lps = []
+    while len(d.seqs["a"].outputs) < 24:
+        n = len(d.seqs["a"].outputs)
+        # drafts: the true continuation with a wrong one every third step
+        drafts = want[n:n + 3]
+        if steps % 3 == 2 and len(drafts) > 1:
+            drafts[1] = (drafts[1] + 1) % 500
+        res = d.step_drafts({"a": drafts}, schedule={"b": None})
+        lps += [lp for rid, lp in zip(res.request_ids, res.logprobs.tolist(), strict=True)
+                if rid == "a"]
+        steps += 1
+    assert d.seqs["a"].outputs[:24] == want
+    assert steps < 23  # drafts were confirmed
+    np.testing.assert_allclose(lps[:23], logprobs[1:24], atol=1e-4)
+
+
+def test_overlapped_steps_feed_marked_decodes_after_a_drafted_step(model_dir, reference):
+    ref, _ = reference
+    plain = _driver(model_dir)
+    plain.add("b", OTHER)
+    plain.generate(["b"], 8)
+    want_b = plain.seqs["b"].outputs
+
+    d = _driver(model_dir)
+    d.runner.overlap_steps = True  # as on a GPU
+    d.add("a", PROMPT)
+    d.add("b", OTHER)
+    d.accept(d.runner.execute(d.plan({"a": None, "b": None})))
+    d.runner.submit(d.plan_drafts({"a": ref[1:4]}, schedule={"b": None}))  # in flight
+    # the next plan before that result: b fed its sample (a sits it out, as the router
+    # plans: where its next input goes is known from the result only)
+    nxt = d.plan({"b": None}, feed=("b",))
+    ready = d.runner.submit(nxt)
+    assert len(ready) == 1 and ready[0].request_ids == ["a"] * 4 + ["b"]
+    d.accept(ready[0])
+    last = d.runner.collect()
+    assert not last.errors, last.errors
+    assert last.request_ids == ["b"]
+    d.accept(last)
+    d.step({"a": None, "b": None})
+    assert d.seqs["a"].outputs == ref[:6] and d.seqs["b"].outputs == want_b[:4]
