@@ -279,7 +279,9 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         if self.drafter is not None:  # this plan must be answered before the next is built
-            out.rows.speculating = any(may_speculate(s.group) for s in out.rows.sampled)
+            wants = self.drafter.wants_drafts
+            out.rows.speculating = bool(out.rows.num_drafts) or any(
+                may_speculate(s.group) and wants(s) for s in out.rows.sampled)
         if self._hold_older_pending and not out.empty:  # (sent)
             self._plans_sent += 1
             for seq in out.rows.sampled:
@@ -301,8 +303,9 @@ class Scheduler:
                 return 0  # the tokens in flight already end it: known ahead
             if self._hold_older_pending and seq.sampled_plan != self._plans_sent:
                 return 0  # its token in flight is not the last plan's: wait for it
-            if self.drafter is not None and may_speculate(group):
-                return 0  # speculating samples decode from tokens received only
+            if self.drafter is not None and may_speculate(group) \
+                    and self.drafter.wants_drafts(seq):
+                return 0  # a sample about to draft decodes from tokens received only
             if remaining > 1:  # a chunk never reaches past the tokens received
                 remaining = len(seq.token_ids) - seq.num_computed_tokens
         return remaining if remaining > 0 else 0
@@ -401,13 +404,13 @@ class Scheduler:
     def _drafts(self, group: RequestGroup, seq: Sequence, budget: int) -> list[int] | None:
         """Drafts for a decode of `seq` (router/speculative.py), within the budget and so
         that every token the row may emit fits max_tokens and max_model_len; None: none."""
-        if seq.num_pending or budget < 2 or not may_speculate(group):
+        if not may_speculate(group):
             return None
         tokens = seq.token_ids
         limit = min(budget - 1,
                     group.spec.sampling.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1,
                     self.config.max_model_len - len(tokens) - 1)
-        return self.drafter.drafts(seq, limit) or None
+        return self.drafter.decode(seq, limit) or None
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier

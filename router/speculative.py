@@ -19,9 +19,9 @@ draft is kept with the probability the model gives it, and where it is not, the 
 comes from the model's distribution without it.
 
 A row whose tokens are not known before its result cannot be followed by a plan built
-before that result, so a plan with a speculating sample is the only plan in flight to its
-executor (`PlanRows.speculating`): with speculative decoding on, speculating samples run
-one step at a time, whatever ``--pipeline-depth``. Samples that never speculate (a grammar,
+before that result, so a plan with a drafted row, or with a sample whose next decode will
+look for drafts, is the only plan in flight to its executor (`PlanRows.speculating`).
+Samples backing off after misses (`Drafter`) and those that never speculate (a grammar,
 n > 1 before its fork) pipeline as before, except beside speculating ones.
 """
 
@@ -141,29 +141,58 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
     return tokens[:0]
 
 
+MAX_BACKOFF = 15  # decodes a sample skips drafting after repeated misses, at most
+
+
 class Drafter:
     """The drafts of one scheduler's samples: each sample's tokens as a numpy array grown
     in place (only the tokens since its last lookup are copied), searched by `lookup`.
     An entry belongs to one `Sequence` object (a new request taking an ended one's id
-    starts afresh) and goes when the scheduler releases the sample (`forget`)."""
+    starts afresh) and goes when the scheduler releases the sample (`forget`).
+
+    Back-off: a drafted decode whose drafts are all rejected is a miss; after m misses in
+    a row the sample skips drafting for its next 2**m - 1 decodes (at most
+    `MAX_BACKOFF`), and a confirmed draft ends the run. A lookup that finds nothing skips
+    the next decode only (it cost no compute). Skipping decodes pipeline as any other
+    (only a sample about to look for drafts needs its plan answered before the next is
+    built: `wants_drafts`), so text that does not repeat itself pays for a few rejected
+    drafts and a plan at a time every other step, not for every step."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self._history: dict[str, list] = {}  # seq id -> [sequence, int64 buffer, filled]
+        # seq id -> [sequence, int64 buffer, tokens in it, misses in a row, decodes to skip]
+        self._entries: dict[str, list] = {}
 
-    def drafts(self, seq: Sequence, limit: int) -> list[int]:
-        """Up to ``limit`` (and num_speculative_tokens) drafts to follow the sample's last
-        token ([]: none found)."""
-        cfg = self.config
-        k = min(limit, cfg.num_speculative_tokens)
-        if k <= 0:
+    def _entry(self, seq: Sequence) -> list:
+        entry = self._entries.get(seq.seq_id)
+        if entry is None or entry[0] is not seq:
+            entry = self._entries[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0, 0, 0]
+        return entry
+
+    def decode(self, seq: Sequence, limit: int) -> list[int]:
+        """The drafts for this decode of `seq` ([]: none): up to ``limit`` (and
+        num_speculative_tokens) found by `lookup`, unless the sample is backing off or has
+        a token in flight."""
+        entry = self._entry(seq)
+        if entry[4]:
+            entry[4] -= 1
             return []
+        k = min(limit, self.config.num_speculative_tokens)
+        if k <= 0 or seq.num_pending:
+            return []
+        drafts = self.lookup(seq, k, entry)
+        if not drafts:  # nothing to draft from yet: look again after one decode
+            entry[4] = 1
+        return drafts
+
+    def lookup(self, seq: Sequence, k: int, entry: list | None = None) -> list[int]:
+        """`lookup` over the sample's tokens (no back-off)."""
+        if entry is None:
+            entry = self._entry(seq)
+        cfg = self.config
         tokens = seq.token_ids
         n = len(tokens)
-        entry = self._history.get(seq.seq_id)
-        if entry is None or entry[0] is not seq:
-            entry = self._history[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0]
-        _, buf, have = entry
+        _, buf, have = entry[:3]
         if buf.shape[0] < n:
             grown = np.empty(max(64, 2 * n), dtype=np.int64)
             grown[:have] = buf[:have]
@@ -173,8 +202,28 @@ class Drafter:
             entry[2] = n
         return lookup(buf[:n], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
 
+    def confirmed(self, seq: Sequence, num_confirmed: int) -> None:
+        """A drafted decode's result: how many of its drafts the sampler confirmed."""
+        entry = self._entries.get(seq.seq_id)
+        if entry is None or entry[0] is not seq:
+            return
+        if num_confirmed:
+            entry[3] = 0
+        else:
+            self._missed(entry)
+
+    @staticmethod
+    def _missed(entry: list) -> None:
+        entry[3] += 1
+        entry[4] = min(2 ** entry[3] - 1, MAX_BACKOFF)
+
+    def wants_drafts(self, seq: Sequence) -> bool:
+        """Will the sample's next decode look for drafts (no back-off left)?"""
+        entry = self._entries.get(seq.seq_id)
+        return entry is None or entry[0] is not seq or not entry[4]
+
     def forget(self, seq_id: str) -> None:
-        self._history.pop(seq_id, None)
+        self._entries.pop(seq_id, None)
 
     def __len__(self) -> int:
-        return len(self._history)
+        return len(self._entries)

@@ -98,6 +98,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     by_id: dict[str, Sequence] | None = None
     burst, burst_left = None, 0  # a drafted row's sample, and rows it may still have
     num_confirmed = 0
+    confirmed = dict.fromkeys(num_drafts, 0) if num_drafts else None
     for i, seq_id in enumerate(ids):
         k = top_counts[i] if top_counts is not None else 0
         more = burst_left > 0 and burst.seq_id == seq_id
@@ -127,6 +128,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
             if handle.kv.allocate(seq_id, token_ids, 1) is None:
                 raise RuntimeError(f"{seq_id}: a confirmed draft's slot was not held")
             num_confirmed += 1
+            confirmed[seq] += 1
         token_ids.append(tok)
         rules = group.token_rules
         if rules is None:  # (once a request: its sampling spec's rules as one tuple)
@@ -163,6 +165,9 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     if num_delivered:  # one counter update a step (as the text stage's)
         self.metrics.add_generation_tokens(num_delivered)
     if num_drafts:
+        drafter = handle.scheduler.drafter
+        for seq, n in confirmed.items():
+            drafter.confirmed(seq, n)
         self.metrics.add_spec_decode(handle_id, len(num_drafts), sum(num_drafts.values()),
                                      num_confirmed)
     if by_id:  # samples no row answered (left out, or others' rows in their places)

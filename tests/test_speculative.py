@@ -123,22 +123,51 @@ def test_the_router_flag_refuses_a_bad_config_in_one_line(tmp_path):
 
 class _Seq:
     def __init__(self, seq_id: str, token_ids: list[int]) -> None:
-        self.seq_id, self.token_ids = seq_id, token_ids
+        self.seq_id, self.token_ids, self.num_pending = seq_id, token_ids, 0
 
 
 def test_the_drafter_copies_only_new_tokens_and_restarts_for_a_new_sequence():
     drafter = Drafter(SpeculativeConfig(3, 2, 1))
     seq = _Seq("a#0", [1, 2, 3, 1])
-    assert drafter.drafts(seq, 10) == [2, 3, 1]
-    assert drafter.drafts(seq, 2) == [2, 3]  # the limit
+    assert drafter.lookup(seq, 3) == [2, 3, 1]
+    assert drafter.lookup(seq, 2) == [2, 3]
     seq.token_ids.extend([2, 9])  # ... 1 2 9: [2, 9] never occurred, [9] neither
-    assert drafter.drafts(seq, 10) == []
+    assert drafter.lookup(seq, 3) == []
     seq.token_ids.extend(list(range(10, 100)) + [2])  # the buffer grows past 64
-    assert drafter.drafts(seq, 10) == [9, 10, 11]
+    assert drafter.lookup(seq, 3) == [9, 10, 11]
     other = _Seq("a#0", [7, 8, 7])  # a new request that took the id
-    assert drafter.drafts(other, 10) == [8, 7]
+    assert drafter.lookup(other, 3) == [8, 7]
     drafter.forget("a#0")
     assert len(drafter) == 0
+
+
+def test_the_drafter_backs_off_after_misses_and_resumes_on_a_confirmed_draft():
+    drafter = Drafter(SpeculativeConfig(2, 1, 1))
+    seq = _Seq("a#0", [1, 2, 3])  # nothing repeats: every other decode looks again
+    pattern = []
+    for _ in range(6):
+        pattern.append(drafter.wants_drafts(seq))
+        assert drafter.decode(seq, 5) == []
+    assert pattern == [True, False] * 3
+    seq2 = _Seq("b#0", [5, 6, 5])
+    assert drafter.decode(seq2, 5) == [6, 5]
+    drafter.confirmed(seq2, 0)  # rejected: a miss
+    assert not drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == []
+    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6, 5]
+    drafter.confirmed(seq2, 1)  # confirmed: the run of misses ends
+    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6, 5]
+    drafter.confirmed(seq2, 0)
+    assert not drafter.wants_drafts(seq2)  # one miss again: skip 1, not 3
+    assert drafter.decode(seq2, 5) == [] and drafter.wants_drafts(seq2)
+    pattern = []  # rejected again and again (its second miss in a row): skip 3, 7, 15, 15
+    for _ in range(46):
+        wants = drafter.wants_drafts(seq2)
+        pattern.append(wants)
+        if drafter.decode(seq2, 5):
+            drafter.confirmed(seq2, 0)
+    assert [i for i, w in enumerate(pattern) if w] == [0, 4, 12, 28, 44]
+    seq2.num_pending = 1  # a token in flight: no lookup
+    assert drafter.decode(seq2, 5) == []
 
 
 # ------------------------------------------------------------------------- the wire
@@ -177,15 +206,15 @@ def _echo_prompt(seq_id: str, n: int) -> list[int]:
 
 
 async def _run_one_in_flight(ex: SimExecutor, streams) -> None:
-    """Answer plans until the streams end, checking that a speculating plan is alone."""
+    """Answer plans until the streams end, checking that no plan follows one with drafts
+    before its result."""
     for _ in range(500):
         if all(s.done for s in streams):
             return
         if ex.unanswered():
             await settle()
-            head = ex.unanswered()[0]
-            if head.do_sample is not None and head.do_sample.any():  # it samples: alone
-                assert len(ex.unanswered()) == 1, [p.step_id for p in ex.unanswered()]
+            for plan in ex.unanswered()[:-1]:  # a plan with drafts is followed by none
+                assert plan.num_draft_tokens is None, [p.step_id for p in ex.unanswered()]
             await ex.answer()
         else:
             await asyncio.sleep(0.002)
