@@ -17,10 +17,12 @@ Per (workload, concurrency) and mode: output tokens per second of wall time
 speculation the share of draft tokens the sampler confirmed (`acceptance_ratio`, from the
 router's spec_decode counters) and drafts per output token. `speedup_ratio` = spec / plain
 output rate. Outputs are compared: greedy tokens are the same with and without drafts
-(`same_outputs`).
+(`same_outputs`), up to rounding: in bfloat16 a near tie can go either way between a
+decode step and a drafted row's computation, as between batch sizes (`--dtype float32`:
+identical).
 
     .venv/bin/python benchmarks/spec_decode_bench.py [--model DIR] [--concurrency 1,4]
-        [--workloads echo,edit,open] [--k 4] [--rounds 2]
+        [--workloads echo,edit,open] [--k 4] [--rounds 2] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the executors' --dtype (auto: bfloat16 "
+                    "for the built-in model where the CPU has it natively, else float32)")
     args = ap.parse_args()
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                        "prompt_lookup_max": args.lookup_max,
@@ -172,6 +176,7 @@ def main() -> None:
     names = args.workloads.split(",")
     results: dict = {}
     for mode, extra in (("plain", []), ("spec", ["--speculative-config", spec])):
+        extra = [*extra, "--dtype", args.dtype]
         server = Server(args.model, extra)
         try:
             server.chat("Hello", 8)  # warm-up

@@ -151,8 +151,9 @@ class Drafter:
     starts afresh) and goes when the scheduler releases the sample (`forget`).
 
     Back-off: a drafted decode whose drafts are all rejected is a miss; after m misses in
-    a row the sample skips drafting for its next 2**m - 1 decodes (at most
-    `MAX_BACKOFF`), and a confirmed draft ends the run. A lookup that finds nothing skips
+    a row the sample skips drafting for its next 2**(m - 1) - 1 decodes (0, 1, 3, 7, then
+    `MAX_BACKOFF`: a single miss in text that copies its context costs nothing), and a
+    confirmed draft ends the run. A lookup that finds nothing skips
     the next decode only (it cost no compute). Skipping decodes pipeline as any other
     (only a sample about to look for drafts needs its plan answered before the next is
     built: `wants_drafts`), so text that does not repeat itself pays for a few rejected
@@ -215,7 +216,7 @@ class Drafter:
     @staticmethod
     def _missed(entry: list) -> None:
         entry[3] += 1
-        entry[4] = min(2 ** entry[3] - 1, MAX_BACKOFF)
+        entry[4] = min(2 ** (entry[3] - 1) - 1, MAX_BACKOFF)
 
     def wants_drafts(self, seq: Sequence) -> bool:
         """Will the sample's next decode look for drafts (no back-off left)?"""

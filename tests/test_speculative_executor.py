@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from pagedserve.executor.draft_rows import confirmed, sampling_positions
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import SamplingParams, StepPlan
@@ -74,9 +75,17 @@ def reference(model_dir):
     return hf_reference(model_dir, PROMPT, 30)
 
 
-def _driver(model_dir) -> DraftDriver:
-    return DraftDriver(build_runner(str(model_dir), num_gpu_blocks=48, num_cpu_blocks=8,
-                                    block_size=8, progress=False))
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _driver(model_dir, device: str = "cpu") -> DraftDriver:
+    """On CUDA: float32, overlapped steps, the decode graphs and graph pieces captured (a
+    drafted row runs in the pieces)."""
+    return DraftDriver(build_runner(str(model_dir), device=device, dtype="float32",
+                                    num_gpu_blocks=48, num_cpu_blocks=8, block_size=8,
+                                    max_num_seqs=8, max_num_batched_tokens=256,
+                                    progress=False))
 
 
 def test_sampling_positions_and_confirmed_exactly():
@@ -94,9 +103,11 @@ def test_sampling_positions_and_confirmed_exactly():
     assert keep.tolist() == [True, True, False, False, True, False]
 
 
-def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, reference):
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, reference,
+                                                                  device):
     ref, logits = reference
-    d = _driver(model_dir)
+    d = _driver(model_dir, device)
     d.add("a", PROMPT)
     d.add("b", OTHER)
     d.step({"a": None})  # prefill: token 0
@@ -118,17 +129,20 @@ def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, re
     assert_greedy_equal(out[:30], ref, logits)
     ref_b, logits_b = hf_reference(model_dir, OTHER, len(d.seqs["b"].outputs))
     assert_greedy_equal(d.seqs["b"].outputs, ref_b, logits_b)
+    if device == "cuda":  # the drafted steps replayed the graph pieces
+        assert d.runner.mixed_graph_steps >= 3, d.runner.mixed_graph_steps
 
 
-def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_dir):
-    plain = _driver(model_dir)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_dir, device):
+    plain = _driver(model_dir, device)
     plain.add("a", PROMPT, sampling=SAMPLED)
     logprobs = []
     while len(plain.seqs["a"].outputs) < 24:
         logprobs.append(plain.step({"a": None}).logprobs.tolist()[0])
     want = plain.seqs["a"].outputs
 
-    d = _driver(model_dir)
+    d = _driver(model_dir, device)
     d.add("a", PROMPT, sampling=SAMPLED)
     d.add("b", OTHER, sampling=SamplingParams(temperature=0.0))
     d.step({"a": None, "b": 4})
