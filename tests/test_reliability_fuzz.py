@@ -234,7 +234,7 @@ def test_malformed_frames_to_router(cluster):
             sock.send_multipart(codec.encode(msg))
         for hello, why in [(_hello(), "different model"),
                            (_hello(block_size=32), "block size"),
-                           (_hello(protocol_version=7), "protocol version"),
+                           (_hello(protocol_version=wire.PROTOCOL_VERSION + 1), "protocol version"),
                            (_hello(num_gpu_blocks=0), "no KV-cache blocks"),
                            (_hello(num_cpu_blocks=-3), "-3 CPU blocks"),
                            (_hello(num_gpu_blocks=10**12), "more than the 67108864"),
