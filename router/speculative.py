@@ -157,17 +157,25 @@ class Drafter:
     the next decode only (it cost no compute). Skipping decodes pipeline as any other
     (only a sample about to look for drafts needs its plan answered before the next is
     built: `wants_drafts`), so text that does not repeat itself pays for a few rejected
-    drafts and a plan at a time every other step, not for every step."""
+    drafts and a plan at a time every other step, not for every step.
+
+    Draft length: a row whose drafts were all rejected makes the sample's next one a
+    single draft, one that confirmed c of its d drafts (0 < c < d) c + 1, one that
+    confirmed all of them twice as many; never more than num_speculative_tokens. Text that
+    copies its context keeps drafting k; elsewhere a rejected row wastes one position,
+    not k."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # seq id -> [sequence, int64 buffer, tokens in it, misses in a row, decodes to skip]
+        # seq id -> [sequence, int64 buffer, tokens in it, misses in a row, decodes to
+        # skip, drafts its next row may have]
         self._entries: dict[str, list] = {}
 
     def _entry(self, seq: Sequence) -> list:
         entry = self._entries.get(seq.seq_id)
         if entry is None or entry[0] is not seq:
-            entry = self._entries[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0, 0, 0]
+            entry = self._entries[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0, 0, 0,
+                                                 self.config.num_speculative_tokens]
         return entry
 
     def decode(self, seq: Sequence, limit: int) -> list[int]:
@@ -178,7 +186,7 @@ class Drafter:
         if entry[4]:
             entry[4] -= 1
             return []
-        k = min(limit, self.config.num_speculative_tokens)
+        k = min(limit, entry[5])
         if k <= 0 or seq.num_pending:
             return []
         drafts = self.lookup(seq, k, entry)
@@ -203,11 +211,13 @@ class Drafter:
             entry[2] = n
         return lookup(buf[:n], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
 
-    def confirmed(self, seq: Sequence, num_confirmed: int) -> None:
+    def confirmed(self, seq: Sequence, num_drafted: int, num_confirmed: int) -> None:
         """A drafted decode's result: how many of its drafts the sampler confirmed."""
         entry = self._entries.get(seq.seq_id)
         if entry is None or entry[0] is not seq:
             return
+        entry[5] = min(self.config.num_speculative_tokens,
+                       2 * num_drafted if num_confirmed == num_drafted else num_confirmed + 1)
         if num_confirmed:
             entry[3] = 0
         else:

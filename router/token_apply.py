@@ -167,7 +167,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     if num_drafts:
         drafter = handle.scheduler.drafter
         for seq, n in confirmed.items():
-            drafter.confirmed(seq, n)
+            drafter.confirmed(seq, num_drafts[seq], n)
         self.metrics.add_spec_decode(handle_id, len(num_drafts), sum(num_drafts.values()),
                                      num_confirmed)
     if by_id:  # samples no row answered (left out, or others' rows in their places)

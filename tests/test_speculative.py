@@ -151,24 +151,40 @@ def test_the_drafter_backs_off_after_misses_and_resumes_on_a_confirmed_draft():
     assert pattern == [True, False] * 3
     seq2 = _Seq("b#0", [5, 6, 5])
     assert drafter.decode(seq2, 5) == [6, 5]
-    drafter.confirmed(seq2, 0)  # rejected: one miss costs no skip
-    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6, 5]
-    drafter.confirmed(seq2, 0)  # a second in a row: skip 1
+    drafter.confirmed(seq2, 2, 0)  # rejected: one miss costs no skip, the next row 1 draft
+    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6]
+    drafter.confirmed(seq2, 1, 0)  # a second in a row: skip 1
     assert not drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == []
+    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6]
+    drafter.confirmed(seq2, 1, 1)  # confirmed: the run of misses ends, 2 drafts again
     assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6, 5]
-    drafter.confirmed(seq2, 1)  # confirmed: the run of misses ends
-    assert drafter.wants_drafts(seq2) and drafter.decode(seq2, 5) == [6, 5]
-    drafter.confirmed(seq2, 0)
+    drafter.confirmed(seq2, 2, 0)
     assert drafter.wants_drafts(seq2)  # one miss again: no skip
     pattern = []  # rejected again and again: skip 1, 3, 7, 15, 15
     for _ in range(46):
         wants = drafter.wants_drafts(seq2)
         pattern.append(wants)
-        if drafter.decode(seq2, 5):
-            drafter.confirmed(seq2, 0)
+        drafts = drafter.decode(seq2, 5)
+        if drafts:
+            drafter.confirmed(seq2, len(drafts), 0)
     assert [i for i, w in enumerate(pattern) if w] == [0, 2, 6, 14, 30]
     seq2.num_pending = 1  # a token in flight: no lookup
     assert drafter.decode(seq2, 5) == []
+
+
+def test_the_draft_length_follows_what_was_confirmed():
+    drafter = Drafter(SpeculativeConfig(6, 1, 1))
+    seq = _Seq("a#0", [9, 1, 2, 3, 4, 5, 6, 7, 9])  # after 9: 1 2 3 4 5 6 7 9 ...
+    lengths = []
+    for drafted, confirmed in ((6, 6), (6, 0), (1, 1), (2, 2), (4, 2), (3, 3), (6, 5)):
+        drafts = drafter.decode(seq, 10)
+        assert len(drafts) == drafted, (lengths, drafts)
+        lengths.append(len(drafts))
+        drafter.confirmed(seq, len(drafts), confirmed)
+    # then: all 6 confirmed -> 6 (at most k); 0 -> 1; 1 of 1 -> 2; 2 of 2 -> 4; 2 of 4 -> 3;
+    # 3 of 3 -> 6; 5 of 6 -> 6
+    assert len(drafter.decode(seq, 10)) == 6
+    assert len(drafter.decode(seq, 2)) == 2  # the limit still binds
 
 
 # ------------------------------------------------------------------------- the wire
