@@ -84,7 +84,7 @@ class PlanRows:
     ids and an int64 array."""
 
     __slots__ = ("kv", "rows", "lane", "sampled", "fresh", "num_tokens", "num_prefill_tokens",
-                 "num_decode_seqs", "num_drafts", "speculating")
+                 "num_decode_seqs", "drafts", "speculating")
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -95,7 +95,7 @@ class PlanRows:
         self.num_tokens = 0
         self.num_prefill_tokens = 0  # of num_tokens, in chunks of more than one token
         self.num_decode_seqs = 0  # rows computing one token (or one and its drafts)
-        self.num_drafts: dict[Sequence, int] = {}  # rows with drafts: their number
+        self.drafts: dict[Sequence, list[int]] = {}  # rows with drafts: the drafts
         # a sample of this plan may speculate: no plan may follow it before its result
         self.speculating = False
 
@@ -172,7 +172,7 @@ class PlanRows:
         self.num_tokens += 1 + num_drafts
         self.num_prefill_tokens += num_drafts
         self.num_decode_seqs += 1
-        self.num_drafts[seq] = num_drafts
+        self.drafts[seq] = drafts
         seq_id = seq.seq_id
         kv = self.kv
         table_start, table_ids = kv.take_table_change(seq_id)
@@ -192,10 +192,10 @@ class PlanRows:
         for r in mine:
             r[0].num_computed_tokens = r[2]
             self.num_tokens -= r[3]
-            drafted = self.num_drafts.pop(r[0], None)
+            drafted = self.drafts.pop(r[0], None)
             if drafted is not None:
                 self.num_decode_seqs -= 1
-                self.num_prefill_tokens -= drafted
+                self.num_prefill_tokens -= len(drafted)
             elif r[3] == 1:
                 self.num_decode_seqs -= 1
             else:
@@ -273,9 +273,10 @@ def build_plan(step_id: int, out: SchedulerOutput, kv: KVCacheManager,
             table_starts, table_lens = lane.table_starts, lane.table_changed
     feed_sampled = feed.astype(np.uint8) if feed.any() else None
     num_drafts = None
-    if out.rows.num_drafts:
-        drafted = out.rows.num_drafts
-        num_drafts = np.fromiter((drafted.get(r[0], 0) for r in rows), np.uint8, num_rows)
+    if out.rows.drafts:
+        drafted = out.rows.drafts
+        num_drafts = np.fromiter((len(drafted.get(r[0], ())) for r in rows), np.uint8,
+                                 num_rows)
         if lane is not None:
             num_drafts = np.concatenate([np.zeros(len(lane.ids), np.uint8), num_drafts])
     ops = kv.take_block_ops()

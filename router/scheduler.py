@@ -280,7 +280,7 @@ class Scheduler:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         if self.drafter is not None:  # this plan must be answered before the next is built
             wants = self.drafter.wants_drafts
-            out.rows.speculating = bool(out.rows.num_drafts) or any(
+            out.rows.speculating = bool(out.rows.drafts) or any(
                 may_speculate(s.group) and wants(s) for s in out.rows.sampled)
         if self._hold_older_pending and not out.empty:  # (sent)
             self._plans_sent += 1

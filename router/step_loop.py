@@ -87,7 +87,7 @@ class InFlightPlan:
     num_admitted: int = 0  # requests admitted when it was sent: a newer one is not in it
     # Speculative decoding: its rows with drafts (how many each), and whether a sample of
     # it speculates (no plan is sent after it before its result: router/speculative.py)
-    num_drafts: dict[Sequence, int] = field(default_factory=dict)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
     speculating: bool = False
 
 
@@ -234,7 +234,7 @@ class StepLoop:
             step_id, asyncio.get_running_loop().create_future(), out.sampled, out.num_tokens,
             int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
-            num_admitted=self.engine.num_admitted, num_drafts=out.rows.num_drafts,
+            num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
             speculating=out.rows.speculating))
         link = self.engine.link
         assert link is not None
@@ -313,7 +313,7 @@ class StepLoop:
                 return []
         if result.prompt_ids:
             self.apply_prompt_scores(handle, plan, result)
-        return self.apply_tokens(handle, result, plan.sampled, plan.num_drafts)
+        return self.apply_tokens(handle, result, plan.sampled, plan.drafts)
 
     def _plan_group(self, plan: InFlightPlan, seq_id: str) -> RequestGroup | None:
         """The live request that sample id `seq_id` of `plan` belongs to, or None: a

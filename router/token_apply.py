@@ -60,7 +60,7 @@ def apply_prompt_scores(self: StepLoop, handle: ExecutorHandle, plan: InFlightPl
 
 def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult,
                  sampled: list[Sequence],
-                 num_drafts: dict[Sequence, int] | None = None) -> list[Sequence]:
+                 drafts: dict[Sequence, list[int]] | None = None) -> list[Sequence]:
     """Append sampled tokens and apply the cheap stops; returns the sequences that got a
     token for the text stage (an API worker's sample whose token ends nothing is
     delivered here instead). A sequence that stopped is freed at once; a token for a
@@ -74,10 +74,12 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     row for one is dropped). A sample still live that got neither a token nor an error
     (an executor's bug) fails its request: nothing would plan it again.
 
-    `num_drafts`: the plan's rows with drafts (router/speculative.py). Such a row is
-    answered by up to 1 + d consecutive rows; each after the first means the draft
-    before it was confirmed, so its position is computed: the sample's computed
-    tokens and slots advance by one (its blocks were allocated with the drafts)."""
+    `drafts`: the plan's rows with drafts, and their drafts (router/speculative.py). Such
+    a row is answered by up to 1 + d consecutive rows; each after the first means the
+    draft before it was confirmed (the token before it equals that draft: else an
+    executor's bug, and the request fails), so its position is computed: the sample's
+    computed tokens and slots advance by one (its blocks were allocated with the
+    drafts)."""
     sched = handle.scheduler
     touched: list[Sequence] = []
     ids = result.request_ids
@@ -98,7 +100,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     by_id: dict[str, Sequence] | None = None
     burst, burst_left = None, 0  # a drafted row's sample, and rows it may still have
     num_confirmed = 0
-    confirmed = dict.fromkeys(num_drafts, 0) if num_drafts else None
+    confirmed = dict.fromkeys(drafts, 0) if drafts else None
     for i, seq_id in enumerate(ids):
         k = top_counts[i] if top_counts is not None else 0
         more = burst_left > 0 and burst.seq_id == seq_id
@@ -113,9 +115,8 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
                     aligned = False
                 seq = by_id.pop(seq_id, None)
             burst_left = 0
-            if num_drafts and seq is not None:
-                burst_left = num_drafts.get(seq, 0)
-                burst = seq
+            if drafts and seq is not None and seq in drafts:
+                burst, burst_left = seq, len(drafts[seq])
         group = seq.group if seq is not None else None
         if seq is None or seq.finished or live.get(group.request_id) is not group \
                 or group.executor_id != handle_id:
@@ -124,6 +125,13 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
         tok = tokens[i]
         token_ids = seq.token_ids
         if more:  # its input (the draft the last token confirmed) is computed
+            if token_ids[-1] != drafts[seq][confirmed[seq]]:  # an executor's bug
+                log.error("executor %s: %s: a token after an unconfirmed draft", handle_id,
+                          seq_id)
+                self.engine.delivery.fail(group, Unavailable(
+                    f"the executor answered {seq_id}'s drafts wrongly"))
+                top_ofs += k
+                continue
             seq.num_computed_tokens += 1
             if handle.kv.allocate(seq_id, token_ids, 1) is None:
                 raise RuntimeError(f"{seq_id}: a confirmed draft's slot was not held")
@@ -164,11 +172,11 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
             touched.append(seq)
     if num_delivered:  # one counter update a step (as the text stage's)
         self.metrics.add_generation_tokens(num_delivered)
-    if num_drafts:
+    if drafts:
         drafter = handle.scheduler.drafter
         for seq, n in confirmed.items():
-            drafter.confirmed(seq, num_drafts[seq], n)
-        self.metrics.add_spec_decode(handle_id, len(num_drafts), sum(num_drafts.values()),
+            drafter.confirmed(seq, len(drafts[seq]), n)
+        self.metrics.add_spec_decode(handle_id, len(drafts), sum(map(len, drafts.values())),
                                      num_confirmed)
     if by_id:  # samples no row answered (left out, or others' rows in their places)
         checks.fail_unanswered(self.engine, handle.id, result, list(by_id.values()))

@@ -386,3 +386,32 @@ def test_an_executor_lost_with_a_drafted_plan_in_flight_resumes_exactly():
         assert a.tokens() == expected("a#0", 24)
         assert ex2.num_drafted >= 1
     run(main())
+
+
+def test_an_executor_answering_past_a_rejected_draft_fails_that_request():
+    async def main():
+        engine, ex = make_engine(2, speculative=SPEC)
+        ex.overrides[("a#0", 2)] = 61  # the first drafted row stops at its second token
+        honest = ex.result_for
+
+        def lying(plan):  # ... and this executor answers one token more anyway
+            result = honest(plan)
+            if plan.num_draft_tokens is None or "a#0" not in result.request_ids:
+                return result
+            at = len(result.request_ids) - result.request_ids[::-1].index("a#0")
+            return wire.StepResult(step_id=result.step_id, executor_id=result.executor_id,
+                                   request_ids=[*result.request_ids[:at], "a#0",
+                                                *result.request_ids[at:]],
+                                   token_ids=np.insert(result.token_ids, at, 5).astype(np.int32),
+                                   forward_s=1e-3)
+        ex.result_for = lying
+        a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=20)
+        b = await submit(engine, "b", [1, 2, 3], max_tokens=6)
+        await _run_one_in_flight(ex, [a, b])
+        assert a.error is not None and "drafts wrongly" in str(a.error)
+        assert b.tokens() == expected("b#0", 6)
+        while ex.unanswered():
+            await ex.answer()
+        await settle()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
