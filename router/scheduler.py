@@ -341,7 +341,7 @@ class Scheduler:
                 if remaining <= 0:
                     continue
                 num_new = remaining if remaining < budget else budget
-                drafts = self._drafts(group, seq, budget) \
+                drafts = drafter.for_decode(group, seq, budget, self.config.max_model_len) \
                     if drafter is not None and num_new == 1 else None
                 waits = False
                 while True:
@@ -400,17 +400,6 @@ class Scheduler:
             else:  # (it left the running groups)
                 num_running_seqs -= len(active)
         return budget, num_seqs, num_running_seqs
-
-    def _drafts(self, group: RequestGroup, seq: Sequence, budget: int) -> list[int] | None:
-        """Drafts for a decode of `seq` (router/speculative.py), within the budget and so
-        that every token the row may emit fits max_tokens and max_model_len; None: none."""
-        if not may_speculate(group):
-            return None
-        tokens = seq.token_ids
-        limit = min(budget - 1,
-                    group.spec.sampling.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1,
-                    self.config.max_model_len - len(tokens) - 1)
-        return self.drafter.decode(seq, limit) or None
 
     def _fork_if_ready(self, group: RequestGroup, out: SchedulerOutput) -> None:
         """n > 1: once sample 0 has all but the last prompt token computed (in an earlier

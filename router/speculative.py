@@ -178,6 +178,19 @@ class Drafter:
                                                  self.config.num_speculative_tokens]
         return entry
 
+    def for_decode(self, group: RequestGroup, seq: Sequence, budget: int,
+                   max_model_len: int) -> list[int] | None:
+        """The scheduler's call: drafts for a decode of `seq` within the token budget and
+        so that every token the row may emit fits max_tokens and max_model_len (None:
+        none)."""
+        if not may_speculate(group):
+            return None
+        tokens = seq.token_ids
+        limit = min(budget - 1,
+                    group.spec.sampling.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1,
+                    max_model_len - len(tokens) - 1)
+        return self.decode(seq, limit) or None
+
     def decode(self, seq: Sequence, limit: int) -> list[int]:
         """The drafts for this decode of `seq` ([]: none): up to ``limit`` (and
         num_speculative_tokens) found by `lookup`, unless the sample is backing off or has
