@@ -4,13 +4,17 @@ its greedy text repeats itself now and then, as real text does, while still depe
 the context: drafts get confirmed. Greedy outputs equal transformers'; seeded sampled
 outputs (n=2, penalties, logprobs) equal those of the same cluster without speculation;
 streams, stop strings, max_tokens and the OpenAI API through a worker hold; under a small
-KV cache, preemption keeps every token and every block comes back."""
+KV cache, preemption keeps every token and every block comes back. And the benchmark's
+smallest run."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,3 +152,22 @@ def test_preemption_with_drafts_keeps_tokens_and_blocks(model_dir, hf):
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         ref, gaps = hf.greedy(hf.encode(prompt), MAX_TOKENS)
         assert_greedy_match(tokens, ref, gaps)
+
+
+def test_spec_decode_bench_quick(model_dir):
+    """benchmarks/spec_decode_bench.py in its smallest setting on this model: its JSON
+    line, and in float32 the same tokens with and without drafts."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "spec_decode_bench.py"), "--model",
+         str(model_dir), "--workloads", "echo", "--concurrency", "1", "--rounds", "1",
+         "--max-tokens", "16", "--dtype", "float32"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    assert line["bench"] == "spec_decode_bench" and line["case"] == "echo_c1"
+    for key in ("plain_output_tok_per_s", "spec_output_tok_per_s", "speedup_ratio",
+                "plain_tpot_ms", "spec_tpot_ms", "acceptance_ratio",
+                "draft_tokens_per_output_token"):
+        assert line[key] >= 0, key
+    assert line["same_outputs"] is True and 4 <= line["output_tokens"] <= 4 * 16
