@@ -120,6 +120,7 @@ class Scheduler:
         self._pending_drops: list[str] = []
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self._drafting: Drafter | None = None  # the drafter, in a step where it drafts
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
             if config.decode_lane_min_running > 0 and self.drafter is None else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
@@ -261,6 +262,9 @@ class Scheduler:
         goes through the loop, in order.
         """
         kv = self.kv
+        drafter = self.drafter  # drafts this step unless as many groups run as disable it
+        self._drafting = drafter if drafter is not None \
+            and drafter.config.drafts_at(len(self.running)) else None
         kv.begin_step()
         out = SchedulerOutput(PlanRows(kv))
         out.dropped_seq_ids.extend(self._pending_drops)
@@ -278,8 +282,8 @@ class Scheduler:
         budget, num_seqs, self._num_running_seqs = served
         if not out.preempted:
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
-        if self.drafter is not None:  # this plan must be answered before the next is built
-            wants = self.drafter.wants_drafts
+        if self._drafting is not None:  # this plan must be answered before the next is built
+            wants = self._drafting.wants_drafts
             out.rows.speculating = bool(out.rows.drafts) or any(
                 may_speculate(s.group) and wants(s) for s in out.rows.sampled)
         if self._hold_older_pending and not out.empty:  # (sent)
@@ -303,8 +307,8 @@ class Scheduler:
                 return 0  # the tokens in flight already end it: known ahead
             if self._hold_older_pending and seq.sampled_plan != self._plans_sent:
                 return 0  # its token in flight is not the last plan's: wait for it
-            if self.drafter is not None and may_speculate(group) \
-                    and self.drafter.wants_drafts(seq):
+            if self._drafting is not None and may_speculate(group) \
+                    and self._drafting.wants_drafts(seq):
                 return 0  # a sample about to draft decodes from tokens received only
             if remaining > 1:  # a chunk never reaches past the tokens received
                 remaining = len(seq.token_ids) - seq.num_computed_tokens
@@ -325,7 +329,7 @@ class Scheduler:
         # (bound once: this loop runs for every sample)
         commit, commit_decode = out.rows.add, out.rows.add_decode
         demand = self._demand
-        drafter = self.drafter
+        drafter = self._drafting
         i = 0
         while i < len(groups):
             group = groups[i]

@@ -22,7 +22,9 @@ A row whose tokens are not known before its result cannot be followed by a plan 
 before that result, so a plan with a drafted row, or with a sample whose next decode will
 look for drafts, is the only plan in flight to its executor (`PlanRows.speculating`).
 Samples backing off after misses (`Drafter`) and those that never speculate (a grammar,
-n > 1 before its fork) pipeline as before, except beside speculating ones.
+n > 1 before its fork) pipeline as before, except beside speculating ones. With
+``disable_by_batch_size`` N, an executor running N requests or more drafts nothing and
+pipelines as without speculation (busy, its steps are full without drafts).
 """
 
 from __future__ import annotations
@@ -50,15 +52,25 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # no drafts while this many requests (or more) run on the executor (None: always);
+    # their decodes pipeline as without speculation
+    disable_by_batch_size: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({"method": self.method,
                            "num_speculative_tokens": self.num_speculative_tokens,
                            "prompt_lookup_max": self.prompt_lookup_max,
-                           "prompt_lookup_min": self.prompt_lookup_min})
+                           "prompt_lookup_min": self.prompt_lookup_min,
+                           "disable_by_batch_size": self.disable_by_batch_size})
+
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether an executor running this many requests drafts."""
+        limit = self.disable_by_batch_size
+        return limit is None or num_running < limit
 
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -100,7 +112,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     lo = hi if lo is None else lo
     if lo > hi:
         raise SpeculativeConfigError("prompt_lookup_min must not exceed prompt_lookup_max")
-    return SpeculativeConfig(k, hi, lo)
+    return SpeculativeConfig(k, hi, lo, disable_by_batch_size=count(
+        "disable_by_batch_size", None, 1 << 20))
 
 
 def may_speculate(group: RequestGroup) -> bool:

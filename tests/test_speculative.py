@@ -88,7 +88,10 @@ def test_parse_speculative_config():
     assert parse_speculative_config('{"num_speculative_tokens": 2, "prompt_lookup_min": 3}') \
         == SpeculativeConfig(2, 3, 3)
     cfg = parse_speculative_config(SpeculativeConfig(3, 4, 2).to_json())
-    assert cfg == SpeculativeConfig(3, 4, 2)
+    assert cfg == SpeculativeConfig(3, 4, 2) and cfg.drafts_at(10**6)
+    cfg = parse_speculative_config('{"num_speculative_tokens": 2, "disable_by_batch_size": 8}')
+    assert cfg.disable_by_batch_size == 8 and cfg.drafts_at(7) and not cfg.drafts_at(8)
+    assert parse_speculative_config(cfg.to_json()) == cfg
 
 
 @pytest.mark.parametrize("text,message", [
@@ -103,6 +106,8 @@ def test_parse_speculative_config():
     ('{"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
      "prompt_lookup_min must not exceed prompt_lookup_max"),
     ('{"num_speculative_tokens": 2, "model": "x"}', "unsupported key(s) model"),
+    ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+     "disable_by_batch_size must be an integer"),
 ])
 def test_parse_speculative_config_refusals(text, message):
     with pytest.raises(SpeculativeConfigError) as exc:
@@ -413,5 +418,24 @@ def test_an_executor_answering_past_a_rejected_draft_fails_that_request():
         while ex.unanswered():
             await ex.answer()
         await settle()
+        assert free_blocks(engine) == (64, 64)
+    run(main())
+
+
+def test_no_drafts_while_as_many_requests_run_as_disable_by_batch_size():
+    async def main():
+        spec = SpeculativeConfig(4, 3, 1, disable_by_batch_size=2)
+        engine, ex = make_engine(2, speculative=spec)
+        a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=30)
+        b = await submit(engine, "b", _echo_prompt("b#0", 40), max_tokens=6)
+        await _run_one_in_flight(ex, [a, b])
+        assert a.tokens() == expected("a#0", 30) and b.tokens() == expected("b#0", 6)
+        both = [p for p in ex.plans if {"a#0", "b#0"} <= set(p.request_ids)]
+        assert both and all(p.num_draft_tokens is None for p in both)
+        assert any(p.feed_sampled is not None for p in both)  # they pipelined
+        alone = [p for p in ex.plans if p.request_ids == ["a#0"]]
+        assert any(p.num_draft_tokens is not None for p in alone)  # b ended: a drafts
+        while ex.unanswered():
+            await ex.answer()
         assert free_blocks(engine) == (64, 64)
     run(main())
