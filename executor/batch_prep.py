@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device, to_device_many
-from pagedserve.executor.draft_rows import DraftRows, sampling_positions
+from pagedserve.executor.draft_rows import DraftRows, per_position, sampling_positions
 from pagedserve.executor.graph_feed import GraphFeed
 from pagedserve.executor.models import AttentionMetadata
 from pagedserve.executor.plan_inputs import PlanInputs, build_tensors
@@ -262,8 +262,7 @@ def batch_of(self: ModelRunner, plan: StepPlan, pre: PlanInputs, keep: np.ndarra
     if pre.drafts is not None:  # a row's own for each of its sampling positions
         counts = pre.drafts[keep][do_sample]
         sample_index, counts, drafted = sampling_positions(sample_index + 1, counts, token_ids)
-        sample_ids = [r for r, c in zip(sample_ids, counts.tolist(), strict=True)
-                      for _ in range(c)]
+        sample_ids = per_position(sample_ids, counts.tolist())
         state_rows = np.repeat(state_rows, counts)
     return Batch(
         input_ids=to_device(token_ids, device, torch.int64),

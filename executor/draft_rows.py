@@ -47,6 +47,11 @@ def sampling_positions(ends: np.ndarray, drafts: np.ndarray,
     return index, counts, DraftRows(offsets, draft_next)
 
 
+def per_position(ids: list[str], counts) -> list[str]:
+    """Each sampling row's request id once for each of its ``counts`` positions."""
+    return [r for r, c in zip(ids, counts, strict=True) for _ in range(c)]
+
+
 def confirmed(tokens: np.ndarray, rows: DraftRows) -> np.ndarray:
     """Which sampled positions are kept (bool [P]): in each row, those up to and including
     the first whose token differs from the draft after it (a row's last always does)."""

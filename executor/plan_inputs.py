@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device_many
-from pagedserve.executor.draft_rows import DraftRows, sampling_positions
+from pagedserve.executor.draft_rows import DraftRows, per_position, sampling_positions
 from pagedserve.executor.grammar import GrammarCompiler, GrammarError
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import StepPlan
@@ -202,9 +202,8 @@ def precompute(plan: StepPlan, limits: PlanLimits) -> PlanInputs:
                              [r for r, d in zip(plan.request_ids, do_sample.tolist(),
                                                 strict=True) if d])
         if inputs.drafts is not None:  # a row's id for each of its sampling positions
-            counts = (inputs.drafts[do_sample] + 1).tolist()
-            inputs.sample_ids = [r for r, c in zip(inputs.sample_ids, counts, strict=True)
-                                 for _ in range(c)]
+            inputs.sample_ids = per_position(inputs.sample_ids,
+                                             (inputs.drafts[do_sample] + 1).tolist())
         inputs.plan_positions = plan.positions
         inputs.feedable = inputs.max_query_len == 1 and inputs.do_sample_rows is None
         if not (inputs.feedable and num_seqs <= limits.graph_rows

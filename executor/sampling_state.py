@@ -119,16 +119,18 @@ class SamplingState:
         confirmed tokens only: such a request is never sent drafts (ValueError)."""
         if self.grammar is not None:
             raise ValueError("draft tokens for a request under a grammar")
-        copy = SamplingState(self.params, self.sample_index,
-                             np.concatenate([self.output_token_ids, drafts]))
+        return self._copy(self.sample_index, np.concatenate([self.output_token_ids, drafts]))
+
+    def _copy(self, sample_index: int, output_token_ids: np.ndarray) -> SamplingState:
+        """A state with these outputs and index, sharing this one's (read-only) prompt."""
+        copy = SamplingState(self.params, sample_index, output_token_ids)
         copy._prompt, copy._prompt_distinct = self._prompt, self._prompt_distinct
         return copy
 
     def fork(self, sample_index: int) -> SamplingState:
         """A child with a copy of this state's output tokens, the same prompt (read-only,
         so shared rather than copied) and its own sample index."""
-        child = SamplingState(self.params, sample_index, self.output_token_ids)
-        child._prompt, child._prompt_distinct = self._prompt, self._prompt_distinct
+        child = self._copy(sample_index, self.output_token_ids)
         if self.grammar is not None:
             child.grammar = self.grammar.fork()
         return child

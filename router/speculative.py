@@ -159,7 +159,7 @@ MAX_BACKOFF = 15  # decodes a sample skips drafting after repeated misses, at mo
 
 class Drafter:
     """The drafts of one scheduler's samples: each sample's tokens as a numpy array grown
-    in place (only the tokens since its last lookup are copied), searched by `lookup`.
+    in place (only the tokens since its last search are copied), searched by `lookup`.
     An entry belongs to one `Sequence` object (a new request taking an ended one's id
     starts afresh) and goes when the scheduler releases the sample (`forget`).
 
@@ -180,16 +180,14 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # seq id -> [sequence, int64 buffer, tokens in it, misses in a row, decodes to
-        # skip, drafts its next row may have]
-        self._entries: dict[str, list] = {}
+        self._samples: dict[str, _SampleDrafts] = {}
 
-    def _entry(self, seq: Sequence) -> list:
-        entry = self._entries.get(seq.seq_id)
-        if entry is None or entry[0] is not seq:
-            entry = self._entries[seq.seq_id] = [seq, np.empty(0, dtype=np.int64), 0, 0, 0,
-                                                 self.config.num_speculative_tokens]
-        return entry
+    def _of(self, seq: Sequence) -> _SampleDrafts:
+        mine = self._samples.get(seq.seq_id)
+        if mine is None or mine.seq is not seq:
+            mine = self._samples[seq.seq_id] = _SampleDrafts(
+                seq, self.config.num_speculative_tokens)
+        return mine
 
     def for_decode(self, group: RequestGroup, seq: Sequence, budget: int,
                    max_model_len: int) -> list[int] | None:
@@ -205,62 +203,74 @@ class Drafter:
         return self.decode(seq, limit) or None
 
     def decode(self, seq: Sequence, limit: int) -> list[int]:
-        """The drafts for this decode of `seq` ([]: none): up to ``limit`` (and
-        num_speculative_tokens) found by `lookup`, unless the sample is backing off or has
+        """The drafts for this decode of `seq` ([]: none): up to ``limit`` (and the
+        sample's draft length) found by `search`, unless the sample is backing off or has
         a token in flight."""
-        entry = self._entry(seq)
-        if entry[4]:
-            entry[4] -= 1
+        mine = self._of(seq)
+        if mine.skip:
+            mine.skip -= 1
             return []
-        k = min(limit, entry[5])
+        k = min(limit, mine.length)
         if k <= 0 or seq.num_pending:
             return []
-        drafts = self.lookup(seq, k, entry)
+        drafts = self.search(seq, k)
         if not drafts:  # nothing to draft from yet: look again after one decode
-            entry[4] = 1
+            mine.skip = 1
         return drafts
 
-    def lookup(self, seq: Sequence, k: int, entry: list | None = None) -> list[int]:
-        """`lookup` over the sample's tokens (no back-off)."""
-        if entry is None:
-            entry = self._entry(seq)
+    def search(self, seq: Sequence, k: int) -> list[int]:
+        """`lookup` over the sample's tokens, copying into its buffer only those added
+        since the last search (no back-off)."""
+        mine = self._of(seq)
         cfg = self.config
         tokens = seq.token_ids
         n = len(tokens)
-        _, buf, have = entry[:3]
-        if buf.shape[0] < n:
+        have = mine.filled
+        if mine.tokens.shape[0] < n:
             grown = np.empty(max(64, 2 * n), dtype=np.int64)
-            grown[:have] = buf[:have]
-            buf = entry[1] = grown
+            grown[:have] = mine.tokens[:have]
+            mine.tokens = grown
         if have < n:
-            buf[have:n] = tokens[have:n]
-            entry[2] = n
-        return lookup(buf[:n], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+            mine.tokens[have:n] = tokens[have:n]
+            mine.filled = n
+        return lookup(mine.tokens[:n], k, cfg.prompt_lookup_min,
+                      cfg.prompt_lookup_max).tolist()
 
     def confirmed(self, seq: Sequence, num_drafted: int, num_confirmed: int) -> None:
         """A drafted decode's result: how many of its drafts the sampler confirmed."""
-        entry = self._entries.get(seq.seq_id)
-        if entry is None or entry[0] is not seq:
+        mine = self._samples.get(seq.seq_id)
+        if mine is None or mine.seq is not seq:
             return
-        entry[5] = min(self.config.num_speculative_tokens,
-                       2 * num_drafted if num_confirmed == num_drafted else num_confirmed + 1)
+        mine.length = min(self.config.num_speculative_tokens,
+                          2 * num_drafted if num_confirmed == num_drafted
+                          else num_confirmed + 1)
         if num_confirmed:
-            entry[3] = 0
+            mine.misses = 0
         else:
-            self._missed(entry)
-
-    @staticmethod
-    def _missed(entry: list) -> None:
-        entry[3] += 1
-        entry[4] = min(2 ** (entry[3] - 1) - 1, MAX_BACKOFF)
+            mine.misses += 1
+            mine.skip = min(2 ** (mine.misses - 1) - 1, MAX_BACKOFF)
 
     def wants_drafts(self, seq: Sequence) -> bool:
         """Will the sample's next decode look for drafts (no back-off left)?"""
-        entry = self._entries.get(seq.seq_id)
-        return entry is None or entry[0] is not seq or not entry[4]
+        mine = self._samples.get(seq.seq_id)
+        return mine is None or mine.seq is not seq or not mine.skip
 
     def forget(self, seq_id: str) -> None:
-        self._entries.pop(seq_id, None)
+        self._samples.pop(seq_id, None)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._samples)
+
+
+class _SampleDrafts:
+    """What a `Drafter` keeps of one sample."""
+
+    __slots__ = ("seq", "tokens", "filled", "misses", "skip", "length")
+
+    def __init__(self, seq: Sequence, length: int) -> None:
+        self.seq = seq  # the Sequence object it belongs to
+        self.tokens = np.empty(0, dtype=np.int64)  # its tokens, grown in place ...
+        self.filled = 0  # ... this many copied so far
+        self.misses = 0  # drafted decodes in a row with every draft rejected
+        self.skip = 0  # decodes left without drafting
+        self.length = length  # drafts its next drafted row may have

@@ -99,8 +99,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     aligned = len(sampled) == len(ids)
     by_id: dict[str, Sequence] | None = None
     burst, burst_left = None, 0  # a drafted row's sample, and rows it may still have
-    num_confirmed = 0
-    confirmed = dict.fromkeys(drafts, 0) if drafts else None
+    confirmed = dict.fromkeys(drafts, 0) if drafts else None  # a drafted sample's count
     for i, seq_id in enumerate(ids):
         k = top_counts[i] if top_counts is not None else 0
         more = burst_left > 0 and burst.seq_id == seq_id
@@ -135,7 +134,6 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
             seq.num_computed_tokens += 1
             if handle.kv.allocate(seq_id, token_ids, 1) is None:
                 raise RuntimeError(f"{seq_id}: a confirmed draft's slot was not held")
-            num_confirmed += 1
             confirmed[seq] += 1
         token_ids.append(tok)
         rules = group.token_rules
@@ -177,7 +175,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
         for seq, n in confirmed.items():
             drafter.confirmed(seq, len(drafts[seq]), n)
         self.metrics.add_spec_decode(handle_id, len(drafts), sum(map(len, drafts.values())),
-                                     num_confirmed)
+                                     sum(confirmed.values()))
     if by_id:  # samples no row answered (left out, or others' rows in their places)
         checks.fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
     return touched

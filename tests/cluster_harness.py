@@ -187,6 +187,24 @@ def request(prompt: str | None = None, token_ids=None, **params) -> pb.GenerateR
     return req
 
 
+def concurrently(fn, items) -> list:
+    """``fn(item)`` for every item, each in its own thread at once; the results in order (a
+    gRPC error in its item's place)."""
+    results = [None] * len(items)
+
+    def run(i):
+        try:
+            results[i] = fn(items[i])
+        except grpc.RpcError as exc:
+            results[i] = exc
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
+
+
 class HFReference:
     """Greedy reference outputs from transformers, one prompt at a time, fp32, 1 thread."""
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from cluster_harness import Cluster, request
+from cluster_harness import Cluster, concurrently, request
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from test_lora import peft_reference
 from test_models import PROMPTS
@@ -182,8 +182,6 @@ def test_preempted_adapter_requests_keep_their_tokens(dirs, mode):
     """Six streams of two adapters and the base model on 12 device blocks (they need ~24):
     preempted by `mode` and resumed (recompute: sent again with their adapter), each ends
     with transformers + PEFT's tokens, and every block comes back."""
-    import threading
-
     modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}"]
     c = Cluster(dirs["model"], num_executors=1, router_args=[*modules, "--preemption-mode", mode],
                 executor_args=[*modules, "--num-gpu-blocks", "12", "--swap-space", "0.05"])
@@ -192,22 +190,14 @@ def test_preempted_adapter_requests_keep_their_tokens(dirs, mode):
     max_tokens = 48
     refs = [peft_reference(dirs["model"], dirs.get(n), p, max_tokens)[0]
             for n, p in zip(names, prompts, strict=True)]
-    results: dict[int, object] = {}
     with c.running():
         def run(i):
             req = request(token_ids=prompts[i], max_tokens=max_tokens, temperature=0.0,
                           ignore_eos=True)
             req.lora_adapter = "" if names[i] == "base" else names[i]
-            try:
-                results[i] = list(c.stub.Generate(req, timeout=120).completions[0].token_ids)
-            except grpc.RpcError as exc:
-                results[i] = exc
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(names))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert [results[i] for i in range(len(names))] == refs
+            return list(c.stub.Generate(req, timeout=120).completions[0].token_ids)
+        results = concurrently(run, list(range(len(names))))
+        assert results == refs
         preempted = sum(float(line.rsplit(" ", 1)[1]) for line in c.metrics().splitlines()
                         if line.startswith("pagedserve_preemptions_total{")
                         and f'mode="{mode}"' in line)

@@ -5,11 +5,8 @@ declared dead, its requests finishing on the other executor token for token."""
 
 from __future__ import annotations
 
-import threading
-
-import grpc
 import pytest
-from cluster_harness import Cluster, HFReference, assert_greedy_match, request
+from cluster_harness import Cluster, HFReference, assert_greedy_match, concurrently, request
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
 from pagedserve.tinymodels import build_model
@@ -36,22 +33,6 @@ def hf(model_dir):
     return HFReference(model_dir)
 
 
-def _concurrently(fn, items):
-    results = [None] * len(items)
-
-    def run(i):
-        try:
-            results[i] = fn(items[i])
-        except grpc.RpcError as exc:
-            results[i] = exc
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results
-
-
 def _run_depth(model_dir, depth: int, hf) -> tuple[list, list]:
     """Greedy (checked against HF) and seeded sampled outputs at one pipeline depth, on one
     executor whose KV cache is small enough to preempt."""
@@ -60,14 +41,14 @@ def _run_depth(model_dir, depth: int, hf) -> tuple[list, list]:
                       executor_args=["--num-gpu-blocks", "14", "--swap-space", "0.02"])
     try:
         cluster.start()
-        greedy = _concurrently(lambda p: cluster.stub.Generate(
+        greedy = concurrently(lambda p: cluster.stub.Generate(
             request(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), timeout=120),
             PROMPTS)
         for prompt, resp in zip(PROMPTS, greedy, strict=True):
             assert not isinstance(resp, Exception), (resp, cluster.logs())
             ref, gaps = hf.greedy(hf.encode(prompt), MAX_TOKENS)
             assert_greedy_match(list(resp.completions[0].token_ids), ref, gaps)
-        sampled = _concurrently(lambda p: cluster.stub.Generate(
+        sampled = concurrently(lambda p: cluster.stub.Generate(
             request(p, n=2, **SAMPLED), timeout=120), PROMPTS)
         out = []
         for resp in sampled:
@@ -110,7 +91,7 @@ def test_executor_hung_inside_a_step_is_dead_and_its_requests_move(model_dir, hf
     try:
         cluster.start()
         prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
-        results = _concurrently(lambda p: list(cluster.stub.Stream(
+        results = concurrently(lambda p: list(cluster.stub.Stream(
             request(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
             timeout=120)), prompts)
         for prompt, chunks in zip(prompts, results, strict=True):

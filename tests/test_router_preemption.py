@@ -8,7 +8,7 @@ import threading
 
 import grpc
 import pytest
-from cluster_harness import Cluster, HFReference, assert_greedy_match, request
+from cluster_harness import Cluster, HFReference, assert_greedy_match, concurrently, request
 
 from pagedserve.tinymodels import build_model
 
@@ -48,22 +48,9 @@ def references(hf, prompt_ids):
 
 
 def _run_all(cluster, prompt_ids):
-    results = [None] * len(PROMPTS)
-
-    def run(i):
-        try:
-            results[i] = cluster.stub.Generate(
-                request(token_ids=prompt_ids[i], max_tokens=MAX_TOKENS, temperature=0.0,
-                        ignore_eos=True),
-                timeout=120)
-        except grpc.RpcError as exc:
-            results[i] = exc
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results
+    return concurrently(lambda ids: cluster.stub.Generate(
+        request(token_ids=ids, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        timeout=120), prompt_ids)
 
 
 def _preemptions(cluster, mode: str) -> float:

@@ -134,14 +134,14 @@ class _Seq:
 def test_the_drafter_copies_only_new_tokens_and_restarts_for_a_new_sequence():
     drafter = Drafter(SpeculativeConfig(3, 2, 1))
     seq = _Seq("a#0", [1, 2, 3, 1])
-    assert drafter.lookup(seq, 3) == [2, 3, 1]
-    assert drafter.lookup(seq, 2) == [2, 3]
+    assert drafter.search(seq, 3) == [2, 3, 1]
+    assert drafter.search(seq, 2) == [2, 3]
     seq.token_ids.extend([2, 9])  # ... 1 2 9: [2, 9] never occurred, [9] neither
-    assert drafter.lookup(seq, 3) == []
+    assert drafter.search(seq, 3) == []
     seq.token_ids.extend(list(range(10, 100)) + [2])  # the buffer grows past 64
-    assert drafter.lookup(seq, 3) == [9, 10, 11]
+    assert drafter.search(seq, 3) == [9, 10, 11]
     other = _Seq("a#0", [7, 8, 7])  # a new request that took the id
-    assert drafter.lookup(other, 3) == [8, 7]
+    assert drafter.search(other, 3) == [8, 7]
     drafter.forget("a#0")
     assert len(drafter) == 0
 

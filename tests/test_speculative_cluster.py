@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster, HFReference, assert_greedy_match, request
+from cluster_harness import Cluster, HFReference, assert_greedy_match, concurrently, request
 from safetensors.torch import load_file, save_file
 
 from pagedserve.tinymodels import build_model
@@ -57,26 +56,13 @@ def cluster(model_dir):
         yield c
 
 
-def _concurrently(fn, items):
-    out = [None] * len(items)
-
-    def run(i):
-        out[i] = fn(items[i])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
-
-
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def _greedy(cluster) -> list[list[int]]:
-    resps = _concurrently(lambda p: cluster.stub.Generate(
+    resps = concurrently(lambda p: cluster.stub.Generate(
         request(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), timeout=120),
         PROMPTS)
     return [list(r.completions[0].token_ids) for r in resps]
@@ -96,7 +82,7 @@ def test_greedy_equals_transformers_with_drafts_confirmed(cluster, hf):
 
 def test_sampled_outputs_equal_those_without_speculation(cluster, model_dir):
     def sampled(c):
-        resps = _concurrently(lambda p: c.stub.Generate(request(p, **SAMPLED), timeout=120),
+        resps = concurrently(lambda p: c.stub.Generate(request(p, **SAMPLED), timeout=120),
                               PROMPTS)
         return [[(list(x.token_ids), [lp.logprob for lp in x.logprobs])
                  for x in r.completions] for r in resps]
