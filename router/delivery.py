@@ -91,6 +91,27 @@ class Delivery:
         del seq.logprobs[: len(delivered)]
         return "".join(text_parts), tuple(delivered), lps, update
 
+    def deliver_whole(self, seq: Sequence, token_ids: list[int], logprobs) -> int:
+        """Hand a sample's whole output to its stream in one delta (a beam search's
+        completion: router/beam_search.py), its text made by the sample's assembler, which
+        ends it at its stop id or max_tokens; returns the tokens delivered."""
+        parts: list[str] = []
+        update = None
+        for tok in token_ids:
+            update = seq.assembler.append(tok)
+            parts.append(update.text)
+            if update.finished:
+                break
+        if update is None or not update.finished:  # (a beam always ends where the rules do)
+            parts.append(seq.assembler.finish("length"))
+            reason, stop_string, stop_id = "length", None, None
+        else:
+            reason, stop_string, stop_id = (update.finish_reason, update.stop_string,
+                                            update.stop_token_id)
+        self.deliver(seq, "".join(parts), tuple(token_ids), tuple(logprobs), reason,
+                     stop_string, stop_id)
+        return len(token_ids)
+
     def finish_by_edge(self, handle: ExecutorHandle | None, seq: Sequence) -> bool:
         """A sample the API worker ended (a stop string in the text it assembles): as the
         text stage ends one, without a delta (the worker has handed out its ending)."""

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..protos import wire
+from .beam_search import BeamSearch
 from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
@@ -208,6 +209,8 @@ class RouterEngine:
         ]
         self._arrivals += 1
         group = RequestGroup(spec, assemblers, self._arrivals)
+        if spec.sampling.beam is not None:
+            group.beam = BeamSearch(group, self.info.vocab_size)
         if channel is not None:
             group.channel = channel
         self.place(group, fitting)

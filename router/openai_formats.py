@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
-from .openai_fields import UINT32_MAX, bad, json_type, token_ids
+from .openai_fields import UINT32_MAX, bad, json_type, number, optional_bool, token_ids
 from .structured import build_grammar
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -70,6 +70,30 @@ def token_restrictions(body: dict, params: pb.SamplingParams) -> None:
                                   and all(isinstance(w, str) for w in words)):
         raise bad("bad_words", f"must be an array of strings, got {json_type(words)}")
     params.bad_words.extend(words or ())
+
+
+def beam_search(body: dict, params: pb.SamplingParams) -> None:
+    """vLLM's `use_beam_search`, `length_penalty` and `early_stopping` (true, false or
+    "never", transformers' values) into params.beam_search; `n` is the beam width. The
+    two scoring fields at other than their defaults without beam search are refused, as
+    vLLM refuses them (they would do nothing)."""
+    use = optional_bool(body, "use_beam_search")
+    length_penalty = number(body, "length_penalty")
+    early = body.get("early_stopping")
+    if early is not None and not isinstance(early, bool) and early != "never":
+        raise bad("early_stopping", f"must be true, false or \"never\", got {early!r}")
+    if not use:
+        if length_penalty is not None and length_penalty != 1.0:
+            raise bad("length_penalty", "only applies to beam search (use_beam_search)")
+        if early:
+            raise bad("early_stopping", "only applies to beam search (use_beam_search)")
+        return
+    params.beam_search.SetInParent()
+    if length_penalty is not None:
+        params.beam_search.length_penalty = length_penalty
+    params.beam_search.early_stopping = (
+        pb.EARLY_STOPPING_NEVER if early == "never" else
+        pb.EARLY_STOPPING_WHEN_FULL if early else pb.EARLY_STOPPING_HEURISTIC)
 
 
 def structured_output(body: dict, params: pb.SamplingParams) -> None:

@@ -45,6 +45,7 @@ from .openai_fields import (
 )
 from .openai_formats import (
     ToolMode,
+    beam_search,
     logit_bias,
     structured_output,
     token_restrictions,
@@ -139,12 +140,13 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
     logit_bias(body, params)
     token_restrictions(body, params)
     structured_output(body, params)
+    beam_search(body, params)
     return params, logprobs
 
 
 # vLLM's fields this server does not implement: a request that sets one is refused rather
 # than served as if it had not (its output would not be what the client asked for).
-_REFUSED = {"use_beam_search": "beam search", "logits_processors": "logits_processors"}
+_REFUSED = {"logits_processors": "logits_processors"}
 
 
 def _common(body: dict) -> dict:

@@ -41,6 +41,12 @@ if TYPE_CHECKING:
 
 def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.SamplingParams:
     sp = group.spec.sampling
+    if group.beam is not None:  # a beam's row answers the top-K logprobs; its sample is unused
+        return wire.SamplingParams(temperature=0.0, seed=sp.seed,
+                                   logprobs=group.beam.num_logprobs,
+                                   stop_token_ids=tuple(sp.stop_token_ids),
+                                   eos_token_ids=tuple(eos_token_ids), ignore_eos=sp.ignore_eos,
+                                   prompt_logprobs=sp.prompt_logprobs)
     return wire.SamplingParams(
         temperature=sp.temperature,
         top_p=sp.top_p,

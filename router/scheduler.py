@@ -302,6 +302,8 @@ class Scheduler:
         if not group.forked:  # sample 0 of n > 1 stops before the last prompt token
             remaining = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
         if pending:
+            if group.beam is not None:
+                return 0  # a beam's next input is chosen from this token's answer
             if num_tokens - seq.num_prompt_tokens >= group.spec.sampling.max_tokens \
                     or num_tokens >= self.config.max_model_len:
                 return 0  # the tokens in flight already end it: known ahead
@@ -393,7 +395,7 @@ class Scheduler:
                     continue
                 if num_new == 1:
                     commit_decode(seq, entry)
-                    if lane is not None and len(group.seqs) == 1:
+                    if lane is not None and len(group.seqs) == 1 and group.beam is None:
                         lane.join(seq)
                 else:
                     commit(seq, num_new)

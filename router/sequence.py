@@ -18,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .detokenizer import TextAssembler
 from .types import CompletionDelta, RequestOutput, RequestSpec, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from .beam_search import BeamSearch
 
 
 class GroupStatus(enum.Enum):
@@ -214,6 +217,7 @@ class RequestGroup:
         # min_tokens, max_tokens, asks logprobs): the token rules the router applies to
         # every sampled token, gathered once (StepLoop.apply_tokens)
         self.token_rules: tuple | None = None
+        self.beam: BeamSearch | None = None  # beam search's state (router/beam_search.py)
 
     @property
     def num_prompt_tokens(self) -> int:

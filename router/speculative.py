@@ -118,8 +118,9 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
 
 def may_speculate(group: RequestGroup) -> bool:
     """Whether the group's samples decode with drafts: not under a grammar (its matcher
-    follows accepted tokens only), and not sample 0 of n > 1 before the fork."""
-    return group.forked and not group.spec.sampling.grammar
+    follows accepted tokens only), not beams (each step's inputs are chosen from the last
+    step's answers: router/beam_search.py), and not sample 0 of n > 1 before the fork."""
+    return group.forked and not group.spec.sampling.grammar and group.beam is None
 
 
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:

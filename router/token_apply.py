@@ -12,9 +12,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..protos import wire
+from . import beam_search
 from . import result_checks as checks
 from .errors import Unavailable
-from .sequence import Sequence
+from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     by_id: dict[str, Sequence] | None = None
     burst, burst_left = None, 0  # a drafted row's sample, and rows it may still have
     confirmed = dict.fromkeys(drafts, 0) if drafts else None  # a drafted sample's count
+    beams: dict[RequestGroup, None] = {}  # beam searches answered in this result
     for i, seq_id in enumerate(ids):
         k = top_counts[i] if top_counts is not None else 0
         more = burst_left > 0 and burst.seq_id == seq_id
@@ -119,6 +121,15 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
         group = seq.group if seq is not None else None
         if seq is None or seq.finished or live.get(group.request_id) is not group \
                 or group.executor_id != handle_id:
+            top_ofs += k
+            continue
+        if group.beam is not None:  # a beam's answer: the top-K of its next position
+            if not k:  # an executor's bug: nothing to choose the next beams from
+                self.engine.delivery.fail(group, Unavailable(
+                    f"the executor answered beam {seq_id} without its logprobs"))
+            elif group.beam.take(seq, result.top_token_ids[top_ofs:top_ofs + k],
+                                 result.top_logprobs[top_ofs:top_ofs + k]):
+                beams[group] = None
             top_ofs += k
             continue
         tok = tokens[i]
@@ -176,6 +187,9 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
             drafter.confirmed(seq, len(drafts[seq]), n)
         self.metrics.add_spec_decode(handle_id, len(drafts), sum(map(len, drafts.values())),
                                      sum(confirmed.values()))
+    for group in beams:  # (after every row: a step needs all of a search's beams)
+        if live.get(group.request_id) is group and group.beam.ready(group):
+            beam_search.advance(self.engine, handle, group)
     if by_id:  # samples no row answered (left out, or others' rows in their places)
         checks.fail_unanswered(self.engine, handle.id, result, list(by_id.values()))
     return touched

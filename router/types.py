@@ -26,6 +26,15 @@ DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
+class BeamSpec:
+    """Beam search's scoring and stopping (router/beam_search.py), as transformers'
+    generate defines them: `early_stopping` False (the heuristic), True or "never"."""
+
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """Validated sampling parameters, every default applied (DESIGN §3 SamplingParams).
 
@@ -58,6 +67,8 @@ class SamplingSpec:
     # bad words as token sequences (validation.bad_words_token_ids): the last token of one
     # is masked while the output ends with the rest of it
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # beam search with n beams (router/beam_search.py); None: sampling
+    beam: BeamSpec | None = None
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ from .chat_template import render_chat
 from .errors import InvalidRequest
 from .structured import grammar_from_pb
 from .tokenizer import Tokenizer
-from .types import DEFAULT_MAX_TOKENS, RequestSpec, SamplingSpec
+from .types import DEFAULT_MAX_TOKENS, BeamSpec, RequestSpec, SamplingSpec
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TEMPERATURE = 100.0
@@ -129,6 +129,9 @@ def sampling_from_pb(params, limits: Limits,
         if grammar and params.min_tokens:
             raise _bad("min_tokens", "cannot be combined with structured output (the format "
                        "decides where the output ends)")
+    beam = _beam_spec(params) if params.HasField("beam_search") else None
+    if beam is not None and n == 1:  # one beam is greedy decoding (transformers' num_beams=1)
+        beam, temperature = None, 0.0
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -151,7 +154,41 @@ def sampling_from_pb(params, limits: Limits,
         grammar=grammar,
         prompt_logprobs=prompt_logprobs,
         allowed_token_ids=allowed,
+        beam=beam,
     )
+
+
+_EARLY_STOPPING = {0: False, 1: True, 2: "never"}  # EarlyStopping → transformers' value
+MAX_LENGTH_PENALTY = 10.0
+
+
+def _beam_spec(params) -> BeamSpec:
+    """SamplingParams.beam_search → BeamSpec. Beam search ranks beams by their logprobs:
+    what would reshape the distribution it ranks by, or end a beam on its text, is refused
+    (temperature and seed have no effect: documented, not refused)."""
+    conflicts = (
+        ("top_p", params.HasField("top_p") and params.top_p != 1.0),
+        ("top_k", params.top_k > 0),
+        ("min_p", params.min_p > 0),
+        ("repetition_penalty",
+         params.HasField("repetition_penalty") and params.repetition_penalty != 1.0),
+        ("presence_penalty", params.presence_penalty != 0),
+        ("frequency_penalty", params.frequency_penalty != 0),
+        ("logit_bias", bool(params.logit_bias)),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(params.bad_words)),
+        ("stop", bool(params.stop)),
+        ("structured_output", params.HasField("structured_output")),
+    )
+    for name, set_ in conflicts:
+        if set_:
+            raise _bad(name, "cannot be combined with beam search")
+    bs = params.beam_search
+    length_penalty = bs.length_penalty if bs.HasField("length_penalty") else 1.0
+    _check_float("length_penalty", length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+    if bs.early_stopping not in _EARLY_STOPPING:
+        raise _bad("early_stopping", f"unknown value {bs.early_stopping}")
+    return BeamSpec(float(length_penalty), _EARLY_STOPPING[bs.early_stopping])
 
 
 def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -299,7 +299,7 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
            "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words",
-           "allowed_token_ids",
+           "allowed_token_ids", "length_penalty", "early_stopping",
            "add_special_tokens", "truncate_prompt_tokens", "include_reasoning"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 

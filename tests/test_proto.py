@@ -55,7 +55,9 @@ def _numbers(message) -> dict[str, int]:
                              "presence_penalty": 14, "frequency_penalty": 15,
                              "include_stop_str_in_output": 16, "keep_special_tokens": 17,
                              "logit_bias": 18, "structured_output": 19,
-                             "prompt_logprobs": 20, "allowed_token_ids": 21, "bad_words": 22}),
+                             "prompt_logprobs": 20, "allowed_token_ids": 21, "bad_words": 22,
+                             "beam_search": 23}),
+        (pb.BeamSearch, {"length_penalty": 1, "early_stopping": 2}),
         (pb.StructuredOutput, {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4,
                                "grammar": 5}),
         (pb.Choices, {"choices": 1}),
@@ -91,7 +93,8 @@ def test_optional_fields_track_presence():
     }
     assert optional == {"max_tokens", "temperature", "top_p", "seed", "n", "logprobs",
                         "repetition_penalty", "structured_output",  # a message field
-                        "prompt_logprobs"}
+                        "prompt_logprobs", "beam_search"}  # (a message field)
+    assert pb.BeamSearch.DESCRIPTOR.fields_by_name["length_penalty"].has_presence
     oneof = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["format"]
     assert [f.name for f in oneof.fields] == ["json_schema", "json_object", "regex", "choice",
                                               "grammar"]
