@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .sequence import RequestGroup, Sequence
-from .types import TokenLogprob
+from .types import SamplingSpec, TokenLogprob
 
 if TYPE_CHECKING:
     from .engine import RouterEngine
@@ -76,30 +76,36 @@ class BeamSearch:
                  "stop_ids", "_stop_arr", "k", "num_logprobs", "user_logprobs", "scores",
                  "order", "finished", "improvable", "answers", "serial")
 
-    def __init__(self, group: RequestGroup, vocab_size: int) -> None:
-        sp = group.spec.sampling
-        assert sp.beam is not None
-        self.width = sp.n
-        self.length_penalty = sp.beam.length_penalty
-        self.early_stopping = sp.beam.early_stopping
-        self.max_tokens = sp.max_tokens
-        self.min_tokens = sp.min_tokens
-        self.stop_ids = group.seqs[0].assembler.stop_token_ids  # EOS unless ignored + stop ids
-        self._stop_arr = np.fromiter(sorted(self.stop_ids), np.int64, len(self.stop_ids))
-        self.k = min(vocab_size, max(2, 1 + len(self.stop_ids)) * self.width)
-        self.user_logprobs = sp.logprobs  # the client's top-k (None: no logprobs)
-        self.num_logprobs = max(self.k, sp.logprobs or 0)  # what each beam's row returns
+    def __init__(self, sampling: SamplingSpec, stop_ids: frozenset[int],
+                 vocab_size: int) -> None:
+        assert sampling.beam is not None
+        self.width = sampling.n
+        self.length_penalty = sampling.beam.length_penalty
+        self.early_stopping = sampling.beam.early_stopping
+        self.max_tokens = sampling.max_tokens
+        self.min_tokens = sampling.min_tokens
+        self.stop_ids = stop_ids  # the ids that end a beam: EOS unless ignored + stop ids
+        self._stop_arr = np.fromiter(sorted(stop_ids), np.int64, len(stop_ids))
+        self.k = min(vocab_size, max(2, 1 + len(stop_ids)) * self.width)
+        self.user_logprobs = sampling.logprobs  # the client's top-k (None: no logprobs)
+        self.num_logprobs = max(self.k, sampling.logprobs or 0)  # what a beam's row returns
         self.scores = np.zeros(self.width, np.float32)  # running beams' scores, by slot
         self.order = [0]  # the running beams' slots, best first (one beam: the prompt)
         self.finished: list[Hypothesis] = []  # best first, at most `width`
         self.improvable = True
         self.answers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, lps)
         self.serial = 0  # forks so far: the suffix of a forked beam's sample id
-        # Slots 1.. hold no beam until the first step: their samples never run, and the
-        # one beam computes the whole prompt (no fork after it as for n samples).
+
+    @classmethod
+    def start(cls, group: RequestGroup, vocab_size: int) -> BeamSearch:
+        """The search of a new request (`RequestGroup.beam`). Slots 1.. hold no beam until
+        the first step: their samples never run, and the one beam computes the whole
+        prompt (no fork after it as for n samples)."""
+        beam = cls(group.spec.sampling, group.seqs[0].assembler.stop_token_ids, vocab_size)
         for seq in group.seqs[1:]:
             seq.finished = True
         group.forked = True
+        return beam
 
     # ------------------------------------------------------------------ answers
 

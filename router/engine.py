@@ -210,7 +210,7 @@ class RouterEngine:
         self._arrivals += 1
         group = RequestGroup(spec, assemblers, self._arrivals)
         if spec.sampling.beam is not None:
-            group.beam = BeamSearch(group, self.info.vocab_size)
+            group.beam = BeamSearch.start(group, self.info.vocab_size)
         if channel is not None:
             group.channel = channel
         self.place(group, fitting)

@@ -1,6 +1,7 @@
-"""OpenAI (and vLLM) body fields that shape the logits: logit_bias and the structured-output
-formats, read into the gRPC SamplingParams fields (logit_bias, structured_output) so both APIs
-share validation.py's checks and router/structured.py's compilation.
+"""OpenAI (and vLLM) body fields that shape the logits or the search: logit_bias, the
+structured-output formats and beam search, read into the gRPC SamplingParams fields
+(logit_bias, structured_output, beam_search) so both APIs share validation.py's checks and
+router/structured.py's compilation.
 
 Structured output may be asked for in any one of the ways clients send it:
 

@@ -8,7 +8,8 @@ the chat template) and one set of error rules. What is OpenAI-specific stays her
   list, chat `logprobs` (bool) + `top_logprobs`, completions `logprobs` (int), vLLM's extra
   sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
   skip_special_tokens, include_stop_str_in_output, priority, cache_salt); `logit_bias`,
-  `allowed_token_ids`, `bad_words` and the structured-output formats (openai_formats.py);
+  `allowed_token_ids`, `bad_words`, the structured-output formats and beam search
+  (`use_beam_search`, `length_penalty`, `early_stopping`) (openai_formats.py);
 * a completions `prompt` may be a list of prompts: each is its own engine request, and choice
   `index` = prompt index × n + sample index (as OpenAI and vLLM number them);
 * `max_tokens` omitted → the rest of the context (validation computes it once the prompt is

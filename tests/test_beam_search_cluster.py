@@ -7,7 +7,10 @@ back."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +134,21 @@ def test_beams_ended_by_stop_ids(cluster, hf):
     ended = [c for c in resp.completions if c.finish_reason == pb.STOP]
     assert ended and all(c.stop_token_id == c.token_ids[-1] in stop_ids for c in ended)
     cluster.wait_blocks_free()
+
+
+def test_beam_search_bench_quick(model_dir):
+    """benchmarks/beam_search_bench.py in its smallest setting on this model: its JSON
+    line, and the router's beams the same as those of the client-driven search."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "beam_search_bench.py"), "--model",
+         str(model_dir), "--widths", "2", "--concurrency", "1", "--max-tokens", "6",
+         "--dtype", "float32"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    assert line["bench"] == "beam_search_bench" and line["case"] == "w2_c1"
+    for mode in ("router", "client"):
+        assert line[mode]["seconds"] > 0 and line[mode]["tok_per_s"] > 0
+        assert line[mode]["peak_blocks"] >= 1
+    assert line["client"]["requests_sent"] > line["router"]["requests_sent"] == 4
+    assert line["same_outputs"] is True
