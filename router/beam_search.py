@@ -16,9 +16,9 @@ live beam of a request has answered, `advance` runs one step of transformers' be
 3. the best n candidates that do not end are the next beams. A beam with one child keeps
    its sample (the token appended); a beam with several forks: each further child takes
    the sample of a beam that had none (`KVCacheManager.fork`: every block shared; the
-   child's first write into the shared last block copies it) under a new sample id, and is
-   sent to the executor as a new request carrying its outputs; a beam with no child is
-   freed and the executor drops it;
+   child's first write into the shared last block copies it) under a new sample id, and
+   the next plan forks it on the executor (a copy of the parent's state); a beam with no
+   child is freed and the executor drops it;
 4. the search ends when no candidate continues (max_tokens), when n hypotheses are in
    and (early_stopping True) or the best running beam cannot beat the worst of them
    (its score / current length ** length_penalty, or / max_tokens ** length_penalty with
@@ -45,6 +45,7 @@ from .types import SamplingSpec, TokenLogprob
 if TYPE_CHECKING:
     from .engine import RouterEngine
     from .membership import ExecutorHandle
+    from .scheduler import Scheduler
 
 NEG = np.float32(-1e9)  # transformers' "never chosen" offset
 
@@ -203,7 +204,7 @@ def advance(engine: RouterEngine, handle: ExecutorHandle, group: RequestGroup) -
     take their samples (kept, forked or freed) or the search ends and the request
     completes."""
     beam = group.beam
-    sched, kv = handle.scheduler, handle.kv
+    sched = handle.scheduler
     seqs = group.seqs
     head = seqs[beam.order[0]]
     num_generated = head.num_output_tokens
@@ -227,7 +228,7 @@ def advance(engine: RouterEngine, handle: ExecutorHandle, group: RequestGroup) -
         for cand in cands[1:]:
             slot = free_slots.pop(0)
             beam.serial += 1
-            new_seqs[slot] = _branch(kv, parent, seqs[slot], beam.serial)
+            new_seqs[slot] = _branch(sched, parent, seqs[slot], beam.serial)
             placed.append((slot, cand))
     for slot, child in new_seqs.items():  # then the beams without a child go
         old = seqs[slot]
@@ -244,18 +245,24 @@ def advance(engine: RouterEngine, handle: ExecutorHandle, group: RequestGroup) -
     beam.order = [slot_of[id(cand)] for cand in running]
 
 
-def _branch(kv, parent: Sequence, slot: Sequence, serial: int) -> Sequence:
+def _branch(sched: Scheduler, parent: Sequence, slot: Sequence, serial: int) -> Sequence:
     """A new beam forked from `parent` in `slot`'s place (its index and assembler), with
-    the parent's tokens and logprobs so far; it shares the parent's blocks."""
+    the parent's tokens and logprobs so far; it shares the parent's blocks, and the next
+    plan's forks tell the executor to copy the parent's state (DESIGN §2's forks). A
+    parent with no blocks or not on the executor (preempted by recompute, migrated, while
+    the step's rows were out): the child has none either and goes to the executor as a new
+    request carrying its outputs when it is computed again (the group forks again)."""
     group = parent.group
     child = Sequence(group, slot.index, slot.assembler)
     child.seq_id = f"{group.request_id}#{slot.index}.{serial}"
     child.token_ids = list(parent.token_ids)
     child.logprobs = list(parent.logprobs)
     child.block_hashes = list(parent.block_hashes)
-    if kv.has_request(parent.seq_id):  # (else recomputed: the group forks again)
-        kv.fork(parent.seq_id, child.seq_id)
+    if sched.kv.has_request(parent.seq_id):
+        sched.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
+        if parent.on_executor:
+            sched.pending_forks.append((parent, child))
     return child
 
 

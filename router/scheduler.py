@@ -99,7 +99,7 @@ class SchedulerOutput:
         (a group swapped in whose samples got no tokens this step still needs its swap-in
         sent now: a later plan could swap those blocks out again before it)."""
         return not self.rows.rows and self.rows.lane is None and not self.dropped_seq_ids \
-            and not self.preempted and not self.rows.kv.has_block_ops
+            and not self.preempted and not self.rows.kv.has_block_ops and not self.forks
 
 
 class Scheduler:
@@ -118,6 +118,7 @@ class Scheduler:
         self.waiting: list[RequestGroup] = []
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
+        self.pending_forks: list[tuple[Sequence, Sequence]] = []  # beams forked between steps
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
         self._drafting: Drafter | None = None  # the drafter, in a step where it drafts
@@ -269,6 +270,8 @@ class Scheduler:
         out = SchedulerOutput(PlanRows(kv))
         out.dropped_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
+        out.forks.extend(f for f in self.pending_forks if not f[1].finished)
+        self.pending_forks.clear()
         budget = self.config.max_num_batched_tokens
         served = None
         lane = self.lane

@@ -91,6 +91,7 @@ class ContextExecutor:
         self.last: dict[str, tuple[int, int]] = {}  # rid -> (step, token it sampled)
         self.answered = 0
         self.new_requests: list[wire.NewRequest] = []
+        self.forked: list[str] = []  # children of the plans' forks
         self.dropped: list[str] = []
 
     @property
@@ -109,9 +110,11 @@ class ContextExecutor:
             self.ctx[req.request_id] = [*req.prompt_token_ids.tolist(),
                                         *req.output_token_ids.tolist()]
             self.k[req.request_id] = req.sampling.logprobs
-        for fork in plan.forks:
+        for fork in plan.forks:  # (an unknown parent or a known child fails the test)
+            assert fork.child_id not in self.ctx, fork.child_id
             self.ctx[fork.child_id] = list(self.ctx[fork.parent_id])
             self.k[fork.child_id] = self.k[fork.parent_id]
+            self.forked.append(fork.child_id)
         ids, tokens, lps, counts, top_ids, top_lps = [], [], [], [], [], []
         first = 0
         for i, rid in enumerate(plan.request_ids):

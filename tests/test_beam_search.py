@@ -86,23 +86,22 @@ def test_beams_equal_transformers(prompt, width, max_tokens, eos_boost, length_p
             assert (fin.finish_reason, len(tokens)) == ("length", max_tokens)
     assert c.usage.completion_tokens == sum(map(len, want))
     _check_clean(engine, ex)
-    assert set(ex.dropped) == {r.request_id for r in ex.new_requests}
+    assert sorted(ex.dropped) == sorted([r.request_id for r in ex.new_requests] + ex.forked)
 
 
-def test_forks_share_blocks_and_run_as_new_requests():
+def test_forks_share_blocks_and_copy_the_parents_state():
     """Width 4 from one prompt of 8 tokens (2 blocks of 4): after the first step the four
-    beams are one kept sample and three forks sent as new requests carrying their output,
-    starting where the parent's computed tokens end, sharing its blocks."""
+    beams are one kept sample and three forks of it (the plan's forks: the executor copies
+    the parent's state), starting where the parent's computed tokens end, sharing its
+    blocks."""
     prompt = list(range(10, 18))
     c, _, ex, engine = run(_search(prompt, 4, 6, eos_boost=0.0))
     assert _outputs(c, 4) == hf_beams(prompt, 4, 6, eos_boost=0.0)
-    first = ex.new_requests[0]
+    (first,) = ex.new_requests  # every other beam is a fork
     assert first.request_id == "beam#0" and first.output_token_ids.tolist() == []
     assert first.sampling.logprobs == 8  # K = max(2, 1 + 1 stop id) x 4 beams
-    forks = [r for r in ex.new_requests[1:4]]
-    assert sorted(r.request_id for r in forks) == ["beam#1.1", "beam#2.2", "beam#3.3"]
-    for r in forks:
-        assert r.prompt_token_ids.tolist() == prompt and len(r.output_token_ids) == 1
+    assert [(f.parent_id, f.child_id, f.sample_index) for f in ex.plans[1].forks] == [
+        ("beam#0", "beam#1.1", 1), ("beam#0", "beam#2.2", 2), ("beam#0", "beam#3.3", 3)]
     # The prompt: blocks 0, 1. The step after: beam 0 adds block 2, each fork has the
     # prompt's two blocks (shared) and a fresh one (copy-on-write of a full block: none).
     plan = ex.plans[1]
@@ -186,7 +185,7 @@ def test_abort_mid_search_frees_everything():
     assert c.done and c.error is None
     assert {c.finish(i).finish_reason for i in range(3)} == {"abort"}
     _check_clean(engine, ex)
-    assert set(ex.dropped) == {r.request_id for r in ex.new_requests}
+    assert sorted(ex.dropped) == sorted([r.request_id for r in ex.new_requests] + ex.forked)
 
 
 # ------------------------------------------------------------------ the request fields
@@ -254,3 +253,45 @@ def test_beam_fields_from_openai_bodies():
     beam_search({"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False},
                 params)
     assert not params.HasField("beam_search")
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_preempted_while_its_rows_are_out(mode):
+    """The search's group preempted (as the scheduler does for another group) while the
+    step after the first fork is out: the answers still step the search; after a
+    recompute the new beams have no blocks and reach the executor as new requests with
+    their outputs (the group forks again), after a swap they are forked on the executor
+    and swapped in with their parents' blocks. The beams equal transformers'."""
+    from pagedserve.router.plan_builder import PlanRows
+    from pagedserve.router.scheduler import SchedulerOutput
+
+    async def go():
+        engine, _ = make_engine(mode=mode)
+        ex = ContextExecutor(engine, eos_boost=0.0)
+        spec = RequestSpec("beam", tuple(range(10, 19)), SamplingSpec(
+            max_tokens=8, temperature=0.0, n=3, beam=BeamSpec()))
+        c = Collector(await engine.submit(spec))
+        await ex.answer()  # the prompt: beam 0 forks twice
+        while not ex.unanswered():
+            await asyncio.sleep(0.001)
+        sched, group = engine.executors["e0"].scheduler, engine.live["beam"]
+        out = SchedulerOutput(PlanRows(sched.kv))
+        sched._preempt(group, out)  # (the beams' rows are out)
+        sched._pending_drops.extend(out.dropped_seq_ids)
+        await ex.run_until_done([c])
+        await _drain(ex)
+        return c, ex, engine, group
+    c, ex, engine, group = run(go())
+    assert c.error is None and group.num_preemptions == 1
+    assert _outputs(c, 3) == hf_beams(list(range(10, 19)), 3, 8, eos_boost=0.0)
+    recomputed = [r for r in ex.new_requests if len(r.output_token_ids)]
+    if mode is PreemptionMode.RECOMPUTE:  # the three beams, 2 tokens out, computed again
+        assert sorted(len(r.output_token_ids) for r in recomputed) == [2, 2, 2]
+    else:
+        # the next plan swaps the beams out (their blocks were written by the plan that
+        # was out), forks the new beam from its swapped parent, and swaps all back in
+        plan = ex.plans[2]
+        assert not recomputed and plan.swap_out.shape[0] and plan.swap_in.shape[0]
+        assert [(f.parent_id, f.child_id) for f in plan.forks] == [("beam#0", "beam#2.3")]
+    _check_clean(engine, ex)
+    assert sorted(ex.dropped) == sorted([r.request_id for r in ex.new_requests] + ex.forked)
