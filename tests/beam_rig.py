@@ -17,10 +17,9 @@ import hashlib
 import numpy as np
 import torch
 from pagedserve.protos import wire
+from pipeline_rig import EOS, VOCAB, settle
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-
-from tests.pipeline_rig import EOS, VOCAB, settle
 
 
 def context_logits(context, eos_boost: float = 2.0, spread: float = 3.0) -> torch.Tensor:

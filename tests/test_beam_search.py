@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from beam_rig import ContextExecutor, hf_beams
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedserve.router.scheduler import PreemptionMode
 from pagedserve.router.types import BeamSpec, RequestSpec, SamplingSpec
-
-from tests.beam_rig import ContextExecutor, hf_beams
-from tests.pipeline_rig import EOS, Collector, make_engine, run
+from pipeline_rig import EOS, Collector, make_engine, run
 
 
 async def _search(prompt, width, max_tokens, *, eos_boost=2.0, depth=2, blocks=64,
@@ -153,8 +152,7 @@ def test_preempted_beams_finish_the_same(mode):
 def test_logprobs_of_beams():
     """logprobs=2: each returned token's logprob and its beam's top 2 at that position."""
     import torch
-
-    from tests.beam_rig import context_logits
+    from beam_rig import context_logits
     prompt = [9, 8, 7]
     c, _, ex, engine = run(_search(prompt, 2, 5, logprobs=2))
     for i in range(2):
