@@ -293,3 +293,36 @@ def test_preempted_while_its_rows_are_out(mode):
         assert [(f.parent_id, f.child_id) for f in plan.forks] == [("beam#0", "beam#2.3")]
     _check_clean(engine, ex)
     assert sorted(ex.dropped) == sorted([r.request_id for r in ex.new_requests] + ex.forked)
+
+
+def test_beams_beside_the_decode_lane(monkeypatch):
+    """Enough plain requests that their steady decodes are planned in the decode lane
+    (router/decode_lane.py, from 4 running groups here): the beams stay in the loop and
+    still equal transformers', the plain requests' greedy tokens are the model's."""
+    from pagedserve.router.plan_builder import PlanRows
+    lanes = []
+    add_lane = PlanRows.add_lane
+
+    def counted(self, lane):
+        lanes.append(list(lane.ids))
+        add_lane(self, lane)
+    monkeypatch.setattr(PlanRows, "add_lane", counted)
+
+    async def go():
+        engine, _ = make_engine(num_gpu_blocks=128, decode_lane_min_running=4)
+        ex = ContextExecutor(engine, eos_boost=0.0)
+        plain = [Collector(await engine.submit(RequestSpec(
+            f"p{i}", (i + 1, i + 2), SamplingSpec(max_tokens=12, temperature=0.0,
+                                                  ignore_eos=True)))) for i in range(6)]
+        c = Collector(await engine.submit(RequestSpec("beam", (7, 8, 9), SamplingSpec(
+            max_tokens=10, temperature=0.0, n=3, beam=BeamSpec()))))
+        await ex.run_until_done([c, *plain])
+        await _drain(ex)
+        return c, plain, ex, engine
+    c, plain, ex, engine = run(go())
+    assert len(lanes) >= 5 and all(rid.startswith("p") for ids in lanes for rid in ids)
+    assert _outputs(c, 3) == hf_beams([7, 8, 9], 3, 10, eos_boost=0.0)
+    for i, col in enumerate(plain):
+        assert col.tokens() == hf_beams([i + 1, i + 2], 1, 12, stop_ids=(),
+                                        eos_boost=0.0)[0]
+    _check_clean(engine, ex)
