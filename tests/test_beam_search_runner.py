@@ -81,8 +81,8 @@ async def _serve(model_dir, device, requests):
 @pytest.mark.parametrize("device", DEVICES)
 def test_beams_on_a_real_runner_equal_transformers(model_dir, hf_model, device):
     beams = [RequestSpec(f"b{i}", tuple(p), SamplingSpec(
-        max_tokens=12, n=w, ignore_eos=True, beam=BeamSpec()))
-        for i, (p, w) in enumerate(zip(PROMPTS, (3, 4), strict=True))]
+        max_tokens=12, n=w, ignore_eos=True, beam=BeamSpec(), prompt_logprobs=k))
+        for i, (p, w, k) in enumerate(zip(PROMPTS, (3, 4), (2, None), strict=True))]
     plain = RequestSpec("plain", (0, 5, 6, 7), SamplingSpec(max_tokens=12, temperature=0.0,
                                                             ignore_eos=True))
     streams, kv, engine = run(_serve(model_dir, device, [*beams, plain]))
@@ -91,6 +91,9 @@ def test_beams_on_a_real_runner_equal_transformers(model_dir, hf_model, device):
         got = [c.tokens(i) for i in range(spec.sampling.n)]
         assert got == _hf_beams(hf_model, list(spec.prompt_token_ids), spec.sampling.n, 12)
     assert streams[2].tokens() == _hf_beams(hf_model, [0, 5, 6, 7], 1, 12)[0]
+    scored = streams[0].outputs[-1].prompt_logprobs  # the prompt scored once, for all beams
+    assert [lp.token_id for lp in scored] == PROMPTS[0][1:]
+    assert all(len(lp.top) == 2 for lp in scored)
     marked = {rid for p in engine.link.sent if isinstance(p, wire.StepPlan)
               and p.feed_sampled is not None
               for rid, f in zip(p.request_ids, p.feed_sampled, strict=True) if f}
