@@ -6,12 +6,15 @@ runs the executors' own per-request state — grammar matchers, prompt scoring, 
 forks — for a few minutes, through aborts, client cancels and deadlines:
 
 * kinds, drawn uniformly: plain, a JSON schema, a regex, a choice, logit_bias (5 random
-  entries in [-100, 100]), prompt_logprobs (k 0-3), allowed_token_ids (20 random ids) and
-  bad_words (the text of 3 random tokens) (the last two added 2026-11-28); n = 2 for 30%
-  of requests; greedy or sampled; prompts of 5-120 random token ids, max_tokens 4-48;
+  entries in [-100, 100]), prompt_logprobs (k 0-3), allowed_token_ids (20 random ids),
+  bad_words (the text of 3 random tokens) (the last two added 2026-11-28) and beam search
+  (n 2-4, length_penalty 0/1/2, each early_stopping; added 2026-11-28, twenty-third
+  session); n = 2 for 30% of the others; greedy or sampled; prompts of 5-120 random token
+  ids, max_tokens 4-48;
 * endings, in turn: run to the end (then checked: a constrained sample that stopped parses /
   matches, prompt scores have one entry per prompt token but the first, every token of an
-  allowed_token_ids sample allowed, no bad word's tokens whole in a sample's output), client
+  allowed_token_ids sample allowed, no bad word's tokens whole in a sample's output, n
+  distinct beams each ended by EOS or max_tokens), client
   cancel after
   2 chunks, a deadline of 10-300 ms, the Abort RPC after 2 chunks.
 
@@ -51,7 +54,7 @@ from soak_report import (  # noqa: E402
 )
 
 KINDS = ("plain", "json", "regex", "choice", "bias", "prompt_logprobs", "allowed",
-         "bad_words")
+         "bad_words", "beam")
 ENDINGS = ("run", "cancel", "deadline", "abort")
 
 
@@ -87,6 +90,12 @@ class Load(Tally):
         elif kind == "bad_words":
             words = (self.tokenizer.decode([rng.randrange(3, 500)]) for _ in range(3))
             req.params.bad_words.extend(w for w in words if w.strip())
+        elif kind == "beam":
+            req.params.n = rng.choice([2, 3, 4])
+            req.params.beam_search.length_penalty = rng.choice([0.0, 1.0, 2.0])
+            req.params.beam_search.early_stopping = rng.choice(
+                [pb.EARLY_STOPPING_HEURISTIC, pb.EARLY_STOPPING_WHEN_FULL,
+                 pb.EARLY_STOPPING_NEVER])
         return kind, req
 
     def check(self, kind: str, req: pb.GenerateRequest, resp: pb.GenerateResponse) -> None:
@@ -111,6 +120,13 @@ class Load(Tally):
                     if any(out[j:j + len(word)] == list(word)
                            for j in range(len(out) - len(word) + 1)):
                         self.fail(f"bad_words: {word} in the output {out}")
+        if kind == "beam":  # n distinct beams, each ended by EOS or max_tokens
+            beams = [tuple(c.token_ids) for c in resp.completions]
+            if len(set(beams)) != req.params.n or any(
+                    not (c.finish_reason == pb.STOP or len(c.token_ids)
+                         == req.params.max_tokens) for c in resp.completions):
+                self.fail(f"beam: {len(set(beams))} distinct of {req.params.n}, endings "
+                          f"{[(c.finish_reason, len(c.token_ids)) for c in resp.completions]}")
         if kind == "prompt_logprobs" and (
                 len(resp.prompt_logprobs) != len(req.prompt_token_ids.ids) - 1):
             self.fail(f"prompt_logprobs: {len(resp.prompt_logprobs)} scores for "

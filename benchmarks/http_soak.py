@@ -10,9 +10,11 @@ an SDK with a timeout does):
   /v1/chat/completions (a system and a user message of random words);
 * kinds, drawn uniformly: plain, `response_format` json_schema, `structured_outputs.regex`,
   `guided_choice`, `logit_bias` (5 entries in [-100, 100]), logprobs (completions: `logprobs`
-  2, with `echo` when unary; chat: `logprobs` + `top_logprobs` 2), tools (chat: one function,
-  `tool_choice` "required", named or "auto" with the hermes parser); n = 2 for 30%; greedy or
-  sampled; max_tokens 4-48;
+  2, with `echo` when unary; chat: `logprobs` + `top_logprobs` 2), beam search
+  (`use_beam_search`, n 2-3, `length_penalty` 0/1/2, each `early_stopping`; added
+  2026-11-28, twenty-third session), tools (chat: one function, `tool_choice` "required",
+  named or "auto" with the hermes parser); n = 2 for 30% of the others; greedy or sampled;
+  max_tokens 4-48;
 * endings, in turn: a unary request read whole and checked; a stream read to `[DONE]` and
   checked (choices complete, the usage chunk of `stream_options.include_usage`); a stream
   the client drops after two events; a unary request the client gives up on after 10-300 ms.
@@ -55,7 +57,7 @@ from soak_report import (  # noqa: E402
     soak_arguments,
 )
 
-KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "tools")
+KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "beam", "tools")  # (tools: chat)
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -111,6 +113,10 @@ class HttpLoad(Tally):
         elif kind == "logprobs":
             body.update({"logprobs": True, "top_logprobs": 2} if chat else
                         {"logprobs": 2, "echo": True})
+        elif kind == "beam":
+            body.update(use_beam_search=True, n=rng.choice([2, 3]),
+                        length_penalty=rng.choice([0.0, 1.0, 2.0]),
+                        early_stopping=rng.choice([False, True, "never"]))
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return kind, path, body
 
