@@ -11,13 +11,12 @@ logits, so their logprobs agree to the bit and any difference in tokens is the s
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 import numpy as np
 import torch
 from pagedserve.protos import wire
-from pipeline_rig import EOS, VOCAB, settle
+from pipeline_rig import EOS, VOCAB, SimExecutor
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -72,32 +71,23 @@ def hf_beams(prompt: list[int], width: int, max_tokens: int, *, stop_ids=(EOS,),
     return beams
 
 
-class ContextExecutor:
-    """The executor's side for `tests.pipeline_rig`'s engine: keeps every request's
-    context from the plans (new requests' tokens, rows' inputs by position, forks) and
-    answers each sampling row with the greedy token and the top-k its request asks for; a
-    marked decode is fed the token it sampled for the request in the step before. Checks
-    what a real executor relies on: a row starts where the request's computed tokens end
-    (or before: a recompute), a fork's parent is known, a new request is new."""
+class ContextExecutor(SimExecutor):
+    """The executor's side for `pipeline_rig`'s engine (its `SimExecutor`, answering with
+    this model): keeps every request's context from the plans (new requests' tokens, rows'
+    inputs by position, forks) and answers each sampling row with the greedy token and the
+    top-k its request asks for; a marked decode is fed the token it sampled for the
+    request in the step before. Checks what a real executor relies on: a row starts where
+    the request's computed tokens end (or before: a recompute), a fork's parent is known, a
+    new request is new."""
 
     def __init__(self, engine, executor_id: str = "e0", eos_boost: float = 2.0) -> None:
-        self.engine = engine
+        super().__init__(engine, executor_id)
         self.eos_boost = eos_boost
-        self.id = executor_id
-        self.routing_id = executor_id.encode()
         self.ctx: dict[str, list[int]] = {}
         self.k: dict[str, int | None] = {}
-        self.last: dict[str, tuple[int, int]] = {}  # rid -> (step, token it sampled)
-        self.answered = 0
         self.new_requests: list[wire.NewRequest] = []
         self.forked: list[str] = []  # children of the plans' forks
         self.dropped: list[str] = []
-
-    @property
-    def plans(self) -> list[wire.StepPlan]:
-        link = self.engine.link
-        return [m for to, m in zip(link.to, link.sent, strict=True)
-                if to == self.routing_id and isinstance(m, wire.StepPlan)]
 
     def result_for(self, plan: wire.StepPlan) -> wire.StepResult:
         for rid in plan.finished_ids:
@@ -147,27 +137,3 @@ class ContextExecutor:
             token_ids=np.array(tokens, np.int32), logprobs=np.array(lps, np.float32),
             top_counts=np.array(counts, np.int32), top_token_ids=np.array(top_ids, np.int32),
             top_logprobs=np.array(top_lps, np.float32), forward_s=1e-3)
-
-    def unanswered(self) -> list[wire.StepPlan]:
-        return self.plans[self.answered:]
-
-    async def answer(self) -> None:
-        """Answer the oldest plan not answered yet (waiting up to 5 s for one)."""
-        for _ in range(5000):
-            if self.unanswered():
-                break
-            await asyncio.sleep(0.001)
-        plan = self.unanswered()[0]
-        self.answered += 1
-        self.engine.steps.on_result(self.id, self.result_for(plan))
-        await settle()
-
-    async def run_until_done(self, streams, max_steps: int = 2000) -> None:
-        for _ in range(max_steps):
-            if all(s.done for s in streams):
-                return
-            if self.unanswered():
-                await self.answer()
-            else:
-                await asyncio.sleep(0.001)
-        raise AssertionError("requests did not finish")
