@@ -1,6 +1,7 @@
 """The demo's plan (pagedserve/demo.py): how big each phase of `pagedserve demo` is (`FULL`,
 `QUICK`; `DemoPlan.check` makes sure the burst forces a preemption) and what it says: the
-prompts, chat questions, tenants, their system prompts and their questions."""
+prompts, chat questions, tenants, their system prompts and their questions, and the beam
+search's question."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class DemoPlan:
     burst_requests: int
     burst_prompt_tokens: int
     burst_max_tokens: int
+    beam_width: int = 3  # step 4: one request with beam search
+    beam_tokens: int = 24
 
     @property
     def burst_blocks_per_request(self) -> int:
@@ -63,8 +66,9 @@ QUICK = DemoPlan(
     stream_prompts=_STREAM_PROMPTS[:1], stream_tokens=24,
     chat_questions=_CHAT_QUESTIONS[:1], chat_tokens=48,
     num_tenants=3, system_prompt_repeats=1, questions_per_tenant=2, answer_tokens=16,
-    burst_requests=6, burst_prompt_tokens=192, burst_max_tokens=96,
+    burst_requests=6, burst_prompt_tokens=192, burst_max_tokens=96, beam_tokens=8,
 )
+BEAM_QUESTION = "Suggest a name for a small coffee shop."
 
 TENANTS = ("acme-bank", "globex-shipping", "initech-support", "umbrella-health",
            "hooli-search", "stark-energy")

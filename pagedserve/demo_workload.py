@@ -1,7 +1,7 @@
 """The demo's workload (pagedserve/demo.py): `Workload` runs the phases of `pagedserve demo`
 against a started cluster over gRPC (streamed answers, the multi-tenant shared prefixes, the
-burst that forces a preemption) and `run_workload` runs them all, prints the summary and
-says what went wrong."""
+burst that forces a preemption, a beam search) and `run_workload` runs them all, prints the
+summary and says what went wrong."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .demo_metrics import (
     read_metrics,
     summary,
 )
-from .demo_plan import QUESTIONS, TENANTS, DemoPlan, system_prompt
+from .demo_plan import BEAM_QUESTION, QUESTIONS, TENANTS, DemoPlan, system_prompt
 
 
 class Workload:
@@ -175,6 +175,30 @@ class Workload:
                     self.say(f"  {t}: {one_line(mine[0].text)}")
         progress.refresh()
 
+    def phase_beams(self) -> None:
+        """One request with beam search (README "Beam search"): its beams, best first."""
+        width, question = self.plan.beam_width, BEAM_QUESTION
+        self.say(f"\n== 4. beam search: {width} beams of one answer, best first (one request; "
+                 "its beams share their KV blocks) ==")
+        prompt = self.prompt(None, question) if self.chat is not None else question
+        req = self.pb.GenerateRequest(prompt=prompt, params=self.pb.SamplingParams(
+            max_tokens=self.plan.beam_tokens, n=width, beam_search=self.pb.BeamSearch()))
+        self.say(f"\n> {question}")
+        start = time.perf_counter()
+        try:
+            resp = self.stub.Generate(req, timeout=300)
+        except Exception as exc:  # grpc.RpcError: said here
+            self.say(f"  failed: {describe_error(exc)}")
+            return
+        for i, c in enumerate(resp.completions):
+            rec = RequestRecord("beam", finish_reason=self.pb.FinishReason.Name(
+                c.finish_reason), stop_token_id=c.stop_token_id
+                if c.HasField("stop_token_id") else None)
+            self.say(f"  {i + 1}. {printable(c.text).strip()}  [{len(c.token_ids)} tokens, "
+                     f"{self.ending(rec)}]")
+        self.say(f"  [{resp.usage.completion_tokens} tokens in "
+                 f"{time.perf_counter() - start:.2f} s]")
+
     def phase_burst(self, progress) -> None:
         from concurrent.futures import ThreadPoolExecutor
         plan = self.plan
@@ -222,6 +246,7 @@ def run_workload(plan: DemoPlan, grpc_address: str, metrics_address: str,
             w.phase_burst(progress)
             sampler.sample()
         wall_s = time.perf_counter() - start
+        w.phase_beams()
         w.records = [r for r in w.records if r.phase != "stream"] + \
                     [r for r in w.records if r.phase == "stream"]
         lines, facts = summary(w, sampler, wall_s)

@@ -49,8 +49,10 @@ def test_demo_is_honest_and_shows_the_main_job(demo_run):
     assert "stored in float32" in out and "computing in float32\n" in out
     assert re.search(r"pagedserve ready grpc=\S+ metrics=\S+ executors=2", out)
     for heading in ("1. streaming completions", "2. multi-tenant shared prefixes",
-                    "3. a burst that cannot fit", "== summary =="):
+                    "3. a burst that cannot fit", "4. beam search: 3 beams", "== summary =="):
         assert heading in out
+    beams = out.split("4. beam search")[1].split("== summary ==")[0]
+    assert len(re.findall(r"^  [123]\. .*\[8 tokens, LENGTH\]$", beams, re.M)) == 3, beams
     # every tenant's questions found its system prompt in some executor's prefix cache
     rows = re.findall(r"^(\S+)\s+(exec\d)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)$", out, re.M)
     assert len(rows) == 3, out
