@@ -18,6 +18,7 @@ the next one alike, and serve would otherwise wait for it forever.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -34,6 +35,7 @@ from .router.executor_link import ExecutorLinkError
 log = logging.getLogger("pagedserve.serve")
 
 
+@functools.cache  # (asked for the plan and for the children: nvidia-smi runs once)
 def _num_gpus() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
