@@ -80,7 +80,11 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     draft before it was confirmed (the token before it equals that draft: else an
     executor's bug, and the request fails), so its position is computed: the sample's
     computed tokens and slots advance by one (its blocks were allocated with the
-    drafts)."""
+    drafts).
+
+    A beam search's row (`group.beam`) is its search's answer, the top-K of the beam's
+    next position: taken by router/beam_search.py (no token is appended here); a search
+    whose running beams have all answered takes its step after the last row."""
     sched = handle.scheduler
     touched: list[Sequence] = []
     ids = result.request_ids
