@@ -31,6 +31,12 @@ def build_request(args):
         params.seed = args.seed
     if args.logprobs is not None:
         params.logprobs = args.logprobs
+    if args.beam_search:  # --n beams, best first (README "Beam search")
+        params.beam_search.SetInParent()
+        if args.length_penalty is not None:
+            params.beam_search.length_penalty = args.length_penalty
+        params.beam_search.early_stopping = pb.EarlyStopping.Value(
+            f"EARLY_STOPPING_{args.early_stopping.upper()}")
     request = pb.GenerateRequest(request_id=args.request_id or "", params=params,
                                  priority=args.priority, cache_salt=args.cache_salt or "",
                                  lora_adapter=args.lora_adapter or "")
@@ -64,6 +70,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--beam-search", action="store_true",
+                   help="beam search with --n beams (returned best first)")
+    p.add_argument("--length-penalty", type=float, default=None,
+                   help="with --beam-search: a finished beam's score is its logprob sum / "
+                        "its length ** this (default 1.0)")
+    p.add_argument("--early-stopping", choices=("heuristic", "when_full", "never"),
+                   default="heuristic", help="with --beam-search: when the search stops")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--cache-salt", default=None)
@@ -74,6 +87,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat")
+    if not args.beam_search and (args.length_penalty is not None
+                                 or args.early_stopping != "heuristic"):
+        p.error("--length-penalty and --early-stopping need --beam-search")
     request = build_request(args)
     with _channel(args.address) as channel:
         stub = pb_grpc.GeneratorStub(channel)

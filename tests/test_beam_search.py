@@ -326,3 +326,27 @@ def test_beams_beside_the_decode_lane(monkeypatch):
         assert col.tokens() == hf_beams([i + 1, i + 2], 1, 12, stop_ids=(),
                                         eos_boost=0.0)[0]
     _check_clean(engine, ex)
+
+
+def test_generate_cli_asks_for_beams():
+    """`pagedserve generate --beam-search --n 3 --length-penalty 0.5 --early-stopping
+    never`: the request's beam_search; the scoring flags alone are refused (exit 2)."""
+    from types import SimpleNamespace
+
+    from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
+    from pagedserve.client import build_request, main
+    args = SimpleNamespace(
+        prompt="x", max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, stop=None,
+        n=3, ignore_eos=False, min_tokens=0, seed=None, logprobs=None, request_id=None,
+        priority=0, cache_salt=None, lora_adapter=None, chat=False, beam_search=True,
+        length_penalty=0.5, early_stopping="never")
+    params = build_request(args).params
+    assert params.n == 3 and params.HasField("beam_search")
+    assert (params.beam_search.length_penalty, params.beam_search.early_stopping) == \
+        (0.5, pb.EARLY_STOPPING_NEVER)
+    args.beam_search = False
+    assert not build_request(args).params.HasField("beam_search")
+    with pytest.raises(SystemExit) as exc:
+        main(["x", "--length-penalty", "2"])
+    assert exc.value.code == 2
