@@ -21,6 +21,9 @@ between a decode step and a prefix-cached recompute of the last token: `--dtype 
 
     .venv/bin/python benchmarks/beam_search_bench.py [--model DIR] [--widths 2,4,8]
         [--concurrency 1,4] [--max-tokens 48] [--dtype auto]
+    .venv/bin/python benchmarks/beam_search_bench.py --router-cost [--widths 2,4,8]
+
+`--router-cost`: no server; the router's CPU a search step (`router_cost`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 from pagedserve.router.beam_search import BeamSearch  # noqa: E402
-from pagedserve.router.types import BeamSpec, SamplingSpec  # noqa: E402
+from pagedserve.router.types import BeamSpec, RequestSpec, SamplingSpec  # noqa: E402
 
 BENCH = "beam_search_bench"
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
@@ -184,6 +187,58 @@ def run_mode(server: Server, mode: str, width: int, concurrency: int, max_tokens
             "peak_blocks": blocks, "requests_sent": sent[0] or len(prompts)}, outs
 
 
+def router_cost(widths: list[int], rounds: int = 2000) -> None:
+    """The router's CPU a search step, in process (no server): `BeamSearch.select` on
+    synthetic answers (K = 2 x width, one stop id, a 49k vocabulary), and the whole
+    `advance` (select, forks, frees) of 8 searches x 30 steps through the router's engine
+    with tests/beam_rig.py's executor (one CPU thread; the rig's own work not counted)."""
+    import asyncio
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from beam_rig import ContextExecutor
+    from pagedserve.router import beam_search, token_apply
+    from pipeline_rig import Collector, make_engine
+    rng = np.random.default_rng(0)
+    for width in widths:
+        beam = BeamSearch(SamplingSpec(max_tokens=1000, n=width, beam=BeamSpec()),
+                          frozenset({2}), 49152)
+        order = list(range(width))
+        answers = {s: (rng.integers(3, 49152, beam.k).astype(np.int32),
+                       np.sort(rng.standard_normal(beam.k).astype(np.float32))[::-1] - 5)
+                   for s in order}
+        outputs, lps = {s: list(range(100)) for s in order}, {s: [] for s in order}
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            beam.order, beam.answers, beam.finished, beam.improvable = order, dict(answers), [], True
+            beam.select(50, outputs, lps)
+        select_us = (time.perf_counter() - t0) / rounds * 1e6
+        spent = [0.0, 0]
+        advance = beam_search.advance
+
+        def timed(*args, spent=spent, advance=advance):
+            t = time.perf_counter()
+            advance(*args)
+            spent[0] += time.perf_counter() - t
+            spent[1] += 1
+
+        async def searches(width=width):
+            engine, _ = make_engine(num_gpu_blocks=512)
+            engine.executors["e0"].kv.debug_checks = False  # (the rig's are on: a server's are off)
+            ex = ContextExecutor(engine, eos_boost=0.0)
+            streams = [Collector(await engine.submit(RequestSpec(
+                f"b{i}", (1 + i, 2, 3), SamplingSpec(max_tokens=30, temperature=0.0, n=width,
+                                                     beam=BeamSpec())))) for i in range(8)]
+            await ex.run_until_done(streams)
+        token_apply.beam_search.advance = timed
+        try:
+            asyncio.run(searches())
+        finally:
+            token_apply.beam_search.advance = advance
+        emit(f"router_cost_w{width}", width=width, select_us=round(select_us, 1),
+             advance_us=round(spent[0] / spent[1] * 1e6, 1), advances=spent[1])
+        print(f"router cost w{width}: select {select_us:.1f} us, advance "
+              f"{spent[0] / spent[1] * 1e6:.1f} us a search a step", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -191,7 +246,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--router-cost", action="store_true",
+                    help="only the router's CPU a search step, in process (router_cost)")
     args = ap.parse_args()
+    if args.router_cost:
+        router_cost([int(w) for w in args.widths.split(",")])
+        return
     server = Server(args.model, args.dtype)
     try:
         prompt_ids = {p: server.tokenize(p) for p in PROMPTS}

@@ -350,3 +350,18 @@ def test_generate_cli_asks_for_beams():
     with pytest.raises(SystemExit) as exc:
         main(["x", "--length-penalty", "2"])
     assert exc.value.code == 2
+
+
+def test_router_cost_bench_quick(capsys):
+    """benchmarks/beam_search_bench.py --router-cost in its smallest setting: its line."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "beam_search_bench.py"
+    spec = importlib.util.spec_from_file_location("beam_search_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.router_cost([2], rounds=20)
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert line["case"] == "router_cost_w2" and line["advances"] > 0
+    assert line["select_us"] > 0 and line["advance_us"] > 0
