@@ -155,7 +155,7 @@ def client_search(server: Server, prompt_ids: list[int], width: int, max_tokens:
         for slot, ans in zip(slots, pool.map(answer, [outputs[s] for s in slots]),
                              strict=True):
             beam.answers[slot] = ans
-        running, done = beam.select(step, outputs, dict.fromkeys(outputs, []))
+        running, done = beam.select(step, lambda s, outputs=outputs: (outputs[s], []))
         beam.answers.clear()
         if done:
             break
@@ -205,11 +205,11 @@ def router_cost(widths: list[int], rounds: int = 2000) -> None:
         answers = {s: (rng.integers(3, 49152, beam.k).astype(np.int32),
                        np.sort(rng.standard_normal(beam.k).astype(np.float32))[::-1] - 5)
                    for s in order}
-        outputs, lps = {s: list(range(100)) for s in order}, {s: [] for s in order}
+        outputs = list(range(100))
         t0 = time.perf_counter()
         for _ in range(rounds):
             beam.order, beam.answers, beam.finished, beam.improvable = order, dict(answers), [], True
-            beam.select(50, outputs, lps)
+            beam.select(50, lambda s, outputs=outputs: (outputs, []))
         select_us = (time.perf_counter() - t0) / rounds * 1e6
         spent = [0.0, 0]
         advance = beam_search.advance

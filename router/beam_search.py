@@ -34,6 +34,7 @@ for a beam stays valid until its step runs, since its tokens change only there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,11 +127,11 @@ class BeamSearch:
 
     # ------------------------------------------------------------------ one step
 
-    def select(self, num_generated: int, outputs: dict[int, list[int]],
-               logprobs: dict[int, list[TokenLogprob]]) -> tuple[list[Candidate], bool]:
-        """Step `num_generated` -> `num_generated + 1` from the answers, given each running
-        beam's output tokens and logprobs so far (by slot): the next beams, best first, and
-        whether the search is done. Adds the hypotheses that end here."""
+    def select(self, num_generated: int, history: Callable[[int], tuple[list, list]]
+               ) -> tuple[list[Candidate], bool]:
+        """Step `num_generated` -> `num_generated + 1` from the answers: the next beams,
+        best first, and whether the search is done. Adds the hypotheses that end here,
+        their outputs and logprobs so far from `history(slot)` (asked only for those)."""
         width = self.width
         answers = [self.answers[slot] for slot in self.order]
         if num_generated < self.min_tokens and len(self._stop_arr):  # no stop id yet
@@ -148,8 +149,7 @@ class BeamSearch:
         score, rank_of, token, lp = score[best], rank_of[best], token[best], lp[best]
         at_length = num_generated + 1 >= self.max_tokens
         ends = np.ones(len(best), bool) if at_length else self._stops(token)
-        self._add_finished(num_generated, score, rank_of, token, lp, ends, outputs,
-                           logprobs)
+        self._add_finished(num_generated, score, rank_of, token, lp, ends, history)
         running_key = np.where(ends, score + NEG, score).astype(np.float32)
         nxt = np.argsort(-running_key, kind="stable")[:width]
         running = [Candidate(self.order[int(rank_of[j])], int(token[j]),
@@ -174,7 +174,7 @@ class BeamSearch:
         return (ids[:, None] == stops).any(axis=1)
 
     def _add_finished(self, num_generated: int, score, rank_of, token, lp, ends,
-                      outputs, logprobs) -> None:
+                      history) -> None:
         """Candidates among the best `width` that end become hypotheses (transformers'
         `_update_finished_beams`); the best `width` hypotheses are kept."""
         width = self.width  # (n in with early_stopping True: the search ended before)
@@ -184,9 +184,10 @@ class BeamSearch:
             if not ends[j]:
                 continue
             slot = self.order[int(rank_of[j])]
+            outputs, logprobs = history(slot)
             self.finished.append(Hypothesis(
-                float(score[j] / denom), [*outputs[slot], int(token[j])],
-                [*logprobs[slot], self._logprob(slot, int(token[j]), float(lp[j]))]))
+                float(score[j] / denom), [*outputs, int(token[j])],
+                [*logprobs, self._logprob(slot, int(token[j]), float(lp[j]))]))
             added = True
         if added:  # (stable: an earlier hypothesis wins a tie, as it does in transformers)
             self.finished.sort(key=lambda h: -h.score)
@@ -215,9 +216,8 @@ def advance(engine: RouterEngine, handle: ExecutorHandle, group: RequestGroup) -
     head = seqs[beam.order[0]]
     num_generated = head.num_output_tokens
     wants = beam.user_logprobs is not None
-    running, done = beam.select(
-        num_generated, {s: seqs[s].token_ids[seqs[s].num_prompt_tokens:] for s in beam.order},
-        {s: seqs[s].logprobs for s in beam.order})
+    running, done = beam.select(num_generated, lambda s: (
+        seqs[s].token_ids[seqs[s].num_prompt_tokens:], seqs[s].logprobs))
     beam.answers.clear()
     if done:
         _complete(engine, handle, group)
