@@ -7,8 +7,11 @@ back."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -152,3 +155,39 @@ def test_beam_search_bench_quick(model_dir):
         assert line[mode]["peak_blocks"] >= 1
     assert line["client"]["requests_sent"] > line["router"]["requests_sent"] == 4
     assert line["same_outputs"] is True
+
+
+def test_beams_survive_an_executor_killed_mid_search(model_dir, hf):
+    """Two executors; beam searches running on both; one is SIGKILLed mid-search: its
+    searches move to the other (recomputing every beam, the answers they had kept still
+    valid) and every search still equals transformers'."""
+    c = Cluster(model_dir, num_executors=2, router_args=["--block-size", "8"],
+                executor_args=["--block-size", "8"])
+    cases = [(f"{p} again {i}", 3, 40) for i, p in enumerate(PROMPTS * 2)]
+    with c.running():
+        c.wait_executors(2)
+        results: list = []
+
+        def search(case):
+            return c.stub.Generate(_beam_request(*case, params={"ignore_eos": True}),
+                                   timeout=120)
+        runner = threading.Thread(target=lambda: results.extend(concurrently(search, cases)))
+        runner.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both running searches, some steps in
+            running = {e.id: e.running for e in c.status().executors}
+            if all(running.values()):
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)
+        victim = next(e.id for e in c.status().executors if e.running)
+        c.executors[victim].send_signal(signal.SIGKILL)
+        runner.join(180)
+        migrated = sum(float(line.rsplit(" ", 1)[1]) for line in c.metrics().splitlines()
+                       if line.startswith("pagedserve_migrations_total"))
+        c.wait_blocks_free()
+    assert migrated >= 1
+    for (prompt, width, max_tokens), resp in zip(cases, results, strict=True):
+        assert not isinstance(resp, Exception), resp
+        want = _hf_beams(hf, hf.encode(prompt), width, max_tokens, ignore_eos=True)
+        assert [list(x.token_ids) for x in resp.completions] == want, prompt
