@@ -259,9 +259,8 @@ def _branch(sched: Scheduler, parent: Sequence, slot: Sequence, serial: int) -> 
     the step's rows were out): the child has none either and goes to the executor as a new
     request carrying its outputs when it is computed again (the group forks again)."""
     group = parent.group
-    child = Sequence(group, slot.index, slot.assembler)
-    child.seq_id = f"{group.request_id}#{slot.index}.{serial}"
-    child.token_ids = list(parent.token_ids)
+    child = Sequence(group, slot.index, slot.assembler,
+                     f"{group.request_id}#{slot.index}.{serial}", list(parent.token_ids))
     child.logprobs = list(parent.logprobs)
     child.block_hashes = list(parent.block_hashes)
     if sched.kv.has_request(parent.seq_id):

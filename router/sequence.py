@@ -43,12 +43,16 @@ class Sequence:
         "last_token_time", "logprobs", "num_pending", "sampled_plan",
     )
 
-    def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler) -> None:
+    def __init__(self, group: RequestGroup, index: int, assembler: TextAssembler,
+                 seq_id: str = "", token_ids: list[int] | None = None) -> None:
+        """`seq_id` (default: `request_id#index`) and `token_ids` (default: a copy of the
+        prompt) are given for a beam forked mid-search (router/beam_search.py)."""
         self.group = group
         self.index = index
-        self.seq_id = f"{group.request_id}#{index}"
-        self.token_ids: list[int] = list(group.spec.prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
+        self.seq_id = seq_id or f"{group.request_id}#{index}"
+        self.token_ids: list[int] = token_ids if token_ids is not None else \
+            list(group.spec.prompt_token_ids)
+        self.num_prompt_tokens = len(group.spec.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled by plans in flight, not received yet
         # Which of its scheduler's plans sampled it last (their count then; kept from
