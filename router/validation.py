@@ -160,6 +160,8 @@ def sampling_from_pb(params, limits: Limits,
 
 _EARLY_STOPPING = {0: False, 1: True, 2: "never"}  # EarlyStopping → transformers' value
 MAX_LENGTH_PENALTY = 10.0
+# A beam's row answers its top (1 + stop ids) x n logprobs (transformers' count)
+MAX_BEAM_STOP_IDS = 16
 
 
 def _beam_spec(params) -> BeamSpec:
@@ -183,6 +185,9 @@ def _beam_spec(params) -> BeamSpec:
     for name, set_ in conflicts:
         if set_:
             raise _bad(name, "cannot be combined with beam search")
+    if len(set(params.stop_token_ids)) > MAX_BEAM_STOP_IDS:  # each adds n to a row's top-K
+        raise _bad("stop_token_ids", f"at most {MAX_BEAM_STOP_IDS} with beam search, got "
+                   f"{len(set(params.stop_token_ids))}")
     bs = params.beam_search
     length_penalty = bs.length_penalty if bs.HasField("length_penalty") else 1.0
     _check_float("length_penalty", length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)

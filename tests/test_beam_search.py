@@ -227,6 +227,9 @@ def test_beam_fields_from_grpc():
         _spec(n=2, beam_search={"length_penalty": float("nan")})
     with pytest.raises(InvalidRequest, match=r"^length_penalty: must be in \[-10, 10\]"):
         _spec(n=2, beam_search={"length_penalty": 10.5})
+    with pytest.raises(InvalidRequest, match="^stop_token_ids: at most 16 with beam search"):
+        _spec(n=2, stop_token_ids=list(range(17)))
+    assert _spec(n=2, stop_token_ids=list(range(16)) * 2).beam is not None
     with pytest.raises(InvalidRequest, match="^early_stopping: unknown value 7"):
         _spec(n=2, beam_search={"early_stopping": 7})
 
