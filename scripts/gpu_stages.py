@@ -257,6 +257,13 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
         # this host made fresh against reused (executor/host_pool.py; no model, seconds).
         host_sync = _py(ctx, "benchmarks/host_sync_bench.py",
                         *(["--calls", "200"] if ctx.small else []))
+        # Beam search (twenty-third session): the router's search against the same search
+        # driven one 1-token request per beam per step, on the GPU (a step is ~1-2 ms there,
+        # a request's host cost weighs more than on the CPU machine's 70 ms steps).
+        beam = _py(ctx, "benchmarks/beam_search_bench.py", "--model", str(ctx.model_dir),
+                   *(["--widths", "2", "--concurrency", "1", "--max-tokens", "4"]
+                     if ctx.small else ["--widths", "4,8", "--concurrency", "1,16",
+                                        "--max-tokens", "64"]))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
@@ -289,5 +296,6 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                 Step("step_overhead_workers_no_lane", no_lane, 70,
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),
                 Step("step_overhead_no_overlap", one_at_a_time, 100,
-                     env={"PAGEDSERVE_OVERLAP_STEPS": "0"})]
+                     env={"PAGEDSERVE_OVERLAP_STEPS": "0"}),
+                Step("beam_search_bench", beam, 150)]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
