@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -43,13 +42,14 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 from pagedserve.router.beam_search import BeamSearch  # noqa: E402
 from pagedserve.router.types import BeamSpec, RequestSpec, SamplingSpec  # noqa: E402
+from serve_process import ServeProcess, serve_argv  # noqa: E402
 
 BENCH = "beam_search_bench"
-READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
 PROMPTS = ["Translate to French: The weather is nice today and we are going to the beach.",
            "Summarize: The paged KV cache stores keys and values in fixed-size blocks, so "
            "memory grows with the sequence and requests sharing a prefix share its blocks.",
@@ -62,29 +62,21 @@ def emit(case: str, **figures) -> None:
 
 
 class Server:
+    """`pagedserve serve` (scripts/serve_process.py: its own ports, killed with this
+    process, as a GPU check step needs) and a gRPC stub to it."""
+
     def __init__(self, model: str | None, dtype: str) -> None:
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0",
-               "--http-port", "0", "--metrics-port", "0", "--dtype", dtype,
-               "--max-logprobs", "64"]  # (the client's K: up to (1 + EOS ids) x width)
-        if model:
-            cmd += ["--model", model]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            m = READY.search(line)
-            if m:
-                self.channel = grpc.insecure_channel(m.group(1))
-                self.http = m.group(4)
-                self.stub = pb_grpc.GeneratorStub(self.channel)
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout],
-                                 daemon=True).start()
-                info = self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
-                self.eos = frozenset(info.eos_token_ids)
-                self.vocab = info.vocab_size
-                return
-        raise RuntimeError("serve exited:\n" + "".join(lines[-30:]))
+        self._logs = tempfile.TemporaryDirectory(prefix="beam-search-bench-")
+        self.proc = ServeProcess(serve_argv(
+            model or "default", "--http-port", "0", "--dtype", dtype,
+            "--max-logprobs", "64"),  # (the client's K: up to (1 + EOS ids) x width)
+            Path(self._logs.name) / "serve.log").start()
+        self.http = self.proc.http_address
+        self.channel = grpc.insecure_channel(self.proc.address)
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+        info = self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        self.eos = frozenset(info.eos_token_ids)
+        self.vocab = info.vocab_size
 
     def tokenize(self, text: str) -> list[int]:
         """The prompt's ids as the server tokenizes it (POST /tokenize)."""
@@ -100,11 +92,8 @@ class Server:
 
     def stop(self) -> None:
         self.channel.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.proc.stop()
+        self._logs.cleanup()
 
 
 class PeakBlocks:

@@ -64,6 +64,7 @@ class ServeProcess:
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.metrics_address = ""
+        self.http_address = ""  # the OpenAI API's host:port, "off" (serve_argv's default)
 
     def start(self, timeout_s: float = 300.0) -> ServeProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,8 @@ class ServeProcess:
         while time.monotonic() < deadline:
             m = READY.search(self.log())
             if m:
-                self.address, self.metrics_address = m.group(1), m.group(2)
+                self.address, self.metrics_address, self.http_address = \
+                    m.group(1), m.group(2), m.group(4)
                 return self
             if self.proc.poll() is not None:
                 break
