@@ -74,8 +74,8 @@ class Delivery:
                 self.complete(group)
 
     @staticmethod
-    def _take_new(seq: Sequence, new_ids) -> tuple:
-        """(text, token ids, logprobs, last update) of the sample's undelivered tokens, up
+    def _assemble(seq: Sequence, new_ids) -> tuple:
+        """(text, token ids, last update) of `new_ids` through the sample's assembler, up
         to the one that ends it."""
         text_parts: list[str] = []
         delivered: list[int] = []
@@ -86,31 +86,31 @@ class Delivery:
             text_parts.append(update.text)
             if update.finished:
                 break
+        return "".join(text_parts), tuple(delivered), update
+
+    @classmethod
+    def _take_new(cls, seq: Sequence, new_ids) -> tuple:
+        """(text, token ids, logprobs, last update) of the sample's undelivered tokens, up
+        to the one that ends it."""
+        text, delivered, update = cls._assemble(seq, new_ids)
         seq.num_delivered += len(delivered)
         lps = tuple(seq.logprobs[: len(delivered)])
         del seq.logprobs[: len(delivered)]
-        return "".join(text_parts), tuple(delivered), lps, update
+        return text, delivered, lps, update
 
     def deliver_whole(self, seq: Sequence, token_ids: list[int], logprobs) -> int:
         """Hand a sample's whole output to its stream in one delta (a beam search's
         completion: router/beam_search.py), its text made by the sample's assembler, which
         ends it at its stop id or max_tokens; returns the tokens delivered."""
-        parts: list[str] = []
-        update = None
-        for tok in token_ids:
-            update = seq.assembler.append(tok)
-            parts.append(update.text)
-            if update.finished:
-                break
+        text, delivered, update = self._assemble(seq, token_ids)
         if update is None or not update.finished:  # (a beam always ends where the rules do)
-            parts.append(seq.assembler.finish("length"))
+            text += seq.assembler.finish("length")
             reason, stop_string, stop_id = "length", None, None
         else:
             reason, stop_string, stop_id = (update.finish_reason, update.stop_string,
                                             update.stop_token_id)
-        self.deliver(seq, "".join(parts), tuple(token_ids), tuple(logprobs), reason,
-                     stop_string, stop_id)
-        return len(token_ids)
+        self.deliver(seq, text, delivered, tuple(logprobs), reason, stop_string, stop_id)
+        return len(delivered)
 
     def finish_by_edge(self, handle: ExecutorHandle | None, seq: Sequence) -> bool:
         """A sample the API worker ended (a stop string in the text it assembles): as the
