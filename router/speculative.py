@@ -183,9 +183,14 @@ class Drafter:
         self.config = config
         self._samples: dict[str, _SampleDrafts] = {}
 
-    def _of(self, seq: Sequence) -> _SampleDrafts:
+    def _record(self, seq: Sequence) -> _SampleDrafts | None:
+        """The sample's record, if this `Sequence` object has one (not an ended one's)."""
         mine = self._samples.get(seq.seq_id)
-        if mine is None or mine.seq is not seq:
+        return mine if mine is not None and mine.seq is seq else None
+
+    def _of(self, seq: Sequence) -> _SampleDrafts:
+        mine = self._record(seq)
+        if mine is None:
             mine = self._samples[seq.seq_id] = _SampleDrafts(
                 seq, self.config.num_speculative_tokens)
         return mine
@@ -239,8 +244,8 @@ class Drafter:
 
     def confirmed(self, seq: Sequence, num_drafted: int, num_confirmed: int) -> None:
         """A drafted decode's result: how many of its drafts the sampler confirmed."""
-        mine = self._samples.get(seq.seq_id)
-        if mine is None or mine.seq is not seq:
+        mine = self._record(seq)
+        if mine is None:
             return
         mine.length = min(self.config.num_speculative_tokens,
                           2 * num_drafted if num_confirmed == num_drafted
@@ -253,8 +258,8 @@ class Drafter:
 
     def wants_drafts(self, seq: Sequence) -> bool:
         """Will the sample's next decode look for drafts (no back-off left)?"""
-        mine = self._samples.get(seq.seq_id)
-        return mine is None or mine.seq is not seq or not mine.skip
+        mine = self._record(seq)
+        return mine is None or not mine.skip
 
     def forget(self, seq_id: str) -> None:
         self._samples.pop(seq_id, None)
