@@ -152,9 +152,11 @@ class BeamSearch:
         self._add_finished(num_generated, score, rank_of, token, lp, ends, history)
         running_key = np.where(ends, score + NEG, score).astype(np.float32)
         nxt = np.argsort(-running_key, kind="stable")[:width]
-        running = [Candidate(self.order[int(rank_of[j])], int(token[j]),
-                             self._logprob(self.order[int(rank_of[j])], int(token[j]),
-                                           float(lp[j])), running_key[j]) for j in nxt]
+        running = []
+        for j in nxt.tolist():
+            parent, tok = self.order[int(rank_of[j])], int(token[j])
+            running.append(Candidate(parent, tok, self._logprob(parent, tok, float(lp[j])),
+                                     running_key[j]))
         full = len(self.finished) == width
         if full:
             length = num_generated + 1
