@@ -31,7 +31,7 @@ def build_runner(
     model_dir: str, *, device: str | torch.device = "cpu", dtype: str = "auto",
     block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
     kv_cache_space: float = 1.0, swap_space: float | None = None,
-    gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+    kv_offloading_size: float = 0.0, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
     max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (),
@@ -107,7 +107,8 @@ def build_runner(
     if num_cpu_blocks is None:
         if swap_space is None:
             swap_space = 4.0 if device.type == "cuda" else 0.5
-        num_cpu_blocks = blocks_for_space(swap_space, config, block_size, kv_dtype)
+        num_cpu_blocks = blocks_for_space(swap_space + kv_offloading_size, config,
+                                          block_size, kv_dtype)
     if num_gpu_blocks <= 0:
         raise ValueError(f"no memory left for the KV cache (num_gpu_blocks = 0): {why_none}")
     cache = CacheEngine(config, block_size, num_gpu_blocks, num_cpu_blocks, kv_dtype, device)

@@ -108,6 +108,7 @@ def run_executor(args: argparse.Namespace) -> int:
             args.model, device=device, dtype=args.dtype, block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
             kv_cache_space=args.kv_cache_space, swap_space=args.swap_space,
+            kv_offloading_size=args.kv_offloading_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, executor_id=executor_id,

@@ -45,6 +45,9 @@ def stats(self: KVCacheManager) -> KVCacheStats:
         prefix_hit_tokens=self.prefix_hit_tokens,
         num_pinned_blocks=self._num_pinned,
         num_requests=len(self._reqs),
+        host_hit_tokens=self.host_hit_tokens,
+        num_offloaded_blocks=self.num_offloaded_blocks,
+        num_offloads_dropped=self.num_offloads_dropped,
     )
 
 
@@ -74,8 +77,12 @@ def check_invariants(self: KVCacheManager) -> None:
       and count agree), deferred blocks have ref count 0 or were touched since;
     - the prefix-cache map points only at blocks registered under that hash, holding a
       full block of tokens, and a request's registered block has the request's hash;
-    - free + used = total on each device; a table lives on one device only.
+    - free + used = total on each device; a table lives on one device only;
+    - a host prefix-cache block (offload.py) is held by no request, at most by a swap-in
+      of the plan being built; without offloading the CPU pool caches nothing.
     """
+    if not self.enable_offloading and (self.cpu.cached or self._host_reads):
+        raise InvariantError("cpu blocks cached without offloading")
     for pool, on_gpu in ((self.gpu, True), (self.cpu, False)):
         expected: dict[int, int] = {}
         holders: dict[int, list[str]] = {}
@@ -98,6 +105,10 @@ def check_invariants(self: KVCacheManager) -> None:
                 for bid in hit.block_ids:
                     expected[bid] = expected.get(bid, 0) + 1
                     holders.setdefault(bid, []).append(f"pin:{key}")
+        else:  # host blocks that this plan's swap-ins read (offload.py)
+            for bid in self._host_reads:
+                expected[bid] = expected.get(bid, 0) + 1
+                holders.setdefault(bid, []).append("host read")
         in_queue: set[int] = set()
         prev = pool.head_id
         bid = pool.head.next_free
@@ -139,10 +150,12 @@ def check_invariants(self: KVCacheManager) -> None:
                                          holders.get(bid, ()))
             elif bid not in in_queue and bid not in deferred:
                 raise InvariantError(f"{pool.device} block {bid} free but lost (leaked)")
-            if blk.block_hash is not None and (
-                not on_gpu or pool.cached.get(blk.block_hash) is not blk
-            ):
+            if blk.block_hash is not None and pool.cached.get(blk.block_hash) is not blk:
                 raise InvariantError(f"{pool.device} block {bid} hash not in map")
+            if not on_gpu and blk.block_hash is not None and any(
+                    who != "host read" for who in holders.get(bid, ())):
+                raise InvariantError(f"cpu block {bid} cached and held by a request",
+                                     holders.get(bid, ()))
         for bid in range(pool.fresh_next, pool.num_blocks):
             if expected.get(bid):
                 raise InvariantError(f"{pool.device} fresh block {bid} referenced",

@@ -240,7 +240,7 @@ def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, blo
     pinned = self._pins.get(request_id)
     if pinned is not None:
         hit = pinned
-    elif hit is None or not hit.block_ids:
+    elif hit is None or not len(hit):
         hit = EMPTY_HIT
     elif not self._is_valid(hit):
         raise InvariantError("stale prefix hit: lookup and allocate in one go, or pin",
@@ -276,6 +276,8 @@ def _admit(self: KVCacheManager, request_id, token_ids, num_new_tokens, hit, blo
     req.num_cached_blocks = len(hit_ids)
     if hit_ids:
         req.chain_serial = hit.serials[-1]
+    if hit.host_block_ids:  # the rest of the hit comes back from the host (offload.py)
+        self.admit_host_hit(req, hit.host_block_ids, new_ids[:len(hit.host_block_ids)])
     self._reqs[request_id] = req
     self.prefix_query_tokens += len(token_ids)
     self.prefix_hit_tokens += hit.num_tokens
@@ -313,6 +315,8 @@ def free(self: KVCacheManager, request_id: str) -> None:
         pool.release(reversed(req.block_ids))
     except AssertionError as e:
         raise InvariantError(str(e), (request_id,)) from None
+    if self.enable_offloading and req.on_gpu:
+        self.note_freed(req.block_ids)
     self._debug_check()
 
 

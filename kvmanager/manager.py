@@ -10,6 +10,7 @@ declared in `__init__` below:
     prefix.py      hashing, the verified prefix lookup, pins, prefix registration
     allocation.py  admission, allocate (copy-on-write), free, fork, per-request plan data
     swap.py        swap_out / swap_in of request groups
+    offload.py     the prefix cache's host tier in the CPU pool (offloading)
     accounting.py  KV events, stats, held blocks, check_invariants
     state.py       the records they share (PrefixHit, BlockOps, stats, RequestState)
     manager.py     the state itself and the step boundary (begin_step, end_step,
@@ -25,7 +26,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from . import accounting, allocation, intents, prefix, swap
+from . import accounting, allocation, intents, offload, prefix, swap
 from .block_pool import Block, BlockPool, KVEvent  # noqa: F401 (Block re-exported)
 from .hashing import HashFn, get_hash_fn
 from .state import (  # noqa: F401 (re-exported)
@@ -47,8 +48,9 @@ class KVCacheManager:
     "builtin", "xxhash") or `hash_fn` (a custom function, e.g. to force collisions in tests),
     `watermark` (fraction of device blocks that new admissions must leave free),
     `max_pinned_fraction` (cap on device blocks held by pins), `enable_kv_events` (record
-    KVEvents for `take_events`), `debug_checks` (run `check_invariants` after every
-    mutating call).
+    KVEvents for `take_events`), `enable_offloading` (evicted prefix-cache blocks live on
+    in the CPU pool's free blocks: offload.py; needs prefix caching and CPU blocks),
+    `debug_checks` (run `check_invariants` after every mutating call).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class KVCacheManager:
         watermark: float = 0.01,
         max_pinned_fraction: float = 0.25,
         enable_kv_events: bool = False,
+        enable_offloading: bool = False,
         debug_checks: bool = False,
     ) -> None:
         if block_size <= 0:
@@ -104,6 +107,15 @@ class KVCacheManager:
         self._parked: dict[Hashable, dict[str, None]] = {}  # ordered sets: O(1) release
         self._parked_evictions = 0  # gpu.num_evictions when the parked hashes were checked
         self._num_intent_tail_tokens = 0  # sum of the intents' tails
+        # Offloading (offload.py): device blocks freed since the last plan was built, as
+        # (id, hash, tokens, parent serial, serial); host blocks read by this plan's swap-ins
+        self.enable_offloading = bool(enable_offloading and enable_prefix_caching
+                                      and num_cpu_blocks > 0)
+        self._offload_candidates: list[tuple] = []
+        self._host_reads: list[int] = []
+        self.host_hit_tokens = 0  # of prefix_hit_tokens, those swapped in from the host
+        self.num_offloaded_blocks = 0  # device blocks copied to the host
+        self.num_offloads_dropped = 0  # candidates lost: the host full, or reused at once
 
     # ------------------------------------------------------------------ prefix.py
     hash_blocks = prefix.hash_blocks
@@ -165,6 +177,14 @@ class KVCacheManager:
     _distinct_blocks = staticmethod(swap._distinct_blocks)
     _rehome = staticmethod(swap._rehome)
 
+    # ------------------------------------------------------------------ offload.py
+    note_freed = offload.note_freed
+    drain_offloads = offload.drain_offloads
+    lookup_host = offload.lookup_host
+    host_hit_valid = offload.host_hit_valid
+    admit_host_hit = offload.admit_host_hit
+    host_serial = offload.host_serial
+
     # ------------------------------------------------------------------ accounting.py
     take_events = accounting.take_events
     stats = accounting.stats
@@ -182,7 +202,10 @@ class KVCacheManager:
 
     def take_block_ops(self) -> BlockOps:
         """Drain the swap-out, swap-in and copy pairs queued since the last call (once per
-        step, into the StepPlan)."""
+        step, into the StepPlan); with offloading, the blocks freed since the last plan are
+        copied to the host in this one (offload.py)."""
+        if self._offload_candidates or self._host_reads:
+            self.drain_offloads()
         ops = BlockOps(
             np.asarray(self._swap_out, dtype=np.int64).reshape(-1, 2),
             np.asarray(self._swap_in, dtype=np.int64).reshape(-1, 2),

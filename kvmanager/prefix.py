@@ -55,7 +55,8 @@ def lookup(
 ) -> PrefixHit:
     """The longest cached prefix of full blocks of `token_ids`, never the whole prompt.
 
-    Walk the chain of block hashes in the device cache map and stop at the first miss.
+    Walk the chain of block hashes in the device cache map and stop at the first miss
+    (with offloading, go on in the host map from there: offload.py).
     Each hit is confirmed, not trusted: the block must hold exactly this block's tokens
     and must have been registered after the block just matched (its `parent_serial`
     equals that block's `serial`, or the salt's root for the first block), so a hash
@@ -83,6 +84,12 @@ def lookup(
         ids.append(b.block_id)
         expect = b.serial
         serials.append(expect)
+    if self.enable_offloading and len(ids) < max_blocks:
+        host_ids, host_serials = self.lookup_host(token_ids, block_hashes, len(ids),
+                                                  max_blocks, expect)
+        if host_ids:
+            return PrefixHit(tuple(ids), (len(ids) + len(host_ids)) * bs, tuple(serials),
+                             tuple(host_ids), tuple(host_serials))
     if not ids:
         return EMPTY_HIT
     return PrefixHit(tuple(ids), len(ids) * bs, tuple(serials))
@@ -94,7 +101,7 @@ def _is_valid(self: KVCacheManager, hit: PrefixHit) -> bool:
         b = blocks[bid]
         if b is None or b.serial != serial:
             return False
-    return True
+    return not hit.host_block_ids or self.host_hit_valid(hit.host_block_ids, hit.host_serials)
 
 
 def num_shared_blocks_evicted(self: KVCacheManager, num_blocks: int,
@@ -237,6 +244,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
     parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
     serial = self._serial
     setdefault = cached.setdefault
+    offloading = self.enable_offloading
     lo = start * bs
     for i in range(start, num_full):
         hi = lo + bs
@@ -264,8 +272,12 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
         b.block_hash = h
         b.token_ids = toks
         b.parent_serial = parent
-        serial += 1
-        b.serial = parent = serial
+        same = self.host_serial(h, parent, toks) if offloading else -1
+        if same >= 0:  # the host holds this entry (offload.py): it is the same one
+            b.serial = parent = same
+        else:
+            serial += 1
+            b.serial = parent = serial
         if intended and h in intended:
             self._park_registered(h)
         if events is not None:

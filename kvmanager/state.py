@@ -25,15 +25,29 @@ class InvariantError(AssertionError):
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """The cached prefix of a prompt: `block_ids` (device blocks, in order) hold its first
-    `num_tokens` tokens (= len(block_ids) * block_size). `serials` identify the cache
-    entries, so a stale hit (a block evicted and reused since the lookup) is detected."""
+    blocks, then `host_block_ids` (CPU blocks of the offloaded prefix cache, offload.py)
+    the blocks after them; together its first `num_tokens` tokens (= len(hit) *
+    block_size). `serials` / `host_serials` identify the cache entries, so a stale hit (a
+    block evicted and reused since the lookup) is detected. Admission swaps the host
+    blocks into fresh device blocks; a pin holds the device blocks only."""
 
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     serials: tuple[int, ...] = ()
+    host_block_ids: tuple[int, ...] = ()
+    host_serials: tuple[int, ...] = ()
 
     def __len__(self) -> int:
-        return len(self.block_ids)
+        return len(self.block_ids) + len(self.host_block_ids)
+
+    def clip(self, num_blocks: int, block_size: int) -> PrefixHit:
+        """Its first `num_blocks` blocks (device ones first)."""
+        if num_blocks >= len(self):
+            return self
+        d = min(num_blocks, len(self.block_ids))
+        h = num_blocks - d
+        return PrefixHit(self.block_ids[:d], num_blocks * block_size, self.serials[:d],
+                         self.host_block_ids[:h], self.host_serials[:h])
 
 
 EMPTY_HIT = PrefixHit()
@@ -66,6 +80,9 @@ class KVCacheStats:
     prefix_hit_tokens: int  # of which served from the prefix cache
     num_pinned_blocks: int
     num_requests: int
+    host_hit_tokens: int = 0  # of prefix_hit_tokens, swapped in from the host (offload.py)
+    num_offloaded_blocks: int = 0  # device blocks copied to the host
+    num_offloads_dropped: int = 0  # freed blocks not copied (host full, or reused at once)
 
 
 class RequestState:

@@ -89,6 +89,13 @@ def _port_or_off(value: str) -> int:
     return n
 
 
+def _non_negative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{x} must be 0 or more")
+    return x
+
+
 def _non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -185,6 +192,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "CPU executors: cores for compute (serve auto: spare cores; executor: e.g. 2-3; off)"),
     ("swap-space", float, None, "GiB of CPU swap blocks (4 on CUDA, 0.5 on CPU; 0 disables)"),
     ("num-cpu-blocks", int, None, "CPU swap blocks (default: from --swap-space)"),
+    ("kv-offloading-size", _non_negative_float, 0.0, "GiB of CPU memory an executor adds to "
+     "its swap blocks to keep prefix-cache blocks evicted from the device, swapped back in "
+     "when a prompt starts with them (router: >0 turns offloading on, into whatever CPU "
+     "blocks each executor has; 0: off)"),
     ("max-num-seqs", _positive_int, 256, "sequences per step"),
     ("max-num-batched-tokens", _positive_int, 8192, "tokens per step (chunked prefill)"),
     ("max-model-len", _positive_int, None, "context length (default: the model's)"),

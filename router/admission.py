@@ -135,7 +135,7 @@ def admit_waiting(self: Scheduler, group: RequestGroup, budget: int) -> list | o
     group.prefix_wait_tokens = waits_for
     if waits_for:
         pinned = kv.pinned(first.seq_id)
-        if len(hit) > (len(pinned) if pinned is not None else 0):
+        if len(hit.block_ids) > (len(pinned) if pinned is not None else 0):
             group.pinned_tokens = kv.pin(first.seq_id, hit).num_tokens
         return WAITS_FOR_PREFIX
     done: list[tuple[Sequence, int]] = []
@@ -180,5 +180,4 @@ def _clip_hit(hit: PrefixHit, max_tokens: int, block_size: int) -> PrefixHit:
     """Shorten a prefix hit to at most `max_tokens` tokens (whole blocks)."""
     if hit.num_tokens <= max_tokens:
         return hit
-    n = max_tokens // block_size
-    return PrefixHit(hit.block_ids[:n], n * block_size, hit.serials[:n])
+    return hit.clip(max_tokens // block_size, block_size)

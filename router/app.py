@@ -117,6 +117,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        enable_offloading=args.kv_offloading_size > 0,
         preemption_mode=PreemptionMode(args.preemption_mode),
         routing=RoutingPolicy(args.routing),
         heartbeat_timeout_s=args.heartbeat_timeout,

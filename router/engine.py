@@ -52,6 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_queue_len: int = 1024
     enable_prefix_caching: bool = True
+    enable_offloading: bool = False  # --kv-offloading-size > 0 (kvmanager/offload.py)
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     routing: RoutingPolicy = RoutingPolicy.PREFIX
     heartbeat_timeout_s: float = 2.0

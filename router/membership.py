@@ -54,7 +54,8 @@ class ExecutorHandle:
     head_since: float = 0.0  # when the oldest plan in flight became the oldest
     step_id: int = 0  # of the newest plan sent
     task: asyncio.Task | None = None
-    prefix_seen: tuple[int, int] = (0, 0)  # (queries, hits) already counted in metrics
+    # (queries, hits, of which from the host, blocks offloaded) already counted in metrics
+    prefix_seen: tuple[int, int, int, int] = (0, 0, 0, 0)
     last_check: float = 0.0  # when the KV accounting was last checked
     next_full_check: float = 0.0  # when the O(blocks) invariant check may run again
     gauges_due: float = 0.0  # when a busy step loop next refreshes the executor's gauges
@@ -119,6 +120,7 @@ class Membership:
             hello.num_gpu_blocks, hello.num_cpu_blocks, hello.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching, hash_algo=cfg.hash_algo,
             watermark=cfg.watermark, max_pinned_fraction=cfg.max_pinned_fraction,
+            enable_offloading=cfg.enable_offloading,
         )
         sched = Scheduler(kv, SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -78,6 +78,8 @@ class RouterMetrics:
         self.kv_blocks_leaked = Gauge("pagedserve_kv_blocks_leaked", "Device blocks held by no live request and not free (should be 0).", ex, registry=r)
         self.prefix_cache_queries = Counter("pagedserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", ex, registry=r)
         self.prefix_cache_hits = Counter("pagedserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", ex, registry=r)
+        self.prefix_cache_cpu_hits = Counter("pagedserve_prefix_cache_cpu_hits_total", "Of the prefix-cache hits, tokens swapped in from CPU blocks (--kv-offloading-size).", ex, registry=r)
+        self.kv_offloaded_blocks = Counter("pagedserve_kv_offloaded_blocks_total", "Device blocks copied to CPU blocks to stay in the prefix cache (--kv-offloading-size).", ex, registry=r)
         self.preemptions = Counter("pagedserve_preemptions_total", "Preemptions, per executor and mode.", ["executor", "mode"], registry=r)
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
         self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts_total", "Speculative decoding: decode rows sent with drafts.", ex, registry=r)
@@ -200,10 +202,16 @@ class RouterMetrics:
                     self.step_forward, self.executor_gap)))
         return children
 
-    def add_prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
-        """At an admission: `queries` prompt tokens looked up, `hits` found."""
+    def add_prefix_cache(self, executor_id: str, queries: int, hits: int,
+                         cpu_hits: int = 0, offloaded_blocks: int = 0) -> None:
+        """At an admission: `queries` prompt tokens looked up, `hits` found (`cpu_hits` of
+        them in CPU blocks); `offloaded_blocks` device blocks copied to CPU blocks."""
         self.prefix_cache_queries.labels(executor=executor_id).inc(queries)
         self.prefix_cache_hits.labels(executor=executor_id).inc(hits)
+        if cpu_hits:
+            self.prefix_cache_cpu_hits.labels(executor=executor_id).inc(cpu_hits)
+        if offloaded_blocks:
+            self.kv_offloaded_blocks.labels(executor=executor_id).inc(offloaded_blocks)
 
     def add_spec_decode(self, executor_id: str, drafts: int, draft_tokens: int,
                         accepted: int) -> None:

@@ -7,7 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..kvmanager import EMPTY_HIT, KVCacheManager, PrefixHit
-from .cost_model import DEFAULT_DECODE_S_PER_SEQ, DEFAULT_PREFILL_S_PER_TOKEN
+from .cost_model import (
+    DEFAULT_DECODE_S_PER_SEQ,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    DEFAULT_SWAP_S_PER_BLOCK,
+)
 from .scheduler import Scheduler
 
 
@@ -37,6 +41,7 @@ class Candidate:
     num_running_seqs: int = 0  # samples decoding there (Scheduler.num_running_seqs)
     decode_s_per_seq: float | None = None  # measured step time per decoding sample
     step_fixed_s: float | None = None  # measured time of a step whatever it computes
+    swap_s_per_block: float = DEFAULT_SWAP_S_PER_BLOCK  # a block moved to or from the CPU
 
 
 def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Candidate:
@@ -45,7 +50,8 @@ def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Can
     return Candidate(executor_id, kv, scheduler.num_queued_tokens(),
                      len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped),
                      scheduler.prefill_tokens_per_s(), scheduler.num_running_seqs(),
-                     scheduler.decode_s_per_seq(), scheduler.step_fixed_s())
+                     scheduler.decode_s_per_seq(), scheduler.step_fixed_s(),
+                     scheduler.cost.s_per_block)
 
 
 @dataclass
@@ -99,15 +105,18 @@ def choose(
 
     prefix: one cost rule, in seconds. For each executor e, with r_e its prefill rate:
 
-        match_e  = prompt tokens cached on e (lookup) + those past them that requests on e
-                   already intend to compute (waiting, admitted this step, later chunks)
+        match_e  = prompt tokens cached on e (lookup: on the device, then offloaded to its
+                   CPU blocks) + those past them that requests on e already intend to
+                   compute (waiting, admitted this step, later chunks)
         wait_e   = running samples on e x d_e (the step that runs the prefill runs every
                    decode there too; d_e its measured step seconds per decoding sample)
                    + (queued prefill tokens on e, an intended block counted once) / r_e
                    + MEMORY_SHORT_WAIT_TOKENS / r_e if e's free blocks cannot hold the
                    uncached part now
-        ttft_e   = wait_e + f_e + (len(prompt) - match_e) / r_e     (time to first token;
-                   f_e the fixed time of e's steps, r_e and d_e its marginal rates: CostModel)
+        ttft_e   = wait_e + f_e + (len(prompt) - match_e) / r_e + host_e x s_e
+                   (time to first token; f_e the fixed time of e's steps, r_e and d_e its
+                   marginal rates: CostModel; host_e the matched blocks that come back
+                   from e's CPU blocks, s_e its measured seconds per block moved)
         evict_e  = (cached blocks the uncached part would evict on e that other requests
                    have hit: prefixes live tenants share) x block_size / r_e
         cost_e   = ttft_e + evict_e
@@ -161,7 +170,8 @@ def choose(
         matched = hit.num_tokens + kv.intended_tokens(token_ids, block_hashes, cache_salt,
                                                       len(hit))
         uncached = num_tokens - matched
-        need_blocks = -(-uncached // kv.block_size)
+        host_blocks = len(hit.host_block_ids)  # cached, but each takes a device block
+        need_blocks = -(-uncached // kv.block_size) + host_blocks
         wait = c.num_running_seqs * (c.decode_s_per_seq or assumed_decode_s) \
             + c.queued_tokens / rate
         if need_blocks > kv.num_free_gpu_blocks - kv.watermark_blocks:
@@ -169,7 +179,8 @@ def choose(
         evicted = kv.num_shared_blocks_evicted(need_blocks, hit.block_ids)
         hits[i], match[i], wait_s[i] = hit, matched, wait
         fixed = c.step_fixed_s if c.step_fixed_s is not None else assumed_fixed_s
-        cost[i] = wait + fixed + uncached / rate + evicted * kv.block_size / rate
+        cost[i] = wait + fixed + uncached / rate + host_blocks * c.swap_s_per_block \
+            + evicted * kv.block_size / rate
 
     def key(i: int) -> tuple:
         return cost[i], candidates[i].num_groups

@@ -387,8 +387,9 @@ class StepLoop:
 
     def prefix_metrics(self, handle: ExecutorHandle) -> None:
         kv = handle.kv
-        q, h = kv.prefix_query_tokens, kv.prefix_hit_tokens
-        dq, dh = q - handle.prefix_seen[0], h - handle.prefix_seen[1]
-        if dq or dh:
-            self.metrics.add_prefix_cache(handle.id, dq, dh)
-            handle.prefix_seen = (q, h)
+        now = (kv.prefix_query_tokens, kv.prefix_hit_tokens, kv.host_hit_tokens,
+               kv.num_offloaded_blocks)
+        if now != handle.prefix_seen:
+            self.metrics.add_prefix_cache(handle.id, *(
+                a - b for a, b in zip(now, handle.prefix_seen, strict=True)))
+            handle.prefix_seen = now

@@ -30,11 +30,14 @@ salts = st.sampled_from([None, None, "s"])
 
 class KVMachine(RuleBasedStateMachine):
     hash_fn = None
+    offloading = False
+    num_blocks = (20, 10)  # device, CPU
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(20, 10, BS, watermark=0.1, max_pinned_fraction=0.3,
-                                hash_fn=self.hash_fn, hash_algo="builtin")
+        self.m = KVCacheManager(*self.num_blocks, BS, watermark=0.1, max_pinned_fraction=0.3,
+                                hash_fn=self.hash_fn, hash_algo="builtin",
+                                enable_offloading=self.offloading)
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}  # positions whose K/V the executor wrote
         self.family: dict[str, str] = {}
@@ -43,6 +46,7 @@ class KVMachine(RuleBasedStateMachine):
         self.sim = {"gpu": defaultdict(lambda: [None] * BS), "cpu": defaultdict(lambda: [None] * BS)}
         self.n = 0
         self.writes: list[tuple[str, int, int]] = []  # (rid, start, count) this step
+        self.seen: list[tuple[list[int], str | None]] = []  # prompts admitted so far
 
     # ------------------------------------------------------------ helpers
 
@@ -82,6 +86,7 @@ class KVMachine(RuleBasedStateMachine):
         if new is None:
             return False
         self.tokens[rid] = list(prompt)
+        self.seen.append((list(prompt), salt))
         self.computed[rid] = len(prompt)
         self.family[rid] = rid
         self.salt[rid] = salt
@@ -103,6 +108,13 @@ class KVMachine(RuleBasedStateMachine):
             self._admit(self._new_id(), prompt, salt, hit)
 
         self._run_step(op)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=5))
+    def admit_again(self, data, extra):
+        """A prompt seen before comes back, maybe longer (a conversation's next turn)."""
+        prompt, salt = data.draw(st.sampled_from(self.seen))
+        self.admit(prompt + extra, salt)
 
     @rule(prompt=prompts, extra=prompts, salt=salts)
     def admit_two_in_one_step(self, prompt, extra, salt):
@@ -282,10 +294,18 @@ class KVMachine(RuleBasedStateMachine):
 
     def _check_hit(self, prompt, hit, salt) -> None:
         assert hit.num_tokens < len(prompt) or hit.num_tokens == 0
-        gpu = self.sim["gpu"]
-        for i, bid in enumerate(hit.block_ids):
+        # a device block swapped in from the host by the plan being built holds, when the
+        # plan's forward reads it, what its CPU source holds now
+        pending = {g: c for c, g in self.m._swap_in}
+        blocks = [(self.sim["cpu"], pending[bid]) if bid in pending else (self.sim["gpu"], bid)
+                  for bid in hit.block_ids]
+        blocks += [(self.sim["cpu"], bid) for bid in hit.host_block_ids]
+        assert hit.num_tokens == len(blocks) * BS
+        if not self.offloading:
+            assert not hit.host_block_ids
+        for i, (pool, bid) in enumerate(blocks):
             want = [(salt, tuple(prompt[: p + 1])) for p in range(i * BS, (i + 1) * BS)]
-            assert gpu[bid] == want, (bid, prompt)
+            assert pool[bid] == want, (bid, prompt)
 
     @invariant()
     def consistent(self):
@@ -319,9 +339,22 @@ class WeakHashKVMachine(KVMachine):
         return hash((parent, tuple(token_ids), extra)) % 16
 
 
-KVMachine.TestCase.settings = settings(KVMachine.TestCase.settings, stateful_step_count=25)
-WeakHashKVMachine.TestCase.settings = settings(
-    WeakHashKVMachine.TestCase.settings, stateful_step_count=25
-)
+class OffloadKVMachine(KVMachine):
+    """Same, with offloading: freed prefix blocks are copied to the CPU pool when the next
+    plan is built, and lookups go on there (a host hit is swapped in). Its reads are
+    checked like a device hit's, against the simulated CPU blocks."""
+
+    offloading = True
+    num_blocks = (6, 12)  # a small device: blocks are evicted, then found on the host
+
+
+class WeakHashOffloadKVMachine(OffloadKVMachine):
+    hash_fn = staticmethod(WeakHashKVMachine.hash_fn)
+
+
+for machine in (KVMachine, WeakHashKVMachine, OffloadKVMachine, WeakHashOffloadKVMachine):
+    machine.TestCase.settings = settings(machine.TestCase.settings, stateful_step_count=25)
 TestKVMachine = KVMachine.TestCase
 TestWeakHashKVMachine = WeakHashKVMachine.TestCase
+TestOffloadKVMachine = OffloadKVMachine.TestCase
+TestWeakHashOffloadKVMachine = WeakHashOffloadKVMachine.TestCase
