@@ -264,6 +264,15 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                    *(["--widths", "2", "--concurrency", "1", "--max-tokens", "4"]
                      if ctx.small else ["--widths", "4,8", "--concurrency", "1,16",
                                         "--max-tokens", "64"]))
+        # Offloading (twenty-fourth session): multi-turn conversations 3x the device's
+        # blocks, their prefixes swapped back in over the bus against computed again, and
+        # single-turn prompts that only pay the copies (on the CPU machine a swap-in is a
+        # memcpy against a 1-thread prefill; here the prefill is fast and the bus is PCIe)
+        offload = _py(ctx, "benchmarks/kv_offload_bench.py", "--model", str(ctx.model_dir),
+                      "--device", "cpu" if ctx.small else "cuda", "--configs", "off,offload",
+                      "--workloads", "multi_turn_3x,no_reuse",
+                      *(["--scale", "0.05", "--output-tokens", "2", "--device-blocks", "24",
+                         "--host-blocks", "72"] if ctx.small else []))
         return [*_common(ctx), _model(ctx), Step("steady_serving", steady, 150),
                 Step("engine_bench", engine, 60),
                 Step("engine_bench_hub", engine_hub, 60),
@@ -297,5 +306,6 @@ def plan_stage(name: str, ctx: Context) -> list[Step]:
                      env={"PAGEDSERVE_DECODE_LANE_MIN_RUNNING": "0"}),
                 Step("step_overhead_no_overlap", one_at_a_time, 100,
                      env={"PAGEDSERVE_OVERLAP_STEPS": "0"}),
-                Step("beam_search_bench", beam, 150)]
+                Step("beam_search_bench", beam, 150),
+                Step("kv_offload_bench", offload, 150)]
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")

@@ -92,3 +92,28 @@ def test_concurrent_turns_under_pressure(cluster, hf):
     e = status.executors[0]
     assert (e.num_free_gpu_blocks, e.num_free_cpu_blocks) == (e.num_gpu_blocks,
                                                               e.num_cpu_blocks)
+
+
+def test_kv_offload_bench_quick(model_dir):
+    """benchmarks/kv_offload_bench.py in a small setting on this model: a JSON line per
+    config, the offloaded run's turns served from the host, outputs the same (float32)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "kv_offload_bench.py"), "--model",
+         str(model_dir), "--workloads", "multi_turn_3x", "--configs", "off,offload",
+         "--scale", "0.1", "--output-tokens", "4", "--device-blocks", "24",
+         "--host-blocks", "72", "--dtype", "float32"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    off, on = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    assert (off["case"], on["case"]) == ("multi_turn_3x/off", "multi_turn_3x/offload")
+    # 16 conversations of 51 tokens, then 2 turns of 4 more (+4 output) each: the later
+    # turns' three full blocks come back from the host, none survive on 24 device blocks
+    assert off["cached_tokens"] == 0 and off["offloaded_blocks"] == 0
+    assert on["cpu_hit_tokens"] == on["cached_tokens"] == 16 * 2 * 48
+    assert on["prompt_tokens_computed"] == off["prompt_tokens_computed"] - 16 * 2 * 48
+    assert on["same_outputs"] is True and on["wall_s"] > 0 and on["ttft_p50_ms"] > 0
