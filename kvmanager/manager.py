@@ -180,7 +180,6 @@ class KVCacheManager:
     # ------------------------------------------------------------------ offload.py
     note_freed = offload.note_freed
     drain_offloads = offload.drain_offloads
-    lookup_host = offload.lookup_host
     host_hit_valid = offload.host_hit_valid
     admit_host_hit = offload.admit_host_hit
     host_serial = offload.host_serial

@@ -23,7 +23,7 @@ used first, by a new offload or by a swap-out of a preempted group: swap space c
 first, the host tier has what it leaves.
 
 Host hits. `lookup` walks the device map, then continues in the host map from the first
-block the device misses, verified by tokens and chain the same way (`lookup_host`).
+block the device misses, verified by tokens and chain the same way (prefix._walk).
 Admission (`admit_host_hit`) gives those blocks fresh device blocks, queues the swap-ins
 (cpu -> device pairs of this plan) and registers the device blocks at once under the host
 entries' serials (their contents are there before this plan's forward reads them), so the
@@ -99,30 +99,6 @@ def drain_offloads(self: KVCacheManager) -> None:
         cpu.release((c,))
         self._swap_out.append((bid, c))
         self.num_offloaded_blocks += 1
-
-
-def lookup_host(self: KVCacheManager, token_ids: Sequence[int],
-                block_hashes: Sequence[Hashable], start: int, max_blocks: int,
-                expect: int) -> tuple[list[int], list[int]]:
-    """The host blocks holding blocks [start, ...) of `token_ids`, chaining from the entry
-    of serial `expect` (the device hit's last block, or the salt's root): (ids, serials),
-    verified as `lookup` verifies device blocks."""
-    bs = self.block_size
-    cached = self.cpu.cached
-    ids: list[int] = []
-    serials: list[int] = []
-    for i in range(start, max_blocks):
-        b = cached.get(block_hashes[i])
-        if (
-            b is None
-            or b.parent_serial != expect
-            or b.token_ids != tuple(token_ids[i * bs : (i + 1) * bs])
-        ):
-            break
-        ids.append(b.block_id)
-        expect = b.serial
-        serials.append(expect)
-    return ids, serials
 
 
 def host_hit_valid(self: KVCacheManager, host_ids: Sequence[int],

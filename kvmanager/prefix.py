@@ -69,11 +69,27 @@ def lookup(
     max_blocks = min((len(token_ids) - 1) // bs, len(block_hashes))
     if max_blocks <= 0:
         return EMPTY_HIT
-    cached = self.gpu.cached
     expect = self._salt_root(cache_salt) if cache_salt else 0
+    ids, serials, expect = _walk(self.gpu.cached, bs, token_ids, block_hashes, 0, max_blocks,
+                                 expect)
+    if self.enable_offloading and len(ids) < max_blocks:  # on in the host's map (offload.py)
+        host_ids, host_serials, _ = _walk(self.cpu.cached, bs, token_ids, block_hashes,
+                                          len(ids), max_blocks, expect)
+        if host_ids:
+            return PrefixHit(tuple(ids), (len(ids) + len(host_ids)) * bs, tuple(serials),
+                             tuple(host_ids), tuple(host_serials))
+    if not ids:
+        return EMPTY_HIT
+    return PrefixHit(tuple(ids), len(ids) * bs, tuple(serials))
+
+
+def _walk(cached: dict, bs: int, token_ids: Sequence[int], block_hashes: Sequence[Hashable],
+          start: int, max_blocks: int, expect: int) -> tuple[list[int], list[int], int]:
+    """Blocks [start, max_blocks) of `token_ids` in one pool's cache map, chaining from the
+    entry of serial `expect`, until the first miss: (ids, serials, the last serial)."""
     ids: list[int] = []
     serials: list[int] = []
-    for i in range(max_blocks):
+    for i in range(start, max_blocks):
         b = cached.get(block_hashes[i])
         if (
             b is None
@@ -84,15 +100,7 @@ def lookup(
         ids.append(b.block_id)
         expect = b.serial
         serials.append(expect)
-    if self.enable_offloading and len(ids) < max_blocks:
-        host_ids, host_serials = self.lookup_host(token_ids, block_hashes, len(ids),
-                                                  max_blocks, expect)
-        if host_ids:
-            return PrefixHit(tuple(ids), (len(ids) + len(host_ids)) * bs, tuple(serials),
-                             tuple(host_ids), tuple(host_serials))
-    if not ids:
-        return EMPTY_HIT
-    return PrefixHit(tuple(ids), len(ids) * bs, tuple(serials))
+    return ids, serials, expect
 
 
 def _is_valid(self: KVCacheManager, hit: PrefixHit) -> bool:
