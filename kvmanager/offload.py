@@ -50,11 +50,13 @@ if TYPE_CHECKING:
 
 
 def note_freed(self: KVCacheManager, block_ids: Sequence[int]) -> None:
-    """Device blocks just released: the cached ones no request holds any more are
-    candidates for the host (copied when the next plan is built)."""
+    """Device blocks just released (a request's table): the cached ones no request holds
+    any more are candidates for the host (copied when the next plan is built), the last
+    first, so a sequence's first blocks are the host's most recent and its least shareable
+    ones go first (as the device's free queue orders them)."""
     blocks = self.gpu.blocks
     cands = self._offload_candidates
-    for bid in block_ids:
+    for bid in reversed(block_ids):
         b = blocks[bid]
         if b.ref_cnt == 0 and b.serial >= 0:
             cands.append((bid, b.block_hash, b.token_ids, b.parent_serial, b.serial))

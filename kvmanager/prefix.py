@@ -118,18 +118,23 @@ def num_shared_blocks_evicted(self: KVCacheManager, num_blocks: int,
     requests share, which they would miss) are among the cached blocks that taking
     `num_blocks` blocks now would evict: the never-used blocks go first, then the free
     queue from its head (least recently freed first). Blocks in `keep` (the asking request's
-    own hit, which its admission takes out of the queue first) are passed over. O(num_blocks)."""
+    own hit, which its admission takes out of the queue first) are passed over. With
+    offloading, a block the host holds (the same entry) is not lost: not counted.
+    O(num_blocks)."""
     gpu = self.gpu
     n = num_blocks - (gpu.num_blocks - gpu.fresh_next)
     count = 0
     blocks = gpu.blocks
     bid = gpu.head.next_free
     tail = gpu.tail_id
+    host = self.cpu.cached if self.enable_offloading else None
     while n > 0 and bid != tail:
         b = blocks[bid]
         if bid not in keep:
             if b.num_hits and b.block_hash is not None:
-                count += 1
+                kept = host.get(b.block_hash) if host is not None else None
+                if kept is None or kept.serial != b.serial:
+                    count += 1
             n -= 1
         bid = b.next_free
     return count

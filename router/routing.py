@@ -118,7 +118,8 @@ def choose(
                    marginal rates: CostModel; host_e the matched blocks that come back
                    from e's CPU blocks, s_e its measured seconds per block moved)
         evict_e  = (cached blocks the uncached part would evict on e that other requests
-                   have hit: prefixes live tenants share) x block_size / r_e
+                   have hit: prefixes live tenants share; with offloading, not those e's
+                   CPU blocks hold too) x block_size / r_e
         cost_e   = ttft_e + evict_e
 
       The request goes to its home h, the executor with the longest match (ties: lowest

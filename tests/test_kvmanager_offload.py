@@ -48,27 +48,28 @@ def test_freed_blocks_go_to_the_host_and_come_back_on_a_hit():
     assert m.block_table("a") == [0, 1, 2, 3] and not len(ops.swap_out)
     serials = [m.gpu.blocks[b].serial for b in (0, 1, 2)]
     # freed: its three full blocks are copied to the host in the plan built next (here the
-    # same one); the partial last block is not cached and stays behind
+    # same one), the last first (the host keeps a sequence's first blocks longest); the
+    # partial last block is not cached and stays behind
     _, ops = step(m, lambda: m.free("a"))
-    assert pairs(ops.swap_out) == [(0, 0), (1, 1), (2, 2)]
-    assert host_serials(m) == dict(zip((0, 1, 2), serials, strict=True))
+    assert pairs(ops.swap_out) == [(2, 0), (1, 1), (0, 2)]
+    assert host_serials(m) == dict(zip((2, 1, 0), serials, strict=True))
     # another prompt takes every device block: A's evicted there, kept on the host
     step(m, lambda: admit(m, "b", B))
     assert m.block_table("b") == [3, 2, 1, 0] and m.gpu.cached.keys().isdisjoint(
         m.hash_blocks(A))
     _, ops = step(m, lambda: m.free("b"))
-    assert pairs(ops.swap_out) == [(3, 3), (2, 4), (1, 5)]  # B's full blocks 0-2
+    assert pairs(ops.swap_out) == [(1, 3), (2, 4), (3, 5)]  # B's full blocks 2, 1, 0
     # fresh CPU blocks first, then the host entries least recently used first
     assert m.cpu.free_block_ids() == [6, 7, 0, 1, 2, 3, 4, 5]
     (hit, new), ops = step(m, lambda: admit(m, "a2", A + [7]))
-    assert hit.block_ids == () and hit.host_block_ids == (0, 1, 2)
+    assert hit.block_ids == () and hit.host_block_ids == (2, 1, 0)
     assert hit.num_tokens == 12 and len(hit) == 3 and hit.host_serials == tuple(serials)
     assert new == [0, 1, 2, 3] and m.block_table("a2") == [0, 1, 2, 3]
-    assert pairs(ops.swap_in) == [(0, 0), (1, 1), (2, 2)] and not len(ops.swap_out)
+    assert pairs(ops.swap_in) == [(2, 0), (1, 1), (0, 2)] and not len(ops.swap_out)
     # the device blocks are the same cache entries again (the host entries' serials)
     assert [m.gpu.blocks[b].serial for b in (0, 1, 2)] == serials
     # the host blocks read were held for the plan, then went to the most recent end
-    assert m.cpu.free_block_ids() == [6, 7, 3, 4, 5, 0, 1, 2]
+    assert m.cpu.free_block_ids() == [6, 7, 3, 4, 5, 2, 1, 0]
     st = m.stats()
     assert (st.prefix_hit_tokens, st.host_hit_tokens) == (12, 12)
     assert (st.num_offloaded_blocks, st.num_offloads_dropped) == (6, 0)
@@ -85,13 +86,13 @@ def test_a_hit_runs_from_the_device_into_the_host():
     assert (m.block_table("s"), m.block_table("b")) == ([0, 4, 5], [3, 2, 1])
     step(m, lambda: m.free("b"))
     hit = m.lookup(A + [1], m.hash_blocks(A + [1]))
-    assert (hit.block_ids, hit.host_block_ids, hit.num_tokens) == ((0,), (1, 2), 12)
+    assert (hit.block_ids, hit.host_block_ids, hit.num_tokens) == ((0,), (1, 0), 12)
     pinned = m.pin("p", hit)  # a pin holds the device part
     assert (pinned.block_ids, pinned.host_block_ids, pinned.num_tokens) == ((0,), (), 4)
     m.unpin("p")
     (_, new), ops = step(m, lambda: admit(m, "a2", A + [1]))
     assert new == [1, 2, 3] and m.block_table("a2") == [0, 1, 2, 3]
-    assert pairs(ops.swap_in) == [(1, 1), (2, 2)] and not len(ops.swap_out)
+    assert pairs(ops.swap_in) == [(1, 1), (0, 2)] and not len(ops.swap_out)
     # registered under the host entries: the chain is whole on the device again
     assert m.lookup(A + [2], m.hash_blocks(A + [2])).serials == (1, 2, 3)
 
@@ -156,11 +157,11 @@ def test_host_blocks_read_by_a_plan_in_flight_are_not_reused():
         m.plan_answered(n)
     assert m.cpu.free_block_ids() == [6, 7, 0, 1, 2, 3, 4, 5]
     (hit, _), ops = step(m, lambda: admit(m, "a2", A + [7]), sent=5)
-    assert pairs(ops.swap_in) == [(0, 0), (1, 1), (2, 2)]
+    assert pairs(ops.swap_in) == [(2, 0), (1, 1), (0, 2)]
     # plan 5 is in flight: the CPU blocks it reads are not free to take
     assert m.cpu.free_block_ids() == [6, 7, 3, 4, 5]
     m.plan_answered(5)
-    assert m.cpu.free_block_ids() == [6, 7, 3, 4, 5, 0, 1, 2]
+    assert m.cpu.free_block_ids() == [6, 7, 3, 4, 5, 2, 1, 0]
 
 
 def test_a_stale_host_hit_raises():
@@ -170,7 +171,7 @@ def test_a_stale_host_hit_raises():
     step(m, lambda: m.free("b"))  # B's three full blocks: the whole host
     step(m, lambda: admit(m, "c", C))  # evicts B from the device
     stale = m.lookup(B, m.hash_blocks(B))
-    assert stale.block_ids == () and stale.host_block_ids == (0, 1, 2)
+    assert stale.block_ids == () and stale.host_block_ids == (2, 1, 0)
     step(m, lambda: m.free("c"))  # C's blocks replace B's on the host
     assert m.lookup(B, m.hash_blocks(B)).host_block_ids == ()
     with pytest.raises(InvariantError, match="stale prefix hit"):

@@ -22,9 +22,11 @@ class _Assembler:
 
 
 class Executor:
-    def __init__(self, name: str, num_blocks: int = 256, rate: float | None = RATE) -> None:
+    def __init__(self, name: str, num_blocks: int = 256, rate: float | None = RATE,
+                 offload_blocks: int = 0) -> None:
         self.name = name
-        self.kv = KVCacheManager(num_blocks, 0, BS, watermark=0.0, debug_checks=True)
+        self.kv = KVCacheManager(num_blocks, offload_blocks, BS, watermark=0.0,
+                                 debug_checks=True, enable_offloading=offload_blocks > 0)
         self.sched = Scheduler(self.kv, SchedulerConfig(max_model_len=4096))
         if rate is not None:  # two prompt sizes: the step-time fit sees no fixed cost
             self.sched.cost.observe_prefill(1000, 1000 / rate)
@@ -41,6 +43,7 @@ class Executor:
             self.kv.allocate(f"{rid}.hit{i}", tokens + [0], 1, hit=hit,
                              block_hashes=self.kv.hash_blocks(tokens + [0]))
             self.kv.free(f"{rid}.hit{i}")
+        self.kv.take_block_ops()  # the next plan: with offloading, copies them to the host
 
 
 def route(executors: list[Executor], rid: str, tokens: list[int], arrival: int,
@@ -90,6 +93,38 @@ def test_a_cold_prefix_goes_where_the_least_valuable_blocks_would_be_evicted():
             e.cache(f"mru{i}", prompt(60 + i, 0, prefix_len=320, question_len=0))
         assert [e.kv.num_free_gpu_blocks for e in (e0, e1)] == [80, 80]
         assert route([e0, e1], "r", prompt(1, 1), 1) == want
+
+
+def test_a_prefix_offloaded_to_the_host_still_counts_as_matched():
+    """Tenant 1's prefix (64 blocks) was computed on e0, then evicted from its device by
+    another tenant's prompt (80 blocks, the whole device): with offloading e0's CPU blocks
+    hold most of it and the request goes there (its hit swaps it back in); without, neither
+    executor holds any of it and the cold-prefix rule sends it to the emptier e1."""
+    for offload, want in ((128, 0), (0, 1)):
+        e0 = Executor("e0", num_blocks=80, offload_blocks=offload)
+        e1 = Executor("e1", num_blocks=80)
+        e0.cache("old", prompt(1, 0))
+        e0.cache("other", prompt(2, 0, prefix_len=1216))
+        hit = e0.kv.lookup(prompt(1, 1), e0.kv.hash_blocks(prompt(1, 1)))
+        # the host (128 blocks) took old's 68 then other's 80, evicting old's last 20
+        assert (len(hit.block_ids), len(hit.host_block_ids)) == (0, 48 if offload else 0)
+        assert route([e0, e1], "r", prompt(1, 1), 1) == want
+
+
+def test_blocks_the_host_keeps_are_not_counted_as_evicted():
+    """Both caches are full of blocks that ended requests left, the least recently used
+    ones a prefix other requests have hit; a new tenant's prompt would evict them. On e0
+    (offloading) the host holds them, so evicting them there loses nothing: e0, whichever
+    the turn."""
+    for turn in (0, 1):
+        e0 = Executor("e0", num_blocks=80, offload_blocks=128)
+        e1 = Executor("e1", num_blocks=80)
+        for i, e in enumerate((e0, e1)):
+            e.cache(f"lru{i}", prompt(50 + i, 0, prefix_len=960, question_len=0), num_hits=2)
+            e.cache(f"mru{i}", prompt(60 + i, 0, prefix_len=320, question_len=0))
+        assert e0.kv.num_shared_blocks_evicted(66) == 0
+        assert e1.kv.num_shared_blocks_evicted(66) == 60
+        assert route([e0, e1], "r", prompt(1, 1), 1, turn=turn) == 0
 
 
 def test_a_request_follows_an_intended_prefix_on_a_waiting_request():
