@@ -57,3 +57,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def gpu_memory_alone():
+    """Hold the device's memory profile to one test at a time across pytest-xdist workers.
+
+    A runner built with ``num_gpu_blocks=None`` sizes its KV cache from what is free on the
+    device when it profiles, then allocates it and captures its graphs. Two such runners
+    starting at once in two workers (the GPU check runs ``-n 8`` on one card) each see the
+    other's memory as free and the later capture runs out of it: the eighth run's two
+    failures of this kind. The lock is a file lock (fcntl) in the temporary directory, held
+    for the whole test; the test's runner is collected before it is released."""
+    import fcntl
+    import gc
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    with open(Path(tempfile.gettempdir()) / "pagedserve-gpu-memory.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)

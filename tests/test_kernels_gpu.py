@@ -240,7 +240,15 @@ def test_decode_masking_every_tile_gpu(kv_heads, group, head_dim, num_splits):
     the loop of the whole tiles gives the tail's own loop's output within one bf16 ulp, at
     contexts ending inside a tile (1,061 as the executor benchmark's steps, 4,133) and on
     one, both as close to the twin. (Equal to the bit under the interpreter; compiled, the
-    two loops' code differs and 16-23 of the outputs differed by one ulp on an H100.)"""
+    two loops' code differs and 16-23 of the outputs differed by one ulp on an H100.)
+
+    The ulp is taken at the larger of the output's magnitude and its row's RMS (one query
+    head's output): a compiled loop may round a score differently in fp32, which moves its
+    probability's bf16 rounding, an error of the size of the values summed (the row's
+    scale), not of an output that their cancellation left near zero (the eighth run, an
+    H200: every case failed at an output-relative ulp). A masking error (a token read or
+    dropped wrongly) moves a row by ~|v| / context, ten times that floor, and the twin's
+    check catches larger ones."""
     seqs = [(1, n) for n in [1061] * 60 + [1024, 1, 4133, 17]]
     batch = make_paged_batch(seqs, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
                              block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=5)
@@ -251,10 +259,17 @@ def test_decode_masking_every_tile_gpu(kv_heads, group, head_dim, num_splits):
     want = reference.paged_decode_attention(*args)
     _close(every, want, torch.bfloat16)
     _close(apart, want, torch.bfloat16)
-    # one ulp of bf16 (8 bits of mantissa) at the larger magnitude of the two
-    scale = torch.maximum(every.float().abs(), apart.float().abs())
+    # one ulp of bf16 (8 bits of mantissa) at the larger magnitude of the two, or the row's
+    every, apart = every.float(), apart.float()
+    row_rms = every.square().mean(dim=-1, keepdim=True).sqrt()
+    scale = torch.maximum(torch.maximum(every.abs(), apart.abs()), row_rms)
     ulp = torch.exp2(torch.floor(torch.log2(scale.clamp_min(2.0 ** -126))) - 7)
-    assert ((every.float() - apart.float()).abs() <= ulp).all()
+    excess = (every - apart).abs() / ulp
+    worst = excess.flatten().argmax()
+    assert (excess <= 1).all(), (
+        f"{int((excess > 1).sum())} of {excess.numel()} outputs over one ulp; worst "
+        f"{excess.flatten()[worst]:.2f} ulp at {every.flatten()[worst]:.6g} vs "
+        f"{apart.flatten()[worst]:.6g} (row rms {row_rms.expand_as(every).flatten()[worst]:.4g})")
 
 
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 8, 128), (2, 6, 80)])

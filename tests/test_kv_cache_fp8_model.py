@@ -5,6 +5,8 @@ space; swap and copy-on-write move the bytes; and the flag on a real cluster."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from pagedserve.executor.runner_setup import build_runner
@@ -37,11 +39,15 @@ def hf_fp8_reference(model_dir, prompt, num_tokens, kv_dtype):
                                   *args, **kwargs)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # transformers renamed generate's ``past_key_values`` to ``cache`` (5.24 takes both, 5.17,
+    # the GPU machines', only the old name): the name the model's forward takes.
+    cache_arg = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                 else "past_key_values")
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            cache=RoundTripCache(config=model.config), max_new_tokens=num_tokens,
-            do_sample=False, output_logits=True, return_dict_in_generate=True)
+            max_new_tokens=num_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, **{cache_arg: RoundTripCache(config=model.config)})
     return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
 
 
