@@ -67,11 +67,17 @@ def choose_num_splits(
 # 128-token program holds 38 KiB of shared memory at head dim 64 and 72 KiB at 128 (80 pads
 # to 128): at most 3 fit an SM (227 KiB) there, so a grid of 3-4 a SM would run in two
 # waves; the limit is 3 for heads wider than 64.
-# An fp8 cache (kv_dtypes.py) keeps 64: its tiles are widened to the query's dtype after
-# the load, and with 128 tokens the widened K and V tiles and the loads in flight overflowed
-# the registers (compiled for sm_90, bf16 queries, head dim 64: 128 registers and 8-24
-# bytes of spills a thread, at 2 or 3 stages; 64 tokens: 102-112 registers, none). Half
-# the bytes of a 16-bit 64-token tile: not yet timed on a GPU (kernels_bench's fp8 cases).
+# An fp8 cache (kv_dtypes.py) follows the same rule: its tiles are widened to the query's
+# dtype after the load, and compiled for sm_90 (bf16 queries, head dim 64) a 128-token
+# program takes 128 registers and spills 8-24 bytes a thread (64 tokens: 102-112, none),
+# yet it is the faster on a small grid. Measured on an H200 (2026-11-28, the eighth run,
+# kernels_bench --cases decode_fp8, e4m3, bf16 queries, us, 64-token / 128-token tiles):
+# Qwen2.5-0.5B shape batch 64, 4 splits (512 programs): 15.26 / 15.12 at 1k, 47.53 / 42.68
+# at 4k; batch 256 (512 programs): 44.15 / 39.90 and 161.26 / 142.72; 4 KV heads of dim 128
+# batch 64 (256 programs): 48.64 / 41.69 and 171.39 / 141.69. Larger grids were not timed
+# with fp8 and keep 64 as 16-bit caches do. (Either way the fp8 launch is slower than the
+# bf16 one at these shapes, 39.90 against 38.49 us at its best: the widening, not the
+# bytes, bounds it.)
 # Under a float32 model (float32 dots: a GPU's exactness checks, not its speed) 64 tokens
 # took 255 registers and spilled 160 bytes, 32 tokens 168 and none.
 _WIDE_TILE_PROGRAMS_PER_SM = 4
@@ -85,8 +91,8 @@ def choose_block_n(num_programs: int, num_sms: int, head_dim: int,
     d_pad = next_power_of_2(head_dim)
     if d_pad > 128:
         return 32
-    if kv_fp8:
-        return 32 if dtype == torch.float32 else 64
+    if kv_fp8 and dtype == torch.float32:
+        return 32
     per_sm = _WIDE_TILE_PROGRAMS_PER_SM if d_pad <= 64 else _WIDE_TILE_PROGRAMS_PER_SM_D128
     if dtype != torch.float32 and num_programs <= per_sm * num_sms:
         return 128

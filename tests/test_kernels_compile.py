@@ -57,8 +57,13 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # The Qwen2.5-0.5B-shape bf16 attention the executor runs (the quick set), the split-K
     # GEMM and the top-p search's passes keep their registers: a change that makes these
     # spill is a slowdown the interpreter cannot see.
+    # The one exception: the fp8 cache's 128-token decode tiles spill 8-24 bytes a thread
+    # and were timed faster than 64-token ones that do not (decode_rules.py, the eighth
+    # run); held to that.
     if any("stack_bytes" in r for r in records):
         for r in records:
             if r["case"] in ("_decode_kernel", "_prefill_kernel", "_top_p_pass_kernel",
                              "_linear_kernel", "_chunk_mass_kernel", "_chunk_pick_kernel"):
-                assert r["stack_bytes"] == 0, r
+                fp8_wide = (r["case"] == "_decode_kernel" and r.get("fp8")
+                            and r["constexprs"]["BLOCK_N"] == 128)
+                assert r["stack_bytes"] <= (24 if fp8_wide else 0), r
