@@ -1,6 +1,6 @@
 """scripts/gpu_targets.py against the committed GPU check reports (benchmarks/gpu_report-*.json):
-the figures benchmarks/README.md gives for the sixth run (H200) and the seventh (H100), read
-from the reports as the next GPU session will read its own, each device's apart; and the two
+the figures benchmarks/README.md gives for the sixth run (H200), the seventh (H100) and the
+eighth (H200), read from the reports as the next GPU session will read its own, each device's apart; and the two
 report forms, a later report replacing an earlier one's case."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import gpu_targets  # noqa: E402
 REPORTS = [str(ROOT / "benchmarks" / f"gpu_report-{name}.json") for name in (
     "2026-11-26", "2026-11-26-h200", "2026-11-27-h200", "2026-11-27-h200-b",
     "2026-11-27-h200-c", "2026-11-27-h200-d", "2026-11-28-h100")]
+EIGHTH = str(ROOT / "benchmarks" / "gpu_report-2026-11-28-h200.json")
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
-def _rows(device: str) -> dict[str, dict]:
-    rows = gpu_targets.targets(gpu_targets.latest_records(REPORTS))
+def _rows(device: str, reports: list[str] = REPORTS) -> dict[str, dict]:
+    rows = gpu_targets.targets(gpu_targets.latest_records(reports))
     assert list(dict.fromkeys(r["device"] for r in rows)) == [H100, H200]  # first seen
     return {r["target"]: r for r in rows if r["device"] == device}
 
@@ -46,6 +47,22 @@ def test_the_sixth_runs_figures():
     assert not rows["gap"]["met"]
     assert (best["32"]["gap_ms_p50"], best["32"]["depth"]) == (0.23, 4)
     assert best["256"]["gap_ms_p50"] == 0.0121
+
+
+def test_the_eighth_run_meets_the_gap_on_the_h200_and_moves_end_to_end():
+    rows = _rows(H200, REPORTS + [EIGHTH])
+    best = rows["gap"]["best_by_streams"]
+    assert rows["gap"]["met"] and best["32"]["gap_ms_p50"] == best["256"]["gap_ms_p50"] == 0.0013
+    assert best["32"]["report"] == "gpu_report-2026-11-28-h200.json"
+    e2e = rows["end_to_end"]
+    assert not e2e["met"] and e2e["default"]["of_bound_ratio"] == 0.463
+    assert e2e["default"]["report"] == "gpu_report-2026-11-28-h200.json"
+    runs = {(r["step"], r["case"].endswith("unfed")): r["of_bound_ratio"] for r in e2e["runs"]}
+    assert runs[("executor_bench_mixed_decode_split", False)] == 0.462
+    assert runs[("executor_bench_fp8_kv", False)] == 0.275
+    # no decode kernel case ran: the sixth run's stand
+    assert (rows["decode_copy"]["passing"], rows["decode_copy"]["of"]) == (8, 12)
+    assert _rows(H100, REPORTS + [EIGHTH]) == _rows(H100)  # the H100's rows untouched
 
 
 def test_the_seventh_runs_figures_are_the_h100s_alone():
