@@ -64,7 +64,7 @@ from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.models.lora import LoraSet
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
-from pagedserve.executor.prompt_scores import score_prompts
+from pagedserve.executor.prompt_scores import prompt_outputs
 from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
@@ -111,7 +111,7 @@ class ModelRunner:
         self.loras = loras  # the LoRA adapters installed on the model (None: none)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
-        self._scoring: dict[str, SamplingState] = {}  # those asking for prompt logprobs
+        self._scoring: dict[str, SamplingState] = {}  # prompt logprobs or embedding
         self._not_plain = 0  # requests whose sampling is not plain greedy (runner_requests)
         self.rows = RequestRows(width=-(-self.max_model_len // self.block_size))
         self._pending = PendingSamples(self.rows, self._resolve)
@@ -335,10 +335,10 @@ class ModelRunner:
                     logits, states if batch.drafts is None else draft_states(states, batch.drafts),
                     grammar_bits, argmax=argmax, plain=plain)
             scores = None
-            if self._scoring:  # prompt logprobs asked for by a request of the step
-                scores = score_prompts(self.model, hidden, plan.request_ids,
-                                       plan.num_computed_tokens, plan.num_new_tokens,
-                                       batch.kept, self._scoring)
+            if self._scoring:  # prompt logprobs or an embedding asked for
+                scores = prompt_outputs(self.model, hidden, plan.request_ids,
+                                        plan.num_computed_tokens, plan.num_new_tokens,
+                                        batch.kept, self._scoring)
         except Exception as exc:  # reported to the router, which fails the step's requests
             log.exception("step %d: forward/sampling failed", step)
             errors.append(RequestError("", f"step {step} failed: {type(exc).__name__}: {exc}"))

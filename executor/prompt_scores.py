@@ -1,4 +1,7 @@
-"""Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token's logprob given the
+"""What a step returns about the prompts it computed, from their hidden states: prompt
+logprobs and embeddings.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token's logprob given the
 tokens before it, its rank in that distribution and the top-k, from the hidden states of
 the step that computed it.
 
@@ -10,8 +13,14 @@ again what it already has). Logits are the lm head over those rows only, in slic
 `SLICE_ROWS` (a 4k-token prompt over a 150k vocabulary would otherwise be 2.4 GB of fp32),
 log-softmax of the raw logits, as for sampled tokens.
 
-Runs only when a request of the step asked for prompt logprobs: nothing is added to a step
-without one.
+Embeddings (SamplingParams.embed): the final hidden state (after the model's last norm,
+as transformers' last ``hidden_states``) of the prompt's last token, from the step that
+computes that token, widened to float32; the router pools nothing more (last-token
+pooling, as decoder embedding models use) and normalizes. A prefix-cache hit never covers
+a prompt's last token, so every embedding request computes it.
+
+Runs only when a request of the step asked for either: nothing is added to a step without
+one.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ def score_prompts(model, hidden: torch.Tensor, request_ids: list[str],
     vocab = None
     for row, start in zip(rows.tolist(), starts.tolist(), strict=True):
         state = states.get(request_ids[row])
-        if state is None:
+        if state is None or state.params.prompt_logprobs is None:
             continue
         prompt = state.prompt_token_ids
         computed, n = int(num_computed[row]), int(num_new[row])
@@ -85,3 +94,37 @@ def score_prompts(model, hidden: torch.Tensor, request_ids: list[str],
         prompt_top_token_ids=torch.cat(top_ids or [empty_i]).numpy().astype(np.int32),
         prompt_top_logprobs=torch.cat(top_lps or [empty_f]).numpy().astype(np.float32),
     )
+
+
+def prompt_outputs(model, hidden: torch.Tensor, request_ids: list[str],
+                   num_computed: np.ndarray, num_new: np.ndarray, kept: np.ndarray | None,
+                   states: Mapping[str, object]) -> dict | None:
+    """StepResult's prompt_* and embed* fields for this step (``states``: the requests
+    asking for prompt logprobs or an embedding); None when it has neither."""
+    scores = score_prompts(model, hidden, request_ids, num_computed, num_new, kept, states)
+    embedded = embed_prompts(hidden, request_ids, num_computed, num_new, kept, states)
+    if embedded is not None:
+        scores = {**(scores or {}), **embedded}
+    return scores
+
+
+def embed_prompts(hidden: torch.Tensor, request_ids: list[str], num_computed: np.ndarray,
+                  num_new: np.ndarray, kept: np.ndarray | None,
+                  states: Mapping[str, object]) -> dict | None:
+    """``embed_ids`` / ``embeddings`` for the rows of this step that compute the last token
+    of a prompt asking for its embedding; None when there are none."""
+    rows = np.arange(len(request_ids)) if kept is None else kept
+    ends = np.cumsum(num_new[rows])
+    ids, last_rows = [], []
+    for row, end in zip(rows.tolist(), ends.tolist(), strict=True):
+        state = states.get(request_ids[row])
+        if state is None or not state.params.embed:
+            continue
+        if int(num_computed[row]) + int(num_new[row]) != state.prompt_token_ids.shape[0]:
+            continue  # an earlier chunk, or a decode after the prompt
+        ids.append(request_ids[row])
+        last_rows.append(end - 1)
+    if not ids:
+        return None
+    index = torch.as_tensor(last_rows, dtype=torch.long).to(hidden.device)
+    return dict(embed_ids=ids, embeddings=hidden[index].float().cpu().numpy())

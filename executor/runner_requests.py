@@ -30,7 +30,8 @@ def put(self: ModelRunner, request_id: str, state: RequestState) -> None:
     self.requests[request_id] = state
     self._not_plain += not state._sampling.plain
     self._row_of[request_id] = state.row
-    if state._sampling.params.prompt_logprobs is not None:
+    params = state._sampling.params
+    if params.prompt_logprobs is not None or params.embed:
         self._scoring[request_id] = state._sampling
     else:
         self._scoring.pop(request_id, None)

@@ -120,6 +120,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled; () = any
     # the last token of each is masked while the output ends with the tokens before it
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # return the final hidden state (after the model's last norm) of the prompt's last
+    # token with the step that computes it (/v1/embeddings)
+    embed: bool = False
 
     @property
     def has_logit_bias(self) -> bool:
@@ -320,8 +323,17 @@ class StepResult(_Message, tag="result", frozen=True):
     prompt_ranks: np.ndarray | None = None  # int32 [sum(counts)]: 1 + tokens more likely
     prompt_top_token_ids: np.ndarray | None = None  # int32 [sum(counts * ks)]
     prompt_top_logprobs: np.ndarray | None = None  # float32 [sum(counts * ks)]
+    # Embeddings (requests with SamplingParams.embed whose prompt's last token was computed
+    # this step): row e of `embeddings` is request embed_ids[e]'s final hidden state there.
+    embed_ids: list[str] = []
+    embeddings: np.ndarray | None = None  # float32 [E, hidden size]
 
     def validate(self) -> None:
+        e = len(self.embed_ids)
+        if e or self.embeddings is not None:
+            arr = self.embeddings
+            if arr is None or arr.ndim != 2 or arr.shape[0] != e or arr.dtype != np.float32:
+                raise WireError(f"result {self.step_id}: embeddings must be float32 [{e}, H]")
         q = len(self.prompt_ids)
         if q:
             for name in ("prompt_starts", "prompt_counts", "prompt_ks"):

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .errors import Unavailable
 from .sequence import GroupStatus, RequestGroup, Sequence
 
 if TYPE_CHECKING:
@@ -152,9 +153,14 @@ class Delivery:
 
     def complete(self, group: RequestGroup) -> None:
         """Every sample finished: the final item with usage; forget the request."""
+        if group.spec.sampling.embed and group.embedding is None and not group.aborted:
+            # its token came without its embedding: an executor's bug
+            self.fail(group, Unavailable(f"the executor sent no embedding for "
+                                         f"{group.request_id}"))
+            return
         if self.live.pop(group.request_id, None) is None:
             return
-        group.channel.finish(group.usage(), tuple(group.prompt_logprobs))
+        group.channel.finish(group.usage(), tuple(group.prompt_logprobs), group.embedding)
         if group.first_scheduled_time is not None:
             self.metrics.observe_queue_time(group.first_scheduled_time - group.arrival_time)
 

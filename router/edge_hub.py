@@ -124,11 +124,13 @@ class ForwardChannel:
         if not hub._flush_scheduled:
             hub.schedule_flush()
 
-    def finish(self, usage, prompt_logprobs: tuple = ()) -> None:
+    def finish(self, usage, prompt_logprobs: tuple = (), embedding=None) -> None:
         if not self.closed:
             item = self._hub.item(self._worker, self.request_id)
             item.usage = usage
             item.prompt_logprobs = list(prompt_logprobs)
+            if embedding is not None:
+                item.embedding = embedding.astype("<f4").tobytes()
             self._close()
 
     def fail(self, error: BaseException) -> None:

@@ -21,8 +21,9 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 7  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
-# 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter
+EDGE_PROTOCOL_VERSION = 8  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+# 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter;
+# 8: SamplingSpec.embed, OutputItem.embedding
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -96,6 +97,7 @@ class OutputItem(msgspec.Struct, array_like=True):
     error: str = ""
     message: str = ""
     prompt_logprobs: list[TokenLogprob] = []  # with usage, when the request asked for them
+    embedding: bytes = b""  # with usage, an embedding request's: float32 little-endian
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -36,9 +36,23 @@ from aiohttp import web
 
 from pagedserve import __version__
 
-from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
+from .errors import (
+    InvalidRequest,
+    NotFound,
+    PagedServeError,
+    Unavailable,
+    grpc_code,
+    grpc_details,
+)
 from .frontend import Frontend, RequestSession
 from .grpc_server import tls_enabled
+from .openai_embeddings import (
+    as_embedding,
+    embedding_call,
+    embedding_response,
+    embedding_vector,
+    input_field,
+)
 from .openai_fields import optional_bool, optional_str
 from .openai_protocol import (
     TokenIdText,
@@ -136,6 +150,7 @@ class OpenAIApp:
                             functools.partial(self.generate, kind="completions"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.generate, kind="chat"))
         app.router.add_post("/v1/responses", functools.partial(self.generate, kind="responses"))
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
@@ -293,16 +308,67 @@ class OpenAIApp:
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
         return stream
 
-    def _session(self, pb_request, request_id: str,
-                 arrival: float) -> RequestSession:
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST /v1/embeddings (router/openai_embeddings.py): every input submitted before
+        any is awaited (a refused one gets its status); the reply when all are in."""
+        arrival = time.monotonic()
+        fe = self.frontend
+        try:
+            body = await _read_json(request)
+            call = embedding_call(body)
+            adapter = self._lora_adapter(body)
+        except PagedServeError as exc:
+            fe.count_failure(grpc_code(exc), API)
+            return error_response(exc)
+        except ConnectionError:
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
+        response_id = "embd-" + uuid.uuid4().hex
+        of = len(call.requests)
+        outputs: list[RequestOutput | None] = [None] * of
+        try:
+            async with AsyncExitStack() as stack:
+                sessions = []
+                for i, pb_request in enumerate(call.requests):
+                    pb_request.lora_adapter = adapter
+                    sessions.append(await stack.enter_async_context(self._session(
+                        pb_request, f"{response_id}-{i}", arrival,
+                        lambda spec, i=i: as_embedding(spec), lambda exc, i=i: input_field(
+                            exc, i, of))))
+                async for i, out in _merge(sessions):
+                    if out.finished:
+                        outputs[i] = out
+            if any(out is None or out.embedding is None for out in outputs):
+                raise Unavailable("an input ended without its embedding")
+            vectors = [embedding_vector(out, call) for out in outputs]
+        except PagedServeError as exc:  # counted by the session it ended
+            return error_response(exc)
+        except ConnectionError:
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
+        reply = embedding_response(vectors, [out.usage for out in outputs],
+                                   adapter or self.model_name, call.encoding_format)
+        return web.Response(body=_encode(reply), content_type="application/json")
+
+    def _session(self, pb_request, request_id: str, arrival: float, made=None,
+                 refused=None) -> RequestSession:
+        """The request's session; ``made`` turns the spec built into another (an
+        embedding's), ``refused`` renames a validation error's field."""
         fe = self.frontend
         build = functools.partial(
             request_from_pb, pb_request, tokenizer=fe.tokenizer, limits=fe.limits,
             request_id=request_id, arrival_time=arrival,
             default_max_tokens=None)  # omitted: the rest of the context
+        if made is not None:
+            build = functools.partial(_built, build, made, refused)
         threaded = (len(pb_request.prompt) > THREADED_TOKENIZE_CHARS
                     or pb_request.WhichOneof("input") == "messages")
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
+
+
+def _built(build, made, refused):
+    try:
+        return made(build())
+    except InvalidRequest as exc:
+        raise refused(exc) from None
 
 
 async def _send(stream: web.StreamResponse, chunks: list[dict], writer,

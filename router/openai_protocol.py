@@ -150,7 +150,8 @@ def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]
 _REFUSED = {"logits_processors": "logits_processors"}
 
 
-def _common(body: dict) -> dict:
+def common_fields(body: dict) -> dict:
+    """The request fields every route shares (priority, cache_salt, add_special_tokens, ...)."""
     for key, what in _REFUSED.items():
         if body.get(key):  # null, false and [] ask for nothing
             raise bad(key, f"{what} is not supported")
@@ -201,7 +202,7 @@ def completion_request(body: dict) -> ApiRequest:
     if best_of is not None and best_of != (params.n if params.HasField("n") else 1):
         raise bad("best_of", "best_of other than n is not supported")
     stream, include_usage = _stream_flags(body)
-    common = _common(body)
+    common = common_fields(body)
     if echo and common.get("truncate_prompt_tokens"):
         raise bad("echo", "echo with truncate_prompt_tokens is not supported")
     prompt = body.get("prompt")
@@ -235,7 +236,7 @@ def tokenize_request(body: dict) -> pb.GenerateRequest:
     (rendered as /v1/chat/completions renders them: the template fields and `tools` apply),
     `add_special_tokens` and `truncate_prompt_tokens` as on those routes → the
     GenerateRequest whose prompt validation.prompt_from_pb tokenizes."""
-    common = _common(body)
+    common = common_fields(body)
     if present(body, "messages"):
         chat = messages_to_pb(chat_messages(body))
         _template_options(body, chat)
@@ -291,7 +292,7 @@ def chat_request(body: dict, tool_call_parser: str = "none",
     chat = messages_to_pb(messages)
     _template_options(body, chat)
     tools = tool_calls(body, params, chat, tool_call_parser)
-    request = pb.GenerateRequest(messages=chat, params=params, **_common(body))
+    request = pb.GenerateRequest(messages=chat, params=params, **common_fields(body))
     n = params.n if params.HasField("n") else 1
     include = optional_bool(body, "include_reasoning")
     reasoning = ("" if reasoning_parser == "none" or params.HasField("structured_output")

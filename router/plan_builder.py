@@ -67,6 +67,7 @@ def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.S
         prompt_logprobs=sp.prompt_logprobs,
         allowed_token_ids=sp.allowed_token_ids,
         bad_words_token_ids=sp.bad_words_token_ids,
+        embed=sp.embed,
     )
 
 

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import msgspec
+import numpy as np
 import zmq
 
 from ..protos.zmq_io import NOBLOCK
@@ -232,7 +233,8 @@ class RemoteEngine:
                     usage = item.usage
                     req.channel.finish(Usage(  # tokens handed out here (see module doc)
                         usage.prompt_tokens, sum(a.num_tokens for a in req.assemblers),
-                        usage.cached_prompt_tokens), tuple(item.prompt_logprobs))
+                        usage.cached_prompt_tokens), tuple(item.prompt_logprobs),
+                        np.frombuffer(item.embedding, dtype="<f4") if item.embedding else None)
                     del streams[item.request_id]
                 elif item.error:
                     req.channel.fail(error_from(item.error, item.message))

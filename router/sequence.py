@@ -100,7 +100,7 @@ class OutputSink(Protocol):
         """`deliver(index, "", (token_id,), (), None, None, None)`: the steady decode's
         form, the one most tokens take."""
 
-    def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None: ...
+    def finish(self, usage: Usage, prompt_logprobs: tuple = (), embedding=None) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
 
@@ -113,6 +113,7 @@ class OutputChannel:
         self._pending: dict[int, list[CompletionDelta]] = {}
         self._usage: Usage | None = None
         self._prompt_logprobs: tuple = ()
+        self._embedding = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.closed = False
@@ -138,11 +139,12 @@ class OutputChannel:
     def push_token(self, index: int, token_id: int) -> None:
         self.put(CompletionDelta(index, "", (token_id,)))
 
-    def finish(self, usage: Usage, prompt_logprobs: tuple = ()) -> None:
+    def finish(self, usage: Usage, prompt_logprobs: tuple = (), embedding=None) -> None:
         if self.closed:
             return
         self._usage = usage
         self._prompt_logprobs = prompt_logprobs
+        self._embedding = embedding
         self.closed = True
         self._event.set()
 
@@ -182,7 +184,8 @@ class OutputChannel:
             if self._error is not None and not deltas:
                 raise self._error
             if self._usage is not None:
-                yield RequestOutput(request_id, deltas, self._usage, self._prompt_logprobs)
+                yield RequestOutput(request_id, deltas, self._usage, self._prompt_logprobs,
+                                    self._embedding)
                 return
             if self._error is not None:
                 yield RequestOutput(request_id, deltas)
@@ -208,6 +211,7 @@ class RequestGroup:
         self.aborted = False
         # prompt_logprobs: the scores of prompt tokens 1, 2, ... received so far, in order
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.embedding = None  # an embedding request's vector (float32), once computed
         self.cached_prompt_tokens: int | None = None
         self.pinned_tokens = 0  # prompt tokens pinned in the prefix cache (routing, waits)
         # Prompt tokens it waited for at its last admission attempt (prefill dedup: blocks

@@ -313,6 +313,8 @@ class StepLoop:
                 return []
         if result.prompt_ids:
             self.apply_prompt_scores(handle, plan, result)
+        if result.embed_ids:
+            self.apply_embeddings(handle, plan, result)
         return self.apply_tokens(handle, result, plan.sampled, plan.drafts)
 
     def _plan_group(self, plan: InFlightPlan, seq_id: str) -> RequestGroup | None:
@@ -326,6 +328,7 @@ class StepLoop:
 
     # ------------------------------------------------------------------ token_apply.py
     apply_prompt_scores = token_apply.apply_prompt_scores
+    apply_embeddings = token_apply.apply_embeddings
     apply_tokens = token_apply.apply_tokens
 
     def request_error(self, handle: ExecutorHandle, plan: InFlightPlan,

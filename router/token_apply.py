@@ -1,4 +1,4 @@
-"""Applying a StepResult's tokens and prompt scores to the router's requests (the step
+"""Applying a StepResult's tokens, prompt scores and embeddings to the router's requests (the step
 loop's result path, router/step_loop.py; functions bound as `StepLoop` methods, `self`
 is the loop).
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..protos import wire
 from . import beam_search
@@ -58,6 +60,24 @@ def apply_prompt_scores(self: StepLoop, handle: ExecutorHandle, plan: InFlightPl
                         TokenLogprob(tokens[first + j], lps[j], top, ranks[j]))
         ofs += count
         top_ofs += count * k
+
+def apply_embeddings(self: StepLoop, handle: ExecutorHandle, plan: InFlightPlan,
+                     result: wire.StepResult) -> None:
+    """Embedding requests whose prompt's last token the step computed keep its final
+    hidden state (the last one received: a recompute sends the same vector again). One
+    that is not finite fails its request (an executor's bug)."""
+    for e, seq_id in enumerate(result.embed_ids):
+        group = self._plan_group(plan, seq_id)
+        if group is None or group.executor_id != handle.id or not group.spec.sampling.embed:
+            continue
+        vector = result.embeddings[e]
+        if not np.isfinite(vector).all():
+            log.error("executor %s: the embedding of %s is not finite", handle.id, seq_id)
+            self.engine.delivery.fail(group, Unavailable(
+                f"the executor's embedding for {seq_id} is not finite"))
+            continue
+        group.embedding = vector.copy()
+
 
 def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult,
                  sampled: list[Sequence],

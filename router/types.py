@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 FinishReason = Literal["length", "stop", "abort"]
 """Why a sample ended: max_tokens/max_model_len, EOS/stop id/stop string, abort/drain."""
 
@@ -69,6 +71,9 @@ class SamplingSpec:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # beam search with n beams (router/beam_search.py); None: sampling
     beam: BeamSpec | None = None
+    # an embedding request (/v1/embeddings): one greedy token, dropped; the prompt's last
+    # token's final hidden state comes back (RequestOutput.embedding)
+    embed: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -159,6 +164,9 @@ class RequestOutput:
     # With prompt_logprobs: on the last item (with usage), one entry per prompt token from
     # the second on.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # An embedding request's (SamplingSpec.embed), on the last item: the prompt's last
+    # token's final hidden state, float32, as the executor computed it (not normalized)
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

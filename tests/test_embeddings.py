@@ -1,0 +1,136 @@
+"""POST /v1/embeddings on a real cluster (router + one CPU executor), with the router's HTTP
+edge in the router process and in an API worker (`--api-workers 1`: the vector crosses the
+edge wire): each input's vector equal to transformers' final hidden state of its last token
+(fp32, normalized), through chunked prefill (chunks of 32 tokens) and a prefix-cache hit;
+the OpenAI SDK (base64 by default); dimensions, normalize=false; every bad input a 400 or
+404 naming its field; no block held after."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+from cluster_harness import Cluster, HFReference
+
+from pagedserve.tinymodels import build_model
+
+TEXTS = ["The paged KV cache", "Prefix caching by hash chains " * 6,  # two chunks and more
+         "Ünïcödé 🙂 and a third prompt"]
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("embed"), "llama", num_kv_heads=2,
+                       max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return HFReference(model_dir)
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["in-router", "api-worker"])
+def cluster(request, model_dir):
+    c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "64"],
+                router_args=["--max-num-batched-tokens", "32",
+                             "--api-workers", str(request.param)])
+    with c.running():
+        yield c
+
+
+def hidden_last(hf, ids: list[int]) -> np.ndarray:
+    torch = hf.torch
+    with torch.no_grad():
+        out = hf.model(torch.tensor([ids]), output_hidden_states=True)
+    return out.hidden_states[-1][0, -1].double().numpy()
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def post(cluster, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{cluster.http_address}/v1/embeddings",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_vectors_equal_transformers_last_hidden_state(cluster, hf, model_dir):
+    model = model_dir.name
+    ids = [hf.encode(t) for t in TEXTS]
+    assert len(ids[1]) > 64  # prefilled in three chunks of at most 32 tokens
+    status, body = post(cluster, {"model": model, "input": TEXTS + [ids[0][:5]]})
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == model
+    assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)) + 5,
+                             "total_tokens": sum(map(len, ids)) + 5}
+    for d, prompt in zip(body["data"], ids + [ids[0][:5]], strict=True):
+        got, want = np.array(d["embedding"]), unit(hidden_last(hf, prompt))
+        assert d["object"] == "embedding" and got.shape == want.shape
+        assert abs(np.linalg.norm(got) - 1) < 1e-5
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    # the same text again: its prefix from the cache (all but the last token), the same vector
+    before = _cached(cluster)
+    status, again = post(cluster, {"input": TEXTS[1]})
+    assert status == 200
+    np.testing.assert_allclose(again["data"][0]["embedding"], body["data"][1]["embedding"],
+                               atol=1e-6)
+    assert _cached(cluster) - before >= len(ids[1]) // 16 * 16 - 16
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
+
+
+def _cached(cluster) -> float:
+    for line in cluster.metrics().splitlines():
+        if line.startswith("pagedserve_prefix_cache_hits_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no prefix-cache hit counter")
+
+
+def test_the_openai_sdk_base64_dimensions_and_raw_vectors(cluster, hf, model_dir):
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    raw = hidden_last(hf, hf.encode(TEXTS[0]))
+    reply = client.embeddings.create(model=model_dir.name, input=TEXTS[0])  # base64 on the wire
+    np.testing.assert_allclose(reply.data[0].embedding, unit(raw), atol=2e-5)
+    assert reply.usage.prompt_tokens == len(hf.encode(TEXTS[0]))
+    status, body = post(cluster, {"input": TEXTS[0], "dimensions": 8,
+                                  "encoding_format": "base64"})
+    assert status == 200
+    short = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(short, unit(raw[:8]), atol=2e-5)
+    status, body = post(cluster, {"input": [TEXTS[0]], "normalize": False})
+    assert status == 200
+    np.testing.assert_allclose(body["data"][0]["embedding"], raw, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("body, status, field", [
+    ({}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": ""}, 400, "input"),
+    ({"input": ["ok", ""]}, 400, "input[1]"),
+    ({"input": [[1, 2], "x", 3.5]}, 400, "input[2]"),
+    ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "x", "dimensions": 0}, 400, "dimensions"),
+    ({"input": "x", "dimensions": 100_000}, 400, "dimensions"),
+    ({"input": [1] * MAX_MODEL_LEN}, 400, "input"),  # the dropped token's place
+    ({"input": ["x", [10**9]]}, 400, "input[1]"),
+    ({"input": "x", "model": "no-such-model"}, 404, "model"),
+])
+def test_bad_input_names_its_field(cluster, body, status, field):
+    got, reply = post(cluster, body)
+    assert got == status, reply
+    error = reply["error"]
+    assert error["param"] == field or field in error["message"], error
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
