@@ -88,6 +88,15 @@ def test_vectors_equal_transformers_last_hidden_state(cluster, hf, model_dir):
     np.testing.assert_allclose(again["data"][0]["embedding"], body["data"][1]["embedding"],
                                atol=1e-6)
     assert _cached(cluster) - before >= len(ids[1]) // 16 * 16 - 16
+    # whole blocks (32 tokens, cached whole the second time but for the last token, which
+    # is computed again) and a one-token input
+    whole = (ids[1] * 2)[:32]
+    for _ in range(2):
+        status, body = post(cluster, {"input": [whole, [7]]})
+        assert status == 200, body
+        for d, prompt in zip(body["data"], [whole, [7]], strict=True):
+            np.testing.assert_allclose(d["embedding"], unit(hidden_last(hf, prompt)),
+                                       atol=2e-5)
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
 
 
