@@ -64,6 +64,7 @@ def default_executor_id() -> str:
 def run_executor(args: argparse.Namespace) -> int:
     """Entry point for ``pagedserve executor`` (args from ``pagedserve.flags``)."""
     import torch
+    from pagedserve.executor.host_malloc import tune_host_malloc
     from pagedserve.executor.models import ModelNotSupported
     from pagedserve.executor.runner_setup import build_runner
     from pagedserve.executor.step_trace import profiler_from_env
@@ -101,6 +102,7 @@ def run_executor(args: argparse.Namespace) -> int:
             print(f"pagedserve executor: {exc}", file=sys.stderr)
             return 2
         torch.set_num_threads(max(1, args.cpu_threads))
+        log.info("host memory: %s", tune_host_malloc())  # executor/host_malloc.py
     torch.manual_seed(args.seed)
     executor_id = args.executor_id or default_executor_id()
     try:

@@ -143,3 +143,28 @@ def test_bad_input_names_its_field(cluster, body, status, field):
     error = reply["error"]
     assert error["param"] == field or field in error["message"], error
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
+
+
+def test_embed_bench_quick(model_dir):
+    """benchmarks/embed_bench.py in a small setting on this model (float32): a JSON line
+    per workload and side, the same vectors on both sides, the instruction computed once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "embed_bench.py"), "--model",
+         str(model_dir), "--workloads", "instructed_queries,short", "--scale", "0.05",
+         "--dtype", "float32", "--batch", "4", "--concurrency", "2"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    assert [x["case"] for x in lines] == [
+        "instructed_queries/pagedserve", "instructed_queries/transformers",
+        "short/pagedserve", "short/transformers"]
+    queries, _, short, _ = lines
+    assert queries["inputs"] == 12 and short["inputs"] == 25
+    assert queries["min_cosine"] > 0.9999 and short["min_cosine"] > 0.9999
+    # 12 queries of 64 + 16 tokens: the instruction's 4 blocks computed once
+    assert queries["tokens_computed"] == 12 * 16 + 64, queries
+    assert short["tokens_computed"] == 25 * 8
