@@ -106,51 +106,6 @@ def _in_float32(t: torch.Tensor, slot: int) -> torch.Tensor:
     return widen_e4m3_(t, out, _scratch.get(slot, t.numel() // 2, torch.int32, t.device))
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, prefix sums of query lengths
-    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
-    scale: float,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens to its whole cached context.
-
-    The new tokens' keys and values must already be in the cache (reshape_and_cache first).
-    Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` cached tokens sits at
-    position ``seq_len - q_len + i`` and attends to positions ``<=`` its own (and, with a
-    sliding window ``w``, to positions ``> pos - w``). Prefix-cache hits and chunked prefill
-    are the case ``seq_len > q_len``; decode is ``q_len == 1``.
-
-    A mixed step (decodes next to prefill chunks) is split: the decodes run as one batch
-    (``_attend_decode``) and each prefill chunk on its own, so no sequence is padded to
-    another's query length (one batch padded to a 512-token chunk made 78 decodes cost 39x
-    more).
-    """
-    num_seqs = block_tables.shape[0]
-    if query.shape[0] == 0 or num_seqs == 0:
-        return query.new_empty(query.shape) if out is None else out
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    if query.shape[0] == num_seqs and bool((q_lens == 1).all()):
-        return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                              sliding_window, out)
-    result = out if out is not None else query.new_empty(query.shape)
-    decodes = (q_lens == 1).nonzero().flatten()
-    if decodes.numel():
-        result[starts[decodes]] = _attend_decode(
-            query[starts[decodes]], key_cache, value_cache, block_tables[decodes],
-            seq_lens[decodes], scale, sliding_window, None)
-    for i in (q_lens > 1).nonzero().flatten().tolist():
-        a, b = int(starts[i]), int(starts[i + 1])
-        result[a:b] = _attend_chunk(query[a:b], key_cache, value_cache, block_tables[i],
-                                    int(seq_lens[i]), scale, sliding_window)
-    return result
-
-
 # Decode rows are grouped by context length (see _decode_groups); a group has at least this
 # many rows, so a batch of few sequences is one group.
 DECODE_GROUP_MIN_SEQS = 8
@@ -251,43 +206,6 @@ def _attend_decode_padded(
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
         torch.bmm(probs, v[:, :, h], out=ctx[h])
     return ctx.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
-def _attend_chunk(
-    query: torch.Tensor,  # [q_len, num_heads, head_dim], one sequence's new tokens
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
-    seq_len: int,  # tokens in the cache incl. these
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """One sequence's chunk of new tokens (prefill, chunked prefill, a prefix-cache hit's
-    rest): causal attention to its context, queries at the last ``q_len`` positions.
-
-    torch's fused scaled-dot-product attention on the gathered context: it never writes the
-    ``[heads, q_len, seq_len]`` scores to memory (a 512-token chunk's masked fill and softmax
-    cost as much as the attention's matmuls). A whole prompt is plain causal attention;
-    a chunk after cached tokens, or a sliding window, passes its mask."""
-    q_len, num_heads, head_dim = query.shape
-    k = _gather_context(key_cache, block_table[None], seq_len, slot=0)[0]  # [L, Hkv, D]
-    v = _gather_context(value_cache, block_table[None], seq_len, slot=1)[0]
-    q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
-    k = _in_float32(k, slot=2).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
-    v = _in_float32(v, slot=3).permute(1, 0, 2)[None]
-    windowed = sliding_window is not None and sliding_window > 0
-    if q_len == seq_len and not windowed:
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=True)
-    else:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        allowed = k_pos <= q_pos
-        if windowed:
-            allowed &= k_pos > q_pos - sliding_window
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                             enable_gqa=True)
-    return ctx[0].permute(1, 0, 2).to(query.dtype)
 
 
 def paged_decode_attention(
@@ -495,3 +413,7 @@ def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor) ->
     if min_p is not None:
         probs.masked_fill_(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
     return sample_from_probs_(probs, u)
+
+
+# The prefill twin lives in prefill_twin.py (it uses the helpers above).
+from .prefill_twin import paged_prefill_attention  # noqa: E402, F401

@@ -179,3 +179,50 @@ def test_scratch_made_in_inference_mode_serves_calls_outside_it():
     inside, outside = fresh_thread(inside_then_outside)
     torch.testing.assert_close(outside, inside)
     torch.testing.assert_close(outside, _dense(batch), atol=1e-5, rtol=1e-5)
+
+
+# Whole prompts of similar lengths (grouped into padded batches), a lone long one, a chunk
+# after cached tokens and a decode, in one step.
+FRESH_SEQS = [(8, 8), (1, 40), (9, 9), (8, 8), (12, 12), (40, 40), (5, 60), (37, 37),
+              (33, 33), (2, 2), (3, 3), (100, 100)]
+
+
+def _poison_unused_slots(batch, block_size: int) -> None:
+    """NaN in every cache slot no sequence holds (what a padded batch reads and must mask)."""
+    used = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        for p in range(n):
+            used[int(batch.block_tables[i, p // block_size]), p % block_size] = True
+    batch.key_cache[~used] = float("nan")
+    batch.value_cache[~used] = float("nan")
+
+
+@pytest.mark.parametrize("dtype, block_size", [(torch.float32, 16), (torch.bfloat16, 8)])
+def test_whole_prompts_batched_as_each_alone(dtype, block_size):
+    """Whole prompts run in batches by padded length (prefill_twin._fresh_groups): every
+    prompt's rows equal, to the bit, what it gets in a step of its own (batch invariance),
+    with NaN in every slot a batch pads over; and dense attention's."""
+    from pagedserve.kernels import prefill_twin
+
+    batch = make_paged_batch(FRESH_SEQS, num_kv_heads=2, group=3, head_dim=64,
+                             block_size=block_size, dtype=dtype, seed=7)
+    _poison_unused_slots(batch, block_size)
+    starts = batch.query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    whole = [i for i, (q, s) in enumerate(FRESH_SEQS) if q == s and q > 1]
+    calls = [(g.tolist(), n) for g, n in prefill_twin._fresh_groups(torch.tensor(whole),
+                                                                    q_lens)]
+    assert calls == [([0, 2, 3, 4, 9, 10], 16), ([5, 7, 8], 48), ([11], 112)]
+    args = (batch.key_cache, batch.value_cache)
+    got = reference.paged_prefill_attention(
+        batch.query, *args, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        batch.scale)
+    assert not got.isnan().any()
+    for i in range(len(FRESH_SEQS)):
+        a, b = int(starts[i]), int(starts[i + 1])
+        alone = reference.paged_prefill_attention(
+            batch.query[a:b], *args, batch.block_tables[i:i + 1],
+            torch.tensor([0, b - a], dtype=torch.int32), batch.seq_lens[i:i + 1], batch.scale)
+        assert torch.equal(got[a:b], alone), i
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, _dense(batch), atol=1e-5, rtol=1e-5)
