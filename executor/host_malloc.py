@@ -26,6 +26,8 @@ import ctypes
 import ctypes.util
 import os
 
+from pagedserve.kernels.host_math import switch_from_env
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 TRIM_THRESHOLD_BYTES = 1 << 30
@@ -34,8 +36,9 @@ _USER_TUNABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THR
 
 
 def tune_host_malloc(environ=os.environ) -> str:
-    """Apply the settings above; returns what was done, for the executor's log."""
-    if environ.get("PAGEDSERVE_HOST_MALLOC", "1") == "0":
+    """Apply the settings above; returns what was done, for the executor's log. A value
+    of PAGEDSERVE_HOST_MALLOC other than 0 or 1 raises ValueError."""
+    if switch_from_env("PAGEDSERVE_HOST_MALLOC", environ) is False:
         return "left as it is (PAGEDSERVE_HOST_MALLOC=0)"
     set_by_user = [name for name in _USER_TUNABLES if environ.get(name)]
     if set_by_user:

@@ -66,7 +66,8 @@ main thread prepares and launches a step). A bad value exits with code 2. For A/
 The kernels' switches, read where they apply and checked here at start (a bad value exits
 with code 2): ``PAGEDSERVE_DECODE_FUSED_ROPE``, ``PAGEDSERVE_DECODE_TRITON_GEMM``,
 ``PAGEDSERVE_GRAPH_FEED`` and ``PAGEDSERVE_MIXED_DECODE_SPLIT`` (kernels/host_math.py,
-executor/graph_feed.py).
+executor/graph_feed.py); on a CPU, ``PAGEDSERVE_HOST_MALLOC=0`` leaves glibc's allocator as
+it is (executor/host_malloc.py).
 
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """

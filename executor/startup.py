@@ -102,7 +102,11 @@ def run_executor(args: argparse.Namespace) -> int:
             print(f"pagedserve executor: {exc}", file=sys.stderr)
             return 2
         torch.set_num_threads(max(1, args.cpu_threads))
-        log.info("host memory: %s", tune_host_malloc())  # executor/host_malloc.py
+        try:
+            log.info("host memory: %s", tune_host_malloc())  # executor/host_malloc.py
+        except ValueError as exc:
+            print(f"pagedserve executor: {exc}", file=sys.stderr)
+            return 2
     torch.manual_seed(args.seed)
     executor_id = args.executor_id or default_executor_id()
     try:

@@ -46,6 +46,8 @@ def test_freed_pages_are_reused():
 
 
 def test_an_operators_choice_is_kept():
+    with pytest.raises(ValueError, match="PAGEDSERVE_HOST_MALLOC='yes'"):
+        tune_host_malloc({"PAGEDSERVE_HOST_MALLOC": "yes"})
     assert tune_host_malloc({"PAGEDSERVE_HOST_MALLOC": "0"}).startswith("left as it is")
     assert "MALLOC_ARENA_MAX" not in tune_host_malloc({"MALLOC_TRIM_THRESHOLD_": "1"})
     assert tune_host_malloc({"MALLOC_MMAP_MAX_": "0"}) == \
