@@ -74,7 +74,7 @@ class _NullSink:
     def push_token(self, index, token_id) -> None:
         pass
 
-    def finish(self, usage, prompt_logprobs=()) -> None:
+    def finish(self, usage, prompt_logprobs=(), embedding=None) -> None:
         if self.on_finish is not None:
             self.on_finish()
 

@@ -31,6 +31,7 @@ from pagedserve.kernels.host_math import switch_from_env
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 TRIM_THRESHOLD_BYTES = 1 << 30
+HOST_MALLOC_ENV = "PAGEDSERVE_HOST_MALLOC"
 _USER_TUNABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                   "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
@@ -38,7 +39,7 @@ _USER_TUNABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THR
 def tune_host_malloc(environ=os.environ) -> str:
     """Apply the settings above; returns what was done, for the executor's log. A value
     of PAGEDSERVE_HOST_MALLOC other than 0 or 1 raises ValueError."""
-    if switch_from_env("PAGEDSERVE_HOST_MALLOC", environ) is False:
+    if switch_from_env(HOST_MALLOC_ENV, environ) is False:
         return "left as it is (PAGEDSERVE_HOST_MALLOC=0)"
     set_by_user = [name for name in _USER_TUNABLES if environ.get(name)]
     if set_by_user:

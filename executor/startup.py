@@ -21,6 +21,7 @@ from pagedserve.executor.process import ExecutorProcess, _setup_logging, load_cu
 from pagedserve.kernels.host_math import (
     fused_rope_from_env,
     mixed_decode_split_from_env,
+    switch_from_env,
     triton_gemm_from_env,
 )
 from pagedserve.protos.wire import Hello
@@ -64,7 +65,7 @@ def default_executor_id() -> str:
 def run_executor(args: argparse.Namespace) -> int:
     """Entry point for ``pagedserve executor`` (args from ``pagedserve.flags``)."""
     import torch
-    from pagedserve.executor.host_malloc import tune_host_malloc
+    from pagedserve.executor.host_malloc import HOST_MALLOC_ENV, tune_host_malloc
     from pagedserve.executor.models import ModelNotSupported
     from pagedserve.executor.runner_setup import build_runner
     from pagedserve.executor.step_trace import profiler_from_env
@@ -90,6 +91,7 @@ def run_executor(args: argparse.Namespace) -> int:
         triton_gemm_from_env()  # PAGEDSERVE_DECODE_TRITON_GEMM: which projections
         feeds_wanted(strict=True)  # PAGEDSERVE_GRAPH_FEED: 0, 1 or unset (graph_feed.py)
         mixed_decode_split_from_env()  # PAGEDSERVE_MIXED_DECODE_SPLIT: 0, 1 or unset
+        switch_from_env(HOST_MALLOC_ENV)  # PAGEDSERVE_HOST_MALLOC: 0, 1 or unset
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2
@@ -102,11 +104,6 @@ def run_executor(args: argparse.Namespace) -> int:
             print(f"pagedserve executor: {exc}", file=sys.stderr)
             return 2
         torch.set_num_threads(max(1, args.cpu_threads))
-        try:
-            log.info("host memory: %s", tune_host_malloc())  # executor/host_malloc.py
-        except ValueError as exc:
-            print(f"pagedserve executor: {exc}", file=sys.stderr)
-            return 2
     torch.manual_seed(args.seed)
     executor_id = args.executor_id or default_executor_id()
     try:
@@ -126,6 +123,8 @@ def run_executor(args: argparse.Namespace) -> int:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2
     cache = runner.cache
+    if device.startswith("cpu"):  # the steps' allocations from here on (host_malloc.py)
+        log.info("host memory: %s", tune_host_malloc())
     hello = Hello(
         executor_id=executor_id, model_fingerprint=runner.model.config.fingerprint,
         device=str(cache.device),

@@ -50,8 +50,8 @@ def paged_prefill_attention(
     are the case ``seq_len > q_len``; decode is ``q_len == 1``.
 
     A mixed step (decodes next to prefill chunks) is split: the decodes run as one batch
-    (``_attend_decode``), whole prompts of similar lengths as padded batches
-    (``_attend_fresh``) and every other chunk on its own, so no decode is padded to a
+    (``_attend_decode``), whole prompts in batches by padded length (``_attend_fresh``)
+    and every other chunk on its own, so no decode is padded to a
     chunk's query length (one batch padded to a 512-token chunk made 78 decodes cost 39x
     more).
     """
@@ -98,26 +98,22 @@ def _attend_chunk(
 
     torch's fused scaled-dot-product attention on the gathered context: it never writes the
     ``[heads, q_len, seq_len]`` scores to memory (a 512-token chunk's masked fill and softmax
-    cost as much as the attention's matmuls). A whole prompt is plain causal attention;
-    a chunk after cached tokens, or a sliding window, passes its mask."""
+    cost as much as the attention's matmuls), with the chunk's mask (its positions after
+    the cached ones, and the sliding window). Whole prompts without a window go to
+    ``_attend_fresh``."""
     q_len, num_heads, head_dim = query.shape
     k = _gather_context(key_cache, block_table[None], seq_len, slot=0)[0]  # [L, Hkv, D]
     v = _gather_context(value_cache, block_table[None], seq_len, slot=1)[0]
     q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
     k = _in_float32(k, slot=2).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
     v = _in_float32(v, slot=3).permute(1, 0, 2)[None]
-    windowed = sliding_window is not None and sliding_window > 0
-    if q_len == seq_len and not windowed:
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=True)
-    else:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        allowed = k_pos <= q_pos
-        if windowed:
-            allowed &= k_pos > q_pos - sliding_window
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                             enable_gqa=True)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+    k_pos = torch.arange(seq_len, device=query.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None and sliding_window > 0:
+        allowed &= k_pos > q_pos - sliding_window
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                         enable_gqa=True)
     return ctx[0].permute(1, 0, 2).to(query.dtype)
 
 
