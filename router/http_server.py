@@ -331,9 +331,8 @@ class OpenAIApp:
                 for i, pb_request in enumerate(call.requests):
                     pb_request.lora_adapter = adapter
                     sessions.append(await stack.enter_async_context(self._session(
-                        pb_request, f"{response_id}-{i}", arrival,
-                        lambda spec, i=i: as_embedding(spec), lambda exc, i=i: input_field(
-                            exc, i, of))))
+                        pb_request, f"{response_id}-{i}", arrival, as_embedding,
+                        functools.partial(input_field, index=i, of=of))))
                 async for i, out in _merge(sessions):
                     if out.finished:
                         outputs[i] = out

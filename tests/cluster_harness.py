@@ -7,6 +7,7 @@ so start one cluster per module and share it. HF reference generation is here to
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -29,6 +32,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_json(cluster, path: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to the cluster's OpenAI API at ``path``: (status, JSON reply), errors
+    included."""
+    req = urllib.request.Request(f"http://{cluster.http_address}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 class _Reader(threading.Thread):

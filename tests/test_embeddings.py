@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import base64
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import openai
 import pytest
-from cluster_harness import Cluster, HFReference
+from cluster_harness import Cluster, HFReference, post_json
 
 from pagedserve.tinymodels import build_model
 
@@ -56,14 +54,7 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 
 def post(cluster, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{cluster.http_address}/v1/embeddings",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(cluster, "/v1/embeddings", body)
 
 
 def test_vectors_equal_transformers_last_hidden_state(cluster, hf, model_dir):

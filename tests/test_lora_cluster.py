@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from cluster_harness import Cluster, concurrently, request
+from cluster_harness import Cluster, concurrently, post_json, request
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from test_lora import peft_reference
 from test_models import PROMPTS
@@ -44,17 +44,6 @@ def cluster(dirs):
         yield c
 
 
-def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{cluster.http_address}{path}",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def _get(cluster, path: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"http://{cluster.http_address}{path}", timeout=30) as r:
@@ -64,7 +53,7 @@ def _get(cluster, path: str) -> tuple[int, dict]:
 
 
 def _completion(cluster, model: str, prompt: list[int]) -> dict:
-    status, body = _post(cluster, "/v1/completions", {
+    status, body = post_json(cluster, "/v1/completions", {
         "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
         "ignore_eos": True, "return_tokens_as_token_ids": True, "logprobs": 0})
     assert status == 200, body
@@ -120,17 +109,17 @@ def test_models_are_listed_and_unknown_ones_refused(cluster):
     assert [(m["id"], m.get("parent")) for m in listing["data"]] == [
         ("base", None), ("sql", "base"), ("chat", "base")]
     assert _get(cluster, "/v1/models/chat")[1]["parent"] == "base"
-    status, body = _post(cluster, "/v1/chat/completions", {
+    status, body = post_json(cluster, "/v1/chat/completions", {
         "model": "nope", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 404
     assert body["error"]["message"] == ("the model 'nope' does not exist; this server serves "
                                         "'base', 'sql', 'chat'")
-    status, body = _post(cluster, "/tokenize", {"model": "sql", "prompt": "hi there"})
+    status, body = post_json(cluster, "/tokenize", {"model": "sql", "prompt": "hi there"})
     assert status == 200 and body["count"] > 0
 
 
 def test_chat_with_an_adapter(cluster, dirs):
-    status, body = _post(cluster, "/v1/chat/completions", {
+    status, body = post_json(cluster, "/v1/chat/completions", {
         "model": "sql", "messages": [{"role": "user", "content": "select"}],
         "max_tokens": 4, "temperature": 0})
     assert status == 200, body
