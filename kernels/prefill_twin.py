@@ -152,9 +152,11 @@ def _attend_fresh(query, key_cache, value_cache, block_tables, starts, q_lens,
     k = _in_float32(_gather_context(key_cache, tables, longest, slot=0), slot=2)
     v = _in_float32(_gather_context(value_cache, tables, longest, slot=1), slot=3)
     pad = ~valid[:, :, None, None]
-    # the padding's keys and values are whatever the cache held there: zeroed, so that a
-    # weight of exactly 0 meets no inf or NaN
-    k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    # the padding's keys and values are whatever the cache held there: zeroed (in the
+    # scratch buffers they were gathered into), so that a weight of exactly 0 meets no inf
+    # or NaN
+    k.masked_fill_(pad, 0.0)
+    v.masked_fill_(pad, 0.0)
     ctx = F.scaled_dot_product_attention(
         q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), is_causal=True,
         scale=scale, enable_gqa=True)  # [g, H, L, D]
