@@ -59,6 +59,8 @@ class Delivery:
                 text, delivered, lps, update = self._take_new(seq, token_ids[start:])
                 num_tokens += len(delivered)
             if update is not None and update.finished:
+                if group.spec.sampling.embed:  # its one token is a means, not an output
+                    num_tokens -= len(delivered)
                 if not seq.finished:
                     scheduler.finish_seq(seq)  # a stop string: at most one token wasted
                 self.deliver(seq, text, delivered, lps, update.finish_reason,

@@ -91,16 +91,22 @@ def test_vectors_equal_transformers_last_hidden_state(cluster, hf, model_dir):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
 
 
+def _counter(cluster, name: str) -> float:
+    """The sum of a counter's series."""
+    values = [float(line.split()[-1]) for line in cluster.metrics().splitlines()
+              if line.startswith((name + " ", name + "{"))]
+    assert values, f"no {name}"
+    return sum(values)
+
+
 def _cached(cluster) -> float:
-    for line in cluster.metrics().splitlines():
-        if line.startswith("pagedserve_prefix_cache_hits_total"):
-            return float(line.split()[-1])
-    raise AssertionError("no prefix-cache hit counter")
+    return _counter(cluster, "pagedserve_prefix_cache_hits_total")
 
 
 def test_the_openai_sdk_base64_dimensions_and_raw_vectors(cluster, hf, model_dir):
     client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
                            max_retries=0, timeout=60)
+    generated = _counter(cluster, "pagedserve_generation_tokens_total")
     raw = hidden_last(hf, hf.encode(TEXTS[0]))
     reply = client.embeddings.create(model=model_dir.name, input=TEXTS[0])  # base64 on the wire
     np.testing.assert_allclose(reply.data[0].embedding, unit(raw), atol=2e-5)
@@ -113,6 +119,8 @@ def test_the_openai_sdk_base64_dimensions_and_raw_vectors(cluster, hf, model_dir
     status, body = post(cluster, {"input": [TEXTS[0]], "normalize": False})
     assert status == 200
     np.testing.assert_allclose(body["data"][0]["embedding"], raw, rtol=1e-4, atol=1e-4)
+    # the token each input samples and drops is no generated token
+    assert _counter(cluster, "pagedserve_generation_tokens_total") == generated
 
 
 @pytest.mark.parametrize("body, status, field", [
