@@ -40,7 +40,7 @@ import numpy as np
 
 from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
 
-BACKENDS = ("grpc", "openai")
+BACKENDS = ("grpc", "openai", "openai-embeddings")
 
 
 @dataclass
@@ -217,7 +217,7 @@ def summarise(outcomes: list[RequestOutcome], duration_s: float,
 
 async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None) -> dict:
     """Run the workload against cfg.address; returns the summary dict (no bench/case keys)."""
-    if cfg.backend == "openai":
+    if cfg.backend.startswith("openai"):
         from .bench_openai import run_openai
         return await run_openai(cfg, requests)
     import grpc
@@ -332,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "openai the HTTP server's HOST:PORT or URL (default 127.0.0.1:8000)")
     p.add_argument("--backend", choices=BACKENDS, default="grpc",
                    help="grpc: pagedserve's Stream; openai: streamed POST /v1/completions "
-                        "(pagedserve's HTTP API or another OpenAI-compatible server)")
+                        "(pagedserve's HTTP API or another OpenAI-compatible server); "
+                        "openai-embeddings: POST /v1/embeddings of each prompt (latency: "
+                        "the whole reply; no output tokens)")
     p.add_argument("--model", default=None,
                    help="openai: the model id (default: the first of GET /v1/models)")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -378,7 +380,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     num_prompts = args.num_prompts
     if args.dataset == "shared-prefix":
         num_prompts = args.tenants * args.questions_per_tenant
-    address = args.address or ("127.0.0.1:8000" if args.backend == "openai"
+    address = args.address or ("127.0.0.1:8000" if args.backend.startswith("openai")
                                else "127.0.0.1:50051")
     return BenchConfig(
         address=address, backend=args.backend, model=args.model, vocab_size=args.vocab_size,

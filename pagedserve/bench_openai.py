@@ -2,7 +2,11 @@
 `POST /v1/completions` (with `stream_options.include_usage`), against pagedserve's HTTP API or
 any OpenAI-compatible server (vLLM, SGLang, TGI). An SSE chunk carries no token count: each
 chunk with text counts as one token for TTFT/ITL (vLLM's client counts the same way); output
-tokens come from the final usage chunk."""
+tokens come from the final usage chunk.
+
+`--backend openai-embeddings`: each prompt as one `POST /v1/embeddings` (vLLM's and TEI's
+route too): TTFT and e2e are the whole reply's latency, no output tokens; input tokens and
+the prefix cache as for completions."""
 
 from __future__ import annotations
 
@@ -27,9 +31,33 @@ async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> d
             model = models[0]["id"]
         if requests is None:
             if cfg.dataset != "file" and cfg.vocab_size is None:
-                raise ValueError("--backend openai with token-id prompts needs --vocab-size")
+                raise ValueError(f"--backend {cfg.backend} with token-id prompts needs "
+                                 "--vocab-size")
             requests = sample_requests(cfg, cfg.vocab_size or 0)
-        return await drive(cfg, requests, lambda req: one_request(http, req, cfg, model))
+        send = one_embedding if cfg.backend == "openai-embeddings" else one_request
+        return await drive(cfg, requests, lambda req: send(http, req, cfg, model))
+
+
+async def one_embedding(http, req: BenchRequest, cfg: BenchConfig,
+                        model: str) -> RequestOutcome:
+    """One POST /v1/embeddings of the request's prompt."""
+    out = RequestOutcome(prompt_tokens=req.prompt_len)
+    body = {"model": req.lora or model, "input": list(req.prompt_token_ids)
+            if req.prompt_token_ids is not None else req.prompt}
+    start = time.perf_counter()
+    try:
+        async with http.post("/v1/embeddings", json=body) as reply:
+            payload = await reply.json(content_type=None)
+        if reply.status != 200 or not payload.get("data"):
+            message = (payload.get("error") or {}).get("message", payload)
+            out.error = f"HTTP {reply.status}: {str(message)[:200]}"
+            return out
+        out.ttft_s = out.e2e_s = time.perf_counter() - start
+        out.prompt_tokens = (payload.get("usage") or {}).get("prompt_tokens", out.prompt_tokens)
+        out.ok = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def _openai_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict:

@@ -84,6 +84,24 @@ def test_openai_backend_runs_the_same_workload_over_http(cluster):
     assert bad.returncode == 1 and "--vocab-size" in bad.stderr
 
 
+def test_openai_embeddings_backend(cluster):
+    """--backend openai-embeddings: the shared-prefix workload as POST /v1/embeddings: every
+    prompt's tokens counted, no output, the prefixes from the cache; latency = the reply."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "bench", "--backend", "openai-embeddings",
+         "--address", cluster.http_address, "--metrics-address", cluster.metrics_address,
+         "--json", "--vocab-size", "512", "--dataset", "shared-prefix", "--tenants", "2",
+         "--prefix-len", "64", "--questions-per-tenant", "3", "--question-len", "8",
+         "--max-concurrency", "1", "--seed", "6"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    assert res["backend"] == "openai-embeddings" and res["completed"] == 6
+    assert res["failed"] == 0 and "errors" not in res
+    assert res["total_input_tokens"] == 6 * 72 and res["total_output_tokens"] == 0
+    assert res["prefix_hit_ratio"] > 0.4
+    assert res["ttft_ms_p50"] == res["e2e_ms_p50"] > 0 and res["tpot_ms_p50"] is None
+
+
 def test_requests_spread_over_several_connections(cluster):
     res = _bench(cluster, "--num-prompts", "6", "--input-len-range", "8:16",
                  "--output-len-range", "3:3", "--connections", "3", "--seed", "5")
