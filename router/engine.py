@@ -323,7 +323,10 @@ class RouterEngine:
 
     def update_gauges(self, handle: ExecutorHandle) -> None:
         """Executor gauges from its KV manager: once per applied result and when its step loop
-        wakes idle (after aborts and edge stops), never once per request (see abort)."""
+        wakes idle (after aborts and edge stops), never once per request (see abort). A
+        lost executor has none (metrics.forget_executor)."""
+        if not handle.healthy:
+            return
         st = handle.kv.stats()
         s = handle.scheduler
         self.metrics.set_executor_gauges(

@@ -216,6 +216,7 @@ class Membership:
                               handle.id)
                 delivery.fail(group, Unavailable(f"executor {handle.id} is gone ({why})"))
         self.engine.metrics.set_executors_healthy(self.engine.num_healthy())
+        self.engine.metrics.forget_executor(handle.id)
 
     def migrate(self, group: RequestGroup, why: str) -> None:
         """Re-admit a request whose executor is gone on a live one; it keeps its priority

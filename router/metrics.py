@@ -14,6 +14,7 @@ Metric names are the contract; do not rename.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import Any, NamedTuple
 
 import grpc
@@ -190,6 +191,20 @@ class RouterMetrics:
         c.cpu_blocks_total.set(num_cpu_blocks)
         c.cpu_blocks_free.set(num_free_cpu_blocks)
         c.blocks_leaked.set(num_leaked_blocks)
+
+    def forget_executor(self, executor_id: str) -> None:
+        """An executor left: its gauges' series go (a dead executor's last running count and
+        free blocks would otherwise stay on every dashboard); its counters and histograms
+        stay, as counts of what happened. A later executor of the same id starts them
+        again."""
+        if self._per_executor.pop(executor_id, None) is None:
+            return
+        for gauge in (self.requests_running, self.requests_waiting, self.requests_swapped,
+                      self.kv_blocks_total, self.kv_blocks_free, self.kv_cache_usage_ratio,
+                      self.kv_cpu_blocks_total, self.kv_cpu_blocks_free,
+                      self.kv_blocks_leaked):
+            with contextlib.suppress(KeyError):  # never set
+                gauge.remove(executor_id)
 
     def _children(self, executor_id: str) -> _ExecutorChildren:
         children = self._per_executor.get(executor_id)

@@ -229,13 +229,25 @@ def test_executor_lost_with_two_plans_in_flight_resumes_from_the_last_received_t
                            num_cpu_blocks=8, max_model_len=128)
         engine.membership.on_hello(b"e1", hello)
         ex2 = SimExecutor(engine, "e1")
+        assert 'pagedserve_kv_blocks_free{executor="e0"}' in _metrics(engine)
         engine.membership.executor_lost(engine.executors["e0"], "killed")
         await ex2.wait_plans(1)
         new = ex2.unanswered()[0].new_requests[0]
         assert new.request_id == "a#0" and len(new.output_token_ids) == received
         await ex2.run_until_done([a])
         assert a.tokens() == expected("a#0", 8)
+        # the lost executor's gauges are gone (its counters stay); e1's are there
+        text = _metrics(engine)
+        assert 'executor="e0"' not in "".join(
+            line for line in text.splitlines() if line.startswith(
+                ("pagedserve_kv_", "pagedserve_requests_")))
+        assert 'pagedserve_kv_blocks_free{executor="e1"}' in text
     run(main())
+
+
+def _metrics(engine) -> str:
+    engine.update_gauges(next(iter(h for h in engine.executors.values() if h.healthy)))
+    return engine.metrics.render().decode()
 
 
 def test_overdue_plan_makes_the_executor_dead_and_its_requests_migrate():
