@@ -235,6 +235,39 @@ def test_shell_wrapper(tmp_path):
     assert "[cluster] would run bf16_migration" in done.stdout
 
 
+def test_calls_wrapper_runs_stages_in_one_folder_and_returns_what_ran(tmp_path):
+    """scripts/gpu_calls.sh: stages one after another into one report, copied out with a
+    tarball of the rest; a malformed call refused; stages stopped at the call's seconds
+    still leave what they wrote in the out folder."""
+    script = str(ROOT / "scripts" / "gpu_calls.sh")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+           "GPU_CALLS_WORK": str(tmp_path / "w")}
+    usage = subprocess.run(["bash", script, str(tmp_path / "o")], capture_output=True,
+                           text=True, env=env)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+    out = tmp_path / "o"
+    done = subprocess.run(["bash", script, str(out), "120", "kernels:pytest_gpu:200",
+                           "executor:executor_bench,executor_bench_fp8_kv:100", "--",
+                           "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert set(report["stages"]) == {"kernels", "executor"}
+    assert (out / "rest.tgz").exists()
+    bad = subprocess.run(["bash", script, str(tmp_path / "b"), "60", "kernels:pytest_gpu"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "expected STAGE:STEP" in bad.stderr
+    slow = tmp_path / "slow.sh"  # a gpu_check that writes its log, then outlives the call
+    slow.write_text("#!/bin/sh\necho started > \"$2/kernels.log\"\nsleep 30\n")
+    slow.chmod(0o755)
+    cut_out = tmp_path / "c"
+    start = time.monotonic()
+    cut = subprocess.run(["bash", script, str(cut_out), "2", "kernels:pytest_gpu:200"],
+                         capture_output=True, text=True, env={**env, "PYTHON": str(slow)},
+                         timeout=60)
+    assert cut.returncode == 1 and time.monotonic() - start < 20
+    assert (cut_out / "kernels.log").read_text() == "started\n"
+
+
 def test_wheel_selection():
     names = gpu_wheels.first_names(ROOT / "pyproject.toml")
     for name in ("pyzmq", "msgspec", "grpcio-health-checking", "grpcio-reflection", "gguf",
