@@ -244,3 +244,26 @@ def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
     migrated = [line for line in cluster.metrics().splitlines()
                 if line.startswith("pagedserve_migrations_total ")]
     assert migrated and float(migrated[0].split()[1]) >= 1  # the kill was mid-stream
+
+
+def test_embeddings_run_the_adapter_the_model_field_names(cluster, dirs):
+    """/v1/embeddings with an adapter's name as `model`: the last-token hidden state of
+    transformers + PEFT with that adapter (the base model's without one), normalized."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for name in ("sql", None):
+        model = AutoModelForCausalLM.from_pretrained(str(dirs["model"]), dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(dirs[name]))
+        with torch.no_grad():
+            out = model.eval()(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+        want = out.hidden_states[-1][0, -1].double().numpy()
+        status, body = post_json(cluster, "/v1/embeddings",
+                                 {"model": name or "base", "input": [PROMPTS[0]]})
+        assert status == 200, body
+        assert body["model"] == (name or "base")
+        np.testing.assert_allclose(body["data"][0]["embedding"], want / np.linalg.norm(want),
+                                   atol=2e-5)
