@@ -70,13 +70,12 @@ def paged_prefill_attention(
             query[starts[decodes]], key_cache, value_cache, block_tables[decodes],
             seq_lens[decodes], scale, sliding_window, None)
     chunks = (q_lens > 1).nonzero().flatten()
-    windowed = sliding_window is not None and sliding_window > 0
-    whole = chunks[q_lens[chunks] == seq_lens.long()[chunks]] if not windowed else chunks[:0]
-    for rows, padded in _fresh_groups(whole, q_lens):
-        _attend_fresh(query, key_cache, value_cache, block_tables, starts, q_lens, rows,
-                      padded, scale, result)
-    if whole.numel():
-        chunks = chunks[q_lens[chunks] != seq_lens.long()[chunks]]
+    if sliding_window is None or sliding_window <= 0:  # whole prompts apart
+        is_whole = q_lens[chunks] == seq_lens.long()[chunks]
+        for rows, padded in _fresh_groups(chunks[is_whole], q_lens):
+            _attend_fresh(query, key_cache, value_cache, block_tables, starts, q_lens, rows,
+                          padded, scale, result)
+        chunks = chunks[~is_whole]
     for i in chunks.tolist():
         a, b = int(starts[i]), int(starts[i + 1])
         result[a:b] = _attend_chunk(query[a:b], key_cache, value_cache, block_tables[i],

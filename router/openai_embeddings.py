@@ -28,7 +28,7 @@ import numpy as np
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
 from .errors import InvalidRequest
-from .openai_fields import bad, optional_bool, optional_int, optional_str, token_ids
+from .openai_fields import bad, optional_bool, optional_int, optional_str, prompt_requests
 from .openai_protocol import common_fields
 from .types import RequestOutput, RequestSpec, Usage
 
@@ -59,31 +59,7 @@ def embedding_call(body: dict) -> EmbeddingCall:
     # one greedy token, dropped: the prompt's last token is computed in the step that
     # samples it, and its hidden state comes back with that step's result
     params = pb.SamplingParams(max_tokens=1, temperature=0.0)
-
-    def one(item, param: str) -> pb.GenerateRequest:
-        if isinstance(item, str):
-            if not item:
-                raise bad(param, "must not be empty")
-            return pb.GenerateRequest(prompt=item, params=params, **common)
-        ids = token_ids(item, param)
-        if ids is None:
-            raise bad(param, "must be a string or an array of token ids")
-        if not ids:
-            raise bad(param, "must not be empty")
-        return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), params=params,
-                                  **common)
-
-    value = body.get("input")
-    if value is None:
-        raise bad("input", "is required")
-    if isinstance(value, str) or (isinstance(value, list) and value
-                                  and all(isinstance(x, int) for x in value)):
-        requests = [one(value, "input")]
-    elif isinstance(value, list) and value:
-        requests = [one(item, f"input[{i}]") for i, item in enumerate(value)]
-    else:
-        raise bad("input", "must be a string, an array of strings, an array of token ids or "
-                  "an array of arrays of token ids (and not empty)")
+    requests = prompt_requests(body.get("input"), "input", params, common)
     return EmbeddingCall(requests, encoding, dimensions, True if normalize is None else normalize)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
+
 from .errors import InvalidRequest
 
 UINT32_MAX = 2**32 - 1
@@ -79,3 +81,30 @@ def token_ids(value: Any, param: str) -> list[int] | None:
                 raise bad(param, f"token id {t} is out of range")
         return value
     return None
+
+
+def prompt_requests(value, field: str, params: pb.SamplingParams,
+                    common: dict) -> list[pb.GenerateRequest]:
+    """A completions `prompt` (an embeddings `input`, ``field``): a string, an array of
+    strings, an array of token ids or an array of such arrays → one GenerateRequest each
+    (an empty one is refused where it is tokenized, validation.prompt_from_pb)."""
+    if isinstance(value, str):
+        return [pb.GenerateRequest(prompt=value, params=params, **common)]
+    if token_ids(value, field) is not None:
+        return [pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=value), params=params,
+                                   **common)]
+    if value is None:
+        raise bad(field, "is required")
+    if not isinstance(value, list) or not value:
+        raise bad(field, "must be a string, an array of strings, an array of token ids "
+                  "or an array of arrays of token ids (and not empty)")
+    requests = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            requests.append(pb.GenerateRequest(prompt=item, params=params, **common))
+        elif (ids := token_ids(item, f"{field}[{i}]")) is not None:
+            requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                               params=params, **common))
+        else:
+            raise bad(field, f"{field}[{i}] must be a string or an array of token ids")
+    return requests

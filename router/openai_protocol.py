@@ -42,6 +42,7 @@ from .openai_fields import (
     optional_int,
     optional_str,
     present,
+    prompt_requests,
     token_ids,
 )
 from .openai_formats import (
@@ -205,27 +206,7 @@ def completion_request(body: dict) -> ApiRequest:
     common = common_fields(body)
     if echo and common.get("truncate_prompt_tokens"):
         raise bad("echo", "echo with truncate_prompt_tokens is not supported")
-    prompt = body.get("prompt")
-    requests: list[pb.GenerateRequest] = []
-    if isinstance(prompt, str):
-        requests.append(pb.GenerateRequest(prompt=prompt, params=params, **common))
-    elif token_ids(prompt, "prompt") is not None:
-        requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
-                                           params=params, **common))
-    elif isinstance(prompt, list) and prompt:
-        for i, item in enumerate(prompt):
-            if isinstance(item, str):
-                requests.append(pb.GenerateRequest(prompt=item, params=params, **common))
-            elif (ids := token_ids(item, f"prompt[{i}]")) is not None:
-                requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
-                                                   params=params, **common))
-            else:
-                raise bad("prompt", f"prompt[{i}] must be a string or an array of token ids")
-    elif prompt is None:
-        raise bad("prompt", "is required")
-    else:
-        raise bad("prompt", "must be a string, an array of strings, an array of token ids "
-                   "or an array of arrays of token ids (and not empty)")
+    requests = prompt_requests(body.get("prompt"), "prompt", params, common)
     n = params.n if params.HasField("n") else 1
     return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
                       logprobs, echo=echo, **_api_extras(body))
