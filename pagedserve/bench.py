@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
+from .router.edge_security import add_client_api_key, grpc_metadata
 
 BACKENDS = ("grpc", "openai", "openai-embeddings")
 
@@ -94,6 +95,7 @@ class BenchConfig:
     model: str | None = None  # openai: the model id (default: the server's first)
     connections: int = 1  # grpc: channels (TCP connections) the requests are spread over
     lora_modules: tuple[str, ...] = ()  # each request runs one of these adapters, at random
+    api_key: str | None = None  # the server's --api-key (sent as a bearer token)
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,7 +131,8 @@ async def _one(stub, req: BenchRequest, cfg: BenchConfig) -> RequestOutcome:
     out = RequestOutcome(prompt_tokens=req.prompt_len)
     start = time.perf_counter()
     try:
-        call = stub.Stream(_grpc_request(req, cfg), timeout=cfg.timeout_s)
+        call = stub.Stream(_grpc_request(req, cfg), timeout=cfg.timeout_s,
+                           metadata=grpc_metadata(cfg.api_key))
         async for chunk in call:
             if chunk.token_ids:
                 out.record_tokens(len(chunk.token_ids), start)
@@ -233,7 +236,8 @@ async def run_bench(cfg: BenchConfig, requests: list[BenchRequest] | None = None
     try:
         stubs = [pb_grpc.GeneratorStub(ch) for ch in channels]
         info = await stubs[0].GetModelInfo(pb.ModelInfoRequest(), timeout=15,
-                                           wait_for_ready=True)
+                                           wait_for_ready=True,
+                                           metadata=grpc_metadata(cfg.api_key))
         if requests is None:
             requests = sample_requests(cfg, info.vocab_size)
         turn = itertools.count()  # round robin over the connections
@@ -373,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each request runs one of these LoRA adapters, drawn at random")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
+    add_client_api_key(p)
     return p
 
 
@@ -392,7 +397,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress and not args.json, timeout_s=args.timeout,
-        connections=args.connections, lora_modules=args.lora_modules)
+        connections=args.connections, lora_modules=args.lora_modules, api_key=args.api_key)
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,9 @@ async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> d
     base = cfg.address if "://" in cfg.address else f"http://{cfg.address}"
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
-    async with aiohttp.ClientSession(base, timeout=timeout, connector=connector) as http:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with aiohttp.ClientSession(base, timeout=timeout, connector=connector,
+                                     headers=headers) as http:
         model = cfg.model
         if model is None:
             async with http.get("/v1/models") as reply:

@@ -41,8 +41,10 @@ class ChatSession:
     `stub` is a GeneratorStub; `params` the SamplingParams of every turn."""
 
     def __init__(self, stub, params, system: str | None = None, out: TextIO = sys.stdout,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, api_key: str | None = None) -> None:
+        from .router.edge_security import grpc_metadata
         self.stub = stub
+        self.metadata = grpc_metadata(api_key)
         self.params = params
         self.system = system
         self.out = out
@@ -61,7 +63,7 @@ class ChatSession:
         request_id = f"chat-{uuid.uuid4().hex}"
         request = pb.GenerateRequest(request_id=request_id, params=self.params,
                                      messages=chat_messages(turns, self.system))
-        call = self.stub.Stream(request, timeout=self.timeout)
+        call = self.stub.Stream(request, timeout=self.timeout, metadata=self.metadata)
         pieces: list[str] = []
         stopped = False
         try:
@@ -90,7 +92,8 @@ class ChatSession:
         from .protos.generated.pagedserve.v1 import generate_pb2 as pb
         # Already finished, or the server is gone: cancelling the call is enough then.
         with contextlib.suppress(grpc.RpcError):
-            self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5)
+            self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5,
+                            metadata=self.metadata)
         call.cancel()
 
 
@@ -147,6 +150,7 @@ def main(argv: list[str]) -> int:
     from .client import _parser
     from .protos.generated.pagedserve.v1 import generate_pb2 as pb
     from .protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+    from .router.edge_security import add_client_api_key
     p = _parser("pagedserve chat")
     p.description = "Interactive chat against a running server (the model's chat template)."
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -159,6 +163,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="answers run to --max-tokens")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each answer (s)")
+    add_client_api_key(p)
     args = p.parse_args(argv)
     params = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                top_p=args.top_p, ignore_eos=args.ignore_eos)
@@ -166,5 +171,5 @@ def main(argv: list[str]) -> int:
         params.seed = args.seed
     with grpc.insecure_channel(args.address) as channel:
         session = ChatSession(pb_grpc.GeneratorStub(channel), params, system=args.system,
-                              timeout=args.timeout)
+                              timeout=args.timeout, api_key=args.api_key)
         return run(session)

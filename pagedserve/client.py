@@ -8,6 +8,8 @@ import sys
 
 import grpc
 
+from .router.edge_security import add_client_api_key, grpc_metadata
+
 
 def _channel(address: str, timeout: float | None = None) -> grpc.Channel:
     return grpc.insecure_channel(address)
@@ -84,6 +86,7 @@ def main(argv: list[str]) -> int:
                    help="a LoRA adapter the server serves (GetModelInfo lists them)")
     p.add_argument("--request-id", default=None)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_client_api_key(p)
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat")
@@ -91,11 +94,12 @@ def main(argv: list[str]) -> int:
                                  or args.early_stopping != "heuristic"):
         p.error("--length-penalty and --early-stopping need --beam-search")
     request = build_request(args)
+    metadata = grpc_metadata(args.api_key)
     with _channel(args.address) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         try:
             if args.stream:
-                for chunk in stub.Stream(request, timeout=args.timeout):
+                for chunk in stub.Stream(request, timeout=args.timeout, metadata=metadata):
                     if args.json:
                         print(json_format.MessageToJson(chunk, indent=None), flush=True)
                     else:
@@ -104,7 +108,7 @@ def main(argv: list[str]) -> int:
                 if not args.json:
                     sys.stdout.write("\n")
             else:
-                response = stub.Generate(request, timeout=args.timeout)
+                response = stub.Generate(request, timeout=args.timeout, metadata=metadata)
                 if args.json:
                     print(json_format.MessageToJson(response))
                 else:

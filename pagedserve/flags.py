@@ -123,6 +123,15 @@ def _speculative_config(value: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _api_keys(value: str) -> tuple[str, ...]:
+    """``--api-key``: one key or several, comma-separated (router/edge_security.py)."""
+    from pagedserve.router.edge_security import parse_api_keys
+    try:
+        return parse_api_keys(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _LORA_NAME = re.compile(r"[^\s,=]{1,128}")
 
 
@@ -222,6 +231,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("tls-cert", str, None, "gRPC TLS certificate (PEM)"),
     ("tls-key", str, None, "gRPC TLS private key (PEM)"),
     ("tls-client-ca", str, None, "CA for client certificates (mutual TLS)"),
+    ("api-key", _api_keys, None, "router: keys the gRPC and HTTP APIs require, sent as "
+     "'Authorization: Bearer KEY' (comma-separated to accept several; /health, /version "
+     "and gRPC health stay open; default: none needed)"),
     ("curve-keys", str, None, "folder from `pagedserve keygen` (ZeroMQ CURVE)"),
     ("allow-insecure", parse_bool, False, "permit a non-loopback bind without CURVE keys"),
     ("parent-pid", int, None, argparse.SUPPRESS),  # set by serve for its executors
@@ -230,6 +242,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
 
 _BOOLEAN_SWITCHES = {"enforce-eager", "no-prefix-caching", "restart-executors", "allow-insecure",
                      "debug-checks"}
+
+
+_SECRETS = {"api-key"}
 
 
 def env_name(flag: str) -> str:
@@ -244,7 +259,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
             try:
                 default = type_(env)  # type: ignore[operator]
             except (argparse.ArgumentTypeError, ValueError) as exc:
-                raise FlagError(f"{env_name(flag)}={env!r}: {exc}") from None
+                shown = "(not shown)" if flag in _SECRETS else repr(env)
+                raise FlagError(f"{env_name(flag)}={shown}: {exc}") from None
         if flag == "lora-modules":  # each argument's pairs: flatten_lora_modules
             parser.add_argument("--" + flag, type=type_, nargs="+",
                                 default=[] if default is None else [default], help=help_)
@@ -253,6 +269,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--" + flag, type=type_, nargs="?", const=True,
                                 default=default, help=help_)
         else:
-            shown = help_ if help_ is argparse.SUPPRESS or default is None \
+            secret = flag in _SECRETS  # never printed, not even from the environment
+            shown = help_ if help_ is argparse.SUPPRESS or default is None or secret \
                 else f"{help_} (default: {default})"
             parser.add_argument("--" + flag, type=type_, default=default, help=shown)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from . import event_loop
 from .affinity import format_cores, pin_current_thread, plan_serve
+from .flags import env_name
 from .router.app import ModelDirError, ServerBindError, serve_router
 from .router.executor_link import ExecutorLinkError
 
@@ -51,6 +52,25 @@ def _num_gpus() -> int:
 
 def _relay_to_stderr(name: str, line: str) -> None:
     sys.stderr.write(f"[{name}] {line}")
+
+
+API_KEY_ENV = env_name("api-key")
+
+
+def without_api_keys(argv: list[str]) -> list[str]:
+    """`argv` less `--api-key K` / `--api-key=K` (or argparse's abbreviations of it, from
+    `--api-k`): executors never need the API keys, so they are not copied into their
+    command lines (visible to every user of the machine) or environments."""
+    out, skip = [], False
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        if skip:
+            skip = False
+        elif len(name) >= len("--api-k") and "--api-key".startswith(name):
+            skip = not eq
+        else:
+            out.append(arg)
+    return out
 
 
 class ExecutorChildren:
@@ -76,7 +96,7 @@ class ExecutorChildren:
         self.stop_event: asyncio.Event | None = None
 
     def _command(self, index: int, endpoint: str, executor_id: str) -> list[str]:
-        cmd = [sys.executable, "-m", "pagedserve.cli", "executor", *self.argv,
+        cmd = [sys.executable, "-m", "pagedserve.cli", "executor", *without_api_keys(self.argv),
                "--model", self.args.model, "--router", endpoint,
                "--executor-id", executor_id, "--parent-pid", str(os.getpid())]
         if self.num_gpus:
@@ -107,6 +127,7 @@ class ExecutorChildren:
         proc = await asyncio.create_subprocess_exec(
             *self._command(index, endpoint, executor_id),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k != API_KEY_ENV},
         )
         self.procs[executor_id] = proc
         log.info("started executor %s (pid %d)", executor_id, proc.pid)

@@ -32,6 +32,7 @@ from pagedserve.subprocs import ParentWatch
 
 from .api_workers import ARGS_ENV, BIND_ERROR_EXIT
 from .app import limits_from_args, model_info_from_args
+from .edge_security import edge_security
 from .frontend import Frontend
 from .grpc_server import start_server
 from .http_server import start_http_server
@@ -50,17 +51,17 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
     engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)
     frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay)
-    tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    security = edge_security(args)
     server = http = None
     try:
         server, port = await start_server(frontend, args.host, grpc_port, reuse_port=True,
-                                          **tls)
+                                          **security)
         if http_port >= 0:
             http = await start_http_server(
                 frontend, args.host, http_port, max_model_len=info.max_model_len,
                 served_model_name=args.served_model_name or Path(args.model).name,
                 tool_call_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser, reuse_port=True, **tls)
+                reasoning_parser=args.reasoning_parser, reuse_port=True, **security)
     except OSError as exc:
         print(f"pagedserve api worker {worker}: {exc}", file=sys.stderr, flush=True)
         if server is not None:

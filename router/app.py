@@ -182,6 +182,8 @@ async def serve_router(
     log.info("router listening: grpc %s:%d, http %s, executors join at %s%s", args.host, port,
              http_port if http_port is not None else "off", endpoint,
              f" ({args.api_workers} API workers)" if isinstance(edges, WorkerEdges) else "")
+    if getattr(args, "api_key", None):
+        log.info("gRPC and HTTP calls need one of %d API keys (--api-key)", len(args.api_key))
     # The imports, tokenizer, servers and metrics live as long as the process: out of the
     # collector's reach, so that a full collection while serving walks only what serving
     # allocates (pagedserve/gc_tuning.py).

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .api_workers import ApiWorkerError, ApiWorkers
 from .edge_hub import EdgeHub
+from .edge_security import edge_security
 from .frontend import Frontend
 from .grpc_server import start_server
 from .http_server import start_http_server
@@ -31,18 +32,17 @@ class LocalEdges:
     @classmethod
     async def start(cls, args, engine, tokenizer, info, limits: Limits, metrics) -> LocalEdges:
         frontend = Frontend(engine, tokenizer, limits, metrics)
-        tls = dict(tls_cert=args.tls_cert, tls_key=args.tls_key,
-                   tls_client_ca=args.tls_client_ca)
+        security = edge_security(args)
         server = None
         try:
-            server, _ = await start_server(frontend, args.host, args.port, **tls)
+            server, _ = await start_server(frontend, args.host, args.port, **security)
             http = None
             if args.http_port >= 0:
                 http = await start_http_server(
                     frontend, args.host, args.http_port, max_model_len=info.max_model_len,
                     served_model_name=args.served_model_name or Path(args.model).name,
                     tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, **tls)
+                    reasoning_parser=args.reasoning_parser, **security)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

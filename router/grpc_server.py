@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
+from .edge_security import ApiKeys, GrpcKeyCheck, server_credentials
 from .errors import PagedServeError, grpc_code, grpc_details
 from .frontend import CLIENT_GONE, Frontend
 from .types import ClusterStatusData, CompletionDelta, ModelInfoData, TokenLogprob, Usage
@@ -357,41 +358,6 @@ class GrpcServer:
         return await self.server.wait_for_termination(timeout)
 
 
-def tls_enabled(tls_cert: str | None, tls_key: str | None,
-                tls_client_ca: str | None = None) -> bool:
-    """Whether the TLS flags ask for TLS (both APIs read them alike); ValueError for an
-    incomplete set."""
-    if not tls_cert and not tls_key:
-        if tls_client_ca:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        return False
-    if not (tls_cert and tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-    return True
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def server_credentials(
-    tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None = None
-) -> grpc.ServerCredentials | None:
-    """TLS (cert + key) or mutual TLS (plus a client CA: client certificates required);
-    None for plaintext. Raises ValueError for an incomplete set."""
-    if not tls_enabled(tls_cert, tls_key, tls_client_ca):
-        return None
-    try:
-        pair = (_read(tls_key), _read(tls_cert))
-        client_ca = _read(tls_client_ca) if tls_client_ca else None
-    except OSError as exc:
-        raise ValueError(f"cannot read TLS file: {exc}") from exc
-    return grpc.ssl_server_credentials(
-        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
 class LateEndFilter(logging.Filter):
     """grpc's asyncio server logs an ERROR with a traceback ("ExecuteBatchError raised in
     core by servicer method ...") when a handler's final message cannot be sent because the
@@ -430,10 +396,12 @@ async def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     health_poll_s: float = HEALTH_POLL_S,
     reuse_port: bool = False,
+    api_keys: ApiKeys | None = None,
 ) -> tuple[GrpcServer, int]:
     """Start the router's gRPC server on host:port (0 → any free port); return it and the
     bound port. Call from the event loop that runs the engine. `reuse_port`: SO_REUSEPORT,
-    for API workers sharing the port (off otherwise, so a port in use is an error)."""
+    for API workers sharing the port (off otherwise, so a port in use is an error);
+    `api_keys`: the keys Generator calls must carry (api_keys.py; none: no key needed)."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -442,7 +410,11 @@ async def start_server(
     grpc_log = logging.getLogger("grpc._cython.cygrpc")
     if LATE_END_FILTER not in grpc_log.filters:
         grpc_log.addFilter(LATE_END_FILTER)
-    server = grpc.aio.server(options=options)
+    interceptors = []
+    if api_keys:
+        interceptors.append(GrpcKeyCheck(api_keys, lambda: frontend.count_failure(
+            grpc.StatusCode.UNAUTHENTICATED, API)))
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = GeneratorServicer(frontend)
     pb_grpc.add_GeneratorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

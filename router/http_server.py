@@ -24,7 +24,6 @@ import asyncio
 import functools
 import json
 import logging
-import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from aiohttp import web
 
 from pagedserve import __version__
 
+from .edge_security import ApiKeys, http_key_check, ssl_context
 from .errors import (
     InvalidRequest,
     NotFound,
@@ -45,7 +45,6 @@ from .errors import (
     grpc_details,
 )
 from .frontend import Frontend, RequestSession
-from .grpc_server import tls_enabled
 from .openai_embeddings import (
     as_embedding,
     embedding_call,
@@ -76,9 +75,11 @@ THREADED_TOKENIZE_CHARS = 16_384
 # it, the access log does).
 CLIENT_CLOSED_REQUEST = 499
 SHUTDOWN_GRACE_S = 1.0
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -130,8 +131,10 @@ class OpenAIApp:
     """The routes, over a Frontend shared with the gRPC edge."""
 
     def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int,
-                 tool_call_parser: str = "none", reasoning_parser: str = "none"):
+                 tool_call_parser: str = "none", reasoning_parser: str = "none",
+                 api_keys: ApiKeys | None = None):
         self.frontend = frontend
+        self.api_keys = api_keys or ApiKeys()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.model_name = served_model_name
@@ -141,7 +144,10 @@ class OpenAIApp:
         self._token_ids_text = TokenIdText(frontend.tokenizer)
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        # The key check outermost: a request without a key learns nothing, not even a 404.
+        refused = functools.partial(self.frontend.count_failure, UNAUTHENTICATED, API)
+        keyed = [http_key_check(self.api_keys, refused)] if self.api_keys else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[*keyed, _json_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.list_models)
@@ -443,23 +449,6 @@ async def _json_errors(request: web.Request, handler):
 # --------------------------------------------------------------------------- server
 
 
-def ssl_context(tls_cert: str | None, tls_key: str | None,
-                tls_client_ca: str | None = None) -> ssl.SSLContext | None:
-    """The TLS flags as an SSLContext (None for plaintext); ValueError for an incomplete set,
-    as the gRPC edge's server_credentials."""
-    if not tls_enabled(tls_cert, tls_key, tls_client_ca):
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(tls_cert, tls_key)
-        if tls_client_ca:
-            ctx.load_verify_locations(tls_client_ca)
-            ctx.verify_mode = ssl.CERT_REQUIRED
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"cannot read TLS file: {exc}") from exc
-    return ctx
-
-
 class HttpServer:
     """A started HTTP server (AppRunner: no signal handlers; the router drains)."""
 
@@ -475,12 +464,13 @@ async def start_http_server(
     frontend: Frontend, host: str, port: int, *, served_model_name: str, max_model_len: int,
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
+    api_keys: ApiKeys | None = None,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them)."""
     app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
-                    reasoning_parser).make_app()
+                    reasoning_parser, api_keys).make_app()
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

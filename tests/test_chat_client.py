@@ -47,14 +47,17 @@ class FakeStub:
         self.requests: list[pb.GenerateRequest] = []
         self.calls: list[FakeCall] = []
         self.aborted: list[str] = []
+        self.metadata: list[tuple] = []  # each call's, in order
 
-    def Stream(self, request, timeout=None):  # noqa: N802 - the gRPC method's name
+    def Stream(self, request, timeout=None, metadata=()):  # noqa: N802 - the gRPC method's name
+        self.metadata.append(tuple(metadata))
         self.requests.append(request)
         pieces, interrupt, error = self.scripts.pop(0)
         self.calls.append(FakeCall(pieces, interrupt, error))
         return self.calls[-1]
 
-    def Abort(self, request, timeout=None):  # noqa: N802
+    def Abort(self, request, timeout=None, metadata=()):  # noqa: N802
+        self.metadata.append(tuple(metadata))
         self.aborted.append(request.request_id)
         return pb.AbortResponse()
 
@@ -64,10 +67,11 @@ def _turns(request) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in request.messages.messages]
 
 
-def _chat(scripts, lines: str, system: str | None = None):
+def _chat(scripts, lines: str, system: str | None = None, api_key: str | None = None):
     stub = FakeStub(scripts)
     out, err = io.StringIO(), io.StringIO()
-    session = ChatSession(stub, pb.SamplingParams(max_tokens=5), system=system, out=out)
+    session = ChatSession(stub, pb.SamplingParams(max_tokens=5), system=system, out=out,
+                          api_key=api_key)
     rc = run(session, stdin=io.StringIO(lines), err=err, interactive=False)
     return rc, stub, out.getvalue(), err.getvalue()
 
@@ -96,6 +100,13 @@ def test_ctrl_c_aborts_the_answer_keeps_what_was_shown_and_goes_on():
     assert [c.cancelled for c in stub.calls] == [True, True, False]
     assert _turns(stub.requests[2]) == [("user", "story"), ("assistant", "Once upon"),
                                         ("user", "more")]  # nothing shown: question dropped
+    assert set(stub.metadata) == {()}  # no key: no authorization sent
+
+
+def test_api_key_goes_with_every_call():
+    _, stub, _, _ = _chat([(["Once"], True, None), (["ok"], False, None)], "story\nmore\n",
+                          api_key="sk-chat-1")
+    assert stub.metadata == [(("authorization", "Bearer sk-chat-1"),)] * 3  # 2 Streams, Abort
 
 
 def test_ctrl_c_at_the_prompt_and_errors_keep_the_chat():

@@ -290,6 +290,14 @@ def test_config_is_one_configmap_of_real_flags(rendered, overlay):
         assert container["envFrom"] == [{"configMapRef": {"name": config_name}}]
         hf_token = {e["name"]: e for e in container["env"]}["HF_TOKEN"]
         assert hf_token["valueFrom"]["secretKeyRef"]["optional"] is True
+    # API keys: the router's alone, from an optional Secret (absent: no key needed)
+    assert "PAGEDSERVE_API_KEY" not in config
+    router = {e["name"]: e for e in _container(_one(objects, "Deployment",
+                                                    "pagedserve-router"))["env"]}
+    assert router["PAGEDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pagedserve-api-key", "key": "keys", "optional": True}
+    executor = _container(_one(objects, "Deployment", "pagedserve-executor"))
+    assert "PAGEDSERVE_API_KEY" not in {e["name"] for e in executor["env"]}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=_ids)

@@ -359,7 +359,7 @@ def test_long_prompt_is_tokenized_off_the_loop(tok):
 
 
 def test_tls_flags_must_be_complete():
-    from pagedserve.router.grpc_server import server_credentials
+    from pagedserve.router.edge_security import server_credentials
 
     assert server_credentials(None, None) is None
     with pytest.raises(ValueError, match="go together"):
