@@ -7,6 +7,7 @@
     pagedserve chat [--address HOST:PORT]            interactive chat with a running server
     pagedserve healthcheck [--service NAME]          exit 0 when SERVING
     pagedserve demo [--quick]                        the main job on the built-in model
+    pagedserve run-batch -i IN.jsonl -o OUT.jsonl    an OpenAI batch file, offline
 
 M: a Hugging Face directory, a .gguf file, a hub id (org/name), `default` (the built-in
 SmolLM2-135M-Instruct, what serve uses without --model) or `tiny` (random weights).
@@ -138,6 +139,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "bench": lambda argv: __import__("pagedserve.bench", fromlist=["main"]).main(argv),
     "keygen": cmd_keygen,
+    "run-batch": lambda argv: __import__("pagedserve.run_batch", fromlist=["main"]).main(argv),
 }
 
 

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import re
 import sys
 import time
 from collections import deque
@@ -43,9 +41,6 @@ from .demo_plan import FULL, QUICK, DemoPlan
 from .demo_workload import run_workload
 
 log = logging.getLogger("pagedserve.demo")
-
-READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
-
 
 # ------------------------------------------------------------------------------ cluster
 
@@ -67,76 +62,40 @@ def _cluster_args(plan: DemoPlan, model: str) -> tuple[argparse.Namespace, list[
     return args, executor_argv
 
 
-class _ReadyTee:
-    """stdout that passes everything through and remembers the router's ready line (the
-    grpc and metrics ports are chosen by the OS: port 0)."""
-
-    def __init__(self, out) -> None:
-        self.out = out
-        self.grpc = self.metrics = ""
-
-    def write(self, text: str) -> int:
-        m = READY.search(text)
-        if m:
-            self.grpc, self.metrics = m.group(1), m.group(2)
-        return self.out.write(text)
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.out, name)
-
-
 async def _run(plan: DemoPlan, model: str) -> int:
-    from .router.app import serve_router
-    from .serve import ExecutorChildren
+    from .serve import INTERRUPTED, ExecutorChildren, run_cluster_job
 
     args, executor_argv = _cluster_args(plan, model)
     child_lines: deque[str] = deque(maxlen=60)
     children = ExecutorChildren(args, executor_argv,
                                 relay=lambda name, line: child_lines.append(f"[{name}] {line}"))
-    stop = children.stop_event = asyncio.Event()  # an executor failing at start sets it too
-    result = {"rc": 1}
 
     async def on_bound(endpoint: str, engine) -> None:
         await children.start_all(endpoint, engine)
         for executor_id, proc in children.procs.items():
             print(f"  started executor {executor_id} (pid {proc.pid})", flush=True)
 
-    async def on_started(engine) -> None:
-        await children.started()
-        ids = list(children.procs)
-        work = asyncio.ensure_future(asyncio.to_thread(
-            run_workload, plan, tee.grpc, tee.metrics, ids, model))
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if work.done():
-            result["rc"] = work.result()
-        else:
-            print("pagedserve demo: interrupted; shutting the cluster down", file=sys.stderr)
-            result["rc"] = 130
-        stop.set()
+    async def job(engine, ready) -> int:
+        # the workload's gRPC calls block: a thread of their own (a cancelled job leaves
+        # it to end with the cluster)
+        return await asyncio.to_thread(run_workload, plan, ready.grpc, ready.metrics,
+                                       list(children.procs), model)
 
-    tee = _ReadyTee(sys.stdout)
     try:
-        with contextlib.redirect_stdout(tee):
-            await serve_router(args, wait_for_executors=plan.num_executors,
-                               on_bound=on_bound, on_started=on_started, stop_event=stop)
+        rc = await run_cluster_job(args, children, job, on_bound=on_bound)
     except BaseException:
         sys.stderr.write("".join(child_lines))
         raise
-    finally:
-        await children.stop()
+    if rc == INTERRUPTED:
+        print("pagedserve demo: interrupted; shutting the cluster down", file=sys.stderr)
     if children.startup_failure is not None:
         print(f"pagedserve demo: {children.startup_failure}", file=sys.stderr)
-    if result["rc"] not in (0, 130):
+    if rc not in (0, INTERRUPTED):
         sys.stderr.write("executor output (last lines):\n" + "".join(child_lines))
     alive = [p.pid for p in children.procs.values() if p.returncode is None]
     print(f"cluster stopped: {len(children.procs)} executor processes exited"
           + (f", still alive: {alive}" if alive else ""), flush=True)
-    return result["rc"] if not alive else 1
+    return rc if not alive else 1
 
 
 def describe_model(spec: str, model: str) -> list[str]:

@@ -112,7 +112,7 @@ class ExecutorChildren:
             executor_id = f"{host}-serve{i}-{os.getpid()}"
             await self._spawn(i, endpoint, executor_id, engine)
 
-    async def started(self, engine=None) -> None:
+    async def started(self, engine=None, ready=None) -> None:
         """The cluster is ready: from now on a child's exit is a dead executor."""
         self.starting = False
 
@@ -200,22 +200,63 @@ def plan_cpu_affinity(args, num_gpus: int) -> list[list[int]] | None:
     return per_executor
 
 
-async def _serve(args, argv: list[str]) -> int:
+def serve_children(args, argv: list[str]) -> tuple[ExecutorChildren, bool]:
+    """The executor processes `serve` starts (their cores planned, the router pinned to the
+    rest: plan_cpu_affinity) and whether they run on GPUs."""
     num_gpus = _num_gpus() if not args.device else 0
     compute = plan_cpu_affinity(args, num_gpus)
-    children = ExecutorChildren(args, argv, compute_cores=compute)
+    return ExecutorChildren(args, argv, compute_cores=compute), not _on_cpu(args, num_gpus)
+
+
+async def _serve(args, argv: list[str]) -> int:
+    children, on_gpu = serve_children(args, argv)
     children.stop_event = asyncio.Event()
     try:
         rc = await serve_router(args, wait_for_executors=args.executors,
                                 on_bound=children.start_all, on_started=children.started,
-                                stop_event=children.stop_event,
-                                executors_on_gpu=not _on_cpu(args, num_gpus))
+                                stop_event=children.stop_event, executors_on_gpu=on_gpu)
     finally:
         await children.stop()
     if children.startup_failure is not None:
         print(f"pagedserve serve: {children.startup_failure}", file=sys.stderr)
         return 1
     return rc
+
+
+INTERRUPTED = 130  # a job's exit code when SIGINT/SIGTERM stopped the cluster under it
+
+
+async def run_cluster_job(args, children: ExecutorChildren, job, *, on_bound=None,
+                          executors_on_gpu: bool | None = None) -> int:
+    """Start the router and `children`'s executors, run `job(engine, ready)` (a coroutine
+    function returning an exit code; `ready`: router/app.ReadyAddresses) once every executor
+    has registered, then drain and stop the cluster. Returns the job's code; INTERRUPTED
+    when SIGINT/SIGTERM came first (the job is cancelled), 1 when an executor failed to
+    start (`children.startup_failure` says which). `on_bound`: instead of
+    `children.start_all` (e.g. to also print each child)."""
+    stop = children.stop_event = asyncio.Event()  # an executor failing at start sets it too
+    result = {"rc": 1}
+
+    async def on_started(engine, ready) -> None:
+        await children.started()
+        work = asyncio.ensure_future(job(engine, ready))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if work.done():
+            result["rc"] = work.result()
+        else:
+            work.cancel()
+            result["rc"] = INTERRUPTED
+        stop.set()
+
+    try:
+        await serve_router(args, wait_for_executors=args.executors,
+                           on_bound=on_bound or children.start_all, on_started=on_started,
+                           stop_event=stop, executors_on_gpu=executors_on_gpu)
+    finally:
+        await children.stop()
+    return 1 if children.startup_failure is not None else result["rc"]
 
 
 def run_serve(args, argv: list[str]) -> int:

@@ -33,6 +33,15 @@ from .tokenizer import Tokenizer, read_eos_token_ids
 from .types import ModelInfoData
 from .validation import Limits
 
+
+@dataclasses.dataclass(frozen=True)
+class ReadyAddresses:
+    """Where a started router listens (HOST:PORT; None: off), as its ready line says."""
+    grpc: str
+    metrics: str | None
+    http: str | None
+
+
 log = logging.getLogger("pagedserve.router")
 
 SUPPORTED_ARCHITECTURES = (
@@ -149,7 +158,7 @@ async def serve_router(
     *,
     wait_for_executors: int = 0,
     on_bound: Callable[[str, RouterEngine], Awaitable[None]] | None = None,
-    on_started: Callable[[RouterEngine], Awaitable[None]] | None = None,
+    on_started: Callable[[RouterEngine, ReadyAddresses], Awaitable[None]] | None = None,
     stop_event: asyncio.Event | None = None,
     executors_on_gpu: bool | None = None,
 ) -> int:
@@ -203,12 +212,14 @@ async def serve_router(
         if not waiter.done():
             waiter.cancel()
     if not stop.is_set():
-        metrics_text = f"{args.host}:{metrics_port}" if metrics_port is not None else "off"
-        http_text = f"{args.host}:{http_port}" if http_port is not None else "off"
-        print(f"pagedserve ready grpc={args.host}:{port} metrics={metrics_text} "
-              f"executors={engine.num_healthy()} http={http_text}", flush=True)
+        ready = ReadyAddresses(
+            f"{args.host}:{port}",
+            f"{args.host}:{metrics_port}" if metrics_port is not None else None,
+            f"{args.host}:{http_port}" if http_port is not None else None)
+        print(f"pagedserve ready grpc={ready.grpc} metrics={ready.metrics or 'off'} "
+              f"executors={engine.num_healthy()} http={ready.http or 'off'}", flush=True)
         if on_started is not None:
-            await on_started(engine)
+            await on_started(engine, ready)
         await stop.wait()
     log.info("draining for up to %.0f s", args.shutdown_timeout)
     await edges.drain()  # both APIs: new requests UNAVAILABLE / 503, health not serving
