@@ -228,6 +228,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("restart-executors", parse_bool, False, "serve: restart an executor that died"),
     ("seed", int, 0, "random seed"),
     ("log-format", _choice("text", "json"), "text", "log line format"),
+    ("log-requests", parse_bool, False, "router: a log line per request that ended (logger "
+     "pagedserve.requests: id, API, status, finish reasons, token counts, TTFT and end-to-"
+     "end ms; never prompts or outputs)"),
     ("tls-cert", str, None, "gRPC TLS certificate (PEM)"),
     ("tls-key", str, None, "gRPC TLS private key (PEM)"),
     ("tls-client-ca", str, None, "CA for client certificates (mutual TLS)"),
@@ -241,7 +244,7 @@ FLAGS: list[tuple[str, object, object, str]] = [
 ]
 
 _BOOLEAN_SWITCHES = {"enforce-eager", "no-prefix-caching", "restart-executors", "allow-insecure",
-                     "debug-checks"}
+                     "debug-checks", "log-requests"}
 
 
 _SECRETS = {"api-key"}

@@ -50,7 +50,8 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
     tokenizer = Tokenizer.from_dir(args.model)
     engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)
-    frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay)
+    frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay,
+                        log_requests=bool(getattr(args, "log_requests", False)))
     security = edge_security(args)
     server = http = None
     try:

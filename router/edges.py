@@ -31,7 +31,8 @@ class LocalEdges:
 
     @classmethod
     async def start(cls, args, engine, tokenizer, info, limits: Limits, metrics) -> LocalEdges:
-        frontend = Frontend(engine, tokenizer, limits, metrics)
+        frontend = Frontend(engine, tokenizer, limits, metrics,
+                            log_requests=bool(getattr(args, "log_requests", False)))
         security = edge_security(args)
         server = None
         try:

@@ -27,10 +27,11 @@ import grpc
 from .errors import PagedServeError, Unavailable, grpc_code
 from .metrics import RouterMetrics
 from .tokenizer import Tokenizer
-from .types import Engine, RequestOutput, RequestSpec
+from .types import Engine, RequestOutput, RequestSpec, Usage
 from .validation import Limits
 
 log = logging.getLogger(__name__)
+REQUEST_LOG = logging.getLogger("pagedserve.requests")
 
 # Ways a client goes away: its task is cancelled (gRPC cancel/deadline, an HTTP disconnect
 # with handler cancellation), the consumer of a stream is closed, or a write finds the
@@ -44,41 +45,52 @@ DEADLINE_SLACK_S = 0.1
 
 
 class RequestClock:
-    """Latency metrics of one request, measured when outputs are handed to the client."""
+    """Latency metrics of one request, measured when outputs are handed to the client (and
+    kept for its line in the request log)."""
 
-    __slots__ = ("_metrics", "_api", "_arrival", "_first", "_last", "_tokens")
+    __slots__ = ("_metrics", "_api", "arrival", "first", "_last", "_tokens", "finish_reasons")
 
     def __init__(self, metrics: RouterMetrics | None, api: str, arrival: float):
         self._metrics = metrics
         self._api = api
-        self._arrival = arrival
-        self._first: float | None = None
+        self.arrival = arrival
+        self.first: float | None = None  # when the first token went out
         self._last: float | None = None
         self._tokens: dict[int, int] = {}
+        self.finish_reasons: list[str] = []  # each finished sample's, in finishing order
+
+    @property
+    def tokens(self) -> int:
+        """Tokens handed out so far, every sample's."""
+        return sum(self._tokens.values())
 
     def on_output(self, out: RequestOutput) -> None:
-        if self._metrics is None:
-            return
         new_tokens = False
         for delta in out.deltas:
             if delta.token_ids:
                 new_tokens = True
                 self._tokens[delta.index] = self._tokens.get(delta.index, 0) + len(delta.token_ids)
             if delta.finish_reason is not None:
-                self._metrics.inc_success(delta.finish_reason, api=self._api)
+                self.finish_reasons.append(delta.finish_reason)
+                if self._metrics is not None:
+                    self._metrics.inc_success(delta.finish_reason, api=self._api)
         now = time.monotonic()
+        if self._metrics is None:
+            if new_tokens and self.first is None:
+                self.first = now
+            return
         if new_tokens:
-            if self._first is None:
-                self._first = now
-                self._metrics.observe_ttft(now - self._arrival)
+            if self.first is None:
+                self.first = now
+                self._metrics.observe_ttft(now - self.arrival)
             else:
                 self._metrics.observe_inter_token(now - self._last)
             self._last = now
         if out.finished:
-            self._metrics.observe_e2e(now - self._arrival)
+            self._metrics.observe_e2e(now - self.arrival)
             most = max(self._tokens.values(), default=0)
-            if self._first is not None and most > 1:
-                self._metrics.observe_time_per_output_token((now - self._first) / (most - 1))
+            if self.first is not None and most > 1:
+                self._metrics.observe_time_per_output_token((now - self.first) / (most - 1))
 
 
 class Frontend:
@@ -86,11 +98,12 @@ class Frontend:
     `draining` is shared: once set, both APIs refuse new requests with UNAVAILABLE."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, log_requests: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
+        self.log_requests = log_requests  # --log-requests: a line per request (log_request)
         self.draining = False
 
     def request(self, request_id: str, build_spec: Callable[[], RequestSpec], *, api: str,
@@ -101,6 +114,39 @@ class Frontend:
         session` runs it. `build_spec` validates and tokenizes (in a thread if `threaded`)."""
         return RequestSession(self, request_id, build_spec, api=api, arrival=arrival,
                               deadline=deadline, threaded=threaded)
+
+    def log_request(self, session: RequestSession, status: str, usage: Usage | None) -> None:
+        """The request log's line for a request that ended (`--log-requests`; logger
+        pagedserve.requests): its id, API, status (OK or the gRPC status name of its
+        error), each sample's finish reason, token counts and latencies, never its prompt
+        or output. With --log-format json the fields are the line's own keys."""
+        if not self.log_requests:
+            return
+        clock, spec = session._clock, session.spec
+        now = time.monotonic()
+        fields = dict(
+            request_id=session.request_id, api=session.api, status=status,
+            finish=",".join(clock.finish_reasons) or "-",
+            prompt_tokens=usage.prompt_tokens if usage is not None
+            else len(spec.prompt_token_ids) if spec is not None else 0,
+            cached_tokens=usage.cached_prompt_tokens if usage is not None else 0,
+            output_tokens=usage.completion_tokens if usage is not None else clock.tokens,
+            e2e_ms=round(1000 * (now - clock.arrival), 1))
+        if clock.first is not None:
+            fields["ttft_ms"] = round(1000 * (clock.first - clock.arrival), 1)
+        if spec is not None and spec.lora_adapter:
+            fields["adapter"] = spec.lora_adapter
+        _log_line(fields)
+
+    def refused(self, exc: BaseException, api: str, arrival: float) -> None:
+        """A request an edge refused before it had an id and a session (its body is not a
+        request: the HTTP edge's parsing): counted, and logged with request_id "-"."""
+        code = grpc_code(exc)
+        self.count_failure(code, api)
+        if self.log_requests:
+            _log_line(dict(request_id="-", api=api, status=code.name, finish="-",
+                           prompt_tokens=0, cached_tokens=0, output_tokens=0,
+                           e2e_ms=round(1000 * (time.monotonic() - arrival), 1)))
 
     def count_failure(self, code: grpc.StatusCode, api: str) -> None:
         if self.metrics is not None:
@@ -125,6 +171,10 @@ class Frontend:
                 self.engine.abort(request_id)
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.exception("engine.abort(%s) failed", request_id)
+
+
+def _log_line(fields: dict) -> None:
+    REQUEST_LOG.info(" ".join(f"{k}=%s" for k in fields), *fields.values(), extra=fields)
 
 
 class RequestSession:
@@ -181,6 +231,8 @@ class RequestSession:
             async for out in self._outputs:
                 self._clock.on_output(out)
                 self.finished = out.finished
+                if self.finished:
+                    self.frontend.log_request(self, "OK", out.usage)
                 yield out
                 if self.finished:
                     return
@@ -207,4 +259,6 @@ class RequestSession:
     def _count(self, exc: BaseException) -> None:
         if not isinstance(exc, (PagedServeError, *CLIENT_GONE)):
             log.error("request %s failed with an internal error", self.request_id, exc_info=exc)
-        self.frontend.count_failure(self.frontend.ending_code(exc, self._deadline), self.api)
+        code = self.frontend.ending_code(exc, self._deadline)
+        self.frontend.count_failure(code, self.api)
+        self.frontend.log_request(self, code.name, None)

@@ -263,7 +263,7 @@ class OpenAIApp:
             except InvalidRequest as exc:
                 raise response_field(exc) if responses else exc from None
         except PagedServeError as exc:
-            fe.count_failure(grpc_code(exc), API)
+            fe.refused(exc, API, arrival)
             return error_response(exc)
         except ConnectionError:  # gone while sending its body
             return web.Response(status=CLIENT_CLOSED_REQUEST)
@@ -324,7 +324,7 @@ class OpenAIApp:
             call = embedding_call(body)
             adapter = self._lora_adapter(body)
         except PagedServeError as exc:
-            fe.count_failure(grpc_code(exc), API)
+            fe.refused(exc, API, arrival)
             return error_response(exc)
         except ConnectionError:
             return web.Response(status=CLIENT_CLOSED_REQUEST)

@@ -270,6 +270,7 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
     proc = subprocess.Popen(
         CLI + ["router", "--model", model, "--port", "0", "--http-port", "0",
                "--metrics-port", "-1", "--api-workers", "1", "--api-key", ",".join(KEYS),
+               "--log-requests",
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -315,4 +316,7 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
             assert passed.returncode == 1 and "UNAVAILABLE" in passed.stderr, passed.stderr
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        rest = proc.communicate(timeout=30)[0]
+    # --log-requests in the API worker: the two requests past the key, not the refusals
+    logged = [x for x in rest.splitlines() if "pagedserve.requests" in x]
+    assert len(logged) == 2 and all("api=grpc status=UNAVAILABLE" in x for x in logged), rest

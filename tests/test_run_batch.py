@@ -234,10 +234,17 @@ def test_run_batch_answers_every_line_as_the_http_api_does(model_dir, tmp_path):
 
 
 def test_run_batch_stdin_to_stdout_and_bad_files(model_dir, tmp_path):
-    result = _batch(model_dir, "-i", "-", "-o", "-", stdin=_line("only") + "\n")
+    result = _batch(model_dir, "-i", "-", "-o", "-", "--log-requests", "--log-format", "json",
+                    stdin=_line("only") + "\n")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(x) for x in result.stdout.splitlines()]  # nothing else on stdout
     assert [r["custom_id"] for r in rows] == ["only"]
+    # --log-requests: the request's line in the router's log (JSON keys of its own)
+    logged = [json.loads(x) for x in result.stderr.splitlines()
+              if x.startswith("{") and '"pagedserve.requests"' in x]
+    assert [(x["status"], x["output_tokens"], x["finish"]) for x in logged] == \
+        [("OK", 3, "length")]
+    assert logged[0]["request_id"] == rows[0]["response"]["request_id"] + "-0"
     out = tmp_path / "keep.jsonl"
     out.write_text("previous results\n")
     missing = _batch(model_dir, "-i", str(tmp_path / "nope.jsonl"), "-o", str(out))
