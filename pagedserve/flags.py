@@ -237,6 +237,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("api-key", _api_keys, None, "router: keys the gRPC and HTTP APIs require, sent as "
      "'Authorization: Bearer KEY' (comma-separated to accept several; /health, /version "
      "and gRPC health stay open; default: none needed)"),
+    ("api-key-file", str, None, "router: a file of API keys (one a line, # "
+     "comments) besides --api-key, re-read when it changes: keys rotate without a restart "
+     "(e.g. a Kubernetes Secret mounted as a file)"),
     ("curve-keys", str, None, "folder from `pagedserve keygen` (ZeroMQ CURVE)"),
     ("allow-insecure", parse_bool, False, "permit a non-loopback bind without CURVE keys"),
     ("parent-pid", int, None, argparse.SUPPRESS),  # set by serve for its executors

@@ -232,7 +232,7 @@ def _file_error(exc: OSError) -> int:
 
 def _run_cluster(args, argv: list[str], src, out, window: int) -> int:
     from . import event_loop
-    from .router.app import ModelDirError, ServerBindError
+    from .router.app import ModelDirError, ServerBindError, ServerConfigError
     from .router.executor_link import ExecutorLinkError
     from .serve import INTERRUPTED, run_cluster_job, serve_children
 
@@ -258,7 +258,7 @@ def _run_cluster(args, argv: list[str], src, out, window: int) -> int:
 
     try:
         return event_loop.run(run())
-    except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
+    except (ModelDirError, ExecutorLinkError, ServerBindError, ServerConfigError) as exc:
         print(f"pagedserve run-batch: {exc}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from . import event_loop
 from .affinity import format_cores, pin_current_thread, plan_serve
 from .flags import env_name
-from .router.app import ModelDirError, ServerBindError, serve_router
+from .router.app import ModelDirError, ServerBindError, ServerConfigError, serve_router
 from .router.executor_link import ExecutorLinkError
 
 log = logging.getLogger("pagedserve.serve")
@@ -262,6 +262,6 @@ async def run_cluster_job(args, children: ExecutorChildren, job, *, on_bound=Non
 def run_serve(args, argv: list[str]) -> int:
     try:
         return event_loop.run(_serve(args, argv))
-    except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
+    except (ModelDirError, ExecutorLinkError, ServerBindError, ServerConfigError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

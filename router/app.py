@@ -23,6 +23,7 @@ from .. import event_loop
 from ..cpu_dtypes import checkpoint_dtype
 from ..gc_tuning import freeze_heap
 from .api_workers import resolve_api_workers
+from .edge_security import read_key_file
 from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
@@ -51,6 +52,24 @@ SUPPORTED_ARCHITECTURES = (
 
 class ModelDirError(ValueError):
     """The model directory is missing, unreadable or of an unsupported model."""
+
+
+class ServerConfigError(ValueError):
+    """A router setting that cannot be used as given (an unreadable --api-key-file): one
+    line, exit code 2. (Checked by the router, not the flag parser: executors take every
+    flag and never read this file.)"""
+
+
+def check_router_files(args) -> None:
+    """ServerConfigError for an --api-key-file the router cannot use."""
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            read_key_file(path)
+        except OSError as exc:
+            raise ServerConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ServerConfigError(f"--api-key-file {path}: {exc}") from None
 
 
 class ServerBindError(OSError):
@@ -168,6 +187,7 @@ async def serve_router(
     Prints `pagedserve ready grpc=HOST:PORT metrics=HOST:PORT executors=N http=HOST:PORT`
     once listening
     and, with `wait_for_executors`, once that many executors have registered."""
+    check_router_files(args)
     args.api_workers = resolve_api_workers(getattr(args, "api_workers", 0), executors_on_gpu)
     info, fingerprint = model_info_from_args(args)
     tokenizer = Tokenizer.from_dir(args.model)
@@ -191,8 +211,10 @@ async def serve_router(
     log.info("router listening: grpc %s:%d, http %s, executors join at %s%s", args.host, port,
              http_port if http_port is not None else "off", endpoint,
              f" ({args.api_workers} API workers)" if isinstance(edges, WorkerEdges) else "")
-    if getattr(args, "api_key", None):
-        log.info("gRPC and HTTP calls need one of %d API keys (--api-key)", len(args.api_key))
+    if getattr(args, "api_key", None) or getattr(args, "api_key_file", None):
+        log.info("gRPC and HTTP calls need an API key (%d from --api-key%s)",
+                 len(args.api_key or ()), f", the others from {args.api_key_file}, re-read "
+                 "when it changes" if args.api_key_file else "")
     # The imports, tokenizer, servers and metrics live as long as the process: out of the
     # collector's reach, so that a full collection while serving walks only what serving
     # allocates (pagedserve/gc_tuning.py).
@@ -233,6 +255,6 @@ async def serve_router(
 def run_router(args) -> int:
     try:
         return event_loop.run(serve_router(args))
-    except (ModelDirError, ExecutorLinkError, ServerBindError) as exc:
+    except (ModelDirError, ExecutorLinkError, ServerBindError, ServerConfigError) as exc:
         print(f"pagedserve router: {exc}", file=sys.stderr)
         return 2

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import ssl
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -36,7 +38,11 @@ import grpc
 # RFC 6750's token68 characters: what a bearer token may be made of (no space, no comma).
 _KEY = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 MAX_KEY_CHARS = 1024
+FILE_RECHECK_S = 1.0  # how often an --api-key-file is looked at (on calls needing a key)
+_GONE = (-1, -1, -1)  # the file's stamp while it cannot be found
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the --api-key flag's variable (flags.env_name)
+
+log = logging.getLogger(__name__)
 
 # Services callable without a key (gRPC full service names).
 OPEN_GRPC_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
@@ -80,30 +86,105 @@ def bearer_token(authorization: str | None) -> str | None:
     return token
 
 
-class ApiKeys:
-    """The keys a server accepts; empty: no key needed (every call allowed)."""
+def read_key_file(path: str) -> tuple[str, ...]:
+    """The keys of an --api-key-file: one a line (or several, comma-separated); blank lines
+    and lines starting with # skipped. OSError when it cannot be read, ValueError naming
+    the line of a bad key (never the key)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    keys: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            keys += parse_api_keys(line)
+        except ValueError as exc:
+            raise ValueError(f"line {number}: {exc}") from None
+    return tuple(dict.fromkeys(keys))
 
-    def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+
+def _digests(keys: Iterable[str]) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+
+
+class ApiKeys:
+    """The keys a server accepts: `keys` (--api-key) and those in `file` (--api-key-file).
+    Neither given: no key needed (every call allowed). Given a file, keys are needed even
+    while it holds none (then every call is refused: an emptied file never opens the API).
+
+    The file is re-read when it changes (its modification time, size or inode, looked at
+    no more than every `recheck_s` seconds, on the calls that need a key): rotating keys
+    needs no restart, which would cost every block table. A Kubernetes Secret mounted as
+    a file is replaced that way. A file that cannot be read or holds a bad key leaves the
+    keys as they were, and says so once in the log."""
+
+    def __init__(self, keys: Iterable[str] = (), file: str | None = None,
+                 recheck_s: float = FILE_RECHECK_S) -> None:
+        self._fixed = _digests(keys)
+        self.file = file
+        self._recheck_s = recheck_s
+        self._from_file: tuple[bytes, ...] = ()
+        self._stamp: tuple[int, int, int] | None = None
+        self._next_check = 0.0
+        self._read = False
+        self.enabled = bool(self._fixed) or file is not None
+        self._refresh()
 
     def __bool__(self) -> bool:
-        return bool(self._digests)
+        return self.enabled
 
     def __len__(self) -> int:
-        return len(self._digests)
+        return len(self._fixed) + len(self._from_file)
+
+    def _refresh(self) -> None:
+        if self.file is None:
+            return
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self._recheck_s
+        try:
+            st = os.stat(self.file)
+        except OSError as exc:
+            if self._stamp != _GONE:  # said once; read again once it is back
+                self._stamp = _GONE
+                self._keep(exc.strerror or str(exc))
+            return
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp  # a bad version is said once, not at every recheck
+        try:
+            keys = read_key_file(self.file)
+        except OSError as exc:
+            self._keep(exc.strerror or str(exc))
+            return
+        except ValueError as exc:
+            self._keep(str(exc))
+            return
+        self._from_file = _digests(keys)
+        log.info("--api-key-file %s: %d key(s)%s", self.file, len(keys),
+                 " (changed)" if self._read else "")
+        self._read = True
+
+    def _keep(self, why: str) -> None:
+        log.error("--api-key-file %s: %s; the %d key(s) read before stay valid", self.file,
+                  why, len(self._from_file))
 
     def check(self, authorization: str | None) -> str | None:
         """None when a call with this `authorization` value may proceed, else why not
         (MISSING or INVALID)."""
-        if not self._digests:
+        if not self.enabled:
             return None
+        self._refresh()
         token = bearer_token(authorization)
         if token is None:
             return MISSING
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         match = False
-        for key in self._digests:  # every key compared: the time does not say which matched
-            match |= hmac.compare_digest(digest, key)
+        for key in self._fixed + self._from_file:  # every key compared: the time does
+            match |= hmac.compare_digest(digest, key)  # not say which matched
         return None if match else INVALID
 
 
@@ -166,7 +247,8 @@ def edge_security(args) -> dict:
     """The flags' TLS files and API keys as start_server's and start_http_server's keyword
     arguments (`args`: the parsed flags, or their JSON copy in an API worker)."""
     return dict(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                api_keys=ApiKeys(getattr(args, "api_key", None) or ()))
+                api_keys=ApiKeys(getattr(args, "api_key", None) or (),
+                                 getattr(args, "api_key_file", None)))
 
 
 # --------------------------------------------------------------------------- gRPC

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -28,6 +30,7 @@ from pagedserve.router.edge_security import (
     bearer_token,
     grpc_metadata,
     parse_api_keys,
+    read_key_file,
 )
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.grpc_server import start_server
@@ -87,6 +90,61 @@ def test_bearer_token_and_check():
     assert keys.check("Bearer \udcff") == INVALID  # undecodable header bytes: no crash
     for key in KEYS:
         assert keys.check(f"Bearer {key}") is None
+
+
+def test_key_file_lines_comments_and_errors(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# rotation of 2026-11\n\n  sk-a  \nsk-b,sk-c\n# sk-old\nsk-a\n")
+    assert read_key_file(str(f)) == ("sk-a", "sk-b", "sk-c")
+    f.write_text("sk-a\nsk bad\n")
+    with pytest.raises(ValueError, match="line 2: key 1 has a character") as info:
+        read_key_file(str(f))
+    assert "sk bad" not in str(info.value)
+
+
+def test_key_file_is_re_read_when_it_changes(tmp_path, caplog):
+    """Rotation without a restart: a new key valid and a removed one refused once the file
+    changes; a bad or missing file keeps the keys read before (said once); an emptied file
+    refuses every key (it never opens the API)."""
+    caplog.set_level(logging.INFO, logger="pagedserve.router.edge_security")
+    f = tmp_path / "keys"
+    f.write_text("sk-one\n")
+    keys = ApiKeys(["sk-flag"], file=str(f), recheck_s=0)
+    assert keys and len(keys) == 2
+    assert keys.check("Bearer sk-one") is None and keys.check("Bearer sk-flag") is None
+
+    def rewrite(text):  # a new inode, as a Secret's update or an editor's save gives
+        tmp = tmp_path / "keys.new"
+        tmp.write_text(text)
+        os.replace(tmp, f)
+
+    rewrite("sk-two\n")
+    assert keys.check("Bearer sk-two") is None and keys.check("Bearer sk-one") == INVALID
+    assert keys.check("Bearer sk-flag") is None  # --api-key's stay
+    rewrite("sk-three\nnot a key\n")
+    for _ in range(3):
+        assert keys.check("Bearer sk-two") is None and keys.check("Bearer sk-three") == INVALID
+    f.unlink()
+    assert keys.check("Bearer sk-two") is None
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and "line 2" in errors[0] and "No such file" in errors[1]
+    assert all("the 1 key(s) read before stay valid" in e for e in errors)
+    rewrite("# no keys for now\n")
+    assert keys.check("Bearer sk-two") == INVALID and keys.check(None) == MISSING
+    assert keys.check("Bearer sk-flag") is None
+    only_file = ApiKeys(file=str(f), recheck_s=0)
+    assert only_file and only_file.check("Bearer anything") == INVALID  # empty: closed
+    assert "(changed)" in caplog.text
+
+
+def test_key_file_is_looked_at_once_a_recheck(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("sk-one\n")
+    keys = ApiKeys(file=str(f), recheck_s=3600)
+    f.write_text("sk-two-longer\n")
+    assert keys.check("Bearer sk-one") is None  # not looked at again yet
+    keys._next_check = 0.0  # the hour passed
+    assert keys.check("Bearer sk-one") == INVALID and keys.check("Bearer sk-two-longer") is None
 
 
 def test_flag_and_environment_never_show_a_key(monkeypatch, capsys):
@@ -261,16 +319,25 @@ async def _drain(call) -> list:
 
 
 def test_router_with_api_workers_needs_a_key(tmp_path_factory):
-    """`pagedserve router --api-key K1,K2 --api-workers 1` (no executor: a request that gets
-    past the key meets UNAVAILABLE, the engine's answer) and pagedserve's own clients."""
+    """`pagedserve router --api-key K1 --api-key-file F(K2) --api-workers 1` (no executor: a
+    request that gets past the key meets UNAVAILABLE, the engine's answer), pagedserve's
+    own clients, and F rotated while it runs (the worker re-reads it)."""
     from pagedserve.tinymodels import build_model
-    model = str(build_model(tmp_path_factory.mktemp("keys") / "tiny", hidden_size=32,
+    work = tmp_path_factory.mktemp("keys")
+    model = str(build_model(work / "tiny", hidden_size=32,
                             num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64))
+    key_file = work / "api-keys"
+    key_file.write_text(f"# the second key\n{KEYS[1]}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    missing = subprocess.run(CLI + ["router", "--model", model, "--api-key-file",
+                                    str(work / "nope")], capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"pagedserve router: --api-key-file {work / 'nope'}: No such file or directory"]
     proc = subprocess.Popen(
         CLI + ["router", "--model", model, "--port", "0", "--http-port", "0",
-               "--metrics-port", "-1", "--api-workers", "1", "--api-key", ",".join(KEYS),
-               "--log-requests",
+               "--metrics-port", "-1", "--api-workers", "1", "--api-key", KEYS[0],
+               "--api-key-file", str(key_file), "--log-requests",
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -281,7 +348,8 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
                 break
         assert m, "".join(lines)
         address, http = m.group(1), "http://" + m.group(4)
-        assert any("need one of 2 API keys" in line for line in lines), "".join(lines)
+        assert any("need an API key (1 from --api-key, the others from" in line
+                   for line in lines), "".join(lines)
         assert not any(k in line for line in lines for k in KEYS)  # never logged
 
         with grpc.insecure_channel(address) as channel:
@@ -314,6 +382,22 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
         for passed in (generate("--api-key", KEYS[0]), generate(key_env=",".join(KEYS))):
             # past the key: the engine's own answer (no executor has joined)
             assert passed.returncode == 1 and "UNAVAILABLE" in passed.stderr, passed.stderr
+
+        # rotation: the file's key replaced while the router runs, no restart
+        new = work / "api-keys.new"
+        new.write_text("sk-rotated-in\n")
+        os.replace(new, key_file)
+        time.sleep(1.2)  # FILE_RECHECK_S
+        assert get("/v1/models", "sk-rotated-in") == 200
+        assert get("/v1/models", KEYS[1]) == 401 and get("/v1/models", KEYS[0]) == 200
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10,
+                                     metadata=grpc_metadata("sk-rotated-in")).block_size == 16
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10,
+                                  metadata=grpc_metadata(KEYS[1]))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         proc.terminate()
         rest = proc.communicate(timeout=30)[0]

@@ -101,10 +101,9 @@ def test_json_lines_carry_the_fields_as_keys(tok, caplog):
     caplog.set_level(logging.INFO, logger="pagedserve.requests")
 
     async def main():
-        async with edges(tok) as (_, http, _stub):
-            async with http.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as r:
-                assert r.status in (200, 400)  # the fake tokenizer may have no template
+        async with edges(tok) as (_, http, _stub), http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as r:
+            assert r.status in (200, 400)  # the fake tokenizer may have no template
     asyncio.run(asyncio.wait_for(main(), 30))
     (rec,) = _records(caplog)
     data = json.loads(JsonFormatter().format(rec))
@@ -119,9 +118,8 @@ def test_off_by_default(tok, caplog):
     caplog.set_level(logging.INFO, logger="pagedserve.requests")
 
     async def main():
-        async with edges(tok, log_requests=False) as (_, http, _stub):
-            async with http.post("/v1/completions", json={"prompt": PROMPT,
-                                                          "max_tokens": 2}) as r:
-                assert r.status == 200
+        async with edges(tok, log_requests=False) as (_, http, _stub), \
+                http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
+            assert r.status == 200
     asyncio.run(asyncio.wait_for(main(), 30))
     assert _records(caplog) == []
