@@ -174,6 +174,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "--model)"),
     ("tool-call-parser", _choice("none", "hermes"), "none", "router: how tool_choice \"auto\" "
      "finds tool calls in the output (hermes: <tool_call> JSON </tool_call>; none: auto is a 400)"),
+    ("chat-template", str, None, "router: the chat template to render chat requests with, "
+     "in place of the model's (a Jinja file, or the template itself on one line): for a "
+     "model without one, or to change it (default: the model's)"),
     ("reasoning-parser", _choice("none", "qwen3", "deepseek_r1"), "none", "router: split "
      "a thinking model's <think> text into the chat message's reasoning_content (qwen3: when "
      "the output opens with <think>; deepseek_r1: the output starts inside it)"),

@@ -47,7 +47,7 @@ PARENT_POLL_S = 0.5
 async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port: int,
                      http_port: int, parent: ParentWatch) -> int:
     info, _ = model_info_from_args(args)
-    tokenizer = Tokenizer.from_dir(args.model)
+    tokenizer = Tokenizer.from_dir(args.model, getattr(args, "chat_template", None))
     engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)
     frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay,

@@ -23,6 +23,7 @@ from .. import event_loop
 from ..cpu_dtypes import checkpoint_dtype
 from ..gc_tuning import freeze_heap
 from .api_workers import resolve_api_workers
+from .chat_template import ChatTemplate
 from .edge_security import read_key_file
 from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
@@ -61,7 +62,13 @@ class ServerConfigError(ValueError):
 
 
 def check_router_files(args) -> None:
-    """ServerConfigError for an --api-key-file the router cannot use."""
+    """ServerConfigError for an --api-key-file or a --chat-template the router cannot use."""
+    template = getattr(args, "chat_template", None)
+    if template:
+        try:
+            ChatTemplate.given(template, args.model)
+        except ValueError as exc:
+            raise ServerConfigError(str(exc)) from None
     path = getattr(args, "api_key_file", None)
     if path:
         try:
@@ -190,7 +197,7 @@ async def serve_router(
     check_router_files(args)
     args.api_workers = resolve_api_workers(getattr(args, "api_workers", 0), executors_on_gpu)
     info, fingerprint = model_info_from_args(args)
-    tokenizer = Tokenizer.from_dir(args.model)
+    tokenizer = Tokenizer.from_dir(args.model, getattr(args, "chat_template", None))
     metrics = RouterMetrics()
     engine = RouterEngine(engine_config_from_args(args, fingerprint, info), tokenizer, info,
                           metrics)

@@ -35,6 +35,7 @@ requests are then rejected with the compile error, and plain prompts are served 
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Sequence
@@ -187,6 +188,30 @@ class ChatTemplate:
         template = cls(source, special_tokens_of(model_dir, config), origin=origin)
         if template.error:
             log.warning("%s: chat requests will be rejected", template.error)
+        return template
+
+    @classmethod
+    def given(cls, value: str, model_dir: str | Path) -> ChatTemplate:
+        """`--chat-template` (vLLM's): the path of a Jinja file, or the template itself on one
+        line (its backslash escapes, such as \\n, decoded), in place of the model's. With
+        `model_dir`'s special tokens. ValueError, one line, when it is neither or does not
+        compile: a template the operator chose fails the start, not every chat request."""
+        path = Path(value).expanduser()
+        if path.is_file():
+            try:
+                source, origin = path.read_text(encoding="utf-8"), str(path)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--chat-template {value}: cannot read it: {exc}") from None
+        elif "{{" in value or "{%" in value:
+            source, origin = codecs.decode(value, "unicode_escape"), "--chat-template"
+        else:
+            raise ValueError(f"--chat-template {value!r}: no such file (nor a template: it "
+                             "has no {{ or {%)")
+        model_dir = Path(model_dir)
+        config = _read_json(model_dir / "tokenizer_config.json")
+        template = cls(source, special_tokens_of(model_dir, config), origin=origin)
+        if template.error:
+            raise ValueError(template.error)
         return template
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,

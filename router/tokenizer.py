@@ -101,15 +101,17 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
         """Load `model_dir`'s tokenizer (tokenizer.json with `tokenizers`, else AutoTokenizer)
-        and its chat template."""
+        and its chat template, or `chat_template` in its place (--chat-template: a file or
+        the template; ValueError when it is neither or does not compile)."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model directory {model_dir} does not exist")
         eos = set(read_eos_token_ids(model_dir))
         tok_config = _read_json(model_dir / "tokenizer_config.json")
-        chat_template = ChatTemplate.from_dir(model_dir)
+        chat_template = ChatTemplate.given(chat_template, model_dir) if chat_template \
+            else ChatTemplate.from_dir(model_dir)
         path = model_dir / "tokenizer.json"
         if path.is_file():
             from tokenizers import Tokenizer as RustTokenizer
