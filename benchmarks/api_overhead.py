@@ -3,6 +3,8 @@ through `pagedserve bench` over each API in turn (alternating, `--rounds` times 
 
     python benchmarks/api_overhead.py [--model tiny] [--num-prompts 64] [--rounds 2]
 
+With PAGEDSERVE_API_KEY set, the server needs that key and the clients send it.
+
 Prints one JSON line per run ({"bench": "api_overhead", "case": "grpc"|"http", ...} with
 output tok/s, TTFT and ITL percentiles) and a last line comparing the medians. Both APIs run
 in the router process on one event loop, so the difference is the edge's own work: JSON and
@@ -26,6 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pagedserve.router.edge_security import (  # $PAGEDSERVE_API_KEY, as serve's
+    client_api_key,
+    grpc_metadata,
+)
 
 from pagedserve.bench import BenchConfig, run_bench
 from pagedserve.subprocs import stop_process
@@ -77,7 +84,8 @@ def main() -> int:
             vocab = asyncio.run(_vocab_size(addr["grpc"]))
             results: dict[str, list[dict]] = {"grpc": [], "http": []}
             warm = BenchConfig(address=addr["grpc"], num_prompts=8, input_len_range=(lo, hi),
-                               output_len_range=(4, 4), progress=False, seed=99)
+                               output_len_range=(4, 4), progress=False, seed=99,
+                               api_key=client_api_key())
             asyncio.run(run_bench(warm))
             for r in range(args.rounds):
                 for case in ("grpc", "http") if r % 2 == 0 else ("http", "grpc"):
@@ -85,7 +93,7 @@ def main() -> int:
                         address=addr[case], backend="openai" if case == "http" else "grpc",
                         vocab_size=vocab, num_prompts=args.num_prompts, seed=r,
                         input_len_range=(lo, hi), output_len_range=(olo, ohi),
-                        progress=False)
+                        progress=False, api_key=client_api_key())
                     res = asyncio.run(run_bench(cfg))
                     results[case].append(res)
                     print(json.dumps({"bench": "api_overhead", "case": case, "round": r,
@@ -114,8 +122,8 @@ async def _vocab_size(address: str) -> int:
     from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
     from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
     async with grpc.aio.insecure_channel(address) as channel:
-        info = await pb_grpc.GeneratorStub(channel).GetModelInfo(pb.ModelInfoRequest(),
-                                                                 timeout=30)
+        info = await pb_grpc.GeneratorStub(channel).GetModelInfo(
+            pb.ModelInfoRequest(), timeout=30, metadata=grpc_metadata(client_api_key()))
     return info.vocab_size
 
 
