@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
@@ -45,6 +44,7 @@ from .errors import (
     grpc_details,
 )
 from .frontend import Frontend, RequestSession
+from .http_request_ids import answer_id, echo_request_id, request_base
 from .openai_embeddings import (
     as_embedding,
     embedding_call,
@@ -148,6 +148,7 @@ class OpenAIApp:
         refused = functools.partial(self.frontend.count_failure, UNAUTHENTICATED, API)
         keyed = [http_key_check(self.api_keys, refused)] if self.api_keys else []
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[*keyed, _json_errors])
+        app.on_response_prepare.append(echo_request_id)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.list_models)
@@ -253,6 +254,7 @@ class OpenAIApp:
         responses = kind == "responses"
         try:
             try:
+                base = request_base(request)
                 body = await _read_json(request)
                 spec_body = chat_body(body) if responses else body
                 api = (completion_request(body) if kind == "completions" else
@@ -268,7 +270,8 @@ class OpenAIApp:
         except ConnectionError:  # gone while sending its body
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
-        response_id = prefix + uuid.uuid4().hex
+        response_id = prefix + base
+        answer_id(request, response_id)
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
@@ -320,6 +323,7 @@ class OpenAIApp:
         arrival = time.monotonic()
         fe = self.frontend
         try:
+            base = request_base(request)
             body = await _read_json(request)
             call = embedding_call(body)
             adapter = self._lora_adapter(body)
@@ -328,7 +332,8 @@ class OpenAIApp:
             return error_response(exc)
         except ConnectionError:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
-        response_id = "embd-" + uuid.uuid4().hex
+        response_id = "embd-" + base
+        answer_id(request, response_id)
         of = len(call.requests)
         outputs: list[RequestOutput | None] = [None] * of
         try:

@@ -123,3 +123,65 @@ def test_off_by_default(tok, caplog):
             assert r.status == 200
     asyncio.run(asyncio.wait_for(main(), 30))
     assert _records(caplog) == []
+
+
+# ------------------------------------------------------------------------- X-Request-Id
+
+
+def test_x_request_id_names_the_request_and_comes_back(tok, caplog):
+    """A client's X-Request-Id is the request's id (response id, engine ids, request log,
+    abort by id); every answer carries X-Request-Id; a live id again is 409; a malformed
+    one is a 400 naming the header."""
+    caplog.set_level(logging.INFO, logger="pagedserve.requests")
+
+    async def main():
+        async with edges(tok) as (engine, http, stub):
+            hdr = {"X-Request-Id": "trace-42"}
+            async with http.post("/v1/completions", headers=hdr, json={
+                    "prompt": [PROMPT, "Another prompt"], "max_tokens": 2}) as r:
+                assert r.status == 200 and r.headers["X-Request-Id"] == "trace-42"
+                assert (await r.json())["id"] == "cmpl-trace-42"
+            assert [s.request_id for s in engine.submitted] == ["cmpl-trace-42-0",
+                                                                "cmpl-trace-42-1"]
+            async with http.post("/v1/embeddings", headers={"X-Request-Id": "e-1"},
+                                 json={"input": "hi"}) as r:
+                assert r.headers["X-Request-Id"] == "e-1"
+            # no header: the response's own id comes back
+            async with http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "stream": True}) as r:
+                rid = r.headers["X-Request-Id"]
+                first = json.loads((await r.content.readline()).decode()[len("data: "):])
+                assert rid.startswith("chatcmpl-") and first["id"] == rid
+                await r.read()
+            # a live id again: 409, the first one unharmed
+            engine.step_s = 0.05
+            slow = asyncio.ensure_future(http.post("/v1/completions", headers={
+                "X-Request-Id": "dup"}, json={"prompt": PROMPT, "max_tokens": 6}))
+            await asyncio.sleep(0.1)
+            async with http.post("/v1/completions", headers={"X-Request-Id": "dup"},
+                                 json={"prompt": PROMPT, "max_tokens": 2}) as r:
+                assert r.status == 409 and r.headers["X-Request-Id"] == "dup"
+            first_dup = await slow
+            assert first_dup.status == 200
+            first_dup.release()
+            engine.step_s = 0.002
+            # gRPC Abort finds it by the id the client chose
+            hung = asyncio.ensure_future(http.post("/v1/completions", headers={
+                "X-Request-Id": "to-abort"}, json={"prompt": PROMPT, "max_tokens": 200,
+                                                   "ignore_eos": True}))
+            await asyncio.sleep(0.2)
+            await stub.Abort(pb.AbortRequest(request_id="cmpl-to-abort-0"))
+            aborted = await hung
+            assert (await aborted.json())["choices"][0]["finish_reason"] == "abort"
+            for bad in ("has space", "x" * 257, "caf\u00e9"):
+                async with http.post("/v1/completions", headers={"X-Request-Id": bad},
+                                     json={"prompt": PROMPT, "max_tokens": 2}) as r:
+                    assert r.status == 400 and "X-Request-Id" not in r.headers
+                    assert (await r.json())["error"]["param"] == "X-Request-Id"
+            async with http.post("/v1/completions", headers={"X-Request-Id": "bad-body"},
+                                 json={"prompt": PROMPT, "max_tokens": -1}) as r:
+                assert r.status == 400 and r.headers["X-Request-Id"] == "bad-body"
+    asyncio.run(asyncio.wait_for(main(), 30))
+    ids = [r.request_id for r in _records(caplog)]
+    assert ids[:2] == ["cmpl-trace-42-0", "cmpl-trace-42-1"] and "embd-e-1-0" in ids
