@@ -132,6 +132,15 @@ def _api_keys(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _allowed_origins(value: str) -> tuple[str, ...]:
+    """``--allowed-origins`` (router/http_cors.py)."""
+    from pagedserve.router.http_cors import parse_origins
+    try:
+        return parse_origins(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _LORA_NAME = re.compile(r"[^\s,=]{1,128}")
 
 
@@ -240,6 +249,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("api-key", _api_keys, None, "router: keys the gRPC and HTTP APIs require, sent as "
      "'Authorization: Bearer KEY' (comma-separated to accept several; /health, /version "
      "and gRPC health stay open; default: none needed)"),
+    ("allowed-origins", _allowed_origins, None, "router: web origins whose pages may call the "
+     "HTTP API from a browser (CORS), comma-separated scheme://host[:port], or * for any "
+     "(default: none)"),
     ("api-key-file", str, None, "router: a file of API keys (one a line, # "
      "comments) besides --api-key, re-read when it changes: keys rotate without a restart "
      "(e.g. a Kubernetes Secret mounted as a file)"),

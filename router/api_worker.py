@@ -62,7 +62,8 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
                 frontend, args.host, http_port, max_model_len=info.max_model_len,
                 served_model_name=args.served_model_name or Path(args.model).name,
                 tool_call_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser, reuse_port=True, **security)
+                reasoning_parser=args.reasoning_parser, reuse_port=True,
+                allowed_origins=getattr(args, "allowed_origins", None) or (), **security)
     except OSError as exc:
         print(f"pagedserve api worker {worker}: {exc}", file=sys.stderr, flush=True)
         if server is not None:

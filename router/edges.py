@@ -43,7 +43,8 @@ class LocalEdges:
                     frontend, args.host, args.http_port, max_model_len=info.max_model_len,
                     served_model_name=args.served_model_name or Path(args.model).name,
                     tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, **security)
+                    reasoning_parser=args.reasoning_parser,
+                    allowed_origins=getattr(args, "allowed_origins", None) or (), **security)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

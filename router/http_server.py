@@ -44,6 +44,7 @@ from .errors import (
     grpc_details,
 )
 from .frontend import Frontend, RequestSession
+from .http_cors import Cors
 from .http_request_ids import answer_id, echo_request_id, request_base
 from .openai_embeddings import (
     as_embedding,
@@ -132,8 +133,9 @@ class OpenAIApp:
 
     def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int,
                  tool_call_parser: str = "none", reasoning_parser: str = "none",
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = ()):
         self.frontend = frontend
+        self.cors = Cors(allowed_origins) if allowed_origins else None
         self.api_keys = api_keys or ApiKeys()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
@@ -147,8 +149,13 @@ class OpenAIApp:
         # The key check outermost: a request without a key learns nothing, not even a 404.
         refused = functools.partial(self.frontend.count_failure, UNAUTHENTICATED, API)
         keyed = [http_key_check(self.api_keys, refused)] if self.api_keys else []
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[*keyed, _json_errors])
+        # CORS preflights before the key check (a browser sends no key on them)
+        cors = [self.cors.preflight] if self.cors else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[*cors, *keyed, _json_errors])
         app.on_response_prepare.append(echo_request_id)
+        if self.cors:
+            app.on_response_prepare.append(self.cors.on_prepare)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.list_models)
@@ -469,13 +476,13 @@ async def start_http_server(
     frontend: Frontend, host: str, port: int, *, served_model_name: str, max_model_len: int,
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
-    api_keys: ApiKeys | None = None,
+    api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them)."""
     app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
-                    reasoning_parser, api_keys).make_app()
+                    reasoning_parser, api_keys, tuple(allowed_origins)).make_app()
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

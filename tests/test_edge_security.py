@@ -338,6 +338,7 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
         CLI + ["router", "--model", model, "--port", "0", "--http-port", "0",
                "--metrics-port", "-1", "--api-workers", "1", "--api-key", KEYS[0],
                "--api-key-file", str(key_file), "--log-requests",
+               "--allowed-origins", "https://ui.example",
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -371,6 +372,13 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
         assert get("/v1/models") == 401 and get("/v1/models", "sk-no") == 401
         assert get("/v1/models", KEYS[0]) == 200
         assert get("/health") == 503  # open: no executor yet, not 401
+        # --allowed-origins reaches the API worker: a browser's preflight, before the key
+        preflight = urllib.request.Request(
+            http + "/v1/chat/completions", method="OPTIONS",
+            headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})
+        with urllib.request.urlopen(preflight, timeout=10) as r:
+            assert r.status == 204
+            assert r.headers["Access-Control-Allow-Origin"] == "https://ui.example"
 
         def generate(*args, key_env=None):
             run_env = dict(env, **({"PAGEDSERVE_API_KEY": key_env} if key_env else {}))
