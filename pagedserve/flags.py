@@ -183,6 +183,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "--model)"),
     ("tool-call-parser", _choice("none", "hermes"), "none", "router: how tool_choice \"auto\" "
      "finds tool calls in the output (hermes: <tool_call> JSON </tool_call>; none: auto is a 400)"),
+    ("generation-config", str, "auto", "router: sampling defaults of the OpenAI API for "
+     "fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, "
+     "max_new_tokens as max_tokens): auto = the model's generation_config.json, vllm = "
+     "none (OpenAI's), or a folder holding one"),
     ("chat-template", str, None, "router: the chat template to render chat requests with, "
      "in place of the model's (a Jinja file, or the template itself on one line): for a "
      "model without one, or to change it (default: the model's)"),

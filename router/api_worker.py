@@ -34,6 +34,7 @@ from .api_workers import ARGS_ENV, BIND_ERROR_EXIT
 from .app import limits_from_args, model_info_from_args
 from .edge_security import edge_security
 from .frontend import Frontend
+from .generation_defaults import generation_defaults
 from .grpc_server import start_server
 from .http_server import start_http_server
 from .remote_engine import MetricsRelay, RemoteEngine
@@ -63,7 +64,9 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
                 served_model_name=args.served_model_name or Path(args.model).name,
                 tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, reuse_port=True,
-                allowed_origins=getattr(args, "allowed_origins", None) or (), **security)
+                allowed_origins=getattr(args, "allowed_origins", None) or (),
+                sampling_defaults=generation_defaults(
+                    args.model, getattr(args, "generation_config", None)), **security)
     except OSError as exc:
         print(f"pagedserve api worker {worker}: {exc}", file=sys.stderr, flush=True)
         if server is not None:

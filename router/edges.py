@@ -11,6 +11,7 @@ from .api_workers import ApiWorkerError, ApiWorkers
 from .edge_hub import EdgeHub
 from .edge_security import edge_security
 from .frontend import Frontend
+from .generation_defaults import generation_defaults
 from .grpc_server import start_server
 from .http_server import start_http_server
 from .validation import Limits
@@ -44,7 +45,9 @@ class LocalEdges:
                     served_model_name=args.served_model_name or Path(args.model).name,
                     tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser,
-                    allowed_origins=getattr(args, "allowed_origins", None) or (), **security)
+                    allowed_origins=getattr(args, "allowed_origins", None) or (),
+                    sampling_defaults=generation_defaults(
+                        args.model, getattr(args, "generation_config", None)), **security)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

@@ -28,23 +28,24 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import grpc
-import msgspec
 from aiohttp import web
 
 from pagedserve import __version__
 
 from .edge_security import ApiKeys, http_key_check, ssl_context
-from .errors import (
-    InvalidRequest,
-    NotFound,
-    PagedServeError,
-    Unavailable,
-    grpc_code,
-    grpc_details,
-)
+from .errors import InvalidRequest, PagedServeError, Unavailable
 from .frontend import Frontend, RequestSession
+from .generation_defaults import with_defaults
 from .http_cors import Cors
+from .http_errors import (
+    UNAUTHENTICATED,
+    ModelNotFound,
+    dumps_json,
+    encode_json,
+    error_for,
+    error_json,
+    error_response,
+)
 from .http_request_ids import answer_id, echo_request_id, request_base
 from .openai_embeddings import (
     as_embedding,
@@ -76,55 +77,6 @@ THREADED_TOKENIZE_CHARS = 16_384
 # it, the access log does).
 CLIENT_CLOSED_REQUEST = 499
 SHUTDOWN_GRACE_S = 1.0
-UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
-
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
-_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error",
-               409: "invalid_request_error", 413: "invalid_request_error",
-               405: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable_error", 500: "server_error"}
-_encode = msgspec.json.Encoder().encode
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    return _STATUS.get(code, 500)
-
-
-def error_json(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"),
-                      "param": param, "code": code}}
-
-
-def error_for(exc: BaseException) -> tuple[int, dict]:
-    """(HTTP status, error object) for an exception that ended a request."""
-    code = grpc_code(exc)
-    status = http_status(code)
-    param = exc.field if isinstance(exc, InvalidRequest) else None
-    err_code = "model_not_found" if isinstance(exc, ModelNotFound) else code.name.lower()
-    return status, error_json(status, grpc_details(exc), param, err_code)
-
-
-def error_response(exc: BaseException) -> web.Response:
-    status, body = error_for(exc)
-    return web.json_response(body, status=status, dumps=_dumps)
-
-
-def _dumps(obj) -> str:
-    return _encode(obj).decode()
-
-
-class ModelNotFound(NotFound):
-    """A request named a model this server does not serve."""
-
-
 # --------------------------------------------------------------------------- app
 
 
@@ -133,8 +85,10 @@ class OpenAIApp:
 
     def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int,
                  tool_call_parser: str = "none", reasoning_parser: str = "none",
-                 api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = ()):
+                 api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
+                 sampling_defaults: dict | None = None):
         self.frontend = frontend
+        self.sampling_defaults = sampling_defaults or {}  # generation_defaults.py
         self.cors = Cors(allowed_origins) if allowed_origins else None
         self.api_keys = api_keys or ApiKeys()
         self.tool_call_parser = tool_call_parser
@@ -227,7 +181,7 @@ class OpenAIApp:
                 reply["token_strs"] = [self._token_text(t) for t in ids]
         except PagedServeError as exc:
             return error_response(exc)
-        return web.json_response(reply, dumps=_dumps)
+        return web.json_response(reply, dumps=dumps_json)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids."""
@@ -237,7 +191,7 @@ class OpenAIApp:
             ids = detokenize_ids(body, self.frontend.limits.vocab_size)
         except PagedServeError as exc:
             return error_response(exc)
-        return web.json_response({"prompt": self._token_text.decode(ids)}, dumps=_dumps)
+        return web.json_response({"prompt": self._token_text.decode(ids)}, dumps=dumps_json)
 
     def _lora_adapter(self, body: dict) -> str:
         """The LoRA adapter the body's `model` names ("": the served model, or no `model`);
@@ -263,8 +217,9 @@ class OpenAIApp:
             try:
                 base = request_base(request)
                 body = await _read_json(request)
-                spec_body = chat_body(body) if responses else body
-                api = (completion_request(body) if kind == "completions" else
+                spec_body = with_defaults(chat_body(body) if responses else body,
+                                          self.sampling_defaults)
+                api = (completion_request(spec_body) if kind == "completions" else
                        chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
                 adapter = self._lora_adapter(body)
                 for pb_request in api.requests:
@@ -297,7 +252,7 @@ class OpenAIApp:
                     if not api.stream:
                         async for i, out in _merge(sessions):
                             writer.add(i, out)
-                        return web.Response(body=_encode(writer.response()),
+                        return web.Response(body=encode_json(writer.response()),
                                             content_type="application/json")
                     writer.prompt_tokens = sum(len(s.spec.prompt_token_ids) for s in sessions)
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -363,7 +318,7 @@ class OpenAIApp:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         reply = embedding_response(vectors, [out.usage for out in outputs],
                                    adapter or self.model_name, call.encoding_format)
-        return web.Response(body=_encode(reply), content_type="application/json")
+        return web.Response(body=encode_json(reply), content_type="application/json")
 
     def _session(self, pb_request, request_id: str, arrival: float, made=None,
                  refused=None) -> RequestSession:
@@ -393,10 +348,10 @@ async def _send(stream: web.StreamResponse, chunks: list[dict], writer,
     """Server-sent events for `chunks` (and the closing `[DONE]`), in one write; named
     (`event: TYPE`) where the writer's API names them (the Responses API)."""
     if writer.sse_named:
-        events = [b"event: " + chunk["type"].encode() + b"\ndata: " + _encode(chunk) + b"\n\n"
+        events = [b"event: " + chunk["type"].encode() + b"\ndata: " + encode_json(chunk) + b"\n\n"
                   for chunk in chunks]
     else:
-        events = [b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks]
+        events = [b"data: " + encode_json(chunk) + b"\n\n" for chunk in chunks]
     if done:
         events.append(b"data: [DONE]\n\n")
     if events:
@@ -477,12 +432,14 @@ async def start_http_server(
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
     api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
+    sampling_defaults: dict | None = None,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them)."""
     app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
-                    reasoning_parser, api_keys, tuple(allowed_origins)).make_app()
+                    reasoning_parser, api_keys, tuple(allowed_origins),
+                    sampling_defaults).make_app()
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

@@ -1,6 +1,6 @@
 """`--chat-template` (ChatTemplate.given): a Jinja file or the template itself in place of the
 model's; a model without a template then serves chat; a bad one fails the router's start in
-one line."""
+one line. (The same router shows `--generation-config auto` reading the model's defaults.)"""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def model_dir(tmp_path_factory) -> str:
     path = build_model(tmp_path_factory.mktemp("tmpl") / "tiny", hidden_size=32, num_layers=1,
                        num_heads=2, num_kv_heads=1, intermediate_size=64)
     (path / "chat_template.jinja").unlink()
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.5}))
     assert Tokenizer.from_dir(path).chat_template is None
     return str(path)
 
@@ -78,10 +80,15 @@ def test_router_serves_chat_with_it_and_refuses_a_bad_one(model_dir, tmp_path):
                "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
+        lines = []
         for out in proc.stdout:
+            lines.append(out)
             if m := READY.search(out):
                 break
         assert m, "router did not start"
+        # --generation-config auto (the default) read the model's sampling defaults
+        assert any("sampling defaults from" in x and "temperature=0.5" in x for x in lines), \
+            "".join(lines)
         body = json.dumps({"messages": MESSAGES}).encode()
         req = urllib.request.Request(f"http://{m.group(4)}/tokenize", data=body,
                                      headers={"Content-Type": "application/json"})

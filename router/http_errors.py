@@ -1,0 +1,60 @@
+"""The HTTP edge's errors: a domain error (errors.py) or a gRPC status as an HTTP status and
+OpenAI's error object ({"error": {"message", "type", "param", "code"}}): 400 bad input, 401
+no valid API key, 404 unknown model or route, 409 a live request id, 429 queue full, 503 no
+executor or draining, 500 only for a bug."""
+
+from __future__ import annotations
+
+import grpc
+import msgspec
+from aiohttp import web
+
+from .errors import InvalidRequest, NotFound, grpc_code, grpc_details
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error",
+               405: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error", 500: "server_error"}
+encode_json = msgspec.json.Encoder().encode  # JSON bytes (the HTTP edge's bodies and events)
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return _STATUS.get(code, 500)
+
+
+def error_json(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_for(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, error object) for an exception that ended a request."""
+    code = grpc_code(exc)
+    status = http_status(code)
+    param = exc.field if isinstance(exc, InvalidRequest) else None
+    err_code = "model_not_found" if isinstance(exc, ModelNotFound) else code.name.lower()
+    return status, error_json(status, grpc_details(exc), param, err_code)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_for(exc)
+    return web.json_response(body, status=status, dumps=dumps_json)
+
+
+def dumps_json(obj) -> str:
+    return encode_json(obj).decode()
+
+
+class ModelNotFound(NotFound):
+    """A request named a model this server does not serve."""
