@@ -13,3 +13,15 @@ __version__ = "0.1.0"
 _ROOT = _Path(__file__).resolve().parent.parent
 if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "router" / "__init__.py").is_file():
     __path__.append(str(_ROOT))  # noqa: F821 - a package's __path__
+
+_OFFLINE = ("LLM", "GenerateError", "SamplingParams")  # offline generation: pagedserve.offline
+__all__ = [*_OFFLINE, "__version__"]
+
+
+def __getattr__(name: str):
+    """`from pagedserve import LLM` loads pagedserve.offline on first use (every server
+    process imports this package and never needs it)."""
+    if name in _OFFLINE:
+        from . import offline
+        return getattr(offline, name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
