@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 DEFAULT_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
-# Loopback, free ports, nothing but gRPC: what an LLM's cluster listens on unless told.
-CLUSTER_DEFAULTS = dict(host="127.0.0.1", port=0, http_port=-1, metrics_port=-1,
-                        executor_bind="tcp://127.0.0.1:*", api_workers=0)
+# Loopback, free ports, gRPC and HTTP (for embed) only: what an LLM's cluster listens on
+# unless told.
+CLUSTER_DEFAULTS = dict(host="127.0.0.1", port=0, http_port=0, metrics_port=-1,
+                        executor_bind="tcp://127.0.0.1:*", api_workers=0,
+                        api_key=(), api_key_file=None)  # not $PAGEDSERVE_API_KEY's: private
 
 
 class GenerateError(RuntimeError):
@@ -98,7 +100,8 @@ class LLM:
         self._failure: BaseException | str | None = None
         self._loop = self._stop = None
         self.children = None
-        self.address: str | None = None
+        self.address: str | None = None  # the cluster's gRPC HOST:PORT
+        self.http_address: str | None = None  # its OpenAI HTTP API (None: http_port=-1)
         self._thread = threading.Thread(target=self._run, name="pagedserve-llm", daemon=True)
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S) or self.address is None:
@@ -111,6 +114,9 @@ class LLM:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = pb_grpc.GeneratorStub(self._channel)
         self._window = max(1, self.args.max_queue_len)
+        key = self.args.api_key[0] if self.args.api_key else None  # an api_key= given
+        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ the cluster
@@ -121,6 +127,7 @@ class LLM:
         from .serve import run_cluster_job, serve_children
 
         async def job(engine, ready) -> int:
+            self.http_address = ready.http
             self.address = ready.grpc
             self._stop = asyncio.Event()
             self._loop = asyncio.get_running_loop()
@@ -194,6 +201,40 @@ class LLM:
             requests.append((None, pb.GenerateRequest(messages=chat, params=params)))
         return self._run_all(requests, timeout_s)
 
+    def embed(self, texts: str | Sequence[str], *, dimensions: int | None = None,
+              normalize: bool = True, batch: int = 64,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[list[float]]:
+        """One vector per text, in order: the prompt's last token's final hidden state,
+        L2-normalized (POST /v1/embeddings, README "Embeddings"); `dimensions`: the first N
+        components, normalized again; `normalize=False`: the raw hidden state."""
+        import json
+        import urllib.error
+        import urllib.request
+        if self._channel is None:
+            raise RuntimeError("pagedserve.LLM is closed")
+        if self.http_address is None:
+            raise RuntimeError("pagedserve.LLM.embed needs the HTTP API (http_port=-1 was given)")
+        if isinstance(texts, str):
+            texts = [texts]
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), batch):
+            body = {"input": list(texts[start:start + batch]), "normalize": normalize}
+            if dimensions is not None:
+                body["dimensions"] = dimensions
+            req = urllib.request.Request(f"http://{self.http_address}/v1/embeddings",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  **self._headers})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+                    data = json.loads(reply.read())["data"]
+            except urllib.error.HTTPError as exc:
+                error = json.loads(exc.read() or b"{}").get("error") or {}
+                raise GenerateError(str(error.get("code") or exc.code),
+                                    error.get("message") or str(exc)) from None
+            vectors += [item["embedding"] for item in sorted(data, key=lambda d: d["index"])]
+        return vectors
+
     def _run_all(self, requests: list, timeout_s: float) -> list[RequestOutput]:
         """Every request through Generate, at most the router's queue length in flight."""
         import grpc
@@ -204,7 +245,8 @@ class LLM:
         nxt = 0
         while nxt < len(requests) or pending:
             while nxt < len(requests) and len(pending) < self._window:
-                pending[nxt] = self._stub.Generate.future(requests[nxt][1], timeout=timeout_s)
+                pending[nxt] = self._stub.Generate.future(requests[nxt][1], timeout=timeout_s,
+                                                          metadata=self._metadata)
                 nxt += 1
             done = next(iter(pending))  # oldest first: results arrive in any order anyway
             future = pending.pop(done)

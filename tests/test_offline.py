@@ -2,7 +2,7 @@
 its own. One LLM (2 executors) for the module: greedy outputs equal transformers' (fp32, one
 prompt at a time), token-id prompts, n samples, chat through the model's template, many
 prompts past the in-flight window in order, a refused request raising GenerateError, and
-close() leaving no executor process behind."""
+close() leaving no executor process behind; embeddings; a key given is sent."""
 
 from __future__ import annotations
 
@@ -62,6 +62,26 @@ def test_samples_chat_and_many_prompts_in_order(llm):
     assert [o.prompt for o in outs] == prompts
     single = llm.generate(prompts[17], SamplingParams(max_tokens=2, temperature=0))
     assert single[0].outputs[0].token_ids == outs[17].outputs[0].token_ids
+
+
+def test_embed_vectors_in_order(llm):
+    vectors = llm.embed(["hello world", "a second text", "hello world"])
+    assert len(vectors) == 3 and len(vectors[0]) == 160  # the tiny model's hidden size
+    assert sum(x * x for x in vectors[0]) == pytest.approx(1.0, abs=1e-4)
+    assert vectors[2] == pytest.approx(vectors[0], abs=1e-5)  # the same text again
+    short = llm.embed("hello world", dimensions=8)
+    assert len(short[0]) == 8 and sum(x * x for x in short[0]) == pytest.approx(1.0, abs=1e-4)
+    many = llm.embed([f"text {i}" for i in range(5)], batch=2)  # three calls, in order
+    assert many[3] == pytest.approx(llm.embed("text 3")[0], abs=1e-5)
+    with pytest.raises(GenerateError, match="input"):
+        llm.embed([""])
+
+
+def test_a_key_given_is_sent(model_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-from-the-environment")  # not the LLM's
+    with LLM(model_dir, executors=1, num_gpu_blocks=32, api_key="sk-mine") as keyed:
+        assert keyed.generate("Hi", SamplingParams(max_tokens=2))[0].outputs
+        assert len(keyed.embed("Hi")[0]) == 160
 
 
 def test_refusals_raise(llm, model_dir):
