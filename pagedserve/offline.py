@@ -9,8 +9,9 @@ notebooks and evaluation harnesses.
         answers = llm.chat([[{"role": "user", "content": "Hi!"}]], SamplingParams(temperature=0))
 
 An `LLM` starts what `serve` starts (the router, `executors` executor processes) on loopback
-ports of its own (gRPC on a free port, HTTP and metrics off, a free executor socket), its
-event loop in a thread of this process, and talks to it over gRPC: the same validation,
+ports of its own (gRPC and HTTP on free ports, metrics off, a free executor socket), its
+event loop in a thread of this process, and talks to it over gRPC (`embed`: HTTP's
+/v1/embeddings, which gRPC has no method for): the same validation,
 routing, prefix cache and answers as any client gets. `generate` and `chat` send every
 prompt at once (at most the router's queue length in flight; more wait their turn) and
 return one `RequestOutput` per prompt, in the prompts' order. A request the server refuses
