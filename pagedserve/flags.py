@@ -179,7 +179,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "see README security)"),
     ("metrics-port", _port_or_off, 9400, "Prometheus /metrics port (-1 disables; 0: any free port)"),
     ("http-port", _port_or_off, 8000, "OpenAI-compatible HTTP API port (-1 disables; 0: any free port)"),
-    ("served-model-name", str, None, "the model id of the HTTP API (default: the name of "
+    ("served-model-name", str, None, "the model id of the HTTP API, or several separated by "
+     "commas (the others: aliases a request's model may use; default: the name of "
      "--model)"),
     ("tool-call-parser", _choice("none", "hermes"), "none", "router: how tool_choice \"auto\" "
      "finds tool calls in the output (hermes: <tool_call> JSON </tool_call>; none: auto is a 400)"),

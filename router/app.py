@@ -29,6 +29,7 @@ from .edges import EdgeBindError, LocalEdges, WorkerEdges
 from .engine import EngineConfig, RouterEngine
 from .executor_link import ExecutorLinkError
 from .metrics import RouterMetrics
+from .openai_fields import served_names
 from .routing import RoutingPolicy
 from .scheduler import PreemptionMode
 from .tokenizer import Tokenizer, read_eos_token_ids
@@ -131,9 +132,10 @@ def model_info_from_args(args) -> tuple[ModelInfoData, str]:
     info, fingerprint = read_model_info(args.model, args.block_size, args.max_model_len,
                                         args.dtype)
     names = lora_names(args)
-    served = getattr(args, "served_model_name", None)
-    if served in names:
-        raise ModelDirError(f"--lora-modules: {served!r} is the served model's name too")
+    served = served_names(getattr(args, "served_model_name", None) or "")
+    for name in names:
+        if name in served:
+            raise ModelDirError(f"--lora-modules: {name!r} is a served model's name too")
     return dataclasses.replace(info, lora_adapters=names), fingerprint
 
 

@@ -54,7 +54,7 @@ from .openai_embeddings import (
     embedding_vector,
     input_field,
 )
-from .openai_fields import optional_bool, optional_str
+from .openai_fields import optional_bool, optional_str, served_names
 from .openai_protocol import (
     TokenIdText,
     TokenText,
@@ -93,7 +93,8 @@ class OpenAIApp:
         self.api_keys = api_keys or ApiKeys()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
-        self.model_name = served_model_name
+        self.served_names = served_names(served_model_name) or (served_model_name,)
+        self.model_name = self.served_names[0]  # the others: aliases (--served-model-name)
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self._token_text = TokenText(frontend.tokenizer)
@@ -145,14 +146,14 @@ class OpenAIApp:
         lists them)."""
         card = {"id": name, "object": "model", "created": self.created,
                 "owned_by": "pagedserve", "max_model_len": self.max_model_len}
-        if name != self.model_name:
+        if name not in self.served_names:
             card["parent"] = self.model_name
         return card
 
     @property
     def model_names(self) -> tuple[str, ...]:
-        """What a body's `model` may name: the served model, then its LoRA adapters."""
-        return (self.model_name, *self.frontend.limits.lora_adapters)
+        """What a body's `model` may name: the served model (its aliases), its LoRA adapters."""
+        return (*self.served_names, *self.frontend.limits.lora_adapters)
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list",
@@ -197,12 +198,17 @@ class OpenAIApp:
         """The LoRA adapter the body's `model` names ("": the served model, or no `model`);
         ModelNotFound for any other name."""
         model = optional_str(body, "model")
-        if model is None or model == self.model_name:
+        if model is None or model in self.served_names:
             return ""
         if model in self.frontend.limits.lora_adapters:
             return model
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{', '.join(repr(n) for n in self.model_names)}")
+
+    def _served_as(self, body: dict) -> str:
+        """The served model's name as the body's `model` gave it (an alias stays an alias)."""
+        model = body.get("model")
+        return model if model in self.served_names else self.model_name
 
     # ------------------------------------------------------------------ generation
 
@@ -237,7 +243,7 @@ class OpenAIApp:
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
         # request gets its status; leaving the stack aborts and counts what did not finish.
-        model = adapter or self.model_name  # what the reply says served it
+        model = adapter or self._served_as(body)  # what the reply says served it
         writer = ChoiceWriter(api, response_id, created, model,
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
         if responses:
@@ -317,7 +323,7 @@ class OpenAIApp:
         except ConnectionError:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         reply = embedding_response(vectors, [out.usage for out in outputs],
-                                   adapter or self.model_name, call.encoding_format)
+                                   adapter or self._served_as(body), call.encoding_format)
         return web.Response(body=encode_json(reply), content_type="application/json")
 
     def _session(self, pb_request, request_id: str, arrival: float, made=None,

@@ -15,6 +15,13 @@ INT32_RANGE = (-(2**31), 2**31 - 1)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # a negative seed is taken modulo 2**64
 
 
+def served_names(value: str) -> tuple[str, ...]:
+    """`--served-model-name`: one model id, or several separated by commas (the first is the
+    model's name; the others are aliases a request's `model` may use too, e.g. the id a
+    client has written in). A name keeps its inner spaces (a folder's name may have them)."""
+    return tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+
+
 def bad(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {message}", field=param)
 
