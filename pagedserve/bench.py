@@ -41,7 +41,7 @@ import numpy as np
 from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
 from .router.edge_security import add_client_api_key, grpc_metadata
 
-BACKENDS = ("grpc", "openai", "openai-embeddings")
+BACKENDS = ("grpc", "openai", "openai-chat", "openai-embeddings")
 
 
 @dataclass
@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="grpc",
                    help="grpc: pagedserve's Stream; openai: streamed POST /v1/completions "
                         "(pagedserve's HTTP API or another OpenAI-compatible server); "
+                        "openai-chat: streamed POST /v1/chat/completions, each prompt one "
+                        "user message (text prompts: --dataset file); "
                         "openai-embeddings: POST /v1/embeddings of each prompt (latency: "
                         "the whole reply; no output tokens)")
     p.add_argument("--model", default=None,

@@ -4,6 +4,10 @@ any OpenAI-compatible server (vLLM, SGLang, TGI). An SSE chunk carries no token 
 chunk with text counts as one token for TTFT/ITL (vLLM's client counts the same way); output
 tokens come from the final usage chunk.
 
+`--backend openai-chat`: the same as streamed `POST /v1/chat/completions`, each prompt one
+user message (rendered with the server's chat template; text prompts only: `--dataset file`);
+a chunk with `delta.content` (or `reasoning_content`) counts as one token.
+
 `--backend openai-embeddings`: each prompt as one `POST /v1/embeddings` (vLLM's and TEI's
 route too): TTFT and e2e are the whole reply's latency, no output tokens; input tokens and
 the prefix cache as for completions."""
@@ -32,6 +36,8 @@ async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> d
                 models = (await reply.json())["data"]
             model = models[0]["id"]
         if requests is None:
+            if cfg.backend == "openai-chat" and cfg.dataset != "file":
+                raise ValueError("--backend openai-chat sends text: it needs --dataset file")
             if cfg.dataset != "file" and cfg.vocab_size is None:
                 raise ValueError(f"--backend {cfg.backend} with token-id prompts needs "
                                  "--vocab-size")
@@ -66,18 +72,24 @@ def _openai_body(req: BenchRequest, cfg: BenchConfig, model: str) -> dict:
     body = {"model": req.lora or model, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
             "seed": cfg.seed, "ignore_eos": cfg.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
+    if cfg.backend == "openai-chat":  # the prompt as one user message (text prompts only)
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        return body
     body["prompt"] = list(req.prompt_token_ids) if req.prompt_token_ids is not None \
         else req.prompt
     return body
 
 
 async def one_request(http, req: BenchRequest, cfg: BenchConfig, model: str) -> RequestOutcome:
-    """One streamed POST /v1/completions; times every chunk that carries text."""
+    """One streamed POST /v1/completions (/v1/chat/completions with --backend openai-chat);
+    times every chunk that carries text."""
     out = RequestOutcome(prompt_tokens=req.prompt_len)
     start = time.perf_counter()
     usage_tokens = None
+    chat = cfg.backend == "openai-chat"
+    route = "/v1/chat/completions" if chat else "/v1/completions"
     try:
-        async with http.post("/v1/completions", json=_openai_body(req, cfg, model)) as reply:
+        async with http.post(route, json=_openai_body(req, cfg, model)) as reply:
             if reply.status != 200:
                 body = await reply.text()
                 out.error = f"HTTP {reply.status}: {body[:200]}"
@@ -91,7 +103,9 @@ async def one_request(http, req: BenchRequest, cfg: BenchConfig, model: str) -> 
                     out.error = str(chunk["error"].get("message", chunk["error"]))
                     return out
                 for choice in chunk.get("choices") or ():
-                    if choice.get("text"):
+                    delta = choice.get("delta") or {}
+                    if choice.get("text") or (chat and (delta.get("content")
+                                                        or delta.get("reasoning_content"))):
                         out.record_tokens(1, start)  # an SSE chunk carries no token count
                     if choice.get("finish_reason") == "abort":
                         out.finish_reason = 3  # as the gRPC enum's ABORT

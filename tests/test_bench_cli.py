@@ -121,6 +121,29 @@ def test_file_dataset(cluster, tmp_path):
     assert res["total_output_tokens"] == 3 + 5 + 3 + 5
 
 
+def test_openai_chat_backend(cluster, tmp_path):
+    """--backend openai-chat: the file's text prompts as streamed /v1/chat/completions (one
+    user message each, the model's chat template), fixed output lengths; token-id datasets
+    refused."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('hello world\n{"prompt": "The quick brown fox", "max_tokens": 5}\n')
+    res = _bench(cluster, "--backend", "openai-chat", "--dataset", "file", "--file",
+                 str(prompts), "--num-prompts", "4", "--output-len-range", "3:3",
+                 "--max-concurrency", "2", address=cluster.http_address)
+    assert res["backend"] == "openai-chat" and res["completed"] == 4
+    assert res["total_output_tokens"] == 3 + 5 + 3 + 5
+    # the chat template wraps each prompt: more input tokens than the plain prompts have
+    plain = _bench(cluster, "--backend", "openai", "--dataset", "file", "--file",
+                   str(prompts), "--num-prompts", "4", "--output-len-range", "3:3",
+                   address=cluster.http_address)
+    assert res["total_input_tokens"] > plain["total_input_tokens"]
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "--backend",
+                          "openai-chat", "--address", cluster.http_address, "--num-prompts",
+                          "1", "--vocab-size", "512", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--dataset file" in bad.stderr
+
+
 def test_readable_table_and_bad_flags(cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "pagedserve.cli", "bench", "--address", cluster.address,
