@@ -34,6 +34,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def router_alone(model_dir: str, *flags: str, env: dict | None = None):
+    """`pagedserve router` with no executor, gRPC and HTTP on free ports, metrics off, and
+    `flags`; yields (its ready line's match, the output lines up to it, the process).
+    Terminated on the way out."""
+    env = env if env is not None else {k: v for k, v in os.environ.items()
+                                       if not k.startswith("PAGEDSERVE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
+         "--port", "0", "--http-port", "0", "--metrics-port", "-1",
+         "--executor-bind", f"tcp://127.0.0.1:{free_port()}", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines, ready = [], None
+        for line in proc.stdout:
+            lines.append(line)
+            if ready := READY.search(line):
+                break
+        assert ready, "the router did not start:\n" + "".join(lines)
+        yield ready, lines, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=30)
+
+
 def post_json(cluster, path: str, body: dict) -> tuple[int, dict]:
     """POST ``body`` to the cluster's OpenAI API at ``path``: (status, JSON reply), errors
     included."""

@@ -26,19 +26,31 @@ ANY_JSON = st.recursive(
 
 
 @contextlib.asynccontextmanager
-async def serve(tok, step_s=0.002, max_model_len=256):
+async def http_edge(tok, step_s=0.002, max_model_len=256, log_requests=False, **server):
+    """The HTTP edge on port 0 over a FakeEngine, `server`: start_http_server's keywords
+    (served_model_name MODEL unless given). Yields (engine, frontend, metrics, base URL)."""
     engine = FakeEngine(tok, step_s=step_s)
     metrics = RouterMetrics()
     frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size,
-                                             max_model_len=max_model_len), metrics)
-    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name=MODEL,
-                                     max_model_len=max_model_len)
-    session = aiohttp.ClientSession(f"http://127.0.0.1:{server.port}")
+                                             max_model_len=max_model_len), metrics,
+                        log_requests=log_requests)
+    server.setdefault("served_model_name", MODEL)
+    http = await start_http_server(frontend, "127.0.0.1", 0, max_model_len=max_model_len,
+                                   **server)
     try:
-        yield engine, frontend, session, metrics
+        yield engine, frontend, metrics, f"http://127.0.0.1:{http.port}"
     finally:
-        await session.close()
-        await server.stop()
+        await http.stop()
+
+
+@contextlib.asynccontextmanager
+async def serve(tok, step_s=0.002, max_model_len=256):
+    async with http_edge(tok, step_s, max_model_len) as (engine, frontend, metrics, base):
+        session = aiohttp.ClientSession(base)
+        try:
+            yield engine, frontend, session, metrics
+        finally:
+            await session.close()
 
 
 @contextlib.asynccontextmanager

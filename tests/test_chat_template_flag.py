@@ -11,7 +11,7 @@ import sys
 import urllib.request
 
 import pytest
-from cluster_harness import READY, free_port
+from cluster_harness import router_alone
 from pagedserve.router.chat_template import ChatTemplate
 from pagedserve.router.tokenizer import Tokenizer
 
@@ -74,28 +74,14 @@ def test_router_serves_chat_with_it_and_refuses_a_bad_one(model_dir, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     (line,) = bad.stderr.strip().splitlines()
     assert line.startswith("pagedserve router: chat template (--chat-template) does not compile")
-    proc = subprocess.Popen(
-        CLI + ["router", "--model", model_dir, "--port", "0", "--http-port", "0",
-               "--metrics-port", "-1", "--chat-template", str(f),
-               "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for out in proc.stdout:
-            lines.append(out)
-            if m := READY.search(out):
-                break
-        assert m, "router did not start"
+    with router_alone(model_dir, "--chat-template", str(f), env=env) as (ready, lines, _):
         # --generation-config auto (the default) read the model's sampling defaults
         assert any("sampling defaults from" in x and "temperature=0.5" in x for x in lines), \
             "".join(lines)
         body = json.dumps({"messages": MESSAGES}).encode()
-        req = urllib.request.Request(f"http://{m.group(4)}/tokenize", data=body,
+        req = urllib.request.Request(f"http://{ready.group(4)}/tokenize", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as reply:
             tokens = json.loads(reply.read())["tokens"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     tok = Tokenizer.from_dir(model_dir)
     assert tokens == tok.encode(RENDERED, add_special_tokens=False)

@@ -6,7 +6,6 @@ pagedserve's clients with a key, and a real router whose API workers hold the ke
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import subprocess
@@ -18,9 +17,10 @@ import urllib.request
 import aiohttp
 import grpc
 import pytest
-from cluster_harness import READY, free_port
+from cluster_harness import router_alone
 from fake_engine import FakeEngine, make_tokenizer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from http_rig import http_edge
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 from pagedserve.router.edge_security import (
@@ -169,23 +169,14 @@ def test_executors_never_get_the_keys():
 # ------------------------------------------------------------------------------- HTTP edge
 
 
-@contextlib.asynccontextmanager
-async def http_edge(tok, keys=KEYS):
-    engine = FakeEngine(tok)
-    metrics = RouterMetrics()
-    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                        metrics)
-    server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name="m",
-                                     max_model_len=256, api_keys=ApiKeys(keys))
-    try:
-        yield engine, metrics, f"http://127.0.0.1:{server.port}"
-    finally:
-        await server.stop()
+def keyed_edge(tok):
+    return http_edge(tok, served_model_name="m", api_keys=ApiKeys(KEYS))
 
 
 def test_http_refuses_without_a_key_and_serves_with_one(tok):
     async def main():
-        async with http_edge(tok) as (engine, metrics, base), aiohttp.ClientSession(base) as s:
+        async with keyed_edge(tok) as (engine, _, metrics, base), \
+                aiohttp.ClientSession(base) as s:
             body = {"model": "m", "prompt": "Once upon", "max_tokens": 3}
             for headers, message in [({}, MISSING),
                                      ({"Authorization": "Bearer sk-wrong"}, INVALID),
@@ -217,7 +208,7 @@ def test_openai_sdk_with_the_key(tok):
     openai = pytest.importorskip("openai")
 
     async def main():
-        async with http_edge(tok) as (engine, _, base):
+        async with keyed_edge(tok) as (engine, _, _metrics, base):
             good = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEYS[1], max_retries=0)
             out = await good.completions.create(model="m", prompt="Once upon", max_tokens=2)
             assert out.usage.completion_tokens == 2
@@ -334,20 +325,9 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
                              env=env, timeout=60)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
         f"pagedserve router: --api-key-file {work / 'nope'}: No such file or directory"]
-    proc = subprocess.Popen(
-        CLI + ["router", "--model", model, "--port", "0", "--http-port", "0",
-               "--metrics-port", "-1", "--api-workers", "1", "--api-key", KEYS[0],
-               "--api-key-file", str(key_file), "--log-requests",
-               "--allowed-origins", "https://ui.example",
-               "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if m := READY.search(line):
-                break
-        assert m, "".join(lines)
+    with router_alone(model, "--api-workers", "1", "--api-key", KEYS[0], "--api-key-file",
+                      str(key_file), "--log-requests", "--allowed-origins",
+                      "https://ui.example", env=env) as (m, lines, proc):
         address, http = m.group(1), "http://" + m.group(4)
         assert any("need an API key (1 from --api-key, the others from" in line
                    for line in lines), "".join(lines)
@@ -406,9 +386,7 @@ def test_router_with_api_workers_needs_a_key(tmp_path_factory):
                 stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10,
                                   metadata=grpc_metadata(KEYS[1]))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        proc.terminate()
-        rest = proc.communicate(timeout=30)[0]
+    rest = proc.stdout.read()
     # --log-requests in the API worker: the two requests past the key, not the refusals
     logged = [x for x in rest.splitlines() if "pagedserve.requests" in x]
     assert len(logged) == 2 and all("api=grpc status=UNAVAILABLE" in x for x in logged), rest

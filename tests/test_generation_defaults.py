@@ -10,12 +10,9 @@ import logging
 
 import aiohttp
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
-from pagedserve.router.frontend import Frontend
+from fake_engine import make_tokenizer
+from http_rig import http_edge
 from pagedserve.router.generation_defaults import generation_defaults, with_defaults
-from pagedserve.router.http_server import start_http_server
-from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.validation import Limits
 
 QWEN_LIKE = {"bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7,
              "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7}
@@ -68,25 +65,18 @@ def test_http_requests_get_them(tmp_path_factory):
     tok = make_tokenizer(tmp_path_factory)
 
     async def main():
-        engine = FakeEngine(tok)
-        frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                            RouterMetrics())
-        server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name="m",
-                                         max_model_len=256, sampling_defaults=DEFAULTS)
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as s:
-                for path, body in [
-                        ("/v1/completions", {"prompt": "Once upon"}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                                "content": "hi"}]}),
-                        ("/v1/completions", {"prompt": "Once", "temperature": 0,
-                                             "max_tokens": 2}),
-                        ("/v1/responses", {"input": "hi", "max_output_tokens": 3,
-                                           "top_p": 0.5})]:
-                    async with s.post(path, json=body) as r:
-                        assert r.status == 200, await r.text()
-        finally:
-            await server.stop()
+        async with http_edge(tok, sampling_defaults=DEFAULTS) as (engine, _, _m, base), \
+                aiohttp.ClientSession(base) as s:
+            for path, body in [
+                    ("/v1/completions", {"prompt": "Once upon"}),
+                    ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                            "content": "hi"}]}),
+                    ("/v1/completions", {"prompt": "Once", "temperature": 0,
+                                         "max_tokens": 2}),
+                    ("/v1/responses", {"input": "hi", "max_output_tokens": 3,
+                                       "top_p": 0.5})]:
+                async with s.post(path, json=body) as r:
+                    assert r.status == 200, await r.text()
         return [spec.sampling for spec in engine.submitted]
     got = asyncio.run(asyncio.wait_for(main(), 30))
     first = got[0]

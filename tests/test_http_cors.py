@@ -9,13 +9,10 @@ import contextlib
 
 import aiohttp
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
+from fake_engine import make_tokenizer
+from http_rig import http_edge
 from pagedserve.router.edge_security import ApiKeys
-from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_cors import parse_origins
-from pagedserve.router.http_server import start_http_server
-from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.validation import Limits
 
 APP = "https://app.example.com"
 KEY = {"Authorization": "Bearer sk-cors"}
@@ -30,17 +27,9 @@ def tok(tmp_path_factory):
 
 @contextlib.asynccontextmanager
 async def server(tok, origins):
-    engine = FakeEngine(tok)
-    frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                        RouterMetrics())
-    http = await start_http_server(frontend, "127.0.0.1", 0, served_model_name="m",
-                                   max_model_len=256, api_keys=ApiKeys(["sk-cors"]),
-                                   allowed_origins=origins)
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{http.port}") as session:
-            yield engine, session
-    finally:
-        await http.stop()
+    async with http_edge(tok, api_keys=ApiKeys(["sk-cors"]), allowed_origins=origins) as (
+            engine, _, _metrics, base), aiohttp.ClientSession(base) as session:
+        yield engine, session
 
 
 def test_parse_origins():

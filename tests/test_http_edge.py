@@ -7,7 +7,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from fake_engine import FakeEngine, make_tokenizer
-from http_rig import ANY_JSON, MODEL, _metric, _post, _run, _sse, serve
+from http_rig import ANY_JSON, MODEL, _metric, _post, _run, _sse, http_edge, serve
 from pagedserve.router.frontend import Frontend
 from pagedserve.router.http_server import start_http_server
 from pagedserve.router.metrics import RouterMetrics
@@ -51,30 +51,24 @@ def test_served_model_name_aliases(tok):
     assert served_names(" a , b,a,, My Model ") == ("a", "b", "My Model")
 
     async def main():
-        frontend = Frontend(FakeEngine(tok), tok, Limits(vocab_size=tok.vocab_size,
-                                                         max_model_len=256), RouterMetrics())
-        server = await start_http_server(frontend, "127.0.0.1", 0, max_model_len=256,
-                                         served_model_name="qwen-local,gpt-4o-mini")
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as http:
-                async with http.get("/v1/models") as r:
-                    cards = (await r.json())["data"]
-                assert [c["id"] for c in cards] == ["qwen-local", "gpt-4o-mini"]
-                assert all("parent" not in c for c in cards)
-                for name in ("gpt-4o-mini", "qwen-local", None):
-                    body = {"prompt": "Once upon", "max_tokens": 2,
-                            **({"model": name} if name else {})}
-                    status, reply = await _post(http, "/v1/completions", body)
-                    assert status == 200 and reply["model"] == (name or "qwen-local")
-                status, reply = await _post(http, "/v1/chat/completions", {
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                    "model": "gpt-4o-mini"})
-                assert status == 200 and reply["model"] == "gpt-4o-mini"
-                status, reply = await _post(http, "/v1/completions", {"prompt": "x",
-                                                                      "model": "gpt-4"})
-                assert status == 404 and "'gpt-4o-mini'" in reply["error"]["message"]
-        finally:
-            await server.stop()
+        async with http_edge(tok, served_model_name="qwen-local,gpt-4o-mini") as (
+                _, _f, _m, base), aiohttp.ClientSession(base) as http:
+            async with http.get("/v1/models") as r:
+                cards = (await r.json())["data"]
+            assert [c["id"] for c in cards] == ["qwen-local", "gpt-4o-mini"]
+            assert all("parent" not in c for c in cards)
+            for name in ("gpt-4o-mini", "qwen-local", None):
+                body = {"prompt": "Once upon", "max_tokens": 2,
+                        **({"model": name} if name else {})}
+                status, reply = await _post(http, "/v1/completions", body)
+                assert status == 200 and reply["model"] == (name or "qwen-local")
+            status, reply = await _post(http, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "model": "gpt-4o-mini"})
+            assert status == 200 and reply["model"] == "gpt-4o-mini"
+            status, reply = await _post(http, "/v1/completions", {"prompt": "x",
+                                                                  "model": "gpt-4"})
+            assert status == 404 and "'gpt-4o-mini'" in reply["error"]["message"]
     _run(main())
 
 

@@ -17,13 +17,10 @@ import time
 import urllib.request
 
 import pytest
-from fake_engine import FakeEngine, make_tokenizer
+from fake_engine import make_tokenizer
+from http_rig import http_edge
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.router.frontend import Frontend
-from pagedserve.router.http_server import start_http_server
-from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.validation import Limits
 
 from pagedserve.batch_file import URLS, BadLine, BatchRequest, parse_line, response_line, usage_of
 from pagedserve.run_batch import BatchStats, OrderedWriter, executor_argv, run_file
@@ -128,11 +125,10 @@ def test_run_file_over_the_http_edge_retries_a_full_queue(tmp_path_factory):
     tok = make_tokenizer(tmp_path_factory)
 
     async def main():
-        engine = FakeEngine(tok)
-        frontend = Frontend(engine, tok, Limits(vocab_size=tok.vocab_size, max_model_len=256),
-                            RouterMetrics())
-        server = await start_http_server(frontend, "127.0.0.1", 0, served_model_name="m",
-                                         max_model_len=256)
+        async with http_edge(tok) as (engine, _, _metrics, base):
+            return engine, await run_lines(engine, base)
+
+    async def run_lines(engine, base):
         lines = [_line(f"q{i}", prompt=f"Once upon {i}", max_tokens=1 + i % 3)
                  for i in range(20)]
         lines[5] = _line("bad", prompt="x", max_tokens=-1)  # a 400, answered in its place
@@ -145,24 +141,23 @@ def test_run_file_over_the_http_edge_retries_a_full_queue(tmp_path_factory):
         freer = asyncio.ensure_future(free_queue())
         out = io.StringIO()
         try:
-            stats = await run_file(io.StringIO("\n".join(lines) + "\n"), out,
-                                   f"http://127.0.0.1:{server.port}", window_size=4)
+            stats = await run_file(io.StringIO("\n".join(lines) + "\n"), out, base,
+                                   window_size=4)
         finally:
             await freer
-            await server.stop()
-        rows = [json.loads(x) for x in out.getvalue().splitlines()]
-        ids = [f"q{i}" for i in range(20)]
-        ids[5] = "bad"
-        assert [r["custom_id"] for r in rows] == ids
-        assert rows[5]["response"]["status_code"] == 400
-        assert rows[5]["response"]["body"]["error"]["param"] == "max_tokens"
-        for i, row in enumerate(rows):
-            if i != 5:
-                assert row["response"]["status_code"] == 200, row
-                assert row["response"]["body"]["usage"]["completion_tokens"] == 1 + i % 3
-        assert (stats.lines, stats.ok, stats.failed) == (20, 19, 1)
-        assert len(engine.submitted) == 19  # each answered request ran once
-    asyncio.run(asyncio.wait_for(main(), 30))
+        return stats, [json.loads(x) for x in out.getvalue().splitlines()]
+    engine, (stats, rows) = asyncio.run(asyncio.wait_for(main(), 30))
+    ids = [f"q{i}" for i in range(20)]
+    ids[5] = "bad"
+    assert [r["custom_id"] for r in rows] == ids
+    assert rows[5]["response"]["status_code"] == 400
+    assert rows[5]["response"]["body"]["error"]["param"] == "max_tokens"
+    for i, row in enumerate(rows):
+        if i != 5:
+            assert row["response"]["status_code"] == 200, row
+            assert row["response"]["body"]["usage"]["completion_tokens"] == 1 + i % 3
+    assert (stats.lines, stats.ok, stats.failed) == (20, 19, 1)
+    assert len(engine.submitted) == 19  # each answered request ran once
 
 
 # ------------------------------------------------------------------- the command, for real
