@@ -96,6 +96,7 @@ class BenchConfig:
     connections: int = 1  # grpc: channels (TCP connections) the requests are spread over
     lora_modules: tuple[str, ...] = ()  # each request runs one of these adapters, at random
     api_key: str | None = None  # the server's --api-key (sent as a bearer token)
+    tokenizer: str | None = None  # sharegpt: the model whose tokens count each reply
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=256, help="tokens of each system prompt")
     p.add_argument("--questions-per-tenant", type=int, default=8)
     p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--tokenizer", default=None,
+                   help="sharegpt: the served model's directory or hub id (its tokenizer "
+                   "counts each reply's tokens: the request's output length)")
     p.add_argument("--file", default=None,
                    help='prompts: one per line, or JSONL {"prompt": ..., "max_tokens": ...}')
     p.add_argument("--request-rate", type=_rate, default=math.inf,
@@ -399,13 +403,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress and not args.json, timeout_s=args.timeout,
-        connections=args.connections, lora_modules=args.lora_modules, api_key=args.api_key)
+        connections=args.connections, lora_modules=args.lora_modules, api_key=args.api_key,
+        tokenizer=args.tokenizer)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.dataset == "file" and not args.file:
-        print("pagedserve bench: --dataset file needs --file PATH", file=sys.stderr)
+    if args.dataset in ("file", "sharegpt") and not args.file:
+        print(f"pagedserve bench: --dataset {args.dataset} needs --file PATH", file=sys.stderr)
         return 2
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("pagedserve bench: --num-prompts and --max-concurrency must be >= 1",

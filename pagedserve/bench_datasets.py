@@ -3,7 +3,11 @@
 Datasets: ``random`` (token-id prompts and output lengths drawn from ranges),
 ``shared-prefix`` (tenants, each a system prompt shared by its questions, interleaved as
 real traffic interleaves them) and ``file`` (one prompt a line: text, or a JSON object with
-``prompt`` and optionally ``max_tokens``). With ``--lora-modules`` each request also runs
+``prompt`` and optionally ``max_tokens``) and ``sharegpt`` (a ShareGPT JSON file, the
+conversations people benchmark serving engines with: each conversation's first turn is the
+prompt, its second turn's token count the output length, counted with ``--tokenizer``; the
+conversations drawn in a seeded order and filtered as vLLM's benchmark filters them). With
+``--lora-modules`` each request also runs
 one of the named LoRA adapters, drawn apart, so the prompts are those of a run without.
 """
 
@@ -21,7 +25,10 @@ import numpy as np
 if TYPE_CHECKING:
     from .bench import BenchConfig
 
-DATASETS = ("random", "shared-prefix", "file")
+DATASETS = ("random", "shared-prefix", "file", "sharegpt")
+# ShareGPT's filter, as vLLM's benchmark applies it: prompt and reply of at least 4 tokens, a
+# prompt of at most 1024 and both together at most 2048.
+SHAREGPT_MIN_TOKENS, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 
 @dataclass(frozen=True)
@@ -109,4 +116,39 @@ def _workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
             raise ValueError(f"{cfg.file} holds no prompts")
         # --num-prompts: cycle through the file (in order) up to that many.
         return [reqs[i % len(reqs)] for i in range(cfg.num_prompts)]
+    if cfg.dataset == "sharegpt":
+        return _sharegpt(cfg, rng)
     raise ValueError(f"unknown dataset {cfg.dataset!r}; known: {', '.join(DATASETS)}")
+
+
+def _sharegpt(cfg: BenchConfig, rng: np.random.Generator) -> list[BenchRequest]:
+    """`--num-prompts` requests of a ShareGPT file (module docstring)."""
+    if not cfg.file:
+        raise ValueError('--dataset sharegpt needs --file PATH (ShareGPT JSON: [{"conversations"'
+                         ': [{"from": ..., "value": ...}, ...]}, ...])')
+    if not cfg.tokenizer:
+        raise ValueError("--dataset sharegpt needs --tokenizer (the served model's directory "
+                         "or hub id: each reply's token count is its output length)")
+    from .models import resolve_model
+    from .router.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(resolve_model(cfg.tokenizer, progress=False))
+    data = json.loads(Path(cfg.file).read_text())
+    pairs = []
+    for entry in data if isinstance(data, list) else ():
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if isinstance(turns, list) and len(turns) >= 2 and all(
+                isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    reqs = []
+    for i in rng.permutation(len(pairs)).tolist():
+        prompt, reply = pairs[i]
+        n_in, n_out = len(tok.encode(prompt)), len(tok.encode(reply, add_special_tokens=False))
+        if min(n_in, n_out) < SHAREGPT_MIN_TOKENS or n_in > SHAREGPT_MAX_PROMPT \
+                or n_in + n_out > SHAREGPT_MAX_TOTAL:
+            continue
+        reqs.append(BenchRequest(prompt, None, n_out, n_in))
+        if len(reqs) == cfg.num_prompts:
+            break
+    if not reqs:
+        raise ValueError(f"{cfg.file} holds no ShareGPT conversation that passes the filter")
+    return reqs

@@ -36,9 +36,11 @@ async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> d
                 models = (await reply.json())["data"]
             model = models[0]["id"]
         if requests is None:
-            if cfg.backend == "openai-chat" and cfg.dataset != "file":
-                raise ValueError("--backend openai-chat sends text: it needs --dataset file")
-            if cfg.dataset != "file" and cfg.vocab_size is None:
+            text = cfg.dataset in ("file", "sharegpt")
+            if cfg.backend == "openai-chat" and not text:
+                raise ValueError("--backend openai-chat sends text: it needs --dataset file "
+                                 "or sharegpt")
+            if not text and cfg.vocab_size is None:
                 raise ValueError(f"--backend {cfg.backend} with token-id prompts needs "
                                  "--vocab-size")
             requests = sample_requests(cfg, cfg.vocab_size or 0)

@@ -141,7 +141,49 @@ def test_openai_chat_backend(cluster, tmp_path):
                           "openai-chat", "--address", cluster.http_address, "--num-prompts",
                           "1", "--vocab-size", "512", "--json"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "--dataset file" in bad.stderr
+    assert bad.returncode == 1 and "--dataset file or sharegpt" in bad.stderr
+
+
+def test_sharegpt_dataset(cluster, tmp_path):
+    """--dataset sharegpt: first turns as prompts, the second turns' token counts (the
+    served model's tokenizer) as output lengths, vLLM's filter applied, over gRPC and as
+    chat."""
+    from pagedserve.router.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(cluster.model_dir)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+             "kappa"]
+    conversations = []
+    for i in range(8):
+        human = " ".join(words[: 3 + i])
+        gpt = " ".join(reversed(words[: 2 + i]))
+        conversations.append({"id": str(i), "conversations": [
+            {"from": "human", "value": human}, {"from": "gpt", "value": gpt}]})
+    conversations.append({"id": "one-turn", "conversations": [{"from": "human", "value": "x"}]})
+    conversations.append({"id": "short", "conversations": [
+        {"from": "human", "value": "alpha beta gamma delta"}, {"from": "gpt", "value": "ok"}]})
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(conversations))
+    expected = {}
+    for c in conversations:
+        turns = c["conversations"]
+        if len(turns) < 2:
+            continue
+        n_in = len(tok.encode(turns[0]["value"]))
+        n_out = len(tok.encode(turns[1]["value"], add_special_tokens=False))
+        if min(n_in, n_out) >= 4:
+            expected[turns[0]["value"]] = n_out
+    args = ("--dataset", "sharegpt", "--file", str(data), "--tokenizer",
+            str(cluster.model_dir), "--num-prompts", "50", "--max-concurrency", "4")
+    res = _bench(cluster, *args)
+    assert res["case"] == "sharegpt" and res["completed"] == len(expected) < 10
+    assert res["total_output_tokens"] == sum(expected.values())  # ignore_eos: exactly
+    chat = _bench(cluster, "--backend", "openai-chat", *args, address=cluster.http_address)
+    assert chat["completed"] == len(expected)
+    assert chat["total_output_tokens"] == sum(expected.values())
+    no_tok = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "--address",
+                             cluster.address, "--dataset", "sharegpt", "--file", str(data),
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert no_tok.returncode != 0 and "--tokenizer" in no_tok.stderr
 
 
 def test_readable_table_and_bad_flags(cluster):
