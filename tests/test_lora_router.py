@@ -77,8 +77,11 @@ def test_an_adapter_cannot_take_the_served_models_name(tmp_path):
     info, _ = model_info_from_args(args)
     assert info.lora_adapters == ("sql", "code")
     args.lora_modules = (("m", "/a"),)
-    with pytest.raises(ModelDirError, match="^--lora-modules: 'm' is the served model's name"):
+    with pytest.raises(ModelDirError, match="^--lora-modules: 'm' is a served model's name"):
         model_info_from_args(args)
+    args.served_model_name, args.lora_modules = "m,gpt-4o-mini", (("gpt-4o-mini", "/a"),)
+    with pytest.raises(ModelDirError, match="'gpt-4o-mini' is a served model's name"):
+        model_info_from_args(args)  # an alias too
 
 
 def test_registration_compares_the_adapters():
