@@ -170,9 +170,10 @@ class LLM:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None, *, lora_adapter: str = "",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RequestOutput]:
-        """One output per prompt (a text, or a list of token ids), in order."""
+        """One output per prompt (a text, or a list of token ids), in order; `lora_adapter`:
+        a `lora_modules` name every prompt runs with ("": the model alone)."""
         from .protos.generated.pagedserve.v1 import generate_pb2 as pb
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -180,14 +181,16 @@ class LLM:
         requests = []
         for p in prompts:
             if isinstance(p, str):
-                requests.append((p, pb.GenerateRequest(prompt=p, params=params)))
+                requests.append((p, pb.GenerateRequest(prompt=p, params=params,
+                                                       lora_adapter=lora_adapter)))
             else:
                 requests.append((None, pb.GenerateRequest(
-                    prompt_token_ids=pb.TokenIds(ids=list(p)), params=params)))
+                    prompt_token_ids=pb.TokenIds(ids=list(p)), params=params,
+                    lora_adapter=lora_adapter)))
         return self._run_all(requests, timeout_s)
 
     def chat(self, conversations: Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | None = None, *,
+             sampling_params: SamplingParams | None = None, *, lora_adapter: str = "",
              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RequestOutput]:
         """One answer per conversation (OpenAI-style `{"role", "content"}` messages, rendered
         with the model's chat template by the router), in order."""
@@ -199,7 +202,8 @@ class LLM:
         for messages in conversations:
             chat = pb.ChatMessages(messages=[
                 pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
-            requests.append((None, pb.GenerateRequest(messages=chat, params=params)))
+            requests.append((None, pb.GenerateRequest(messages=chat, params=params,
+                                                      lora_adapter=lora_adapter)))
         return self._run_all(requests, timeout_s)
 
     def embed(self, texts: str | Sequence[str], *, dimensions: int | None = None,

@@ -12,7 +12,7 @@ import pytest
 from cluster_harness import HFReference, assert_greedy_match
 
 from pagedserve import LLM, GenerateError, SamplingParams
-from pagedserve.tinymodels import build_model
+from pagedserve.tinymodels import build_lora_adapter, build_model
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground there lived"]
 
@@ -23,8 +23,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    with LLM(model_dir, executors=2, num_gpu_blocks=128, max_queue_len=8) as llm:
+def adapter_dir(model_dir, tmp_path_factory):
+    return str(build_lora_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "one",
+                                  rank=4, alpha=8, seed=1))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, adapter_dir):
+    with LLM(model_dir, executors=2, num_gpu_blocks=128, max_queue_len=8,
+             lora_modules=f"one={adapter_dir}") as llm:
         yield llm
 
 
@@ -43,6 +50,21 @@ def test_greedy_equals_transformers(llm, model_dir):
                                                                  ignore_eos=True))
     assert again[0].prompt is None
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_a_lora_adapter_equals_transformers_and_peft(llm, model_dir, adapter_dir):
+    from test_lora import peft_reference
+    hf = HFReference(model_dir)
+    ids = hf.encode(PROMPTS[1])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (tuned,) = llm.generate([ids], params, lora_adapter="one")
+    (base,) = llm.generate([ids], params)
+    expected, logits = peft_reference(model_dir, adapter_dir, ids, 8)
+    gaps = [float(x.topk(2).values[0] - x.topk(2).values[1]) for x in logits]
+    assert_greedy_match(tuned.outputs[0].token_ids, expected, gaps)
+    assert tuned.outputs[0].token_ids != base.outputs[0].token_ids
+    with pytest.raises(GenerateError, match="unknown LoRA adapter 'two'"):
+        llm.generate("Hi", params, lora_adapter="two")
 
 
 def test_samples_chat_and_many_prompts_in_order(llm):
