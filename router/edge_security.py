@@ -326,7 +326,10 @@ def http_key_check(keys: ApiKeys, on_refused):
     async def key_check(request: web.Request, handler):
         if request.method in ("GET", "HEAD") and request.path in OPEN_HTTP_PATHS:
             return await handler(request)
-        why = keys.check(request.headers.get("Authorization"))
+        authorization = request.headers.get("Authorization")
+        if authorization is None and "x-api-key" in request.headers:  # Anthropic's SDKs
+            authorization = "Bearer " + request.headers["x-api-key"]
+        why = keys.check(authorization)
         if why is None:
             return await handler(request)
         on_refused()

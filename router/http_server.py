@@ -32,6 +32,8 @@ from aiohttp import web
 
 from pagedserve import __version__
 
+from .anthropic_messages import MessagesWriter, error_body, messages_field
+from .anthropic_messages import chat_body as messages_body
 from .edge_security import ApiKeys, http_key_check, ssl_context
 from .errors import InvalidRequest, PagedServeError, Unavailable
 from .frontend import Frontend, RequestSession
@@ -119,6 +121,7 @@ class OpenAIApp:
                             functools.partial(self.generate, kind="completions"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.generate, kind="chat"))
         app.router.add_post("/v1/responses", functools.partial(self.generate, kind="responses"))
+        app.router.add_post("/v1/messages", functools.partial(self.generate, kind="messages"))
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -218,26 +221,27 @@ class OpenAIApp:
         fields."""
         arrival = time.monotonic()
         fe = self.frontend
-        responses = kind == "responses"
+        responses, messages = kind == "responses", kind == "messages"
         try:
             try:
                 base = request_base(request)
                 body = await _read_json(request)
-                spec_body = with_defaults(chat_body(body) if responses else body,
-                                          self.sampling_defaults)
+                spec_body = with_defaults(chat_body(body) if responses else messages_body(body)
+                                          if messages else body, self.sampling_defaults)
                 api = (completion_request(spec_body) if kind == "completions" else
                        chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
                 adapter = self._lora_adapter(body)
                 for pb_request in api.requests:
                     pb_request.lora_adapter = adapter
             except InvalidRequest as exc:
-                raise response_field(exc) if responses else exc from None
+                raise _renamed(exc, kind) from None
         except PagedServeError as exc:
             fe.refused(exc, API, arrival)
-            return error_response(exc)
+            return _error_response(exc, kind)
         except ConnectionError:  # gone while sending its body
             return web.Response(status=CLIENT_CLOSED_REQUEST)
-        prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
+        prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_",
+                  "messages": "msg_"}[kind]
         response_id = prefix + base
         answer_id(request, response_id)
         created = int(time.time())
@@ -248,6 +252,8 @@ class OpenAIApp:
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
         if responses:
             writer = ResponsesWriter(body, writer, response_id, created, model)
+        elif messages:
+            writer = MessagesWriter(writer, response_id, model)
         stream: web.StreamResponse | None = None
         try:
             try:
@@ -268,10 +274,10 @@ class OpenAIApp:
                     async for i, out in _merge(sessions):
                         await _send(stream, writer.chunks(i, out), writer)  # one write an output
             except PagedServeError as exc:  # counted by the session it ended
-                if responses and isinstance(exc, InvalidRequest):
-                    exc = response_field(exc)
+                if isinstance(exc, InvalidRequest):
+                    exc = _renamed(exc, kind)
                 if stream is None:
-                    return error_response(exc)
+                    return _error_response(exc, kind)
                 # the stream had started: the error as its last event
                 await _send(stream, writer.failure_chunks(error_for(exc)[1]), writer)
             await _send(stream, writer.closing_chunks(), writer, done=writer.sse_done)
@@ -340,6 +346,24 @@ class OpenAIApp:
         threaded = (len(pb_request.prompt) > THREADED_TOKENIZE_CHARS
                     or pb_request.WhichOneof("input") == "messages")
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
+
+
+def _renamed(exc: InvalidRequest, kind: str) -> InvalidRequest:
+    """A chat-path error named as the route's own API names the field."""
+    if kind == "responses":
+        return response_field(exc)
+    if kind == "messages" and exc.field and messages_field(exc.field) != exc.field:
+        new = messages_field(exc.field)
+        return InvalidRequest(str(exc).replace(exc.field, new, 1), field=new)
+    return exc
+
+
+def _error_response(exc: BaseException, kind: str) -> web.Response:
+    """The error in the route's API's own shape (OpenAI's; the Messages API's for it)."""
+    if kind != "messages":
+        return error_response(exc)
+    status, body = error_for(exc)
+    return web.json_response(error_body(status, body["error"]["message"]), status=status)
 
 
 def _built(build, made, refused):
