@@ -99,13 +99,6 @@ def test_embed_vectors_in_order(llm):
         llm.embed([""])
 
 
-def test_a_key_given_is_sent(model_dir, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-from-the-environment")  # not the LLM's
-    with LLM(model_dir, executors=1, num_gpu_blocks=32, api_key="sk-mine") as keyed:
-        assert keyed.generate("Hi", SamplingParams(max_tokens=2))[0].outputs
-        assert len(keyed.embed("Hi")[0]) == 160
-
-
 def test_refusals_raise(llm, model_dir):
     with pytest.raises(GenerateError) as info:
         llm.generate(["x"], SamplingParams(max_tokens=0))
@@ -114,9 +107,13 @@ def test_refusals_raise(llm, model_dir):
         LLM(model_dir, no_such_flag=1)
 
 
-def test_close_stops_every_executor(model_dir):
-    llm = LLM(model_dir, executors=1, num_gpu_blocks=32)
+def test_a_key_given_is_sent_and_close_stops_every_executor(model_dir, monkeypatch):
+    """An `api_key=` is the private cluster's key and the LLM sends it ($PAGEDSERVE_API_KEY
+    is not applied); close() stops every executor, twice is fine, a closed LLM refuses."""
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-from-the-environment")  # not the LLM's
+    llm = LLM(model_dir, executors=1, num_gpu_blocks=32, api_key="sk-mine")
     assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].outputs
+    assert len(llm.embed("Hi")[0]) == 160
     pids = [p.pid for p in llm.children.procs.values()]
     assert len(pids) == 1
     llm.close()
