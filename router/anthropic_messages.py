@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from .openai_fields import bad, json_type
-from .openai_responses import ChoiceWriter
+from .openai_responses import ChoiceWriter, WrappedChatWriter
 from .types import RequestOutput
 
 _SAME = ("temperature", "top_p", "top_k", "stream")
@@ -127,15 +127,12 @@ def _usage(usage: dict | None) -> dict:
             "output_tokens": usage.get("completion_tokens", 0)}
 
 
-class MessagesWriter:
+class MessagesWriter(WrappedChatWriter):
     """A Message (unary) or the Messages stream's events, from the chat path's outputs;
     the same calls as ChoiceWriter, so the HTTP edge runs both alike."""
 
-    sse_done = False
-    sse_named = True
-
     def __init__(self, chat: ChoiceWriter, message_id: str, model: str) -> None:
-        self.chat = chat
+        super().__init__(chat)
         self.base = {"id": message_id, "type": "message", "role": "assistant",
                      "model": model, "content": [], "stop_reason": None,
                      "stop_sequence": None}
@@ -146,18 +143,7 @@ class MessagesWriter:
         self.usage: dict | None = None
         self.failed = False
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.chat.prompt_tokens
-
-    @prompt_tokens.setter
-    def prompt_tokens(self, value: int) -> None:
-        self.chat.prompt_tokens = value
-
     # ------------------------------------------------------------------ unary
-
-    def add(self, prompt_index: int, out: RequestOutput) -> None:
-        self.chat.add(prompt_index, out)
 
     def response(self) -> dict:
         reply = self.chat.response()

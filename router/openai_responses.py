@@ -350,3 +350,26 @@ class ChoiceWriter:
 def _joined(prompt: dict, completion: dict) -> dict:
     """Two legacy logprobs objects, one after the other."""
     return {key: prompt[key] + completion[key] for key in prompt}
+
+
+class WrappedChatWriter:
+    """A writer of another API's shapes over the chat path (the Responses API, Anthropic's
+    Messages API): it keeps the chat ChoiceWriter as `chat` and forwards what the HTTP edge
+    gives every writer; its events go out named (`event: TYPE`), with no `[DONE]`."""
+
+    sse_done = False
+    sse_named = True
+
+    def __init__(self, chat: ChoiceWriter) -> None:
+        self.chat = chat
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.chat.prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: int) -> None:
+        self.chat.prompt_tokens = value
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.chat.add(prompt_index, out)

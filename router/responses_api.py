@@ -41,7 +41,7 @@ from typing import Any
 
 from .errors import InvalidRequest
 from .openai_fields import bad, json_type, optional_bool, optional_str
-from .openai_responses import ChoiceWriter
+from .openai_responses import ChoiceWriter, WrappedChatWriter
 from .types import RequestOutput
 
 # chat body field -> the Responses field a client sent it as (for errors naming the field)
@@ -261,16 +261,13 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "status": status}
 
 
-class ResponsesWriter:
+class ResponsesWriter(WrappedChatWriter):
     """A Response (unary) or the Responses stream's events, from the chat path's outputs;
     the same calls as ChoiceWriter, so the HTTP edge runs both alike."""
 
-    sse_done = False  # no `data: [DONE]` at the end of a Responses stream
-    sse_named = True  # each event goes out as `event: TYPE` + `data: JSON`
-
     def __init__(self, body: dict, chat: ChoiceWriter, response_id: str, created: int,
                  model: str):
-        self.chat = chat
+        super().__init__(chat)
         self.base = {
             "id": response_id, "object": "response", "created_at": created, "model": model,
             "status": "in_progress", "error": None, "incomplete_details": None,
@@ -293,18 +290,7 @@ class ResponsesWriter:
         self.finish: str | None = None
         self.failed = False
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.chat.prompt_tokens
-
-    @prompt_tokens.setter
-    def prompt_tokens(self, value: int) -> None:
-        self.chat.prompt_tokens = value
-
     # ------------------------------------------------------------------ unary
-
-    def add(self, prompt_index: int, out: RequestOutput) -> None:
-        self.chat.add(prompt_index, out)
 
     def response(self) -> dict:
         reply = self.chat.response()
