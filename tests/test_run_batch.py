@@ -186,12 +186,11 @@ def test_run_batch_answers_every_line_as_the_http_api_does(model_dir, tmp_path):
     lines += [_line("emb", "/v1/embeddings", input=["hello", "world"]),
               _line("bad", prompt="x", max_tokens=-1), "not json",
               _line("resp", "/v1/responses", input="Hi", max_output_tokens=4, temperature=0)]
-    infile = tmp_path / "in.jsonl"
-    infile.write_text("\n".join(lines) + "\n")
-    result = _batch(model_dir, "-i", str(infile), "-o", str(tmp_path / "out.jsonl"),
-                    "--executors", "2")
+    # stdin in, stdout out (the output file is the interrupted run's), the request log on
+    result = _batch(model_dir, "-i", "-", "-o", "-", "--executors", "2", "--log-requests",
+                    "--log-format", "json", stdin="\n".join(lines) + "\n")
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in result.stdout.splitlines()]  # nothing else on stdout
     assert [r["custom_id"] for r in rows] == [f"c{i}" for i in range(6)] + \
         ["emb", "bad", None, "resp"]
     assert [r["response"]["status_code"] if r["response"] else None for r in rows] == \
@@ -201,6 +200,15 @@ def test_run_batch_answers_every_line_as_the_http_api_does(model_dir, tmp_path):
     assert rows[9]["response"]["body"]["object"] == "response"
     assert "10 lines (8 answered 200, 2 not)" in result.stderr
     assert "pagedserve ready" in result.stderr  # the router's line never reaches the output
+    # --log-requests: each request's line in the router's log (JSON keys of their own)
+    logged = {x["request_id"]: x for x in map(json.loads, (
+        line for line in result.stderr.splitlines()
+        if line.startswith("{") and '"pagedserve.requests"' in line))}
+    first = logged[rows[0]["response"]["request_id"] + "-0"]
+    assert (first["status"], first["output_tokens"], first["finish"]) == ("OK", 6, "length")
+    # 6 completions, 2 embedding inputs, the response, and the 400 (refused while its body
+    # was read: no id yet); the line that is not JSON never reached the server
+    assert len(logged) == 10 and logged["-"]["status"] == "INVALID_ARGUMENT"
 
     # the same requests to a running server's HTTP API, one by one: the same completions
     proc = subprocess.Popen(CLI + ["serve", "--model", model_dir, "--num-gpu-blocks", "64",
@@ -228,18 +236,7 @@ def test_run_batch_answers_every_line_as_the_http_api_does(model_dir, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_run_batch_stdin_to_stdout_and_bad_files(model_dir, tmp_path):
-    result = _batch(model_dir, "-i", "-", "-o", "-", "--log-requests", "--log-format", "json",
-                    stdin=_line("only") + "\n")
-    assert result.returncode == 0, result.stderr
-    rows = [json.loads(x) for x in result.stdout.splitlines()]  # nothing else on stdout
-    assert [r["custom_id"] for r in rows] == ["only"]
-    # --log-requests: the request's line in the router's log (JSON keys of its own)
-    logged = [json.loads(x) for x in result.stderr.splitlines()
-              if x.startswith("{") and '"pagedserve.requests"' in x]
-    assert [(x["status"], x["output_tokens"], x["finish"]) for x in logged] == \
-        [("OK", 3, "length")]
-    assert logged[0]["request_id"] == rows[0]["response"]["request_id"] + "-0"
+def test_run_batch_bad_files_are_one_line(model_dir, tmp_path):
     out = tmp_path / "keep.jsonl"
     out.write_text("previous results\n")
     missing = _batch(model_dir, "-i", str(tmp_path / "nope.jsonl"), "-o", str(out))
