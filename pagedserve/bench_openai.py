@@ -21,15 +21,15 @@ import time
 import aiohttp
 
 from .bench import BenchConfig, BenchRequest, RequestOutcome, drive, sample_requests
+from .router.edge_security import http_headers
 
 
 async def run_openai(cfg: BenchConfig, requests: list[BenchRequest] | None) -> dict:
     base = cfg.address if "://" in cfg.address else f"http://{cfg.address}"
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with aiohttp.ClientSession(base, timeout=timeout, connector=connector,
-                                     headers=headers) as http:
+                                     headers=http_headers(cfg.api_key)) as http:
         model = cfg.model
         if model is None:
             async with http.get("/v1/models") as reply:

@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 
 DEFAULT_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
-# Loopback, free ports, gRPC and HTTP (for embed) only: what an LLM's cluster listens on
-# unless told.
-CLUSTER_DEFAULTS = dict(host="127.0.0.1", port=0, http_port=0, metrics_port=-1,
-                        executor_bind="tcp://127.0.0.1:*", api_workers=0,
-                        api_key=(), api_key_file=None)  # not $PAGEDSERVE_API_KEY's: private
+# serve.PRIVATE_CLUSTER (HTTP for embed), the edges in the router, and not
+# $PAGEDSERVE_API_KEY's keys: the cluster is this process's own
+LLM_CLUSTER = dict(api_workers=0, api_key=(), api_key_file=None)
 
 
 class GenerateError(RuntimeError):
@@ -111,13 +109,13 @@ class LLM:
         import grpc
 
         from .protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
+        from .router.edge_security import grpc_metadata, http_headers
         self._channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = pb_grpc.GeneratorStub(self._channel)
         self._window = max(1, self.args.max_queue_len)
         key = self.args.api_key[0] if self.args.api_key else None  # an api_key= given
-        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._metadata, self._headers = grpc_metadata(key), http_headers(key)
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ the cluster
@@ -283,6 +281,7 @@ def _cluster_args(model: str, executors: int, flags: dict):
 
     from .cli import _resolve_model
     from .flags import _BOOLEAN_SWITCHES, add_server_flags, flatten_lora_modules
+    from .serve import PRIVATE_CLUSTER
     argv = ["--model", model, "--executors", str(executors)]
     for key, value in flags.items():
         name = "--" + key.replace("_", "-")
@@ -295,7 +294,7 @@ def _cluster_args(model: str, executors: int, flags: dict):
             argv += [name, str(value)]
     parser = argparse.ArgumentParser(prog="pagedserve.LLM", exit_on_error=False)
     add_server_flags(parser)
-    parser.set_defaults(**CLUSTER_DEFAULTS)
+    parser.set_defaults(**PRIVATE_CLUSTER, **LLM_CLUSTER)
     try:
         args = parser.parse_args(argv)
     except (argparse.ArgumentError, SystemExit) as exc:

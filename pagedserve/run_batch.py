@@ -30,15 +30,13 @@ import time
 from dataclasses import dataclass
 
 from .batch_file import BadLine, BatchRequest, error_line, parse_line, response_line, usage_of
+from .router.edge_security import http_headers
 
 log = logging.getLogger("pagedserve.run_batch")
 
 READ_CHUNK_BYTES = 1 << 20
 PROGRESS_EVERY_S = 10.0
 RETRY_429_S = (0.05, 2.0)  # first wait, longest wait (doubling)
-# Where the cluster listens unless the command line says otherwise: loopback, free ports.
-CLUSTER_DEFAULTS = dict(host="127.0.0.1", port=0, http_port=0, metrics_port=-1,
-                        executor_bind="tcp://127.0.0.1:*")
 
 
 @dataclass
@@ -137,14 +135,14 @@ async def run_file(source, out, base_url: str, window_size: int,
     writer = OrderedWriter(out, window, stats)
     seen: set[str] = set()
     tasks: set[asyncio.Task] = set()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     connector = aiohttp.TCPConnector(limit=0)  # the window bounds the connections
     last_note = time.monotonic()
 
     async def one(req: BatchRequest) -> None:
         writer.put(req.index, await post(http, req))
 
-    async with aiohttp.ClientSession(base_url, connector=connector, headers=headers,
+    async with aiohttp.ClientSession(base_url, connector=connector,
+                                     headers=http_headers(api_key),
                                      timeout=aiohttp.ClientTimeout(total=None)) as http:
         try:
             index = 0
@@ -177,6 +175,7 @@ async def run_file(source, out, base_url: str, window_size: int,
 def build_parser() -> argparse.ArgumentParser:
     from .cli import _Parser
     from .flags import add_server_flags
+    from .serve import PRIVATE_CLUSTER
     p = _Parser(prog="pagedserve run-batch", allow_abbrev=False,
                 description="Run an OpenAI batch file (JSONL: "
                 "custom_id, method, url, body) through a local cluster; one output line "
@@ -188,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight plus answers waiting for an earlier line "
                    "(default: min(--max-queue-len, 2 x --max-num-seqs x --executors))")
     add_server_flags(p)
-    p.set_defaults(**CLUSTER_DEFAULTS)
+    p.set_defaults(**PRIVATE_CLUSTER)  # the command line may still say otherwise
     return p
 
 

@@ -223,6 +223,10 @@ async def _serve(args, argv: list[str]) -> int:
     return rc
 
 
+# Where a cluster of a command's own listens (run-batch, pagedserve.LLM): loopback, free
+# ports for gRPC, HTTP and the executor socket, no metrics; a running `serve` undisturbed.
+PRIVATE_CLUSTER = dict(host="127.0.0.1", port=0, http_port=0, metrics_port=-1,
+                       executor_bind="tcp://127.0.0.1:*")
 INTERRUPTED = 130  # a job's exit code when SIGINT/SIGTERM stopped the cluster under it
 
 

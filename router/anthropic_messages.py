@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import InvalidRequest
 from .openai_fields import bad, json_type
 from .openai_responses import ChoiceWriter, WrappedChatWriter
 from .types import RequestOutput
@@ -82,9 +83,16 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
-def messages_field(field: str | None) -> str | None:
-    """A chat-path error's field as the Messages API names it."""
-    return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}.get(field, field)
+_FIELD_OF = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+
+
+def messages_field(exc: InvalidRequest) -> InvalidRequest:
+    """A chat-path error renamed to the Messages field the client sent (`stop` ->
+    `stop_sequences`)."""
+    new = _FIELD_OF.get(exc.field or "")
+    if new is None:
+        return exc
+    return InvalidRequest(str(exc).replace(exc.field, new, 1), field=new)
 
 
 def error_body(status: int, message: str) -> dict:

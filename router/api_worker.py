@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from pagedserve import event_loop
 from pagedserve.gc_tuning import freeze_heap
@@ -33,8 +32,7 @@ from pagedserve.subprocs import ParentWatch
 from .api_workers import ARGS_ENV, BIND_ERROR_EXIT
 from .app import limits_from_args, model_info_from_args
 from .edge_security import edge_security
-from .frontend import Frontend
-from .generation_defaults import generation_defaults
+from .edges import edge_frontend, http_options
 from .grpc_server import start_server
 from .http_server import start_http_server
 from .remote_engine import MetricsRelay, RemoteEngine
@@ -51,8 +49,7 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
     tokenizer = Tokenizer.from_dir(args.model, getattr(args, "chat_template", None))
     engine = RemoteEngine(core, worker, info, tokenizer)
     relay = MetricsRelay(engine)
-    frontend = Frontend(engine, tokenizer, limits_from_args(args, info), relay,
-                        log_requests=bool(getattr(args, "log_requests", False)))
+    frontend = edge_frontend(args, engine, tokenizer, limits_from_args(args, info), relay)
     security = edge_security(args)
     server = http = None
     try:
@@ -61,12 +58,7 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
         if http_port >= 0:
             http = await start_http_server(
                 frontend, args.host, http_port, max_model_len=info.max_model_len,
-                served_model_name=args.served_model_name or Path(args.model).name,
-                tool_call_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser, reuse_port=True,
-                allowed_origins=getattr(args, "allowed_origins", None) or (),
-                sampling_defaults=generation_defaults(
-                    args.model, getattr(args, "generation_config", None)), **security)
+                reuse_port=True, **http_options(args), **security)
     except OSError as exc:
         print(f"pagedserve api worker {worker}: {exc}", file=sys.stderr, flush=True)
         if server is not None:

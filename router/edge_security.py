@@ -301,6 +301,11 @@ def grpc_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
+def http_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers a client sends for `api_key` (none for None or "")."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def client_api_key() -> str | None:
     """The key pagedserve's clients send unless told otherwise: the first of
     $PAGEDSERVE_API_KEY (the server's flag, so one environment serves both), or None."""

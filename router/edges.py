@@ -17,6 +17,20 @@ from .http_server import start_http_server
 from .validation import Limits
 
 
+def http_options(args) -> dict:
+    """start_http_server's keywords from the flags (the router's edges and an API worker's
+    alike; TLS and keys: edge_security)."""
+    return dict(served_model_name=args.served_model_name or Path(args.model).name,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                allowed_origins=args.allowed_origins or (),
+                sampling_defaults=generation_defaults(args.model, args.generation_config))
+
+
+def edge_frontend(args, engine, tokenizer, limits: Limits, metrics) -> Frontend:
+    """The Frontend both edges of a process share."""
+    return Frontend(engine, tokenizer, limits, metrics, log_requests=bool(args.log_requests))
+
+
 class EdgeBindError(OSError):
     """A public port cannot be bound, or an API worker could not start."""
 
@@ -32,8 +46,7 @@ class LocalEdges:
 
     @classmethod
     async def start(cls, args, engine, tokenizer, info, limits: Limits, metrics) -> LocalEdges:
-        frontend = Frontend(engine, tokenizer, limits, metrics,
-                            log_requests=bool(getattr(args, "log_requests", False)))
+        frontend = edge_frontend(args, engine, tokenizer, limits, metrics)
         security = edge_security(args)
         server = None
         try:
@@ -42,12 +55,7 @@ class LocalEdges:
             if args.http_port >= 0:
                 http = await start_http_server(
                     frontend, args.host, args.http_port, max_model_len=info.max_model_len,
-                    served_model_name=args.served_model_name or Path(args.model).name,
-                    tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser,
-                    allowed_origins=getattr(args, "allowed_origins", None) or (),
-                    sampling_defaults=generation_defaults(
-                        args.model, getattr(args, "generation_config", None)), **security)
+                    **http_options(args), **security)
         except OSError as exc:  # a port in use: one line, nothing left running
             if server is not None:
                 await server.stop(0)

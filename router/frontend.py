@@ -75,13 +75,13 @@ class RequestClock:
                 if self._metrics is not None:
                     self._metrics.inc_success(delta.finish_reason, api=self._api)
         now = time.monotonic()
+        first = new_tokens and self.first is None
+        if first:
+            self.first = now
         if self._metrics is None:
-            if new_tokens and self.first is None:
-                self.first = now
             return
         if new_tokens:
-            if self.first is None:
-                self.first = now
+            if first:
                 self._metrics.observe_ttft(now - self.arrival)
             else:
                 self._metrics.observe_inter_token(now - self._last)

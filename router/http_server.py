@@ -25,8 +25,9 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -216,33 +217,31 @@ class OpenAIApp:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: web.Request, *, kind: str) -> web.StreamResponse:
-        """POST /v1/completions, /v1/chat/completions and /v1/responses (`kind`): the last
-        runs as the chat request it means (responses_api.py), its errors naming its own
-        fields."""
+        """POST /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages
+        (`kind`, _ROUTES): the last two run as the chat request they mean
+        (responses_api.py, anthropic_messages.py), their errors naming their own fields."""
         arrival = time.monotonic()
         fe = self.frontend
-        responses, messages = kind == "responses", kind == "messages"
+        route = _ROUTES[kind]
         try:
             try:
                 base = request_base(request)
                 body = await _read_json(request)
-                spec_body = with_defaults(chat_body(body) if responses else messages_body(body)
-                                          if messages else body, self.sampling_defaults)
+                spec_body = with_defaults(route.to_chat(body) if route.to_chat else body,
+                                          self.sampling_defaults)
                 api = (completion_request(spec_body) if kind == "completions" else
                        chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
                 adapter = self._lora_adapter(body)
                 for pb_request in api.requests:
                     pb_request.lora_adapter = adapter
             except InvalidRequest as exc:
-                raise _renamed(exc, kind) from None
+                raise route.renamed(exc) from None
         except PagedServeError as exc:
             fe.refused(exc, API, arrival)
-            return _error_response(exc, kind)
+            return route.error_response(exc)
         except ConnectionError:  # gone while sending its body
             return web.Response(status=CLIENT_CLOSED_REQUEST)
-        prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_",
-                  "messages": "msg_"}[kind]
-        response_id = prefix + base
+        response_id = route.prefix + base
         answer_id(request, response_id)
         created = int(time.time())
         # Every session is entered (submitted) before the response starts, so a refused
@@ -250,10 +249,8 @@ class OpenAIApp:
         model = adapter or self._served_as(body)  # what the reply says served it
         writer = ChoiceWriter(api, response_id, created, model,
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
-        if responses:
-            writer = ResponsesWriter(body, writer, response_id, created, model)
-        elif messages:
-            writer = MessagesWriter(writer, response_id, model)
+        if route.writer is not None:  # the route's API over the chat path
+            writer = route.writer(body, writer, response_id, created, model)
         stream: web.StreamResponse | None = None
         try:
             try:
@@ -275,9 +272,9 @@ class OpenAIApp:
                         await _send(stream, writer.chunks(i, out), writer)  # one write an output
             except PagedServeError as exc:  # counted by the session it ended
                 if isinstance(exc, InvalidRequest):
-                    exc = _renamed(exc, kind)
+                    exc = route.renamed(exc)
                 if stream is None:
-                    return _error_response(exc, kind)
+                    return route.error_response(exc)
                 # the stream had started: the error as its last event
                 await _send(stream, writer.failure_chunks(error_for(exc)[1]), writer)
             await _send(stream, writer.closing_chunks(), writer, done=writer.sse_done)
@@ -348,22 +345,33 @@ class OpenAIApp:
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
 
 
-def _renamed(exc: InvalidRequest, kind: str) -> InvalidRequest:
-    """A chat-path error named as the route's own API names the field."""
-    if kind == "responses":
-        return response_field(exc)
-    if kind == "messages" and exc.field and messages_field(exc.field) != exc.field:
-        new = messages_field(exc.field)
-        return InvalidRequest(str(exc).replace(exc.field, new, 1), field=new)
-    return exc
-
-
-def _error_response(exc: BaseException, kind: str) -> web.Response:
-    """The error in the route's API's own shape (OpenAI's; the Messages API's for it)."""
-    if kind != "messages":
-        return error_response(exc)
+def _messages_error_response(exc: BaseException) -> web.Response:
+    """An error in the Messages API's shape."""
     status, body = error_for(exc)
     return web.json_response(error_body(status, body["error"]["message"]), status=status)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """A generation route: its reply ids' prefix and, for an API run over the chat path
+    (the Responses API, Anthropic's Messages API), its body's chat form, its fields' names
+    in errors, its writer (wrapping the chat writer) and its errors' shape."""
+
+    prefix: str
+    to_chat: Callable[[dict], dict] | None = None
+    renamed: Callable[[InvalidRequest], InvalidRequest] = lambda exc: exc
+    writer: Callable | None = None  # (body, chat writer, id, created, model) -> writer
+    error_response: Callable[[BaseException], web.Response] = error_response
+
+
+_ROUTES = {
+    "completions": _Route("cmpl-"),
+    "chat": _Route("chatcmpl-"),
+    "responses": _Route("resp_", chat_body, response_field, ResponsesWriter),
+    "messages": _Route("msg_", messages_body, messages_field,
+                       lambda body, chat, rid, created, model: MessagesWriter(chat, rid, model),
+                       _messages_error_response),
+}
 
 
 def _built(build, made, refused):
