@@ -1,10 +1,9 @@
 """One step: StepPlan in, StepResult out (DESIGN §2). No sockets here.
 
 Hot path: between two steps (the gap) the main thread does a fixed number of numpy calls
-over the step's rows plus one C-level pass over the request ids (their rows); per-request
-and per-block state lives in `RequestRows` columns. Plan-only work is done
-ahead by `precompute` on the I/O thread, and appending the sampled tokens to the requests'
-sampling states waits until the next forward is launched. Do not add per-request or
+over the step's rows plus one C-level pass over the request ids (their rows); per-request and
+per-block state lives in `RequestRows` columns. Plan-only work is done ahead by `precompute`
+on the I/O thread; appending the sampled tokens waits until the next forward is launched. Do not add per-request or
 per-token Python loops to the gap, nor device syncs beyond the one that reads the sampled
 tokens back.
 
@@ -37,8 +36,7 @@ previous step's sampling and one before this forward: the device idle between th
 steps, near 0 when the host had this step queued behind the previous one (overlapped
 steps), and the idle time when the host fell behind (a host clock cannot tell those apart
 once steps overlap). On a CPU it is host time. The first step after construction or ``reset()``
-reports ``gap_s = 0`` (there is no previous step to measure from; registration time would
-otherwise pollute the figure). A step with no forward measures up to where it would start.
+reports ``gap_s = 0`` (no previous step to measure from; registration time would pollute it). A step with no forward measures up to where it would start.
 The previous step's tokens are appended to the sampling states once this step's forward and
 logits are launched (on a GPU that overlaps the forward; on a CPU, where the forward runs
 as it is called, that time counts in ``forward_s``).
@@ -60,6 +58,7 @@ from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft_rows import confirmed, draft_states, kept_rows
 from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.host_pool import HostPool
+from pagedserve.executor.lora_ops import apply_lora_ops
 from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.models.lora import LoraSet
@@ -161,8 +160,8 @@ class ModelRunner:
 
     @loras.setter
     def loras(self, loras: LoraSet | None) -> None:
-        """Set the LoRA adapters installed on the model: the plans' precompute learns
-        their names (a new request naming another is condemned)."""
+        """Set (or after a load, refresh) the LoRA adapters installed on the model: the
+        plans' precompute learns their names (a new request naming another is condemned)."""
         self._loras = loras
         self.limits = dataclasses.replace(
             self.limits, lora_names=frozenset(loras.slots) if loras is not None else frozenset())
@@ -181,6 +180,8 @@ class ModelRunner:
         self._retired = None
         self._prev_end = None
         self._prev_end_event = self._prev_end_pooled = None
+        if self.loras is not None:  # the new registration's router loads its own adapters
+            self.loras = self.loras.unload_all()
 
     def block_table(self, request_id: str) -> list[int]:
         """The block table this runner holds for a request (KeyError when none)."""
@@ -268,19 +269,20 @@ class ModelRunner:
     def _submit(self, plan: StepPlan, pre: PlanInputs | None) -> StepResult | None:
         step = plan.step_id
         prev_end = self._prev_end
+        # adapter loads and unloads first (lora_ops.py): the failed loads go with the result
+        result = dict(step_id=step, executor_id=self.executor_id,
+                      lora_failed=apply_lora_ops(self, plan.lora_ops) if plan.lora_ops else [])
         if pre is None:
             pre = self.precompute(plan)
         if pre.move_error:
             log.error("step %d rejected: %s", step, pre.move_error)
             now = time.perf_counter()
             return self._finished_now(StepResult(
-                step_id=step, executor_id=self.executor_id,
-                errors=[RequestError("", pre.move_error)],
+                **result, errors=[RequestError("", pre.move_error)],
                 gap_s=0.0 if prev_end is None else now - prev_end))
-        swap_s = self._move_blocks(pre.moves)
+        result["swap_s"] = self._move_blocks(pre.moves)
         errors = self._update_requests(plan, pre.new_states)
         batch = self._prepare(plan, errors, pre)
-        result = dict(step_id=step, executor_id=self.executor_id, swap_s=swap_s)
         t0 = time.perf_counter()
         # The gap: host time here; on a GPU replaced by the device's idle time between the
         # previous step's end and this forward once this step is read back (_resolve).

@@ -34,13 +34,15 @@ def build_runner(
     kv_offloading_size: float = 0.0, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
     max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-    lora_modules: tuple[tuple[str, str], ...] = (),
+    lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 0, max_lora_rank: int = 16,
 ) -> ModelRunner:
     """Load the model, size the caches (DESIGN §4 flags; ``kv_cache_dtype``: the model's
     dtype, or an fp8 one, kernels/kv_dtypes.py) and, on CUDA unless
     ``enforce_eager``, capture the decode graphs for up to ``max_num_seqs`` sequences (their
     memory is set aside before the KV cache is sized); install the LoRA adapters
-    ``lora_modules`` ((name, directory) pairs, models/lora.py). Raises ModelNotSupported,
+    ``lora_modules`` ((name, directory) pairs, models/lora.py), in ``max_loras`` slots of
+    rank ``max_lora_rank`` loaded and unloaded while serving when ``max_loras`` > 0 (every
+    slot allocated now, before the KV cache is sized). Raises ModelNotSupported,
     FileNotFoundError or ValueError (LoraError) with a one-line message."""
     from pagedserve.executor.cache_engine import (
         block_bytes,
@@ -67,10 +69,12 @@ def build_runner(
                          f"{config.max_model_len}")
     adapters = [read_adapter(name, path, config) for name, path in lora_modules]
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
-    loras = LoraSet(adapters, model) if adapters else None
+    loras = LoraSet(adapters, model, max_loras, max_lora_rank) \
+        if adapters or max_loras else None
     if loras is not None:
-        log.info("LoRA adapters: %s (rank %d as batched; the graphs hold them)",
-                 ", ".join(loras.names), loras.rank)
+        log.info("LoRA adapters: %s (%s rank %d as batched; the graphs hold them)",
+                 ", ".join(loras.static_names) or "none yet",
+                 f"{max_loras} slots of" if max_loras else "", loras.rank)
     # Taken after the load (which allocates through torch alone, so nothing outside torch is
     # missed): where NVML cannot name this process, outside-torch memory is the device's
     # growth since this baseline, and a neighbour executor filling its cache while this one

@@ -118,6 +118,7 @@ def run_executor(args: argparse.Namespace) -> int:
             progress=progress_bars_enabled(args.log_format),
             max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
             kv_cache_dtype=args.kv_cache_dtype, lora_modules=args.lora_modules,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
@@ -132,7 +133,8 @@ def run_executor(args: argparse.Namespace) -> int:
         block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks,
         num_cpu_blocks=cache.num_cpu_blocks, max_model_len=runner.max_model_len,
         pid=os.getpid(), hostname=socket.gethostname(),
-        lora_adapters=tuple(runner.loras.names) if runner.loras is not None else (),
+        lora_adapters=runner.loras.static_names if runner.loras is not None else (),
+        max_loras=args.max_loras,
     )
     log.info("executor %s: %s on %s (%s, KV cache %s), %d device blocks, %d cpu blocks of "
              "%d tokens", executor_id, runner.model.config.architecture, hello.device,

@@ -204,6 +204,12 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("lora-modules", _lora_modules, None, "LoRA adapters (PEFT directories) served beside "
      "the model, each NAME=DIR; a request picks one by NAME (the OpenAI API's model, gRPC's "
      "lora_adapter); router, executors and serve need the same names"),
+    ("max-loras", _non_negative_int, 0, "LoRA adapter slots of each executor, --lora-modules' "
+     "included; N > 0 turns on loading and unloading adapters while serving "
+     "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter); router and executors need the "
+     "same N"),
+    ("max-lora-rank", _positive_int, 16, "executor: the largest rank an adapter may have "
+     "(with --max-loras: every slot is allocated at this rank)"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",
      "model dtype (auto: the checkpoint's; float32 where a CPU would emulate it)"),
     ("kv-cache-dtype", _choice(*KV_CACHE_DTYPE_CHOICES), "auto",

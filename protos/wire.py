@@ -34,8 +34,9 @@ import numpy as np
 # share frame 1 (references carry a byte offset); 5: allowed_token_ids, bad_words_token_ids
 # (an executor that ignored them would sample what the request forbids); 6: LoRA adapters
 # (NewRequest.lora, Hello.lora_adapters); 7: speculative decoding (StepPlan.num_draft_tokens;
-# a result row per emitted token)
-PROTOCOL_VERSION = 7
+# a result row per emitted token); 8: LoRA adapters loaded and unloaded while serving
+# (StepPlan.lora_ops, StepResult.lora_failed, Hello.max_loras)
+PROTOCOL_VERSION = 8
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -66,6 +67,7 @@ class Hello(_Message, tag="hello", frozen=True):
     pid: int = 0
     hostname: str = ""
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules names)
+    max_loras: int = 0  # adapter slots, --lora-modules' included (0: no loading at runtime)
 
 
 class Welcome(_Message, tag="welcome", frozen=True):
@@ -153,6 +155,23 @@ class Fork(msgspec.Struct, frozen=True):
     sample_index: int
 
 
+class LoraOp(msgspec.Struct, frozen=True, kw_only=True):
+    """Load LoRA adapter ``name`` from the PEFT directory ``path`` into a free slot, or
+    unload it (``load`` false). A plan's ops are applied in order, before its new requests
+    (executor/lora_ops.py)."""
+
+    name: str
+    load: bool
+    path: str = ""
+
+
+class LoraFailure(msgspec.Struct, frozen=True, kw_only=True):
+    """A load of the plan that did not take effect, and why (one line)."""
+
+    name: str
+    message: str
+
+
 class StepPlan(_Message, tag="plan", frozen=True):
     """What one executor does in one step. Per-request arrays are in batch order
     (``request_ids``); per-token arrays are the requests' new tokens packed back to back.
@@ -201,6 +220,7 @@ class StepPlan(_Message, tag="plan", frozen=True):
     finished_ids: list[str] = []  # drop their state (finished, aborted, preempted, moved)
     deadline_s: float = 0.0  # seconds the step may run on the executor (0: no deadline)
     num_draft_tokens: np.ndarray | None = None  # [S]; speculative drafts after the input
+    lora_ops: list[LoraOp] = []  # adapter loads and unloads, applied first, in order
 
     @property
     def num_seqs(self) -> int:
@@ -327,6 +347,8 @@ class StepResult(_Message, tag="result", frozen=True):
     # this step): row e of `embeddings` is request embed_ids[e]'s final hidden state there.
     embed_ids: list[str] = []
     embeddings: np.ndarray | None = None  # float32 [E, hidden size]
+    # The plan's adapter loads that failed (every other op of the plan took effect)
+    lora_failed: list[LoraFailure] = []
 
     def validate(self) -> None:
         e = len(self.embed_ids)

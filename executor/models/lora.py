@@ -7,8 +7,9 @@ An adapter is a directory as PEFT's ``save_pretrained`` writes it: ``adapter_con
 [out, r]). A module's update of its output is ``scaling * B (A x)``, ``scaling =
 lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), r the module's own rank (its tensors' shape, so
 PEFT's ``rank_pattern`` holds). What cannot be computed as PEFT computes it is refused at
-start, one line naming it: DoRA, trained biases, ``modules_to_save`` (whole modules, such as
-an lm_head), ``alpha_pattern``, adapters of the embedding or the head, pickled weights.
+start (or at a load while serving), one line naming it: DoRA, trained biases, ``modules_to_save`` (whole modules, such as
+an lm_head), ``alpha_pattern``, adapters of the embedding or the head, pickled weights,
+weights that are not all finite.
 
 The batched update, per projection (qkv, o, gate_up, down): with n adapters, each padded to
 the largest rank R, ``A`` stacks every adapter's A rows, shard by shard [S, n*R, in] (S: the
@@ -149,6 +150,9 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
                 or tuple(b.shape) != (fan_out, rank):
             raise LoraError(f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)}, where "
                             f"[r, {fan_in}] and [{fan_out}, r] expected")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            # a NaN or infinity would reach every token of a step through the mask's zeros
+            raise LoraError(f"{where}: the weights are not all finite")
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         weights[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
     if any(half == "B" and (layer, module) not in weights
@@ -184,6 +188,10 @@ class ProjectionLora:
         self._keep_gathered = a.device.type == "cpu"
         self._gathered: tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]] | None = None
 
+    def forget_gathered(self) -> None:
+        """The weights changed (a slot loaded or unloaded): gather again next step."""
+        self._gathered = None
+
     def add_(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
         """y [T, out] += each token's own adapter's update of x [T, in]; y returned."""
         a, bts = self._weights(step)
@@ -208,34 +216,52 @@ class ProjectionLora:
 
 class LoraSet:
     """The adapters an executor serves, installed on its model's projections; slot i + 1
-    is ``names[i]``, slot 0 no adapter."""
+    is ``names[i]`` ("" when free), slot 0 no adapter.
 
-    def __init__(self, adapters: list[LoraAdapter], model: torch.nn.Module) -> None:
-        if not adapters:
-            raise ValueError("a LoraSet needs at least one adapter")
-        self.names = [a.name for a in adapters]
-        self.slots = {name: i + 1 for i, name in enumerate(self.names)}
-        self.rank = max(a.rank for a in adapters)
-        cfg = model.config
+    Fixed (``capacity`` 0): exactly ``adapters``, padded to their largest rank, on the
+    projections some adapter targets. With ``capacity`` N (``--max-loras``) and ``rank`` R
+    (``--max-lora-rank``): N slots of rank R on every projection, ``adapters`` in the first
+    ones, and `load` / `unload` change a slot in place while serving (executor/lora_ops.py):
+    the tensors never move, so captured graphs stay valid. A free slot's rows are zero."""
+
+    def __init__(self, adapters: list[LoraAdapter], model: torch.nn.Module,
+                 capacity: int = 0, rank: int = 0) -> None:
+        if not adapters and capacity <= 0:
+            raise ValueError("a LoraSet needs at least one adapter or slot")
+        self.capacity_fixed = capacity > 0  # slots loaded and unloaded while serving
+        if capacity and len(adapters) > capacity:
+            raise LoraError(f"--lora-modules gives {len(adapters)} adapters, more than the "
+                            f"{capacity} slots of --max-loras")
+        self.rank = rank if capacity else max(a.rank for a in adapters)
+        for adapter in adapters:
+            if adapter.rank > self.rank:
+                raise LoraError(f"LoRA adapter {adapter.name}: rank {adapter.rank} is over "
+                                f"--max-lora-rank {self.rank}")
+        n = capacity or len(adapters)
+        self.static_names = tuple(a.name for a in adapters)  # --lora-modules, never unloaded
+        self.names = [*self.static_names, *[""] * (n - len(adapters))]
+        self.slots = {name: i + 1 for i, name in enumerate(self.static_names)}
+        self.cfg = model.config
         weight = model.model.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        n, rank = len(adapters), self.rank
         # owner[c]: the slot whose rank-R block column c is
-        self.owner = torch.arange(1, n + 1, device=self.device).repeat_interleave(rank)
+        self.owner = torch.arange(1, n + 1, device=self.device).repeat_interleave(self.rank)
+        # (layer, the projection's update, its checkpoint modules in shard order)
+        self._installed: list[tuple[int, ProjectionLora, list[str]]] = []
         for layer_index, layer in enumerate(model.model.layers):
             for part, projection, modules in _projections():
                 linear = getattr(getattr(layer, part), projection)
-                linear.lora = self._projection(adapters, cfg, layer_index, modules)
+                linear.lora = self._projection(adapters, layer_index, modules, n)
 
-    def _projection(self, adapters: list[LoraAdapter], cfg: ModelConfig, layer: int,
-                    modules: list[str]) -> ProjectionLora | None:
+    def _projection(self, adapters: list[LoraAdapter], layer: int, modules: list[str],
+                    n: int) -> ProjectionLora | None:
         """The update of one fused projection made of checkpoint ``modules`` (in shard
-        order), or None when no adapter targets any of them."""
-        n, rank = len(adapters), self.rank
-        a_blocks, shards, offset = [], [], 0
+        order) over ``n`` slots, or None when no adapter may target any of them."""
+        rank = self.rank
+        a_blocks, shards, targeted, offset = [], [], [], 0
         for module in modules:
-            fan_in, fan_out = module_shape(cfg, module)
-            if any((layer, module) in ad.weights for ad in adapters):
+            fan_in, fan_out = module_shape(self.cfg, module)
+            if self.capacity_fixed or any((layer, module) in ad.weights for ad in adapters):
                 a = torch.zeros(n * rank, fan_in)
                 bt = torch.zeros(n * rank, fan_out)
                 for i, ad in enumerate(adapters):
@@ -246,16 +272,72 @@ class LoraSet:
                         bt[i * rank:i * rank + r] = b_i.t()
                 a_blocks.append(a)
                 shards.append((offset, fan_out, bt.to(self.device, self.dtype)))
+                targeted.append(module)
             offset += fan_out
         if not shards:
             return None
-        return ProjectionLora(torch.stack(a_blocks).to(self.device, self.dtype), shards)
+        update = ProjectionLora(torch.stack(a_blocks).to(self.device, self.dtype), shards)
+        self._installed.append((layer, update, targeted))
+        return update
+
+    def load(self, adapter: LoraAdapter) -> int:
+        """Copy ``adapter`` into a free slot (in place; the slot's other rows zeroed);
+        its slot. LoraError when the slots are fixed, taken or too small for it."""
+        if not self.capacity_fixed:
+            raise LoraError("runtime LoRA loading is off on this executor (start it with "
+                            "--max-loras N)")
+        if adapter.name in self.slots:
+            raise LoraError(f"LoRA adapter {adapter.name} is loaded already")
+        if adapter.rank > self.rank:
+            raise LoraError(f"LoRA adapter {adapter.name}: rank {adapter.rank} is over "
+                            f"--max-lora-rank {self.rank}")
+        if "" not in self.names:
+            raise LoraError(f"LoRA adapter {adapter.name}: all {len(self.names)} slots "
+                            "(--max-loras) are in use")
+        slot = self.names.index("") + 1
+        self._write(slot, adapter.weights)
+        self.names[slot - 1] = adapter.name
+        self.slots[adapter.name] = slot
+        return slot
+
+    def unload(self, name: str) -> bool:
+        """Free the slot of adapter ``name`` (its rows zeroed); False when it holds none.
+        A ``--lora-modules`` adapter stays."""
+        slot = self.slots.get(name)
+        if slot is None or name in self.static_names:
+            return False
+        self._write(slot, {})
+        self.names[slot - 1] = ""
+        del self.slots[name]
+        return True
+
+    def unload_all(self) -> LoraSet:
+        """Every slot loaded while serving freed (a new registration); this set."""
+        for name in [n for n in self.slots if n not in self.static_names]:
+            self.unload(name)
+        return self
+
+    def _write(self, slot: int, weights: dict) -> None:
+        """Slot ``slot``'s rows of every projection: ``weights``' (zero elsewhere)."""
+        start = (slot - 1) * self.rank
+        rows = slice(start, start + self.rank)
+        for layer, update, modules in self._installed:
+            for s, module in enumerate(modules):
+                bt = update.shards[s][2]
+                update.a[s, rows].zero_()
+                bt[rows].zero_()
+                if (layer, module) in weights:
+                    a_i, b_i = weights[(layer, module)]
+                    r = a_i.shape[0]
+                    update.a[s, start:start + r].copy_(a_i)
+                    bt[start:start + r].copy_(b_i.t())
+            update.forget_gathered()
 
     def step(self, slots: np.ndarray) -> LoraStep:
         """The step whose tokens run adapter ``slots`` [T] (host integers; 0: none): the k
         adapters among them renumbered 1..k in slot order, their columns, and the mask.
-        Where they are more than half the n adapters, all n are taken (no gather: the
-        rows it would skip cost less than gathering the rest)."""
+        Where they are more than half the n slots, all n are taken (no gather: the rows it
+        would skip cost less than gathering the rest)."""
         n, rank = len(self.names), self.rank
         active = np.unique(slots)
         active = active[active > 0]
