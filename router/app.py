@@ -162,6 +162,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         step_timeout_s=args.step_timeout,
         debug_checks=bool(getattr(args, "debug_checks", False)),
         lora_adapters=lora_names(args),
+        max_loras=getattr(args, "max_loras", 0),
         speculative=getattr(args, "speculative_config", None),
         decode_lane_min_running=decode_lane_min_running(),
     )

@@ -162,6 +162,8 @@ class Delivery:
             return
         if self.live.pop(group.request_id, None) is None:
             return
+        if group.spec.lora_adapter:  # an unload may wait for its last request
+            self.engine.loras.request_ended(group.spec.lora_adapter)
         group.channel.finish(group.usage(), tuple(group.prompt_logprobs), group.embedding)
         if group.first_scheduled_time is not None:
             self.metrics.observe_queue_time(group.first_scheduled_time - group.arrival_time)
@@ -173,4 +175,6 @@ class Delivery:
         for seq in group.seqs:
             seq.finished = True
         if self.live.pop(group.request_id, None) is not None:
+            if group.spec.lora_adapter:
+                self.engine.loras.request_ended(group.spec.lora_adapter)
             group.channel.fail(error)  # the edge maps it to a status and counts the failure

@@ -16,6 +16,8 @@ longer grows with a gRPC write and a detokenization per stream.
             (the tokens sampled for it meanwhile are dropped there, as the worker drops them)
     worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status
     worker: MetricsBatch -> replayed on the core's RouterMetrics (one /metrics for all)
+    worker: LoraCall -> engine.load_lora_adapter / unload_lora_adapter (a task: it waits
+            for the executors), then EdgeStatus to every worker, then the Reply
     hub:    EdgeStatus to every worker on hello and whenever serving/draining/dtype change
 
 The socket is an ipc:// path in a private (0700) temporary folder. A worker whose process
@@ -44,6 +46,7 @@ from .edge_wire import (
     EdgeStatus,
     EdgeStop,
     Forget,
+    LoraCall,
     MetricsBatch,
     OutputItem,
     Outputs,
@@ -173,6 +176,7 @@ class EdgeHub:
         self._flush_scheduled = False
         self._status: EdgeStatus | None = None
         self._status_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # LoraCalls waiting for the executors
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,8 +232,9 @@ class EdgeHub:
 
     def current_status(self) -> EdgeStatus:
         engine = self.engine
+        info = engine.model_info()
         return EdgeStatus(serving=bool(engine.is_serving()), draining=bool(engine.draining),
-                          dtype=engine.model_info().dtype)
+                          dtype=info.dtype, lora_adapters=info.lora_adapters)
 
     def push_status(self) -> None:
         """Send the status to every worker if it changed (the drain calls it at once)."""
@@ -332,6 +337,10 @@ class EdgeHub:
             self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
         elif isinstance(msg, StatusCall):
             self._send(conn, Reply(msg.call, status=engine.cluster_status()))
+        elif isinstance(msg, LoraCall):
+            task = asyncio.ensure_future(self._lora_call(conn, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(msg, MetricsBatch):
             self._replay_metrics(conn, msg)
 
@@ -351,6 +360,27 @@ class EdgeHub:
         conn.hello_event.set()
         log.info("API worker %d (pid %d) connected: grpc port %d, http port %s", hello.worker,
                  hello.pid, hello.grpc_port, hello.http_port if hello.http_port >= 0 else "off")
+
+    async def _lora_call(self, conn: WorkerConn, msg: LoraCall) -> None:
+        """A worker's load or unload (it waits for the executors): every worker learns the
+        new adapter names before the caller's answer, so a request of the caller's client
+        naming the adapter finds it wherever it lands."""
+        engine = self.engine
+        try:
+            if msg.load:
+                await engine.load_lora_adapter(msg.name, msg.path)
+            else:
+                await engine.unload_lora_adapter(msg.name)
+        except PagedServeError as exc:
+            reply = Reply(msg.call, error=type(exc).__name__, message=exc.message)
+        except Exception as exc:  # noqa: BLE001 - answered, never left hanging
+            log.exception("API worker %d: LoRA call failed", conn.index)
+            reply = Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)
+        else:
+            reply = Reply(msg.call)
+        self.push_status()
+        if conn.routing_id:
+            self._send(conn, reply)
 
     def _submit(self, conn: WorkerConn, msg: Submit) -> Reply:
         request_id = msg.spec.request_id

@@ -1,14 +1,14 @@
 """Messages between the router core and its API workers (`--api-workers N`), on one ZeroMQ
 ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
 
-    worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall (answered by a
-                     Reply with the same `call`), Forget (a request the worker gave up: no
+    worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall / LoraCall
+                     (answered by a Reply with the same `call`), Forget (a request the worker gave up: no
                      answer), StopSample (a stop string in a sample's text: no answer),
                      MetricsBatch (the worker's request metrics, replayed in the core)
     core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
                      message: token ids, logprobs and the token stops; no text), EdgeStatus
-                     (serving, draining, the dtype executors run; sent on hello and when it
-                     changes), EdgeStop (drain done: close and exit)
+                     (serving, draining, the dtype executors run, the LoRA adapters; sent on
+                     hello and when it changes), EdgeStop (drain done: close and exit)
 
 MessagePack through msgspec, typed on both sides; the router's request and output types
 (frozen dataclasses, router/types.py) travel as they are. Never pickle. A frame that does not
@@ -21,9 +21,9 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 8  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+EDGE_PROTOCOL_VERSION = 9  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
 # 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter;
-# 8: SamplingSpec.embed, OutputItem.embedding
+# 8: SamplingSpec.embed, OutputItem.embedding; 9: LoraCall, EdgeStatus.lora_adapters
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -46,6 +46,17 @@ class AbortCall(msgspec.Struct, tag=True):
 
 class StatusCall(msgspec.Struct, tag=True):
     call: int
+
+
+class LoraCall(msgspec.Struct, tag=True):
+    """Load LoRA adapter `name` from `path`, or unload it (`load` false): the HTTP routes of
+    router/http_lora_routes.py. Answered once the core's registry has (EdgeStatus with the
+    new names first)."""
+
+    call: int
+    name: str
+    load: bool
+    path: str = ""
 
 
 class Forget(msgspec.Struct, tag=True):
@@ -117,13 +128,15 @@ class EdgeStatus(msgspec.Struct, tag=True):
     serving: bool
     draining: bool
     dtype: str
+    lora_adapters: tuple[str, ...] = ()  # what requests may name now (lora_registry.py)
 
 
 class EdgeStop(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = EdgeHello | Submit | AbortCall | StatusCall | Forget | StopSample | MetricsBatch
+ToCore = (EdgeHello | Submit | AbortCall | StatusCall | LoraCall | Forget | StopSample
+          | MetricsBatch)
 ToWorker = Reply | Outputs | EdgeStatus | EdgeStop
 
 

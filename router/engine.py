@@ -24,6 +24,7 @@ from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
+from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
 from .routing import RoutingPolicy, candidate, choose
@@ -67,6 +68,7 @@ class EngineConfig:
     decode_lane_min_running: int = SchedulerConfig.decode_lane_min_running
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
     lora_adapters: tuple[str, ...] = ()  # every executor must serve these (--lora-modules)
+    max_loras: int = 0  # adapter slots of every executor (--max-loras; lora_registry.py)
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: off)
 
 
@@ -93,6 +95,7 @@ class RouterEngine:
         self.delivery = Delivery(self)
         self.membership = Membership(self)
         self.steps = StepLoop(self)
+        self.loras = LoraRegistry(self, config.lora_adapters, config.max_loras)
 
     # ================================================================== lifecycle
 
@@ -192,9 +195,15 @@ class RouterEngine:
             raise AlreadyExists(f"request {spec.request_id!r} is already running")
         if not reserved and self._num_waiting() + self._reserved >= self.config.max_queue_len:
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests)")
+        spec = self.loras.admitted(spec)
         healthy = [h for h in self.executors.values() if h.healthy]
         if not healthy:
             raise Unavailable("no executor is up")
+        if spec.lora_adapter:  # an executor that joined since the load may not have it yet
+            healthy = [h for h in healthy if self.loras.ready(h, spec.lora_adapter)]
+            if not healthy:
+                raise Unavailable(f"no executor has LoRA adapter {spec.lora_adapter!r} "
+                                  "loaded")
         need = self.tokens_needed(spec)
         fitting = [h for h in healthy if h.kv.can_ever_fit(need)]
         if not fitting:
@@ -261,11 +270,28 @@ class RouterEngine:
     def model_info(self) -> ModelInfoData:
         """ModelInfo; its dtype is what the live executors compute in (each registers
         its own: `--dtype auto` may run float32 on a CPU without native bfloat16), joined
-        with "," if they differ; the router's reading of config.json before any joins."""
+        with "," if they differ; the router's reading of config.json before any joins. Its
+        LoRA adapters are those requests may name now."""
+        info = self.info
+        if info.lora_adapters != self.loras.names:
+            info = dataclasses.replace(info, lora_adapters=self.loras.names)
         dtypes = sorted({h.hello.dtype for h in self.executors.values() if h.healthy})
-        if not dtypes or dtypes == [self.info.dtype]:
-            return self.info
-        return dataclasses.replace(self.info, dtype=",".join(dtypes))
+        if not dtypes or dtypes == [info.dtype]:
+            return info
+        return dataclasses.replace(info, dtype=",".join(dtypes))
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name now (--lora-modules, then those loaded)."""
+        return self.loras.names
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter on every executor (lora_registry.py); raises as it does."""
+        await self.loras.load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """Stop serving a loaded LoRA adapter; its live requests finish with it."""
+        return self.loras.unload(name)
 
     def cluster_status(self) -> ClusterStatusData:
         rows, queries, hits = [], 0, 0

@@ -18,6 +18,7 @@ turn the exception into their protocol's error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -101,10 +102,23 @@ class Frontend:
                  metrics: RouterMetrics | None = None, log_requests: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.limits = limits
+        self._limits = limits
         self.metrics = metrics
         self.log_requests = log_requests  # --log-requests: a line per request (log_request)
         self.draining = False
+
+    @property
+    def limits(self) -> Limits:
+        """The request limits, with the LoRA adapters requests may name now (the engine's:
+        adapters are loaded and unloaded while serving, router/lora_registry.py)."""
+        names = getattr(self.engine, "lora_adapters", None)
+        if names is not None and names != self._limits.lora_adapters:
+            self._limits = dataclasses.replace(self._limits, lora_adapters=names)
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: Limits) -> None:
+        self._limits = limits
 
     def request(self, request_id: str, build_spec: Callable[[], RequestSpec], *, api: str,
                 arrival: float, deadline: float | None = None,

@@ -5,6 +5,8 @@ executor or draining, 500 only for a bug."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import msgspec
 from aiohttp import web
@@ -58,3 +60,15 @@ def dumps_json(obj) -> str:
 
 class ModelNotFound(NotFound):
     """A request named a model this server does not serve."""
+
+
+async def read_json(request: web.Request) -> dict:
+    """A request's body as a JSON object; InvalidRequest (400) naming what is wrong."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body

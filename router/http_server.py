@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -48,7 +47,9 @@ from .http_errors import (
     error_for,
     error_json,
     error_response,
+    read_json,
 )
+from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
 from .openai_embeddings import (
     as_embedding,
@@ -126,6 +127,7 @@ class OpenAIApp:
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        add_lora_routes(app, self.frontend, self.served_names)
         return app
 
     # ------------------------------------------------------------------ small routes
@@ -175,7 +177,7 @@ class OpenAIApp:
         """vLLM's /tokenize: the prompt's token ids as generation would see them."""
         fe = self.frontend
         try:
-            body = await _read_json(request)
+            body = await read_json(request)
             self._lora_adapter(body)
             pb_request = tokenize_request(body)
             ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request,
@@ -191,7 +193,7 @@ class OpenAIApp:
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids."""
         try:
-            body = await _read_json(request)
+            body = await read_json(request)
             self._lora_adapter(body)
             ids = detokenize_ids(body, self.frontend.limits.vocab_size)
         except PagedServeError as exc:
@@ -226,7 +228,7 @@ class OpenAIApp:
         try:
             try:
                 base = request_base(request)
-                body = await _read_json(request)
+                body = await read_json(request)
                 spec_body = with_defaults(route.to_chat(body) if route.to_chat else body,
                                           self.sampling_defaults)
                 api = (completion_request(spec_body) if kind == "completions" else
@@ -295,7 +297,7 @@ class OpenAIApp:
         fe = self.frontend
         try:
             base = request_base(request)
-            body = await _read_json(request)
+            body = await read_json(request)
             call = embedding_call(body)
             adapter = self._lora_adapter(body)
         except PagedServeError as exc:
@@ -394,17 +396,6 @@ async def _send(stream: web.StreamResponse, chunks: list[dict], writer,
         events.append(b"data: [DONE]\n\n")
     if events:
         await stream.write(b"".join(events))
-
-
-async def _read_json(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
 
 
 async def _merge(sessions: list[RequestSession]) -> AsyncIterator[tuple[int, RequestOutput]]:

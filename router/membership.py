@@ -60,6 +60,8 @@ class ExecutorHandle:
     next_full_check: float = 0.0  # when the O(blocks) invariant check may run again
     gauges_due: float = 0.0  # when a busy step loop next refreshes the executor's gauges
     num_leaked_blocks: int = 0
+    lora_ops: list[wire.LoraOp] = field(default_factory=list)  # for the next plan, in order
+    lora_ready: set[str] = field(default_factory=set)  # adapters loaded here since it joined
 
     @property
     def id(self) -> str:
@@ -94,6 +96,9 @@ class Membership:
             return (f"LoRA adapters {', '.join(sorted(hello.lora_adapters)) or 'none'}, the "
                     f"router serves {', '.join(sorted(cfg.lora_adapters)) or 'none'} (start "
                     "both with the same --lora-modules)")
+        if hello.max_loras != cfg.max_loras:
+            return (f"--max-loras {hello.max_loras}, the router's is {cfg.max_loras} (start "
+                    "both with the same --max-loras)")
         if hello.block_size != cfg.block_size:
             return f"block size {hello.block_size}, the router uses {cfg.block_size}"
         if hello.num_gpu_blocks <= 0:
@@ -133,6 +138,7 @@ class Membership:
         handle.task = asyncio.get_running_loop().create_task(engine.steps.run(handle))
         if old is not None:  # it re-registered with an empty cache (router loss, restart)
             self.executor_lost(old, "re-registered with an empty cache")
+        engine.loras.executor_joined(handle)  # the adapters loaded so far go out first
         log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d",
                  hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
                  hello.num_cpu_blocks)
@@ -201,6 +207,7 @@ class Membership:
             if not plan.future.done():  # resumes from the last token the router received
                 plan.future.cancel()
         handle.in_flight.clear()
+        self.engine.loras.executor_lost(handle)
         groups = list(handle.scheduler.groups())
         for group in groups:
             handle.scheduler.remove(group)
@@ -223,7 +230,9 @@ class Membership:
         and arrival order, its tokens so far, and skips the queue cap."""
         engine = self.engine
         need = engine.tokens_needed(group.spec)
-        fitting = [h for h in self.healthy() if h.kv.can_ever_fit(need)]
+        adapter = group.spec.lora_adapter
+        fitting = [h for h in self.healthy()
+                   if h.kv.can_ever_fit(need) and engine.loras.ready(h, adapter)]
         if group.aborted or group.request_id not in engine.live:
             return
         if not fitting:

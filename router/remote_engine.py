@@ -42,6 +42,7 @@ from .edge_wire import (
     EdgeStatus,
     EdgeStop,
     Forget,
+    LoraCall,
     MetricsBatch,
     Outputs,
     Reply,
@@ -106,7 +107,8 @@ class RemoteEngine:
         self._streams: dict[str, RemoteRequest] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
-        self.status = EdgeStatus(serving=False, draining=False, dtype=info.dtype)
+        self.status = EdgeStatus(serving=False, draining=False, dtype=info.dtype,
+                                 lora_adapters=info.lora_adapters)
         self.status_changed = asyncio.Event()
         self.stopped = asyncio.Event()  # the core said EdgeStop
         self.connected = asyncio.Event()  # the core answered the hello
@@ -187,9 +189,26 @@ class RemoteEngine:
         return reply.found
 
     def model_info(self) -> ModelInfoData:
-        if self.status.dtype == self.info.dtype:
+        status = self.status
+        if status.dtype == self.info.dtype and status.lora_adapters == self.info.lora_adapters:
             return self.info
-        return dataclasses.replace(self.info, dtype=self.status.dtype)
+        return dataclasses.replace(self.info, dtype=status.dtype,
+                                   lora_adapters=status.lora_adapters)
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name now (the core's, pushed with its status)."""
+        return self.status.lora_adapters
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        reply = await self._call(lambda call: LoraCall(call, name, True, path))
+        if reply.error:
+            raise error_from(reply.error, reply.message)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        reply = await self._call(lambda call: LoraCall(call, name, False))
+        if reply.error:
+            raise error_from(reply.error, reply.message)
 
     async def cluster_status(self) -> ClusterStatusData:
         reply = await self._call(lambda call: StatusCall(call))

@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..protos import wire
 from . import result_checks as checks
 from . import token_apply
@@ -89,6 +91,7 @@ class InFlightPlan:
     # it speculates (no plan is sent after it before its result: router/speculative.py)
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)
     speculating: bool = False
+    lora_ops: list[wire.LoraOp] = field(default_factory=list)  # adapter ops it carried
 
 
 class StepTrace:
@@ -199,7 +202,7 @@ class StepLoop:
     @staticmethod
     def _has_work(handle: ExecutorHandle) -> bool:
         s = handle.scheduler
-        return bool(s.running or s.waiting or s.swapped)
+        return bool(s.running or s.waiting or s.swapped or handle.lora_ops)
 
     def _deadline(self, handle: ExecutorHandle, num_tokens: int) -> float:
         timeout = self.config.step_timeout_s
@@ -215,13 +218,17 @@ class StepLoop:
         for group, mode in out.preempted:
             self.metrics.inc_preemption(handle.id, mode.value)
             log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
-        if out.empty:
+        ops = handle.lora_ops
+        if out.empty and not ops:
             kv.end_step()
             return False
         try:
             step_id = handle.step_id + 1
             deadline_s = self._deadline(handle, out.num_tokens)
             plan = build_plan(step_id, out, kv, self.engine.eos_token_ids, deadline_s)
+            if ops:  # adapter loads and unloads (lora_registry.py), applied first
+                plan = msgspec.structs.replace(plan, lora_ops=ops)
+                handle.lora_ops = []
         except BaseException:
             kv.end_step()
             raise
@@ -235,7 +242,7 @@ class StepLoop:
             int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
             num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
-            speculating=out.rows.speculating))
+            speculating=out.rows.speculating, lora_ops=ops))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
@@ -291,6 +298,8 @@ class StepLoop:
         sched = handle.scheduler
         result = checks.sane_timings(result)
         handle.kv.plan_answered(plan.step_id)
+        if plan.lora_ops:
+            self.engine.loras.answered(handle, plan.lora_ops, result.lora_failed)
         for seq in plan.sampled:
             seq.num_pending -= 1
         self.metrics.observe_step_forward(handle.id, result.forward_s)

@@ -251,6 +251,10 @@ class Engine(Protocol):
       `abort_stream(request_id, stream)` when the engine has one: `stream` is what `submit`
       returned, and a request that already ended and whose id a new request took since is
       not aborted.
+    * Optional (``--max-loras``, router/lora_registry.py): the `lora_adapters` the requests
+      may name now, and the coroutines `load_lora_adapter(name, path)` (returns once every
+      executor serves it) and `unload_lora_adapter(name)`; they raise the domain errors
+      (InvalidRequest, NotFound, Unavailable) the HTTP routes answer with.
     """
 
     async def submit(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]: ...

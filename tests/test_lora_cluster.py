@@ -1,9 +1,13 @@
 """LoRA adapters on a real cluster (router with an API worker, one executor, both started
-with `--lora-modules`): the OpenAI API's `model` and gRPC's `lora_adapter` pick an adapter,
-whose greedy tokens are transformers + PEFT's; adapters never share prefix-cache blocks
-with each other or the base model; names are listed and unknown ones refused; an executor
-serving other adapters is refused at registration; `pagedserve bench --lora-modules`;
-preemption (recompute and swap) and an executor's SIGKILL keep every token."""
+with `--lora-modules` and `--max-loras 4`): the OpenAI API's `model` and gRPC's
+`lora_adapter` pick an adapter, whose greedy tokens are transformers + PEFT's; adapters
+never share prefix-cache blocks with each other or the base model; names are listed and
+unknown ones refused; an executor serving other adapters is refused at registration;
+`pagedserve bench --lora-modules`; preemption (recompute and swap) and an executor's SIGKILL
+keep every token. Adapters loaded and unloaded while serving (/v1/load_lora_adapter,
+/v1/unload_lora_adapter through the API worker): PEFT's tokens, their own prefix-cache
+blocks per load, an unload that lets running streams finish, a joining executor loading
+them before it runs their requests."""
 
 from __future__ import annotations
 
@@ -32,13 +36,17 @@ def dirs(tmp_path_factory):
     return {"model": model,
             "sql": build_lora_adapter(model, root / "sql", rank=8, alpha=16, seed=1),
             "chat": build_lora_adapter(model, root / "chat", rank=4, alpha=8, seed=2,
-                                       target_modules=("q_proj", "v_proj", "down_proj"))}
+                                       target_modules=("q_proj", "v_proj", "down_proj")),
+            "rt": build_lora_adapter(model, root / "rt", rank=8, alpha=8, seed=3),
+            "rt2": build_lora_adapter(model, root / "rt2", rank=2, alpha=4, seed=4,
+                                      target_modules=("o_proj", "up_proj"))}
 
 
 @pytest.fixture(scope="module")
 def cluster(dirs):
-    modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}"]
-    c = Cluster(dirs["model"], num_executors=1, executor_args=modules,
+    modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}", "--max-loras", "4"]
+    c = Cluster(dirs["model"], num_executors=1,
+                executor_args=[*modules, "--max-lora-rank", "8"],
                 router_args=[*modules, "--api-workers", "1", "--served-model-name", "base"])
     with c.running():
         yield c
@@ -195,17 +203,189 @@ def test_preempted_adapter_requests_keep_their_tokens(dirs, mode):
         assert e.num_free_gpu_blocks == e.num_gpu_blocks
 
 
+def test_embeddings_run_the_adapter_the_model_field_names(cluster, dirs):
+    """/v1/embeddings with an adapter's name as `model`: the last-token hidden state of
+    transformers + PEFT with that adapter (the base model's without one), normalized."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for name in ("sql", None):
+        model = AutoModelForCausalLM.from_pretrained(str(dirs["model"]), dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(dirs[name]))
+        with torch.no_grad():
+            out = model.eval()(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+        want = out.hidden_states[-1][0, -1].double().numpy()
+        status, body = post_json(cluster, "/v1/embeddings",
+                                 {"model": name or "base", "input": [PROMPTS[0]]})
+        assert status == 200, body
+        assert body["model"] == (name or "base")
+        np.testing.assert_allclose(body["data"][0]["embedding"], want / np.linalg.norm(want),
+                                   atol=2e-5)
+
+
+# ------------------------------------------------------------------ loaded while serving
+
+
+def _lora(cluster, action: str, **body) -> tuple[int, str]:
+    """POST /v1/{action}_lora_adapter: (status, the reply's text or error message)."""
+    req = urllib.request.Request(f"http://{cluster.http_address}/v1/{action}_lora_adapter",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]["message"]
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _names(cluster) -> list[str]:
+    return [m["id"] for m in _get(cluster, "/v1/models")[1]["data"]]
+
+
+def test_an_adapter_loaded_while_serving_runs_as_peft_and_is_refused_when_it_cannot(
+        cluster, dirs, tmp_path):
+    """Loaded through the API worker: listed (HTTP and gRPC), PEFT's tokens over both APIs;
+    every bad load is refused with its reason and changes nothing; the fourth slot is the
+    last; unloaded, it is gone and its name refused."""
+    assert _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt"])) == (
+        200, "Success: LoRA adapter 'rt' added successfully.")
+    assert _names(cluster) == ["base", "sql", "chat", "rt"]
+    info = cluster.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert list(info.lora_adapters) == ["sql", "chat", "rt"]
+    ref, _ = peft_reference(dirs["model"], dirs["rt"], PROMPTS[1], MAX_TOKENS)
+    assert _token_ids(_completion(cluster, "rt", PROMPTS[1])) == ref
+    req = request(token_ids=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    req.lora_adapter = "rt"
+    assert list(cluster.stub.Generate(req, timeout=60).completions[0].token_ids) == ref
+
+    bad = [({"lora_name": "rt", "lora_path": str(dirs["rt"])},
+            400, "The lora adapter 'rt' has already been loaded"),
+           ({"lora_name": "sql", "lora_path": str(dirs["rt"])},
+            400, "The lora adapter 'sql' has already been loaded"),
+           ({"lora_name": "base", "lora_path": str(dirs["rt"])},
+            400, "lora_name: 'base' is the served model's name"),
+           ({"lora_name": "x"}, 400, "lora_path: a non-empty string is required"),
+           ({"lora_name": "x y", "lora_path": "/a"}, 400,
+            "lora_name: must be 1 to 256 characters without spaces or commas"),
+           ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, 400,
+            f"LoRA adapter 'x' could not be loaded: executor exec0: LoRA adapter x: "
+            f"{tmp_path / 'none'} is not a directory"),
+           ({"lora_name": "x", "lora_path": str(dirs["model"])}, 400,
+            f"LoRA adapter 'x' could not be loaded: executor exec0: LoRA adapter x: "
+            f"{dirs['model']} has no adapter_config.json")]
+    for body, status, message in bad:
+        assert _lora(cluster, "load", **body) == (status, message), body
+    assert _lora(cluster, "load", lora_name="x", lora_path=str(dirs["rt2"]))[0] == 200
+    assert _lora(cluster, "load", lora_name="y", lora_path=str(dirs["rt2"])) == (
+        400, "all 4 LoRA adapter slots are in use (--max-loras): unload an adapter first")
+    assert _names(cluster) == ["base", "sql", "chat", "rt", "x"]
+    assert _lora(cluster, "unload", lora_name="x")[0] == 200
+
+    assert _lora(cluster, "unload", lora_name="rt") == (
+        200, "Success: LoRA adapter 'rt' removed successfully.")
+    assert _lora(cluster, "unload", lora_name="rt") == (
+        404, "The lora adapter 'rt' cannot be found.")
+    assert _lora(cluster, "unload", lora_name="sql") == (
+        400, "The lora adapter 'sql' was given with --lora-modules and cannot be unloaded")
+    assert _names(cluster) == ["base", "sql", "chat"]
+    status, body = post_json(cluster, "/v1/completions", {"model": "rt", "prompt": "hi"})
+    assert status == 404 and "'rt' does not exist" in body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.stub.Generate(req, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_name_loaded_again_never_reuses_the_old_adapters_cache(cluster, dirs):
+    """'rt' served a 41-token prompt (its second request from the cache), unloaded, then
+    'rt' loaded from another adapter: the same prompt computes again (no cached token) and
+    gets the new adapter's tokens; its next request is cached again."""
+    prompt = [11, *PROMPTS[1][1:]]
+
+    def cached_and_ids():
+        body = _completion(cluster, "rt", prompt)
+        details = body["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens", 0), _token_ids(body)
+
+    _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt"]))
+    first = [cached_and_ids(), cached_and_ids()]
+    assert _lora(cluster, "unload", lora_name="rt")[0] == 200
+    # (the unload may still be under way on the executor: the load waits for it)
+    assert _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt2"]))[0] == 200
+    second = [cached_and_ids(), cached_and_ids()]
+    old, _ = peft_reference(dirs["model"], dirs["rt"], prompt, MAX_TOKENS)
+    new, _ = peft_reference(dirs["model"], dirs["rt2"], prompt, MAX_TOKENS)
+    assert old != new
+    assert first == [(0, old), (32, old)] and second == [(0, new), (32, new)]
+    assert _lora(cluster, "unload", lora_name="rt")[0] == 200
+
+
+def test_an_unload_lets_running_streams_finish_then_frees_the_slot(cluster, dirs):
+    """Unloaded mid-stream: answered at once, new requests refused, the stream ends with
+    PEFT's tokens; the slot is taken again only once it has ended."""
+    import threading
+
+    assert _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt"]))[0] == 200
+    assert _lora(cluster, "load", lora_name="fill", lora_path=str(dirs["rt2"]))[0] == 200
+    prompt, max_tokens = [12, *PROMPTS[0][1:]], 96
+    req = request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    req.lora_adapter = "rt"
+    tokens: list[int] = []
+    started = threading.Event()
+
+    def consume():
+        for chunk in cluster.stub.Stream(req, timeout=120):
+            tokens.extend(chunk.token_ids)
+            started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(60)
+    assert _lora(cluster, "unload", lora_name="rt")[0] == 200
+    running = thread.is_alive()
+    status, message = _lora(cluster, "load", lora_name="x", lora_path=str(dirs["rt2"]))
+    if thread.is_alive():  # the unloaded adapter's slot is still held by the stream
+        assert (status, message) == (400, "all 4 LoRA adapter slots are in use (--max-loras): "
+                                          "unload an adapter first")
+    assert _completion_status(cluster, "rt") == 404
+    thread.join(120)
+    assert running, "the stream ended before the unload: make it longer"
+    ref, _ = peft_reference(dirs["model"], dirs["rt"], prompt, max_tokens)
+    assert tokens == ref
+    assert _lora(cluster, "load", lora_name="x", lora_path=str(dirs["rt2"]))[0] == 200
+    for name in ("x", "fill"):
+        assert _lora(cluster, "unload", lora_name=name)[0] == 200
+
+
+def _completion_status(cluster, model: str) -> int:
+    return post_json(cluster, "/v1/completions", {"model": model, "prompt": [5, 6],
+                                                  "max_tokens": 1})[0]
+
+
 def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
-    """Runs last: a second executor joins with the same adapters; greedy streams of both
-    adapters and the base model run on the two; the executor holding more of them is
-    SIGKILLed mid-stream; every stream completes on the other with transformers + PEFT's
-    tokens (its requests re-sent there with their adapter, prompt and output so far)."""
+    """Runs last: an adapter is loaded, then a second executor joins with the same
+    adapters (the loaded one loaded on it first); greedy streams of the three adapters and
+    the base model run on the two; the executor holding more of them is SIGKILLed
+    mid-stream; every stream completes on the other with transformers + PEFT's tokens (its
+    requests re-sent there with their adapter, prompt and output so far)."""
     import signal
     import threading
 
+    assert _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt"]))[0] == 200
     cluster.start_executor("exec1")
     cluster.wait_executors(2)
-    names = ["sql", "chat", "base", "sql", "chat", "base", "sql", "chat"]
+    _wait_for(lambda: any("LoRA adapter rt loaded from" in line
+                          for line in cluster.readers[-1].lines))  # exec1's
+    names = ["sql", "chat", "base", "rt", "sql", "chat", "base", "rt"]
     prompts = [[9 + i, *PROMPTS[i % 2][1:]] for i in range(len(names))]
     max_tokens = 32
     refs = [peft_reference(dirs["model"], dirs.get(n), p, max_tokens)[0]
@@ -244,26 +424,3 @@ def test_zz_streams_of_adapters_survive_an_executor_kill(cluster, dirs):
     migrated = [line for line in cluster.metrics().splitlines()
                 if line.startswith("pagedserve_migrations_total ")]
     assert migrated and float(migrated[0].split()[1]) >= 1  # the kill was mid-stream
-
-
-def test_embeddings_run_the_adapter_the_model_field_names(cluster, dirs):
-    """/v1/embeddings with an adapter's name as `model`: the last-token hidden state of
-    transformers + PEFT with that adapter (the base model's without one), normalized."""
-    import numpy as np
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    for name in ("sql", None):
-        model = AutoModelForCausalLM.from_pretrained(str(dirs["model"]), dtype=torch.float32)
-        if name is not None:
-            model = PeftModel.from_pretrained(model, str(dirs[name]))
-        with torch.no_grad():
-            out = model.eval()(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
-        want = out.hidden_states[-1][0, -1].double().numpy()
-        status, body = post_json(cluster, "/v1/embeddings",
-                                 {"model": name or "base", "input": [PROMPTS[0]]})
-        assert status == 200, body
-        assert body["model"] == (name or "base")
-        np.testing.assert_allclose(body["data"][0]["embedding"], want / np.linalg.norm(want),
-                                   atol=2e-5)

@@ -103,6 +103,10 @@ def test_registration_compares_the_adapters():
         "LoRA adapters none, the router serves chat, sql (start both with the same "
         "--lora-modules)")
     assert "LoRA adapters sql, the router" in membership.refusal(hello("sql"))
+    slots = wire.Hello(**{**{f: getattr(hello("chat", "sql"), f)
+                             for f in wire.Hello.__struct_fields__}, "max_loras": 4})
+    assert membership.refusal(slots) == ("--max-loras 4, the router's is 0 (start both with "
+                                         "the same --max-loras)")
 
 
 def test_bench_draws_an_adapter_per_request_apart_from_the_prompts():

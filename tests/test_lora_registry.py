@@ -1,0 +1,202 @@
+"""The router's registry of LoRA adapters loaded while serving (router/lora_registry.py),
+over fake executors: which ops each executor is sent and when, what a load waits for and
+how it ends (every executor answered; one refused it and the others undo it; executors
+lost meanwhile), unloads held back by running requests, joiners loading before they are
+routed an adapter's requests, and the prefix-cache salt of each load."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from pagedserve.protos import wire
+from pagedserve.router.errors import InvalidRequest, NotFound, Unavailable
+from pagedserve.router.lora_registry import LoadedAdapter, LoraRegistry
+from pagedserve.router.types import RequestSpec, SamplingSpec
+
+
+def _handle(name: str):
+    return SimpleNamespace(id=name, healthy=True, lora_ops=[], lora_ready=set(), in_flight=[],
+                           wakeup=asyncio.Event())
+
+
+def _registry(*executors: str, static=("sql",), max_loras=3):
+    engine = SimpleNamespace(executors={e: _handle(e) for e in executors}, live={})
+    return LoraRegistry(engine, static, max_loras), engine
+
+
+def _answer(registry, handle, failed: dict | None = None):
+    """The executor answers the plan that carries its queued ops."""
+    ops, handle.lora_ops = handle.lora_ops, []
+    registry.answered(handle, ops, [wire.LoraFailure(name=n, message=m)
+                                    for n, m in (failed or {}).items()])
+    return [(o.name, o.load) for o in ops]
+
+
+def _spec(adapter: str, salt: str = "") -> RequestSpec:
+    return RequestSpec(request_id="r", prompt_token_ids=(1, 2), sampling=SamplingSpec(),
+                       cache_salt=salt, lora_adapter=adapter)
+
+
+def _run(coro_fn) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 10))  # a load that never ends fails, not hangs
+
+
+async def _settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_a_load_waits_for_every_executor_then_serves():
+    async def run():
+        registry, engine = _registry("e0", "e1")
+        e0, e1 = engine.executors.values()
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        assert [(o.name, o.load, o.path) for o in e0.lora_ops] == [("rt", True, "/a/rt")]
+        assert e0.wakeup.is_set() and e1.lora_ops == e0.lora_ops
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'rt'"):
+            registry.admitted(_spec("rt"))  # not before every executor has it
+        _answer(registry, e0)
+        await _settle()
+        assert not load.done() and registry.ready(e0, "rt") and not registry.ready(e1, "rt")
+        _answer(registry, e1)
+        await load
+        assert registry.names == ("sql", "rt")
+        assert registry.admitted(_spec("rt", "\x00lora:rt")).cache_salt == "\x00lora:rt\x00gen:1"
+        assert registry.admitted(_spec("sql", "s")).cache_salt == "s"
+        assert registry.admitted(_spec("")).cache_salt == ""
+    _run(run)
+
+
+def test_one_executor_refusing_undoes_the_load_everywhere():
+    async def run():
+        registry, engine = _registry("e0", "e1")
+        e0, e1 = engine.executors.values()
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        _answer(registry, e0)
+        _answer(registry, e1, {"rt": "LoRA adapter rt: /a/rt is not a directory"})
+        await _settle()
+        assert _answer(registry, e0) == [("rt", False)]  # undone where it took
+        assert e1.lora_ops == []
+        with pytest.raises(InvalidRequest) as err:
+            await load
+        assert err.value.message == ("LoRA adapter 'rt' could not be loaded: executor e1: "
+                                     "LoRA adapter rt: /a/rt is not a directory")
+        assert registry.loaded == {} and registry.names == ("sql",)
+        assert not registry.ready(e0, "rt")
+    _run(run)
+
+
+def test_executors_lost_while_loading():
+    async def run():
+        registry, engine = _registry("e0", "e1")
+        e0, e1 = engine.executors.values()
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        _answer(registry, e0)
+        e1.healthy = False
+        registry.executor_lost(e1)  # the one left answered: the load is done
+        await load
+        assert registry.names == ("sql", "rt")
+        registry.unload("rt")
+        _answer(registry, e0)
+        load = asyncio.ensure_future(registry.load("rt2", "/a/rt2"))
+        await _settle()
+        e0.healthy = False
+        registry.executor_lost(e0)
+        with pytest.raises(Unavailable, match="every executor left while loading it"):
+            await load
+        assert registry.loaded == {}
+        with pytest.raises(Unavailable, match="no executor is up"):
+            await registry.load("rt3", "/a")
+    _run(run)
+
+
+def test_an_unload_waits_for_the_adapters_requests():
+    async def run():
+        registry, engine = _registry("e0")
+        (e0,) = engine.executors.values()
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        _answer(registry, e0)
+        await load
+        engine.live["r1"] = SimpleNamespace(spec=_spec("rt"))
+        assert registry.unload("rt") == 1
+        assert registry.names == ("sql",) and e0.lora_ops == []
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'rt'"):
+            registry.admitted(_spec("rt"))
+        with pytest.raises(NotFound, match="cannot be found"):
+            registry.unload("rt")
+        with pytest.raises(InvalidRequest, match="is being unloaded"):
+            await registry.load("rt", "/a/rt")  # its request still runs
+        del engine.live["r1"]
+        registry.request_ended("rt")
+        assert [(o.name, o.load) for o in e0.lora_ops] == [("rt", False)]
+        again = asyncio.ensure_future(registry.load("rt", "/b/rt"))  # waits for the unload
+        await _settle()
+        assert [(o.name, o.load) for o in e0.lora_ops] == [("rt", False)]
+        assert _answer(registry, e0) == [("rt", False)]
+        await _settle()
+        assert _answer(registry, e0) == [("rt", True)]
+        await again
+        assert registry.admitted(_spec("rt")).cache_salt == "\x00gen:2"
+    _run(run)
+
+
+def test_a_joiner_loads_the_adapters_before_it_runs_their_requests():
+    async def run():
+        registry, engine = _registry("e0")
+        (e0,) = engine.executors.values()
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        _answer(registry, e0)
+        await load
+        e1 = engine.executors["e1"] = _handle("e1")
+        registry.executor_joined(e1)
+        assert [(o.name, o.load, o.path) for o in e1.lora_ops] == [("rt", True, "/a/rt")]
+        assert not registry.ready(e1, "rt") and registry.ready(e1, "sql")
+        _answer(registry, e1, {"rt": "its path is not mounted here"})
+        assert not registry.ready(e1, "rt") and registry.names == ("sql", "rt")
+        e2 = engine.executors["e2"] = _handle("e2")
+        registry.executor_joined(e2)
+        _answer(registry, e2)
+        assert registry.ready(e2, "rt")
+    _run(run)
+
+
+def test_names_slots_and_the_switch():
+    async def run():
+        registry, engine = _registry("e0", max_loras=2)
+        (e0,) = engine.executors.values()
+        for name, message in (("", "lora_name: must be"), ("a,b", "lora_name: must be"),
+                              ("sql", "'sql' has already been loaded")):
+            with pytest.raises(InvalidRequest, match=message):
+                await registry.load(name, "/a")
+        with pytest.raises(InvalidRequest, match="lora_path"):
+            await registry.load("rt", "")
+        with pytest.raises(InvalidRequest, match="was given with --lora-modules"):
+            registry.unload("sql")
+        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+        await _settle()
+        with pytest.raises(InvalidRequest, match="is still loading"):
+            registry.unload("rt")
+        with pytest.raises(InvalidRequest, match="all 2 LoRA adapter slots are in use"):
+            await registry.load("rt2", "/a")
+        _answer(registry, e0)
+        await load
+        off, _ = _registry("e0", max_loras=0)
+        with pytest.raises(NotFound, match="start the router and the executors with "
+                                           "--max-loras N"):
+            await off.load("rt", "/a")
+    _run(run)
+
+
+def test_a_spec_keeps_its_fields_when_salted():
+    registry, _ = _registry()
+    registry.loaded["rt"] = LoadedAdapter("rt", "/a", 7, state="live")
+    spec = _spec("rt", "salt")
+    assert registry.admitted(spec) == dataclasses.replace(spec, cache_salt="salt\x00gen:7")
