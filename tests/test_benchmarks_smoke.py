@@ -264,6 +264,17 @@ def test_detok_bench_quick(tmp_path):
     assert len({r["text_crc32"] for r in lines}) == 1
 
 
+def test_lora_load_bench_executor_case(tmp_path):
+    """The executor's side of loading adapters while serving, on the tiny model."""
+    from pagedserve.tinymodels import build_model
+    model = build_model(tmp_path / "m", "llama")
+    (line,) = _run("lora_load_bench.py", "--model", str(model), "--cycles", "2",
+                   "--cases", "executor_ops")
+    assert line["case"] == "executor_ops" and line["cycles"] == 2
+    assert {k: sorted(line[k]) for k in ("load", "read_alone", "unload")} == {
+        k: ["max_ms", "p50_ms"] for k in ("load", "read_alone", "unload")}
+
+
 def test_executor_host_virtual_device():
     """The executor process on the virtual device: every decode step runs as a fed graph
     (its ids the previous step's tokens, left on the "device"), the figures are there, and
