@@ -39,8 +39,8 @@ from pagedserve.executor.lora_ops import apply_lora_ops
 from pagedserve.executor.models.lora import read_adapter
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import LoraOp
-from pagedserve.subprocs import stop_process
 
+from pagedserve.subprocs import stop_process
 from pagedserve.tinymodels import build_lora_adapter
 
 BENCH = "lora_load_bench"
