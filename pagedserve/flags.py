@@ -260,6 +260,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("api-key", _api_keys, None, "router: keys the gRPC and HTTP APIs require, sent as "
      "'Authorization: Bearer KEY' (comma-separated to accept several; /health, /version "
      "and gRPC health stay open; default: none needed)"),
+    ("batch-dir", str, None, "router: a folder for the OpenAI Batch API's files and batches "
+     "(POST /v1/files, /v1/batches; shared by the API workers); unset: the API is off"),
     ("allowed-origins", _allowed_origins, None, "router: web origins whose pages may call the "
      "HTTP API from a browser (CORS), comma-separated scheme://host[:port], or * for any "
      "(default: none)"),

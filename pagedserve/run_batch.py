@@ -70,9 +70,22 @@ class BatchStats:
                 f"{self.output_tokens:,} output tokens")
 
 
+class JsonlOut:
+    """Output lines to a text file, one JSON object a line."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def write(self, line: dict) -> None:
+        self.out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 class OrderedWriter:
-    """Output lines in input order: line i is written once lines 0..i-1 are; each written
-    line frees one place of the window."""
+    """Output lines in input order: line i is written (to `out`: write(line), flush()) once
+    lines 0..i-1 are; each written line frees one place of the window."""
 
     def __init__(self, out, window: asyncio.Semaphore, stats: BatchStats) -> None:
         self.out = out
@@ -85,7 +98,7 @@ class OrderedWriter:
         self.ready[index] = line
         while self.next in self.ready:
             done = self.ready.pop(self.next)
-            self.out.write(json.dumps(done, ensure_ascii=False, separators=(",", ":")) + "\n")
+            self.out.write(done)
             self.stats.count(done)
             self.next += 1
             self.window.release()
@@ -130,42 +143,51 @@ async def run_file(source, out, base_url: str, window_size: int,
                    api_key: str | None = None) -> BatchStats:
     """Every line of `source` through the HTTP API at `base_url`, output lines to `out`."""
     import aiohttp
-    stats = BatchStats()
+    connector = aiohttp.TCPConnector(limit=0)  # the window bounds the connections
+    async with aiohttp.ClientSession(base_url, connector=connector,
+                                     headers=http_headers(api_key),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
+        return await run_lines(source, JsonlOut(out), http, window_size)
+
+
+async def run_lines(source, out, http, window_size: int, prepare=None,
+                    stats: BatchStats | None = None) -> BatchStats:
+    """Every line of `source` POSTed with `http` (an aiohttp session), output lines to `out`
+    in input order (OrderedWriter); `prepare(request)`: a BatchRequest as it is sent, or a
+    BadLine (the batch API's checks); `stats` counted as lines are written."""
+    stats = stats if stats is not None else BatchStats()
     window = asyncio.Semaphore(window_size)
     writer = OrderedWriter(out, window, stats)
     seen: set[str] = set()
     tasks: set[asyncio.Task] = set()
-    connector = aiohttp.TCPConnector(limit=0)  # the window bounds the connections
     last_note = time.monotonic()
 
     async def one(req: BatchRequest) -> None:
         writer.put(req.index, await post(http, req))
 
-    async with aiohttp.ClientSession(base_url, connector=connector,
-                                     headers=http_headers(api_key),
-                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
-        try:
-            index = 0
-            async for text in read_lines(source):
-                await window.acquire()
-                item = parse_line(index, text, seen)
-                if isinstance(item, BadLine):
-                    writer.put(index, error_line(item.custom_id, "invalid_request",
-                                                 item.message))
-                else:
-                    task = asyncio.ensure_future(one(item))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                index += 1
-                if time.monotonic() - last_note >= PROGRESS_EVERY_S:
-                    last_note = time.monotonic()
-                    log.info("run-batch: %d lines read, %d written, %d in flight",
-                             index, stats.lines, len(tasks))
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
+    try:
+        index = 0
+        async for text in read_lines(source):
+            await window.acquire()
+            item = parse_line(index, text, seen)
+            if prepare is not None and not isinstance(item, BadLine):
+                item = prepare(item)
+            if isinstance(item, BadLine):
+                writer.put(index, error_line(item.custom_id, "invalid_request", item.message))
+            else:
+                task = asyncio.ensure_future(one(item))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            index += 1
+            if time.monotonic() - last_note >= PROGRESS_EVERY_S:
+                last_note = time.monotonic()
+                log.info("batch: %d lines read, %d written, %d in flight",
+                         index, stats.lines, len(tasks))
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
     return stats
 
 

@@ -23,7 +23,11 @@ def http_options(args) -> dict:
     return dict(served_model_name=args.served_model_name or Path(args.model).name,
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                 allowed_origins=args.allowed_origins or (),
-                sampling_defaults=generation_defaults(args.model, args.generation_config))
+                sampling_defaults=generation_defaults(args.model, args.generation_config),
+                batch_dir=args.batch_dir or None,
+                # a batch's requests in flight: the executors' batches full, half the queue
+                # left to online requests
+                batch_window=max(1, min(args.max_queue_len // 2, 2 * args.max_num_seqs)))
 
 
 def edge_frontend(args, engine, tokenizer, limits: Limits, metrics) -> Frontend:

@@ -34,6 +34,8 @@ from pagedserve import __version__
 
 from .anthropic_messages import MessagesWriter, error_body, messages_field
 from .anthropic_messages import chat_body as messages_body
+from .batch_api import BatchApi
+from .batch_store import BatchStore
 from .edge_security import ApiKeys, http_key_check, ssl_context
 from .errors import InvalidRequest, PagedServeError, Unavailable
 from .frontend import Frontend, RequestSession
@@ -104,7 +106,7 @@ class OpenAIApp:
         self._token_text = TokenText(frontend.tokenizer)
         self._token_ids_text = TokenIdText(frontend.tokenizer)
 
-    def make_app(self) -> web.Application:
+    def make_app(self, batches: BatchApi | None = None) -> web.Application:
         # The key check outermost: a request without a key learns nothing, not even a 404.
         refused = functools.partial(self.frontend.count_failure, UNAUTHENTICATED, API)
         keyed = [http_key_check(self.api_keys, refused)] if self.api_keys else []
@@ -128,6 +130,8 @@ class OpenAIApp:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         add_lora_routes(app, self.frontend, self.served_names)
+        if batches is not None:
+            batches.add_routes(app)
         return app
 
     # ------------------------------------------------------------------ small routes
@@ -448,11 +452,14 @@ async def _json_errors(request: web.Request, handler):
 class HttpServer:
     """A started HTTP server (AppRunner: no signal handlers; the router drains)."""
 
-    def __init__(self, runner: web.AppRunner, port: int):
+    def __init__(self, runner: web.AppRunner, port: int, batches: BatchApi | None = None):
         self.runner = runner
         self.port = port
+        self.batches = batches
 
     async def stop(self) -> None:
+        if self.batches is not None:
+            await self.batches.stop()
         await self.runner.cleanup()
 
 
@@ -461,14 +468,17 @@ async def start_http_server(
     tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
     api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
-    sampling_defaults: dict | None = None,
+    sampling_defaults: dict | None = None, batch_dir: str | None = None, batch_window: int = 256,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
-    sharing the port (the kernel spreads connections over them)."""
-    app = OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
-                    reasoning_parser, api_keys, tuple(allowed_origins),
-                    sampling_defaults).make_app()
+    sharing the port (the kernel spreads connections over them). `batch_dir`: the Batch API's
+    files (batch_api.py), each batch `batch_window` requests at a time."""
+    def openai_app(keys, origins) -> OpenAIApp:
+        return OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
+                         reasoning_parser, keys, tuple(origins), sampling_defaults)
+    batches = BatchApi(BatchStore(batch_dir), batch_window) if batch_dir else None
+    app = openai_app(api_keys, allowed_origins).make_app(batches)
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
@@ -481,4 +491,6 @@ async def start_http_server(
         raise OSError(f"cannot bind the HTTP server to {host}:{port}: "
                       f"{exc.strerror or exc}") from None
     bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port 0 chose
-    return HttpServer(runner, bound)
+    if batches is not None:
+        await batches.start(openai_app(None, ()).make_app())
+    return HttpServer(runner, bound, batches)

@@ -43,10 +43,11 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
+def cluster(model_dir, tmp_path_factory):
     c = Cluster(model_dir, num_executors=1, executor_args=["--num-gpu-blocks", "256"],
                 router_args=["--api-workers", "2", "--max-queue-len", "6",
-                             "--shutdown-timeout", "3"])
+                             "--shutdown-timeout", "3", "--batch-dir",
+                             str(tmp_path_factory.mktemp("batches"))])
     with c.running():
         yield c
 
@@ -177,6 +178,40 @@ def test_a_stop_string_found_in_a_worker_stops_the_sample_in_the_core(cluster):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
     in_core = metric(cluster.metrics(), "pagedserve_generation_tokens_total") - generated
     assert n_cut <= in_core < n_cut + 40 < 160, (n_cut, in_core)
+
+
+def test_a_batch_over_the_workers_answers_as_online_requests(cluster):
+    """The Batch API through the workers (files and batches shared in --batch-dir, calls
+    landing on either worker): every line's answer equals the same request sent online
+    (greedy), in input order, past a window of 3 (half of --max-queue-len 6)."""
+    import json
+    import time
+
+    import openai
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    model = Path(cluster.model_dir).name
+    bodies = [{"model": model, "prompt": p, "max_tokens": 5, "temperature": 0,
+               "ignore_eos": True} for p in PROMPTS * 2]
+    lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                         "body": b}) for i, b in enumerate(bodies)]
+    upload = client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline and batch.status in ("validating", "in_progress",
+                                                                "finalizing"), batch
+        time.sleep(0.05)
+    assert (batch.request_counts.completed, batch.error_file_id) == (12, None)
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"q{i}" for i in range(12)]
+    for line, body in zip(out, bodies, strict=True):
+        online = client.completions.create(**{k: v for k, v in body.items()
+                                               if k != "ignore_eos"},
+                                           extra_body={"ignore_eos": True})
+        assert line["response"]["body"]["choices"][0]["text"] == online.choices[0].text
 
 
 def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):

@@ -23,7 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.batch_file import URLS, BadLine, BatchRequest, parse_line, response_line, usage_of
-from pagedserve.run_batch import BatchStats, OrderedWriter, executor_argv, run_file
+from pagedserve.run_batch import (
+    BatchStats,
+    JsonlOut,
+    OrderedWriter,
+    executor_argv,
+    run_file,
+)
 
 CLI = [sys.executable, "-m", "pagedserve.cli"]
 
@@ -100,7 +106,7 @@ def test_ordered_writer_writes_in_input_order_and_frees_the_window(order):
         for _ in range(12):
             await window.acquire()
         out, stats = io.StringIO(), BatchStats()
-        writer = OrderedWriter(out, window, stats)
+        writer = OrderedWriter(JsonlOut(out), window, stats)
         for i in order:
             done_before = writer.next
             writer.put(i, {"custom_id": str(i), "response": {"status_code": 200}})
