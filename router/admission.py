@@ -86,6 +86,35 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
         self._num_running_seqs += len(group.active_seqs())
 
 
+def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
+    """Priority preemption for seats (`max_num_seqs`), before the running groups are
+    served: while the first swapped or waiting group has a better (lower) priority than
+    the worst running group and the seats are all taken, that running group (worst
+    priority, latest arrival, preempted fewer than `preemption_cap` times) is preempted, so
+    the better one is admitted in the next step instead of waiting for the worse ones to
+    finish: an online request beside a batch (router/batch_api.py) waits a step, not a
+    batch request's whole generation. Equal priorities (the default) never preempt: the
+    two comparisons are all this costs a step then."""
+    running, waiting, swapped = self.running, self.waiting, self.swapped
+    if not running or not (waiting or swapped):
+        return
+    head = (swapped[0] if not waiting else waiting[0] if not swapped
+            else min(swapped[0], waiting[0], key=lambda g: g.sort_key))
+    if head.spec.priority >= running[-1].spec.priority or head.has_pending:
+        return
+    cfg = self.config
+    need = len(head.active_seqs())
+    seats = cfg.max_num_seqs - sum(len(g.active_seqs()) for g in running)
+    while seats < need <= cfg.max_num_seqs:
+        victim = next((g for g in reversed(running)
+                       if g.spec.priority > head.spec.priority
+                       and g.num_preemptions < cfg.preemption_cap), None)
+        if victim is None:
+            return
+        seats += len(victim.active_seqs())
+        self._preempt(victim, out)
+
+
 def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget: int) -> int:
     """An n > 1 group admitted with all of its prompt but the last token cached has nothing
     of sample 0 to compute: fork it now (the cached blocks were computed by earlier plans,

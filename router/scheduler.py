@@ -175,12 +175,10 @@ class Scheduler:
             else None
 
     def num_running_seqs(self) -> int:
-        """Samples running here: each decodes in every step (the step a new request's
-        prefill runs in too). Counted as the last `schedule()` walked and admitted them,
-        not on each call: routing asks once per request it places, and walking every
-        running group each time cost an admission ~40 us at 256 streams. Groups join the
-        running ones only in `schedule()`, so between steps the count can only be a few
-        high (samples that ended since), never low."""
+        """Samples running here (each decodes every step), as the last `schedule()` walked
+        and admitted them: routing asks once per request it places, and walking every
+        running group each time cost an admission ~40 us at 256 streams. Between steps the
+        count can only be a few high (samples that ended since), never low."""
         return self._num_running_seqs
 
     def num_leaked_blocks(self) -> tuple[int, list[str]]:
@@ -236,14 +234,15 @@ class Scheduler:
            group (the victim: lowest priority, latest arrival, not over the preemption cap)
            is preempted by swap or recompute (`auto` asks the cost model), until the sample
            fits or the group being scheduled is itself the victim.
-        2. Only if nothing was preempted: swapped and waiting groups in (priority, arrival)
-           order, swapped first among equals, are brought in while blocks (above the
-           watermark for new admissions), `max_num_seqs` and the token budget allow; the
-           first one that does not fit (or that still has a token in flight from before its
-           preemption) stops admission, so order is kept. A new group's
-           prompt starts after its cached prefix. A waiting group whose next prompt blocks
-           a request ahead of it is computing waits for them instead (prefill dedup,
-           `_admit_waiting`): it is passed over, not a stop. n > 1 groups compute the prompt once in
+        2. Only if nothing was preempted (for blocks, or for seats by a better priority:
+           `_yield_seats`): swapped and waiting groups in (priority, arrival) order, swapped
+           first among equals, are brought in while blocks (above the watermark for new
+           admissions), `max_num_seqs` and the token budget allow; the first one that does
+           not fit (or that still has a token in flight from before its preemption) stops
+           admission, so order is kept. A new group's prompt starts after its cached
+           prefix. A waiting group whose next prompt blocks a request ahead of it is
+           computing waits for them instead (prefill dedup, `_admit_waiting`): it is
+           passed over, not a stop. n > 1 groups compute the prompt once in
            sample 0 (all but the last token), then fork the other samples from it in a later
            step (copy-on-write shares every block) and every sample computes the last prompt
            token itself and samples from it.
@@ -273,6 +272,7 @@ class Scheduler:
         out.forks.extend(f for f in self.pending_forks if not f[1].finished)
         self.pending_forks.clear()
         budget = self.config.max_num_batched_tokens
+        self._yield_seats(out)  # a better priority waiting for a seat (admission.py)
         served = None
         lane = self.lane
         if lane is not None:
@@ -492,8 +492,8 @@ class Scheduler:
         log.debug("preempted %s by recompute", group.request_id)
 
     # ------------------------------------------------------------------ admission.py
-    _admit = admission.admit
-    _admit_waiting = admission.admit_waiting
+    _admit, _admit_waiting, _yield_seats = (admission.admit, admission.admit_waiting,
+                                            admission.yield_seats)
 
     # ------------------------------------------------------------------ decode_lane.py
     _plan_with_lane = decode_lane.plan_with_lane

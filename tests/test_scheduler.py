@@ -233,3 +233,38 @@ def test_a_step_that_only_swaps_in_is_sent():
     kv.end_step(1)
     assert plan.swap_in.tolist() == [[0, 2], [1, 3]] and plan.request_ids == []
     assert not kv.has_block_ops and SchedulerOutput(PlanRows(kv)).empty
+
+
+def test_a_better_priority_takes_a_seat_from_the_worst_running_group():
+    """max_num_seqs 2, both seats held by batch-like requests (priority 9): an online one
+    (priority 0) arriving preempts the latest of them (recompute) and runs the next step;
+    the other keeps decoding; the preempted one comes back when a seat frees."""
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=2,
+                                          preemption_mode=PreemptionMode.RECOMPUTE))
+    for i in range(2):
+        sched.add(_group(f"b{i}", 8, arrival=i, priority=9, start=10 * i + 3))
+    _step(sched, kv)
+    sched.add(_group("online", 8, arrival=5, start=200))
+    out, plan = _step(sched, kv, 2)
+    assert [(g.request_id, m) for g, m in out.preempted] == [("b1", PreemptionMode.RECOMPUTE)]
+    assert _scheduled(out) == [("b0#0", 1)] and plan.finished_ids == ["b1#0"]
+    out, _ = _step(sched, kv, 3)
+    assert _scheduled(out) == [("b0#0", 1), ("online#0", 8)]
+    assert [g.request_id for g in sched.waiting] == ["b1"]
+
+
+def test_equal_or_worse_priorities_and_capped_groups_keep_their_seats():
+    kv = KVCacheManager(64, 0, 16)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=1, preemption_cap=1))
+    running = _group("r", 8, arrival=0, priority=5)
+    sched.add(running)
+    _step(sched, kv)
+    for i, priority in enumerate((5, 7)):  # same, then worse: they wait
+        sched.add(_group(f"w{i}", 8, arrival=1 + i, priority=priority, start=50 + 10 * i))
+        out, _ = _step(sched, kv, 2 + i)
+        assert out.preempted == [] and _scheduled(out) == [("r#0", 1)]
+    running.num_preemptions = 1  # preempted as often as the cap allows: it keeps its seat
+    sched.add(_group("w2", 8, arrival=4, priority=0, start=90))
+    out, _ = _step(sched, kv, 4)
+    assert out.preempted == [] and _scheduled(out) == [("r#0", 1)]
