@@ -44,7 +44,9 @@ BENCH = "batch_api_bench"
 BATCH, BATCH_TOKENS, PROBES, PROBE_TOKENS, PROBE_EVERY_S = 48, 48, 6, 16, 2.0
 WINDOW = 32
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
-WORDS = ["river", "stone", "market", "bread", "window", "garden", "letter", "morning", "silver", "engine", "ticket", "harbor", "candle", "forest", "music", "paper", "winter", "doctor", "summer", "bridge"]
+WORDS = ["river", "stone", "market", "bread", "window", "garden", "letter", "morning",
+         "silver", "engine", "ticket", "harbor", "candle", "forest", "music", "paper",
+         "winter", "doctor", "summer", "bridge"]
 
 
 def emit(case: str, **figures) -> None:
