@@ -37,7 +37,7 @@ from aiohttp import web
 from pagedserve.batch_file import URLS, BadLine, BatchRequest
 from pagedserve.run_batch import BatchStats, JsonlOut, run_lines
 
-from .batch_store import LIST_LIMIT, BatchStore, public
+from .batch_store import ACTIVE, LIST_LIMIT, BatchStore, public
 from .errors import InvalidRequest, PagedServeError
 from .http_errors import dumps_json, error_response, read_json
 
@@ -120,6 +120,15 @@ class BatchApi:
         self._worker = asyncio.get_running_loop().create_task(self._run_queue())
 
     async def stop(self) -> None:
+        """The batches this process runs or queued fail (`server_stopped`): nothing runs
+        them any more (create them again)."""
+        queued = [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        for batch_id in [*self.running, *queued]:
+            with contextlib.suppress(Exception):
+                batch = self.store.batch(batch_id)
+                if batch["status"] in ACTIVE:
+                    self._fail(batch, "server_stopped", "the server stopped before the "
+                               "batch was done; create it again")
         if self._worker is not None:
             self._worker.cancel()
         for task in list(self.running.values()):

@@ -2,7 +2,8 @@
 engine, driven by OpenAI's own SDK: files uploaded, listed, read and deleted; a batch's
 lines answered as online requests are (200s in the output file, the rest in the error
 file, each in input order), sent after online requests (their priority), counted,
-cancelled, listed; a batch cut by a restart found failed; every bad call a clear 4xx."""
+cancelled, listed; a batch cut by a restart found failed, one cut by a stop failed at once;
+every bad call a clear 4xx."""
 
 from __future__ import annotations
 
@@ -47,12 +48,21 @@ def _client(base, key="k"):
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
 
 
+@contextlib.asynccontextmanager
+async def _batch_edge(tok, tmp_path, key="k", **server):
+    """The HTTP edge with --batch-dir over a fake engine, and an SDK client of it:
+    (engine, base URL, client)."""
+    async with http_edge(tok, batch_dir=str(tmp_path / "b"), **server) as (engine, _, _, base):
+        client = _client(base, key)
+        try:
+            yield engine, base, client
+        finally:
+            await client.close()
+
+
 def test_a_batch_answers_every_line_as_the_api_does(tok, tmp_path):
     async def main():
-        async with contextlib.AsyncExitStack() as stack, \
-                http_edge(tok, batch_dir=str(tmp_path / "b")) as (engine, _, _, base):
-            client = _client(base)
-            await stack.enter_async_context(client)
+        async with _batch_edge(tok, tmp_path) as (engine, base, client):
             upload = await client.files.create(
                 file=("in.jsonl", ("\n".join(LINES) + "\n\n").encode()), purpose="batch")
             assert (upload.object, upload.purpose, upload.filename) == ("file", "batch",
@@ -97,10 +107,7 @@ def test_a_batch_answers_every_line_as_the_api_does(tok, tmp_path):
 
 def test_files_and_bad_calls(tok, tmp_path):
     async def main():
-        async with contextlib.AsyncExitStack() as stack, \
-                http_edge(tok, batch_dir=str(tmp_path / "b")) as (_, _, _, base):
-            client = _client(base)
-            await stack.enter_async_context(client)
+        async with _batch_edge(tok, tmp_path) as (_, base, client):
             first = await client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
             second = await client.files.create(file=("b.jsonl", b"{}\n"), purpose="batch")
             listed = await client.files.list()
@@ -141,11 +148,7 @@ def test_files_and_bad_calls(tok, tmp_path):
 
 def test_cancel_keeps_what_was_answered_and_list_pages(tok, tmp_path):
     async def main():
-        async with contextlib.AsyncExitStack() as stack, \
-                http_edge(tok, step_s=0.05, batch_dir=str(tmp_path / "b")) as (
-                engine, _, _, base):
-            client = _client(base)
-            await stack.enter_async_context(client)
+        async with _batch_edge(tok, tmp_path, step_s=0.05) as (engine, _, client):
             lines = [_line(f"r{i}", max_tokens=4) for i in range(400)]
             upload = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
                                                purpose="batch")
@@ -192,14 +195,31 @@ def test_a_batch_cut_by_a_restart_is_failed(tok, tmp_path):
     store.save_batch(mine)
 
     async def main():
-        async with contextlib.AsyncExitStack() as stack, \
-                http_edge(tok, batch_dir=str(tmp_path / "b")) as (_, _, _, base):
-            client = _client(base)
-            await stack.enter_async_context(client)
+        async with _batch_edge(tok, tmp_path) as (_, base, client):
             cut = await client.batches.retrieve(batch["id"])
             assert cut.status == "failed" and cut.errors.data[0].code == "server_restarted"
             assert (await client.batches.retrieve(mine["id"])).status == "in_progress"
             assert "owner" not in (await client.batches.retrieve(mine["id"])).model_extra
+    asyncio.run(main())
+
+
+def test_a_server_stopping_fails_its_batches(tok, tmp_path):
+    """Stopped mid-batch (and with a batch queued behind it): both are failed at once
+    (`server_stopped`), not left in progress."""
+    async def main():
+        async with _batch_edge(tok, tmp_path, step_s=0.05) as (_, _, client):
+            lines = "\n".join(_line(f"r{i}") for i in range(50)).encode()
+            upload = await client.files.create(file=("in.jsonl", lines), purpose="batch")
+            ids = [(await client.batches.create(input_file_id=upload.id,
+                                                endpoint="/v1/completions",
+                                                completion_window="24h")).id
+                   for _ in range(2)]
+            await _finished(client, ids[0], ("in_progress",))
+        store = BatchStore(tmp_path / "b")
+        for batch_id in ids:
+            batch = store.batch(batch_id)
+            assert batch["status"] == "failed", batch
+            assert batch["errors"]["data"][0]["code"] == "server_stopped"
     asyncio.run(main())
 
 
@@ -209,12 +229,11 @@ def test_keys_guard_the_routes_and_not_the_lines(tok, tmp_path):
     from pagedserve.router.edge_security import ApiKeys
 
     async def main():
-        async with contextlib.AsyncExitStack() as stack, \
-                http_edge(tok, batch_dir=str(tmp_path / "b"),
-                             api_keys=ApiKeys(("sk-1",))) as (_, _, _, base):
-            with pytest.raises(openai.AuthenticationError):
-                await (await stack.enter_async_context(_client(base))).files.list()
-            client = await stack.enter_async_context(_client(base, "sk-1"))
+        async with _batch_edge(tok, tmp_path, "sk-1", api_keys=ApiKeys(("sk-1",))) as (
+                _, base, client):
+            async with _client(base) as keyless:
+                with pytest.raises(openai.AuthenticationError):
+                    await keyless.files.list()
             upload = await client.files.create(file=("in.jsonl", _line("a").encode()),
                                                purpose="batch")
             batch = await client.batches.create(input_file_id=upload.id,

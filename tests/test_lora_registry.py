@@ -35,6 +35,23 @@ def _answer(registry, handle, failed: dict | None = None):
     return [(o.name, o.load) for o in ops]
 
 
+async def _loading(*executors):
+    """A registry over ``executors`` with 'rt' being loaded: (registry, handles, the load)."""
+    registry, engine = _registry(*executors)
+    load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
+    await _settle()
+    return registry, list(engine.executors.values()), load
+
+
+async def _loaded(registry, *handles, name="rt", path="/a/rt"):
+    """Load ``name`` with every one of ``handles`` answering at once."""
+    load = asyncio.ensure_future(registry.load(name, path))
+    await _settle()
+    for handle in handles:
+        _answer(registry, handle)
+    await load
+
+
 def _spec(adapter: str, salt: str = "") -> RequestSpec:
     return RequestSpec(request_id="r", prompt_token_ids=(1, 2), sampling=SamplingSpec(),
                        cache_salt=salt, lora_adapter=adapter)
@@ -51,10 +68,7 @@ async def _settle():
 
 def test_a_load_waits_for_every_executor_then_serves():
     async def run():
-        registry, engine = _registry("e0", "e1")
-        e0, e1 = engine.executors.values()
-        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
-        await _settle()
+        registry, (e0, e1), load = await _loading("e0", "e1")
         assert [(o.name, o.load, o.path) for o in e0.lora_ops] == [("rt", True, "/a/rt")]
         assert e0.wakeup.is_set() and e1.lora_ops == e0.lora_ops
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'rt'"):
@@ -73,10 +87,7 @@ def test_a_load_waits_for_every_executor_then_serves():
 
 def test_one_executor_refusing_undoes_the_load_everywhere():
     async def run():
-        registry, engine = _registry("e0", "e1")
-        e0, e1 = engine.executors.values()
-        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
-        await _settle()
+        registry, (e0, e1), load = await _loading("e0", "e1")
         _answer(registry, e0)
         _answer(registry, e1, {"rt": "LoRA adapter rt: /a/rt is not a directory"})
         await _settle()
@@ -93,10 +104,7 @@ def test_one_executor_refusing_undoes_the_load_everywhere():
 
 def test_executors_lost_while_loading():
     async def run():
-        registry, engine = _registry("e0", "e1")
-        e0, e1 = engine.executors.values()
-        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
-        await _settle()
+        registry, (e0, e1), load = await _loading("e0", "e1")
         _answer(registry, e0)
         e1.healthy = False
         registry.executor_lost(e1)  # the one left answered: the load is done
@@ -120,10 +128,7 @@ def test_an_unload_waits_for_the_adapters_requests():
     async def run():
         registry, engine = _registry("e0")
         (e0,) = engine.executors.values()
-        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
-        await _settle()
-        _answer(registry, e0)
-        await load
+        await _loaded(registry, e0)
         engine.live["r1"] = SimpleNamespace(spec=_spec("rt"))
         assert registry.unload("rt") == 1
         assert registry.names == ("sql",) and e0.lora_ops == []
@@ -151,10 +156,7 @@ def test_a_joiner_loads_the_adapters_before_it_runs_their_requests():
     async def run():
         registry, engine = _registry("e0")
         (e0,) = engine.executors.values()
-        load = asyncio.ensure_future(registry.load("rt", "/a/rt"))
-        await _settle()
-        _answer(registry, e0)
-        await load
+        await _loaded(registry, e0)
         e1 = engine.executors["e1"] = _handle("e1")
         registry.executor_joined(e1)
         assert [(o.name, o.load, o.path) for o in e1.lora_ops] == [("rt", True, "/a/rt")]
