@@ -72,6 +72,7 @@ class LoraRegistry:
         self.loaded: dict[str, LoadedAdapter] = {}
         self._generation = 0
         self.names: tuple[str, ...] = static  # what a request may name now (`_publish`)
+        self._publish()
 
     # ------------------------------------------------------------------ requests
 
@@ -292,6 +293,10 @@ class LoraRegistry:
             adapter.done = None
 
     def _publish(self) -> None:
-        """What requests may name: the static adapters, then the live loaded ones."""
+        """What requests may name: the static adapters, then the live loaded ones (and the
+        gauges, when the engine has metrics)."""
         self.names = (*self.static, *(a.name for a in self.loaded.values()
                                       if a.state == "live"))
+        metrics = getattr(self.engine, "metrics", None)
+        if metrics is not None:
+            metrics.set_lora_adapters(len(self.names), self.max_loras)

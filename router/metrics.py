@@ -92,6 +92,8 @@ class RouterMetrics:
         self.request_success = Counter("pagedserve_request_success_total", "Finished samples, by finish reason and API.", ["finish_reason", "api"], registry=r)
         self.request_failure = Counter("pagedserve_request_failure_total", "Requests that ended with a non-OK status, by gRPC status name (HTTP errors too) and API.", ["code", "api"], registry=r)
         self.executors_healthy = Gauge("pagedserve_executors_healthy", "Executors registered and heartbeating.", registry=r)
+        self.lora_adapters = Gauge("pagedserve_lora_adapters", "LoRA adapters requests may name (--lora-modules and those loaded while serving).", registry=r)
+        self.lora_slots = Gauge("pagedserve_lora_adapter_slots", "LoRA adapter slots of each executor (--max-loras; 0: no loading while serving).", registry=r)
         self.time_to_first_token = Histogram("pagedserve_time_to_first_token_seconds", "Arrival to first token handed out.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.inter_token_latency = Histogram("pagedserve_inter_token_latency_seconds", "Time between tokens handed to a request's client.", buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_per_output_token = Histogram("pagedserve_time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1).", buckets=LATENCY_BUCKETS_S, registry=r)
@@ -248,6 +250,10 @@ class RouterMetrics:
 
     def set_executors_healthy(self, n: int) -> None:
         self.executors_healthy.set(n)
+
+    def set_lora_adapters(self, adapters: int, slots: int) -> None:
+        self.lora_adapters.set(adapters)
+        self.lora_slots.set(slots)
 
     def observe_step_forward(self, executor_id: str, seconds: float) -> None:
         """The executor's forward_s of one step."""

@@ -260,6 +260,9 @@ def test_an_adapter_loaded_while_serving_runs_as_peft_and_is_refused_when_it_can
     assert _lora(cluster, "load", lora_name="rt", lora_path=str(dirs["rt"])) == (
         200, "Success: LoRA adapter 'rt' added successfully.")
     assert _names(cluster) == ["base", "sql", "chat", "rt"]
+    gauges = {line.split()[0]: float(line.split()[1]) for line in cluster.metrics().splitlines()
+              if line.startswith("pagedserve_lora_adapter")}
+    assert gauges == {"pagedserve_lora_adapters": 3.0, "pagedserve_lora_adapter_slots": 4.0}
     info = cluster.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
     assert list(info.lora_adapters) == ["sql", "chat", "rt"]
     ref, _ = peft_reference(dirs["model"], dirs["rt"], PROMPTS[1], MAX_TOKENS)
