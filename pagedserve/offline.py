@@ -211,12 +211,6 @@ class LLM:
         L2-normalized (POST /v1/embeddings, README "Embeddings"); `dimensions`: the first N
         components, normalized again; `normalize=False`: the raw hidden state."""
         import json
-        import urllib.error
-        import urllib.request
-        if self._channel is None:
-            raise RuntimeError("pagedserve.LLM is closed")
-        if self.http_address is None:
-            raise RuntimeError("pagedserve.LLM.embed needs the HTTP API (http_port=-1 was given)")
         if isinstance(texts, str):
             texts = [texts]
         vectors: list[list[float]] = []
@@ -224,19 +218,44 @@ class LLM:
             body = {"input": list(texts[start:start + batch]), "normalize": normalize}
             if dimensions is not None:
                 body["dimensions"] = dimensions
-            req = urllib.request.Request(f"http://{self.http_address}/v1/embeddings",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  **self._headers})
-            try:
-                with urllib.request.urlopen(req, timeout=timeout_s) as reply:
-                    data = json.loads(reply.read())["data"]
-            except urllib.error.HTTPError as exc:
-                error = json.loads(exc.read() or b"{}").get("error") or {}
-                raise GenerateError(str(error.get("code") or exc.code),
-                                    error.get("message") or str(exc)) from None
+            data = json.loads(self._post("/v1/embeddings", body, timeout_s))["data"]
             vectors += [item["embedding"] for item in sorted(data, key=lambda d: d["index"])]
         return vectors
+
+    def load_lora_adapter(self, name: str, path: str,
+                          timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Load a PEFT adapter directory as `name` on every executor (`max_loras=N` given:
+        README "Loading adapters while serving"); `lora_adapter=name` runs it from then on.
+        GenerateError with the reason when it cannot be loaded."""
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                   timeout_s)
+
+    def unload_lora_adapter(self, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Stop serving a loaded adapter (its running requests finish with it)."""
+        self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout_s)
+
+    def _post(self, path: str, body: dict, timeout_s: float) -> bytes:
+        """POST to the cluster's HTTP API: the reply's body, or GenerateError (the error
+        object's code and message)."""
+        import json
+        import urllib.error
+        import urllib.request
+        if self._channel is None:
+            raise RuntimeError("pagedserve.LLM is closed")
+        if self.http_address is None:
+            raise RuntimeError(f"pagedserve.LLM: {path} needs the HTTP API (http_port=-1 "
+                               "was given)")
+        req = urllib.request.Request(f"http://{self.http_address}{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **self._headers})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+                return reply.read()
+        except urllib.error.HTTPError as exc:
+            error = json.loads(exc.read() or b"{}").get("error") or {}
+            raise GenerateError(str(error.get("code") or exc.code),
+                                error.get("message") or str(exc)) from None
 
     def _run_all(self, requests: list, timeout_s: float) -> list[RequestOutput]:
         """Every request through Generate, at most the router's queue length in flight."""

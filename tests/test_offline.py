@@ -31,7 +31,7 @@ def adapter_dir(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir, adapter_dir):
     with LLM(model_dir, executors=2, num_gpu_blocks=128, max_queue_len=8,
-             lora_modules=f"one={adapter_dir}") as llm:
+             lora_modules=f"one={adapter_dir}", max_loras=2, max_lora_rank=4) as llm:
         yield llm
 
 
@@ -65,6 +65,16 @@ def test_a_lora_adapter_equals_transformers_and_peft(llm, model_dir, adapter_dir
     assert tuned.outputs[0].token_ids != base.outputs[0].token_ids
     with pytest.raises(GenerateError, match="unknown LoRA adapter 'two'"):
         llm.generate("Hi", params, lora_adapter="two")
+    # loaded while the cluster runs (both executors), the same weights under another name
+    llm.load_lora_adapter("two", adapter_dir)
+    (again,) = llm.generate([ids], params, lora_adapter="two")
+    assert again.outputs[0].token_ids == tuned.outputs[0].token_ids
+    llm.unload_lora_adapter("two")
+    with pytest.raises(GenerateError, match="unknown LoRA adapter 'two'"):
+        llm.generate("Hi", params, lora_adapter="two")
+    with pytest.raises(GenerateError, match="could not be loaded: executor .*: LoRA "
+                                            "adapter three: /nowhere is not a directory"):
+        llm.load_lora_adapter("three", "/nowhere")
 
 
 def test_samples_chat_and_many_prompts_in_order(llm):
