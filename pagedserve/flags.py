@@ -208,6 +208,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "included; N > 0 turns on loading and unloading adapters while serving "
      "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter); router and executors need the "
      "same N"),
+    ("lora-dir", str, None, "router: a folder of PEFT adapters loaded on demand: a request "
+     "naming DIR/<name> loads it (the least recently used idle adapter unloaded when every "
+     "--max-loras slot is taken); executors must read the same paths"),
     ("max-lora-rank", _positive_int, 16, "executor: the largest rank an adapter may have "
      "(with --max-loras: every slot is allocated at this rank)"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",

@@ -142,7 +142,7 @@ def model_info_from_args(args) -> tuple[ModelInfoData, str]:
 def limits_from_args(args, info: ModelInfoData) -> Limits:
     return Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                   max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
-                  lora_adapters=lora_names(args))
+                  lora_adapters=lora_names(args), lora_dir=getattr(args, "lora_dir", None) or None)
 
 
 def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> EngineConfig:
@@ -163,6 +163,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         debug_checks=bool(getattr(args, "debug_checks", False)),
         lora_adapters=lora_names(args),
         max_loras=getattr(args, "max_loras", 0),
+        lora_dir=getattr(args, "lora_dir", None) or None,
         speculative=getattr(args, "speculative_config", None),
         decode_lane_min_running=decode_lane_min_running(),
     )

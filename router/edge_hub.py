@@ -367,7 +367,9 @@ class EdgeHub:
         naming the adapter finds it wherever it lands."""
         engine = self.engine
         try:
-            if msg.load:
+            if msg.load and not msg.path:  # a request's adapter (--lora-dir)
+                await engine.resolve_lora_adapter(msg.name)
+            elif msg.load:
                 await engine.load_lora_adapter(msg.name, msg.path)
             else:
                 await engine.unload_lora_adapter(msg.name)

@@ -69,6 +69,7 @@ class EngineConfig:
     invariant_check_interval_s: float = 5.0  # otherwise this often, per executor
     lora_adapters: tuple[str, ...] = ()  # every executor must serve these (--lora-modules)
     max_loras: int = 0  # adapter slots of every executor (--max-loras; lora_registry.py)
+    lora_dir: str | None = None  # adapters loaded on demand from here (--lora-dir)
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: off)
 
 
@@ -95,7 +96,8 @@ class RouterEngine:
         self.delivery = Delivery(self)
         self.membership = Membership(self)
         self.steps = StepLoop(self)
-        self.loras = LoraRegistry(self, config.lora_adapters, config.max_loras)
+        self.loras = LoraRegistry(self, config.lora_adapters, config.max_loras,
+                                  lora_dir=config.lora_dir)
 
     # ================================================================== lifecycle
 
@@ -177,6 +179,13 @@ class RouterEngine:
     async def submit(self, spec: RequestSpec,
                      reserved: bool = False) -> AsyncIterator[RequestOutput]:
         channel = OutputChannel()
+        if spec.lora_adapter and spec.lora_adapter not in self.loras.names:
+            try:  # --lora-dir: loaded on demand (lora_registry.py)
+                await self.loras.resolve(spec.lora_adapter)
+            except BaseException:
+                if reserved:  # (the place is this request's whatever it raises)
+                    self.release_slot()
+                raise
         self.admit(spec, reserved, channel)
         return channel.open_stream(spec.request_id)
 
@@ -288,6 +297,10 @@ class RouterEngine:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter on every executor (lora_registry.py); raises as it does."""
         await self.loras.load(name, path)
+
+    async def resolve_lora_adapter(self, name: str) -> bool:
+        """--lora-dir: load adapter ``name`` on demand if it is one of the folder's."""
+        return await self.loras.resolve(name)
 
     async def unload_lora_adapter(self, name: str) -> int:
         """Stop serving a loaded LoRA adapter; its live requests finish with it."""

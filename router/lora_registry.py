@@ -18,6 +18,12 @@ failed in the plan's StepResult, so the plan's result is the acknowledgement:
     an executor joining: the live adapters are loaded on it first; requests naming one go
         to the executors that have it until it answers (`ready`).
 
+With ``--lora-dir DIR`` adapters also load on demand (`resolve`): a request naming an
+adapter that is not loaded, whose PEFT directory is DIR/<name>, loads it first (requests
+for it at once share the one load); when every slot is taken, the loaded adapter used least
+recently that no live request runs is unloaded for it (none idle: the request gets
+RESOURCE_EXHAUSTED, to retry). `--lora-modules` adapters are never unloaded.
+
 A load's generation is part of the adapter's prefix-cache salt (`admitted`): KV computed under
 an unloaded adapter is never served to a request of a later adapter of the same name.
 Requests name adapters; an executor maps names to its slots. A router that restarts knows
@@ -29,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..protos import wire
-from .errors import InvalidRequest, NotFound, Unavailable
+from .errors import InvalidRequest, NotFound, QueueFull, Unavailable
 from .types import RequestSpec
 
 if TYPE_CHECKING:
@@ -43,6 +51,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.router")
 
 MAX_NAME_CHARS = 256
+
+
+def valid_name(name) -> bool:
+    """A name an adapter may take (one path component under --lora-dir too)."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS \
+        and name not in (".", "..") and not any(c.isspace() or c in "\x00,/\\" for c in name)
+
+
+def resolvable(lora_dir: str | None, name: str) -> bool:
+    """Would a request naming ``name`` load it from ``--lora-dir`` (a PEFT directory there)?"""
+    return bool(lora_dir) and valid_name(name) \
+        and (Path(lora_dir) / name / "adapter_config.json").is_file()
 
 
 @dataclass
@@ -58,18 +78,22 @@ class LoadedAdapter:
     failures: list[str] = field(default_factory=list)  # "executor: message"
     done: asyncio.Future | None = None  # set when `waiting` empties
     forgotten: asyncio.Event = field(default_factory=asyncio.Event)  # unloaded everywhere
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # the load ended (or not)
+    last_used: float = 0.0  # when a request last named it (the LRU's order)
 
 
 class LoraRegistry:
     """The adapters requests may name: ``--lora-modules`` and those loaded since."""
 
     def __init__(self, engine: RouterEngine, static: tuple[str, ...], max_loras: int,
-                 model_names: tuple[str, ...] = ()) -> None:
+                 model_names: tuple[str, ...] = (), lora_dir: str | None = None) -> None:
         self.engine = engine
+        self.lora_dir = lora_dir
         self.static = static
         self.max_loras = max_loras
         self.model_names = model_names  # names an adapter may not take (the served model's)
         self.loaded: dict[str, LoadedAdapter] = {}
+        self._resolving: dict[str, asyncio.Future] = {}  # on-demand loads under way
         self._generation = 0
         self.names: tuple[str, ...] = static  # what a request may name now (`_publish`)
         self._publish()
@@ -88,6 +112,7 @@ class LoraRegistry:
             served = ", ".join(self.names) or "none"
             raise InvalidRequest(f"lora_adapter: unknown LoRA adapter {name!r} (served: "
                                  f"{served})", field="lora_adapter")
+        adapter.last_used = time.monotonic()
         return dataclasses.replace(
             spec, cache_salt=f"{spec.cache_salt}\x00gen:{adapter.generation}")
 
@@ -110,10 +135,9 @@ class LoraRegistry:
         every live executor; returns once it serves requests. Raises InvalidRequest (a bad
         or taken name, no free slot, an executor refusing it) or Unavailable."""
         self._check_enabled()
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS \
-                or any(c.isspace() or c in "\x00," for c in name):
+        if not valid_name(name):
             raise InvalidRequest(f"lora_name: must be 1 to {MAX_NAME_CHARS} characters "
-                                 "without spaces or commas", field="lora_name")
+                                 "without spaces, commas or slashes", field="lora_name")
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidRequest("lora_path: must be the adapter's directory",
                                  field="lora_path")
@@ -146,7 +170,10 @@ class LoraRegistry:
         self.loaded[name] = adapter
         for handle in handles:
             self._queue(handle, adapter, load=True)
-        await self._answers(adapter)
+        try:
+            await self._answers(adapter)
+        finally:
+            adapter.settled.set()
         if adapter.failures or not adapter.loaded_on:
             undo = [h for h in self._healthy() if h.id in adapter.loaded_on]
             adapter.state = "unloading"
@@ -162,6 +189,44 @@ class LoraRegistry:
         self._publish()
         log.info("LoRA adapter %s loaded from %s on %d executor(s)", name, path,
                  len(adapter.loaded_on))
+
+    async def resolve(self, name: str) -> bool:
+        """Make adapter ``name`` live if --lora-dir has it (module docstring): True when a
+        request may name it now, False when it is not an adapter of --lora-dir. Raises as
+        `load` does, or QueueFull when every slot runs requests."""
+        adapter = self.loaded.get(name)
+        if name in self.static or (adapter is not None and adapter.state == "live"):
+            return True
+        if not resolvable(self.lora_dir, name):
+            return False
+        if adapter is not None and adapter.state == "loading":  # a load through the API
+            await adapter.settled.wait()
+            return name in self.names
+        pending = self._resolving.get(name)
+        if pending is not None:  # another request is loading it: one load for all
+            await asyncio.shield(pending)
+            return name in self.names
+        done = self._resolving[name] = asyncio.get_running_loop().create_future()
+        try:
+            await self._load_on_demand(name, adapter)
+        finally:
+            del self._resolving[name]
+            done.set_result(None)
+        return True
+
+    async def _load_on_demand(self, name: str, adapter: LoadedAdapter | None) -> None:
+        """`resolve`'s load: a slot freed first when all are taken (the least recently
+        used idle adapter unloaded), then the load from --lora-dir."""
+        if adapter is None and len(self.static) + len(self.loaded) >= self.max_loras:
+            idle = [a for a in self.loaded.values()
+                    if a.state == "live" and not self._in_use(a.name)]
+            if not idle:
+                raise QueueFull(f"LoRA adapter {name!r}: all {self.max_loras} adapter slots "
+                                "run requests (--max-loras); try again")
+            victim = min(idle, key=lambda a: a.last_used)
+            log.info("LoRA adapter %s unloaded for %s (least recently used)", victim.name, name)
+            self.unload(victim.name)
+        await self.load(name, str(Path(self.lora_dir) / name))
 
     def unload(self, name: str) -> int:
         """Stop serving adapter ``name``: no new request may name it; the executors unload

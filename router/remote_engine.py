@@ -149,6 +149,11 @@ class RemoteEngine:
         request_id = spec.request_id
         if request_id in self._streams:
             raise AlreadyExists(f"request {request_id!r} is already running")
+        name = spec.lora_adapter
+        if name and name not in self.status.lora_adapters:  # --lora-dir: loaded first
+            reply = await self._call(lambda call: LoraCall(call, name, True))
+            if reply.error:
+                raise error_from(reply.error, reply.message)
         channel = OutputChannel()
         self._streams[request_id] = RemoteRequest(channel, [
             TextAssembler(self.tokenizer, spec.sampling, spec.prompt_token_ids,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from .chat_template import render_chat
 from .errors import InvalidRequest
+from .lora_registry import resolvable
 from .structured import grammar_from_pb
 from .tokenizer import Tokenizer
 from .types import DEFAULT_MAX_TOKENS, BeamSpec, RequestSpec, SamplingSpec
@@ -39,6 +40,7 @@ class Limits:
     max_logprobs: int = 20
     max_stop: int = 16
     lora_adapters: tuple[str, ...] = ()  # the names a request may pick (--lora-modules)
+    lora_dir: str | None = None  # and those loaded on demand from here (--lora-dir)
 
 
 def _bad(field: str, message: str) -> InvalidRequest:
@@ -373,7 +375,7 @@ def request_from_pb(
     if "\x00" in cache_salt:  # the separator of the salts the router adds below
         raise _bad("cache_salt", "must not contain a NUL character")
     if adapter:
-        if adapter not in limits.lora_adapters:
+        if adapter not in limits.lora_adapters and not resolvable(limits.lora_dir, adapter):
             served = ", ".join(limits.lora_adapters) or "none"
             raise _bad("lora_adapter", f"unknown LoRA adapter {adapter!r} (served: {served})")
         # An adapter's keys and values are its own: its blocks are shared only within it.

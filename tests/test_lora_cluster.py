@@ -38,8 +38,15 @@ def dirs(tmp_path_factory):
             "chat": build_lora_adapter(model, root / "chat", rank=4, alpha=8, seed=2,
                                        target_modules=("q_proj", "v_proj", "down_proj")),
             "rt": build_lora_adapter(model, root / "rt", rank=8, alpha=8, seed=3),
-            "rt2": build_lora_adapter(model, root / "rt2", rank=2, alpha=4, seed=4,
-                                      target_modules=("o_proj", "up_proj"))}
+            # (in the folder of --lora-dir, beside a folder that is not an adapter)
+            "rt2": build_lora_adapter(model, root / "on_demand" / "rt2", rank=2, alpha=4,
+                                      seed=4, target_modules=("o_proj", "up_proj")),
+            "not_adapter": _mkdir(root / "on_demand" / "not_adapter")}
+
+
+def _mkdir(path):
+    path.mkdir(parents=True)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,8 @@ def cluster(dirs):
     modules = ["--lora-modules", f"sql={dirs['sql']},chat={dirs['chat']}", "--max-loras", "4"]
     c = Cluster(dirs["model"], num_executors=1,
                 executor_args=[*modules, "--max-lora-rank", "8"],
-                router_args=[*modules, "--api-workers", "1", "--served-model-name", "base"])
+                router_args=[*modules, "--api-workers", "1", "--served-model-name", "base",
+                             "--lora-dir", str(dirs["rt2"].parent)])
     with c.running():
         yield c
 
@@ -279,7 +287,7 @@ def test_an_adapter_loaded_while_serving_runs_as_peft_and_is_refused_when_it_can
             400, "lora_name: 'base' is the served model's name"),
            ({"lora_name": "x"}, 400, "lora_path: a non-empty string is required"),
            ({"lora_name": "x y", "lora_path": "/a"}, 400,
-            "lora_name: must be 1 to 256 characters without spaces or commas"),
+            "lora_name: must be 1 to 256 characters without spaces, commas or slashes"),
            ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, 400,
             f"LoRA adapter 'x' could not be loaded: executor exec0: LoRA adapter x: "
             f"{tmp_path / 'none'} is not a directory"),
@@ -367,6 +375,23 @@ def test_an_unload_lets_running_streams_finish_then_frees_the_slot(cluster, dirs
     assert _lora(cluster, "load", lora_name="x", lora_path=str(dirs["rt2"]))[0] == 200
     for name in ("x", "fill"):
         assert _lora(cluster, "unload", lora_name=name)[0] == 200
+
+
+def test_an_adapter_of_the_lora_dir_loads_when_a_request_names_it(cluster, dirs):
+    """--lora-dir: 'rt2' (a folder there, never loaded) named by a completion through the API
+    worker and by gRPC: loaded on demand, PEFT's tokens, then listed; a folder there that
+    is not an adapter stays unknown."""
+    ref, _ = peft_reference(dirs["model"], dirs["rt2"], PROMPTS[0], MAX_TOKENS)
+    assert "rt2" not in _names(cluster)
+    assert _token_ids(_completion(cluster, "rt2", PROMPTS[0])) == ref
+    assert _names(cluster)[-1] == "rt2"
+    assert _lora(cluster, "unload", lora_name="rt2")[0] == 200
+    req = request(token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                  ignore_eos=True)
+    req.lora_adapter = "rt2"
+    assert list(cluster.stub.Generate(req, timeout=60).completions[0].token_ids) == ref
+    assert _lora(cluster, "unload", lora_name="rt2")[0] == 200
+    assert _completion_status(cluster, "not_adapter") == 404
 
 
 def _completion_status(cluster, model: str) -> int:

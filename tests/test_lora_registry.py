@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from pagedserve.protos import wire
-from pagedserve.router.errors import InvalidRequest, NotFound, Unavailable
+from pagedserve.router.errors import InvalidRequest, NotFound, QueueFull, Unavailable
 from pagedserve.router.lora_registry import LoadedAdapter, LoraRegistry
 from pagedserve.router.types import RequestSpec, SamplingSpec
 
@@ -202,3 +202,42 @@ def test_a_spec_keeps_its_fields_when_salted():
     registry.loaded["rt"] = LoadedAdapter("rt", "/a", 7, state="live")
     spec = _spec("rt", "salt")
     assert registry.admitted(spec) == dataclasses.replace(spec, cache_salt="salt\x00gen:7")
+
+
+def _lora_dir(tmp_path, *names):
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_on_demand_loads_once_and_evicts_the_least_recently_used(tmp_path):
+    """--lora-dir: a request's unknown adapter found there is loaded (two requests at once:
+    one load); a full set unloads the least recently used idle adapter first; one whose
+    every slot runs requests is refused (retry); names outside the folder are not."""
+    async def run():
+        registry, engine = _registry("e0", max_loras=3)
+        registry.lora_dir = _lora_dir(tmp_path, "a", "b", "c")
+        (e0,) = engine.executors.values()
+        assert not await registry.resolve("nope") and not await registry.resolve("../a")
+        first = [asyncio.ensure_future(registry.resolve("a")) for _ in range(2)]
+        await _settle()
+        assert _answer(registry, e0) == [("a", True)]  # one load for both
+        assert await asyncio.gather(*first) == [True, True]
+        await _loaded(registry, e0, name="b", path="/x/b")
+        registry.admitted(_spec("b"))
+        registry.admitted(_spec("a"))  # a used after b: b is the least recently used
+        third = asyncio.ensure_future(registry.resolve("c"))
+        await _settle()
+        assert _answer(registry, e0) == [("b", False)]  # the slot freed first
+        await _settle()
+        assert [(o.name, o.load, o.path) for o in e0.lora_ops] == [
+            ("c", True, str(tmp_path / "c"))]
+        _answer(registry, e0)
+        assert await third and registry.names == ("sql", "a", "c")
+        engine.live.update(ra=SimpleNamespace(spec=_spec("a")),
+                           rc=SimpleNamespace(spec=_spec("c")))
+        with pytest.raises(QueueFull, match="all 3 adapter slots run requests"):
+            await registry.resolve("b")
+        assert await registry.resolve("sql") and await registry.resolve("a")  # served
+    _run(run)
