@@ -22,6 +22,8 @@ executor, one torch thread. One JSON line a case (DESIGN §8):
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -34,6 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import torch
 from pagedserve.executor.lora_ops import apply_lora_ops
 from pagedserve.executor.models.lora import read_adapter
@@ -45,6 +48,8 @@ from pagedserve.tinymodels import build_lora_adapter
 
 BENCH = "lora_load_bench"
 RANK, SLOTS, STREAM_TOKENS = 16, 4, 600
+# on_demand: adapters in the folder, requests (Zipf-like over them), in flight, tokens each
+ON_DEMAND_ADAPTERS, ON_DEMAND_REQUESTS, ON_DEMAND_CONCURRENCY, ON_DEMAND_TOKENS = 12, 48, 8, 16
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
 
 
@@ -100,12 +105,14 @@ def _stream(http: str, stamps: list[float]) -> None:
                 stamps.append(time.perf_counter())
 
 
-def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> None:
-    log_path = work / "serve.log"
+@contextlib.contextmanager
+def _serve(model: str, work: Path, extra: list[str]):
+    """`pagedserve serve` (one executor, float32, one thread) with ``extra`` flags: its HTTP
+    address and its log's path, stopped on exit."""
+    log_path = work / f"serve-{time.monotonic_ns()}.log"
     argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", model, "--port", "0",
             "--metrics-port", "0", "--http-port", "0", "--executors", "1", "--cpu-threads",
-            "1", "--dtype", "float32", "--max-loras", str(SLOTS), "--max-lora-rank",
-            str(RANK)]
+            "1", "--dtype", "float32", "--max-lora-rank", str(RANK), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -116,7 +123,13 @@ def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> Non
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("serve did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.2)
-        http = m.group(4)
+        yield m.group(4), log_path
+    finally:
+        stop_process(proc)
+
+
+def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> None:
+    with _serve(model, work, ["--max-loras", str(SLOTS)]) as (http, _):
         stamps: list[float] = []
         streamer = threading.Thread(target=_stream, args=(http, stamps))
         streamer.start()
@@ -135,33 +148,88 @@ def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> Non
             reloads.append(_post(http, "/v1/load_lora_adapter", body)[1])
         window.append(time.perf_counter())
         streamer.join()
-        gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
-        before = [g for g, t in gaps[5:] if t < window[0]]  # (past the first tokens)
-        during = [g for g, t in gaps if window[0] <= t <= window[1]]
-        emit("serve_load", rank=RANK, slots=SLOTS, cycles=cycles, load=ms(loads),
-             unload=ms(unloads), reload=ms(reloads), tokens_gap_before=ms(before), tokens_gap_during=ms(during),
-             tokens_during=len(during), threads=1)
-    finally:
-        stop_process(proc)
+    gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
+    before = [g for g, t in gaps[5:] if t < window[0]]  # (past the first tokens)
+    during = [g for g, t in gaps if window[0] <= t <= window[1]]
+    emit("serve_load", rank=RANK, slots=SLOTS, cycles=cycles, load=ms(loads),
+         unload=ms(unloads), reload=ms(reloads), tokens_gap_before=ms(before),
+         tokens_gap_during=ms(during), tokens_during=len(during), threads=1)
+
+
+async def _requests(http: str, names: list[str]) -> tuple[float, list[float], int]:
+    """ON_DEMAND_REQUESTS streamed completions, each running ``names[i]``, at most
+    ON_DEMAND_CONCURRENCY at a time: (wall s, each one's time to first token, tokens)."""
+    import aiohttp
+    window = asyncio.Semaphore(ON_DEMAND_CONCURRENCY)
+    ttfts: list[float] = []
+    tokens = 0
+
+    async def one(i: int, session) -> None:
+        nonlocal tokens
+        body = {"model": names[i], "prompt": f"Request {i}: tell me about rivers and stones",
+                "max_tokens": ON_DEMAND_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with window:
+            t0 = time.perf_counter()
+            async with session.post("/v1/completions", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+                async for line in reply.content:
+                    if line.startswith(b"data: {"):
+                        tokens += 1
+                        if t0:
+                            ttfts.append(time.perf_counter() - t0)
+                            t0 = 0.0
+    async with aiohttp.ClientSession(f"http://{http}",
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, session) for i in range(len(names))))
+        return time.perf_counter() - start, ttfts, tokens
+
+
+def on_demand(model: str, folder: Path, work: Path) -> None:
+    """ON_DEMAND_ADAPTERS adapters (a folder), requests naming them Zipf-like (seeded): with
+    SLOTS slots loaded on demand (--lora-dir), and with every adapter loaded at start
+    (--lora-modules, as many slots)."""
+    rng = np.random.default_rng(0)
+    weights = 1.0 / np.arange(1, ON_DEMAND_ADAPTERS + 1)
+    picks = rng.choice(ON_DEMAND_ADAPTERS, size=ON_DEMAND_REQUESTS, p=weights / weights.sum())
+    names = [f"a{k}" for k in picks]
+    modules = ",".join(f"a{k}={folder / f'a{k}'}" for k in range(ON_DEMAND_ADAPTERS))
+    for case, extra in (
+            (f"on_demand_{SLOTS}_slots", ["--max-loras", str(SLOTS), "--lora-dir", str(folder)]),
+            (f"preloaded_{ON_DEMAND_ADAPTERS}", ["--max-loras", str(ON_DEMAND_ADAPTERS),
+                                                 "--lora-modules", modules])):
+        with _serve(model, work, extra) as (http, log_path):
+            wall, ttfts, tokens = asyncio.run(_requests(http, names))
+            loads = len(re.findall(r"LoRA adapter \S+ loaded from", log_path.read_text()))
+        emit(case, adapters=ON_DEMAND_ADAPTERS, distinct_requested=len(set(names)),
+             requests=ON_DEMAND_REQUESTS, concurrency=ON_DEMAND_CONCURRENCY,
+             output_tokens=tokens, wall_s=round(wall, 2), output_tok_per_s=round(tokens / wall, 1),
+             ttft_p50_ms=round(float(np.percentile(ttfts, 50)) * 1e3, 1),
+             ttft_p90_ms=round(float(np.percentile(ttfts, 90)) * 1e3, 1),
+             router_loads=loads, rank=RANK, threads=1)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--cycles", type=int, default=8)
-    parser.add_argument("--cases", default="executor_ops,serve_load")
+    parser.add_argument("--cases", default="executor_ops,serve_load,on_demand")
     args = parser.parse_args(argv)
     cases = args.cases.split(",")
     from pagedserve.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
+        count = ON_DEMAND_ADAPTERS if "on_demand" in cases else 4
         adapters = [build_lora_adapter(model_dir, Path(tmp) / f"a{i}", rank=RANK,
-                                       alpha=2.0 * RANK, std=0.02, seed=i) for i in range(4)]
+                                       alpha=2.0 * RANK, std=0.02, seed=i) for i in range(count)]
         if "executor_ops" in cases:
-            executor_ops(model_dir, adapters, args.cycles)
+            executor_ops(model_dir, adapters[:4], args.cycles)
         if "serve_load" in cases:
-            serve_load(args.model, adapters, args.cycles, Path(tmp))
+            serve_load(args.model, adapters[:4], args.cycles, Path(tmp))
+        if "on_demand" in cases:
+            on_demand(args.model, Path(tmp), Path(tmp))
     return 0
 
 

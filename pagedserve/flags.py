@@ -210,7 +210,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "same N"),
     ("lora-dir", str, None, "router: a folder of PEFT adapters loaded on demand: a request "
      "naming DIR/<name> loads it (the least recently used idle adapter unloaded when every "
-     "--max-loras slot is taken); executors must read the same paths"),
+     "--max-loras slot is taken; waiting while all run requests); executors must read the "
+     "same paths"),
     ("max-lora-rank", _positive_int, 16, "executor: the largest rank an adapter may have "
      "(with --max-loras: every slot is allocated at this rank)"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",

@@ -20,9 +20,10 @@ failed in the plan's StepResult, so the plan's result is the acknowledgement:
 
 With ``--lora-dir DIR`` adapters also load on demand (`resolve`): a request naming an
 adapter that is not loaded, whose PEFT directory is DIR/<name>, loads it first (requests
-for it at once share the one load); when every slot is taken, the loaded adapter used least
-recently that no live request runs is unloaded for it (none idle: the request gets
-RESOURCE_EXHAUSTED, to retry). `--lora-modules` adapters are never unloaded.
+for it at once share the one load; loads of different adapters go one at a time, so a slot
+freed for one is not taken by another); when every slot is taken, the loaded adapter used least
+recently that no live request runs is unloaded for it (none idle: the request waits until
+one of theirs ends). `--lora-modules` adapters are never unloaded.
 
 A load's generation is part of the adapter's prefix-cache salt (`admitted`): KV computed under
 an unloaded adapter is never served to a request of a later adapter of the same name.
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..protos import wire
-from .errors import InvalidRequest, NotFound, QueueFull, Unavailable
+from .errors import InvalidRequest, NotFound, Unavailable
 from .types import RequestSpec
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class LoraRegistry:
         self.model_names = model_names  # names an adapter may not take (the served model's)
         self.loaded: dict[str, LoadedAdapter] = {}
         self._resolving: dict[str, asyncio.Future] = {}  # on-demand loads under way
+        self._slot_waiters: list[asyncio.Future] = []  # on-demand loads waiting for a slot
+        self._on_demand = asyncio.Lock()
         self._generation = 0
         self.names: tuple[str, ...] = static  # what a request may name now (`_publish`)
         self._publish()
@@ -127,6 +130,10 @@ class LoraRegistry:
         if adapter is not None and adapter.state == "unloading" and not adapter.waiting \
                 and not self._in_use(name):
             self._send_unloads(adapter)
+        waiters, self._slot_waiters = self._slot_waiters, []
+        for waiter in waiters:  # on-demand loads waiting for a slot: look again
+            if not waiter.done():
+                waiter.set_result(None)
 
     # ------------------------------------------------------------------ load / unload
 
@@ -193,7 +200,7 @@ class LoraRegistry:
     async def resolve(self, name: str) -> bool:
         """Make adapter ``name`` live if --lora-dir has it (module docstring): True when a
         request may name it now, False when it is not an adapter of --lora-dir. Raises as
-        `load` does, or QueueFull when every slot runs requests."""
+        `load` does; waits while every slot runs requests."""
         adapter = self.loaded.get(name)
         if name in self.static or (adapter is not None and adapter.state == "live"):
             return True
@@ -208,7 +215,9 @@ class LoraRegistry:
             return name in self.names
         done = self._resolving[name] = asyncio.get_running_loop().create_future()
         try:
-            await self._load_on_demand(name, adapter)
+            # One on-demand load at a time: a slot freed for one is never taken by another
+            async with self._on_demand:
+                await self._load_on_demand(name, self.loaded.get(name))
         finally:
             del self._resolving[name]
             done.set_result(None)
@@ -217,15 +226,20 @@ class LoraRegistry:
     async def _load_on_demand(self, name: str, adapter: LoadedAdapter | None) -> None:
         """`resolve`'s load: a slot freed first when all are taken (the least recently
         used idle adapter unloaded), then the load from --lora-dir."""
-        if adapter is None and len(self.static) + len(self.loaded) >= self.max_loras:
+        while adapter is None and len(self.static) + len(self.loaded) >= self.max_loras:
             idle = [a for a in self.loaded.values()
                     if a.state == "live" and not self._in_use(a.name)]
-            if not idle:
-                raise QueueFull(f"LoRA adapter {name!r}: all {self.max_loras} adapter slots "
-                                "run requests (--max-loras); try again")
-            victim = min(idle, key=lambda a: a.last_used)
-            log.info("LoRA adapter %s unloaded for %s (least recently used)", victim.name, name)
-            self.unload(victim.name)
+            if idle:
+                victim = min(idle, key=lambda a: a.last_used)
+                log.info("LoRA adapter %s unloaded for %s (least recently used)", victim.name,
+                         name)
+                self.unload(victim.name)
+                break
+            # Every slot runs requests: wait for one of them to end (as a request waits for
+            # a seat), then look again; a client that leaves cancels the wait.
+            ended = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(ended)
+            await ended
         await self.load(name, str(Path(self.lora_dir) / name))
 
     def unload(self, name: str) -> int:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from pagedserve.protos import wire
-from pagedserve.router.errors import InvalidRequest, NotFound, QueueFull, Unavailable
+from pagedserve.router.errors import InvalidRequest, NotFound, Unavailable
 from pagedserve.router.lora_registry import LoadedAdapter, LoraRegistry
 from pagedserve.router.types import RequestSpec, SamplingSpec
 
@@ -213,8 +213,8 @@ def _lora_dir(tmp_path, *names):
 
 def test_on_demand_loads_once_and_evicts_the_least_recently_used(tmp_path):
     """--lora-dir: a request's unknown adapter found there is loaded (two requests at once:
-    one load); a full set unloads the least recently used idle adapter first; one whose
-    every slot runs requests is refused (retry); names outside the folder are not."""
+    one load); a full set unloads the least recently used idle adapter first; when every
+    slot runs requests the load waits for one to end; names outside the folder are not."""
     async def run():
         registry, engine = _registry("e0", max_loras=3)
         registry.lora_dir = _lora_dir(tmp_path, "a", "b", "c")
@@ -237,7 +237,15 @@ def test_on_demand_loads_once_and_evicts_the_least_recently_used(tmp_path):
         assert await third and registry.names == ("sql", "a", "c")
         engine.live.update(ra=SimpleNamespace(spec=_spec("a")),
                            rc=SimpleNamespace(spec=_spec("c")))
-        with pytest.raises(QueueFull, match="all 3 adapter slots run requests"):
-            await registry.resolve("b")
-        assert await registry.resolve("sql") and await registry.resolve("a")  # served
+        waits = asyncio.ensure_future(registry.resolve("b"))  # every slot runs requests
+        await _settle()
+        assert not waits.done() and e0.lora_ops == []
+        del engine.live["ra"]
+        registry.request_ended("a")  # a's last request: a is idle, so it goes for b
+        await _settle()
+        assert _answer(registry, e0) == [("a", False)]
+        await _settle()
+        assert _answer(registry, e0) == [("b", True)]
+        assert await waits and registry.names == ("sql", "c", "b")
+        assert await registry.resolve("sql") and await registry.resolve("c")  # served
     _run(run)
