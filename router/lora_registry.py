@@ -130,10 +130,7 @@ class LoraRegistry:
         if adapter is not None and adapter.state == "unloading" and not adapter.waiting \
                 and not self._in_use(name):
             self._send_unloads(adapter)
-        waiters, self._slot_waiters = self._slot_waiters, []
-        for waiter in waiters:  # on-demand loads waiting for a slot: look again
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake_slot_waiters()
 
     # ------------------------------------------------------------------ load / unload
 
@@ -226,6 +223,10 @@ class LoraRegistry:
     async def _load_on_demand(self, name: str, adapter: LoadedAdapter | None) -> None:
         """`resolve`'s load: a slot freed first when all are taken (the least recently
         used idle adapter unloaded), then the load from --lora-dir."""
+        if len(self.static) >= self.max_loras:
+            raise InvalidRequest(f"LoRA adapter {name!r}: every slot of --max-loras "
+                                 f"{self.max_loras} holds a --lora-modules adapter",
+                                 field="lora_adapter")
         while adapter is None and len(self.static) + len(self.loaded) >= self.max_loras:
             idle = [a for a in self.loaded.values()
                     if a.state == "live" and not self._in_use(a.name)]
@@ -355,8 +356,17 @@ class LoraRegistry:
         if adapter.state == "unloading" and adapter.done is None:
             self._forget(adapter)
 
+    def _wake_slot_waiters(self) -> None:
+        """On-demand loads waiting for a slot look again (a request ended, a slot freed, an
+        adapter went live with no request yet)."""
+        waiters, self._slot_waiters = self._slot_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _forget(self, adapter: LoadedAdapter) -> None:
         adapter.forgotten.set()
+        self._wake_slot_waiters()
         if self.loaded.get(adapter.name) is adapter:
             del self.loaded[adapter.name]
             log.info("LoRA adapter %s unloaded", adapter.name)
@@ -379,3 +389,4 @@ class LoraRegistry:
         metrics = getattr(self.engine, "metrics", None)
         if metrics is not None:
             metrics.set_lora_adapters(len(self.names), self.max_loras)
+        self._wake_slot_waiters()

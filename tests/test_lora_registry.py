@@ -248,4 +248,33 @@ def test_on_demand_loads_once_and_evicts_the_least_recently_used(tmp_path):
         assert _answer(registry, e0) == [("b", True)]
         assert await waits and registry.names == ("sql", "c", "b")
         assert await registry.resolve("sql") and await registry.resolve("c")  # served
+        full, _ = _registry("e0", max_loras=1)  # the one slot is --lora-modules'
+        full.lora_dir = registry.lora_dir
+        with pytest.raises(InvalidRequest, match="every slot of --max-loras 1 holds a "
+                                                 "--lora-modules adapter"):
+            await full.resolve("a")
+    _run(run)
+
+
+def test_an_on_demand_load_waits_for_an_unload_under_way(tmp_path):
+    """Every slot taken, one of them being unloaded (its executors' answer not back yet),
+    no request running anywhere: the on-demand load goes on once that unload is done (no
+    request end to wait for)."""
+    async def run():
+        registry, engine = _registry("e0", max_loras=2)
+        registry.lora_dir = _lora_dir(tmp_path, "a", "b")
+        (e0,) = engine.executors.values()
+        await _loaded(registry, e0, name="x", path="/x")
+        engine.live["r"] = SimpleNamespace(spec=_spec("x"))
+        registry.unload("x")  # held by r
+        waits = asyncio.ensure_future(registry.resolve("a"))
+        await _settle()
+        assert not waits.done() and e0.lora_ops == []
+        del engine.live["r"]
+        registry.request_ended("x")  # the unload goes out; a waits for its answer
+        await _settle()
+        assert _answer(registry, e0) == [("x", False)]
+        await _settle()
+        assert _answer(registry, e0) == [("a", True)]
+        assert await waits and registry.names == ("sql", "a")
     _run(run)
