@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -49,6 +50,18 @@ BATCH_PRIORITY = 1 << 20  # after every online request (default priority 0)
 SAVE_EVERY_S = 1.0
 MAX_METADATA = 16  # OpenAI's: pairs, key and value lengths
 MAX_KEY_CHARS, MAX_VALUE_CHARS = 64, 512
+
+
+def _answered(handler):
+    """A route whose domain errors are answered with their status and OpenAI's error
+    object."""
+    @functools.wraps(handler)
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(self, request)
+        except PagedServeError as exc:
+            return error_response(exc)
+    return route
 
 
 class SplitOut:
@@ -143,33 +156,31 @@ class BatchApi:
 
     # ------------------------------------------------------------------ files
 
+    @_answered
     async def upload(self, request: web.Request) -> web.Response:
+        if not request.content_type.startswith("multipart/"):
+            raise InvalidRequest("the body must be multipart/form-data with `file` and "
+                                 "`purpose`")
+        reader = await request.multipart()
+        purpose, filename, file_id = None, None, None
         try:
-            if not request.content_type.startswith("multipart/"):
-                raise InvalidRequest("the body must be multipart/form-data with `file` and "
-                                     "`purpose`")
-            reader = await request.multipart()
-            purpose, filename, file_id = None, None, None
-            try:
-                while (part := await reader.next()) is not None:
-                    if part.name == "purpose":
-                        purpose = (await part.text()).strip()
-                    elif part.name == "file" and file_id is None:
-                        filename = part.filename or "upload.jsonl"
-                        file_id = self.store.new_file_id()
-                        await self._save_part(part, self.store.data_path(file_id))
-                if file_id is None:
-                    raise InvalidRequest("file: a file part is required", field="file")
-                if purpose != "batch":
-                    raise InvalidRequest(f"purpose: must be 'batch' (the purpose this server "
-                                         f"serves), got {purpose!r}", field="purpose")
-            except BaseException:
-                if file_id is not None:
-                    self.store.data_path(file_id).unlink(missing_ok=True)
-                raise
-            return _json(self.store.add_file(file_id, filename, purpose))
-        except PagedServeError as exc:
-            return error_response(exc)
+            while (part := await reader.next()) is not None:
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file" and file_id is None:
+                    filename = part.filename or "upload.jsonl"
+                    file_id = self.store.new_file_id()
+                    await self._save_part(part, self.store.data_path(file_id))
+            if file_id is None:
+                raise InvalidRequest("file: a file part is required", field="file")
+            if purpose != "batch":
+                raise InvalidRequest(f"purpose: must be 'batch' (the purpose this server "
+                                     f"serves), got {purpose!r}", field="purpose")
+        except BaseException:
+            if file_id is not None:
+                self.store.data_path(file_id).unlink(missing_ok=True)
+            raise
+        return _json(self.store.add_file(file_id, filename, purpose))
 
     @staticmethod
     async def _save_part(part, path: Path) -> None:
@@ -182,88 +193,72 @@ class BatchApi:
                                          field="file")
                 f.write(chunk)
 
+    @_answered
     async def list_files(self, request: web.Request) -> web.Response:
-        try:
-            limit, after = _paging(request, default=10_000, most=10_000)
-            return _json(self.store.list_files(request.query.get("purpose"), limit, after))
-        except PagedServeError as exc:
-            return error_response(exc)
+        limit, after = _paging(request, default=10_000, most=10_000)
+        return _json(self.store.list_files(request.query.get("purpose"), limit, after))
 
+    @_answered
     async def get_file(self, request: web.Request) -> web.Response:
-        try:
-            return _json(self.store.file(request.match_info["id"]))
-        except PagedServeError as exc:
-            return error_response(exc)
+        return _json(self.store.file(request.match_info["id"]))
 
+    @_answered
     async def file_content(self, request: web.Request) -> web.StreamResponse:
-        try:
-            file_id = request.match_info["id"]
-            self.store.file(file_id)
-            return web.FileResponse(self.store.data_path(file_id),
-                                    headers={"Content-Type": "application/jsonl"})
-        except PagedServeError as exc:
-            return error_response(exc)
+        file_id = request.match_info["id"]
+        self.store.file(file_id)
+        return web.FileResponse(self.store.data_path(file_id),
+                                headers={"Content-Type": "application/jsonl"})
 
+    @_answered
     async def delete_file(self, request: web.Request) -> web.Response:
-        try:
-            return _json(self.store.delete_file(request.match_info["id"]))
-        except PagedServeError as exc:
-            return error_response(exc)
+        return _json(self.store.delete_file(request.match_info["id"]))
 
     # ------------------------------------------------------------------ batches
 
+    @_answered
     async def create(self, request: web.Request) -> web.Response:
-        try:
-            body = await read_json(request)
-            endpoint = body.get("endpoint")
-            if endpoint not in URLS:
-                raise InvalidRequest(f"endpoint: must be one of {', '.join(URLS)}, got "
-                                     f"{endpoint!r}", field="endpoint")
-            window = body.get("completion_window")
-            if window != "24h":
-                raise InvalidRequest(f"completion_window: must be '24h', got {window!r}",
-                                     field="completion_window")
-            input_file_id = body.get("input_file_id")
-            if not isinstance(input_file_id, str):
-                raise InvalidRequest("input_file_id: a file id is required",
-                                     field="input_file_id")
-            batch = self.store.new_batch(input_file_id, endpoint, window,
-                                         _metadata(body.get("metadata")))
-        except PagedServeError as exc:
-            return error_response(exc)
+        body = await read_json(request)
+        endpoint = body.get("endpoint")
+        if endpoint not in URLS:
+            raise InvalidRequest(f"endpoint: must be one of {', '.join(URLS)}, got "
+                                 f"{endpoint!r}", field="endpoint")
+        window = body.get("completion_window")
+        if window != "24h":
+            raise InvalidRequest(f"completion_window: must be '24h', got {window!r}",
+                                 field="completion_window")
+        input_file_id = body.get("input_file_id")
+        if not isinstance(input_file_id, str):
+            raise InvalidRequest("input_file_id: a file id is required",
+                                 field="input_file_id")
+        batch = self.store.new_batch(input_file_id, endpoint, window,
+                                     _metadata(body.get("metadata")))
         self.queue.put_nowait(batch["id"])
         return _json(public(batch))
 
+    @_answered
     async def list_batches(self, request: web.Request) -> web.Response:
-        try:
-            limit, after = _paging(request, default=20, most=LIST_LIMIT[1])
-            return _json(self.store.list_batches(limit, after))
-        except PagedServeError as exc:
-            return error_response(exc)
+        limit, after = _paging(request, default=20, most=LIST_LIMIT[1])
+        return _json(self.store.list_batches(limit, after))
 
+    @_answered
     async def get_batch(self, request: web.Request) -> web.Response:
-        try:
-            return _json(public(self.store.batch(request.match_info["id"])))
-        except PagedServeError as exc:
-            return error_response(exc)
+        return _json(public(self.store.batch(request.match_info["id"])))
 
+    @_answered
     async def cancel(self, request: web.Request) -> web.Response:
         """In any process: the batch is marked cancelling; the process running it stops
         sending its lines (at once when it is this one, else within SAVE_EVERY_S) and marks
         it cancelled, its output so far kept."""
-        try:
-            batch = self.store.batch(request.match_info["id"])
-            if batch["status"] in ("validating", "in_progress"):
-                batch.update(status="cancelling", cancelling_at=int(time.time()))
-                self.store.save_batch(batch)
-                task = self.running.get(batch["id"])
-                if task is not None:
-                    task.cancel()
-            elif batch["status"] != "cancelling":
-                raise InvalidRequest(f"Cannot cancel a batch with status {batch['status']!r}")
-            return _json(public(batch))
-        except PagedServeError as exc:
-            return error_response(exc)
+        batch = self.store.batch(request.match_info["id"])
+        if batch["status"] in ("validating", "in_progress"):
+            batch.update(status="cancelling", cancelling_at=int(time.time()))
+            self.store.save_batch(batch)
+            task = self.running.get(batch["id"])
+            if task is not None:
+                task.cancel()
+        elif batch["status"] != "cancelling":
+            raise InvalidRequest(f"Cannot cancel a batch with status {batch['status']!r}")
+        return _json(public(batch))
 
     # ------------------------------------------------------------------ running
 
