@@ -163,3 +163,26 @@ def test_freed_slots_are_zero(dirs):  # noqa: F811
     with pytest.raises(ValueError, match="at least one adapter or slot"):
         type(runner.loras)([], runner.model)
     assert torch.equal(runner.loras.owner, torch.arange(1, 4).repeat_interleave(16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_slots_loaded_after_capture_on_a_gpu(dirs):  # noqa: F811
+    """On a GPU (float32, decode graphs and graph pieces captured at start over three
+    slots, one holding a --lora-modules adapter): adapters loaded afterwards, and a slot
+    rewritten with other weights under the same name, are what the replays compute."""
+    runner = build_runner(str(dirs["model"]), device="cuda", dtype="float32",
+                          num_gpu_blocks=96, num_cpu_blocks=0, block_size=8, progress=False,
+                          max_num_seqs=8, max_loras=3, max_lora_rank=16,
+                          lora_modules=(("qv", str(dirs["qv"])),))
+    assert runner.graphs.loras is runner.loras is runner.mixed_graphs.loras
+    driver = Driver(runner)
+    assert _ops(driver, load("all", dirs["all"]), load("mlp", dirs["mlp"])) == []
+    _check(driver, dirs, {"a": ("all", PROMPTS[0]), "m": ("mlp", PROMPTS[1]),
+                          "q": ("qv", PROMPTS[0]), "b": ("", PROMPTS[1])})
+    assert runner.graph_steps > 0
+    assert _ops(driver, unload("mlp"), load("mlp", dirs["all"])) == []  # other weights
+    driver.add("again", PROMPTS[1], lora="mlp")
+    driver.generate(["again"], NUM_TOKENS)
+    ref, logits = peft_reference(dirs["model"], dirs["all"], PROMPTS[1], NUM_TOKENS)
+    assert_greedy_equal(driver.seqs["again"].outputs, ref, logits)
