@@ -19,6 +19,7 @@ from pagedserve.executor.kernel_checks import (
     check_graph_feed,
     check_sampler_kernels,
 )
+from pagedserve.executor.lora_ops import AdapterCache
 from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
@@ -35,6 +36,7 @@ def build_runner(
     max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
     max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 0, max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> ModelRunner:
     """Load the model, size the caches (DESIGN §4 flags; ``kv_cache_dtype``: the model's
     dtype, or an fp8 one, kernels/kv_dtypes.py) and, on CUDA unless
@@ -42,7 +44,8 @@ def build_runner(
     memory is set aside before the KV cache is sized); install the LoRA adapters
     ``lora_modules`` ((name, directory) pairs, models/lora.py), in ``max_loras`` slots of
     rank ``max_lora_rank`` loaded and unloaded while serving when ``max_loras`` > 0 (every
-    slot allocated now, before the KV cache is sized). Raises ModelNotSupported,
+    slot allocated now, before the KV cache is sized; ``max_cpu_loras`` adapters read kept
+    in host memory, default ``max_loras``: lora_ops.AdapterCache). Raises ModelNotSupported,
     FileNotFoundError or ValueError (LoraError) with a one-line message."""
     from pagedserve.executor.cache_engine import (
         block_bytes,
@@ -129,6 +132,8 @@ def build_runner(
                                else None)
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed, loras=loras)
+    if max_loras:
+        runner.lora_cache = AdapterCache(max_loras if max_cpu_loras is None else max_cpu_loras)
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner

@@ -119,6 +119,7 @@ def run_executor(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
             kv_cache_dtype=args.kv_cache_dtype, lora_modules=args.lora_modules,
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
         )
     except (ModelNotSupported, FileNotFoundError, ValueError) as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)

@@ -212,6 +212,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "naming DIR/<name> loads it (the least recently used idle adapter unloaded when every "
      "--max-loras slot is taken; waiting while all run requests); executors must read the "
      "same paths"),
+    ("max-cpu-loras", _non_negative_int, None, "executor: LoRA adapters read from disk kept in "
+     "host memory, so that loading one again copies it without reading its files (default: "
+     "--max-loras; 0: none)"),
     ("max-lora-rank", _positive_int, 16, "executor: the largest rank an adapter may have "
      "(with --max-loras: every slot is allocated at this rank)"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",

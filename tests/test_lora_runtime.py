@@ -165,6 +165,34 @@ def test_freed_slots_are_zero(dirs):  # noqa: F811
     assert torch.equal(runner.loras.owner, torch.arange(1, 4).repeat_interleave(16))
 
 
+def test_a_reload_copies_from_host_memory_until_the_files_change(dirs, tmp_path,  # noqa: F811
+                                                                 monkeypatch):
+    """--max-cpu-loras (default --max-loras): an adapter loaded again, under its name or
+    another, is copied from what was read before (its output still PEFT's); once its files
+    change it is read again; the cache keeps the most recently used."""
+    import shutil
+
+    import pagedserve.executor.lora_ops as lora_ops
+    reads = []
+    real = lora_ops.read_adapter
+    monkeypatch.setattr(lora_ops, "read_adapter", lambda *a: reads.append(a[0]) or real(*a))
+    runner = _runner(dirs, static=(), max_loras=2)
+    copy = shutil.copytree(dirs["all"], tmp_path / "all")
+    driver = Driver(runner)
+    assert _ops(driver, load("a", copy), unload("a"), load("b", copy)) == []
+    assert reads == ["a"]
+    driver.add("r", PROMPTS[0], lora="b")
+    driver.generate(["r"], NUM_TOKENS)
+    ref, logits = peft_reference(dirs["model"], dirs["all"], PROMPTS[0], NUM_TOKENS)
+    assert_greedy_equal(driver.seqs["r"].outputs, ref, logits)
+    config = copy / "adapter_config.json"
+    config.write_text(config.read_text() + "\n")  # the files changed: read again
+    assert _ops(driver, unload("b"), load("c", copy)) == [] and reads == ["a", "c"]
+    for name in ("mlp", "qv"):  # two more directories: the first one leaves the cache
+        _ops(driver, unload("c"), load(name, dirs[name]), unload(name))
+    assert list(runner.lora_cache.entries) == [str(dirs["mlp"]), str(dirs["qv"])]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_slots_loaded_after_capture_on_a_gpu(dirs):  # noqa: F811
