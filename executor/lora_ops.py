@@ -17,64 +17,16 @@ it has been applied, which is what the router waits for.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from pagedserve.executor.models.lora import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    LoraAdapter,
-    LoraError,
-    read_adapter,
-)
+from pagedserve.executor.models.lora import RUNTIME_OFF, LoraError
 from pagedserve.protos.wire import LoraFailure, LoraOp
 
 if TYPE_CHECKING:
     from pagedserve.executor.model_runner import ModelRunner
 
 log = logging.getLogger("pagedserve.executor")
-
-
-class AdapterCache:
-    """Adapters read from their directories kept in host memory, the ``size`` used most
-    recently (vLLM's ``--max-cpu-loras``): a reload (an adapter unloaded for another and
-    asked for again, `--lora-dir`) copies into its slot without reading its files (~25 of a
-    ~33 ms load for a rank-16 adapter of a 0.5B model). An entry is used only while its
-    files are the ones it was read from (their size, mtime and inode); under another name
-    it is the same weights renamed."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.entries: OrderedDict[str, tuple[tuple, LoraAdapter]] = OrderedDict()
-
-    def read(self, name: str, path: str, config) -> LoraAdapter:
-        key = os.path.realpath(path)
-        stamp = _stamp(key)
-        hit = self.entries.get(key)
-        if hit is not None and stamp is not None and hit[0] == stamp:
-            self.entries.move_to_end(key)
-            adapter = hit[1]
-            return adapter if adapter.name == name else dataclasses.replace(adapter, name=name)
-        adapter = read_adapter(name, path, config)
-        if self.size > 0 and stamp is not None:
-            self.entries[key] = (stamp, adapter)
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        return adapter
-
-
-def _stamp(path: str) -> tuple | None:
-    """What identifies an adapter directory's files as read (None: one is missing)."""
-    try:
-        return tuple((st.st_size, st.st_mtime_ns, st.st_ino)
-                     for st in (os.stat(os.path.join(path, CONFIG_FILE)),
-                                os.stat(os.path.join(path, WEIGHTS_FILE))))
-    except OSError:
-        return None
 
 
 def apply_lora_ops(runner: ModelRunner, ops: list[LoraOp]) -> list[LoraFailure]:
@@ -89,11 +41,8 @@ def apply_lora_ops(runner: ModelRunner, ops: list[LoraOp]) -> list[LoraFailure]:
             continue
         try:
             if loras is None or not loras.capacity_fixed:
-                raise LoraError("runtime LoRA loading is off on this executor (start it with "
-                                "--max-loras N)")
-            cache = getattr(runner, "lora_cache", None)
-            adapter = (cache.read if cache is not None else read_adapter)(
-                op.name, op.path, runner.model.config)
+                raise LoraError(RUNTIME_OFF)
+            adapter = loras.cache.read(op.name, op.path, runner.model.config)
             slot = loras.load(adapter)
         except LoraError as exc:
             failures.append(LoraFailure(name=op.name, message=str(exc)))

@@ -3,9 +3,9 @@
 Hot path: between two steps (the gap) the main thread does a fixed number of numpy calls
 over the step's rows plus one C-level pass over the request ids (their rows); per-request and
 per-block state lives in `RequestRows` columns. Plan-only work is done ahead by `precompute`
-on the I/O thread; appending the sampled tokens waits until the next forward is launched. Do not add per-request or
-per-token Python loops to the gap, nor device syncs beyond the one that reads the sampled
-tokens back.
+on the I/O thread; appending the sampled tokens waits for the next forward's launch. Add no
+per-request or per-token Python loops to the gap, nor device syncs beyond the one that reads
+the sampled tokens back.
 
 Pipelining (DESIGN §2): the router may send plan N+1 before it has seen step N's tokens. A
 decode marked in ``feed_sampled`` gets as its input the token this executor sampled for
@@ -35,11 +35,11 @@ block moves, preparing inputs). On a GPU it is device time, between a CUDA event
 previous step's sampling and one before this forward: the device idle between the two
 steps, near 0 when the host had this step queued behind the previous one (overlapped
 steps), and the idle time when the host fell behind (a host clock cannot tell those apart
-once steps overlap). On a CPU it is host time. The first step after construction or ``reset()``
-reports ``gap_s = 0`` (no previous step to measure from; registration time would pollute it). A step with no forward measures up to where it would start.
-The previous step's tokens are appended to the sampling states once this step's forward and
-logits are launched (on a GPU that overlaps the forward; on a CPU, where the forward runs
-as it is called, that time counts in ``forward_s``).
+once steps overlap). On a CPU it is host time. The first step after construction or
+``reset()`` reports ``gap_s = 0`` (no previous step to measure from; registration time would
+pollute it); a step with no forward measures up to where it would start. The previous
+step's tokens join the sampling states once this step's forward and logits are launched
+(a GPU overlaps that with the forward; a CPU counts it in ``forward_s``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from pagedserve.executor.kernel_checks import (
     check_graph_feed,
     check_sampler_kernels,
 )
-from pagedserve.executor.lora_ops import AdapterCache
 from pagedserve.executor.mixed_graphs import MixedGraphs, mixed_graph_memory_bytes
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.executor.models import LlamaForCausalLM
@@ -45,7 +44,7 @@ def build_runner(
     ``lora_modules`` ((name, directory) pairs, models/lora.py), in ``max_loras`` slots of
     rank ``max_lora_rank`` loaded and unloaded while serving when ``max_loras`` > 0 (every
     slot allocated now, before the KV cache is sized; ``max_cpu_loras`` adapters read kept
-    in host memory, default ``max_loras``: lora_ops.AdapterCache). Raises ModelNotSupported,
+    in host memory, default ``max_loras``: models/lora.AdapterCache). Raises ModelNotSupported,
     FileNotFoundError or ValueError (LoraError) with a one-line message."""
     from pagedserve.executor.cache_engine import (
         block_bytes,
@@ -72,7 +71,8 @@ def build_runner(
                          f"{config.max_model_len}")
     adapters = [read_adapter(name, path, config) for name, path in lora_modules]
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
-    loras = LoraSet(adapters, model, max_loras, max_lora_rank) \
+    loras = LoraSet(adapters, model, max_loras, max_lora_rank,
+                    max_loras if max_cpu_loras is None else max_cpu_loras) \
         if adapters or max_loras else None
     if loras is not None:
         log.info("LoRA adapters: %s (%s rank %d as batched; the graphs hold them)",
@@ -132,8 +132,6 @@ def build_runner(
                                else None)
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed, loras=loras)
-    if max_loras:
-        runner.lora_cache = AdapterCache(max_loras if max_cpu_loras is None else max_cpu_loras)
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner

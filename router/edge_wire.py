@@ -49,9 +49,10 @@ class StatusCall(msgspec.Struct, tag=True):
 
 
 class LoraCall(msgspec.Struct, tag=True):
-    """Load LoRA adapter `name` from `path`, or unload it (`load` false): the HTTP routes of
-    router/http_lora_routes.py. Answered once the core's registry has (EdgeStatus with the
-    new names first)."""
+    """Load LoRA adapter `name` from `path` or, with no `path`, from --lora-dir if it is
+    one of its adapters (a request naming it: RemoteEngine.submit); or unload it (`load`
+    false: the HTTP routes of router/http_lora_routes.py). Answered once the core's
+    registry has (EdgeStatus with the new names first)."""
 
     call: int
     name: str

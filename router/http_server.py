@@ -53,7 +53,6 @@ from .http_errors import (
 )
 from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
-from .lora_registry import resolvable
 from .openai_embeddings import (
     as_embedding,
     embedding_call,
@@ -211,9 +210,8 @@ class OpenAIApp:
         model = optional_str(body, "model")
         if model is None or model in self.served_names:
             return ""
-        limits = self.frontend.limits
-        if model in limits.lora_adapters or resolvable(limits.lora_dir, model):
-            return model  # (one of --lora-dir's: loaded when the request is submitted)
+        if self.frontend.limits.serves_adapter(model):
+            return model
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{', '.join(repr(n) for n in self.model_names)}")
 

@@ -87,12 +87,11 @@ class LoraRegistry:
     """The adapters requests may name: ``--lora-modules`` and those loaded since."""
 
     def __init__(self, engine: RouterEngine, static: tuple[str, ...], max_loras: int,
-                 model_names: tuple[str, ...] = (), lora_dir: str | None = None) -> None:
+                 lora_dir: str | None = None) -> None:
         self.engine = engine
         self.lora_dir = lora_dir
         self.static = static
         self.max_loras = max_loras
-        self.model_names = model_names  # names an adapter may not take (the served model's)
         self.loaded: dict[str, LoadedAdapter] = {}
         self._resolving: dict[str, asyncio.Future] = {}  # on-demand loads under way
         self._slot_waiters: list[asyncio.Future] = []  # on-demand loads waiting for a slot
@@ -145,9 +144,6 @@ class LoraRegistry:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidRequest("lora_path: must be the adapter's directory",
                                  field="lora_path")
-        if name in self.model_names:
-            raise InvalidRequest(f"lora_name: {name!r} is the served model's name",
-                                 field="lora_name")
         # An unload the executors are applying (its requests done) takes a step or two: a
         # load of its name, or one that needs its slot, waits for it rather than failing.
         while True:

@@ -42,6 +42,11 @@ class Limits:
     lora_adapters: tuple[str, ...] = ()  # the names a request may pick (--lora-modules)
     lora_dir: str | None = None  # and those loaded on demand from here (--lora-dir)
 
+    def serves_adapter(self, name: str) -> bool:
+        """May a request name LoRA adapter ``name`` (served now, or one of --lora-dir's,
+        loaded when the request is submitted)?"""
+        return name in self.lora_adapters or resolvable(self.lora_dir, name)
+
 
 def _bad(field: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {message}", field=field)
@@ -375,7 +380,7 @@ def request_from_pb(
     if "\x00" in cache_salt:  # the separator of the salts the router adds below
         raise _bad("cache_salt", "must not contain a NUL character")
     if adapter:
-        if adapter not in limits.lora_adapters and not resolvable(limits.lora_dir, adapter):
+        if not limits.serves_adapter(adapter):
             served = ", ".join(limits.lora_adapters) or "none"
             raise _bad("lora_adapter", f"unknown LoRA adapter {adapter!r} (served: {served})")
         # An adapter's keys and values are its own: its blocks are shared only within it.

@@ -8,7 +8,6 @@ an open stream, exit code 0 and no worker left."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,16 +21,24 @@ from pathlib import Path
 
 import grpc
 import pytest
+from api_worker_rig import (
+    metric,
+    new_stub,
+    open_stream,
+    start_router,
+    stub_on,
+    wait_for_tokens,
+    with_id,
+    worker_pids,
+)
 from cluster_harness import Cluster, HFReference, assert_greedy_match, free_port, request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
-from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
 from pagedserve.tinymodels import build_model
 
 PROMPTS = ["The paged cache", "Routers route", "A block table maps", "Copy on write",
            "Prefix hashes chain", "Swap or recompute"]
-WORKER_MARK = "pagedserve.router.api_worker"
 
 
 @pytest.fixture(scope="module")
@@ -55,34 +62,6 @@ def cluster(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(model_dir):
     return HFReference(model_dir)
-
-
-def worker_pids(router_pid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == router_pid and WORKER_MARK.encode() in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
-
-
-def new_stub(cluster) -> tuple[grpc.Channel, pb_grpc.GeneratorStub]:
-    """A channel of its own (a new TCP connection: the kernel picks a worker for it)."""
-    channel = grpc.insecure_channel(cluster.address,
-                                    options=[("grpc.use_local_subchannel_pool", 1)])
-    return channel, pb_grpc.GeneratorStub(channel)
-
-
-def metric(text: str, prefix: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(prefix))
 
 
 def test_two_workers_listen_and_answer(cluster):
@@ -241,74 +220,6 @@ def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
                   'pagedserve_request_failure_total{api="http",code="CANCELLED"}') >= 1
 
 
-def _open_stream(stub, request_id: str, chunks: list, ended: threading.Event):
-    """A long greedy stream in a thread: chunks (or the RpcError that ended it) go to
-    `chunks`; `ended` is set when it is over."""
-    req = request("Abort me", max_tokens=4000, ignore_eos=True, temperature=0)
-    req.request_id = request_id
-
-    def run():
-        try:
-            for chunk in stub.Stream(req, timeout=120):
-                chunks.append(chunk)
-        except grpc.RpcError as exc:
-            chunks.append(exc)
-        ended.set()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def _wait_for_tokens(chunks: list, n: int = 2, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(chunks) < n and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(chunks) >= n, chunks
-
-
-def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:["):
-                inodes.add(int(link[len("socket:["):-1]))
-    return inodes
-
-
-def connections_by_worker(cluster) -> dict[int, int]:
-    """Established gRPC connections each worker holds (server side: local port = gRPC's)."""
-    port = int(cluster.address.rsplit(":", 1)[1])
-    established = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    established.add(int(f[9]))
-    return {pid: len(_socket_inodes(pid) & established)
-            for pid in worker_pids(cluster.router.pid)}
-
-
-def _new_owner(before: dict[int, int], after: dict[int, int]) -> int | None:
-    grown = [pid for pid, n in after.items() if n > before.get(pid, 0)]
-    return grown[0] if len(grown) == 1 else None
-
-
-def _stub_on(cluster, want_other_than: int | None, want: int | None = None):
-    """A fresh channel with one call made on it, and the worker that got its connection;
-    retried until it is on a worker other than `want_other_than` (or on `want`)."""
-    for _ in range(24):
-        before = connections_by_worker(cluster)
-        channel, stub = new_stub(cluster)
-        stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
-        owner = _new_owner(before, connections_by_worker(cluster))
-        if owner is not None and owner != want_other_than and want in (None, owner):
-            return channel, stub, owner
-        channel.close()
-    raise AssertionError("no connection landed where wanted in 24 tries")
-
-
 def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):
     """The workers validate and compile formats and build tool-call replies: a choice format
     with a logit bias, a named tool call, a bad format's 400 naming the client's field; and
@@ -348,16 +259,16 @@ def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):
 def test_abort_and_duplicate_id_on_the_same_and_the_other_worker(cluster):
     for case in ("other", "other", "same"):
         request_id = f"cross-{case}-{time.monotonic_ns()}"
-        ch_a, stub_a, owner_a = _stub_on(cluster, None)
+        ch_a, stub_a, owner_a = stub_on(cluster, None)
         chunks: list = []
         ended = threading.Event()
-        thread = _open_stream(stub_a, request_id, chunks, ended)
-        _wait_for_tokens(chunks)
-        ch_b, stub_b, owner_b = _stub_on(cluster, owner_a if case == "other" else None,
+        thread = open_stream(stub_a, request_id, chunks, ended)
+        wait_for_tokens(chunks)
+        ch_b, stub_b, owner_b = stub_on(cluster, owner_a if case == "other" else None,
                                          want=owner_a if case == "same" else None)
         assert (owner_a != owner_b) == (case == "other")
         with pytest.raises(grpc.RpcError) as dup:
-            stub_b.Generate(_with_id(request("dup", max_tokens=2), request_id), timeout=10)
+            stub_b.Generate(with_id(request("dup", max_tokens=2), request_id), timeout=10)
         assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
         stub_b.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
         assert ended.wait(30)
@@ -370,11 +281,6 @@ def test_abort_and_duplicate_id_on_the_same_and_the_other_worker(cluster):
         ch_a.close()
         ch_b.close()
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 256
-
-
-def _with_id(req: pb.GenerateRequest, request_id: str) -> pb.GenerateRequest:
-    req.request_id = request_id
-    return req
 
 
 def test_bad_input_and_a_full_queue(cluster):
@@ -423,14 +329,14 @@ def test_a_killed_worker_is_replaced_and_leaks_nothing(cluster):
     victim = None
     streams = []
     for i, case in enumerate(("any", "other")):
-        channel, stub, owner = _stub_on(cluster, victim if case == "other" else None)
+        channel, stub, owner = stub_on(cluster, victim if case == "other" else None)
         victim = victim or owner
         chunks: list = []
         ended = threading.Event()
-        _open_stream(stub, f"kill-{i}", chunks, ended)
+        open_stream(stub, f"kill-{i}", chunks, ended)
         streams.append((channel, owner, chunks, ended))
     for _, _, chunks, _ in streams:
-        _wait_for_tokens(chunks)
+        wait_for_tokens(chunks)
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -476,29 +382,11 @@ def test_a_port_in_use_is_one_line_and_exit_2(cluster, model_dir):
     assert "Traceback" not in busy.stderr
 
 
-def _start_router(model_dir, port: int, http_port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
-         "--api-workers", "2", "--port", str(port), "--http-port", str(http_port),
-         "--metrics-port", "-1", "--executor-bind", f"tcp://127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    seen: list[str] = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen.append(line)
-        if "pagedserve ready" in line or not line:
-            assert "pagedserve ready" in line, \
-                f"router exited ({proc.wait(10)}): {''.join(seen[-10:])}"
-            return proc
-    raise AssertionError("router not ready")
-
-
 def test_a_killed_router_takes_its_workers_and_frees_the_ports(model_dir):
     """SIGKILL of the router (no drain): its workers exit at once (within the parent check,
     no grace), and a new router binds the same ports."""
     port, http_port = free_port(), free_port()
-    first = _start_router(model_dir, port, http_port)
+    first = start_router(model_dir, port, http_port)
     workers = worker_pids(first.pid)
     assert len(workers) == 2
     first.kill()
@@ -507,7 +395,7 @@ def test_a_killed_router_takes_its_workers_and_frees_the_ports(model_dir):
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
         time.sleep(0.05)
     assert not any(Path(f"/proc/{p}").exists() for p in workers)
-    second = _start_router(model_dir, port, http_port)
+    second = start_router(model_dir, port, http_port)
     try:
         assert len(worker_pids(second.pid)) == 2
     finally:
@@ -521,8 +409,8 @@ def test_draining_then_exit_with_no_worker_left(cluster):
     chunks: list = []
     ended = threading.Event()
     channel, stub = new_stub(cluster)
-    _open_stream(stub, "drain-me", chunks, ended)
-    _wait_for_tokens(chunks)
+    open_stream(stub, "drain-me", chunks, ended)
+    wait_for_tokens(chunks)
     cluster.router.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(grpc.RpcError) as late:

@@ -172,10 +172,10 @@ def test_a_reload_copies_from_host_memory_until_the_files_change(dirs, tmp_path,
     change it is read again; the cache keeps the most recently used."""
     import shutil
 
-    import pagedserve.executor.lora_ops as lora_ops
+    import pagedserve.executor.models.lora as lora
     reads = []
-    real = lora_ops.read_adapter
-    monkeypatch.setattr(lora_ops, "read_adapter", lambda *a: reads.append(a[0]) or real(*a))
+    real = lora.read_adapter
+    monkeypatch.setattr(lora, "read_adapter", lambda *a: reads.append(a[0]) or real(*a))
     runner = _runner(dirs, static=(), max_loras=2)
     copy = shutil.copytree(dirs["all"], tmp_path / "all")
     driver = Driver(runner)
@@ -190,7 +190,7 @@ def test_a_reload_copies_from_host_memory_until_the_files_change(dirs, tmp_path,
     assert _ops(driver, unload("b"), load("c", copy)) == [] and reads == ["a", "c"]
     for name in ("mlp", "qv"):  # two more directories: the first one leaves the cache
         _ops(driver, unload("c"), load(name, dirs[name]), unload(name))
-    assert list(runner.lora_cache.entries) == [str(dirs["mlp"]), str(dirs["qv"])]
+    assert list(runner.loras.cache.entries) == [str(dirs["mlp"]), str(dirs["qv"])]
 
 
 @pytest.mark.gpu
