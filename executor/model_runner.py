@@ -58,7 +58,6 @@ from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft_rows import confirmed, draft_states, kept_rows
 from pagedserve.executor.grammar import GrammarCompiler
 from pagedserve.executor.host_pool import HostPool
-from pagedserve.executor.lora_ops import apply_lora_ops
 from pagedserve.executor.mixed_graphs import MixedGraphs
 from pagedserve.executor.models import LlamaForCausalLM
 from pagedserve.executor.models.lora import LoraSet
@@ -68,6 +67,7 @@ from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState
+from pagedserve.executor.weight_ops import apply_model_ops
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -269,9 +269,8 @@ class ModelRunner:
     def _submit(self, plan: StepPlan, pre: PlanInputs | None) -> StepResult | None:
         step = plan.step_id
         prev_end = self._prev_end
-        # adapter loads and unloads first (lora_ops.py): the failed loads go with the result
-        result = dict(step_id=step, executor_id=self.executor_id,
-                      lora_failed=apply_lora_ops(self, plan.lora_ops) if plan.lora_ops else [])
+        # new weights, adapter loads and unloads first (weight_ops.py); failures: in the result
+        result = dict(step_id=step, executor_id=self.executor_id, **apply_model_ops(self, plan))
         if pre is None:
             pre = self.precompute(plan)
         if pre.move_error:

@@ -125,6 +125,7 @@ class KVCacheManager:
     release_pins = prefix.release_pins
     pinned = prefix.pinned
     num_shared_blocks_evicted = prefix.num_shared_blocks_evicted
+    reset_prefix_cache = prefix.reset_prefix_cache
     _salt_root = prefix._salt_root
     _is_valid = prefix._is_valid
     _note_full_blocks = prefix._note_full_blocks

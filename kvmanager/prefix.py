@@ -298,3 +298,36 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
     self._serial = serial
     req.num_cached_blocks = num_full
     req.chain_serial = parent
+
+
+# ------------------------------------------------------------------ reset
+
+
+def reset_prefix_cache(self: KVCacheManager) -> int:
+    """Forget every cached prefix that no request holds: the pins are released, then each
+    device block at ref count 0 (queued, deferred or fenced) and each host block (offload.py)
+    leaves its pool's prefix-cache map, and the candidates not yet offloaded are dropped. A
+    block a request still holds stays cached (its request goes on reading it). Returns how
+    many blocks stayed cached for that reason: 0 means a later lookup finds nothing that
+    was cached before the call (after a weight update, no KV of the old weights).
+
+    Not the hot path: O(cached blocks), for vLLM's /reset_prefix_cache, SGLang's
+    /flush_cache and weight updates (router/weight_sync.py)."""
+    self.release_pins()
+    self._offload_candidates = []
+    kept = 0
+    for pool in (self.gpu, self.cpu):
+        events = self._events if pool is self.gpu else None
+        for h, b in list(pool.cached.items()):
+            if b.ref_cnt > 0:
+                kept += 1
+                continue
+            del pool.cached[h]
+            if events is not None:
+                events.append(KVEvent("removed", pool.device, h, b.block_id))
+            b.block_hash = b.token_ids = None
+            b.serial = b.parent_serial = -1
+            b.num_hits = 0
+            pool.num_evictions += 1
+    self._debug_check()
+    return kept

@@ -35,8 +35,9 @@ import numpy as np
 # (an executor that ignored them would sample what the request forbids); 6: LoRA adapters
 # (NewRequest.lora, Hello.lora_adapters); 7: speculative decoding (StepPlan.num_draft_tokens;
 # a result row per emitted token); 8: LoRA adapters loaded and unloaded while serving
-# (StepPlan.lora_ops, StepResult.lora_failed, Hello.max_loras)
-PROTOCOL_VERSION = 8
+# (StepPlan.lora_ops, StepResult.lora_failed, Hello.max_loras); 9: weight updates while serving
+# (StepPlan.weight_op, StepResult.weight_failed)
+PROTOCOL_VERSION = 9
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -172,6 +173,16 @@ class LoraFailure(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+class WeightOp(msgspec.Struct, frozen=True, kw_only=True):
+    """Check (``load`` false) or load (``load`` true) the model weights of directory
+    ``path`` (``*.safetensors``, maybe a config.json) into the running model, in place:
+    applied before anything else of the plan (executor/weight_ops.py; the router sends it
+    only when no request runs: router/weight_sync.py)."""
+
+    path: str
+    load: bool
+
+
 class StepPlan(_Message, tag="plan", frozen=True):
     """What one executor does in one step. Per-request arrays are in batch order
     (``request_ids``); per-token arrays are the requests' new tokens packed back to back.
@@ -221,6 +232,7 @@ class StepPlan(_Message, tag="plan", frozen=True):
     deadline_s: float = 0.0  # seconds the step may run on the executor (0: no deadline)
     num_draft_tokens: np.ndarray | None = None  # [S]; speculative drafts after the input
     lora_ops: list[LoraOp] = []  # adapter loads and unloads, applied first, in order
+    weight_op: WeightOp | None = None  # new weights, applied before everything else
 
     @property
     def num_seqs(self) -> int:
@@ -349,6 +361,8 @@ class StepResult(_Message, tag="result", frozen=True):
     embeddings: np.ndarray | None = None  # float32 [E, hidden size]
     # The plan's adapter loads that failed (every other op of the plan took effect)
     lora_failed: list[LoraFailure] = []
+    # Why the plan's weight_op failed ("" when it took effect or there was none)
+    weight_failed: str = ""
 
     def validate(self) -> None:
         e = len(self.embed_ids)

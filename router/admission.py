@@ -22,13 +22,14 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
     group that waits for its prefix (`_admit_waiting`) is passed over, not a stop."""
     kv = self.kv
     cfg = self.config
+    waiting = self.waiting if not self.hold else []  # held: only swapped ones come back
     w = 0  # index of the next waiting group (those before it wait for their prefix)
     sw = 0  # index of the next swapped group (those before it are finished)
-    while (sw < len(self.swapped) or w < len(self.waiting)) and budget > 0:
+    while (sw < len(self.swapped) or w < len(waiting)) and budget > 0:
         take_swapped = sw < len(self.swapped) and (
-            w >= len(self.waiting) or self.swapped[sw].sort_key <= self.waiting[w].sort_key
+            w >= len(waiting) or self.swapped[sw].sort_key <= waiting[w].sort_key
         )
-        group = self.swapped[sw] if take_swapped else self.waiting[w]
+        group = self.swapped[sw] if take_swapped else waiting[w]
         if group.has_pending:  # preempted with a token in flight: wait for it, in order
             return
         seqs = group.active_seqs()
@@ -71,7 +72,7 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
                 continue
             if scheduled is None:
                 return
-            self.waiting.pop(w)
+            waiting.pop(w)
             budget -= sum(n for _, n in scheduled)
         group.status = GroupStatus.RUNNING
         if group.first_scheduled_time is None:
@@ -94,7 +95,14 @@ def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
     the better one is admitted in the next step instead of waiting for the worse ones to
     finish: an online request beside a batch (router/batch_api.py) waits a step, not a
     batch request's whole generation. Equal priorities (the default) never preempt: the
-    two comparisons are all this costs a step then."""
+    two comparisons are all this costs a step then.
+
+    Admission held (`Scheduler.hold`, router/weight_sync.py) gives no seat; "retract"
+    first preempts every running and swapped group by recompute (`retract`)."""
+    if self.hold:
+        if self.hold == "retract":
+            retract(self, out)
+        return
     running, waiting, swapped = self.running, self.waiting, self.swapped
     if not running or not (waiting or swapped):
         return
@@ -113,6 +121,44 @@ def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
             return
         seats += len(victim.active_seqs())
         self._preempt(victim, out)
+
+
+def retract(self: Scheduler, out: SchedulerOutput) -> None:
+    """Every running and swapped group back to waiting with no KV (SGLang's "retract"
+    pause, before a weight update): the running ones preempted by recompute, the swapped
+    ones' CPU blocks freed; each keeps its tokens so far and computes them again once
+    admitted. Then admission is held."""
+    from .scheduler import PreemptionMode  # (scheduler.py imports this module)
+
+    for group in reversed(list(self.running)):
+        self._preempt(group, out, force_recompute=True)
+    for group in list(self.swapped):
+        self.swapped.remove(group)
+        self.num_preemptions[PreemptionMode.RECOMPUTE] += 1
+        out.preempted.append((group, PreemptionMode.RECOMPUTE))
+        requeue(self, group, out)
+    self.hold = "hold"
+
+
+def requeue(self: Scheduler, group: RequestGroup, out: SchedulerOutput) -> None:
+    """A group preempted by recompute: every block goes back; the executor forgets the
+    samples and gets them again as new requests carrying their output so far."""
+    kv = self.kv
+    for seq in group.seqs:
+        if kv.has_request(seq.seq_id):
+            kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        if seq.on_executor:
+            out.dropped_seq_ids.append(seq.seq_id)
+            seq.on_executor = False
+    if group.forked and len(group.seqs) > 1 and group.num_prompt_tokens > 1:
+        # The samples must hold one copy of their prompt again: each admitted with its
+        # own (no prefix caching, or the cached prompt evicted meanwhile), a request
+        # admitted as fitting may never fit, swapping itself in and out for ever at the
+        # head of the queue. So sample 0 recomputes the prompt (mostly cache hits with
+        # prefix caching) and the others fork from it, as at the start (`_fork_if_ready`).
+        group.forked = False
+    self.add(group)
 
 
 def _fork_now(self: Scheduler, group: RequestGroup, out: SchedulerOutput, budget: int) -> int:

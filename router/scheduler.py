@@ -118,6 +118,9 @@ class Scheduler:
         self.waiting: list[RequestGroup] = []
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
+        # Admission held (router/weight_sync.py): "" no, "hold" waiting groups stay waiting,
+        # "retract" the next step first preempts every group by recompute, then holds.
+        self.hold = ""
         self.pending_forks: list[tuple[Sequence, Sequence]] = []  # beams forked between steps
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
@@ -272,7 +275,7 @@ class Scheduler:
         out.forks.extend(f for f in self.pending_forks if not f[1].finished)
         self.pending_forks.clear()
         budget = self.config.max_num_batched_tokens
-        self._yield_seats(out)  # a better priority waiting for a seat (admission.py)
+        self._yield_seats(out)  # admission held, or a better priority for a seat (admission.py)
         served = None
         lane = self.lane
         if lane is not None:
@@ -471,29 +474,11 @@ class Scheduler:
             group.status = GroupStatus.SWAPPED
             bisect.insort(self.swapped, group, key=lambda g: g.sort_key)
             return
-        # Recompute: every block goes back; the executor forgets the samples and gets them
-        # again as new requests carrying their output so far.
-        for seq in group.seqs:
-            if kv.has_request(seq.seq_id):
-                kv.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            if seq.on_executor:
-                out.dropped_seq_ids.append(seq.seq_id)
-                seq.on_executor = False
-        if group.forked and len(group.seqs) > 1 and group.num_prompt_tokens > 1:
-            # The samples must hold one copy of their prompt again: each admitted with its
-            # own (no prefix caching, or the cached prompt evicted meanwhile), a request
-            # admitted as fitting may never fit, swapping itself in and out for ever at
-            # the head of the queue. So sample 0 recomputes the prompt (mostly cache hits
-            # with prefix caching) and the others fork from it, as at the start
-            # (`_fork_if_ready`).
-            group.forked = False
-        self.add(group)
-        log.debug("preempted %s by recompute", group.request_id)
+        self._requeue(group, out)
 
     # ------------------------------------------------------------------ admission.py
-    _admit, _admit_waiting, _yield_seats = (admission.admit, admission.admit_waiting,
-                                            admission.yield_seats)
+    _admit, _admit_waiting, _yield_seats, _requeue = (
+        admission.admit, admission.admit_waiting, admission.yield_seats, admission.requeue)
 
     # ------------------------------------------------------------------ decode_lane.py
     _plan_with_lane = decode_lane.plan_with_lane

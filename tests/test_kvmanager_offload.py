@@ -186,3 +186,28 @@ def test_off(kw):
     step(m, lambda: admit(m, "a", A))
     _, ops = step(m, lambda: m.free("a"))
     assert not len(ops.swap_out) and not m.cpu.cached and not m.enable_offloading
+
+
+def test_reset_forgets_what_no_request_holds_on_both_tiers():
+    m = manager(num_gpu=8, enable_kv_events=True)
+    step(m, lambda: admit(m, "a", A))
+    step(m, lambda: m.free("a"))  # A's 3 full blocks: free on the device, copied to the host
+    step(m, lambda: admit(m, "b", B))  # B runs: its 3 full blocks are held
+    assert m.block_table("b") == [4, 5, 6, 7] and len(m.cpu.cached) == 3
+    hashes_a = m.hash_blocks(A)
+    hit = m.lookup(A, hashes_a)
+    assert hit.block_ids == (0, 1, 2)
+    assert m.pin("w", hit).block_ids == (0, 1)  # a waiting request's pin (the cap: 2 blocks)
+    m.take_events()
+    assert m.reset_prefix_cache() == 3  # B's blocks stay: B goes on reading them
+    assert m.pinned("w") is None and m.stats().num_pinned_blocks == 0
+    assert sorted(b.block_id for b in m.gpu.cached.values()) == m.block_table("b")[:3]
+    assert not m.cpu.cached and len(m.lookup(A, hashes_a)) == 0
+    assert [(e.kind, e.device, e.block_hash, e.block_id) for e in m.take_events()] == [
+        ("removed", "gpu", h, i) for i, h in enumerate(hashes_a)]  # the host has no events
+    assert len(m.lookup(B + [9], m.hash_blocks(B + [9]))) == 3
+    m.check_invariants()
+    step(m, lambda: m.free("b"))
+    assert m.reset_prefix_cache() == 0 and not m.gpu.cached and not m.cpu.cached
+    st = m.stats()
+    assert st.gpu.num_free_blocks == 8 and st.cpu.num_free_blocks == 8

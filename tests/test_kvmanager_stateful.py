@@ -47,6 +47,7 @@ class KVMachine(RuleBasedStateMachine):
         self.n = 0
         self.writes: list[tuple[str, int, int]] = []  # (rid, start, count) this step
         self.seen: list[tuple[list[int], str | None]] = []  # prompts admitted so far
+        self.weights = 0  # weight updates so far: every K/V depends on the weights too
 
     # ------------------------------------------------------------ helpers
 
@@ -96,7 +97,7 @@ class KVMachine(RuleBasedStateMachine):
     def _kv(self, rid, pos):
         # What a position's keys/values depend on: every token up to it (and, by policy,
         # the cache salt), so a hit from another context reads back as wrong.
-        return (self.salt[rid], tuple(self.tokens[rid][: pos + 1]))
+        return (self.weights, self.salt[rid], tuple(self.tokens[rid][: pos + 1]))
 
     # ------------------------------------------------------------ rules
 
@@ -189,6 +190,19 @@ class KVMachine(RuleBasedStateMachine):
     def release_pins(self):
         self.m.release_pins()
         assert self.m.stats().num_pinned_blocks == 0
+
+    @precondition(lambda self: not self.tokens)
+    @rule()
+    def update_weights(self):
+        """No request runs: new weights, the prefix cache reset (router/weight_sync.py). A
+        later hit reading K/V of the old weights fails `_check_hit`; the requests still
+        waiting (pinned) look up again."""
+        cached = len(self.m.gpu.cached)
+        assert self.m.reset_prefix_cache() == 0
+        self.weights += 1
+        assert not self.m.gpu.cached and not self.m.cpu.cached
+        assert self.m.stats().num_pinned_blocks == 0
+        assert self.m.stats().gpu.num_evictions >= cached
 
     @precondition(lambda self: self._live(True))
     @rule(data=st.data(), tok=st.integers(0, 2), lookahead=st.integers(0, 2))
@@ -304,7 +318,8 @@ class KVMachine(RuleBasedStateMachine):
         if not self.offloading:
             assert not hit.host_block_ids
         for i, (pool, bid) in enumerate(blocks):
-            want = [(salt, tuple(prompt[: p + 1])) for p in range(i * BS, (i + 1) * BS)]
+            want = [(self.weights, salt, tuple(prompt[: p + 1]))
+                    for p in range(i * BS, (i + 1) * BS)]
             assert pool[bid] == want, (bid, prompt)
 
     @invariant()

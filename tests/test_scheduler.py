@@ -268,3 +268,60 @@ def test_equal_or_worse_priorities_and_capped_groups_keep_their_seats():
     sched.add(_group("w2", 8, arrival=4, priority=0, start=90))
     out, _ = _step(sched, kv, 4)
     assert out.preempted == [] and _scheduled(out) == [("r#0", 1)]
+
+
+def test_held_admission_serves_the_running_and_swapped_groups_only():
+    """Held (a weight update waiting for the running requests): r0 decodes, the swapped r3
+    comes back, the new request and the recompute-preempted one wait; released, they run."""
+    kv = KVCacheManager(8, 8, 4, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
+    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
+    for g in groups:
+        sched.add(g)
+    _step(sched, kv)
+    out, _ = _step(sched, kv, 2)
+    assert [g.request_id for g in sched.swapped] == ["r3"]
+    sched.hold = "hold"
+    sched.add(_group("new", 3, arrival=9, start=200))
+    for g in groups[1:3]:
+        sched.finish_seq(g.seqs[0])
+        sched.remove(g)
+    out, plan = _step(sched, kv, 3)
+    assert _scheduled(out) == [("r0#0", 1), ("r3#0", 1)] and plan.swap_in.shape[0] == 2
+    assert [g.request_id for g in sched.waiting] == ["new"]
+    sched.hold = ""
+    out, _ = _step(sched, kv, 4)
+    assert _scheduled(out) == [("r0#0", 1), ("r3#0", 1), ("new#0", 3)]
+
+
+def test_retract_preempts_every_group_by_recompute_then_holds():
+    """SGLang's "retract" pause: r0 and r1 run, r3 is swapped; one step drops them all from
+    the executor (with r2, finished), r3's CPU blocks are freed too, no block stays held,
+    nothing is admitted; released after a prefix-cache reset, they compute their tokens
+    so far again, in arrival order."""
+    kv = KVCacheManager(8, 8, 4, watermark=0.0)
+    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
+    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
+    for g in groups:
+        sched.add(g)
+    _step(sched, kv)
+    _step(sched, kv, 2)
+    assert [g.request_id for g in sched.swapped] == ["r3"]
+    sched.finish_seq(groups[2].seqs[0])
+    sched.remove(groups[2])
+    sched.hold = "retract"
+    out, plan = _step(sched, kv, 3)
+    assert [(g.request_id, m) for g, m in out.preempted] == [
+        ("r1", PreemptionMode.RECOMPUTE), ("r0", PreemptionMode.RECOMPUTE),
+        ("r3", PreemptionMode.RECOMPUTE)]
+    assert _scheduled(out) == [] and sorted(plan.finished_ids) == ["r0#0", "r1#0", "r2#0", "r3#0"]
+    assert sched.hold == "hold" and not sched.running and not sched.swapped
+    assert [g.request_id for g in sched.waiting] == ["r0", "r1", "r3"]
+    st = kv.stats()
+    assert st.gpu.num_free_blocks == 8 and st.cpu.num_free_blocks == 8
+    out, _ = _step(sched, kv, 4)
+    assert out.empty
+    assert kv.reset_prefix_cache() == 0  # new weights: none of the old KV is found again
+    sched.hold = ""
+    out, _ = _step(sched, kv, 5)
+    assert _scheduled(out) == [("r0#0", 9), ("r1#0", 9)]  # 8 prompt tokens + 1 output each

@@ -1,8 +1,11 @@
 """Loading a Hugging Face directory's ``*.safetensors`` (one file or shards) into our model.
 
-Files are memory-mapped with ``safe_open``; each tensor is read once, cast to the target
-dtype and copied into its (possibly fused) parameter on the target device. Every parameter
-must be filled exactly once, or loading fails with the names that are missing.
+Files are memory-mapped with ``safe_open``. Their headers are checked first
+(`plan_weights`: every parameter filled exactly once, every shape right, nothing unknown),
+then each tensor is read once, cast to the target dtype and copied into its (possibly
+fused) parameter on the target device (`copy_weights`). A checkpoint that does not fit
+fails before anything is copied, which is what a weight update while serving relies on
+(executor/weight_ops.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     return name, None
 
 
-@torch.no_grad()
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path, progress: bool = True) -> None:
+class WeightsMismatch(ValueError):
+    """A checkpoint that does not fit the model: an unexpected tensor, a shape, a tensor
+    missing. Raised before anything is copied."""
+
+
+def plan_weights(model: LlamaForCausalLM, model_dir: str | Path) -> list[tuple[Path, list]]:
+    """Check that the directory's ``*.safetensors`` fill every parameter of ``model``
+    exactly, reading only the files' headers: per file, the (checkpoint key, destination
+    view) pairs to copy. Raises WeightsMismatch (nothing read, nothing copied) or
+    FileNotFoundError."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
@@ -46,8 +57,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, progress: bool 
         for s in (range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", ())))
                   or [None])
     }
-    bar = tqdm(total=len(remaining), desc="Loading weights", disable=not progress, unit="t")
+    plan = []
     for file in files:
+        copies = []
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 target = _target(model, key)
@@ -55,25 +67,41 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, progress: bool 
                     continue
                 name, shard = target
                 if name not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {key!r}")
-                param = params[name]
-                tensor = f.get_tensor(key)
-                dst = param.data
+                    raise WeightsMismatch(f"{file.name}: unexpected tensor {key!r}")
+                dst = params[name].data
                 if shard is not None:
                     sizes = modules[name.rsplit(".", 1)[0]].shard_sizes
                     dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"{key}: shape {tuple(tensor.shape)} where {tuple(dst.shape)} expected"
-                    )
-                dst.copy_(tensor.to(dst.dtype))
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(dst.shape):
+                    raise WeightsMismatch(
+                        f"{key}: shape {shape} where {tuple(dst.shape)} expected")
+                copies.append((key, dst))
                 remaining.discard((name, shard))
-                bar.update(1)
-    bar.close()
+        plan.append((file, copies))
     if remaining:
         names = sorted(n if s is None else f"{n}[{s}]" for n, s in remaining)
-        raise ValueError(f"{model_dir}: weights missing for {', '.join(names[:5])}"
-                         + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+        raise WeightsMismatch(f"{model_dir}: weights missing for {', '.join(names[:5])}"
+                              + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+    return plan
+
+
+@torch.no_grad()
+def copy_weights(plan: list[tuple[Path, list]], progress: bool = False) -> None:
+    """Read each planned tensor once, cast it to its parameter's dtype and copy it in
+    place (the parameters keep their storage: captured CUDA graphs stay valid)."""
+    bar = tqdm(total=sum(len(c) for _, c in plan), desc="Loading weights",
+               disable=not progress, unit="t")
+    for file, copies in plan:
+        with safe_open(str(file), framework="pt") as f:
+            for key, dst in copies:
+                dst.copy_(f.get_tensor(key).to(dst.dtype))
+                bar.update(1)
+    bar.close()
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path, progress: bool = True) -> None:
+    copy_weights(plan_weights(model, model_dir), progress=progress)
 
 
 def load_model(
