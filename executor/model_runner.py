@@ -67,7 +67,7 @@ from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState
-from pagedserve.executor.weight_ops import apply_model_ops
+from pagedserve.executor.weight_ops import RunningWeights, apply_model_ops
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class ModelRunner:
         # the fed graphs' sizes.
         self.graphs = graphs
         self.loras = loras  # the LoRA adapters installed on the model (None: none)
+        self.weights = RunningWeights(model_dir="")  # which (build_runner names --model's)
         self.requests: dict[str, RequestState] = {}
         self._row_of: dict[str, int] = {}  # request id -> its row of self.rows
         self._scoring: dict[str, SamplingState] = {}  # prompt logprobs or embedding

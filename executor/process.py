@@ -83,6 +83,7 @@ import signal
 import sys
 import time
 
+import msgspec
 import zmq
 from pagedserve.executor.env_switches import FAULT_SLEEP_ENV, OVERLAP_ENV, PLAN_PREP_ENV
 from pagedserve.executor.io_threads import (
@@ -238,7 +239,9 @@ class ExecutorProcess:
             self._check_parent()
             self._new_socket()
             log.info("registering with %s as %s", self.args.router, self.executor_id)
-            self._send(self.hello)
+            # the weights it runs now (a weight update since start: executor/weight_ops.py)
+            self._send(msgspec.structs.replace(self.hello,
+                                               weights_path=self.runner.weights.path))
             deadline = time.monotonic() + WELCOME_TIMEOUT_S
             while time.monotonic() < deadline:
                 self._check_parent()

@@ -132,6 +132,7 @@ def build_runner(
                                else None)
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed, loras=loras)
+    runner.weights.model_dir = str(model_dir)
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner

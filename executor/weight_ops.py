@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,11 +42,19 @@ _FREE_FIELDS = ("torch_dtype", "fingerprint")
 PARTIAL = "partly loaded"  # in a failed load's message: the model is no longer consistent
 
 
+@dataclass
+class RunningWeights:
+    """Which weights a runner's model holds (reported in Hello.weights_path)."""
+
+    model_dir: str  # --model's directory (a WeightOp's "")
+    path: str = ""  # the directory loaded since start ("": model_dir's weights)
+
+
 def check_weights(runner: ModelRunner, path: str) -> list:
     """The copy plan of ``path`` for the running model (models/loader.plan_weights), after
     its config.json (if any) was compared with the running model's; raises with a
     one-line reason."""
-    directory = Path(path)
+    directory = Path(path or runner.weights.model_dir)
     if not directory.is_dir():
         raise FileNotFoundError("not a directory this executor can read")
     running = runner.model.config
@@ -83,8 +92,11 @@ def apply_weight_op(runner: ModelRunner, op: WeightOp) -> str:
     try:
         copy_weights(plan)
     except Exception as exc:
+        runner.weights.path = "?"  # neither: whatever the router says next must be loaded
         return _failed(op.path, f"{type(exc).__name__}: {exc}", partial=True)
-    log.info("weights loaded from %s (%.0f ms)", op.path, 1e3 * (time.perf_counter() - t0))
+    runner.weights.path = op.path
+    log.info("weights loaded from %s (%.0f ms)", op.path or runner.weights.model_dir,
+             1e3 * (time.perf_counter() - t0))
     return ""
 
 

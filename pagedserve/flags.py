@@ -217,6 +217,12 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "--max-loras; 0: none)"),
     ("max-lora-rank", _positive_int, 16, "executor: the largest rank an adapter may have "
      "(with --max-loras: every slot is allocated at this rank)"),
+    ("enable-weight-updates", parse_bool, False, "router: serve the routes an RL trainer "
+     "drives (POST /update_weights_from_disk: the same model's new *.safetensors, read by "
+     "every executor from the path given; /pause_generation, /continue_generation, GET "
+     "/get_weight_version)"),
+    ("weight-version", str, "default", "router: what GET /get_weight_version says until an "
+     "update names another"),
     ("dtype", _choice("auto", "float32", "float16", "bfloat16"), "auto",
      "model dtype (auto: the checkpoint's; float32 where a CPU would emulate it)"),
     ("kv-cache-dtype", _choice(*KV_CACHE_DTYPE_CHOICES), "auto",
@@ -282,7 +288,7 @@ FLAGS: list[tuple[str, object, object, str]] = [
 ]
 
 _BOOLEAN_SWITCHES = {"enforce-eager", "no-prefix-caching", "restart-executors", "allow-insecure",
-                     "debug-checks", "log-requests"}
+                     "debug-checks", "log-requests", "enable-weight-updates"}
 
 
 _SECRETS = {"api-key"}

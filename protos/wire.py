@@ -36,7 +36,7 @@ import numpy as np
 # (NewRequest.lora, Hello.lora_adapters); 7: speculative decoding (StepPlan.num_draft_tokens;
 # a result row per emitted token); 8: LoRA adapters loaded and unloaded while serving
 # (StepPlan.lora_ops, StepResult.lora_failed, Hello.max_loras); 9: weight updates while serving
-# (StepPlan.weight_op, StepResult.weight_failed)
+# (StepPlan.weight_op, StepResult.weight_failed, Hello.weights_path)
 PROTOCOL_VERSION = 9
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
@@ -69,6 +69,7 @@ class Hello(_Message, tag="hello", frozen=True):
     hostname: str = ""
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules names)
     max_loras: int = 0  # adapter slots, --lora-modules' included (0: no loading at runtime)
+    weights_path: str = ""  # the weights it runs: a directory loaded since start ("": --model's)
 
 
 class Welcome(_Message, tag="welcome", frozen=True):
@@ -175,7 +176,8 @@ class LoraFailure(msgspec.Struct, frozen=True, kw_only=True):
 
 class WeightOp(msgspec.Struct, frozen=True, kw_only=True):
     """Check (``load`` false) or load (``load`` true) the model weights of directory
-    ``path`` (``*.safetensors``, maybe a config.json) into the running model, in place:
+    ``path`` (``*.safetensors``, maybe a config.json; "": the executor's own --model's)
+    into the running model, in place:
     applied before anything else of the plan (executor/weight_ops.py; the router sends it
     only when no request runs: router/weight_sync.py)."""
 

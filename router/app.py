@@ -166,6 +166,8 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         lora_dir=getattr(args, "lora_dir", None) or None,
         speculative=getattr(args, "speculative_config", None),
         decode_lane_min_running=decode_lane_min_running(),
+        enable_weight_updates=bool(getattr(args, "enable_weight_updates", False)),
+        weight_version=getattr(args, "weight_version", None) or "default",
     )
 
 

@@ -16,6 +16,7 @@ longer grows with a gRPC write and a detokenization per stream.
             (the tokens sampled for it meanwhile are dropped there, as the worker drops them)
     worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status
     worker: MetricsBatch -> replayed on the core's RouterMetrics (one /metrics for all)
+    worker: WeightCall -> engine.weights (weight_sync.py; a task, as a LoraCall)
     worker: LoraCall -> engine.load_lora_adapter / unload_lora_adapter (a task: it waits
             for the executors), then EdgeStatus to every worker, then the Reply
     hub:    EdgeStatus to every worker on hello and whenever serving/draining/dtype change
@@ -55,8 +56,9 @@ from .edge_wire import (
     StopSample,
     Submit,
     TokenDelta,
+    WeightCall,
 )
-from .errors import PagedServeError
+from .errors import InvalidRequest, PagedServeError
 from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.edge")
@@ -176,7 +178,7 @@ class EdgeHub:
         self._flush_scheduled = False
         self._status: EdgeStatus | None = None
         self._status_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()  # LoraCalls waiting for the executors
+        self._tasks: set[asyncio.Task] = set()  # Lora/WeightCalls waiting for the executors
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -337,8 +339,9 @@ class EdgeHub:
             self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
         elif isinstance(msg, StatusCall):
             self._send(conn, Reply(msg.call, status=engine.cluster_status()))
-        elif isinstance(msg, LoraCall):
-            task = asyncio.ensure_future(self._lora_call(conn, msg))
+        elif isinstance(msg, (LoraCall, WeightCall)):
+            call = self._lora_call if isinstance(msg, LoraCall) else self._weight_call
+            task = asyncio.ensure_future(call(conn, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         elif isinstance(msg, MetricsBatch):
@@ -381,6 +384,35 @@ class EdgeHub:
         else:
             reply = Reply(msg.call)
         self.push_status()
+        if conn.routing_id:
+            self._send(conn, reply)
+
+    async def _weight_call(self, conn: WorkerConn, msg: WeightCall) -> None:
+        """A worker's weight route, done by the core's WeightSync (it may wait for the
+        running requests and the executors)."""
+        weights = self.engine.weights
+        try:
+            count, text = 0, ""
+            if msg.action == "update":
+                count = await weights.update_from_disk(
+                    msg.path, abort_all_requests=msg.abort_all, weight_version=msg.version)
+            elif msg.action == "pause":
+                await weights.pause(msg.mode)
+            elif msg.action == "resume":
+                await weights.resume()
+            elif msg.action == "version":
+                text = await weights.current_version()
+            elif msg.action == "flush":
+                count = await weights.flush(msg.idle_only)
+            else:
+                raise InvalidRequest(f"unknown weight call {msg.action!r}")
+        except PagedServeError as exc:
+            reply = Reply(msg.call, error=type(exc).__name__, message=exc.message)
+        except Exception as exc:  # noqa: BLE001 - answered, never left hanging
+            log.exception("API worker %d: weight call failed", conn.index)
+            reply = Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)
+        else:
+            reply = Reply(msg.call, count=count, message=text)
         if conn.routing_id:
             self._send(conn, reply)
 

@@ -1,8 +1,8 @@
 """Messages between the router core and its API workers (`--api-workers N`), on one ZeroMQ
 ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
 
-    worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall / LoraCall
-                     (answered by a Reply with the same `call`), Forget (a request the worker gave up: no
+    worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall / LoraCall /
+                     WeightCall (answered by a Reply with the same `call`), Forget (a request the worker gave up: no
                      answer), StopSample (a stop string in a sample's text: no answer),
                      MetricsBatch (the worker's request metrics, replayed in the core)
     core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
@@ -21,9 +21,10 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 9  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+EDGE_PROTOCOL_VERSION = 10  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
 # 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter;
-# 8: SamplingSpec.embed, OutputItem.embedding; 9: LoraCall, EdgeStatus.lora_adapters
+# 8: SamplingSpec.embed, OutputItem.embedding; 9: LoraCall, EdgeStatus.lora_adapters;
+# 10: WeightCall, Reply.count
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -60,6 +61,21 @@ class LoraCall(msgspec.Struct, tag=True):
     path: str = ""
 
 
+class WeightCall(msgspec.Struct, tag=True):
+    """One of the weight routes (router/http_weight_routes.py) for the core's WeightSync:
+    `action` "update" (`path`, `abort_all`, `version`), "pause" (`mode`), "resume",
+    "version", "flush" (`idle_only`). Answered when the core's call returns: Reply.count
+    (an update's requests that waited, a flush's blocks kept), Reply.message (the version)."""
+
+    call: int
+    action: str
+    path: str = ""
+    mode: str = ""
+    abort_all: bool = False
+    version: str | None = None
+    idle_only: bool = False
+
+
 class Forget(msgspec.Struct, tag=True):
     """The worker's client went away (or the worker stopped reading): abort, no answer."""
 
@@ -86,6 +102,7 @@ class Reply(msgspec.Struct, tag=True):
     message: str = ""
     found: bool = False  # AbortCall
     status: ClusterStatusData | None = None  # StatusCall
+    count: int = 0  # WeightCall
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -136,8 +153,8 @@ class EdgeStop(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = (EdgeHello | Submit | AbortCall | StatusCall | LoraCall | Forget | StopSample
-          | MetricsBatch)
+ToCore = (EdgeHello | Submit | AbortCall | StatusCall | LoraCall | WeightCall | Forget
+          | StopSample | MetricsBatch)
 ToWorker = Reply | Outputs | EdgeStatus | EdgeStop
 
 

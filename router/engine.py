@@ -40,6 +40,7 @@ from .types import (
     RequestOutput,
     RequestSpec,
 )
+from .weight_sync import WeightSync
 
 log = logging.getLogger("pagedserve.router")
 
@@ -71,6 +72,8 @@ class EngineConfig:
     max_loras: int = 0  # adapter slots of every executor (--max-loras; lora_registry.py)
     lora_dir: str | None = None  # adapters loaded on demand from here (--lora-dir)
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: off)
+    enable_weight_updates: bool = False  # weight updates and pauses (weight_sync.py)
+    weight_version: str = "default"  # --weight-version: what /get_weight_version says first
 
 
 class RouterEngine:
@@ -98,6 +101,7 @@ class RouterEngine:
         self.steps = StepLoop(self)
         self.loras = LoraRegistry(self, config.lora_adapters, config.max_loras,
                                   lora_dir=config.lora_dir)
+        self.weights = WeightSync(self, config.enable_weight_updates, config.weight_version)
 
     # ================================================================== lifecycle
 
@@ -205,7 +209,8 @@ class RouterEngine:
         if not reserved and self._num_waiting() + self._reserved >= self.config.max_queue_len:
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests)")
         spec = self.loras.admitted(spec)
-        healthy = [h for h in self.executors.values() if h.healthy]
+        healthy = [h for h in self.executors.values()
+                   if h.healthy and self.weights.ready(h)]
         if not healthy:
             raise Unavailable("no executor is up")
         if spec.lora_adapter:  # an executor that joined since the load may not have it yet

@@ -53,6 +53,7 @@ from .http_errors import (
 )
 from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
+from .http_weight_routes import add_weight_routes
 from .openai_embeddings import (
     as_embedding,
     embedding_call,
@@ -130,6 +131,7 @@ class OpenAIApp:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         add_lora_routes(app, self.frontend, self.served_names)
+        add_weight_routes(app, self.frontend)
         if batches is not None:
             batches.add_routes(app)
         return app

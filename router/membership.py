@@ -62,6 +62,8 @@ class ExecutorHandle:
     num_leaked_blocks: int = 0
     lora_ops: list[wire.LoraOp] = field(default_factory=list)  # for the next plan, in order
     lora_ready: set[str] = field(default_factory=set)  # adapters loaded here since it joined
+    weight_ops: list[wire.WeightOp] = field(default_factory=list)  # one per plan, in order
+    weights_path: str = ""  # the weights it runs (weight_sync.py; "": its --model's)
 
     @property
     def id(self) -> str:
@@ -139,6 +141,7 @@ class Membership:
         if old is not None:  # it re-registered with an empty cache (router loss, restart)
             self.executor_lost(old, "re-registered with an empty cache")
         engine.loras.executor_joined(handle)  # the adapters loaded so far go out first
+        engine.weights.executor_joined(handle)  # and the cluster's weights if it runs others
         log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d",
                  hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
                  hello.num_cpu_blocks)
@@ -208,6 +211,7 @@ class Membership:
                 plan.future.cancel()
         handle.in_flight.clear()
         self.engine.loras.executor_lost(handle)
+        self.engine.weights.executor_lost(handle)
         groups = list(handle.scheduler.groups())
         for group in groups:
             handle.scheduler.remove(group)
@@ -231,8 +235,8 @@ class Membership:
         engine = self.engine
         need = engine.tokens_needed(group.spec)
         adapter = group.spec.lora_adapter
-        fitting = [h for h in self.healthy()
-                   if h.kv.can_ever_fit(need) and engine.loras.ready(h, adapter)]
+        fitting = [h for h in self.healthy() if h.kv.can_ever_fit(need)
+                   and engine.loras.ready(h, adapter) and engine.weights.ready(h)]
         if group.aborted or group.request_id not in engine.live:
             return
         if not fitting:

@@ -50,6 +50,7 @@ from .edge_wire import (
     StopSample,
     Submit,
     TokenDelta,
+    WeightCall,
 )
 from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError, QueueFull, Unavailable
 from .sequence import OutputChannel
@@ -112,6 +113,7 @@ class RemoteEngine:
         self.status_changed = asyncio.Event()
         self.stopped = asyncio.Event()  # the core said EdgeStop
         self.connected = asyncio.Event()  # the core answered the hello
+        self.weights = RemoteWeights(self)  # the weight routes' calls, done by the core
 
     def start(self, grpc_port: int, http_port: int, pid: int) -> None:
         self._reader.start()
@@ -214,6 +216,13 @@ class RemoteEngine:
         reply = await self._call(lambda call: LoraCall(call, name, False))
         if reply.error:
             raise error_from(reply.error, reply.message)
+
+    async def weight_call(self, **fields) -> Reply:
+        """A WeightCall round trip; the core's error re-raised here."""
+        reply = await self._call(lambda call: WeightCall(call, **fields))
+        if reply.error:
+            raise error_from(reply.error, reply.message)
+        return reply
 
     async def cluster_status(self) -> ClusterStatusData:
         reply = await self._call(lambda call: StatusCall(call))
@@ -380,3 +389,30 @@ class MetricsRelay:
 
     def observe_e2e(self, seconds: float) -> None:
         self._observe("observe_e2e", seconds)
+
+
+class RemoteWeights:
+    """router/weight_sync.WeightSync's coroutines for the weight routes of an API worker:
+    each is a WeightCall the core's WeightSync answers."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+
+    async def update_from_disk(self, path: str, *, abort_all_requests: bool = False,
+                               weight_version: str | None = None) -> int:
+        reply = await self.engine.weight_call(action="update", path=path,
+                                              abort_all=abort_all_requests,
+                                              version=weight_version)
+        return reply.count
+
+    async def pause(self, mode: str) -> None:
+        await self.engine.weight_call(action="pause", mode=mode)
+
+    async def resume(self) -> None:
+        await self.engine.weight_call(action="resume")
+
+    async def current_version(self) -> str:
+        return (await self.engine.weight_call(action="version")).message
+
+    async def flush(self, idle_only: bool) -> int:
+        return (await self.engine.weight_call(action="flush", idle_only=idle_only)).count

@@ -92,6 +92,7 @@ class InFlightPlan:
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)
     speculating: bool = False
     lora_ops: list[wire.LoraOp] = field(default_factory=list)  # adapter ops it carried
+    weight_op: wire.WeightOp | None = None  # the weight check or load it carried
 
 
 class StepTrace:
@@ -199,10 +200,10 @@ class StepLoop:
             if not self.send_next_plan(handle):
                 return
 
-    @staticmethod
-    def _has_work(handle: ExecutorHandle) -> bool:
+    def _has_work(self, handle: ExecutorHandle) -> bool:
         s = handle.scheduler
-        return bool(s.running or s.waiting or s.swapped or handle.lora_ops)
+        return bool(s.running or (s.waiting and not s.hold) or s.swapped or handle.lora_ops
+                    or self.engine.weights.has_work(handle))
 
     def _deadline(self, handle: ExecutorHandle, num_tokens: int) -> float:
         timeout = self.config.step_timeout_s
@@ -219,16 +220,19 @@ class StepLoop:
             self.metrics.inc_preemption(handle.id, mode.value)
             log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
         ops = handle.lora_ops
-        if out.empty and not ops:
+        weight_op = handle.weight_ops[0] if handle.weight_ops else None
+        if out.empty and not ops and weight_op is None:
             kv.end_step()
             return False
         try:
             step_id = handle.step_id + 1
             deadline_s = self._deadline(handle, out.num_tokens)
             plan = build_plan(step_id, out, kv, self.engine.eos_token_ids, deadline_s)
-            if ops:  # adapter loads and unloads (lora_registry.py), applied first
-                plan = msgspec.structs.replace(plan, lora_ops=ops)
+            if ops or weight_op:  # new weights, adapter loads and unloads: applied first
+                plan = msgspec.structs.replace(plan, lora_ops=ops, weight_op=weight_op)
                 handle.lora_ops = []
+                if weight_op is not None:
+                    del handle.weight_ops[0]
         except BaseException:
             kv.end_step()
             raise
@@ -242,7 +246,7 @@ class StepLoop:
             int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
             num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
-            speculating=out.rows.speculating, lora_ops=ops))
+            speculating=out.rows.speculating, lora_ops=ops, weight_op=weight_op))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
@@ -298,6 +302,10 @@ class StepLoop:
         sched = handle.scheduler
         result = checks.sane_timings(result)
         handle.kv.plan_answered(plan.step_id)
+        if plan.weight_op is not None:
+            self.engine.weights.answered(handle, plan.weight_op, result.weight_failed)
+            if not handle.healthy:  # a load that failed there: out of service
+                return []
         if plan.lora_ops:
             self.engine.loras.answered(handle, plan.lora_ops, result.lora_failed)
         for seq in plan.sampled:
