@@ -48,6 +48,7 @@ from pagedserve.tinymodels import build_lora_adapter
 
 BENCH = "lora_load_bench"
 RANK, SLOTS, STREAM_TOKENS = 16, 4, 600
+LORA_RANK = ["--max-lora-rank", str(RANK)]
 # on_demand: adapters in the folder, requests (Zipf-like over them), in flight, tokens each
 ON_DEMAND_ADAPTERS, ON_DEMAND_REQUESTS, ON_DEMAND_CONCURRENCY, ON_DEMAND_TOKENS = 12, 48, 8, 16
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+) http=(\S+)")
@@ -84,7 +85,8 @@ def executor_ops(model_dir: str, adapters: list[Path], cycles: int) -> None:
          cycles=cycles, load=ms(loads), read_alone=ms(reads), unload=ms(unloads), threads=1)
 
 
-def _post(http: str, path: str, body: dict) -> tuple[int, float]:
+def post_timed(http: str, path: str, body: dict) -> tuple[int, float]:
+    """POST ``body`` as JSON: (status, seconds the call took)."""
     req = urllib.request.Request(f"http://{http}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -106,13 +108,13 @@ def _stream(http: str, stamps: list[float]) -> None:
 
 
 @contextlib.contextmanager
-def _serve(model: str, work: Path, extra: list[str]):
+def serve_process(model: str, work: Path, extra: list[str]):
     """`pagedserve serve` (one executor, float32, one thread) with ``extra`` flags: its HTTP
-    address and its log's path, stopped on exit."""
+    address and its log's path, stopped on exit (weight_update_bench.py's too)."""
     log_path = work / f"serve-{time.monotonic_ns()}.log"
     argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", model, "--port", "0",
             "--metrics-port", "0", "--http-port", "0", "--executors", "1", "--cpu-threads",
-            "1", "--dtype", "float32", "--max-lora-rank", str(RANK), *extra]
+            "1", "--dtype", "float32", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -129,7 +131,7 @@ def _serve(model: str, work: Path, extra: list[str]):
 
 
 def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> None:
-    with _serve(model, work, ["--max-loras", str(SLOTS)]) as (http, _):
+    with serve_process(model, work, ["--max-loras", str(SLOTS), *LORA_RANK]) as (http, _):
         stamps: list[float] = []
         streamer = threading.Thread(target=_stream, args=(http, stamps))
         streamer.start()
@@ -139,13 +141,13 @@ def serve_load(model: str, adapters: list[Path], cycles: int, work: Path) -> Non
         window = [time.perf_counter()]
         for i in range(cycles):
             body = {"lora_name": f"a{i}", "lora_path": str(adapters[i % len(adapters)])}
-            loads.append(_post(http, "/v1/load_lora_adapter", body)[1])
-            unloads.append(_post(http, "/v1/unload_lora_adapter", {"lora_name": f"a{i}"})[1])
+            loads.append(post_timed(http, "/v1/load_lora_adapter", body)[1])
+            unloads.append(post_timed(http, "/v1/unload_lora_adapter", {"lora_name": f"a{i}"})[1])
         body = {"lora_name": "r", "lora_path": str(adapters[0])}
-        _post(http, "/v1/load_lora_adapter", body)
+        post_timed(http, "/v1/load_lora_adapter", body)
         for _ in range(cycles):
-            _post(http, "/v1/unload_lora_adapter", {"lora_name": "r"})
-            reloads.append(_post(http, "/v1/load_lora_adapter", body)[1])
+            post_timed(http, "/v1/unload_lora_adapter", {"lora_name": "r"})
+            reloads.append(post_timed(http, "/v1/load_lora_adapter", body)[1])
         window.append(time.perf_counter())
         streamer.join()
     gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
@@ -199,7 +201,7 @@ def on_demand(model: str, folder: Path, work: Path) -> None:
             (f"on_demand_{SLOTS}_slots", ["--max-loras", str(SLOTS), "--lora-dir", str(folder)]),
             (f"preloaded_{ON_DEMAND_ADAPTERS}", ["--max-loras", str(ON_DEMAND_ADAPTERS),
                                                  "--lora-modules", modules])):
-        with _serve(model, work, extra) as (http, log_path):
+        with serve_process(model, work, [*extra, *LORA_RANK]) as (http, log_path):
             wall, ttfts, tokens = asyncio.run(_requests(http, names))
             loads = len(re.findall(r"LoRA adapter \S+ loaded from", log_path.read_text()))
         emit(case, adapters=ON_DEMAND_ADAPTERS, distinct_requested=len(set(names)),

@@ -234,6 +234,19 @@ class LLM:
         """Stop serving a loaded adapter (its running requests finish with it)."""
         self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout_s)
 
+    def update_weights_from_disk(self, path: str, *, abort_all_requests: bool = False,
+                                 weight_version: str | None = None,
+                                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+        """Load the same model's new weights from directory `path` on every executor
+        (`enable_weight_updates=True` given: README "Updating weights while serving");
+        returns how many requests waited for it. GenerateError with the reason when an
+        executor refuses them (nothing changed then)."""
+        import json
+        body = {"model_path": str(path), "abort_all_requests": abort_all_requests,
+                "weight_version": weight_version}
+        reply = json.loads(self._post("/update_weights_from_disk", body, timeout_s))
+        return int(reply["num_paused_requests"])
+
     def _post(self, path: str, body: dict, timeout_s: float) -> bytes:
         """POST to the cluster's HTTP API: the reply's body, or GenerateError (the error
         object's code and message)."""
@@ -253,9 +266,10 @@ class LLM:
             with urllib.request.urlopen(req, timeout=timeout_s) as reply:
                 return reply.read()
         except urllib.error.HTTPError as exc:
-            error = json.loads(exc.read() or b"{}").get("error") or {}
+            reply = json.loads(exc.read() or b"{}")
+            error = reply.get("error") or {}  # (SGLang's routes answer a top-level message)
             raise GenerateError(str(error.get("code") or exc.code),
-                                error.get("message") or str(exc)) from None
+                                error.get("message") or reply.get("message") or str(exc)) from None
 
     def _run_all(self, requests: list, timeout_s: float) -> list[RequestOutput]:
         """Every request through Generate, at most the router's queue length in flight."""

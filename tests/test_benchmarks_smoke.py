@@ -275,6 +275,17 @@ def test_lora_load_bench_executor_case(tmp_path):
         k: ["max_ms", "p50_ms"] for k in ("load", "read_alone", "unload")}
 
 
+def test_weight_update_bench_executor_case(tmp_path):
+    """The executor's side of a weight update, on the tiny model (copies of its weights)."""
+    from pagedserve.tinymodels import build_model
+    model = build_model(tmp_path / "m", "llama")
+    (line,) = _run("weight_update_bench.py", "--model", str(model), "--cycles", "2",
+                   "--cases", "executor_ops")
+    assert line["case"] == "executor_ops" and line["cycles"] == 4
+    assert sorted(line["check"]) == sorted(line["load"]) == ["max_ms", "p50_ms"]
+    assert line["parameters"] > 0 and line["load_gb_per_s"] > 0
+
+
 def test_executor_host_virtual_device():
     """The executor process on the virtual device: every decode step runs as a fed graph
     (its ids the previous step's tokens, left on the "device"), the figures are there, and

@@ -2,7 +2,8 @@
 its own. One LLM (2 executors) for the module: greedy outputs equal transformers' (fp32, one
 prompt at a time), token-id prompts, n samples, chat through the model's template, many
 prompts past the in-flight window in order, a refused request raising GenerateError, and
-close() leaving no executor process behind; embeddings; a key given is sent."""
+close() leaving no executor process behind; embeddings; a key given is sent; weights
+updated from disk."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def adapter_dir(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir, adapter_dir):
     with LLM(model_dir, executors=2, num_gpu_blocks=128, max_queue_len=8,
-             lora_modules=f"one={adapter_dir}", max_loras=2, max_lora_rank=4) as llm:
+             lora_modules=f"one={adapter_dir}", max_loras=2, max_lora_rank=4,
+             enable_weight_updates=True) as llm:
         yield llm
 
 
@@ -115,6 +117,24 @@ def test_refusals_raise(llm, model_dir):
     assert info.value.code == "INVALID_ARGUMENT" and "max_tokens" in str(info.value)
     with pytest.raises(ValueError, match="pagedserve.LLM"):
         LLM(model_dir, no_such_flag=1)
+
+
+def test_weights_updated_from_disk_and_refused(llm, model_dir, tmp_path):
+    """A trainer's checkpoint (here a copy of the same weights: the other tests' tokens
+    stay) loads on both executors; another model's is refused with the executors' reason."""
+    import shutil
+
+    from pagedserve.tinymodels import build_model
+    ckpt = shutil.copytree(model_dir, tmp_path / "step-1")
+    assert llm.update_weights_from_disk(ckpt, weight_version="step-1") == 0
+    other = build_model(tmp_path / "other", "llama", num_kv_heads=2, intermediate_size=128)
+    with pytest.raises(GenerateError, match="config.json intermediate_size is 128, the "
+                                            "running model's is 256"):
+        llm.update_weights_from_disk(other)
+    (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0,
+                                                      ignore_eos=True))
+    hf = HFReference(model_dir)
+    assert_greedy_match(out.outputs[0].token_ids, *hf.greedy(hf.encode(PROMPTS[0]), 12))
 
 
 def test_a_key_given_is_sent_and_close_stops_every_executor(model_dir, monkeypatch):
