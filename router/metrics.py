@@ -94,6 +94,8 @@ class RouterMetrics:
         self.executors_healthy = Gauge("pagedserve_executors_healthy", "Executors registered and heartbeating.", registry=r)
         self.lora_adapters = Gauge("pagedserve_lora_adapters", "LoRA adapters requests may name (--lora-modules and those loaded while serving).", registry=r)
         self.lora_slots = Gauge("pagedserve_lora_adapter_slots", "LoRA adapter slots of each executor (--max-loras; 0: no loading while serving).", registry=r)
+        self.weight_updates = Counter("pagedserve_weight_updates_total", "Weight updates while serving (/update_weights_from_disk), by outcome: loaded, refused (nothing changed), failed (an executor lost or none left).", ["outcome"], registry=r)
+        self.generation_held = Gauge("pagedserve_generation_held", "1 while new requests are held (a weight update, or /pause_generation until /continue_generation).", registry=r)
         self.time_to_first_token = Histogram("pagedserve_time_to_first_token_seconds", "Arrival to first token handed out.", buckets=REQUEST_BUCKETS_S, registry=r)
         self.inter_token_latency = Histogram("pagedserve_inter_token_latency_seconds", "Time between tokens handed to a request's client.", buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_per_output_token = Histogram("pagedserve_time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1).", buckets=LATENCY_BUCKETS_S, registry=r)
@@ -254,6 +256,12 @@ class RouterMetrics:
     def set_lora_adapters(self, adapters: int, slots: int) -> None:
         self.lora_adapters.set(adapters)
         self.lora_slots.set(slots)
+
+    def inc_weight_update(self, outcome: str) -> None:
+        self.weight_updates.labels(outcome=outcome).inc()
+
+    def set_generation_held(self, held: bool) -> None:
+        self.generation_held.set(1 if held else 0)
 
     def observe_step_forward(self, executor_id: str, seconds: float) -> None:
         """The executor's forward_s of one step."""

@@ -74,16 +74,25 @@ class WeightSync:
         Returns how many requests waited for it. Raises InvalidRequest (a refusal: nothing
         changed), Unavailable (no executor), NotFound (updates are off)."""
         self._check_enabled()
+        # Once ops go out the executors apply them: a caller leaving must not stop it halfway
+        return await asyncio.shield(self._update(path, abort_all_requests, weight_version))
+
+    async def _update(self, path: str, abort_all_requests: bool,
+                      weight_version: str | None) -> int:
         async with self._lock:
             self.updating = True
             self._hold("hold")
             t0 = time.monotonic()
+            outcome = "failed"
             try:
                 if abort_all_requests:
                     self._abort_all()
                 await self._drained()
+                outcome = "refused"
                 await self._everywhere(wire.WeightOp(path=path, load=False), refusals=True)
+                outcome = "failed"
                 await self._everywhere(wire.WeightOp(path=path, load=True), refusals=False)
+                outcome = "loaded"
                 self.path = path
                 if weight_version is not None:
                     self.version = weight_version
@@ -97,6 +106,7 @@ class WeightSync:
             finally:
                 self.updating = False
                 self._hold("hold" if self.paused else "")
+                self._metric("inc_weight_update", outcome)
 
     async def pause(self, mode: str) -> None:
         """Hold generation (``mode`` "abort" or "retract"); returns once nothing runs."""
@@ -193,6 +203,12 @@ class WeightSync:
             if mode != "hold" or handle.scheduler.hold != "retract":  # (retract holds after)
                 handle.scheduler.hold = mode
             handle.wakeup.set()
+        self._metric("set_generation_held", bool(mode))
+
+    def _metric(self, name: str, value) -> None:
+        metrics = getattr(self.engine, "metrics", None)  # (none over fake executors)
+        if metrics is not None:
+            getattr(metrics, name)(value)
 
     def _abort_all(self) -> None:
         for request_id in list(self.engine.live):

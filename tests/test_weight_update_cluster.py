@@ -137,6 +137,11 @@ def test_another_models_checkpoint_is_refused_and_nothing_changes(cluster, dirs,
         assert status == 400 and body["message"].startswith(f"{field}: "), body
     assert _tokens(_completion(cluster, PROMPTS[2])) == refs("new", PROMPTS[2])[0]
     assert _get(cluster, "/get_weight_version") == (200, {"weight_version": "step-1"})
+    metrics = cluster.metrics()
+    for line in ('pagedserve_weight_updates_total{outcome="loaded"} 1.0',
+                 'pagedserve_weight_updates_total{outcome="refused"} 1.0',
+                 "pagedserve_generation_held 0.0"):
+        assert line in metrics, line
 
 
 def test_a_retracted_stream_goes_on_with_the_weights_loaded_while_paused(cluster, dirs, refs):
