@@ -84,6 +84,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.to_complete: set[str] = set()
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
+        self.weights = 0  # weight updates so far (router/weight_sync.py): K/V depend on them
 
     # ------------------------------------------------------------ the router's side
 
@@ -155,7 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             for p, slot in enumerate(slots):
                 got = gpu.get(slot // BS, [None] * BS)[slot % BS]
-                assert got == tuple(seq.token_ids[: p + 1]), (seq.seq_id, p, got)
+                assert got == (self.weights, tuple(seq.token_ids[: p + 1])), (seq.seq_id, p, got)
         t = 0
         slots = plan.slot_mapping.tolist()
         for i, item in enumerate(out.scheduled):
@@ -166,7 +167,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 t += 1
                 known = p < len(seq.token_ids)
                 gpu.setdefault(slot // BS, [None] * BS)[slot % BS] = \
-                    tuple(seq.token_ids[: p + 1]) if known else UNKNOWN
+                    (self.weights, tuple(seq.token_ids[: p + 1])) if known else UNKNOWN
         self.kv.plan_answered(plan.step_id)
         for seq in out.sampled:
             seq.num_pending -= 1
@@ -187,6 +188,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.remove(self.live.pop(rid))
         self.to_complete.clear()
 
+    @rule(mode=st.sampled_from(["", "hold", "retract"]))
+    def hold(self, mode):
+        """Admission held for a weight update or a pause (router/weight_sync.py)."""
+        self.sched.hold = mode
+
+    @precondition(lambda self: self.sched.hold == "hold" and not self.in_flight
+                  and not self.sched.running and not self.sched.swapped)
+    @rule()
+    def update_weights(self):
+        """Nothing runs: new weights, every prefix cache reset. A plan reading a block of
+        the old weights after it fails the read check of `answer`."""
+        assert self.kv.reset_prefix_cache() == 0
+        self.weights += 1
+
     # ------------------------------------------------------------ checks
 
     def _running_seqs(self) -> int:
@@ -202,6 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(self.kv.intent_ids()) <= live_seqs
 
     def teardown(self):
+        self.sched.hold = ""
         for _ in range(400):
             if self.to_complete:
                 self.complete()
