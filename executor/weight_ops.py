@@ -80,23 +80,23 @@ def apply_weight_op(runner: ModelRunner, op: WeightOp) -> str:
     """Check or load ``op.path`` (module docstring); '' when it took effect, else why not
     (a message holding PARTIAL when the model was left half updated)."""
     t0 = time.perf_counter()
+    shown = op.path or runner.weights.model_dir  # ("": --model's own)
     try:
         plan = check_weights(runner, op.path)
     except (WeightsMismatch, ModelNotSupported, OSError, ValueError) as exc:
-        return _failed(op.path, str(exc))
+        return _failed(shown, str(exc))
     except Exception as exc:  # an unreadable file must never take the executor down
-        return _failed(op.path, f"{type(exc).__name__}: {exc}")
+        return _failed(shown, f"{type(exc).__name__}: {exc}")
     if not op.load:
-        log.info("weights %s checked (%.0f ms)", op.path, 1e3 * (time.perf_counter() - t0))
+        log.info("weights %s checked (%.0f ms)", shown, 1e3 * (time.perf_counter() - t0))
         return ""
     try:
         copy_weights(plan)
     except Exception as exc:
         runner.weights.path = "?"  # neither: whatever the router says next must be loaded
-        return _failed(op.path, f"{type(exc).__name__}: {exc}", partial=True)
+        return _failed(shown, f"{type(exc).__name__}: {exc}", partial=True)
     runner.weights.path = op.path
-    log.info("weights loaded from %s (%.0f ms)", op.path or runner.weights.model_dir,
-             1e3 * (time.perf_counter() - t0))
+    log.info("weights loaded from %s (%.0f ms)", shown, 1e3 * (time.perf_counter() - t0))
     return ""
 
 

@@ -369,20 +369,15 @@ class EdgeHub:
         new adapter names before the caller's answer, so a request of the caller's client
         naming the adapter finds it wherever it lands."""
         engine = self.engine
-        try:
+
+        async def work() -> None:
             if msg.load and not msg.path:  # a request's adapter (--lora-dir)
                 await engine.resolve_lora_adapter(msg.name)
             elif msg.load:
                 await engine.load_lora_adapter(msg.name, msg.path)
             else:
                 await engine.unload_lora_adapter(msg.name)
-        except PagedServeError as exc:
-            reply = Reply(msg.call, error=type(exc).__name__, message=exc.message)
-        except Exception as exc:  # noqa: BLE001 - answered, never left hanging
-            log.exception("API worker %d: LoRA call failed", conn.index)
-            reply = Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)
-        else:
-            reply = Reply(msg.call)
+        reply = await self._reply(conn, msg.call, "LoRA", work())
         self.push_status()
         if conn.routing_id:
             self._send(conn, reply)
@@ -391,30 +386,39 @@ class EdgeHub:
         """A worker's weight route, done by the core's WeightSync (it may wait for the
         running requests and the executors)."""
         weights = self.engine.weights
-        try:
-            count, text = 0, ""
+
+        async def work() -> dict:
             if msg.action == "update":
-                count = await weights.update_from_disk(
-                    msg.path, abort_all_requests=msg.abort_all, weight_version=msg.version)
-            elif msg.action == "pause":
+                return {"count": await weights.update_from_disk(
+                    msg.path, abort_all_requests=msg.abort_all, weight_version=msg.version)}
+            if msg.action == "pause":
                 await weights.pause(msg.mode)
             elif msg.action == "resume":
                 await weights.resume()
             elif msg.action == "version":
-                text = await weights.current_version()
+                return {"message": await weights.current_version()}
             elif msg.action == "flush":
-                count = await weights.flush(msg.idle_only)
+                return {"count": await weights.flush(msg.idle_only)}
             else:
                 raise InvalidRequest(f"unknown weight call {msg.action!r}")
-        except PagedServeError as exc:
-            reply = Reply(msg.call, error=type(exc).__name__, message=exc.message)
-        except Exception as exc:  # noqa: BLE001 - answered, never left hanging
-            log.exception("API worker %d: weight call failed", conn.index)
-            reply = Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)
-        else:
-            reply = Reply(msg.call, count=count, message=text)
+            return {}
+        reply = await self._reply(conn, msg.call, "weight", work())
         if conn.routing_id:
             self._send(conn, reply)
+
+    @staticmethod
+    async def _reply(conn: WorkerConn, call: int, what: str, work) -> Reply:
+        """The Reply to a worker's call once ``work`` (a coroutine; its result: the Reply's
+        fields, or None) has run: the domain error it raised, or Internal for a bug (logged):
+        answered, never left hanging."""
+        try:
+            fields = await work
+        except PagedServeError as exc:
+            return Reply(call, error=type(exc).__name__, message=exc.message)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("API worker %d: %s call failed", conn.index, what)
+            return Reply(call, error="Internal", message=str(exc) or type(exc).__name__)
+        return Reply(call, **(fields or {}))
 
     def _submit(self, conn: WorkerConn, msg: Submit) -> Reply:
         request_id = msg.spec.request_id

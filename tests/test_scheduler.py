@@ -137,13 +137,20 @@ def test_a_group_preempting_itself_takes_back_its_rows_of_the_step():
     assert kv.num_free_gpu_blocks == 4 and [x.request_id for x in sched.waiting] == ["g"]
 
 
-def test_swap_mode_moves_the_victim_and_brings_it_back_first():
+def _four_with_swap():
+    """Four 8-token prompts prefilled in 8 blocks of 4 tokens, swap preemption: the next
+    step's decodes need a block more each, so the latest, r3, is swapped out then."""
     kv = KVCacheManager(8, 8, 4, watermark=0.0)
     sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
     groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
     for g in groups:
         sched.add(g)
     _step(sched, kv)
+    return kv, sched, groups
+
+
+def test_swap_mode_moves_the_victim_and_brings_it_back_first():
+    kv, sched, groups = _four_with_swap()
     out, plan = _step(sched, kv, 2)
     assert [(g.request_id, m) for g, m in out.preempted] == [("r3", PreemptionMode.SWAP)]
     assert plan.swap_out.shape == (2, 2) and not plan.finished_ids
@@ -273,12 +280,7 @@ def test_equal_or_worse_priorities_and_capped_groups_keep_their_seats():
 def test_held_admission_serves_the_running_and_swapped_groups_only():
     """Held (a weight update waiting for the running requests): r0 decodes, the swapped r3
     comes back, the new request and the recompute-preempted one wait; released, they run."""
-    kv = KVCacheManager(8, 8, 4, watermark=0.0)
-    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
-    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
-    for g in groups:
-        sched.add(g)
-    _step(sched, kv)
+    kv, sched, groups = _four_with_swap()
     out, _ = _step(sched, kv, 2)
     assert [g.request_id for g in sched.swapped] == ["r3"]
     sched.hold = "hold"
@@ -299,12 +301,7 @@ def test_retract_preempts_every_group_by_recompute_then_holds():
     the executor (with r2, finished), r3's CPU blocks are freed too, no block stays held,
     nothing is admitted; released after a prefix-cache reset, they compute their tokens
     so far again, in arrival order."""
-    kv = KVCacheManager(8, 8, 4, watermark=0.0)
-    sched = Scheduler(kv, SchedulerConfig(preemption_mode=PreemptionMode.SWAP))
-    groups = [_group(f"r{i}", 8, arrival=i, start=10 * i + 3, max_tokens=4) for i in range(4)]
-    for g in groups:
-        sched.add(g)
-    _step(sched, kv)
+    kv, sched, groups = _four_with_swap()
     _step(sched, kv, 2)
     assert [g.request_id for g in sched.swapped] == ["r3"]
     sched.finish_seq(groups[2].seqs[0])

@@ -80,6 +80,16 @@ async def _until(cond):
         await asyncio.sleep(0.005)
 
 
+async def _updating(path: str, *names: str):
+    """An update of ``path`` over fresh executors ``names``, once their checks are queued:
+    (sync, engine, the handles, the update's task)."""
+    sync, engine = _sync(*names)
+    handles = list(engine.executors.values())
+    update = asyncio.ensure_future(sync.update_from_disk(path))
+    await _until(lambda: all(h.weight_ops for h in handles))
+    return sync, engine, handles, update
+
+
 def test_an_update_waits_for_the_running_then_checks_loads_and_resets_everywhere():
     async def run():
         sync, engine = _sync("e0", "e1")
@@ -110,10 +120,7 @@ def test_an_update_waits_for_the_running_then_checks_loads_and_resets_everywhere
 
 def test_a_refused_check_changes_nothing_and_says_why():
     async def run():
-        sync, engine = _sync("e0", "e1")
-        e0, e1 = engine.executors.values()
-        update = asyncio.ensure_future(sync.update_from_disk("/other"))
-        await _until(lambda: e0.weight_ops and e1.weight_ops)
+        sync, engine, (e0, e1), update = await _updating("/other", "e0", "e1")
         _answer(sync, e0)
         _answer(sync, e1, failed="weights /other: config.json num_layers is 3, the running "
                                  "model's is 2 (weights of another model)")
@@ -129,10 +136,7 @@ def test_a_refused_check_changes_nothing_and_says_why():
 
 def test_a_failed_load_takes_its_executor_out_and_the_others_update():
     async def run():
-        sync, engine = _sync("e0", "e1")
-        e0, e1 = engine.executors.values()
-        update = asyncio.ensure_future(sync.update_from_disk("/ckpt/8"))
-        await _until(lambda: e0.weight_ops and e1.weight_ops)
+        sync, engine, (e0, e1), update = await _updating("/ckpt/8", "e0", "e1")
         _answer(sync, e0), _answer(sync, e1)
         await _until(lambda: e0.weight_ops and e1.weight_ops)
         _answer(sync, e0, failed="weights /ckpt/8 partly loaded: OSError: Input/output error")

@@ -58,7 +58,8 @@ def _snapshot(runner) -> dict[str, torch.Tensor]:
 def test_new_weights_equal_transformers_through_graphs_captured_before(dirs):
     """Old weights serve (through decode graphs, the CPU twin of CUDA graphs); a check
     changes nothing; the load makes the same graphs compute the new checkpoint's tokens
-    (cast from bfloat16) and the parameters keep their storage."""
+    (cast from bfloat16) and the parameters keep their storage; a load of "" restores
+    --model's."""
     runner = _runner(dirs)
     runner.graphs = DecodeGraphs(runner.model, runner.cache.kv_cache, runner.block_size,
                                  runner.max_model_len, 8, runner.loras)
@@ -76,6 +77,10 @@ def test_new_weights_equal_transformers_through_graphs_captured_before(dirs):
     assert torch.equal(runner.model.lm_head.weight, new["lm_head.weight"].float())
     _check(driver, dirs["new"], ["c", "d", "e"])
     assert runner.graph_steps - steps == NUM_TOKENS - 1
+    assert runner.weights.path == str(dirs["new"])
+    # "" is the executor's own --model (a restarted router's weights): back to the old ones
+    assert _op(driver, "", load=True) == "" and runner.weights.path == ""
+    assert all(torch.equal(p, before[n]) for n, p in runner.model.named_parameters())
 
 
 def _variant(dirs, tmp_path, name, config=None, edit=None, keep_config=True):
@@ -153,3 +158,22 @@ def test_a_load_cut_partway_says_so(dirs, tmp_path, monkeypatch):
     assert _op(driver, path, load=False) == ""
     assert _op(driver, path, load=True) == (
         f"weights {path} {weight_ops.PARTIAL}: OSError: Input/output error")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_new_weights_on_a_gpu_through_the_graphs_captured_at_start(dirs):
+    """On a GPU (float32; decode graphs and graph pieces captured at start): a step in
+    flight when the load comes (the executor leaves sampling steps in flight there), then
+    the load, then the replays compute the new checkpoint's tokens."""
+    runner = build_runner(str(dirs["old"]), device="cuda", dtype="float32",
+                          num_gpu_blocks=64, num_cpu_blocks=0, block_size=8, progress=False,
+                          max_num_seqs=8)
+    assert runner.graphs is not None and runner.overlap_steps
+    driver = Driver(runner)
+    _check(driver, dirs["old"], ["a", "b"])
+    assert _op(driver, dirs["new"], load=False) == ""
+    assert _op(driver, dirs["new"], load=True) == ""
+    steps = runner.graph_steps
+    _check(driver, dirs["new"], ["c", "d", "e"])
+    assert runner.graph_steps > steps
