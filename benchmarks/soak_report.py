@@ -71,7 +71,47 @@ def soak_arguments(doc: str):
     ap.add_argument("--kill-at", type=float, default=None,
                     help="SIGKILL the first executor this many seconds into the load (its "
                     "requests move to the others; the checks then count the survivors)")
+    ap.add_argument("--weight-updates", type=float, default=0.0,
+                    help="every this many seconds, update the weights (a copy of the same "
+                    "model) through /update_weights_from_disk: waiting for the running "
+                    "requests, then by a retract pause, in turn (0: never)")
     return ap
+
+
+def update_weights(cluster, model_dir, tally: Tally, every_s: float, until: float) -> None:
+    """--weight-updates: the router's weight routes under the load, every ``every_s``
+    seconds until ``until``: an update that waits for the running requests, then a retract
+    pause, an update and a continue (the weights are a copy of the model's: every
+    request's output stays checkable), in turn; each call's status counted, a non-200 a
+    failed check."""
+    import shutil
+    import tempfile
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    copy = Path(tempfile.mkdtemp(prefix="soak-ckpt-")) / "ckpt"
+    shutil.copytree(model_dir, copy)
+
+    def post(path: str, body: dict) -> None:
+        req = urllib.request.Request(f"http://{cluster.http_address}{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as reply:
+                tally.count(f"weights{path}/{reply.status}")
+        except urllib.error.HTTPError as exc:
+            tally.fail(f"weights{path}: {exc.code} {exc.read()[:300]!r}")
+
+    turn = 0
+    while time.monotonic() + every_s < until:
+        time.sleep(every_s)
+        if turn % 2:
+            post("/pause_generation", {"mode": "retract"})
+        post("/update_weights_from_disk", {"model_path": str(copy)})
+        if turn % 2:
+            post("/continue_generation", {})
+        turn += 1
 
 
 def run_soak(bench: str, args, make_load, router_args: tuple = ()) -> int:
@@ -89,13 +129,21 @@ def run_soak(bench: str, args, make_load, router_args: tuple = ()) -> int:
     flags = list(router_args) + args.router_args.split()
     if args.api_workers:
         flags += ["--api-workers", str(args.api_workers)]
+    if args.weight_updates:
+        flags.append("--enable-weight-updates")
     with Cluster(model_dir, num_executors=args.executors, router_args=flags,
                  executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
         load = make_load(c, Path(model_dir))
         if args.kill_at is not None:
             victim = next(iter(c.executors.values()))
             threading.Timer(args.kill_at, victim.kill).start()
+        updater = threading.Thread(target=update_weights, daemon=True, args=(
+            c, model_dir, load, args.weight_updates, time.monotonic() + args.duration))
+        if args.weight_updates:
+            updater.start()
         drive(load.client, args.clients, args.duration)
+        if args.weight_updates:
+            updater.join(120)
         status = c.wait_blocks_free(timeout_s=30)
         metrics, logs = c.metrics(), c.logs(None)
     queries = metric_total(metrics, "pagedserve_prefix_cache_queries_total")

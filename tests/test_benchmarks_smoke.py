@@ -131,10 +131,14 @@ def test_structured_bench_quick(tmp_path):
 
 
 def test_feature_soak_short():
-    lines = _run("feature_soak.py", "--duration", "4", "--executors", "1", "--clients", "3")
+    """With weight updates under the load too (waiting, then by a retract pause)."""
+    lines = _run("feature_soak.py", "--duration", "4", "--executors", "1", "--clients", "3",
+                 "--weight-updates", "1")
     [summary] = lines
     assert summary["case"] == "summary" and summary["ok"], summary
     assert summary["requests"] > 0 and summary["blocks_leaked"] == 0
+    assert summary["counts"]["weights/update_weights_from_disk/200"] >= 2
+    assert summary["counts"]["weights/pause_generation/200"] >= 1
 
 
 def test_http_soak_short():
