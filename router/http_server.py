@@ -266,12 +266,12 @@ class OpenAIApp:
                     sessions = [await stack.enter_async_context(
                         self._session(pb_request, f"{response_id}-{i}", arrival))
                         for i, pb_request in enumerate(api.requests)]
+                    writer.prompts = [s.spec.prompt_token_ids for s in sessions]
                     if not api.stream:
                         async for i, out in _merge(sessions):
                             writer.add(i, out)
                         return web.Response(body=encode_json(writer.response()),
                                             content_type="application/json")
-                    writer.prompt_tokens = sum(len(s.spec.prompt_token_ids) for s in sessions)
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                          "Cache-Control": "no-cache"})
                     await stream.prepare(request)

@@ -77,6 +77,7 @@ class ApiRequest:
     reasoning: str = ""  # chat: the --reasoning-parser that splits the output ("": none)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
 
 
 def _sampling(body: dict, *, chat: bool) -> tuple[pb.SamplingParams, int | None]:
@@ -289,7 +290,8 @@ def _api_extras(body: dict) -> dict:
     options = body.get("stream_options") or {}
     return {"prompt_logprobs": optional_int(body, "prompt_logprobs"),
             "tokens_as_ids": bool(optional_bool(body, "return_tokens_as_token_ids")),
-            "continuous_usage": bool(optional_bool(options, "continuous_usage_stats"))}
+            "continuous_usage": bool(optional_bool(options, "continuous_usage_stats")),
+            "return_token_ids": bool(optional_bool(body, "return_token_ids"))}
 
 
 def _template_options(body: dict, chat: pb.ChatMessages) -> None:

@@ -80,8 +80,14 @@ class ChoiceWriter:
         self.call_ids: dict[int, str] = {}  # a named call's id per choice (streams)
         self.parsers: dict = {}  # tool_choice "auto": each choice's parser (streams)
         self.reasoners: dict = {}  # --reasoning-parser: each choice's parser (streams)
-        self.prompt_tokens = 0  # continuous usage: the requests' prompt tokens (set by the edge)
+        self.prompts: list = []  # each prompt's token ids (set by the edge once submitted)
         self.streamed_tokens = 0  # continuous usage: the tokens the stream has carried
+        self.token_ids: dict[int, list[int]] = {}  # vLLM's return_token_ids: each choice's
+        self.ids_sent: set[int] = set()  # return_token_ids: choices whose prompt went out
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
     def _index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.api.n + delta.index
@@ -95,6 +101,7 @@ class ChoiceWriter:
             i = self._index(prompt_index, delta)
             self.text.setdefault(i, []).append(delta.text)
             self.logprobs.setdefault(i, []).extend(delta.logprobs)
+            self.token_ids.setdefault(i, []).extend(delta.token_ids)
             if delta.finish_reason is not None:
                 self.ended[i] = delta
         self.usage = add_usage(self.usage, out.usage)
@@ -139,8 +146,14 @@ class ChoiceWriter:
             choice["stop_reason"] = stop_reason(end, self.stop_token_ids) if end else None
             if self.api.prompt_logprobs is not None and not self.api.chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(i // self.api.n)
+            if self.api.return_token_ids:  # vLLM's: the prompt's on a completion's choice
+                choice["token_ids"] = self.token_ids.get(i, [])
+                if not self.api.chat:
+                    choice["prompt_token_ids"] = list(self.prompts[i // self.api.n])
             choices.append(choice)
         body = {**self.head, "choices": choices, "usage": usage_json(self.usage)}
+        if self.api.return_token_ids and self.api.chat:
+            body["prompt_token_ids"] = list(self.prompts[0])
         if self.api.prompt_logprobs is not None and self.api.chat:
             body["prompt_logprobs"] = self._prompt_logprobs(0)  # vLLM: the chat reply's own
         return body
@@ -220,9 +233,14 @@ class ChoiceWriter:
                 chunks.append(self._chunk([{"index": i, "text": prefix, "logprobs": None,
                                             "finish_reason": None, "stop_reason": None}]))
             return chunks
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-                for i in range(self.num_choices)]
+        chunks = [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+                  for i in range(self.num_choices)]
+        if self.api.return_token_ids:  # vLLM's: the prompt's ids on the first chunk only
+            chunks[0]["prompt_token_ids"] = list(self.prompts[0])
+            for chunk in chunks:
+                chunk["choices"][0]["token_ids"] = []
+        return chunks
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         self.usage = add_usage(self.usage, out.usage)
@@ -261,6 +279,8 @@ class ChoiceWriter:
                 choice["finish_reason"] = "tool_calls"
             choice["stop_reason"] = (stop_reason(delta, self.stop_token_ids)
                                      if delta.finish_reason else None)
+            if self.api.return_token_ids:
+                self._stream_ids(choice, i, delta)
             if delta.finish_reason is not None:
                 self.ended[i] = delta
             if self.tools is not None and not (choice["delta"] or choice["finish_reason"]
@@ -268,6 +288,14 @@ class ChoiceWriter:
                 continue  # a held-back token of a "required" array
             chunks.append(self._chunk([choice]))
         return chunks
+
+    def _stream_ids(self, choice: dict, i: int, delta: CompletionDelta) -> None:
+        """return_token_ids in a stream: each chunk's own tokens; a completion's choice
+        carries its prompt's ids on its first chunk (echo's included)."""
+        choice["token_ids"] = list(delta.token_ids)
+        if not self.api.chat and i not in self.ids_sent:
+            self.ids_sent.add(i)
+            choice["prompt_token_ids"] = list(self.prompts[i // self.api.n])
 
     def _reasoning_delta(self, i: int, delta: CompletionDelta) -> tuple[str, str]:
         """A streamed chat delta's (content text, reasoning text) under --reasoning-parser
@@ -364,12 +392,16 @@ class WrappedChatWriter:
         self.chat = chat
 
     @property
+    def prompts(self) -> list:
+        return self.chat.prompts
+
+    @prompts.setter
+    def prompts(self, value: list) -> None:
+        self.chat.prompts = value
+
+    @property
     def prompt_tokens(self) -> int:
         return self.chat.prompt_tokens
-
-    @prompt_tokens.setter
-    def prompt_tokens(self, value: int) -> None:
-        self.chat.prompt_tokens = value
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self.chat.add(prompt_index, out)

@@ -206,6 +206,49 @@ def test_tokens_as_token_ids(tok):
     _run(main())
 
 
+def test_return_token_ids_unary_and_streamed(tok):
+    """vLLM's return_token_ids (what RL rollouts read back): each choice's output ids and
+    its prompt's (a completion's on its choice, a chat's on the reply); streamed, each
+    chunk's own ids, the prompt's on the first chunk (a completion's: each choice's first)."""
+    async def main():
+        async with serve(tok) as (engine, _, http, _):
+            body = {"prompt": ["Once upon", "A list"], "max_tokens": 4, "n": 2,
+                    "return_token_ids": True}
+            status, reply = await _post(http, "/v1/completions", body)
+            assert status == 200, reply
+            prompts = [list(s.prompt_token_ids) for s in engine.submitted]
+            script = engine.script
+            for i, choice in enumerate(reply["choices"]):
+                assert choice["prompt_token_ids"] == prompts[i // 2]
+                assert choice["token_ids"] == [script[(p + i % 2) % len(script)]
+                                               for p in range(4)]
+                assert tok.decode(choice["token_ids"]) == choice["text"]
+            events = await _sse(http, "/v1/completions", {**body, "stream": True})
+            streamed: dict[int, list[int]] = {}
+            for chunk in events[:-1]:
+                (choice,) = chunk["choices"]
+                i = choice["index"]
+                assert ("prompt_token_ids" in choice) == (i not in streamed)
+                if i not in streamed:
+                    assert choice["prompt_token_ids"] == prompts[i // 2]
+                streamed.setdefault(i, []).extend(choice["token_ids"])
+            assert streamed == {c["index"]: c["token_ids"] for c in reply["choices"]}
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "return_token_ids": True}
+            status, reply = await _post(http, "/v1/chat/completions", chat)
+            assert reply["prompt_token_ids"] == list(engine.submitted[-1].prompt_token_ids)
+            assert reply["choices"][0]["token_ids"] == script[:3]
+            events = await _sse(http, "/v1/chat/completions", {**chat, "stream": True})
+            assert events[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+            assert all("prompt_token_ids" not in e for e in events[1:-1])
+            assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == script[:3]
+            status, plain = await _post(http, "/v1/chat/completions",
+                                        {**chat, "return_token_ids": False})
+            assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+    _run(main())
+
+
 def test_continuous_usage_stats_count_every_chunk(tok):
     """vLLM's stream_options.continuous_usage_stats: every chunk carries the counts so far;
     the last ones agree with the final usage."""
@@ -326,7 +369,8 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "skip_special_tokens", "priority", "cache_salt", "echo", "best_of",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-           "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search", "bad_words",
+           "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids",
+           "use_beam_search", "bad_words",
            "allowed_token_ids", "length_penalty", "early_stopping",
            "add_special_tokens", "truncate_prompt_tokens", "include_reasoning"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}

@@ -72,6 +72,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 129}, 400, "bad_words"),
     ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": 1}, 400,
      "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "return_token_ids": "yes"}, 400, "return_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}, 400,
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens"),

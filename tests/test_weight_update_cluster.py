@@ -61,14 +61,14 @@ def _get(cluster, path: str):
 def _completion(cluster, prompt) -> dict:
     status, body = post_json(cluster, "/v1/completions", {
         "model": "old", "prompt": list(prompt), "max_tokens": MAX_TOKENS,
-        "temperature": 0, "ignore_eos": True, "return_tokens_as_token_ids": True,
-        "logprobs": 0})
+        "temperature": 0, "ignore_eos": True, "return_token_ids": True})  # (a rollout's)
     assert status == 200, body
+    assert body["choices"][0]["prompt_token_ids"] == list(prompt)
     return body
 
 
 def _tokens(body: dict) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+    return body["choices"][0]["token_ids"]
 
 
 class _Stream(threading.Thread):
