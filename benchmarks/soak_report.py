@@ -74,16 +74,17 @@ def soak_arguments(doc: str):
     ap.add_argument("--weight-updates", type=float, default=0.0,
                     help="every this many seconds, update the weights (a copy of the same "
                     "model) through /update_weights_from_disk: waiting for the running "
-                    "requests, then by a retract pause, in turn (0: never)")
+                    "requests, by a retract pause, from a freeze in place, in turn (0: never)")
     return ap
 
 
 def update_weights(cluster, model_dir, tally: Tally, every_s: float, until: float) -> None:
     """--weight-updates: the router's weight routes under the load, every ``every_s``
-    seconds until ``until``: an update that waits for the running requests, then a retract
-    pause, an update and a continue (the weights are a copy of the model's: every
-    request's output stays checkable), in turn; each call's status counted, a non-200 a
-    failed check."""
+    seconds until ``until``, in turn: an update that waits for the running requests; a
+    retract pause, an update and a continue; a freeze in place (vLLM's /pause?mode=keep),
+    an update (it retracts the frozen requests) and /resume. The weights are a copy of the
+    model's: every request's output stays checkable. Each call's status is counted, a
+    non-200 is a failed check."""
     import shutil
     import tempfile
     import urllib.error
@@ -106,11 +107,12 @@ def update_weights(cluster, model_dir, tally: Tally, every_s: float, until: floa
     turn = 0
     while time.monotonic() + every_s < until:
         time.sleep(every_s)
-        if turn % 2:
-            post("/pause_generation", {"mode": "retract"})
+        pause = ("", "/pause_generation", "/pause?mode=keep")[turn % 3]
+        if pause:  # a retract pause, or vLLM's freeze in place (the update retracts them)
+            post(pause, {"mode": "retract"})
         post("/update_weights_from_disk", {"model_path": str(copy)})
-        if turn % 2:
-            post("/continue_generation", {})
+        if pause:
+            post("/continue_generation" if turn % 3 == 1 else "/resume", {})
         turn += 1
 
 

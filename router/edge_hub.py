@@ -397,6 +397,8 @@ class EdgeHub:
                 await weights.resume()
             elif msg.action == "version":
                 return {"message": await weights.current_version()}
+            elif msg.action == "is_paused":
+                return {"count": int(await weights.is_paused())}
             elif msg.action == "flush":
                 return {"count": await weights.flush(msg.idle_only)}
             else:

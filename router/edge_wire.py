@@ -64,8 +64,9 @@ class LoraCall(msgspec.Struct, tag=True):
 class WeightCall(msgspec.Struct, tag=True):
     """One of the weight routes (router/http_weight_routes.py) for the core's WeightSync:
     `action` "update" (`path`, `abort_all`, `version`), "pause" (`mode`), "resume",
-    "version", "flush" (`idle_only`). Answered when the core's call returns: Reply.count
-    (an update's requests that waited, a flush's blocks kept), Reply.message (the version)."""
+    "version", "is_paused", "flush" (`idle_only`). Answered when the core's call returns:
+    Reply.count (an update's requests that waited, a flush's blocks kept, 1 when paused),
+    Reply.message (the version)."""
 
     call: int
     action: str

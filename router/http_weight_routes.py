@@ -11,8 +11,12 @@ SGLang's names and replies, and vLLM's prefix-cache reset.
         400 {"success": false, "message": why} an executor refused them (nothing changed),
         a field of the wrong type, flush_cache false (the cache always goes with the
         weights), a load_format other than null, "auto" or "safetensors".
-    POST /pause_generation          {"mode": "abort" | "retract"}  200 once nothing runs
-    POST /continue_generation       200: the held requests run
+    POST /pause_generation          {"mode": "abort" | "retract" | "wait" | "in_place"}
+                                    200 once nothing runs (in_place: at once, the running
+                                    requests frozen with their KV)
+    POST /continue_generation       200: the held (and frozen) requests run
+    POST /pause?mode=abort|wait|keep, POST /resume, GET /is_paused   (vLLM's names: keep is
+                                    in_place; wait_for_inflight_requests=true is wait)
     GET  /get_weight_version        {"weight_version": V} (--weight-version, then each
                                     update's weight_version)
     POST /reset_prefix_cache        (vLLM) 200: the cached prefixes no request holds are gone
@@ -41,6 +45,9 @@ def add_weight_routes(app: web.Application, frontend: Frontend) -> None:
     app.router.add_post("/update_weights_from_disk", routes.update_from_disk)
     app.router.add_post("/pause_generation", routes.pause)
     app.router.add_post("/continue_generation", routes.resume)
+    app.router.add_post("/pause", routes.pause_vllm)
+    app.router.add_post("/resume", routes.resume_vllm)
+    app.router.add_get("/is_paused", routes.is_paused)
     app.router.add_get("/get_weight_version", routes.version)
     app.router.add_post("/reset_prefix_cache", routes.reset_prefix_cache)
     app.router.add_get("/flush_cache", routes.flush_cache)
@@ -110,6 +117,34 @@ class WeightRoutes:
         except PagedServeError as exc:
             return error_response(exc)
         return web.json_response({"message": "Generation continues."})
+
+    async def pause_vllm(self, request: web.Request) -> web.Response:
+        """vLLM's: the mode in the query (abort by default; the older
+        wait_for_inflight_requests=true is wait); {"status": "paused"}."""
+        query = request.query
+        mode = query.get("mode") or (
+            "wait" if query.get("wait_for_inflight_requests", "").lower() == "true"
+            else "abort")
+        try:
+            await self.weights.pause(mode)
+        except PagedServeError as exc:
+            return web.json_response({"error": exc.message},
+                                     status=error_response(exc).status)
+        return web.json_response({"status": "paused"})
+
+    async def resume_vllm(self, request: web.Request) -> web.Response:
+        try:
+            await self.weights.resume()
+        except PagedServeError as exc:
+            return web.json_response({"error": exc.message},
+                                     status=error_response(exc).status)
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response({"is_paused": await self.weights.is_paused()})
+        except PagedServeError as exc:
+            return error_response(exc)
 
     async def version(self, request: web.Request) -> web.Response:
         try:

@@ -414,5 +414,8 @@ class RemoteWeights:
     async def current_version(self) -> str:
         return (await self.engine.weight_call(action="version")).message
 
+    async def is_paused(self) -> bool:
+        return bool((await self.engine.weight_call(action="is_paused")).count)
+
     async def flush(self, idle_only: bool) -> int:
         return (await self.engine.weight_call(action="flush", idle_only=idle_only)).count

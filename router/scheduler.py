@@ -119,7 +119,8 @@ class Scheduler:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self._pending_drops: list[str] = []
         # Admission held (router/weight_sync.py): "" no, "hold" waiting groups stay waiting,
-        # "retract" the next step first preempts every group by recompute, then holds.
+        # "retract" the next step first preempts every group by recompute, then holds,
+        # "freeze" no group is scheduled (running ones keep their blocks).
         self.hold = ""
         self.pending_forks: list[tuple[Sequence, Sequence]] = []  # beams forked between steps
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
@@ -274,6 +275,8 @@ class Scheduler:
         self._pending_drops.clear()
         out.forks.extend(f for f in self.pending_forks if not f[1].finished)
         self.pending_forks.clear()
+        if self.hold == "freeze":  # paused in place (router/weight_sync.py): nothing runs
+            return out
         budget = self.config.max_num_batched_tokens
         self._yield_seats(out)  # admission held, or a better priority for a seat (admission.py)
         served = None

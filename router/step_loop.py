@@ -201,9 +201,9 @@ class StepLoop:
                 return
 
     def _has_work(self, handle: ExecutorHandle) -> bool:
-        s = handle.scheduler
-        return bool(s.running or (s.waiting and not s.hold) or s.swapped or handle.lora_ops
-                    or self.engine.weights.has_work(handle))
+        s = handle.scheduler  # (held: no waiting group is admitted; frozen: none runs)
+        busy = s.hold != "freeze" and (s.running or s.swapped or (s.waiting and not s.hold))
+        return bool(busy or handle.lora_ops or self.engine.weights.has_work(handle))
 
     def _deadline(self, handle: ExecutorHandle, num_tokens: int) -> float:
         timeout = self.config.step_timeout_s

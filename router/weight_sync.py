@@ -21,7 +21,10 @@ update from a directory of the same model's ``*.safetensors``:
 Pausing (``mode``): "abort" ends every live request (finish reason abort) and holds new
 ones; "retract" preempts every running and swapped request by recompute and holds them
 with the new ones (they keep their tokens and compute them again, with the weights then
-loaded, once generation continues). A paused cluster updates at once (nothing runs).
+loaded, once generation continues); "wait" holds new ones and lets the running finish;
+"keep" (vLLM's; SGLang's "in_place") freezes the running ones where they are, their KV
+kept, until generation continues. A paused cluster updates at once (nothing runs; frozen
+requests are retracted first: their KV is the old weights').
 
 An executor joining (a new one, one restarted, one re-registering after a router restart)
 reports the weights it runs (``Hello.weights_path``; "" its own ``--model``); when they are
@@ -47,7 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract")
+# /pause_generation's modes (SGLang's; "in_place" is "keep") and vLLM's /pause's
+PAUSE_MODES = ("abort", "retract", "wait", "keep", "in_place")
 DRAIN_POLL_S = 0.01  # how often an update looks whether the running requests have ended
 
 
@@ -87,6 +91,7 @@ class WeightSync:
             try:
                 if abort_all_requests:
                     self._abort_all()
+                self._hold("retract", only="freeze")  # frozen ones hold the old weights' KV
                 await self._drained()
                 outcome = "refused"
                 await self._everywhere(wire.WeightOp(path=path, load=False), refusals=True)
@@ -105,23 +110,36 @@ class WeightSync:
                 return waited
             finally:
                 self.updating = False
-                self._hold("hold" if self.paused else "")
+                self._hold("hold" if self.paused else "")  # (frozen ones were retracted)
                 self._metric("inc_weight_update", outcome)
 
     async def pause(self, mode: str) -> None:
-        """Hold generation (``mode`` "abort" or "retract"); returns once nothing runs."""
+        """Hold generation (module docstring: ``mode`` "abort", "retract", "wait" or
+        "keep"); returns once nothing runs ("keep": at once, the running requests frozen
+        where they are)."""
         self._check_enabled()
         if mode not in PAUSE_MODES:
             raise InvalidRequest(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}",
                                  field="mode")
+        mode = "keep" if mode == "in_place" else mode
+        if mode == "keep" and self.updating:
+            raise InvalidRequest("mode: a weight update is waiting for the running requests; "
+                                 "pause with abort, retract or wait", field="mode")
         self.paused = mode
+        self._hold("")  # (the latest pause's mode is the one that holds)
+        if mode == "keep":
+            self._hold("freeze")
+            log.info("generation paused (keep)")
+            return
+        self._hold("retract" if mode == "retract" else "hold")
         if mode == "abort":
-            self._hold("hold")
             self._abort_all()
-        else:
-            self._hold("retract")
         await self._drained()
         log.info("generation paused (%s)", mode)
+
+    async def is_paused(self) -> bool:
+        self._check_enabled()
+        return bool(self.paused)
 
     async def resume(self) -> None:
         """/continue_generation: the held requests are admitted again (an update running
@@ -198,12 +216,18 @@ class WeightSync:
     def _healthy(self) -> list[ExecutorHandle]:
         return [h for h in self.engine.executors.values() if h.healthy]
 
-    def _hold(self, mode: str) -> None:
+    def _hold(self, mode: str, only: str | None = None) -> None:
+        """Every executor's `Scheduler.hold` to ``mode`` (``only``: those at that mode); a
+        retract not carried out yet stays (it holds after), and so does a freeze (a pause
+        "keep") unless ``mode`` is "" or "retract"."""
         for handle in self._healthy():
-            if mode != "hold" or handle.scheduler.hold != "retract":  # (retract holds after)
+            current = handle.scheduler.hold
+            if only is not None and current != only:
+                continue
+            if mode in ("", "retract") or current not in ("retract", "freeze"):
                 handle.scheduler.hold = mode
             handle.wakeup.set()
-        self._metric("set_generation_held", bool(mode))
+        self._metric("set_generation_held", self.holds() or bool(mode))
 
     def _metric(self, name: str, value) -> None:
         metrics = getattr(self.engine, "metrics", None)  # (none over fake executors)

@@ -322,3 +322,24 @@ def test_retract_preempts_every_group_by_recompute_then_holds():
     sched.hold = ""
     out, _ = _step(sched, kv, 5)
     assert _scheduled(out) == [("r0#0", 9), ("r1#0", 9)]  # 8 prompt tokens + 1 output each
+
+
+def test_frozen_groups_keep_their_blocks_and_go_on_where_they_were():
+    """A pause "keep" (vLLM's; SGLang's in_place): no group is scheduled, nothing is
+    admitted, every block stays; an abort meanwhile still reaches the executor; unfrozen,
+    the running ones decode on from where they were (the 9th token of each needs a third
+    block: as before the freeze, the latest is swapped out for the others)."""
+    kv, sched, groups = _four_with_swap()
+    sched.hold = "freeze"
+    free = kv.num_free_gpu_blocks
+    sched.add(_group("new", 3, arrival=9, start=200))
+    out, _ = _step(sched, kv, 2)
+    assert out.empty and kv.num_free_gpu_blocks == free
+    sched.remove(groups[3])
+    out, plan = _step(sched, kv, 3)
+    assert _scheduled(out) == [] and plan.finished_ids == ["r3#0"]
+    sched.hold = ""  # r3's blocks went back: r0 and r1 take them; r2 is swapped for its own
+    out, _ = _step(sched, kv, 4)
+    assert _scheduled(out) == [("r0#0", 1), ("r1#0", 1)]
+    assert [(g.request_id, m) for g, m in out.preempted] == [("r2", PreemptionMode.SWAP)]
+    assert [g.request_id for g in sched.waiting] == ["new"]

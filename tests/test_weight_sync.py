@@ -178,9 +178,49 @@ def test_abort_all_requests_and_pauses():
         assert await update == 1 and e0.scheduler.hold == "hold"
         await sync.resume()
         assert e0.scheduler.hold == "" and not sync.holds()
-        with pytest.raises(InvalidRequest, match="mode: 'in_place' is not one of abort, "
-                                                 "retract"):
-            await sync.pause("in_place")
+        with pytest.raises(InvalidRequest, match="mode: 'freeze' is not one of abort, "
+                                                 "retract, wait, keep, in_place"):
+            await sync.pause("freeze")
+
+    _run(run)
+
+
+def test_pause_wait_and_keep_and_an_update_retracts_the_frozen():
+    async def run():
+        sync, engine = _sync("e0")
+        (e0,) = engine.executors.values()
+        e0.scheduler.running = ["r1"]
+        pause = asyncio.ensure_future(sync.pause("wait"))  # vLLM's: the running finish
+        await asyncio.sleep(0.03)
+        assert e0.scheduler.hold == "hold" and not pause.done() and not engine.aborted
+        e0.scheduler.running = []
+        await pause
+        assert await sync.is_paused()
+        await sync.resume()
+        assert e0.scheduler.hold == "" and not await sync.is_paused()
+        e0.scheduler.running = ["r2"]
+        await sync.pause("in_place")  # SGLang's name of keep: at once, r2 frozen
+        assert (sync.paused, e0.scheduler.hold, sync.has_work(e0)) == ("keep", "freeze", False)
+        update = asyncio.ensure_future(sync.update_from_disk("/c"))
+        await _until(lambda: e0.scheduler.hold == "retract")  # its KV is the old weights'
+        assert sync.has_work(e0)
+        e0.scheduler.running, e0.scheduler.waiting, e0.scheduler.hold = [], ["r2"], "hold"
+        for _ in range(2):  # (the step above retracted it) the check, the load
+            await _until(lambda: e0.weight_ops)
+            _answer(sync, e0)
+        assert await update == 1 and e0.scheduler.hold == "hold"
+        await sync.resume()
+        assert e0.scheduler.hold == ""
+        e0.scheduler.running = ["r3"]
+        update = asyncio.ensure_future(sync.update_from_disk("/d"))
+        await asyncio.sleep(0.02)
+        with pytest.raises(InvalidRequest, match="a weight update is waiting for the running"):
+            await sync.pause("keep")
+        e0.scheduler.running = []
+        for _ in range(2):
+            await _until(lambda: e0.weight_ops)
+            _answer(sync, e0)
+        await update
 
     _run(run)
 

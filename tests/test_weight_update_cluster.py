@@ -3,8 +3,10 @@
 update waits for the running stream (its tokens all the old model's) and holds a new
 request (its tokens all the new model's, none of the old KV reused); a checkpoint of
 another model is refused with nothing changed; a retract pause cuts a stream, the weights
-change under it and it ends with the new model's continuation; an executor joining
-afterwards loads the new weights before it takes a request."""
+change under it and it ends with the new model's continuation; a stream frozen in place
+(vLLM's /pause?mode=keep) goes on where it was, or, with new weights loaded meanwhile, is
+retracted and goes on with them; an executor joining afterwards loads the new weights
+before it takes a request."""
 
 from __future__ import annotations
 
@@ -174,13 +176,46 @@ def test_a_retracted_stream_goes_on_with_the_weights_loaded_while_paused(cluster
     assert post_json(cluster, "/continue_generation", {})[0] == 200
     held.join(60)
     assert _tokens(out["r"]) == refs("newer", PROMPTS[2])[0]
-    status, body = post_json(cluster, "/pause_generation", {"mode": "in_place"})
-    assert status == 400 and "mode: 'in_place' is not one of abort, retract" in str(body)
+    status, body = post_json(cluster, "/pause_generation", {"mode": "freeze"})
+    assert status == 400 and "mode: 'freeze' is not one of abort, retract" in str(body)
+
+
+def test_a_frozen_stream_keeps_its_place_and_an_update_retracts_it(cluster, dirs, refs):
+    """vLLM's /pause?mode=keep: a stream stops where it is and goes on at /resume, one
+    model's tokens throughout; frozen, then new weights: it is retracted (its KV is the old
+    weights') and goes on with the new ones."""
+    prompt = [9, *PROMPTS[0][1:]]
+    stream = _Stream(cluster, prompt, 400)
+    assert stream.started.wait(60)
+    assert post_json(cluster, "/pause?mode=keep", {}) == (200, {"status": "paused"})
+    assert _get(cluster, "/is_paused") == (200, {"is_paused": True})
+    time.sleep(0.3)
+    cut = len(stream.tokens)
+    time.sleep(0.3)
+    assert len(stream.tokens) == cut and 0 < cut < 400 and stream.is_alive()
+    assert post_json(cluster, "/resume", {}) == (200, {"status": "resumed"})
+    stream.join(120)
+    assert_greedy_match(stream.tokens, *refs("newer", prompt, 400))
+    assert _get(cluster, "/is_paused") == (200, {"is_paused": False})
+    stream = _Stream(cluster, prompt, 400)
+    assert stream.started.wait(60)
+    assert post_json(cluster, "/pause?mode=keep", {})[0] == 200
+    time.sleep(0.3)
+    cut = len(stream.tokens)
+    status, body = post_json(cluster, "/update_weights_from_disk",
+                             {"model_path": str(dirs["new"])})
+    assert (status, body["num_paused_requests"]) == (200, 1), body
+    assert post_json(cluster, "/resume", {})[0] == 200
+    stream.join(120)
+    assert 0 < cut < 400 and len(stream.tokens) == 400
+    assert_greedy_match(stream.tokens[:cut], *refs("newer", prompt, cut))
+    assert_greedy_match(stream.tokens[cut:], *refs("new", prompt + stream.tokens[:cut],
+                                                   400 - cut))
 
 
 def test_zz_an_executor_joining_loads_the_new_weights_first(cluster, dirs, refs):
     """A new executor (its --model: the old weights) joins, loads the cluster's, and after
-    both original executors are killed serves the newer model's tokens."""
+    both original executors are killed serves the new model's tokens."""
     cluster.start_executor("late")
     cluster.wait_executors(3)
     for name in ("exec0", "exec1"):
@@ -190,5 +225,5 @@ def test_zz_an_executor_joining_loads_the_new_weights_first(cluster, dirs, refs)
             time.monotonic() < deadline:
         time.sleep(0.2)
     assert [e.id for e in cluster.status().executors if e.healthy] == ["late"]
-    assert _tokens(_completion(cluster, PROMPTS[0])) == refs("newer", PROMPTS[0])[0]
-    assert "executor late runs weights " + str(dirs["newer"]) in cluster.logs(None)
+    assert _tokens(_completion(cluster, PROMPTS[0])) == refs("new", PROMPTS[0])[0]
+    assert "executor late runs weights " + str(dirs["new"]) in cluster.logs(None)
