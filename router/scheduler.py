@@ -276,6 +276,7 @@ class Scheduler:
         out.forks.extend(f for f in self.pending_forks if not f[1].finished)
         self.pending_forks.clear()
         if self.hold == "freeze":  # paused in place (router/weight_sync.py): nothing runs
+            self._num_running_seqs = sum(len(g.active_seqs()) for g in self.running)
             return out
         budget = self.config.max_num_batched_tokens
         self._yield_seats(out)  # admission held, or a better priority for a seat (admission.py)

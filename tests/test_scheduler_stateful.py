@@ -188,7 +188,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.remove(self.live.pop(rid))
         self.to_complete.clear()
 
-    @rule(mode=st.sampled_from(["", "hold", "retract"]))
+    @rule(mode=st.sampled_from(["", "hold", "retract", "freeze"]))
     def hold(self, mode):
         """Admission held for a weight update or a pause (router/weight_sync.py)."""
         self.sched.hold = mode
