@@ -277,6 +277,8 @@ class Scheduler:
         self.pending_forks.clear()
         if self.hold == "freeze":  # paused in place (router/weight_sync.py): nothing runs
             self._num_running_seqs = sum(len(g.active_seqs()) for g in self.running)
+            if self._hold_older_pending and not out.empty:  # (drops: a plan is sent)
+                self._plans_sent += 1
             return out
         budget = self.config.max_num_batched_tokens
         self._yield_seats(out)  # admission held, or a better priority for a seat (admission.py)
