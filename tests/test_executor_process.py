@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from pagedserve.protos.wire import (
     Shutdown,
     StepPlan,
     StepResult,
+    WeightOp,
     Welcome,
     int32,
 )
@@ -78,7 +80,7 @@ def _start(model_dir, address, *extra):
                             text=True)
 
 
-def test_register_execute_heartbeat_reregister_shutdown(model_dir):
+def test_register_execute_heartbeat_reregister_shutdown(model_dir, tmp_path):
     router = FakeRouter()
     proc = _start(model_dir, router.address, "--executor-id", "ex-1")
     try:
@@ -88,6 +90,7 @@ def test_register_execute_heartbeat_reregister_shutdown(model_dir):
         assert (hello.device, hello.dtype, hello.block_size) == ("cpu", "float32", 16)
         assert (hello.num_gpu_blocks, hello.num_cpu_blocks) == (32, 0)
         assert hello.max_model_len == 1024 and hello.pid == proc.pid
+        assert hello.weights_path == ""  # its --model's
         router.send(ident, Welcome(executor_id="ex-1", accepted=True))
 
         # Heartbeats arrive on their own socket (another routing id); recv echoes them.
@@ -120,10 +123,17 @@ def test_register_execute_heartbeat_reregister_shutdown(model_dir):
         assert result.executor_id == "ex-1" and result.forward_s > 0
         assert 0 <= int(result.token_ids[0]) < 512
 
-        # The router forgot us: the executor registers again, with an empty state.
+        # New weights (a checkpoint: here a copy of the model's) with a plan of nothing else
+        ckpt = shutil.copytree(model_dir, tmp_path / "ckpt")
+        router.send(ident, StepPlan(step_id=8, weight_op=WeightOp(path=str(ckpt), load=True)))
+        _, result = router.recv(timeout_s=20, want=StepResult)
+        assert (result.step_id, result.weight_failed, result.errors) == (8, "", [])
+
+        # The router forgot us: the executor registers again, with an empty state, saying
+        # which weights it runs (a restarted router has it load --model's back).
         router.send(hb_ident, Shutdown(reason="unknown executor", exit=False))
         ident, hello2 = router.recv(timeout_s=10, want=Hello)
-        assert hello2.executor_id == "ex-1"
+        assert (hello2.executor_id, hello2.weights_path) == ("ex-1", str(ckpt))
         router.send(ident, Welcome(executor_id="ex-1", accepted=True))
         router.send(ident, StepPlan(
             step_id=8, request_ids=["r"], num_computed_tokens=int32([5]),
