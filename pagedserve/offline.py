@@ -247,6 +247,17 @@ class LLM:
         reply = json.loads(self._post("/update_weights_from_disk", body, timeout_s))
         return int(reply["num_paused_requests"])
 
+    def pause_generation(self, mode: str = "abort",
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Hold new requests (`enable_weight_updates=True` given): "abort" ends the running
+        ones, "retract" takes them off keeping their tokens, "wait" lets them finish,
+        "keep" freezes them where they are (README "Updating weights while serving")."""
+        self._post("/pause_generation", {"mode": mode}, timeout_s)
+
+    def continue_generation(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """The held (and frozen) requests run again."""
+        self._post("/continue_generation", {}, timeout_s)
+
     def _post(self, path: str, body: dict, timeout_s: float) -> bytes:
         """POST to the cluster's HTTP API: the reply's body, or GenerateError (the error
         object's code and message)."""

@@ -131,6 +131,10 @@ def test_weights_updated_from_disk_and_refused(llm, model_dir, tmp_path):
     with pytest.raises(GenerateError, match="config.json intermediate_size is 128, the "
                                             "running model's is 256"):
         llm.update_weights_from_disk(other)
+    with pytest.raises(GenerateError, match="mode: 'later' is not one of abort"):
+        llm.pause_generation("later")
+    llm.pause_generation("wait")  # nothing runs: at once; a generate now would wait
+    llm.continue_generation()
     (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0,
                                                       ignore_eos=True))
     hf = HFReference(model_dir)
