@@ -32,6 +32,8 @@ def admit(self: Scheduler, out: SchedulerOutput, budget: int, num_seqs: int) -> 
         group = self.swapped[sw] if take_swapped else waiting[w]
         if group.has_pending:  # preempted with a token in flight: wait for it, in order
             return
+        if out.preempted and any(g is group for g, _ in out.preempted):
+            return  # preempted in this step (for a seat): never back in the same plan
         seqs = group.active_seqs()
         if not seqs:
             # Preempted with its last token in flight, which has just arrived: every
@@ -92,10 +94,11 @@ def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
     served: while the first swapped or waiting group has a better (lower) priority than
     the worst running group and the seats are all taken, that running group (worst
     priority, latest arrival, preempted fewer than `preemption_cap` times) is preempted, so
-    the better one is admitted in the next step instead of waiting for the worse ones to
-    finish: an online request beside a batch (router/batch_api.py) waits a step, not a
-    batch request's whole generation. Equal priorities (the default) never preempt: the
-    two comparisons are all this costs a step then.
+    the better one is admitted in this same step (blocks allowing: the victim's are free
+    only from the next plan on) instead of waiting for the worse ones to finish: an online
+    request beside a batch (router/batch_api.py) takes the seat at once, not after a batch
+    request's whole generation. Equal priorities (the default) never preempt: the two
+    comparisons are all this costs a step then.
 
     Admission held (`Scheduler.hold`, router/weight_sync.py) gives no seat; "retract"
     first preempts every running and swapped group by recompute (`retract`)."""
@@ -121,6 +124,7 @@ def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
             return
         seats += len(victim.active_seqs())
         self._preempt(victim, out)
+        out.num_seat_preemptions = len(out.preempted)
 
 
 def retract(self: Scheduler, out: SchedulerOutput) -> None:

@@ -68,6 +68,7 @@ class SchedulerOutput:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
+    num_seat_preemptions: int = 0  # the first ones of `preempted`: for seats (admission.py)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -238,12 +239,13 @@ class Scheduler:
            group (the victim: lowest priority, latest arrival, not over the preemption cap)
            is preempted by swap or recompute (`auto` asks the cost model), until the sample
            fits or the group being scheduled is itself the victim.
-        2. Only if nothing was preempted (for blocks, or for seats by a better priority:
-           `_yield_seats`): swapped and waiting groups in (priority, arrival) order, swapped
-           first among equals, are brought in while blocks (above the watermark for new
-           admissions), `max_num_seqs` and the token budget allow; the first one that does
-           not fit (or that still has a token in flight from before its preemption) stops
-           admission, so order is kept. A new group's prompt starts after its cached
+        2. Only if nothing was preempted for blocks (a group preempted for a seat by a
+           better priority, `_yield_seats`, leaves its seat to that one in this step):
+           swapped and waiting groups in (priority, arrival) order, swapped first among
+           equals, are brought in while blocks (above the watermark for new admissions),
+           `max_num_seqs` and the token budget allow; the first one that does not fit (or
+           that still has a token in flight from before its preemption, or was preempted
+           in this step) stops admission, so order is kept. A new group's prompt starts after its cached
            prefix. A waiting group whose next prompt blocks a request ahead of it is
            computing waits for them instead (prefill dedup, `_admit_waiting`): it is
            passed over, not a stop. n > 1 groups compute the prompt once in
@@ -292,7 +294,7 @@ class Scheduler:
         if served is None:
             served = self._serve_running(out, self.running, budget, 0, None)
         budget, num_seqs, self._num_running_seqs = served
-        if not out.preempted:
+        if len(out.preempted) == out.num_seat_preemptions:  # none for blocks
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
         if self._drafting is not None:  # this plan must be answered before the next is built
             wants = self._drafting.wants_drafts

@@ -244,8 +244,9 @@ def test_a_step_that_only_swaps_in_is_sent():
 
 def test_a_better_priority_takes_a_seat_from_the_worst_running_group():
     """max_num_seqs 2, both seats held by batch-like requests (priority 9): an online one
-    (priority 0) arriving preempts the latest of them (recompute) and runs the next step;
-    the other keeps decoding; the preempted one comes back when a seat frees."""
+    (priority 0) arriving preempts the latest of them (recompute) and takes its seat in
+    the same step; the other keeps decoding; the preempted one comes back when a seat
+    frees (never in the plan that dropped it)."""
     kv = KVCacheManager(64, 0, 16)
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=2,
                                           preemption_mode=PreemptionMode.RECOMPUTE))
@@ -255,9 +256,10 @@ def test_a_better_priority_takes_a_seat_from_the_worst_running_group():
     sched.add(_group("online", 8, arrival=5, start=200))
     out, plan = _step(sched, kv, 2)
     assert [(g.request_id, m) for g, m in out.preempted] == [("b1", PreemptionMode.RECOMPUTE)]
-    assert _scheduled(out) == [("b0#0", 1)] and plan.finished_ids == ["b1#0"]
+    assert _scheduled(out) == [("b0#0", 1), ("online#0", 8)] and plan.finished_ids == ["b1#0"]
+    assert [r.request_id for r in plan.new_requests] == ["online#0"]
     out, _ = _step(sched, kv, 3)
-    assert _scheduled(out) == [("b0#0", 1), ("online#0", 8)]
+    assert _scheduled(out) == [("online#0", 1), ("b0#0", 1)]
     assert [g.request_id for g in sched.waiting] == ["b1"]
 
 
