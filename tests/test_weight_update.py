@@ -177,3 +177,35 @@ def test_new_weights_on_a_gpu_through_the_graphs_captured_at_start(dirs):
     steps = runner.graph_steps
     _check(driver, dirs["new"], ["c", "d", "e"])
     assert runner.graph_steps > steps
+
+
+def test_adapters_stay_loaded_on_top_of_the_new_weights(tmp_path):
+    """A LoRA adapter (a --lora-modules one, and one loaded while serving) is a delta on the
+    weights: after an update each computes what transformers + PEFT compute with the same
+    adapter on the new checkpoint."""
+    pytest.importorskip("peft")
+    from pagedserve.protos.wire import LoraOp
+    from test_lora import peft_reference
+
+    from pagedserve.tinymodels import build_lora_adapter
+    old = build_model(tmp_path / "old", "qwen2", seed=0)
+    new = build_model(tmp_path / "new", "qwen2", seed=1)
+    static = build_lora_adapter(old, tmp_path / "static", rank=8, alpha=16, seed=1)
+    loaded = build_lora_adapter(old, tmp_path / "loaded", rank=4, alpha=8, seed=2,
+                                target_modules=("q_proj", "v_proj", "down_proj"))
+    runner = build_runner(str(old), num_gpu_blocks=96, num_cpu_blocks=0, block_size=8,
+                          progress=False, max_loras=2, max_lora_rank=8,
+                          lora_modules=(("static", str(static)),))
+    driver = Driver(runner)
+    result = runner.execute(driver.plan({}, lora_ops=[
+        LoraOp(name="loaded", load=True, path=str(loaded))]))
+    assert not result.lora_failed
+    assert _op(driver, new, load=False) == "" and _op(driver, new, load=True) == ""
+    cases = {"s": ("static", static, PROMPTS[0]), "l": ("loaded", loaded, PROMPTS[1]),
+             "b": ("", None, PROMPTS[0])}
+    for rid, (lora, _, prompt) in cases.items():
+        driver.add(rid, prompt, lora=lora)
+    driver.generate(list(cases), NUM_TOKENS)
+    for rid, (_, adapter, prompt) in cases.items():
+        ref, logits = peft_reference(new, adapter, prompt, NUM_TOKENS)
+        assert_greedy_equal(driver.seqs[rid].outputs, ref, logits)
