@@ -16,8 +16,10 @@ own safetensors (bfloat16, cast to float32 as they are copied). One JSON line a 
   the three ways an RL trainer can do it: ``wait`` (the default: the update waits for the
   running requests), ``abort`` (``abort_all_requests``: they end at once) and ``retract``
   (/pause_generation retract, the update, /continue_generation: they stop, then go on
-  computing their tokens again with the new weights). Figures: the calls' latency, the
-  streams' wall time (from their start to the last one's end), the tokens they got.
+  computing their tokens again with the new weights); ``keep`` (added after the first
+  three runs: /pause_generation keep, the streams frozen with their KV, then the update,
+  which retracts them, and the continue). Figures: the calls' latency, the streams' wall
+  time (from their start to the last one's end), the tokens they got.
 
     .venv/bin/python benchmarks/weight_update_bench.py [--model default] [--cycles 2]
         [--cases executor_ops,serve]
@@ -113,11 +115,11 @@ def _update_under_load(http: str, mode: str, path: str) -> dict:
     while not all(o.get("tokens") for o in outs):
         time.sleep(0.005)
     calls = []
-    if mode == "retract":
-        calls.append(post_timed(http, "/pause_generation", {"mode": "retract"})[1])
+    if mode in ("retract", "keep"):
+        calls.append(post_timed(http, "/pause_generation", {"mode": mode})[1])
     body = {"model_path": path, "abort_all_requests": mode == "abort"}
     calls.append(post_timed(http, "/update_weights_from_disk", body)[1])
-    if mode == "retract":
+    if mode in ("retract", "keep"):
         calls.append(post_timed(http, "/continue_generation", {})[1])
     for t in threads:
         t.join()
@@ -133,7 +135,7 @@ def serve(model: str, ckpts: list[Path], cycles: int, work: Path) -> None:
         own = [int(t) / 1e3 for t in EXECUTOR_LOAD.findall(log_path.read_text())]
         emit("serve_idle", cycles=cycles, update=ms(idle), executor_load=ms(own), threads=1)
         asked = sum((i + 1) * STEP_TOKENS for i in range(STREAMS))
-        for mode in ("wait", "abort", "retract"):
+        for mode in ("wait", "abort", "retract", "keep"):
             runs = [_update_under_load(http, mode, str(ckpts[i % 2])) for i in range(cycles)]
             emit(f"serve_{mode}", cycles=cycles, streams=STREAMS, tokens_asked=asked,
                  calls=ms([r["calls_s"] for r in runs]),
