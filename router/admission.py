@@ -124,7 +124,6 @@ def yield_seats(self: Scheduler, out: SchedulerOutput) -> None:
             return
         seats += len(victim.active_seqs())
         self._preempt(victim, out)
-        out.num_seat_preemptions = len(out.preempted)
 
 
 def retract(self: Scheduler, out: SchedulerOutput) -> None:

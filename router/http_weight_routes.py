@@ -35,7 +35,7 @@ from aiohttp import web
 
 from .errors import InvalidRequest, NotFound, PagedServeError
 from .frontend import Frontend
-from .http_errors import error_response, read_json
+from .http_errors import error_for, error_response, read_json
 
 LOAD_FORMATS = (None, "auto", "safetensors")
 
@@ -61,6 +61,15 @@ def _field(body: dict, key: str, kind: type, default):
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InvalidRequest(f"{key}: a {kind.__name__} is required", field=key)
     return value
+
+
+async def _vllm_reply(work, status: str) -> web.Response:
+    """vLLM's reply shapes: {"status": ...} once ``work()`` ran, {"error": ...} when not."""
+    try:
+        await work()
+    except PagedServeError as exc:
+        return web.json_response({"error": exc.message}, status=error_for(exc)[0])
+    return web.json_response({"status": status})
 
 
 class WeightRoutes:
@@ -96,8 +105,7 @@ class WeightRoutes:
             return error_response(exc)
         except PagedServeError as exc:
             return web.json_response({"success": False, "message": exc.message,
-                                      "num_paused_requests": 0},
-                                     status=error_response(exc).status)
+                                      "num_paused_requests": 0}, status=error_for(exc)[0])
         return web.json_response({"success": True,
                                   "message": "Succeeded to update model weights.",
                                   "num_paused_requests": waited})
@@ -125,20 +133,10 @@ class WeightRoutes:
         mode = query.get("mode") or (
             "wait" if query.get("wait_for_inflight_requests", "").lower() == "true"
             else "abort")
-        try:
-            await self.weights.pause(mode)
-        except PagedServeError as exc:
-            return web.json_response({"error": exc.message},
-                                     status=error_response(exc).status)
-        return web.json_response({"status": "paused"})
+        return await _vllm_reply(lambda: self.weights.pause(mode), "paused")
 
     async def resume_vllm(self, request: web.Request) -> web.Response:
-        try:
-            await self.weights.resume()
-        except PagedServeError as exc:
-            return web.json_response({"error": exc.message},
-                                     status=error_response(exc).status)
-        return web.json_response({"status": "resumed"})
+        return await _vllm_reply(lambda: self.weights.resume(), "resumed")
 
     async def is_paused(self, request: web.Request) -> web.Response:
         try:
@@ -163,5 +161,5 @@ class WeightRoutes:
         try:
             await self.weights.flush(idle_only=True)
         except PagedServeError as exc:
-            return web.Response(status=400, text=f"{exc.message}\n")
+            return web.Response(status=error_for(exc)[0], text=f"{exc.message}\n")
         return web.Response(text="Cache flushed.\n")

@@ -68,7 +68,6 @@ class SchedulerOutput:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
     dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
     preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
-    num_seat_preemptions: int = 0  # the first ones of `preempted`: for seats (admission.py)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -279,11 +278,24 @@ class Scheduler:
         self.pending_forks.clear()
         if self.hold == "freeze":  # paused in place (router/weight_sync.py): nothing runs
             self._num_running_seqs = sum(len(g.active_seqs()) for g in self.running)
-            if self._hold_older_pending and not out.empty:  # (drops: a plan is sent)
-                self._plans_sent += 1
-            return out
+        else:
+            self._serve_and_admit(out)
+        if self._drafting is not None:  # this plan must be answered before the next is built
+            wants = self._drafting.wants_drafts
+            out.rows.speculating = bool(out.rows.drafts) or any(
+                may_speculate(s.group) and wants(s) for s in out.rows.sampled)
+        if self._hold_older_pending and not out.empty:  # (sent)
+            self._plans_sent += 1
+            for seq in out.rows.sampled:
+                seq.sampled_plan = self._plans_sent
+        return out
+
+    def _serve_and_admit(self, out: SchedulerOutput) -> None:
+        """`schedule()`'s steps 1 and 2: seats for better priorities, the running groups,
+        then admission unless a group was preempted for blocks."""
         budget = self.config.max_num_batched_tokens
         self._yield_seats(out)  # admission held, or a better priority for a seat (admission.py)
+        num_seat_preemptions = len(out.preempted)
         served = None
         lane = self.lane
         if lane is not None:
@@ -294,17 +306,8 @@ class Scheduler:
         if served is None:
             served = self._serve_running(out, self.running, budget, 0, None)
         budget, num_seqs, self._num_running_seqs = served
-        if len(out.preempted) == out.num_seat_preemptions:  # none for blocks
+        if len(out.preempted) == num_seat_preemptions:  # none for blocks
             self._admit(out, budget, num_seqs)  # (sets a group's first_scheduled_time)
-        if self._drafting is not None:  # this plan must be answered before the next is built
-            wants = self._drafting.wants_drafts
-            out.rows.speculating = bool(out.rows.drafts) or any(
-                may_speculate(s.group) and wants(s) for s in out.rows.sampled)
-        if self._hold_older_pending and not out.empty:  # (sent)
-            self._plans_sent += 1
-            for seq in out.rows.sampled:
-                seq.sampled_plan = self._plans_sent
-        return out
 
     def _demand(self, group: RequestGroup, seq: Sequence) -> int:
         """Tokens of `seq` the loop would compute this step with budget to spare (0:
