@@ -275,6 +275,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "and gRPC health stay open; default: none needed)"),
     ("batch-dir", str, None, "router: a folder for the OpenAI Batch API's files and batches "
      "(POST /v1/files, /v1/batches; shared by the API workers); unset: the API is off"),
+    ("responses-store-mb", _non_negative_float, 128.0, "router: MiB of memory for stored "
+     "Responses (store: true, OpenAI's default): what previous_response_id, GET and DELETE "
+     "/v1/responses/{id} and background responses read, the least recently used dropped "
+     "past it (0: none kept, store ignored)"),
     ("allowed-origins", _allowed_origins, None, "router: web origins whose pages may call the "
      "HTTP API from a browser (CORS), comma-separated scheme://host[:port], or * for any "
      "(default: none)"),

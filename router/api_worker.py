@@ -35,7 +35,7 @@ from .edge_security import edge_security
 from .edges import edge_frontend, http_options
 from .grpc_server import start_server
 from .http_server import start_http_server
-from .remote_engine import MetricsRelay, RemoteEngine
+from .remote_engine import MetricsRelay, RemoteEngine, RemoteResponses
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("pagedserve.router.worker")
@@ -58,7 +58,8 @@ async def run_worker(args: argparse.Namespace, core: str, worker: int, grpc_port
         if http_port >= 0:
             http = await start_http_server(
                 frontend, args.host, http_port, max_model_len=info.max_model_len,
-                reuse_port=True, **http_options(args), **security)
+                reuse_port=True, **http_options(args), **security,
+                response_store=RemoteResponses(engine, args.responses_store_mb > 0))
     except OSError as exc:
         print(f"pagedserve api worker {worker}: {exc}", file=sys.stderr, flush=True)
         if server is not None:

@@ -17,6 +17,7 @@ longer grows with a gRPC write and a detokenization per stream.
     worker: Forget(id) / AbortCall(id) -> engine.abort(id);  StatusCall -> cluster_status
     worker: MetricsBatch -> replayed on the core's RouterMetrics (one /metrics for all)
     worker: WeightCall -> engine.weights (weight_sync.py; a task, as a LoraCall)
+    worker: ResponseCall -> the stored Responses (response_store.py; a task: `events` waits)
     worker: LoraCall -> engine.load_lora_adapter / unload_lora_adapter (a task: it waits
             for the executors), then EdgeStatus to every worker, then the Reply
     hub:    EdgeStatus to every worker on hello and whenever serving/draining/dtype change
@@ -52,6 +53,7 @@ from .edge_wire import (
     OutputItem,
     Outputs,
     Reply,
+    ResponseCall,
     StatusCall,
     StopSample,
     Submit,
@@ -59,6 +61,7 @@ from .edge_wire import (
     WeightCall,
 )
 from .errors import InvalidRequest, PagedServeError
+from .response_store import ResponseStore
 from .zmq_reader import SocketReader
 
 log = logging.getLogger("pagedserve.router.edge")
@@ -158,9 +161,11 @@ def _clear_columns(conn: WorkerConn) -> None:
 class EdgeHub:
     """The ROUTER socket API workers connect to, and what the core does for them."""
 
-    def __init__(self, engine, metrics) -> None:
+    def __init__(self, engine, metrics, responses: ResponseStore | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        # the workers' stored Responses (an empty store is falsy: `is None`, not `or`)
+        self.responses = responses if responses is not None else ResponseStore(0)
         self._dir = tempfile.mkdtemp(prefix="pagedserve-edge-")  # 0700: this user only
         self.address = f"ipc://{os.path.join(self._dir, 'core.sock')}"
         self._ctx = zmq.Context()
@@ -221,6 +226,7 @@ class EdgeHub:
         for request_id in lost:
             self.engine.abort(request_id)
         conn.requests.clear()
+        self.responses.worker_lost(index)  # its background responses failed
         conn.outbox.clear()
         _clear_columns(conn)
         conn.hello = None
@@ -339,8 +345,9 @@ class EdgeHub:
             self._send(conn, Reply(msg.call, found=engine.abort(msg.request_id)))
         elif isinstance(msg, StatusCall):
             self._send(conn, Reply(msg.call, status=engine.cluster_status()))
-        elif isinstance(msg, (LoraCall, WeightCall)):
-            call = self._lora_call if isinstance(msg, LoraCall) else self._weight_call
+        elif isinstance(msg, (LoraCall, WeightCall, ResponseCall)):
+            call = (self._lora_call if isinstance(msg, LoraCall) else
+                    self._weight_call if isinstance(msg, WeightCall) else self._response_call)
             task = asyncio.ensure_future(call(conn, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -405,6 +412,33 @@ class EdgeHub:
                 raise InvalidRequest(f"unknown weight call {msg.action!r}")
             return {}
         reply = await self._reply(conn, msg.call, "weight", work())
+        if conn.routing_id:
+            self._send(conn, reply)
+
+    async def _response_call(self, conn: WorkerConn, msg: ResponseCall) -> None:
+        """A worker's call on the stored Responses (an `events` call may wait for them)."""
+        store, rid = self.responses, msg.response_id
+
+        async def work() -> dict:
+            if msg.action == "put":
+                return {"found": await store.put(rid, msg.record, background=msg.background,
+                                                 request_ids=msg.request_ids,
+                                                 owner=conn.index, update=msg.update)}
+            if msg.action == "get":
+                record = await store.get(rid)
+                return {"found": record is not None, "data": record or b""}
+            if msg.action == "delete":
+                return {"found": await store.delete(rid)}
+            if msg.action == "cancel":
+                return {"data": await store.cancel(rid)}
+            if msg.action == "add_events":
+                await store.add_events(rid, msg.frames)
+                return {}
+            if msg.action == "events":
+                frames, over = await store.events(rid, msg.after, msg.wait_s)
+                return {"frames": frames, "found": over}
+            raise InvalidRequest(f"unknown response call {msg.action!r}")
+        reply = await self._reply(conn, msg.call, "response", work())
         if conn.routing_id:
             self._send(conn, reply)
 

@@ -2,7 +2,7 @@
 ROUTER (core) / DEALER (worker) pair over an ipc:// socket of the machine.
 
     worker -> core   EdgeHello (on connect), Submit / AbortCall / StatusCall / LoraCall /
-                     WeightCall (answered by a Reply with the same `call`), Forget (a request the worker gave up: no
+                     WeightCall / ResponseCall (answered by a Reply with the same `call`), Forget (a request the worker gave up: no
                      answer), StopSample (a stop string in a sample's text: no answer),
                      MetricsBatch (the worker's request metrics, replayed in the core)
     core -> worker   Reply, Outputs (every output of a step for this worker's requests, in one
@@ -21,10 +21,10 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 10  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+EDGE_PROTOCOL_VERSION = 11  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
 # 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter;
 # 8: SamplingSpec.embed, OutputItem.embedding; 9: LoraCall, EdgeStatus.lora_adapters;
-# 10: WeightCall, Reply.count
+# 10: WeightCall, Reply.count; 11: ResponseCall, Reply.data and frames
 
 
 class EdgeHello(msgspec.Struct, tag=True):
@@ -77,6 +77,24 @@ class WeightCall(msgspec.Struct, tag=True):
     idle_only: bool = False
 
 
+class ResponseCall(msgspec.Struct, tag=True):
+    """The core's stored Responses (router/response_store.py), `action`: "put" (`record`,
+    `background`, `request_ids`, `update`; Reply.found: kept), "get" (Reply.data: the record, found),
+    "delete" (found), "cancel" (Reply.data), "add_events" (`frames`), "events" (`after`,
+    waiting up to `wait_s`; Reply.frames, Reply.found: the stream is over)."""
+
+    call: int
+    action: str
+    response_id: str
+    record: bytes = b""
+    background: bool = False
+    request_ids: tuple[str, ...] = ()
+    update: bool = False
+    frames: list[bytes] = []
+    after: int = -1
+    wait_s: float = 0.0
+
+
 class Forget(msgspec.Struct, tag=True):
     """The worker's client went away (or the worker stopped reading): abort, no answer."""
 
@@ -104,6 +122,8 @@ class Reply(msgspec.Struct, tag=True):
     found: bool = False  # AbortCall
     status: ClusterStatusData | None = None  # StatusCall
     count: int = 0  # WeightCall
+    data: bytes = b""  # ResponseCall: a stored record
+    frames: list[bytes] = []  # ResponseCall: a background stream's events
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -154,8 +174,8 @@ class EdgeStop(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = (EdgeHello | Submit | AbortCall | StatusCall | LoraCall | WeightCall | Forget
-          | StopSample | MetricsBatch)
+ToCore = (EdgeHello | Submit | AbortCall | StatusCall | LoraCall | WeightCall | ResponseCall
+          | Forget | StopSample | MetricsBatch)
 ToWorker = Reply | Outputs | EdgeStatus | EdgeStop
 
 

@@ -38,9 +38,14 @@ class AlreadyExists(PagedServeError):
 
 
 class NotFound(PagedServeError):
-    """No live request has this id (Abort)."""
+    """No live request has this id (Abort); no stored response has this id. `field` names
+    the field that gave the id, if one did."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class QueueFull(PagedServeError):

@@ -44,7 +44,7 @@ def error_for(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, error object) for an exception that ended a request."""
     code = grpc_code(exc)
     status = http_status(code)
-    param = exc.field if isinstance(exc, InvalidRequest) else None
+    param = exc.field if isinstance(exc, (InvalidRequest, NotFound)) else None
     err_code = "model_not_found" if isinstance(exc, ModelNotFound) else code.name.lower()
     return status, error_json(status, grpc_details(exc), param, err_code)
 

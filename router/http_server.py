@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -53,6 +53,8 @@ from .http_errors import (
 )
 from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
+from .http_responses import ResponsesRoutes
+from .http_streams import merge_sessions, send_events
 from .http_weight_routes import add_weight_routes
 from .openai_embeddings import (
     as_embedding,
@@ -71,6 +73,7 @@ from .openai_protocol import (
     tokenize_request,
 )
 from .openai_responses import ChoiceWriter
+from .response_store import ResponseStore
 from .responses_api import ResponsesWriter, chat_body, response_field
 from .types import RequestOutput
 from .validation import prompt_from_pb, request_from_pb
@@ -84,6 +87,7 @@ THREADED_TOKENIZE_CHARS = 16_384
 # it, the access log does).
 CLIENT_CLOSED_REQUEST = 499
 SHUTDOWN_GRACE_S = 1.0
+RESPONSES_STORE_MB = 128.0  # --responses-store-mb's default
 # --------------------------------------------------------------------------- app
 
 
@@ -93,8 +97,9 @@ class OpenAIApp:
     def __init__(self, frontend: Frontend, served_model_name: str, max_model_len: int,
                  tool_call_parser: str = "none", reasoning_parser: str = "none",
                  api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, responses: ResponsesRoutes | None = None):
         self.frontend = frontend
+        self.responses = responses if responses is not None else ResponsesRoutes(ResponseStore(0))
         self.sampling_defaults = sampling_defaults or {}  # generation_defaults.py
         self.cors = Cors(allowed_origins) if allowed_origins else None
         self.api_keys = api_keys or ApiKeys()
@@ -132,6 +137,7 @@ class OpenAIApp:
         app.router.add_post("/detokenize", self.detokenize)
         add_lora_routes(app, self.frontend, self.served_names)
         add_weight_routes(app, self.frontend)
+        self.responses.add_routes(app)
         if batches is not None:
             batches.add_routes(app)
         return app
@@ -231,12 +237,16 @@ class OpenAIApp:
         arrival = time.monotonic()
         fe = self.frontend
         route = _ROUTES[kind]
+        turn = None  # a Responses request's turn of its stored conversation
         try:
             try:
                 base = request_base(request)
                 body = await read_json(request)
-                spec_body = with_defaults(route.to_chat(body) if route.to_chat else body,
-                                          self.sampling_defaults)
+                if kind == "responses":
+                    turn = await self.responses.turn(body)
+                    body = turn.body
+                spec_body = with_defaults(route.to_chat(turn.chat if turn else body)
+                                          if route.to_chat else body, self.sampling_defaults)
                 api = (completion_request(spec_body) if kind == "completions" else
                        chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
                 adapter = self._lora_adapter(body)
@@ -251,41 +261,60 @@ class OpenAIApp:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         response_id = route.prefix + base
         answer_id(request, response_id)
+        if turn is not None and base == request.headers.get("X-Request-Id"):
+            try:
+                await self.responses.check_new_id(turn, response_id)
+            except PagedServeError as exc:
+                fe.refused(exc, API, arrival)
+                return route.error_response(exc)
         created = int(time.time())
-        # Every session is entered (submitted) before the response starts, so a refused
-        # request gets its status; leaving the stack aborts and counts what did not finish.
         model = adapter or self._served_as(body)  # what the reply says served it
         writer = ChoiceWriter(api, response_id, created, model,
                               self._token_ids_text if api.tokens_as_ids else self._token_text)
         if route.writer is not None:  # the route's API over the chat path
             writer = route.writer(body, writer, response_id, created, model)
+        request_ids = [f"{response_id}-{i}" for i in range(len(api.requests))]
+
+        async def open_sessions(stack: AsyncExitStack) -> list[RequestSession]:
+            return [await stack.enter_async_context(self._session(pb, rid, arrival))
+                    for pb, rid in zip(api.requests, request_ids, strict=True)]
+        if turn is not None and turn.background:  # runs on without this connection
+            return await self.responses.start_background(
+                request, turn, writer, response_id, request_ids, open_sessions, api.stream)
         stream: web.StreamResponse | None = None
         try:
             try:
+                # Every session is entered (submitted) before the response starts, so a
+                # refused request gets its status; leaving the stack aborts and counts what
+                # did not finish.
                 async with AsyncExitStack() as stack:
-                    sessions = [await stack.enter_async_context(
-                        self._session(pb_request, f"{response_id}-{i}", arrival))
-                        for i, pb_request in enumerate(api.requests)]
+                    sessions = await open_sessions(stack)
                     writer.prompts = [s.spec.prompt_token_ids for s in sessions]
                     if not api.stream:
-                        async for i, out in _merge(sessions):
+                        async for i, out in merge_sessions(sessions):
                             writer.add(i, out)
-                        return web.Response(body=encode_json(writer.response()),
+                        reply = writer.response()
+                        if turn is not None:
+                            await self.responses.save(turn, response_id, writer.final)
+                        return web.Response(body=encode_json(reply),
                                             content_type="application/json")
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                          "Cache-Control": "no-cache"})
                     await stream.prepare(request)
-                    await _send(stream, writer.first_chunks(), writer)
-                    async for i, out in _merge(sessions):
-                        await _send(stream, writer.chunks(i, out), writer)  # one write an output
+                    await send_events(stream, writer.first_chunks(), writer)
+                    async for i, out in merge_sessions(sessions):
+                        await send_events(stream, writer.chunks(i, out), writer)
             except PagedServeError as exc:  # counted by the session it ended
                 if isinstance(exc, InvalidRequest):
                     exc = route.renamed(exc)
                 if stream is None:
                     return route.error_response(exc)
                 # the stream had started: the error as its last event
-                await _send(stream, writer.failure_chunks(error_for(exc)[1]), writer)
-            await _send(stream, writer.closing_chunks(), writer, done=writer.sse_done)
+                await send_events(stream, writer.failure_chunks(error_for(exc)[1]), writer)
+            closing = writer.closing_chunks()
+            if turn is not None:
+                await self.responses.save(turn, response_id, writer.final)
+            await send_events(stream, closing, writer, done=writer.sse_done)
             await stream.write_eof()
         except ConnectionError:
             # The client closed the connection and a write found it closing before aiohttp
@@ -323,7 +352,7 @@ class OpenAIApp:
                     sessions.append(await stack.enter_async_context(self._session(
                         pb_request, f"{response_id}-{i}", arrival, as_embedding,
                         functools.partial(input_field, index=i, of=of))))
-                async for i, out in _merge(sessions):
+                async for i, out in merge_sessions(sessions):
                     if out.finished:
                         outputs[i] = out
             if any(out is None or out.embedding is None for out in outputs):
@@ -389,48 +418,6 @@ def _built(build, made, refused):
         raise refused(exc) from None
 
 
-async def _send(stream: web.StreamResponse, chunks: list[dict], writer,
-                done: bool = False) -> None:
-    """Server-sent events for `chunks` (and the closing `[DONE]`), in one write; named
-    (`event: TYPE`) where the writer's API names them (the Responses API)."""
-    if writer.sse_named:
-        events = [b"event: " + chunk["type"].encode() + b"\ndata: " + encode_json(chunk) + b"\n\n"
-                  for chunk in chunks]
-    else:
-        events = [b"data: " + encode_json(chunk) + b"\n\n" for chunk in chunks]
-    if done:
-        events.append(b"data: [DONE]\n\n")
-    if events:
-        await stream.write(b"".join(events))
-
-
-async def _merge(sessions: list[RequestSession]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every session as they come; one session is iterated
-    directly. A failure of any ends the merge (the others are aborted by their sessions)."""
-    if len(sessions) == 1:
-        async for out in sessions[0]:
-            yield 0, out
-        return
-    iters = [aiter(s) for s in sessions]
-    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                try:
-                    out = task.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, out
-                pending[asyncio.ensure_future(anext(iters[i]))] = i
-    finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-
-
 @web.middleware
 async def _json_errors(request: web.Request, handler):
     """aiohttp's own errors (unknown route, wrong method, body too large) as OpenAI error
@@ -454,14 +441,17 @@ async def _json_errors(request: web.Request, handler):
 class HttpServer:
     """A started HTTP server (AppRunner: no signal handlers; the router drains)."""
 
-    def __init__(self, runner: web.AppRunner, port: int, batches: BatchApi | None = None):
+    def __init__(self, runner: web.AppRunner, port: int, batches: BatchApi | None,
+                 responses: ResponsesRoutes):
         self.runner = runner
         self.port = port
         self.batches = batches
+        self.responses = responses
 
     async def stop(self) -> None:
         if self.batches is not None:
             await self.batches.stop()
+        await self.responses.stop()
         await self.runner.cleanup()
 
 
@@ -471,14 +461,22 @@ async def start_http_server(
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
     api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
     sampling_defaults: dict | None = None, batch_dir: str | None = None, batch_window: int = 256,
+    responses_store_mb: float = RESPONSES_STORE_MB, response_store=None,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them). `batch_dir`: the Batch API's
-    files (batch_api.py), each batch `batch_window` requests at a time."""
+    files (batch_api.py), each batch `batch_window` requests at a time. `response_store`:
+    the stored Responses (an API worker's RemoteResponses), else a store of this process
+    of `responses_store_mb` MiB."""
+    if response_store is None:
+        response_store = ResponseStore(int(responses_store_mb * 2**20),
+                                       abort=frontend.engine.abort)
+    responses = ResponsesRoutes(response_store)
+
     def openai_app(keys, origins) -> OpenAIApp:
         return OpenAIApp(frontend, served_model_name, max_model_len, tool_call_parser,
-                         reasoning_parser, keys, tuple(origins), sampling_defaults)
+                         reasoning_parser, keys, tuple(origins), sampling_defaults, responses)
     batches = BatchApi(BatchStore(batch_dir), batch_window) if batch_dir else None
     app = openai_app(api_keys, allowed_origins).make_app(batches)
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
@@ -495,4 +493,4 @@ async def start_http_server(
     bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port 0 chose
     if batches is not None:
         await batches.start(openai_app(None, ()).make_app())
-    return HttpServer(runner, bound, batches)
+    return HttpServer(runner, bound, batches, responses)

@@ -46,6 +46,7 @@ from .edge_wire import (
     MetricsBatch,
     Outputs,
     Reply,
+    ResponseCall,
     StatusCall,
     StopSample,
     Submit,
@@ -220,6 +221,13 @@ class RemoteEngine:
     async def weight_call(self, **fields) -> Reply:
         """A WeightCall round trip; the core's error re-raised here."""
         reply = await self._call(lambda call: WeightCall(call, **fields))
+        if reply.error:
+            raise error_from(reply.error, reply.message)
+        return reply
+
+    async def response_call(self, **fields) -> Reply:
+        """A ResponseCall round trip; the core's error re-raised here."""
+        reply = await self._call(lambda call: ResponseCall(call, **fields))
         if reply.error:
             raise error_from(reply.error, reply.message)
         return reply
@@ -419,3 +427,40 @@ class RemoteWeights:
 
     async def flush(self, idle_only: bool) -> int:
         return (await self.engine.weight_call(action="flush", idle_only=idle_only)).count
+
+
+class RemoteResponses:
+    """router/response_store.ResponseStore's coroutines in an API worker: each is a
+    ResponseCall the core's store answers (so every worker reads the same responses)."""
+
+    def __init__(self, engine: RemoteEngine, enabled: bool) -> None:
+        self.engine = engine
+        self.enabled = enabled  # --responses-store-mb > 0, as in the core
+
+    async def put(self, response_id: str, record: bytes, *, background: bool = False,
+                  request_ids: tuple[str, ...] = (), update: bool = False) -> bool:
+        return (await self.engine.response_call(
+            action="put", response_id=response_id, record=record, background=background,
+            request_ids=tuple(request_ids), update=update)).found
+
+    async def get(self, response_id: str) -> bytes | None:
+        reply = await self.engine.response_call(action="get", response_id=response_id)
+        return reply.data if reply.found else None
+
+    async def delete(self, response_id: str) -> bool:
+        return (await self.engine.response_call(action="delete",
+                                                response_id=response_id)).found
+
+    async def cancel(self, response_id: str) -> bytes:
+        return (await self.engine.response_call(action="cancel",
+                                                response_id=response_id)).data
+
+    async def add_events(self, response_id: str, events: list[bytes]) -> None:
+        await self.engine.response_call(action="add_events", response_id=response_id,
+                                        frames=list(events))
+
+    async def events(self, response_id: str, after: int,
+                     wait_s: float) -> tuple[list[bytes], bool]:
+        reply = await self.engine.response_call(action="events", response_id=response_id,
+                                                after=after, wait_s=wait_s)
+        return list(reply.frames), reply.found

@@ -18,9 +18,10 @@ What maps to what:
   extras as they are. `include: ["message.output_text.logprobs"]` or `top_logprobs` ->
   chat's logprobs: the message's output_text part carries every output token's scores
   (a reasoning's tokens' too: chat scores tokens, not items), streamed on the text deltas.
-* Nothing is stored: `previous_response_id`, `conversation` and `background` are a 400
-  (send the conversation in `input`); `store` and `metadata` are accepted (metadata is
-  echoed).
+* `store` (default true), `previous_response_id` and `background` are the stored
+  responses' (responses_turns.py, http_responses.py: a turn's history is resolved before
+  this translation); `conversation` is a 400 (no Conversations API: send the conversation
+  in `input`, or chain with `previous_response_id`); `metadata` is echoed.
 
 The output items, in order: a `reasoning` item (with --reasoning-parser, when the model
 thought), a `message` with one `output_text` part (when it wrote text), one `function_call`
@@ -52,10 +53,8 @@ _SAME = ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed"
          "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
          "min_tokens", "priority", "cache_salt", "chat_template_kwargs", "include_reasoning",
          "skip_special_tokens", "stop_token_ids")
-_NOT_KEPT = {"previous_response_id": "stored responses are not kept: send the conversation "
-                                     "in input",
-             "conversation": "stored conversations are not kept: send them in input",
-             "background": "background responses are not supported"}
+_NOT_KEPT = {"conversation": "conversations are not kept (no Conversations API): send the "
+                             "conversation in input, or chain with previous_response_id"}
 
 
 def response_field(exc: InvalidRequest) -> InvalidRequest:
@@ -82,7 +81,8 @@ def chat_body(body: dict) -> dict:
     for key, why in _NOT_KEPT.items():
         if body.get(key):
             raise bad(key, why)
-    optional_bool(body, "store")  # accepted, nothing is stored
+    optional_bool(body, "store")
+    optional_bool(body, "background")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("metadata", f"must be an object, got {json_type(metadata)}")
@@ -93,7 +93,7 @@ def chat_body(body: dict) -> dict:
     instructions = optional_str(body, "instructions")
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    messages += _input_messages(body.get("input"))
+    messages += input_messages(body.get("input"))
     chat["messages"] = messages
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
@@ -118,7 +118,7 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
-def _input_messages(value: Any) -> list[dict]:
+def input_messages(value: Any) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -139,8 +139,9 @@ def _input_messages(value: Any) -> list[dict]:
                     "function": {"name": _string(item, "name", where),
                                  "arguments": _string(item, "arguments", where)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if last is not None and last["role"] == "assistant":
+                # the text and calls of one response, parallel calls: one assistant turn
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -277,7 +278,9 @@ class ResponsesWriter(WrappedChatWriter):
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "metadata": body.get("metadata") or {}, "store": False, "output": [],
+            "metadata": body.get("metadata") or {}, "store": body.get("store") is True,
+            "background": body.get("background") is True,
+            "previous_response_id": body.get("previous_response_id"), "output": [],
             "usage": None}
         self.seq = 0
         self.open: str | None = None  # the item being streamed: reasoning, message or call
@@ -289,6 +292,7 @@ class ResponsesWriter(WrappedChatWriter):
         self.message_scores: list[dict] = []  # logprobs the message's deltas carried
         self.finish: str | None = None
         self.failed = False
+        self.final: dict | None = None  # the finished Response (completed, incomplete, failed)
 
     # ------------------------------------------------------------------ unary
 
@@ -307,9 +311,10 @@ class ResponsesWriter(WrappedChatWriter):
 
     def _finished(self, output: list[dict], finish: str | None, usage: dict | None) -> dict:
         cut = finish == "length"
-        return {**self.base, "status": "incomplete" if cut else "completed",
-                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                "output": output, "usage": _usage(usage)}
+        self.final = {**self.base, "status": "incomplete" if cut else "completed",
+                      "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                      "output": output, "usage": _usage(usage)}
+        return self.final
 
     # ------------------------------------------------------------------ stream
 
@@ -417,8 +422,8 @@ class ResponsesWriter(WrappedChatWriter):
         """The stream's end when the request failed after it started."""
         self.failed = True
         err = error_event["error"]
-        failed = {**self.base, "status": "failed", "output": self.items,
-                  "error": {"code": err.get("code"), "message": err["message"]}}
+        failed = self.final = {**self.base, "status": "failed", "output": self.items,
+                               "error": {"code": err.get("code"), "message": err["message"]}}
         return [self._event("error", code=err.get("code"), message=err["message"],
                             param=err.get("param")),
                 self._event("response.failed", response=failed)]

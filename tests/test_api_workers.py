@@ -220,6 +220,64 @@ def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
                   'pagedserve_request_failure_total{api="http",code="CANCELLED"}') >= 1
 
 
+def test_stored_responses_are_one_store_for_both_workers(cluster):
+    """The OpenAI SDK, a new connection a call (so calls land on either worker): a stored
+    Response read back anywhere; a turn continued by previous_response_id equals the same
+    conversation sent whole (greedy) and reuses the first turn's cached blocks; a background
+    response cancelled through another connection frees its blocks; a background stream left
+    after 5 events is read again from event 4 to its end."""
+    import openai
+
+    def client():
+        return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                             max_retries=0, timeout=60)
+    model = Path(cluster.model_dir).name
+    kw = dict(model=model, max_output_tokens=6, temperature=0)
+    question = " ".join(PROMPTS)  # several blocks of prompt
+    first = client().responses.create(input=question, **kw)
+    assert first.store and first.output_text
+    for _ in range(6):
+        assert client().responses.retrieve(first.id).output_text == first.output_text
+    second = client().responses.create(input="Go on", previous_response_id=first.id, **kw)
+    whole = client().responses.create(input=[
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Go on"}], store=False, **kw)
+    assert second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    items = client().responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in items] == ["message"] * 3 and items[1].id == first.output[0].id
+
+    bg = client().responses.create(input="A long story", background=True, model=model,
+                                   max_output_tokens=3000, extra_body={"ignore_eos": True})
+    assert bg.status == "queued"
+    deadline = time.monotonic() + 30
+    while client().responses.retrieve(bg.id).status == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client().responses.cancel(bg.id).status == "cancelled"
+    assert cluster.wait_blocks_free(timeout_s=20).executors[0].num_free_gpu_blocks == 256
+    assert client().responses.retrieve(bg.id).status == "cancelled"
+
+    head = []
+    with client().responses.create(input="Count", background=True, stream=True,
+                                   **{**kw, "max_output_tokens": 20}) as stream:
+        for event in stream:
+            head.append(event)
+            if len(head) == 5:
+                break
+    rid = head[0].response.id
+    rest = list(client().responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.sequence_number for e in rest] == list(range(4, 4 + len(rest)))
+    assert rest[0] == head[4] and rest[-1].type == "response.incomplete"
+    final = client().responses.retrieve(rid)
+    assert final.output_text == rest[-1].response.output_text and final.background
+    client().responses.delete(rid)
+    with pytest.raises(openai.NotFoundError):
+        client().responses.retrieve(rid)
+
+
 def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):
     """The workers validate and compile formats and build tool-call replies: a choice format
     with a logit bias, a named tool call, a bad format's 400 naming the client's field; and

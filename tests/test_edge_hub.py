@@ -9,13 +9,21 @@ import asyncio
 import dataclasses
 
 import grpc
+import msgspec
 import pytest
 import zmq
 from pagedserve.router.edge_hub import EdgeHub
 from pagedserve.router.edge_wire import Forget, MetricsBatch, Outputs, StopSample
-from pagedserve.router.errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
+from pagedserve.router.errors import (
+    AlreadyExists,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+    Unavailable,
+)
 from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.remote_engine import MetricsRelay, RemoteEngine
+from pagedserve.router.remote_engine import MetricsRelay, RemoteEngine, RemoteResponses
+from pagedserve.router.response_store import ResponseStore
 from pagedserve.router.types import (
     ClusterStatusData,
     CompletionDelta,
@@ -446,3 +454,49 @@ def test_observe_many_counts_as_one_observe_per_value():
     assert bulk.registry.get_sample_value(f"{name}_sum") == pytest.approx(sum(values))
     with pytest.raises(ValueError, match="not an edge histogram"):
         bulk.observe_many("set_executor_gauges", 1.0)
+
+
+def _record(status: str) -> bytes:
+    return msgspec.json.encode({"response": {"status": status, "error": None},
+                                "input_items": []})
+
+
+def test_stored_responses_are_one_store_for_every_worker():
+    """A response stored through worker 0 is read, streamed, cancelled (its request
+    aborted in the core) and deleted through worker 1; errors keep their class; a lost
+    worker's running background responses fail."""
+    async def main():
+        async with Rig() as rig:
+            rig.hub.responses = store = ResponseStore(1 << 20, abort=rig.core.abort)
+            r0, r1 = (RemoteResponses(w, enabled=True) for w in rig.workers)
+            await rig.workers[0].submit(spec("resp_a-0"))
+            assert await r0.put("resp_a", _record("queued"), background=True,
+                                request_ids=("resp_a-0",))
+            assert await r1.get("resp_a") == _record("queued")
+            assert await r1.get("resp_b") is None
+            waiting = asyncio.ensure_future(r1.events("resp_a", -1, 5.0))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # nothing yet: it waits
+            await r0.add_events("resp_a", [b"e0", b"e1"])
+            assert await asyncio.wait_for(waiting, 5) == ([b"e0", b"e1"], False)
+            assert await r1.events("resp_a", 0, 0) == ([b"e1"], False)
+            cancelled = await r1.cancel("resp_a")
+            assert msgspec.json.decode(cancelled)["response"]["status"] == "cancelled"
+            assert "resp_a-0" not in rig.core.live  # aborted in the core
+            assert not await r0.put("resp_a", _record("completed"), update=True)
+            assert await r1.events("resp_a", 1, 5.0) == ([], True)  # over, at once
+            with pytest.raises(NotFound):
+                await r1.cancel("resp_b")
+            assert await r0.put("resp_c", _record("completed"))
+            with pytest.raises(InvalidRequest):
+                await r1.cancel("resp_c")  # not a background one
+            assert await r1.delete("resp_c") and not await r1.delete("resp_c")
+            assert not await r1.put("resp_c", _record("in_progress"), update=True)
+            assert await r0.put("resp_d", _record("in_progress"), background=True)
+            assert await r1.put("resp_e", _record("in_progress"), background=True)
+            rig.hub.worker_lost(0)
+            failed = msgspec.json.decode(await store.get("resp_d"))["response"]
+            assert failed["status"] == "failed" and "API worker" in failed["error"]["message"]
+            assert msgspec.json.decode(await store.get("resp_e"))["response"]["status"] == \
+                "in_progress"
+    asyncio.run(main())

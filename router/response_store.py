@@ -1,0 +1,211 @@
+"""Stored Responses (OpenAI's `store`, on by default): what `previous_response_id`,
+`GET /v1/responses/{id}`, `DELETE`, `input_items` and background responses read.
+
+One store lives in the process that owns the engine (the router; with API workers the
+workers reach it through ResponseCalls, remote_engine.RemoteResponses), so a response
+created through one worker is found through any other. An entry is the Response's record
+as JSON bytes (`{"response": Response, "input_items": [...]}`, the HTTP edge's
+http_responses.py writes and reads it), its status, and for a background stream the
+stream's events so far (each an encoded event), so a client can read them again
+(`GET ...?stream=true&starting_after=N`) while the response runs or after.
+
+Memory is bounded by `max_bytes` (--responses-store-mb): the records' and events' bytes.
+Past it the least recently used finished entries are dropped (a later read: 404); a
+queued or running background response is never dropped. A finished entry is never
+replaced: the background run that finishes after a cancel finds its record cancelled and
+keeps it so. A cancel calls `abort` (the engine's, by request id) for the entry's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from .errors import InvalidRequest, NotFound
+
+log = logging.getLogger(__name__)
+
+LIVE = ("queued", "in_progress")  # a background response not finished yet
+LOCAL = -1  # the owner of an entry put by this process (else: the API worker's index)
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass
+class StoredEntry:
+    record: bytes
+    status: str
+    background: bool
+    request_ids: tuple[str, ...] = ()
+    owner: int = LOCAL
+    events: list[bytes] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def size(self) -> int:
+        return len(self.record) + sum(len(e) for e in self.events)
+
+
+def stored_status(record: bytes) -> str:
+    return _decode(record)["response"]["status"]
+
+
+class ResponseStore:
+    """The stored Responses of this router (see the module docstring). Its methods are
+    coroutines, as RemoteResponses' are."""
+
+    def __init__(self, max_bytes: int, abort: Callable[[str], bool] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.abort = abort  # the engine's abort by request id (a cancel's)
+        self._entries: OrderedDict[str, StoredEntry] = OrderedDict()
+        self.bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def put(self, response_id: str, record: bytes, *, background: bool = False,
+                  request_ids: tuple[str, ...] = (), owner: int = LOCAL,
+                  update: bool = False) -> bool:
+        """Store a response's record, or replace a queued or running one's (`update`: only
+        that); False when it is not kept: the store is off, the entry finished already (a
+        cancelled one stays cancelled), `update` found none (deleted), or it would not fit
+        even alone."""
+        if not self.enabled:
+            return False
+        status = stored_status(record)
+        old = self._entries.get(response_id)
+        if old is not None:
+            if old.status not in LIVE:
+                return False
+            self.bytes -= old.size
+            old.record, old.status = record, status
+            old.request_ids = request_ids or old.request_ids
+            entry = old
+            entry.changed.set()
+        elif update:
+            return False
+        else:
+            entry = self._entries[response_id] = StoredEntry(record, status, background,
+                                                             request_ids, owner)
+        self._entries.move_to_end(response_id)
+        self.bytes += entry.size
+        self._evict(keep=response_id)
+        if self.bytes > self.max_bytes and entry.status not in LIVE:
+            self._drop(response_id)
+            log.warning("response %s (%d bytes) does not fit in the response store "
+                        "(--responses-store-mb, %d bytes, %d held by running background "
+                        "responses); not stored", response_id, entry.size, self.max_bytes,
+                        self.bytes - entry.size)
+            return False
+        return True
+
+    async def get(self, response_id: str) -> bytes | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry.record
+
+    async def delete(self, response_id: str) -> bool:
+        """Forget a response (a running background one is aborted first)."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return False
+        if entry.status in LIVE:
+            self._abort(entry)
+        self._drop(response_id)
+        return True
+
+    async def cancel(self, response_id: str) -> bytes:
+        """A background response cancelled: its record with status "cancelled" (a finished
+        one's unchanged: cancelling is idempotent); its requests aborted."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise NotFound(f"no stored response has the id {response_id!r}")
+        if not entry.background:
+            raise InvalidRequest("only a response created with background: true can be "
+                                 "cancelled", field="response_id")
+        if entry.status in LIVE:
+            self._finish_as(entry, "cancelled", None)
+            self._abort(entry)
+            self._evict(keep=response_id)
+        return entry.record
+
+    async def add_events(self, response_id: str, events: list[bytes]) -> None:
+        """A background stream's next events (encoded), in order."""
+        entry = self._entries.get(response_id)
+        if entry is None or entry.status not in LIVE:
+            return  # cancelled, deleted or evicted: nobody reads them any more
+        entry.events += events
+        self.bytes += sum(len(e) for e in events)
+        entry.changed.set()
+        self._evict(keep=response_id)
+
+    async def events(self, response_id: str, after: int,
+                     wait_s: float) -> tuple[list[bytes], bool]:
+        """A background stream's events with a sequence number above `after` (-1: all),
+        waiting up to `wait_s` for one when there is none yet; and whether the stream is
+        over (every event it will have is in the store). NotFound when it is not stored,
+        InvalidRequest when it was not streamed in the background."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise NotFound(f"no stored response has the id {response_id!r}")
+        if not entry.background:
+            raise InvalidRequest("only a response created with background: true can be "
+                                 "streamed again", field="stream")
+        if len(entry.events) <= after + 1 and entry.status in LIVE and wait_s > 0:
+            entry.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), wait_s)
+        return entry.events[after + 1:], entry.status not in LIVE
+
+    def worker_lost(self, owner: int) -> None:
+        """The API worker running some background responses is gone: they failed."""
+        for entry in list(self._entries.values()):
+            if entry.owner == owner and entry.status in LIVE:
+                self._finish_as(entry, "failed", {
+                    "code": "server_error",
+                    "message": "the API worker running this response stopped"})
+
+    # ------------------------------------------------------------------ internals
+
+    def _finish_as(self, entry: StoredEntry, status: str, error: dict | None) -> None:
+        record = _decode(entry.record)
+        record["response"]["status"] = status
+        if error is not None:
+            record["response"]["error"] = error
+        self.bytes -= len(entry.record)
+        entry.record, entry.status = _encode(record), status
+        self.bytes += len(entry.record)
+        entry.changed.set()
+
+    def _abort(self, entry: StoredEntry) -> None:
+        if self.abort is not None:
+            for request_id in entry.request_ids:
+                self.abort(request_id)
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id)
+        self.bytes -= entry.size
+        entry.changed.set()  # a reader waiting on it finds it gone
+
+    def _evict(self, keep: str) -> None:
+        """The least recently used finished entries dropped until the store fits."""
+        if self.bytes <= self.max_bytes:
+            return
+        for response_id in [rid for rid, e in self._entries.items()
+                            if rid != keep and e.status not in LIVE]:
+            self._drop(response_id)
+            if self.bytes <= self.max_bytes:
+                return

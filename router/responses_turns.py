@@ -1,0 +1,101 @@
+"""A Responses request as one turn of a stored conversation: its `previous_response_id`
+resolved into the items before its own input, and what is stored once it has answered.
+
+A stored record is `{"response": Response, "input_items": [...]}`: the input items are the
+whole conversation the model was given, each with an `id` (a string input becomes a user
+message item; a message's string content an input_text or output_text part): the previous
+response's input items, its output items, then this request's own input. A turn that
+names a previous response continues from exactly that: its input items and output (a
+reasoning item is kept but, as in any input, not shown to the model again), then the new
+input. As OpenAI's, `instructions` are not carried over (each request gives its own).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .errors import NotFound
+from .openai_fields import bad, optional_bool, optional_str
+from .response_store import LIVE
+from .responses_api import input_messages
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True)
+class ResponseTurn:
+    body: dict  # the client's body, `store` its effective value (what the Response echoes)
+    chat: dict  # the body to translate (responses_api.chat_body): `input` every item
+    items: list[dict]  # every input item with an id: the record's input_items
+    store: bool  # the response is stored once it has answered
+    background: bool
+
+    def record(self, response: dict) -> bytes:
+        """The stored record of this turn's Response."""
+        return _encode({"response": response, "input_items": self.items})
+
+
+def stored_response(record: bytes) -> dict:
+    return _decode(record)["response"]
+
+
+def stored_input_items(record: bytes) -> list[dict]:
+    return _decode(record)["input_items"]
+
+
+async def resolve_turn(store, body: dict) -> ResponseTurn:
+    """The turn a Responses body asks for (InvalidRequest naming the field; NotFound for a
+    previous response the store does not hold). `store`: a ResponseStore or
+    RemoteResponses."""
+    asked = optional_bool(body, "store")
+    keep = asked is not False and store.enabled
+    background = optional_bool(body, "background") is True
+    previous = optional_str(body, "previous_response_id")
+    if background and asked is False:
+        raise bad("background", "needs store: true (a background response is read from the "
+                  "store)")
+    if (background or previous) and not store.enabled:
+        raise bad("background" if background else "previous_response_id",
+                  "this server keeps no responses (--responses-store-mb 0)")
+    own = input_items(body.get("input"))
+    history: list[dict] = []
+    if previous:
+        record = await store.get(previous)
+        if record is None:
+            raise NotFound(f"no stored response has the id {previous!r} (never stored, "
+                           "deleted, or dropped from the store)", field="previous_response_id")
+        earlier = _decode(record)
+        status = earlier["response"]["status"]
+        if status in LIVE:
+            raise bad("previous_response_id", f"the response {previous!r} is still {status}: "
+                      "continue from it once it has finished")
+        history = earlier["input_items"] + earlier["response"]["output"]
+    items = history + own
+    chat = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
+    chat["input"] = items
+    return ResponseTurn({**body, "store": keep}, chat, items, keep, background)
+
+
+def input_items(value: Any) -> list[dict]:
+    """A body's `input` as items with ids (InvalidRequest naming the field)."""
+    input_messages(value)  # every item checked, errors naming the client's own indexes
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message" if "role" in item else None)
+        item = {**item, "type": kind}
+        if not item.get("id"):
+            item["id"] = f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}"
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items

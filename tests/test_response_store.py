@@ -1,0 +1,197 @@
+"""The stored Responses (router/response_store.py): exact byte accounting, least recently
+used eviction of finished entries only, a finished entry never replaced (a cancel wins over
+the run's end), cancels aborting their requests; and a stateful machine against a model of
+the store under any sequence of puts, updates, reads, events, cancels and deletes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+import msgspec
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from pagedserve.router.errors import InvalidRequest, NotFound
+from pagedserve.router.response_store import LIVE, ResponseStore
+
+STATUSES = ("queued", "in_progress", "completed", "incomplete", "failed")
+
+
+def record(status: str, pad: int = 0) -> bytes:
+    return msgspec.json.encode({"response": {"status": status, "error": None, "pad": "x" * pad},
+                                "input_items": []})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_eviction_drops_the_least_recently_used_finished_entries():
+    async def main():
+        size = len(record("completed"))
+        store = ResponseStore(3 * size)
+        for rid in "abc":
+            assert await store.put(rid, record("completed"))
+        assert store.bytes == 3 * size
+        await store.get("a")  # a is now the most recently used
+        assert await store.put("d", record("completed"))
+        assert [await store.get(r) is not None for r in "abcd"] == [True, False, True, True]
+        assert store.bytes == 3 * size and len(store) == 3
+        # a running background response is never dropped, even past the budget
+        assert await store.put("live", record("in_progress", pad=2 * size), background=True)
+        assert await store.get("live") is not None and len(store) == 1
+        # a finished entry larger than the whole store is not kept
+        assert not await store.put("huge", record("completed", pad=4 * size))
+        assert await store.get("huge") is None
+        assert store.bytes == len(record("in_progress", pad=2 * size))
+    run(main())
+
+
+def test_a_finished_entry_is_never_replaced_and_a_cancel_aborts():
+    async def main():
+        aborted = []
+        store = ResponseStore(1 << 20, abort=lambda rid: aborted.append(rid) or True)
+        assert await store.put("r", record("queued"), background=True, request_ids=("r-0",))
+        assert await store.put("r", record("in_progress"), update=True)
+        cancelled = msgspec.json.decode(await store.cancel("r"))["response"]
+        assert cancelled["status"] == "cancelled" and aborted == ["r-0"]
+        assert not await store.put("r", record("completed"), update=True)  # the run's end
+        assert await store.cancel("r") == await store.get("r")  # idempotent
+        assert aborted == ["r-0"]
+        assert not await store.put("gone", record("in_progress"), update=True)
+        assert await store.put("f", record("completed"))
+        with pytest.raises(InvalidRequest):
+            await store.cancel("f")
+        with pytest.raises(NotFound):
+            await store.cancel("nope")
+        with pytest.raises(NotFound):
+            await store.events("nope", -1, 0)
+        assert await store.put("s", record("in_progress"), background=True,
+                               request_ids=("s-0",))
+        assert await store.delete("s") and aborted == ["r-0", "s-0"]
+        off = ResponseStore(0)
+        assert not off.enabled and not await off.put("x", record("completed"))
+    run(main())
+
+
+def test_a_reader_waits_for_events_and_the_end():
+    async def main():
+        store = ResponseStore(1 << 20)
+        await store.put("r", record("in_progress"), background=True)
+        reader = asyncio.ensure_future(store.events("r", -1, 5.0))
+        await asyncio.sleep(0.01)
+        await store.add_events("r", [b"a", b"b"])
+        assert await reader == ([b"a", b"b"], False)
+        reader = asyncio.ensure_future(store.events("r", 1, 5.0))
+        await asyncio.sleep(0.01)
+        await store.put("r", record("completed"), update=True)
+        assert await reader == ([], True)
+        assert store.bytes == len(record("completed")) + 2
+        assert await store.events("r", -1, 5.0) == ([b"a", b"b"], True)
+    run(main())
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """The store against a model: an ordered dict id -> [status, background, record,
+    event bytes], least recently used first."""
+
+    IDS = st.sampled_from("abcdef")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max = 3 * len(record("completed", 40))
+        self.aborted: list[str] = []
+        self.store = ResponseStore(self.max, abort=self.aborted.append)
+        self.model: OrderedDict[str, list] = OrderedDict()
+        self.finished: dict[str, bytes] = {}  # the record each entry finished with
+
+    def _size(self, entry) -> int:
+        return len(entry[2]) + entry[3]
+
+    def _bytes(self) -> int:
+        return sum(self._size(e) for e in self.model.values())
+
+    def _evict(self, keep: str) -> None:
+        for rid in [r for r, e in self.model.items() if r != keep and e[0] not in LIVE]:
+            if self._bytes() <= self.max:
+                return
+            del self.model[rid]
+
+    @rule(rid=IDS, status=st.sampled_from(STATUSES), pad=st.integers(0, 120),
+          background=st.booleans(), update=st.booleans())
+    def put(self, rid, status, pad, background, update):
+        rec = record(status, pad)
+        kept = run(self.store.put(rid, rec, background=background, request_ids=(rid,),
+                                  update=update))
+        old = self.model.get(rid)
+        if old is not None and old[0] not in LIVE or old is None and update:
+            assert not kept
+            return
+        if old is None:
+            self.model[rid] = [status, background, rec, 0]
+        else:
+            old[0], old[2] = status, rec
+        self.model.move_to_end(rid)
+        self._evict(keep=rid)
+        if self._bytes() > self.max and status not in LIVE:
+            del self.model[rid]
+            assert not kept
+            return
+        assert kept
+
+    @rule(rid=IDS)
+    def get(self, rid):
+        got = run(self.store.get(rid))
+        assert got == (self.model[rid][2] if rid in self.model else None)
+        if rid in self.model:
+            self.model.move_to_end(rid)
+
+    @rule(rid=IDS, n=st.integers(1, 60))
+    def add_events(self, rid, n):
+        run(self.store.add_events(rid, [b"e" * n]))
+        entry = self.model.get(rid)
+        if entry is not None and entry[0] in LIVE:
+            entry[3] += n
+            self._evict(keep=rid)
+
+    @rule(rid=IDS)
+    def cancel(self, rid):
+        entry = self.model.get(rid)
+        if entry is None or not entry[1]:
+            with pytest.raises(NotFound if entry is None else InvalidRequest):
+                run(self.store.cancel(rid))
+            return
+        got = run(self.store.cancel(rid))
+        if entry[0] in LIVE:
+            entry[0], entry[2] = "cancelled", got
+            assert self.aborted[-1] == rid
+            self._evict(keep=rid)
+        assert msgspec.json.decode(got)["response"]["status"] == entry[0]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def delete(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        assert run(self.store.delete(rid))
+        del self.model[rid]
+
+    @invariant()
+    def agrees(self):
+        assert self.store.bytes == self._bytes()
+        assert len(self.store) == len(self.model)
+        for rid, entry in self.model.items():
+            if entry[0] not in LIVE:  # once finished, never replaced
+                assert self.finished.setdefault(rid, entry[2]) == entry[2]
+            else:
+                self.finished.pop(rid, None)
+        for rid in list(self.finished):
+            if rid not in self.model:
+                del self.finished[rid]
+        if self.store.bytes > self.max:  # only running ones and the entry last finished
+            assert sum(e[0] not in LIVE for e in self.model.values()) <= 1
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
