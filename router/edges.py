@@ -90,7 +90,7 @@ class WorkerEdges:
     async def start(cls, args, engine, metrics) -> WorkerEdges:
         # the workers' stored Responses, in this process (one store for all of them)
         hub = EdgeHub(engine, metrics, ResponseStore(int(args.responses_store_mb * 2**20),
-                                                     abort=engine.abort))
+                                                     abort=engine.abort, metrics=metrics))
         hub.start()
         workers = ApiWorkers(hub, args, args.api_workers)
         try:

@@ -471,7 +471,7 @@ async def start_http_server(
     of `responses_store_mb` MiB."""
     if response_store is None:
         response_store = ResponseStore(int(responses_store_mb * 2**20),
-                                       abort=frontend.engine.abort)
+                                       abort=frontend.engine.abort, metrics=frontend.metrics)
     responses = ResponsesRoutes(response_store)
 
     def openai_app(keys, origins) -> OpenAIApp:

@@ -61,9 +61,11 @@ class ResponseStore:
     """The stored Responses of this router (see the module docstring). Its methods are
     coroutines, as RemoteResponses' are."""
 
-    def __init__(self, max_bytes: int, abort: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, max_bytes: int, abort: Callable[[str], bool] | None = None,
+                 metrics=None) -> None:
         self.max_bytes = max_bytes
         self.abort = abort  # the engine's abort by request id (a cancel's)
+        self.metrics = metrics  # RouterMetrics: the responses_stored* gauges, drops
         self._entries: OrderedDict[str, StoredEntry] = OrderedDict()
         self.bytes = 0
 
@@ -101,8 +103,9 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         self.bytes += entry.size
         self._evict(keep=response_id)
+        self._publish()
         if self.bytes > self.max_bytes and entry.status not in LIVE:
-            self._drop(response_id)
+            self._drop(response_id, dropped=True)
             log.warning("response %s (%d bytes) does not fit in the response store "
                         "(--responses-store-mb, %d bytes, %d held by running background "
                         "responses); not stored", response_id, entry.size, self.max_bytes,
@@ -140,6 +143,7 @@ class ResponseStore:
             self._finish_as(entry, "cancelled", None)
             self._abort(entry)
             self._evict(keep=response_id)
+            self._publish()
         return entry.record
 
     async def add_events(self, response_id: str, events: list[bytes]) -> None:
@@ -151,6 +155,7 @@ class ResponseStore:
         self.bytes += sum(len(e) for e in events)
         entry.changed.set()
         self._evict(keep=response_id)
+        self._publish()
 
     async def events(self, response_id: str, after: int,
                      wait_s: float) -> tuple[list[bytes], bool]:
@@ -177,6 +182,8 @@ class ResponseStore:
                 self._finish_as(entry, "failed", {
                     "code": "server_error",
                     "message": "the API worker running this response stopped"})
+        self._evict(keep="")
+        self._publish()
 
     # ------------------------------------------------------------------ internals
 
@@ -195,10 +202,19 @@ class ResponseStore:
             for request_id in entry.request_ids:
                 self.abort(request_id)
 
-    def _drop(self, response_id: str) -> None:
+    def _drop(self, response_id: str, dropped: bool = False) -> None:
+        """Forget an entry (`dropped`: to fit the budget, counted)."""
         entry = self._entries.pop(response_id)
         self.bytes -= entry.size
         entry.changed.set()  # a reader waiting on it finds it gone
+        if dropped and self.metrics is not None:
+            self.metrics.responses_dropped.inc()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.responses_stored.set(len(self._entries))
+            self.metrics.responses_stored_bytes.set(self.bytes)
 
     def _evict(self, keep: str) -> None:
         """The least recently used finished entries dropped until the store fits."""
@@ -206,6 +222,6 @@ class ResponseStore:
             return
         for response_id in [rid for rid, e in self._entries.items()
                             if rid != keep and e.status not in LIVE]:
-            self._drop(response_id)
+            self._drop(response_id, dropped=True)
             if self.bytes <= self.max_bytes:
                 return

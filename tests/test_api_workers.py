@@ -273,9 +273,12 @@ def test_stored_responses_are_one_store_for_both_workers(cluster):
     assert rest[0] == head[4] and rest[-1].type == "response.incomplete"
     final = client().responses.retrieve(rid)
     assert final.output_text == rest[-1].response.output_text and final.background
+    stored = metric(cluster.metrics(), "pagedserve_responses_stored ")
     client().responses.delete(rid)
     with pytest.raises(openai.NotFoundError):
         client().responses.retrieve(rid)
+    assert stored >= 4 and metric(cluster.metrics(), "pagedserve_responses_stored ") == \
+        stored - 1  # the core's store: every worker's responses
 
 
 def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):

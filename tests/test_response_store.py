@@ -14,7 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pagedserve.router.errors import InvalidRequest, NotFound
+from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.response_store import LIVE, ResponseStore
+from prometheus_client import CollectorRegistry
 
 STATUSES = ("queued", "in_progress", "completed", "incomplete", "failed")
 
@@ -31,7 +33,8 @@ def run(coro):
 def test_eviction_drops_the_least_recently_used_finished_entries():
     async def main():
         size = len(record("completed"))
-        store = ResponseStore(3 * size)
+        metrics = RouterMetrics(registry=CollectorRegistry())
+        store = ResponseStore(3 * size, metrics=metrics)
         for rid in "abc":
             assert await store.put(rid, record("completed"))
         assert store.bytes == 3 * size
@@ -39,6 +42,8 @@ def test_eviction_drops_the_least_recently_used_finished_entries():
         assert await store.put("d", record("completed"))
         assert [await store.get(r) is not None for r in "abcd"] == [True, False, True, True]
         assert store.bytes == 3 * size and len(store) == 3
+        assert (metrics.responses_stored._value.get(), metrics.responses_stored_bytes._value
+                .get(), metrics.responses_dropped._value.get()) == (3, 3 * size, 1)
         # a running background response is never dropped, even past the budget
         assert await store.put("live", record("in_progress", pad=2 * size), background=True)
         assert await store.get("live") is not None and len(store) == 1
@@ -46,6 +51,8 @@ def test_eviction_drops_the_least_recently_used_finished_entries():
         assert not await store.put("huge", record("completed", pad=4 * size))
         assert await store.get("huge") is None
         assert store.bytes == len(record("in_progress", pad=2 * size))
+        assert metrics.responses_stored_bytes._value.get() == store.bytes
+        assert metrics.responses_dropped._value.get() == 5  # b, then a, c, d; then huge
     run(main())
 
 
