@@ -28,10 +28,14 @@ traceback or ERROR line in any process's whole log, no failed check. One JSON li
 
     .venv/bin/python benchmarks/http_soak.py [--duration 90] [--executors 2] [--clients 8]
         [--api-workers 0] [--num-gpu-blocks 96] [--shared-prefixes K] [--kill-at S]
+        [--responses N]
 
 `--shared-prefixes K`: prompts start with one of K long prefixes (prefix-cache hits,
 requests waiting for a prefix being computed); `--kill-at S`: SIGKILL the first executor S
-seconds in (its requests move; the survivors are checked).
+seconds in (its requests move; the survivors are checked); `--responses N`: N more clients
+run stored and background Responses (soak_responses.py: chains by previous_response_id,
+polled, cancelled, resumed and deleted background responses; added 2026-11-29,
+twenty-ninth session; 0 by default: the other clients' workload is unchanged).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from soak_report import (  # noqa: E402
     run_soak,
     soak_arguments,
 )
+from soak_responses import ENDINGS as RESPONSE_ENDINGS  # noqa: E402
+from soak_responses import ResponsesClient  # noqa: E402
 
 KINDS = ("plain", "json", "regex", "choice", "bias", "logprobs", "beam", "tools")  # (tools: chat)
 TOOL = {"type": "function", "function": {
@@ -68,10 +74,13 @@ WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kern
 
 
 class HttpLoad(Tally):
-    def __init__(self, address: str, model: str, shared_prefixes: int = 0) -> None:
+    def __init__(self, address: str, model: str, shared_prefixes: int = 0,
+                 clients: int = 0) -> None:
         super().__init__()
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.model = host, int(port), model
+        self.clients = clients  # the clients from this index on run Responses (--responses)
+        self.responses = ResponsesClient(self, self.host, self.port, model)
         # Prompts that start with one of a few long prefixes: prefix-cache hits, requests
         # waiting for a prefix another one is computing, preempted and aborted sharers.
         rng = random.Random(7)
@@ -223,6 +232,8 @@ class HttpLoad(Tally):
     def client(self, cid: int, until: float) -> None:
         rng = random.Random(cid)
         turn = cid
+        if cid >= self.clients:
+            return self.responses_client(rng, turn, until)
         while time.monotonic() < until:
             kind, path, body = self.make(rng)
             ending = ENDINGS[turn % len(ENDINGS)]
@@ -245,13 +256,29 @@ class HttpLoad(Tally):
                 self.fail(f"{kind}{path}/{ending}: {type(exc).__name__}: {exc}")
 
 
+    def responses_client(self, rng: random.Random, turn: int, until: float) -> None:
+        """--responses: stored and background Responses (soak_responses.py), each ending
+        in turn."""
+        while time.monotonic() < until:
+            ending = RESPONSE_ENDINGS[turn % len(RESPONSE_ENDINGS)]
+            turn += 1
+            try:
+                self.responses.run(rng, ending)
+            except Exception as exc:  # noqa: BLE001 - a failed check, reported
+                self.fail(f"responses/{ending}: {type(exc).__name__}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = soak_arguments(__doc__)
     ap.add_argument("--shared-prefixes", type=int, default=0,
                     help="prompts start with one of this many long prefixes (0: all random)")
+    ap.add_argument("--responses", type=int, default=0,
+                    help="more clients running stored and background Responses")
     args = ap.parse_args(argv)
+    clients = args.clients
+    args.clients += args.responses
     return run_soak("http_soak", args, lambda cluster, model_dir: HttpLoad(
-        cluster.http_address, model_dir.name, args.shared_prefixes),
+        cluster.http_address, model_dir.name, args.shared_prefixes, clients),
         router_args=("--tool-call-parser", "hermes"))
 
 

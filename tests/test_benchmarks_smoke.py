@@ -142,11 +142,20 @@ def test_feature_soak_short():
 
 
 def test_http_soak_short():
-    lines = _run("http_soak.py", "--duration", "4", "--executors", "1", "--clients", "4")
+    """With a client of stored and background Responses beside the others."""
+    lines = _run("http_soak.py", "--duration", "4", "--executors", "1", "--clients", "4",
+                 "--responses", "1")
     [summary] = lines
     assert summary["case"] == "summary" and summary["ok"], summary
     endings = {key.split("/")[1] for key in summary["counts"]}
-    assert {"unary", "stream", "drop"} <= endings and summary["blocks_leaked"] == 0
+    assert {"unary", "stream", "drop", "chain", "poll"} <= endings
+    assert summary["blocks_leaked"] == 0
+
+
+def test_responses_bench_store_case():
+    (line,) = _run("responses_bench.py", "--cases", "store_ops", "--ops", "50")
+    assert line["case"] == "store_ops" and line["ops"] == 50 and line["record_bytes"] > 0
+    assert sorted(line["put"]) == sorted(line["get"]) == ["max_ms", "p50_ms"]
 
 
 def test_kernels_bench_layer_and_tune_cases_dry_run():
