@@ -214,15 +214,15 @@ def test_a_write_that_finds_the_client_gone_ends_the_stream_quietly(tok, monkeyp
     counted, and aiohttp logs no 'Error handling request' with a traceback."""
     from pagedserve.router import http_server
 
-    real_send, sends = http_server._send, []
+    real_send, sends = http_server.send_events, []
 
-    async def send_then_reset(stream, chunks, done=False):
+    async def send_then_reset(stream, chunks, writer, done=False):
         sends.append(len(chunks))
         if len(sends) == 3:
             raise ConnectionResetError("Cannot write to closing transport")
-        await real_send(stream, chunks, done)
+        await real_send(stream, chunks, writer, done)
 
-    monkeypatch.setattr(http_server, "_send", send_then_reset)
+    monkeypatch.setattr(http_server, "send_events", send_then_reset)
 
     async def main():
         async with serve(tok, step_s=0.02) as (engine, _, http, metrics):
