@@ -75,8 +75,8 @@ class ResponsesRoutes:
 
     # ------------------------------------------------------------------ creating
 
-    async def turn(self, body: dict) -> ResponseTurn:
-        return await resolve_turn(self.store, body)
+    async def turn(self, body: dict, fits=None) -> ResponseTurn:
+        return await resolve_turn(self.store, body, fits)
 
     async def check_new_id(self, turn: ResponseTurn, response_id: str) -> None:
         """A client-chosen id (X-Request-Id) that names a stored response is a 409: the new

@@ -24,16 +24,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from pagedserve import __version__
 
-from .anthropic_messages import MessagesWriter, error_body, messages_field
-from .anthropic_messages import chat_body as messages_body
 from .batch_api import BatchApi
 from .batch_store import BatchStore
 from .edge_security import ApiKeys, http_key_check, ssl_context
@@ -51,6 +47,7 @@ from .http_errors import (
     error_response,
     read_json,
 )
+from .http_generation_routes import ROUTES
 from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
 from .http_responses import ResponsesRoutes
@@ -74,7 +71,6 @@ from .openai_protocol import (
 )
 from .openai_responses import ChoiceWriter
 from .response_store import ResponseStore
-from .responses_api import ResponsesWriter, chat_body, response_field
 from .types import RequestOutput
 from .validation import prompt_from_pb, request_from_pb
 
@@ -232,23 +228,20 @@ class OpenAIApp:
 
     async def generate(self, request: web.Request, *, kind: str) -> web.StreamResponse:
         """POST /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages
-        (`kind`, _ROUTES): the last two run as the chat request they mean
+        (`kind`, ROUTES): the last two run as the chat request they mean
         (responses_api.py, anthropic_messages.py), their errors naming their own fields."""
         arrival = time.monotonic()
         fe = self.frontend
-        route = _ROUTES[kind]
+        route = ROUTES[kind]
         turn = None  # a Responses request's turn of its stored conversation
         try:
             try:
                 base = request_base(request)
                 body = await read_json(request)
                 if kind == "responses":
-                    turn = await self.responses.turn(body)
+                    turn = await self.responses.turn(body, self._prompt_fits)
                     body = turn.body
-                spec_body = with_defaults(route.to_chat(turn.chat if turn else body)
-                                          if route.to_chat else body, self.sampling_defaults)
-                api = (completion_request(spec_body) if kind == "completions" else
-                       chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
+                api = self._api_request(kind, turn.chat if turn else body)
                 adapter = self._lora_adapter(body)
                 for pb_request in api.requests:
                     pb_request.lora_adapter = adapter
@@ -325,6 +318,26 @@ class OpenAIApp:
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
         return stream
 
+    def _api_request(self, kind: str, body: dict):
+        """A generation body (a Responses or Messages body: the chat body it means) as the
+        requests it asks for, the sampling defaults applied (raises InvalidRequest)."""
+        route = ROUTES[kind]
+        spec_body = with_defaults(route.to_chat(body) if route.to_chat else body,
+                                  self.sampling_defaults)
+        return (completion_request(spec_body) if kind == "completions" else
+                chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
+
+    async def _prompt_fits(self, responses_body: dict) -> bool:
+        """Whether a Responses body's prompt and token limit fit the context (what its
+        `truncation: "auto"` drops input items for)."""
+        api = self._api_request("responses", responses_body)
+        [pb_request] = api.requests
+        fe = self.frontend
+        ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request, tokenizer=fe.tokenizer,
+                                         limits=fe.limits)
+        limit = pb_request.params.max_tokens if pb_request.params.HasField("max_tokens") else 1
+        return len(ids) + limit <= self.max_model_len
+
     async def embeddings(self, request: web.Request) -> web.Response:
         """POST /v1/embeddings (router/openai_embeddings.py): every input submitted before
         any is awaited (a refused one gets its status); the reply when all are in."""
@@ -380,35 +393,6 @@ class OpenAIApp:
         threaded = (len(pb_request.prompt) > THREADED_TOKENIZE_CHARS
                     or pb_request.WhichOneof("input") == "messages")
         return fe.request(request_id, build, api=API, arrival=arrival, threaded=threaded)
-
-
-def _messages_error_response(exc: BaseException) -> web.Response:
-    """An error in the Messages API's shape."""
-    status, body = error_for(exc)
-    return web.json_response(error_body(status, body["error"]["message"]), status=status)
-
-
-@dataclass(frozen=True)
-class _Route:
-    """A generation route: its reply ids' prefix and, for an API run over the chat path
-    (the Responses API, Anthropic's Messages API), its body's chat form, its fields' names
-    in errors, its writer (wrapping the chat writer) and its errors' shape."""
-
-    prefix: str
-    to_chat: Callable[[dict], dict] | None = None
-    renamed: Callable[[InvalidRequest], InvalidRequest] = lambda exc: exc
-    writer: Callable | None = None  # (body, chat writer, id, created, model) -> writer
-    error_response: Callable[[BaseException], web.Response] = error_response
-
-
-_ROUTES = {
-    "completions": _Route("cmpl-"),
-    "chat": _Route("chatcmpl-"),
-    "responses": _Route("resp_", chat_body, response_field, ResponsesWriter),
-    "messages": _Route("msg_", messages_body, messages_field,
-                       lambda body, chat, rid, created, model: MessagesWriter(chat, rid, model),
-                       _messages_error_response),
-}
 
 
 def _built(build, made, refused):

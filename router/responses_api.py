@@ -277,6 +277,7 @@ class ResponsesWriter(WrappedChatWriter):
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "truncation": body.get("truncation") or "disabled",
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": body.get("metadata") or {}, "store": body.get("store") is True,
             "background": body.get("background") is True,

@@ -1,6 +1,13 @@
 """A Responses request as one turn of a stored conversation: its `previous_response_id`
 resolved into the items before its own input, and what is stored once it has answered.
 
+With `truncation: "auto"` a conversation too long for the context loses items from its
+middle (OpenAI's rule): the first item is kept when it is a user message (what the
+conversation is about), then as many of the latest earlier items as fit, starting at a user
+message (a tool output never without its call); the request's own input is never dropped.
+The stored input items are those the model was given, so a chain stays within the context
+too.
+
 A stored record is `{"response": Response, "input_items": [...]}`: the input items are the
 whole conversation the model was given, each with an `id` (a string input becomes a user
 message item; a message's string content an input_text or output_text part): the previous
@@ -13,7 +20,8 @@ input. As OpenAI's, `instructions` are not carried over (each request gives its 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -36,6 +44,7 @@ class ResponseTurn:
     items: list[dict]  # every input item with an id: the record's input_items
     store: bool  # the response is stored once it has answered
     background: bool
+    earlier: int = 0  # how many of `items` came before this request's own input
 
     def record(self, response: dict) -> bytes:
         """The stored record of this turn's Response."""
@@ -50,10 +59,15 @@ def stored_input_items(record: bytes) -> list[dict]:
     return _decode(record)["input_items"]
 
 
-async def resolve_turn(store, body: dict) -> ResponseTurn:
+async def resolve_turn(store, body: dict,
+                       fits: Callable[[dict], Awaitable[bool]] | None = None) -> ResponseTurn:
     """The turn a Responses body asks for (InvalidRequest naming the field; NotFound for a
     previous response the store does not hold). `store`: a ResponseStore or
-    RemoteResponses."""
+    RemoteResponses; `fits(chat)`: whether a turn's body fits the context (for
+    `truncation: "auto"`)."""
+    truncation = optional_str(body, "truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise bad("truncation", f"must be auto or disabled, got {truncation!r}")
     asked = optional_bool(body, "store")
     keep = asked is not False and store.enabled
     background = optional_bool(body, "background") is True
@@ -80,7 +94,39 @@ async def resolve_turn(store, body: dict) -> ResponseTurn:
     items = history + own
     chat = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
     chat["input"] = items
-    return ResponseTurn({**body, "store": keep}, chat, items, keep, background)
+    turn = ResponseTurn({**body, "store": keep}, chat, items, keep, background, len(history))
+    if truncation == "auto" and fits is not None and history and not await fits(chat):
+        turn = await _fitted(turn, fits)
+    return turn
+
+
+def _is_user(item: dict) -> bool:
+    return item.get("type") == "message" and item.get("role") == "user"
+
+
+def _without(turn: ResponseTurn, kept: list[dict]) -> ResponseTurn:
+    """The turn with `kept` as its earlier items."""
+    items = kept + turn.items[turn.earlier:]
+    return replace(turn, items=items, chat={**turn.chat, "input": items}, earlier=len(kept))
+
+
+async def _fitted(turn: ResponseTurn, fits) -> ResponseTurn:
+    """The turn with the fewest earlier items dropped from the middle that fits (the whole
+    history dropped when nothing else does; the request then fails as any too long one).
+    Fitting only gets easier the more is dropped: a binary search over where the kept tail
+    starts, one rendering and tokenization a step."""
+    history = turn.items[:turn.earlier]
+    head = history[:1] if _is_user(history[0]) else []
+    tails = [j for j in range(len(head) + 1, len(history)) if _is_user(history[j])]
+    candidates = [head + history[j:] for j in tails] + ([head] if head else [])
+    lo, hi = 0, len(candidates)  # the first fitting candidate is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await fits(_without(turn, candidates[mid]).chat):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _without(turn, candidates[lo] if lo < len(candidates) else [])
 
 
 def input_items(value: Any) -> list[dict]:

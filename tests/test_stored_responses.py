@@ -327,3 +327,53 @@ def test_a_client_chosen_id_of_a_stored_response_is_a_409(tok):
                 assert r.status == 200
             assert len(engine.submitted) == 3
     _run(main())
+
+
+def test_truncation_auto_drops_the_middle_of_a_long_chain(tok):
+    async def main():
+        async with http_edge(tok, max_model_len=256) as (engine, _, _, base), \
+                _session(base) as s:
+            filler = " ".join(["paged cache block"] * 3)
+            previous, texts = None, []
+            for turn in range(8):  # ~45 tokens a turn: past 256 after 5
+                text = f"Turn{turn} {filler}"
+                texts.append(text)
+                body = {"model": MODEL, "input": text, "max_output_tokens": 8,
+                        "truncation": "auto"}
+                if previous:
+                    body["previous_response_id"] = previous
+                status, reply = await _post(s, "/v1/responses", body)
+                assert status == 200, reply
+                assert reply["truncation"] == "auto"
+                spec = engine.submitted[-1]
+                assert len(spec.prompt_token_ids) + 8 <= 256
+                previous = reply["id"]
+            prompt = engine.submitted[-1].prompt_text
+            assert "Turn0" in prompt and "Turn7" in prompt and "Turn6" in prompt  # head, tail
+            assert "Turn1 " not in prompt  # the middle went
+            status, page = await _get(s, f"/v1/responses/{previous}/input_items?limit=100"
+                                         "&order=asc")
+            users = [i["content"][0]["text"].split()[0] for i in page["data"]
+                     if i.get("role") == "user"]
+            assert users[0] == "Turn0" and users[-1] == "Turn7" and len(users) < 8
+            assert users == sorted(users)  # in order, a contiguous tail after the head
+            assert page["data"][1]["role"] == "user"  # the tail starts at a user message
+            # without truncation the chain grows until a turn is a 400 naming the input
+            long_chain = previous
+            for _ in range(3):
+                status, reply = await _post(s, "/v1/responses", {
+                    "model": MODEL, "input": f"More {filler}", "max_output_tokens": 8,
+                    "previous_response_id": long_chain})
+                if status == 400:
+                    break
+                long_chain = reply["id"]
+            assert status == 400 and reply["error"]["param"].startswith("input"), reply
+            # the request's own input too long: nothing to drop, a 400 as ever
+            status, err = await _post(s, "/v1/responses", {
+                "model": MODEL, "input": " ".join([filler] * 30), "max_output_tokens": 8,
+                "truncation": "auto", "previous_response_id": previous})
+            assert status == 400
+            status, err = await _post(s, "/v1/responses", {"model": MODEL, "input": "x",
+                                                           "truncation": "some"})
+            assert status == 400 and err["error"]["param"] == "truncation"
+    _run(main())
