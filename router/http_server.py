@@ -40,7 +40,6 @@ from .http_cors import Cors
 from .http_errors import (
     UNAUTHENTICATED,
     ModelNotFound,
-    dumps_json,
     encode_json,
     error_for,
     error_json,
@@ -52,6 +51,7 @@ from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
 from .http_responses import ResponsesRoutes
 from .http_streams import merge_sessions, send_events
+from .http_tokenizer_routes import add_tokenizer_routes
 from .http_weight_routes import add_weight_routes
 from .openai_embeddings import (
     as_embedding,
@@ -60,14 +60,12 @@ from .openai_embeddings import (
     embedding_vector,
     input_field,
 )
-from .openai_fields import optional_bool, optional_str, served_names
+from .openai_fields import optional_str, served_names
 from .openai_protocol import (
     TokenIdText,
     TokenText,
     chat_request,
     completion_request,
-    detokenize_ids,
-    tokenize_request,
 )
 from .openai_responses import ChoiceWriter
 from .response_store import ResponseStore
@@ -129,8 +127,7 @@ class OpenAIApp:
         app.router.add_post("/v1/responses", functools.partial(self.generate, kind="responses"))
         app.router.add_post("/v1/messages", functools.partial(self.generate, kind="messages"))
         app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
+        add_tokenizer_routes(app, self)
         add_lora_routes(app, self.frontend, self.served_names)
         add_weight_routes(app, self.frontend)
         self.responses.add_routes(app)
@@ -178,35 +175,6 @@ class OpenAIApp:
         if name not in self.model_names:
             return error_response(ModelNotFound(f"the model {name!r} does not exist"))
         return web.json_response(self._model_card(name))
-
-    # ------------------------------------------------------------------ tokenizer routes
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: the prompt's token ids as generation would see them."""
-        fe = self.frontend
-        try:
-            body = await read_json(request)
-            self._lora_adapter(body)
-            pb_request = tokenize_request(body)
-            ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request,
-                                             tokenizer=fe.tokenizer, limits=fe.limits)
-            reply = {"count": len(ids), "max_model_len": self.max_model_len,
-                     "tokens": list(ids)}
-            if optional_bool(body, "return_token_strs"):
-                reply["token_strs"] = [self._token_text(t) for t in ids]
-        except PagedServeError as exc:
-            return error_response(exc)
-        return web.json_response(reply, dumps=dumps_json)
-
-    async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /detokenize: the text of token ids."""
-        try:
-            body = await read_json(request)
-            self._lora_adapter(body)
-            ids = detokenize_ids(body, self.frontend.limits.vocab_size)
-        except PagedServeError as exc:
-            return error_response(exc)
-        return web.json_response({"prompt": self._token_text.decode(ids)}, dumps=dumps_json)
 
     def _lora_adapter(self, body: dict) -> str:
         """The LoRA adapter the body's `model` names ("": the served model, or no `model`);
@@ -327,16 +295,19 @@ class OpenAIApp:
         return (completion_request(spec_body) if kind == "completions" else
                 chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
 
-    async def _prompt_fits(self, responses_body: dict) -> bool:
-        """Whether a Responses body's prompt and token limit fit the context (what its
-        `truncation: "auto"` drops input items for)."""
-        api = self._api_request("responses", responses_body)
-        [pb_request] = api.requests
+    async def prompt_ids(self, pb_request) -> tuple[int, ...]:
+        """A request's prompt token ids as generation would see them (InvalidRequest)."""
         fe = self.frontend
         ids, _ = await asyncio.to_thread(prompt_from_pb, pb_request, tokenizer=fe.tokenizer,
                                          limits=fe.limits)
+        return ids
+
+    async def _prompt_fits(self, responses_body: dict) -> bool:
+        """Whether a Responses body's prompt and token limit fit the context (what its
+        `truncation: "auto"` drops input items for)."""
+        [pb_request] = self._api_request("responses", responses_body).requests
         limit = pb_request.params.max_tokens if pb_request.params.HasField("max_tokens") else 1
-        return len(ids) + limit <= self.max_model_len
+        return len(await self.prompt_ids(pb_request)) + limit <= self.max_model_len
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """POST /v1/embeddings (router/openai_embeddings.py): every input submitted before

@@ -97,7 +97,18 @@ def test_stop_reasons_and_prefill(tok):
 def test_errors_in_the_messages_apis_shape(tok):
     cases = [
         ({**BODY, "max_tokens": None}, 400, "max_tokens"),
-        ({**BODY, "tools": [{"name": "f"}]}, 400, "tools"),
+        ({**BODY, "tools": [{"name": "f"}]}, 400, "tool_choice"),  # auto: needs a parser
+        ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+         "tools[0].type"),
+        ({**BODY, "tools": [{"name": "f"}], "tool_choice": {"type": "some"}}, 400,
+         "tool_choice.type"),
+        ({**BODY, "messages": [{"role": "user", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400,
+         "messages[0].content[0].type"),
+        ({**BODY, "messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}, 400,
+         "messages[0].content[0].input"),
+        ({**BODY, "thinking": {"type": "maybe"}}, 400, "thinking.type"),
         ({**BODY, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]}, 400, "messages[0].content[0].type"),
         ({**BODY, "messages": [{"role": "system", "content": "x"}]}, 400, "messages[0].role"),
@@ -145,4 +156,145 @@ def test_anthropic_sdk_with_x_api_key(tok):
             async with aiohttp.ClientSession(base) as s, s.post(  # the header alone
                     "/v1/messages", json=BODY, headers={"x-api-key": "sk-ant-local"}) as r:
                 assert r.status == 200
+    _run(main())
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}}
+
+
+def test_tools_and_their_history_become_the_chat_request():
+    from pagedserve.router.anthropic_messages import chat_body
+    chat = chat_body({
+        "max_tokens": 9, "tools": [WEATHER], "thinking": {"type": "disabled"},
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo and Rome?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Two calls.", "signature": "s"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Oslo"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                 "input": {"city": "Rome"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Rain"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": [{"type": "text", "text": "No station"}]},
+                {"type": "text", "text": "And tomorrow?"}]}]})
+    call = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat == {
+        "max_tokens": 9, "tool_choice": "required", "parallel_tool_calls": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city.",
+            "parameters": WEATHER["input_schema"]}}],
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo and Rome?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"id": "toolu_1", **call, "function": {"name": "get_weather",
+                                                       "arguments": '{"city": "Oslo"}'}},
+                {"id": "toolu_2", **call, "function": {"name": "get_weather",
+                                                       "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Rain"},
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "No station"},
+            {"role": "user", "content": "And tomorrow?"}]}
+    named = chat_body({"max_tokens": 9, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "x"}], "tool_choice": {"type": "tool",
+                                                          "name": "get_weather"}})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    only_results = chat_body({"max_tokens": 9, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]})
+    assert only_results["messages"] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t", "content": ""}]
+    with pytest.raises(Exception, match="text only"):
+        chat_body({"max_tokens": 9, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                               "input": {}}]}]})
+
+
+def test_a_tool_call_is_a_tool_use_block_unary_and_streamed(tok):
+    said = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>')
+    body = {**BODY, "tools": [WEATHER], "max_tokens": 100}
+
+    async def main():
+        async with scripted(tok, said, tool_call_parser="hermes") as (engine, s):
+            async with s.post("/v1/messages", json=body) as r:
+                assert r.status == 200
+                reply = await r.json()
+            async with s.post("/v1/messages", json={**body, "stream": True}) as r:
+                events = await _events(r)
+            async with s.post("/v1/messages/count_tokens",
+                              json={k: v for k, v in body.items() if k != "max_tokens"}) as r:
+                counted = await r.json()
+            return reply, events, counted, engine.submitted[-1]
+    reply, events, counted, spec = _run(main())
+    [text, use] = reply["content"]
+    assert text == {"type": "text", "text": "Let me check. "}
+    assert use["type"] == "tool_use" and use["name"] == "get_weather"
+    assert use["input"] == {"city": "Oslo"} and use["id"]
+    assert reply["stop_reason"] == "tool_use"
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"]
+    assert starts[1]["name"] == "get_weather" and starts[1]["input"] == {}
+    partial = "".join(d["delta"]["partial_json"] for n, d in events
+                      if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == {"city": "Oslo"}
+    assert [d["index"] for n, d in events if n == "content_block_stop"] == [0, 1]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert counted == {"input_tokens": len(spec.prompt_token_ids)}
+
+
+def test_a_named_tool_streams_its_input_as_it_comes(tok):
+    args = '{"city": "Oslo, Norway"}'
+    body = {**BODY, "tools": [WEATHER], "max_tokens": 100,
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+
+    async def main():
+        async with scripted(tok, args) as (_, s):
+            async with s.post("/v1/messages", json=body) as r:
+                reply = await r.json()
+            async with s.post("/v1/messages", json={**body, "stream": True}) as r:
+                events = await _events(r)
+            return reply, events
+    reply, events = _run(main())
+    assert [b["type"] for b in reply["content"]] == ["tool_use"]
+    assert reply["content"][0]["input"] == {"city": "Oslo, Norway"}
+    assert reply["stop_reason"] == "tool_use"
+    pieces = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"]
+    assert len(pieces) > 1 and "".join(pieces) == args
+
+
+def test_the_anthropic_sdk_runs_a_tool_loop(tok):
+    anthropic = pytest.importorskip("anthropic")
+    said = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+    async def main():
+        async with http_edge(tok, tool_call_parser="hermes") as (engine, _, _m, base):
+            engine.script = tok.encode(said)[1:] + [tok.eos_token_ids[0]]
+            client = anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0)
+            messages = [{"role": "user", "content": "Weather in Oslo?"}]
+            first = await client.messages.create(model="tiny-chat", max_tokens=100,
+                                                 tools=[WEATHER], messages=messages)
+            [use] = first.content
+            assert (use.type, use.name, use.input) == ("tool_use", "get_weather",
+                                                       {"city": "Oslo"})
+            messages += [{"role": "assistant", "content": first.content},
+                         {"role": "user", "content": [{"type": "tool_result",
+                                                       "tool_use_id": use.id,
+                                                       "content": "Sunny, 21 C"}]}]
+            count = await client.messages.count_tokens(model="tiny-chat", tools=[WEATHER],
+                                                       messages=messages)
+            again = await client.messages.create(model="tiny-chat", max_tokens=100,
+                                                 tools=[WEATHER], messages=messages)
+            assert again.stop_reason == "tool_use"
+            assert count.input_tokens == len(engine.submitted[-1].prompt_token_ids)
+            assert "Sunny, 21 C" in engine.submitted[-1].prompt_text
     _run(main())
