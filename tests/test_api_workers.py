@@ -305,6 +305,20 @@ def test_structured_output_tool_calls_and_echo_through_the_workers(cluster):
     [call] = reply.choices[0].message.tool_calls
     assert call.function.name == "pick"
     assert json.loads(call.function.arguments)["color"] in ("red", "green")
+    # the same tool through Anthropic's Messages API: a tool_use block, its input streamed
+    import anthropic
+    claude = anthropic.Anthropic(base_url=f"http://{cluster.http_address}", api_key="x",
+                                 max_retries=0, timeout=60)
+    pick = {"name": "pick", "input_schema": tools[0]["function"]["parameters"]}
+    kw = dict(model=model, max_tokens=20, extra_body={"temperature": 0}, tools=[pick],
+              tool_choice={"type": "tool", "name": "pick"},
+              messages=[{"role": "user", "content": "Pick"}])
+    message = claude.messages.create(**kw)
+    [use] = message.content
+    assert use.type == "tool_use" and use.input["color"] in ("red", "green")
+    assert message.stop_reason == "tool_use"
+    with claude.messages.stream(**kw) as stream:
+        assert stream.get_final_message().content[0].input == use.input
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "(unclosed"})
