@@ -425,10 +425,16 @@ class EdgeHub:
                                                  request_ids=msg.request_ids,
                                                  owner=conn.index, update=msg.update)}
             if msg.action == "get":
-                record = await store.get(rid)
+                record = await store.get(rid, msg.kind)
                 return {"found": record is not None, "data": record or b""}
             if msg.action == "delete":
-                return {"found": await store.delete(rid)}
+                return {"found": await store.delete(rid, msg.kind)}
+            if msg.action == "put_conversation":
+                return {"found": await store.put_conversation(rid, msg.record)}
+            if msg.action == "edit_conversation":
+                return {"data": await store.edit_conversation(
+                    rid, msgspec.json.decode(msg.items) if msg.items else None, msg.item_id,
+                    msgspec.json.decode(msg.metadata) if msg.metadata else None)}
             if msg.action == "cancel":
                 return {"data": await store.cancel(rid)}
             if msg.action == "add_events":
@@ -450,7 +456,8 @@ class EdgeHub:
         try:
             fields = await work
         except PagedServeError as exc:
-            return Reply(call, error=type(exc).__name__, message=exc.message)
+            return Reply(call, error=type(exc).__name__, message=exc.message,
+                         field=getattr(exc, "field", None) or "")
         except Exception as exc:  # noqa: BLE001
             log.exception("API worker %d: %s call failed", conn.index, what)
             return Reply(call, error="Internal", message=str(exc) or type(exc).__name__)
@@ -462,7 +469,8 @@ class EdgeHub:
             self.engine.admit(msg.spec, channel=ForwardChannel(self, conn, request_id),
                               text=False)
         except PagedServeError as exc:
-            return Reply(msg.call, error=type(exc).__name__, message=exc.message)
+            return Reply(msg.call, error=type(exc).__name__, message=exc.message,
+                         field=getattr(exc, "field", None) or "")
         except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL for this request only
             log.exception("admitting request %s failed", request_id)
             return Reply(msg.call, error="Internal", message=str(exc) or type(exc).__name__)

@@ -78,10 +78,12 @@ class WeightCall(msgspec.Struct, tag=True):
 
 
 class ResponseCall(msgspec.Struct, tag=True):
-    """The core's stored Responses (router/response_store.py), `action`: "put" (`record`,
-    `background`, `request_ids`, `update`; Reply.found: kept), "get" (Reply.data: the record, found),
-    "delete" (found), "cancel" (Reply.data), "add_events" (`frames`), "events" (`after`,
-    waiting up to `wait_s`; Reply.frames, Reply.found: the stream is over)."""
+    """The core's stored Responses and conversations (router/response_store.py), `action`:
+    "put" (`record`, `background`, `request_ids`, `update`; Reply.found: kept), "get"
+    (`kind`; Reply.data: the record, found), "delete" (`kind`; found), "cancel"
+    (Reply.data), "add_events" (`frames`), "events" (`after`, waiting up to `wait_s`;
+    Reply.frames, Reply.found: the stream is over), "put_conversation" (`record`; found),
+    "edit_conversation" (`items`, `item_id`, `metadata`: JSON; Reply.data)."""
 
     call: int
     action: str
@@ -93,6 +95,10 @@ class ResponseCall(msgspec.Struct, tag=True):
     frames: list[bytes] = []
     after: int = -1
     wait_s: float = 0.0
+    kind: str = "response"
+    items: bytes = b""  # JSON: the items to append
+    item_id: str = ""
+    metadata: bytes = b""  # JSON: the new metadata
 
 
 class Forget(msgspec.Struct, tag=True):
@@ -119,6 +125,7 @@ class Reply(msgspec.Struct, tag=True):
     call: int
     error: str = ""  # the PagedServeError class name; "" = ok
     message: str = ""
+    field: str = ""  # the error's field (InvalidRequest, NotFound), if it names one
     found: bool = False  # AbortCall
     status: ClusterStatusData | None = None  # StatusCall
     count: int = 0  # WeightCall

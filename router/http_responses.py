@@ -37,6 +37,7 @@ from aiohttp import web
 from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError
 from .http_errors import dumps_json, encode_json, error_for, error_response
 from .http_streams import merge_sessions, sse_frames
+from .responses_api import response_field
 from .responses_turns import (
     ResponseTurn,
     resolve_turn,
@@ -87,9 +88,23 @@ class ResponsesRoutes:
 
     async def save(self, turn: ResponseTurn, response_id: str, final: dict | None) -> None:
         """A foreground response's record, before its last bytes go to the client (a
-        client chaining from it at once finds it)."""
+        client chaining from it at once finds it), and its conversation's new items."""
         if turn.store and final is not None:
             await self.store.put(response_id, turn.record(final))
+        await self._add_to_conversation(turn, final)
+
+    async def _add_to_conversation(self, turn: ResponseTurn, final: dict | None) -> None:
+        """A finished response's input and output items appended to its conversation (a
+        failed or cancelled one adds nothing)."""
+        if turn.conversation is None or final is None or final["status"] not in (
+                "completed", "incomplete"):
+            return
+        try:
+            await self.store.edit_conversation(turn.conversation,
+                                               append=turn.own_items + final["output"])
+        except NotFound:
+            log.info("conversation %s was deleted before response %s finished",
+                     turn.conversation, final["id"])
 
     async def start_background(self, request: web.Request, turn: ResponseTurn, writer,
                                response_id: str, request_ids: list[str],
@@ -130,10 +145,13 @@ class ResponsesRoutes:
                             writer.add(i, out)
                 closing = writer.closing_chunks() if stream else [writer.response()]
             except PagedServeError as exc:
+                if isinstance(exc, InvalidRequest):
+                    exc = response_field(exc)  # the field as the client named it
                 closing = writer.failure_chunks(error_for(exc)[1])
             if stream:
                 await self._add_events(response_id, closing)
-            await store.put(response_id, turn.record(writer.final), update=True)
+            if await store.put(response_id, turn.record(writer.final), update=True):
+                await self._add_to_conversation(turn, writer.final)  # not when cancelled
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug: the response failed, logged
@@ -192,31 +210,12 @@ class ResponsesRoutes:
             return error_response(exc)
 
     async def list_input_items(self, request: web.Request) -> web.Response:
-        """OpenAI's list of the items the model was given: newest first unless
-        `order=asc`, `limit` of them (default 20) after the item `after`."""
+        """OpenAI's list of the items the model was given (item_page)."""
         try:
-            query = request.query
-            limit = _int_query(query, "limit", 20, low=1, high=MAX_ITEMS_LIMIT)
-            order = query.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise InvalidRequest(f"order must be asc or desc, got {order!r}", field="order")
-            items = stored_input_items(await self._record(request))
-            if order == "desc":
-                items.reverse()
-            after = query.get("after")
-            if after is not None:
-                ids = [item.get("id") for item in items]
-                if after not in ids:
-                    raise InvalidRequest(f"no input item has the id {after!r}", field="after")
-                items = items[ids.index(after) + 1:]
+            return web.json_response(item_page(stored_input_items(
+                await self._record(request)), request.query), dumps=dumps_json)
         except PagedServeError as exc:
             return error_response(exc)
-        page = items[:limit]
-        return web.json_response({
-            "object": "list", "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit}, dumps=dumps_json)
 
     # ------------------------------------------------------------------ stopping
 
@@ -246,6 +245,26 @@ class ResponsesRoutes:
         task = self._tasks.get(response_id)
         if task is not None:
             task.cancel()
+
+
+def item_page(items: list[dict], query) -> dict:
+    """OpenAI's list of items (a response's input items, a conversation's): newest first
+    unless `order=asc`, `limit` of them (1-100, default 20) after the item `after`."""
+    limit = _int_query(query, "limit", 20, low=1, high=MAX_ITEMS_LIMIT)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order must be asc or desc, got {order!r}", field="order")
+    if order == "desc":
+        items = items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"no item has the id {after!r}", field="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def _int_query(query, key: str, default: int, low: int, high: int | None = None) -> int:

@@ -36,6 +36,7 @@ from .edge_security import ApiKeys, http_key_check, ssl_context
 from .errors import InvalidRequest, PagedServeError, Unavailable
 from .frontend import Frontend, RequestSession
 from .generation_defaults import with_defaults
+from .http_conversations import ConversationRoutes
 from .http_cors import Cors
 from .http_errors import (
     UNAUTHENTICATED,
@@ -131,6 +132,7 @@ class OpenAIApp:
         add_lora_routes(app, self.frontend, self.served_names)
         add_weight_routes(app, self.frontend)
         self.responses.add_routes(app)
+        ConversationRoutes(self.responses.store).add_routes(app)
         if batches is not None:
             batches.add_routes(app)
         return app

@@ -73,10 +73,14 @@ ERRORS = {cls.__name__: cls for cls in (InvalidRequest, AlreadyExists, NotFound,
 METRICS_FLUSH_S = 0.05
 
 
-def error_from(name: str, message: str) -> Exception:
-    """The core's error, rebuilt: a PagedServeError by class name, else an internal error."""
+def error_from(name: str, message: str, field: str = "") -> Exception:
+    """The core's error, rebuilt: a PagedServeError by class name (its field too), else an
+    internal error."""
     cls = ERRORS.get(name)
-    return cls(message) if cls is not None else RuntimeError(f"router core: {message}")
+    if cls is None:
+        return RuntimeError(f"router core: {message}")
+    return cls(message, field=field or None) if cls in (InvalidRequest, NotFound) else \
+        cls(message)
 
 
 class RemoteRequest:
@@ -156,7 +160,7 @@ class RemoteEngine:
         if name and name not in self.status.lora_adapters:  # --lora-dir: loaded first
             reply = await self._call(lambda call: LoraCall(call, name, True))
             if reply.error:
-                raise error_from(reply.error, reply.message)
+                raise error_from(reply.error, reply.message, reply.field)
         channel = OutputChannel()
         self._streams[request_id] = RemoteRequest(channel, [
             TextAssembler(self.tokenizer, spec.sampling, spec.prompt_token_ids,
@@ -171,7 +175,7 @@ class RemoteEngine:
             raise
         if reply.error:
             self._streams.pop(request_id, None)
-            raise error_from(reply.error, reply.message)
+            raise error_from(reply.error, reply.message, reply.field)
         return channel.open_stream(request_id)
 
     def abort_stream(self, request_id: str, stream) -> bool:
@@ -211,25 +215,25 @@ class RemoteEngine:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         reply = await self._call(lambda call: LoraCall(call, name, True, path))
         if reply.error:
-            raise error_from(reply.error, reply.message)
+            raise error_from(reply.error, reply.message, reply.field)
 
     async def unload_lora_adapter(self, name: str) -> None:
         reply = await self._call(lambda call: LoraCall(call, name, False))
         if reply.error:
-            raise error_from(reply.error, reply.message)
+            raise error_from(reply.error, reply.message, reply.field)
 
     async def weight_call(self, **fields) -> Reply:
         """A WeightCall round trip; the core's error re-raised here."""
         reply = await self._call(lambda call: WeightCall(call, **fields))
         if reply.error:
-            raise error_from(reply.error, reply.message)
+            raise error_from(reply.error, reply.message, reply.field)
         return reply
 
     async def response_call(self, **fields) -> Reply:
         """A ResponseCall round trip; the core's error re-raised here."""
         reply = await self._call(lambda call: ResponseCall(call, **fields))
         if reply.error:
-            raise error_from(reply.error, reply.message)
+            raise error_from(reply.error, reply.message, reply.field)
         return reply
 
     async def cluster_status(self) -> ClusterStatusData:
@@ -443,13 +447,26 @@ class RemoteResponses:
             action="put", response_id=response_id, record=record, background=background,
             request_ids=tuple(request_ids), update=update)).found
 
-    async def get(self, response_id: str) -> bytes | None:
-        reply = await self.engine.response_call(action="get", response_id=response_id)
+    async def get(self, response_id: str, kind: str = "response") -> bytes | None:
+        reply = await self.engine.response_call(action="get", response_id=response_id,
+                                                kind=kind)
         return reply.data if reply.found else None
 
-    async def delete(self, response_id: str) -> bool:
-        return (await self.engine.response_call(action="delete",
-                                                response_id=response_id)).found
+    async def delete(self, response_id: str, kind: str = "response") -> bool:
+        return (await self.engine.response_call(action="delete", response_id=response_id,
+                                                kind=kind)).found
+
+    async def put_conversation(self, conversation_id: str, record: bytes) -> bool:
+        return (await self.engine.response_call(action="put_conversation",
+                                                response_id=conversation_id,
+                                                record=record)).found
+
+    async def edit_conversation(self, conversation_id: str, append: list[dict] | None = None,
+                                drop_item: str = "", metadata: dict | None = None) -> bytes:
+        return (await self.engine.response_call(
+            action="edit_conversation", response_id=conversation_id,
+            items=msgspec.json.encode(append) if append else b"", item_id=drop_item,
+            metadata=msgspec.json.encode(metadata) if metadata is not None else b"")).data
 
     async def cancel(self, response_id: str) -> bytes:
         return (await self.engine.response_call(action="cancel",

@@ -9,6 +9,12 @@ http_responses.py writes and reads it), its status, and for a background stream 
 stream's events so far (each an encoded event), so a client can read them again
 (`GET ...?stream=true&starting_after=N`) while the response runs or after.
 
+Conversations (OpenAI's Conversations API, router/http_conversations.py) live in the same
+store, entries of kind "conversation" (`{"conversation": Conversation, "items": [...]}`):
+never queued or running, changed only by `edit_conversation` (items appended, one
+deleted, the metadata replaced: one step each, so two responses finishing in one
+conversation both add theirs). A response id never finds a conversation, nor the reverse.
+
 Memory is bounded by `max_bytes` (--responses-store-mb): the records' and events' bytes.
 Past it the least recently used finished entries are dropped (a later read: 404); a
 queued or running background response is never dropped. A finished entry is never
@@ -33,6 +39,7 @@ log = logging.getLogger(__name__)
 
 LIVE = ("queued", "in_progress")  # a background response not finished yet
 LOCAL = -1  # the owner of an entry put by this process (else: the API worker's index)
+RESPONSE, CONVERSATION = "response", "conversation"  # the kinds of entries
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -45,6 +52,7 @@ class StoredEntry:
     background: bool
     request_ids: tuple[str, ...] = ()
     owner: int = LOCAL
+    kind: str = RESPONSE
     events: list[bytes] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -88,7 +96,7 @@ class ResponseStore:
         status = stored_status(record)
         old = self._entries.get(response_id)
         if old is not None:
-            if old.status not in LIVE:
+            if old.status not in LIVE or old.kind != RESPONSE:
                 return False
             self.bytes -= old.size
             old.record, old.status = record, status
@@ -100,29 +108,39 @@ class ResponseStore:
         else:
             entry = self._entries[response_id] = StoredEntry(record, status, background,
                                                              request_ids, owner)
-        self._entries.move_to_end(response_id)
+        return self._kept(response_id, entry)
+
+    def _kept(self, entry_id: str, entry: StoredEntry) -> bool:
+        """A put entry, most recently used, the budget kept by dropping others (or this one,
+        finished and too large: False)."""
+        self._entries.move_to_end(entry_id)
         self.bytes += entry.size
-        self._evict(keep=response_id)
+        self._evict(keep=entry_id)
         self._publish()
         if self.bytes > self.max_bytes and entry.status not in LIVE:
-            self._drop(response_id, dropped=True)
-            log.warning("response %s (%d bytes) does not fit in the response store "
+            self._drop(entry_id, dropped=True)
+            log.warning("%s %s (%d bytes) does not fit in the response store "
                         "(--responses-store-mb, %d bytes, %d held by running background "
-                        "responses); not stored", response_id, entry.size, self.max_bytes,
-                        self.bytes - entry.size)
+                        "responses); not stored", entry.kind, entry_id, entry.size,
+                        self.max_bytes, self.bytes - entry.size)
             return False
         return True
 
-    async def get(self, response_id: str) -> bytes | None:
-        entry = self._entries.get(response_id)
+    def _entry(self, entry_id: str, kind: str) -> StoredEntry | None:
+        entry = self._entries.get(entry_id)
+        return entry if entry is not None and entry.kind == kind else None
+
+    async def get(self, response_id: str, kind: str = RESPONSE) -> bytes | None:
+        entry = self._entry(response_id, kind)
         if entry is None:
             return None
         self._entries.move_to_end(response_id)
         return entry.record
 
-    async def delete(self, response_id: str) -> bool:
-        """Forget a response (a running background one is aborted first)."""
-        entry = self._entries.get(response_id)
+    async def delete(self, response_id: str, kind: str = RESPONSE) -> bool:
+        """Forget a response (a running background one is aborted first) or a
+        conversation."""
+        entry = self._entry(response_id, kind)
         if entry is None:
             return False
         if entry.status in LIVE:
@@ -133,7 +151,7 @@ class ResponseStore:
     async def cancel(self, response_id: str) -> bytes:
         """A background response cancelled: its record with status "cancelled" (a finished
         one's unchanged: cancelling is idempotent); its requests aborted."""
-        entry = self._entries.get(response_id)
+        entry = self._entry(response_id, RESPONSE)
         if entry is None:
             raise NotFound(f"no stored response has the id {response_id!r}")
         if not entry.background:
@@ -163,7 +181,7 @@ class ResponseStore:
         waiting up to `wait_s` for one when there is none yet; and whether the stream is
         over (every event it will have is in the store). NotFound when it is not stored,
         InvalidRequest when it was not streamed in the background."""
-        entry = self._entries.get(response_id)
+        entry = self._entry(response_id, RESPONSE)
         if entry is None:
             raise NotFound(f"no stored response has the id {response_id!r}")
         if not entry.background:
@@ -174,6 +192,42 @@ class ResponseStore:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(entry.changed.wait(), wait_s)
         return entry.events[after + 1:], entry.status not in LIVE
+
+    # ------------------------------------------------------------------ conversations
+
+    async def put_conversation(self, conversation_id: str, record: bytes) -> bool:
+        """Store a new conversation's record (False: the store is off, or it does not
+        fit)."""
+        if not self.enabled or conversation_id in self._entries:
+            return False
+        entry = self._entries[conversation_id] = StoredEntry(record, "completed", False,
+                                                             kind=CONVERSATION)
+        return self._kept(conversation_id, entry)
+
+    async def edit_conversation(self, conversation_id: str, append: list[dict] | None = None,
+                                drop_item: str = "", metadata: dict | None = None) -> bytes:
+        """Change a conversation in one step: `append` items, drop the item `drop_item`,
+        replace its `metadata`; its new record. NotFound for no such conversation or
+        item."""
+        entry = self._entry(conversation_id, CONVERSATION)
+        if entry is None:
+            raise NotFound(f"no conversation has the id {conversation_id!r}",
+                           field="conversation_id")
+        record = _decode(entry.record)
+        if drop_item:
+            kept = [item for item in record["items"] if item.get("id") != drop_item]
+            if len(kept) == len(record["items"]):
+                raise NotFound(f"conversation {conversation_id!r} has no item {drop_item!r}",
+                               field="item_id")
+            record["items"] = kept
+        if append:
+            record["items"] += append
+        if metadata is not None:
+            record["conversation"]["metadata"] = metadata
+        self.bytes -= entry.size
+        entry.record = _encode(record)
+        self._kept(conversation_id, entry)
+        return entry.record
 
     def worker_lost(self, owner: int) -> None:
         """The API worker running some background responses is gone: they failed."""

@@ -18,10 +18,10 @@ What maps to what:
   extras as they are. `include: ["message.output_text.logprobs"]` or `top_logprobs` ->
   chat's logprobs: the message's output_text part carries every output token's scores
   (a reasoning's tokens' too: chat scores tokens, not items), streamed on the text deltas.
-* `store` (default true), `previous_response_id` and `background` are the stored
-  responses' (responses_turns.py, http_responses.py: a turn's history is resolved before
-  this translation); `conversation` is a 400 (no Conversations API: send the conversation
-  in `input`, or chain with `previous_response_id`); `metadata` is echoed.
+* `store` (default true), `previous_response_id`, `conversation` and `background` are the
+  stored responses' and conversations' (responses_turns.py, http_responses.py,
+  http_conversations.py: a turn's history is resolved before this translation);
+  `metadata` is echoed.
 
 The output items, in order: a `reasoning` item (with --reasoning-parser, when the model
 thought), a `message` with one `output_text` part (when it wrote text), one `function_call`
@@ -53,8 +53,6 @@ _SAME = ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed"
          "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
          "min_tokens", "priority", "cache_salt", "chat_template_kwargs", "include_reasoning",
          "skip_special_tokens", "stop_token_ids")
-_NOT_KEPT = {"conversation": "conversations are not kept (no Conversations API): send the "
-                             "conversation in input, or chain with previous_response_id"}
 
 
 def response_field(exc: InvalidRequest) -> InvalidRequest:
@@ -78,9 +76,6 @@ def response_field(exc: InvalidRequest) -> InvalidRequest:
 def chat_body(body: dict) -> dict:
     """The chat completions body a Responses body means (raises InvalidRequest naming the
     Responses field)."""
-    for key, why in _NOT_KEPT.items():
-        if body.get(key):
-            raise bad(key, why)
     optional_bool(body, "store")
     optional_bool(body, "background")
     metadata = body.get("metadata")
@@ -281,7 +276,8 @@ class ResponsesWriter(WrappedChatWriter):
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": body.get("metadata") or {}, "store": body.get("store") is True,
             "background": body.get("background") is True,
-            "previous_response_id": body.get("previous_response_id"), "output": [],
+            "previous_response_id": body.get("previous_response_id"),
+            "conversation": body.get("conversation"), "output": [],
             "usage": None}
         self.seq = 0
         self.open: str | None = None  # the item being streamed: reasoning, message or call

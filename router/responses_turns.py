@@ -28,7 +28,7 @@ import msgspec
 
 from .errors import NotFound
 from .openai_fields import bad, optional_bool, optional_str
-from .response_store import LIVE
+from .response_store import CONVERSATION, LIVE
 from .responses_api import input_messages
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
@@ -45,6 +45,12 @@ class ResponseTurn:
     store: bool  # the response is stored once it has answered
     background: bool
     earlier: int = 0  # how many of `items` came before this request's own input
+    conversation: str | None = None  # the conversation it continues and adds to
+
+    @property
+    def own_items(self) -> list[dict]:
+        """This request's own input items (what a conversation gets, with the output)."""
+        return self.items[self.earlier:]
 
     def record(self, response: dict) -> bytes:
         """The stored record of this turn's Response."""
@@ -78,8 +84,15 @@ async def resolve_turn(store, body: dict,
     if (background or previous) and not store.enabled:
         raise bad("background" if background else "previous_response_id",
                   "this server keeps no responses (--responses-store-mb 0)")
+    conversation = _conversation_id(body, previous, store)
     own = input_items(body.get("input"))
     history: list[dict] = []
+    if conversation:
+        record = await store.get(conversation, CONVERSATION)
+        if record is None:
+            raise NotFound(f"no conversation has the id {conversation!r}",
+                           field="conversation")
+        history = _decode(record)["items"]
     if previous:
         record = await store.get(previous)
         if record is None:
@@ -92,12 +105,31 @@ async def resolve_turn(store, body: dict,
                       "continue from it once it has finished")
         history = earlier["input_items"] + earlier["response"]["output"]
     items = history + own
-    chat = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
+    chat = {k: v for k, v in body.items()
+            if k not in ("previous_response_id", "input", "conversation")}
     chat["input"] = items
-    turn = ResponseTurn({**body, "store": keep}, chat, items, keep, background, len(history))
+    echo = {**body, "store": keep, "conversation": {"id": conversation} if conversation
+            else None}
+    turn = ResponseTurn(echo, chat, items, keep, background, len(history), conversation)
     if truncation == "auto" and fits is not None and history and not await fits(chat):
         turn = await _fitted(turn, fits)
     return turn
+
+
+def _conversation_id(body: dict, previous: str | None, store) -> str | None:
+    """The conversation a body names (its id, or {"id": ...}), None when it names none."""
+    value = body.get("conversation")
+    if value is None:
+        return None
+    cid = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(cid, str) or not cid:
+        raise bad("conversation", 'must be a conversation id or {"id": ...}')
+    if previous:
+        raise bad("conversation", "cannot be combined with previous_response_id")
+    if not store.enabled:
+        raise bad("conversation", "this server keeps no conversations "
+                  "(--responses-store-mb 0)")
+    return cid
 
 
 def _is_user(item: dict) -> bool:

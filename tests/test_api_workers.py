@@ -273,6 +273,14 @@ def test_stored_responses_are_one_store_for_both_workers(cluster):
     assert rest[0] == head[4] and rest[-1].type == "response.incomplete"
     final = client().responses.retrieve(rid)
     assert final.output_text == rest[-1].response.output_text and final.background
+    conv = client().conversations.create(items=[
+        {"type": "message", "role": "user", "content": question},
+        {"type": "message", "role": "assistant", "content": first.output_text}])
+    turn = client().responses.create(input="Go on", conversation=conv.id, **kw)
+    assert turn.output_text == second.output_text  # the same conversation as the chain's
+    items = client().conversations.items.list(conv.id, order="asc").data
+    assert len(items) == 4 and items[-1].id == turn.output[0].id
+    client().conversations.delete(conv.id)
     stored = metric(cluster.metrics(), "pagedserve_responses_stored ")
     client().responses.delete(rid)
     with pytest.raises(openai.NotFoundError):

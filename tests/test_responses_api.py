@@ -81,7 +81,6 @@ def test_bodies_become_the_chat_requests_they_mean():
      "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[0].call_id"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "background": "yes"}, "background"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),

@@ -377,3 +377,20 @@ def test_truncation_auto_drops_the_middle_of_a_long_chain(tok):
                                                            "truncation": "some"})
             assert status == 400 and err["error"]["param"] == "truncation"
     _run(main())
+
+
+def test_a_background_response_that_fails_says_why(tok):
+    async def main():
+        async with http_edge(tok) as (engine, _, _, base), _session(base) as s:
+            status, queued = await _post(s, "/v1/responses", {
+                "model": MODEL, "input": "Hi", "max_output_tokens": 255, "background": True})
+            assert status == 200 and queued["status"] == "queued"
+            for _ in range(300):
+                status, now = await _get(s, f"/v1/responses/{queued['id']}")
+                if now["status"] not in ("queued", "in_progress"):
+                    break
+                await asyncio.sleep(0.01)
+            assert now["status"] == "failed" and not engine.submitted
+            assert now["error"]["code"] == "invalid_argument"
+            assert now["error"]["message"].startswith("max_output_tokens: prompt (")
+    _run(main())
