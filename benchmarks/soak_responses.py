@@ -10,7 +10,10 @@
   finished before the cancel came;
 * ``resume``: a background stream the client leaves after 3 events, read again from
   sequence number 2 to its end (numbers continuous, the last event the end);
-* ``delete``: a background response deleted while it may run (then a 404).
+* ``delete``: a background response deleted while it may run (then a 404);
+* ``conversation`` (added with the Conversations API): a conversation of one item, two
+  responses in it at once (one streamed), then its items: the first, each response's input
+  and output (both added, whichever finished first), and the conversation deleted.
 
 Every answer's status is checked, each outcome counted (`responses/<ending>/ok`); the
 soak's end checks (every block free, nothing leaked) cover the requests these abort.
@@ -21,9 +24,10 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import threading
 import time
 
-ENDINGS = ("chain", "poll", "cancel", "resume", "delete")
+ENDINGS = ("chain", "poll", "cancel", "resume", "delete", "conversation")
 FINISHED = ("completed", "incomplete", "failed", "cancelled")
 WORDS = ("paged", "cache", "block", "prefix", "token", "stream", "router", "kernel", "ünï", "🙂")
 
@@ -135,3 +139,35 @@ class ResponsesClient:
         time.sleep(rng.uniform(0.0, 0.2))
         self.expect("delete", self.call("DELETE", f"/v1/responses/{rid}")[0], 200)
         self.expect("GET deleted", self.call("GET", f"/v1/responses/{rid}")[0], 404)
+
+    def conversation(self, rng: random.Random) -> None:
+        status, conv = self.call("POST", "/v1/conversations", {
+            "items": [{"role": "user", "content": "Remember the word paged."}]})
+        self.expect("conversation", status, 200)
+        outputs: list[int] = []
+        errors: list[str] = []
+
+        def turn(stream: bool) -> None:
+            body = self.body(rng, conversation=conv["id"])
+            try:
+                if stream:
+                    final = self.events("POST", "/v1/responses", {**body, "stream": True})[-1]
+                    reply = final["response"]
+                else:
+                    status, reply = self.call("POST", "/v1/responses", body)
+                    if status != 200:
+                        raise AssertionError(f"HTTP {status}: {reply}")
+                if reply["status"] in ("completed", "incomplete"):
+                    outputs.append(1 + len(reply["output"]))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"{type(exc).__name__}: {exc}")
+        threads = [threading.Thread(target=turn, args=(s,)) for s in (False, True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise AssertionError("; ".join(errors))
+        status, page = self.call("GET", f"/v1/conversations/{conv['id']}/items?limit=100")
+        self.expect("conversation items", len(page["data"]), 1 + sum(outputs))
+        self.expect("delete", self.call("DELETE", f"/v1/conversations/{conv['id']}")[0], 200)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pagedserve.router.errors import InvalidRequest, NotFound
 from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.response_store import LIVE, ResponseStore
+from pagedserve.router.response_store import CONVERSATION, LIVE, RESPONSE, ResponseStore
 from prometheus_client import CollectorRegistry
 
 STATUSES = ("queued", "in_progress", "completed", "incomplete", "failed")
@@ -151,9 +151,42 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(rid=IDS)
     def get(self, rid):
         got = run(self.store.get(rid))
-        assert got == (self.model[rid][2] if rid in self.model else None)
-        if rid in self.model:
+        entry = self.model.get(rid)
+        assert got == (entry[2] if entry is not None and entry[1] != "conv" else None)
+        if got is not None:
             self.model.move_to_end(rid)
+
+    @rule(cid=st.sampled_from("uvw"), pad=st.integers(0, 80))
+    def put_conversation(self, cid, pad):
+        """A conversation: finished (never running), its own kind."""
+        rec = msgspec.json.encode({"conversation": {"id": cid}, "items": ["x" * pad]})
+        kept = run(self.store.put_conversation(cid, rec))
+        if cid in self.model:
+            assert not kept
+            return
+        self.model[cid] = ["completed", "conv", rec, 0]
+        self._evict(keep=cid)
+        if self._bytes() > self.max:
+            del self.model[cid]
+            assert not kept
+            return
+        assert kept
+
+    @rule(cid=st.sampled_from("uvw"), n=st.integers(1, 30))
+    def append_to_conversation(self, cid, n):
+        entry = self.model.get(cid)
+        if entry is None:
+            with pytest.raises(NotFound):
+                run(self.store.edit_conversation(cid, append=[{"id": "i", "t": "y" * n}]))
+            return
+        got = run(self.store.edit_conversation(cid, append=[{"id": "i", "t": "y" * n}]))
+        assert msgspec.json.decode(got)["items"][-1] == {"id": "i", "t": "y" * n}
+        entry[2] = got
+        self.finished.pop(cid, None)  # a conversation changes: not a finished response
+        self.model.move_to_end(cid)
+        self._evict(keep=cid)
+        if self._bytes() > self.max:
+            del self.model[cid]
 
     @rule(rid=IDS, n=st.integers(1, 60))
     def add_events(self, rid, n):
@@ -166,8 +199,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(rid=IDS)
     def cancel(self, rid):
         entry = self.model.get(rid)
-        if entry is None or not entry[1]:
-            with pytest.raises(NotFound if entry is None else InvalidRequest):
+        if entry is None or entry[1] in (False, "conv"):
+            with pytest.raises(InvalidRequest if entry is not None and entry[1] is False
+                               else NotFound):
                 run(self.store.cancel(rid))
             return
         got = run(self.store.cancel(rid))
@@ -181,7 +215,10 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def delete(self, data):
         rid = data.draw(st.sampled_from(sorted(self.model)))
-        assert run(self.store.delete(rid))
+        kind = CONVERSATION if self.model[rid][1] == "conv" else RESPONSE
+        assert not run(self.store.delete(rid, RESPONSE if kind == CONVERSATION else
+                                         CONVERSATION))  # never the other kind's
+        assert run(self.store.delete(rid, kind))
         del self.model[rid]
 
     @invariant()
@@ -189,6 +226,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.bytes == self._bytes()
         assert len(self.store) == len(self.model)
         for rid, entry in self.model.items():
+            if entry[1] == "conv":
+                continue
             if entry[0] not in LIVE:  # once finished, never replaced
                 assert self.finished.setdefault(rid, entry[2]) == entry[2]
             else:
