@@ -4,7 +4,9 @@ JSON line a case (DESIGN §8):
 
 * ``store_ops``: the store alone (this process): a put and a get of a record the size of a
   TURNS-turn conversation's, p50 over ``--ops`` of each, and a put that drops the least
-  recently used entry.
+  recently used entry; with `--responses-dir` (added with it): a put (the file's write
+  queued to its thread), the writes a second the file's thread keeps up, and a restarted
+  store loading all ``--ops`` records.
 * ``conversation_<how>[_workers]``: one TURNS-turn conversation (each user turn a sentence,
   each answer OUTPUT_TOKENS greedy tokens, streamed), sent two ways: ``chained`` (each turn
   names the previous response: `previous_response_id`, the client sends only its new turn)
@@ -36,6 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from lora_load_bench import serve_process
+from pagedserve.router.response_persistence import ResponseFile
 from pagedserve.router.response_store import ResponseStore
 
 BENCH = "responses_bench"
@@ -77,8 +80,24 @@ def store_ops(ops: int) -> None:
             t0 = time.perf_counter()
             await full.put(f"r{i}", record)
             drops.append(time.perf_counter() - t0)
+        with tempfile.TemporaryDirectory() as folder:  # --responses-dir: written through
+            on_disk = ResponseStore(1 << 30, file=ResponseFile(folder))
+            writes = []
+            start = time.perf_counter()
+            for i in range(ops):
+                t0 = time.perf_counter()
+                await on_disk.put(f"r{i}", record)
+                writes.append(time.perf_counter() - t0)
+            on_disk.close()  # every write done
+            written_s = time.perf_counter() - start
+            t0 = time.perf_counter()
+            loaded = ResponseStore(1 << 30, file=ResponseFile(folder))
+            load_s = time.perf_counter() - t0
+            assert len(loaded) == ops
+            loaded.close()
         emit("store_ops", record_bytes=len(record), ops=ops, put=ms(puts), get=ms(gets),
-             put_dropping_one=ms(drops[8:]))
+             put_dropping_one=ms(drops[8:]), put_with_file=ms(writes),
+             file_writes_per_s=round(ops / written_s), load_all_s=round(load_s, 3))
     asyncio.run(run())
 
 

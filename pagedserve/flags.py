@@ -279,6 +279,9 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "Responses (store: true, OpenAI's default): what previous_response_id, GET and DELETE "
      "/v1/responses/{id} and background responses read, the least recently used dropped "
      "past it (0: none kept, store ignored)"),
+    ("responses-dir", str, None, "router: a folder where the stored Responses and "
+     "conversations are also written (SQLite), so a restarted router still has them "
+     "(default: memory only)"),
     ("allowed-origins", _allowed_origins, None, "router: web origins whose pages may call the "
      "HTTP API from a browser (CORS), comma-separated scheme://host[:port], or * for any "
      "(default: none)"),

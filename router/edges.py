@@ -14,6 +14,7 @@ from .frontend import Frontend
 from .generation_defaults import generation_defaults
 from .grpc_server import start_server
 from .http_server import start_http_server
+from .response_persistence import ResponseFile
 from .response_store import ResponseStore
 from .validation import Limits
 
@@ -26,6 +27,7 @@ def http_options(args) -> dict:
                 allowed_origins=args.allowed_origins or (),
                 sampling_defaults=generation_defaults(args.model, args.generation_config),
                 batch_dir=args.batch_dir or None, responses_store_mb=args.responses_store_mb,
+                responses_dir=args.responses_dir or None,
                 # a batch's requests in flight: the executors' batches full, half the queue
                 # left to online requests
                 batch_window=max(1, min(args.max_queue_len // 2, 2 * args.max_num_seqs)))
@@ -89,8 +91,9 @@ class WorkerEdges:
     @classmethod
     async def start(cls, args, engine, metrics) -> WorkerEdges:
         # the workers' stored Responses, in this process (one store for all of them)
-        hub = EdgeHub(engine, metrics, ResponseStore(int(args.responses_store_mb * 2**20),
-                                                     abort=engine.abort, metrics=metrics))
+        hub = EdgeHub(engine, metrics, ResponseStore(
+            int(args.responses_store_mb * 2**20), abort=engine.abort, metrics=metrics,
+            file=ResponseFile(args.responses_dir) if args.responses_dir else None))
         hub.start()
         workers = ApiWorkers(hub, args, args.api_workers)
         try:
@@ -107,3 +110,4 @@ class WorkerEdges:
     async def stop(self) -> None:
         await self.workers.stop()
         await self.hub.close()
+        self.hub.responses.close()

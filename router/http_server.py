@@ -69,6 +69,7 @@ from .openai_protocol import (
     completion_request,
 )
 from .openai_responses import ChoiceWriter
+from .response_persistence import ResponseFile
 from .response_store import ResponseStore
 from .types import RequestOutput
 from .validation import prompt_from_pb, request_from_pb
@@ -410,6 +411,8 @@ class HttpServer:
             await self.batches.stop()
         await self.responses.stop()
         await self.runner.cleanup()
+        if isinstance(self.responses.store, ResponseStore):  # this process's own
+            self.responses.store.close()
 
 
 async def start_http_server(
@@ -418,17 +421,20 @@ async def start_http_server(
     reuse_port: bool = False, tool_call_parser: str = "none", reasoning_parser: str = "none",
     api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = (),
     sampling_defaults: dict | None = None, batch_dir: str | None = None, batch_window: int = 256,
-    responses_store_mb: float = RESPONSES_STORE_MB, response_store=None,
+    responses_store_mb: float = RESPONSES_STORE_MB, responses_dir: str | None = None,
+    response_store=None,
 ) -> HttpServer:
     """Serve the OpenAI API on host:port (0 → any free port). Raises OSError with a one-line
     message when the address cannot be bound. `reuse_port`: SO_REUSEPORT, for API workers
     sharing the port (the kernel spreads connections over them). `batch_dir`: the Batch API's
     files (batch_api.py), each batch `batch_window` requests at a time. `response_store`:
     the stored Responses (an API worker's RemoteResponses), else a store of this process
-    of `responses_store_mb` MiB."""
+    of `responses_store_mb` MiB (kept in `responses_dir` too, when given)."""
     if response_store is None:
-        response_store = ResponseStore(int(responses_store_mb * 2**20),
-                                       abort=frontend.engine.abort, metrics=frontend.metrics)
+        response_store = ResponseStore(
+            int(responses_store_mb * 2**20), abort=frontend.engine.abort,
+            metrics=frontend.metrics,
+            file=ResponseFile(responses_dir) if responses_dir else None)
     responses = ResponsesRoutes(response_store)
 
     def openai_app(keys, origins) -> OpenAIApp:

@@ -15,6 +15,10 @@ never queued or running, changed only by `edit_conversation` (items appended, on
 deleted, the metadata replaced: one step each, so two responses finishing in one
 conversation both add theirs). A response id never finds a conversation, nor the reverse.
 
+With `--responses-dir` every change is also written to a file (response_persistence.py)
+and a restarted router loads it: a background response the old router was running is
+loaded as failed (its requests died with it).
+
 Memory is bounded by `max_bytes` (--responses-store-mb): the records' and events' bytes.
 Past it the least recently used finished entries are dropped (a later read: 404); a
 queued or running background response is never dropped. A finished entry is never
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .errors import InvalidRequest, NotFound
+from .response_persistence import ResponseFile
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +75,42 @@ class ResponseStore:
     coroutines, as RemoteResponses' are."""
 
     def __init__(self, max_bytes: int, abort: Callable[[str], bool] | None = None,
-                 metrics=None) -> None:
+                 metrics=None, file: ResponseFile | None = None) -> None:
         self.max_bytes = max_bytes
         self.abort = abort  # the engine's abort by request id (a cancel's)
         self.metrics = metrics  # RouterMetrics: the responses_stored* gauges, drops
+        self.file = file  # --responses-dir: every change written through
         self._entries: OrderedDict[str, StoredEntry] = OrderedDict()
         self.bytes = 0
+        if file is not None:
+            self._load(file)
+
+    def _load(self, file: ResponseFile) -> None:
+        """What the file holds, least recently changed first; a response that was queued
+        or running failed with the router that ran it."""
+        for entry_id, kind, status, background, record in file.load():
+            entry = self._entries[entry_id] = StoredEntry(record, status, background,
+                                                          kind=kind)
+            self.bytes += entry.size
+            if status in LIVE:
+                self._finish_as(entry_id, entry, "failed", {
+                    "code": "server_error",
+                    "message": "the router restarted before this response finished"})
+        self._evict(keep="")
+        self._publish()
+        if self._entries:
+            log.info("loaded %d stored responses and conversations (%d bytes) from %s",
+                     len(self._entries), self.bytes, file.path)
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
+
+    def close(self) -> None:
+        """The file closed (the router is stopping); the memory is dropped with it."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -115,6 +146,7 @@ class ResponseStore:
         finished and too large: False)."""
         self._entries.move_to_end(entry_id)
         self.bytes += entry.size
+        self._save(entry_id, entry)
         self._evict(keep=entry_id)
         self._publish()
         if self.bytes > self.max_bytes and entry.status not in LIVE:
@@ -158,7 +190,7 @@ class ResponseStore:
             raise InvalidRequest("only a response created with background: true can be "
                                  "cancelled", field="response_id")
         if entry.status in LIVE:
-            self._finish_as(entry, "cancelled", None)
+            self._finish_as(response_id, entry, "cancelled", None)
             self._abort(entry)
             self._evict(keep=response_id)
             self._publish()
@@ -231,9 +263,9 @@ class ResponseStore:
 
     def worker_lost(self, owner: int) -> None:
         """The API worker running some background responses is gone: they failed."""
-        for entry in list(self._entries.values()):
+        for entry_id, entry in list(self._entries.items()):
             if entry.owner == owner and entry.status in LIVE:
-                self._finish_as(entry, "failed", {
+                self._finish_as(entry_id, entry, "failed", {
                     "code": "server_error",
                     "message": "the API worker running this response stopped"})
         self._evict(keep="")
@@ -241,7 +273,8 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _finish_as(self, entry: StoredEntry, status: str, error: dict | None) -> None:
+    def _finish_as(self, entry_id: str, entry: StoredEntry, status: str,
+                   error: dict | None) -> None:
         record = _decode(entry.record)
         record["response"]["status"] = status
         if error is not None:
@@ -250,6 +283,11 @@ class ResponseStore:
         entry.record, entry.status = _encode(record), status
         self.bytes += len(entry.record)
         entry.changed.set()
+        self._save(entry_id, entry)
+
+    def _save(self, entry_id: str, entry: StoredEntry) -> None:
+        if self.file is not None:
+            self.file.save(entry_id, entry.kind, entry.status, entry.background, entry.record)
 
     def _abort(self, entry: StoredEntry) -> None:
         if self.abort is not None:
@@ -261,6 +299,8 @@ class ResponseStore:
         entry = self._entries.pop(response_id)
         self.bytes -= entry.size
         entry.changed.set()  # a reader waiting on it finds it gone
+        if self.file is not None:
+            self.file.delete(response_id)
         if dropped and self.metrics is not None:
             self.metrics.responses_dropped.inc()
         self._publish()

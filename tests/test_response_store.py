@@ -241,3 +241,46 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_a_store_file_is_what_the_next_router_loads(tmp_path):
+    """--responses-dir: finished responses, conversations and cancels written through; the
+    next store loads them in the order they changed, a running one as failed, and drops
+    the least recently changed past its (smaller) budget, from the file too."""
+    from pagedserve.router.response_persistence import ResponseFile
+
+    async def main():
+        store = ResponseStore(1 << 20, file=ResponseFile(tmp_path))
+        assert await store.put("a", record("completed"))
+        assert await store.put("b", record("in_progress"), background=True)
+        assert await store.put("c", record("queued"), background=True)
+        await store.cancel("c")
+        assert await store.put_conversation("conv", msgspec.json.encode(
+            {"conversation": {"id": "conv"}, "items": []}))
+        await store.edit_conversation("conv", append=[{"id": "i1"}])
+        assert await store.put("gone", record("completed"))
+        assert await store.delete("gone")
+        store.close()
+
+        again = ResponseStore(1 << 20, file=ResponseFile(tmp_path))
+        assert await again.get("a") == record("completed")
+        b = msgspec.json.decode(await again.get("b"))["response"]
+        assert b["status"] == "failed" and "restarted" in b["error"]["message"]
+        assert msgspec.json.decode(await again.get("c"))["response"]["status"] == "cancelled"
+        conv = msgspec.json.decode(await again.get("conv", CONVERSATION))
+        assert conv["items"] == [{"id": "i1"}]
+        assert await again.get("gone") is None and len(again) == 4
+        with pytest.raises(InvalidRequest):  # still not a background one
+            await again.cancel("a")
+        sizes = {rid: len(await again.get(rid, CONVERSATION if rid == "conv" else RESPONSE))
+                 for rid in ("a", "b", "c", "conv")}
+        again.close()
+
+        # a smaller budget: the least recently changed dropped: a, then c (b's failure was
+        # written by the second load: the most recent change)
+        small = ResponseStore(sizes["b"] + sizes["conv"], file=ResponseFile(tmp_path))
+        assert [await small.get(r) is not None for r in "abc"] == [False, True, False]
+        assert await small.get("conv", CONVERSATION) is not None
+        small.close()
+        assert len(ResponseFile(tmp_path).load()) == 2
+    run(main())
