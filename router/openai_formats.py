@@ -23,7 +23,7 @@ tool-call syntax (--tool-call-parser; tool_parsers.py): without one it is a 400.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
@@ -173,6 +173,8 @@ class ToolMode:
     name: str | None
     parallel: bool = True
     parser: str = ""  # tool_choice "auto": the --tool-call-parser that splits the output
+    # function name -> its parameters schema (a parser's value types: qwen3_coder)
+    schemas: dict | None = field(default=None, compare=False)
 
 
 def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
@@ -196,7 +198,7 @@ def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
         raise bad("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
     if choice in (None, "auto"):
         if parser != "none":
-            return ToolMode(None, parallel, parser)
+            return ToolMode(None, parallel, parser, names)
         raise bad("tool_choice", '"auto" (the default with tools) needs a parser for the '
                   'model\'s own tool-call format (--tool-call-parser hermes, for models whose '
                   'template uses <tool_call> tags): send tool_choice "required", a named '

@@ -180,7 +180,8 @@ class ChoiceWriter:
 
     def _parsed_message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """tool_choice "auto": the whole text split by the model's tool-call syntax."""
-        parser = make_parser(self.tools.parser, self.tools.parallel)
+        parser = make_parser(self.tools.parser, self.tools.parallel,
+                             self.tools.schemas)
         first, last = parser.feed(text), parser.finish()
         content = first.content + last.content
         calls = [{k: v for k, v in c.items() if k != "index"} for c in first.calls + last.calls]
@@ -320,7 +321,8 @@ class ChoiceWriter:
         if self.tools.parser:
             parser = self.parsers.get(i)
             if parser is None:
-                parser = self.parsers[i] = make_parser(self.tools.parser, self.tools.parallel)
+                parser = self.parsers[i] = make_parser(self.tools.parser, self.tools.parallel,
+                                                       self.tools.schemas)
             piece = parser.feed(text)
             if finish_reason is not None:
                 last = parser.finish()

@@ -1,30 +1,45 @@
 """Tool calls in a model's own syntax (`--tool-call-parser`), for tool_choice "auto": the
 model decides between text and calls, and its output is split into content and calls here.
 
-`hermes`: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (JSON,
-whitespace around it allowed), the format of Hermes, Qwen2.5, Qwen3 and SmolLM3 templates,
-which list the tools for the model themselves.
+* `hermes`: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (JSON,
+  whitespace around it allowed), the format of Hermes, Qwen2.5, Qwen3 and SmolLM3 templates,
+  which list the tools for the model themselves.
+* `qwen3_coder`: each call is ``<tool_call><function=NAME><parameter=P>VALUE</parameter>...
+  </function></tool_call>`` (newlines around the parts), Qwen3-Coder's XML-like format: a
+  value is text, made the type its parameter's schema gives (a number, a boolean, an array
+  or object as JSON; kept as text when it does not parse).
+* `llama3_json`: an output that is a JSON object ``{"name": ..., "parameters": {...}}``
+  (several separated by ``;``) is calls, anything else content: Llama 3.1 and 3.3's format
+  for custom tools (the ``<|python_tag|>`` before it is a special token, not in the text).
+* `pythonic`: an output that is a Python list of calls, ``[f(a=1, b="x"), g()]``, is calls
+  (arguments literals only), anything else content: Llama 3.2's and Llama 4's format.
 
-One state machine serves streams and whole texts (`HermesParser.feed` text as it comes, then
-`finish`; a whole text is one feed): outside a call, text is content, except a tail that may
-be the start of ``<tool_call>`` (held back until the next text decides); inside one, text is
-held until ``</tool_call>``, then the call goes out whole (its arguments as JSON text). Once a
-call has been seen, whitespace-only content between calls is dropped. A call whose JSON does
-not parse, or that has no name, is given back as content, tags included, and so is a call
-left open when the output ends (unless what it holds parses: a model may stop at EOS before
-the closing tag). Nothing the model wrote is lost: content + calls account for every
-character but tags and the whitespace between calls, with one exception: under
+One state machine serves streams and whole texts (`feed` text as it comes, then `finish`; a
+whole text is one feed). Tagged formats (hermes, qwen3_coder): outside a call, text is
+content, except a tail that may be the start of ``<tool_call>`` (held back until the next
+text decides); inside one, text is held until ``</tool_call>``, then the call goes out
+whole (its arguments as JSON text). Once a call has been seen, whitespace-only content
+between calls is dropped. A call that does not parse, or that has no name, is given back
+as content, tags included, and so is a call left open when the output ends (unless what it
+holds parses: a model may stop at EOS before the closing tag). Whole-output formats
+(llama3_json, pythonic): the first character that is not whitespace decides: the opener
+(``{``, ``[``) holds the output until it ends, then it goes out as calls, or as content if
+it is not calls after all; any other character makes the whole output content, streamed
+as it comes. Nothing the model wrote is lost: content + calls account for every character
+but tags and the whitespace between calls, with one exception: under
 ``parallel_tool_calls: false`` (``max_calls=1``) a second and later call is dropped, as the
 client asked for at most one.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
-PARSERS = ("none", "hermes")
+PARSERS = ("none", "hermes", "qwen3_coder", "llama3_json", "pythonic")
 
 
 def tool_call_id() -> str:
@@ -39,14 +54,34 @@ class ParsedPiece:
     calls: list[dict] = field(default_factory=list)  # OpenAI tool_calls entries, with index
 
 
-class HermesParser:
-    START, END = "<tool_call>", "</tool_call>"
+class _Calls:
+    """What every parser shares: the calls given out (at most `max_calls`), their ids."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        self._buf = ""
-        self._in_call = False
+    def __init__(self, max_calls: int | None = None, schemas: dict | None = None) -> None:
         self.num_calls = 0
         self.max_calls = max_calls
+        self.schemas = schemas or {}  # function name -> its parameters' JSON schema
+
+    def _emit(self, piece: ParsedPiece, name: str, arguments) -> None:
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return  # parallel_tool_calls false: a call after the first is not given out
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        piece.calls.append({"index": self.num_calls, "id": tool_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+        self.num_calls += 1
+
+
+class TaggedParser(_Calls):
+    """Calls between ``<tool_call>`` and ``</tool_call>``, text around them (the module
+    docstring); `_parse` reads a call's body."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self, max_calls: int | None = None, schemas: dict | None = None) -> None:
+        super().__init__(max_calls, schemas)
+        self._buf = ""
+        self._in_call = False
 
     def feed(self, text: str) -> ParsedPiece:
         piece = ParsedPiece()
@@ -85,21 +120,145 @@ class HermesParser:
             piece.content += text
 
     def _call(self, piece: ParsedPiece, body: str, original: str) -> None:
+        parsed = self._parse(body)
+        if parsed is None:
+            piece.content += original  # not a call after all: the model's text, unchanged
+            return
+        self._emit(piece, *parsed)
+
+    def _parse(self, body: str) -> tuple[str, object] | None:
+        raise NotImplementedError
+
+
+class HermesParser(TaggedParser):
+    def _parse(self, body: str) -> tuple[str, object] | None:
         try:
             call = json.loads(body)
         except ValueError:
-            call = None
+            return None
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            piece.content += original  # not a call after all: the model's text, unchanged
-            return
-        if self.max_calls is not None and self.num_calls >= self.max_calls:
-            return  # parallel_tool_calls false: a call after the first is not given out
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        piece.calls.append({"index": self.num_calls, "id": tool_call_id(), "type": "function",
-                            "function": {"name": call["name"], "arguments": arguments}})
-        self.num_calls += 1
+            return None
+        return call["name"], call.get("arguments", call.get("parameters", {}))
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+class Qwen3CoderParser(TaggedParser):
+    def _parse(self, body: str) -> tuple[str, object] | None:
+        m = _FUNCTION.match(body)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, raw in _PARAMETER.findall(m.group(2)):
+            key = key.strip()
+            arguments[key] = _typed(raw.strip("\n"), (properties.get(key) or {}).get("type"))
+        return name, arguments
+
+
+_JSON_TYPES = {"integer": (int,), "number": (int, float), "boolean": (bool,),
+               "array": (list,), "object": (dict,), "null": (type(None),)}
+
+
+def _typed(value: str, kind) -> object:
+    """A qwen3_coder parameter's text as its schema's `type` says (a list of types: any of
+    them; none given: JSON when it parses); the text itself when it is not of that type."""
+    if kind == "string":
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    if kind is None:
+        return parsed
+    for name in kind if isinstance(kind, list) else [kind]:
+        types = _JSON_TYPES.get(name, ())
+        if isinstance(parsed, types) and not (name in ("integer", "number")
+                                              and isinstance(parsed, bool)):
+            return parsed
+    return value
+
+
+class WholeOutputParser(_Calls):
+    """An output that opens with `OPENER` is calls (`_parse_all`), else content (the module
+    docstring)."""
+
+    OPENER = ""
+
+    def __init__(self, max_calls: int | None = None, schemas: dict | None = None) -> None:
+        super().__init__(max_calls, schemas)
+        self._buf = ""
+        self._mode = ""  # "": undecided; "calls": held; "content": streamed
+
+    def feed(self, text: str) -> ParsedPiece:
+        piece = ParsedPiece()
+        if self._mode == "content":
+            piece.content = text
+            return piece
+        self._buf += text
+        if not self._mode and self._buf.strip():
+            self._mode = "calls" if self._buf.lstrip().startswith(self.OPENER) else "content"
+            if self._mode == "content":
+                piece.content, self._buf = self._buf, ""
+        return piece
+
+    def finish(self) -> ParsedPiece:
+        piece = ParsedPiece()
+        rest, self._buf = self._buf, ""
+        calls = self._parse_all(rest.strip()) if self._mode == "calls" else None
+        if calls is None:
+            piece.content = rest
+        else:
+            for name, arguments in calls:
+                self._emit(piece, name, arguments)
+        return piece
+
+    def _parse_all(self, text: str) -> list[tuple[str, object]] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(WholeOutputParser):
+    OPENER = "{"
+
+    def _parse_all(self, text: str) -> list[tuple[str, object]] | None:
+        decoder, at, calls = json.JSONDecoder(), 0, []
+        while at < len(text):
+            try:
+                call, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return None
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return None
+            calls.append((call["name"], call.get("parameters", call.get("arguments", {}))))
+            while at < len(text) and text[at] in " \t\r\n;":
+                at += 1
+        return calls or None
+
+
+class PythonicParser(WholeOutputParser):
+    OPENER = "["
+
+    def _parse_all(self, text: str) -> list[tuple[str, object]] | None:
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and not node.args and all(k.arg for k in node.keywords)):
+                return None
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            except ValueError:
+                return None
+            calls.append((node.func.id, arguments))
+        return calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -110,8 +269,12 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def make_parser(name: str, parallel: bool = True) -> HermesParser | None:
-    """The parser `name` (--tool-call-parser); `parallel` false: at most one call out."""
-    if name == "hermes":
-        return HermesParser(max_calls=None if parallel else 1)
-    return None
+_PARSER_CLASSES = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
+                   "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
+
+
+def make_parser(name: str, parallel: bool = True, schemas: dict | None = None):
+    """The parser `name` (--tool-call-parser; None for "none"); `parallel` false: at most
+    one call out; `schemas`: each function's parameters schema (qwen3_coder's types)."""
+    cls = _PARSER_CLASSES.get(name)
+    return cls(max_calls=None if parallel else 1, schemas=schemas) if cls else None
