@@ -41,6 +41,7 @@ from pagedserve.run_batch import BatchStats, JsonlOut, run_lines
 from .batch_store import ACTIVE, LIST_LIMIT, BatchStore, public
 from .errors import InvalidRequest, PagedServeError
 from .http_errors import dumps_json, error_response, read_json
+from .openai_fields import metadata_of
 
 log = logging.getLogger("pagedserve.batches")
 
@@ -48,8 +49,6 @@ MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
 MAX_LINES = 50_000  # OpenAI's limit of requests a batch
 BATCH_PRIORITY = 1 << 20  # after every online request (default priority 0)
 SAVE_EVERY_S = 1.0
-MAX_METADATA = 16  # OpenAI's: pairs, key and value lengths
-MAX_KEY_CHARS, MAX_VALUE_CHARS = 64, 512
 
 
 def _answered(handler):
@@ -375,15 +374,8 @@ def _count_lines(path: Path) -> int:
 
 
 def _metadata(value) -> dict | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_KEY_CHARS
-            and len(v) <= MAX_VALUE_CHARS for k, v in value.items()):
-        raise InvalidRequest(f"metadata: at most {MAX_METADATA} string pairs (keys up to "
-                             f"{MAX_KEY_CHARS} characters, values up to {MAX_VALUE_CHARS})",
-                             field="metadata")
-    return value
+    """A batch's metadata (None when it has none: OpenAI's Batch object says null)."""
+    return None if value is None else metadata_of(value)
 
 
 def _paging(request: web.Request, default: int, most: int) -> tuple[int, str | None]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -33,26 +32,12 @@ from aiohttp import web
 from .errors import InvalidRequest, NotFound, PagedServeError
 from .http_errors import dumps_json, error_response, read_json
 from .http_responses import item_page
-from .openai_fields import bad, json_type
+from .openai_fields import bad, json_type, metadata_of
 from .response_store import CONVERSATION
 from .responses_turns import input_items
 
-MAX_METADATA, MAX_KEY_CHARS, MAX_VALUE_CHARS = 16, 64, 512
-
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-
-
-def metadata_of(value: Any) -> dict:
-    """A body's `metadata` (InvalidRequest unless at most 16 short string pairs)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_KEY_CHARS
-            and len(v) <= MAX_VALUE_CHARS for k, v in value.items()):
-        raise bad("metadata", f"at most {MAX_METADATA} string pairs (keys up to "
-                  f"{MAX_KEY_CHARS} characters, values up to {MAX_VALUE_CHARS})")
-    return value
 
 
 def items_of(body: dict, required: bool) -> list[dict]:

@@ -115,3 +115,19 @@ def prompt_requests(value, field: str, params: pb.SamplingParams,
         else:
             raise bad(field, f"{field}[{i}] must be a string or an array of token ids")
     return requests
+
+
+MAX_METADATA, MAX_KEY_CHARS, MAX_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
+
+
+def metadata_of(value: Any) -> dict:
+    """A body's `metadata` (InvalidRequest unless at most 16 short string pairs; {} for
+    none): OpenAI's rule for batches and conversations."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_KEY_CHARS
+            and len(v) <= MAX_VALUE_CHARS for k, v in value.items()):
+        raise bad("metadata", f"at most {MAX_METADATA} string pairs (keys up to "
+                  f"{MAX_KEY_CHARS} characters, values up to {MAX_VALUE_CHARS})")
+    return value

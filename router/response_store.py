@@ -158,6 +158,17 @@ class ResponseStore:
             return False
         return True
 
+    def _background(self, response_id: str, what: str, field: str) -> StoredEntry:
+        """A stored background response (NotFound; InvalidRequest naming `field` for one
+        that is not background: it cannot be `what`)."""
+        entry = self._entry(response_id, RESPONSE)
+        if entry is None:
+            raise NotFound(f"no stored response has the id {response_id!r}")
+        if not entry.background:
+            raise InvalidRequest(f"only a response created with background: true can be "
+                                 f"{what}", field=field)
+        return entry
+
     def _entry(self, entry_id: str, kind: str) -> StoredEntry | None:
         entry = self._entries.get(entry_id)
         return entry if entry is not None and entry.kind == kind else None
@@ -183,12 +194,7 @@ class ResponseStore:
     async def cancel(self, response_id: str) -> bytes:
         """A background response cancelled: its record with status "cancelled" (a finished
         one's unchanged: cancelling is idempotent); its requests aborted."""
-        entry = self._entry(response_id, RESPONSE)
-        if entry is None:
-            raise NotFound(f"no stored response has the id {response_id!r}")
-        if not entry.background:
-            raise InvalidRequest("only a response created with background: true can be "
-                                 "cancelled", field="response_id")
+        entry = self._background(response_id, "cancelled", "response_id")
         if entry.status in LIVE:
             self._finish_as(response_id, entry, "cancelled", None)
             self._abort(entry)
@@ -213,12 +219,7 @@ class ResponseStore:
         waiting up to `wait_s` for one when there is none yet; and whether the stream is
         over (every event it will have is in the store). NotFound when it is not stored,
         InvalidRequest when it was not streamed in the background."""
-        entry = self._entry(response_id, RESPONSE)
-        if entry is None:
-            raise NotFound(f"no stored response has the id {response_id!r}")
-        if not entry.background:
-            raise InvalidRequest("only a response created with background: true can be "
-                                 "streamed again", field="stream")
+        entry = self._background(response_id, "streamed again", "stream")
         if len(entry.events) <= after + 1 and entry.status in LIVE and wait_s > 0:
             entry.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

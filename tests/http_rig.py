@@ -109,3 +109,23 @@ async def _sse(session, path, body) -> list:
 
 def _metric(metrics, name, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def named_events(response, limit: int | None = None) -> list[dict]:
+    """A named SSE stream's events (the Responses API's): `event: TYPE` then `data: JSON`,
+    each data's type its name; at most `limit` (then the caller leaves)."""
+    events, name = [], None
+    assert response.status == 200, await response.text()
+    async for line in response.content:
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            event = json.loads(line[len("data: "):])
+            assert event["type"] == name
+            events.append(event)
+            if limit is not None and len(events) == limit:
+                break
+        else:
+            assert not line, line
+    return events

@@ -5,11 +5,9 @@ up to the unary output; errors name the Responses field the client sent."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fake_engine import make_tokenizer
-from http_rig import ANY_JSON, MODEL, _post, _run, fail_every_submit, scripted
+from http_rig import ANY_JSON, MODEL, _post, _run, fail_every_submit, named_events, scripted
 from pagedserve.router.errors import InvalidRequest
 from pagedserve.router.responses_api import chat_body
 from pagedserve.router.validation import Limits
@@ -25,19 +23,9 @@ def tok(tmp_path_factory):
 
 async def _events(session, body) -> list[dict]:
     """A Responses stream's events: `event: TYPE` then `data: JSON` each, no [DONE]."""
-    events, name = [], None
     async with session.post("/v1/responses", json={**body, "stream": True}) as r:
-        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-        async for line in r.content:
-            line = line.decode().rstrip("\n")
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                event = json.loads(line[len("data: "):])
-                assert event["type"] == name
-                events.append(event)
-            else:
-                assert not line, line
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = await named_events(r)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 

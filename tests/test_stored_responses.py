@@ -8,12 +8,11 @@ status and field."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 from fake_engine import eventually, make_tokenizer
-from http_rig import MODEL, _post, _run, http_edge, scripted
+from http_rig import MODEL, _post, _run, http_edge, named_events, scripted
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +28,6 @@ async def _get(session, path):
 async def _delete(session, path):
     async with session.delete(path) as r:
         return r.status, await r.json()
-
-
-async def _events(response: aiohttp.ClientResponse, limit: int | None = None) -> list[dict]:
-    """A Responses stream's events (at most `limit`, then the caller leaves)."""
-    events, name = [], None
-    assert response.status == 200, await response.text()
-    async for line in response.content:
-        line = line.decode().rstrip("\n")
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            event = json.loads(line[len("data: "):])
-            assert event["type"] == name
-            events.append(event)
-            if limit is not None and len(events) == limit:
-                break
-    return events
 
 
 def _text(response: dict) -> str:
@@ -74,7 +56,7 @@ def test_a_stored_response_reads_back_and_store_false_keeps_nothing(tok):
             assert kept_not["id"] in err["error"]["message"]
 
             async with s.post("/v1/responses", json={**body, "stream": True}) as r:
-                events = await _events(r)
+                events = await named_events(r)
             final = events[-1]["response"]
             assert final["store"] is True and final["status"] == "incomplete"
             assert await _get(s, f"/v1/responses/{final['id']}") == (200, final)
@@ -290,11 +272,11 @@ def test_a_background_stream_reads_again_from_any_event(tok):
             body = {"model": MODEL, "input": "Hi", "max_output_tokens": 20, "stream": True,
                     "background": True}
             async with s.post("/v1/responses", json=body) as r:
-                head = await _events(r, limit=4)  # then this client leaves
+                head = await named_events(r, limit=4)  # then this client leaves
             rid = head[0]["response"]["id"]
             assert [e["sequence_number"] for e in head] == [0, 1, 2, 3]
             async with s.get(f"/v1/responses/{rid}?stream=true&starting_after=1") as r:
-                rest = await _events(r)  # the stored ones, then the live ones to the end
+                rest = await named_events(r)  # the stored ones, then the live ones to the end
             assert rest[:2] == head[2:]
             assert [e["sequence_number"] for e in rest] == list(range(2, 2 + len(rest)))
             final = rest[-1]["response"]
@@ -304,7 +286,7 @@ def test_a_background_stream_reads_again_from_any_event(tok):
             assert text == _text(final)
             assert (await _get(s, f"/v1/responses/{rid}"))[1] == final
             async with s.get(f"/v1/responses/{rid}?stream=true") as r:
-                again = await _events(r)  # finished: every event at once
+                again = await named_events(r)  # finished: every event at once
             assert again == head + rest[2:]
     _run(main())
 
