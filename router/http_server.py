@@ -50,6 +50,7 @@ from .http_errors import (
 from .http_generation_routes import ROUTES
 from .http_lora_routes import add_lora_routes
 from .http_request_ids import answer_id, echo_request_id, request_base
+from .http_rerank import add_rerank_routes
 from .http_responses import ResponsesRoutes
 from .http_streams import merge_sessions, send_events
 from .http_tokenizer_routes import add_tokenizer_routes
@@ -130,6 +131,7 @@ class OpenAIApp:
         app.router.add_post("/v1/messages", functools.partial(self.generate, kind="messages"))
         app.router.add_post("/v1/embeddings", self.embeddings)
         add_tokenizer_routes(app, self)
+        add_rerank_routes(app, self)
         add_lora_routes(app, self.frontend, self.served_names)
         add_weight_routes(app, self.frontend)
         self.responses.add_routes(app)
@@ -329,22 +331,8 @@ class OpenAIApp:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         response_id = "embd-" + base
         answer_id(request, response_id)
-        of = len(call.requests)
-        outputs: list[RequestOutput | None] = [None] * of
         try:
-            async with AsyncExitStack() as stack:
-                sessions = []
-                for i, pb_request in enumerate(call.requests):
-                    pb_request.lora_adapter = adapter
-                    sessions.append(await stack.enter_async_context(self._session(
-                        pb_request, f"{response_id}-{i}", arrival, as_embedding,
-                        functools.partial(input_field, index=i, of=of))))
-                async for i, out in merge_sessions(sessions):
-                    if out.finished:
-                        outputs[i] = out
-            if any(out is None or out.embedding is None for out in outputs):
-                raise Unavailable("an input ended without its embedding")
-            vectors = [embedding_vector(out, call) for out in outputs]
+            outputs, vectors = await self.embed(call, adapter, response_id, arrival)
         except PagedServeError as exc:  # counted by the session it ended
             return error_response(exc)
         except ConnectionError:
@@ -352,6 +340,28 @@ class OpenAIApp:
         reply = embedding_response(vectors, [out.usage for out in outputs],
                                    adapter or self._served_as(body), call.encoding_format)
         return web.Response(body=encode_json(reply), content_type="application/json")
+
+    async def embed(self, call, adapter: str, response_id: str, arrival: float,
+                    field_of=None) -> tuple[list[RequestOutput], list]:
+        """Every input of an embeddings call submitted before any is awaited (a refused one
+        gets its status), then their outputs and vectors in input order; `field_of(exc, i)`
+        renames an input's validation error (default: `input[i]`)."""
+        of = len(call.requests)
+        field_of = field_of or functools.partial(input_field, of=of)
+        outputs: list[RequestOutput | None] = [None] * of
+        async with AsyncExitStack() as stack:
+            sessions = []
+            for i, pb_request in enumerate(call.requests):
+                pb_request.lora_adapter = adapter
+                sessions.append(await stack.enter_async_context(self._session(
+                    pb_request, f"{response_id}-{i}", arrival, as_embedding,
+                    functools.partial(field_of, index=i))))
+            async for i, out in merge_sessions(sessions):
+                if out.finished:
+                    outputs[i] = out
+        if any(out is None or out.embedding is None for out in outputs):
+            raise Unavailable("an input ended without its embedding")
+        return outputs, [embedding_vector(out, call) for out in outputs]
 
     def _session(self, pb_request, request_id: str, arrival: float, made=None,
                  refused=None) -> RequestSession:

@@ -144,6 +144,53 @@ def test_bad_input_names_its_field(cluster, body, status, field):
     assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
 
 
+def test_rerank_and_score_are_cosines_of_transformers_vectors(cluster, hf, model_dir):
+    """/v1/rerank (Jina's, Cohere's) and /v1/score: each pair's score the cosine of the two
+    texts' vectors (transformers' last hidden states), each text embedded once; best first,
+    top_n, documents as objects; errors naming the field the text came from."""
+    vec = {t: unit(hidden_last(hf, hf.encode(t))) for t in TEXTS}
+    query, docs = TEXTS[0], TEXTS[1:] + [TEXTS[0]]
+    want = [float(vec[query] @ vec[d]) for d in docs]
+    submitted = _counter(cluster, "pagedserve_prompt_tokens_total")
+    status, body = post_json(cluster, "/v1/rerank", {
+        "model": model_dir.name, "query": query,
+        "documents": [docs[0], {"text": docs[1]}, docs[2]]})
+    assert status == 200, body
+    assert body["id"].startswith("rerank-") and body["model"] == model_dir.name
+    order = sorted(range(3), key=lambda i: -want[i])
+    assert [r["index"] for r in body["results"]] == order and order[0] == 2  # itself
+    for r in body["results"]:
+        assert abs(r["relevance_score"] - want[r["index"]]) < 1e-4
+        assert r["document"] == {"text": docs[r["index"]]}
+    tokens = sum(len(hf.encode(t)) for t in TEXTS)  # the query once, though twice asked
+    assert body["usage"]["prompt_tokens"] == tokens
+    assert _counter(cluster, "pagedserve_prompt_tokens_total") - submitted == tokens
+    status, top = post_json(cluster, "/rerank", {"query": query, "documents": docs,
+                                                 "top_n": 1, "return_documents": False})
+    assert [r["index"] for r in top["results"]] == [2] and "document" not in top["results"][0]
+    status, scored = post_json(cluster, "/v1/score", {"text_1": query, "text_2": docs})
+    assert status == 200 and scored["object"] == "list"
+    assert [d["index"] for d in scored["data"]] == [0, 1, 2]
+    for d in scored["data"]:
+        assert d["object"] == "score" and abs(d["score"] - want[d["index"]]) < 1e-4
+    status, pairwise = post_json(cluster, "/score", {"text_1": [TEXTS[1], TEXTS[2]],
+                                                     "text_2": [TEXTS[2], TEXTS[2]]})
+    assert abs(pairwise["data"][0]["score"] - float(vec[TEXTS[1]] @ vec[TEXTS[2]])) < 1e-4
+    assert abs(pairwise["data"][1]["score"] - 1.0) < 1e-4
+    for path, bad_body, field in [
+        ("/v1/rerank", {"query": "", "documents": ["x"]}, "query"),
+        ("/v1/rerank", {"query": "q", "documents": ["x", ""]}, "documents[1]"),
+        ("/v1/rerank", {"query": "q", "documents": ["x", 5]}, "documents[1]"),
+        ("/v1/rerank", {"query": "q", "documents": "x"}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": 0}, "top_n"),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": ["b", [1] * MAX_MODEL_LEN]}, "text_2[1]"),
+    ]:
+        status, err = post_json(cluster, path, bad_body)
+        assert status == 400 and err["error"]["param"] == field, (bad_body, err)
+    assert cluster.wait_blocks_free().executors[0].num_free_gpu_blocks == 64
+
+
 def test_embed_bench_quick(model_dir):
     """benchmarks/embed_bench.py in a small setting on this model (float32): a JSON line
     per workload and side, the same vectors on both sides, the instruction computed once."""
