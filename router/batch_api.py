@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import shutil
 import tempfile
@@ -39,8 +38,8 @@ from pagedserve.batch_file import URLS, BadLine, BatchRequest
 from pagedserve.run_batch import BatchStats, JsonlOut, run_lines
 
 from .batch_store import ACTIVE, LIST_LIMIT, BatchStore, public
-from .errors import InvalidRequest, PagedServeError
-from .http_errors import dumps_json, error_response, read_json
+from .errors import InvalidRequest
+from .http_errors import answered, dumps_json, query_int, read_json
 from .openai_fields import metadata_of
 
 log = logging.getLogger("pagedserve.batches")
@@ -49,18 +48,6 @@ MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
 MAX_LINES = 50_000  # OpenAI's limit of requests a batch
 BATCH_PRIORITY = 1 << 20  # after every online request (default priority 0)
 SAVE_EVERY_S = 1.0
-
-
-def _answered(handler):
-    """A route whose domain errors are answered with their status and OpenAI's error
-    object."""
-    @functools.wraps(handler)
-    async def route(self, request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(self, request)
-        except PagedServeError as exc:
-            return error_response(exc)
-    return route
 
 
 class SplitOut:
@@ -155,7 +142,7 @@ class BatchApi:
 
     # ------------------------------------------------------------------ files
 
-    @_answered
+    @answered
     async def upload(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
             raise InvalidRequest("the body must be multipart/form-data with `file` and "
@@ -192,29 +179,29 @@ class BatchApi:
                                          field="file")
                 f.write(chunk)
 
-    @_answered
+    @answered
     async def list_files(self, request: web.Request) -> web.Response:
         limit, after = _paging(request, default=10_000, most=10_000)
         return _json(self.store.list_files(request.query.get("purpose"), limit, after))
 
-    @_answered
+    @answered
     async def get_file(self, request: web.Request) -> web.Response:
         return _json(self.store.file(request.match_info["id"]))
 
-    @_answered
+    @answered
     async def file_content(self, request: web.Request) -> web.StreamResponse:
         file_id = request.match_info["id"]
         self.store.file(file_id)
         return web.FileResponse(self.store.data_path(file_id),
                                 headers={"Content-Type": "application/jsonl"})
 
-    @_answered
+    @answered
     async def delete_file(self, request: web.Request) -> web.Response:
         return _json(self.store.delete_file(request.match_info["id"]))
 
     # ------------------------------------------------------------------ batches
 
-    @_answered
+    @answered
     async def create(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         endpoint = body.get("endpoint")
@@ -234,16 +221,16 @@ class BatchApi:
         self.queue.put_nowait(batch["id"])
         return _json(public(batch))
 
-    @_answered
+    @answered
     async def list_batches(self, request: web.Request) -> web.Response:
         limit, after = _paging(request, default=20, most=LIST_LIMIT[1])
         return _json(self.store.list_batches(limit, after))
 
-    @_answered
+    @answered
     async def get_batch(self, request: web.Request) -> web.Response:
         return _json(public(self.store.batch(request.match_info["id"])))
 
-    @_answered
+    @answered
     async def cancel(self, request: web.Request) -> web.Response:
         """In any process: the batch is marked cancelling; the process running it stops
         sending its lines (at once when it is this one, else within SAVE_EVERY_S) and marks
@@ -379,14 +366,7 @@ def _metadata(value) -> dict | None:
 
 
 def _paging(request: web.Request, default: int, most: int) -> tuple[int, str | None]:
-    text = request.query.get("limit")
-    try:
-        limit = default if text is None else int(text)
-    except ValueError:
-        limit = -1
-    if not 1 <= limit <= most:
-        raise InvalidRequest(f"limit: must be 1 to {most}", field="limit")
-    return limit, request.query.get("after")
+    return query_int(request, "limit", default, 1, most), request.query.get("after")
 
 
 def _json(obj: dict) -> web.Response:

@@ -29,8 +29,8 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from .errors import InvalidRequest, NotFound, PagedServeError
-from .http_errors import dumps_json, error_response, read_json
+from .errors import InvalidRequest, NotFound
+from .http_errors import answered, dumps_json, error_response, read_json
 from .http_responses import item_page
 from .openai_fields import bad, json_type, metadata_of
 from .response_store import CONVERSATION
@@ -57,18 +57,6 @@ def items_of(body: dict, required: bool) -> list[dict]:
         raise InvalidRequest(str(exc).replace("input", "items", 1), field=field) from None
 
 
-def _answered(handler):
-    async def route(self, request: web.Request) -> web.Response:
-        try:
-            if not self.store.enabled:
-                raise InvalidRequest("this server keeps no conversations "
-                                     "(--responses-store-mb 0)")
-            return await handler(self, request)
-        except PagedServeError as exc:
-            return error_response(exc)
-    return route
-
-
 class ConversationRoutes:
     """The Conversations API's routes over the store (a ResponseStore, or an API worker's
     RemoteResponses)."""
@@ -77,14 +65,21 @@ class ConversationRoutes:
         self.store = store
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/conversations", self.create)
-        app.router.add_get("/v1/conversations/{id}", self.retrieve)
-        app.router.add_post("/v1/conversations/{id}", self.update)
-        app.router.add_delete("/v1/conversations/{id}", self.delete)
-        app.router.add_get("/v1/conversations/{id}/items", self.list_items)
-        app.router.add_post("/v1/conversations/{id}/items", self.add_items)
-        app.router.add_get("/v1/conversations/{id}/items/{item_id}", self.get_item)
-        app.router.add_delete("/v1/conversations/{id}/items/{item_id}", self.delete_item)
+        on = self.store.enabled  # off: every route says why (--responses-store-mb 0)
+        for method, path, handler in (
+                ("POST", "/v1/conversations", self.create),
+                ("GET", "/v1/conversations/{id}", self.retrieve),
+                ("POST", "/v1/conversations/{id}", self.update),
+                ("DELETE", "/v1/conversations/{id}", self.delete),
+                ("GET", "/v1/conversations/{id}/items", self.list_items),
+                ("POST", "/v1/conversations/{id}/items", self.add_items),
+                ("GET", "/v1/conversations/{id}/items/{item_id}", self.get_item),
+                ("DELETE", "/v1/conversations/{id}/items/{item_id}", self.delete_item)):
+            app.router.add_route(method, path, handler if on else self.off)
+
+    async def off(self, request: web.Request) -> web.Response:
+        return error_response(InvalidRequest("this server keeps no conversations "
+                                             "(--responses-store-mb 0)"))
 
     async def _record(self, conversation_id: str) -> dict:
         record = await self.store.get(conversation_id, CONVERSATION)
@@ -93,7 +88,7 @@ class ConversationRoutes:
                            field="conversation_id")
         return _decode(record)
 
-    @_answered
+    @answered
     async def create(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "conversation",
@@ -105,12 +100,12 @@ class ConversationRoutes:
                                  "(--responses-store-mb)", field="items")
         return web.json_response(conversation, dumps=dumps_json)
 
-    @_answered
+    @answered
     async def retrieve(self, request: web.Request) -> web.Response:
         record = await self._record(request.match_info["id"])
         return web.json_response(record["conversation"], dumps=dumps_json)
 
-    @_answered
+    @answered
     async def update(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         if "metadata" not in body:
@@ -119,7 +114,7 @@ class ConversationRoutes:
                                                     metadata=metadata_of(body["metadata"]))
         return web.json_response(_decode(record)["conversation"], dumps=dumps_json)
 
-    @_answered
+    @answered
     async def delete(self, request: web.Request) -> web.Response:
         conversation_id = request.match_info["id"]
         if not await self.store.delete(conversation_id, CONVERSATION):
@@ -128,12 +123,12 @@ class ConversationRoutes:
         return web.json_response({"id": conversation_id, "object": "conversation.deleted",
                                   "deleted": True})
 
-    @_answered
+    @answered
     async def list_items(self, request: web.Request) -> web.Response:
         record = await self._record(request.match_info["id"])
-        return web.json_response(item_page(record["items"], request.query), dumps=dumps_json)
+        return web.json_response(item_page(record["items"], request), dumps=dumps_json)
 
-    @_answered
+    @answered
     async def add_items(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         items = items_of(body, True)
@@ -142,7 +137,7 @@ class ConversationRoutes:
                                   "first_id": items[0]["id"], "last_id": items[-1]["id"],
                                   "has_more": False}, dumps=dumps_json)
 
-    @_answered
+    @answered
     async def get_item(self, request: web.Request) -> web.Response:
         record = await self._record(request.match_info["id"])
         item_id = request.match_info["item_id"]
@@ -152,7 +147,7 @@ class ConversationRoutes:
         raise NotFound(f"conversation {request.match_info['id']!r} has no item {item_id!r}",
                        field="item_id")
 
-    @_answered
+    @answered
     async def delete_item(self, request: web.Request) -> web.Response:
         record = await self.store.edit_conversation(request.match_info["id"],
                                                     drop_item=request.match_info["item_id"])

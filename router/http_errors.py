@@ -5,13 +5,14 @@ executor or draining, 500 only for a bug."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import grpc
 import msgspec
 from aiohttp import web
 
-from .errors import InvalidRequest, NotFound, grpc_code, grpc_details
+from .errors import InvalidRequest, NotFound, PagedServeError, grpc_code, grpc_details
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -72,3 +73,31 @@ async def read_json(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     return body
+
+
+def answered(handler):
+    """A route method whose domain errors are answered with their status and OpenAI's
+    error object."""
+    @functools.wraps(handler)
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(self, request)
+        except PagedServeError as exc:
+            return error_response(exc)
+    return route
+
+
+def query_int(request: web.Request, key: str, default: int, low: int,
+              high: int | None = None) -> int:
+    """An integer query parameter within [low, high] (InvalidRequest naming it)."""
+    raw = request.query.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{key} must be an integer, got {raw!r}", field=key) from None
+    if value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise InvalidRequest(f"{key} must be {bound}, got {value}", field=key)
+    return value

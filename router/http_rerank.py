@@ -92,7 +92,7 @@ class RerankRoutes:
             distinct.setdefault(b, fb)
         texts = list(distinct)
         call = embedding_call({"input": texts, **{k: body[k] for k in _PASSED if k in body}})
-        adapter = app._lora_adapter(body)
+        adapter = app.adapter_named(body)
         response_id = prefix + request_base(request)
         answer_id(request, response_id)
         fields = [distinct[t] for t in texts]
@@ -112,7 +112,7 @@ class RerankRoutes:
         scores = [float(np.dot(vectors[at[a]].astype(np.float64),
                                vectors[at[b]].astype(np.float64)))
                   for (a, _), (b, _) in pairs]
-        head = {"id": response_id, "model": adapter or app._served_as(body)}
+        head = {"id": response_id, "model": adapter or app.served_as(body)}
         return head, scores, sum(out.usage.prompt_tokens for out in outputs)
 
     async def _answer(self, request: web.Request, work) -> web.Response:

@@ -35,7 +35,7 @@ from contextlib import AsyncExitStack
 from aiohttp import web
 
 from .errors import AlreadyExists, InvalidRequest, NotFound, PagedServeError
-from .http_errors import dumps_json, encode_json, error_for, error_response
+from .http_errors import answered, dumps_json, encode_json, error_for, query_int
 from .http_streams import merge_sessions, sse_frames
 from .responses_api import response_field
 from .responses_turns import (
@@ -198,44 +198,35 @@ class ResponsesRoutes:
                            field="response_id")
         return record
 
+    @answered
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
-        try:
-            query = request.query
-            if query.get("stream", "false").lower() in ("1", "true"):
-                after = _int_query(query, "starting_after", -1, low=-1)
-                return await self._stream_stored(request, request.match_info["id"], after)
-            return web.json_response(stored_response(await self._record(request)),
-                                     dumps=dumps_json)
-        except PagedServeError as exc:
-            return error_response(exc)
+        if request.query.get("stream", "false").lower() in ("1", "true"):
+            after = query_int(request, "starting_after", -1, low=-1)
+            return await self._stream_stored(request, request.match_info["id"], after)
+        return web.json_response(stored_response(await self._record(request)),
+                                 dumps=dumps_json)
 
+    @answered
     async def list_input_items(self, request: web.Request) -> web.Response:
         """OpenAI's list of the items the model was given (item_page)."""
-        try:
-            return web.json_response(item_page(stored_input_items(
-                await self._record(request)), request.query), dumps=dumps_json)
-        except PagedServeError as exc:
-            return error_response(exc)
+        items = stored_input_items(await self._record(request))
+        return web.json_response(item_page(items, request), dumps=dumps_json)
 
     # ------------------------------------------------------------------ stopping
 
+    @answered
     async def cancel(self, request: web.Request) -> web.Response:
         response_id = request.match_info["id"]
-        try:
-            await self._record(request)
-            record = await self.store.cancel(response_id)
-        except PagedServeError as exc:
-            return error_response(exc)
+        await self._record(request)
+        record = await self.store.cancel(response_id)
         self._cancel_task(response_id)
         return web.json_response(stored_response(record), dumps=dumps_json)
 
+    @answered
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["id"]
-        try:
-            await self._record(request)
-            await self.store.delete(response_id)
-        except PagedServeError as exc:
-            return error_response(exc)
+        await self._record(request)
+        await self.store.delete(response_id)
         self._cancel_task(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -247,16 +238,16 @@ class ResponsesRoutes:
             task.cancel()
 
 
-def item_page(items: list[dict], query) -> dict:
+def item_page(items: list[dict], request: web.Request) -> dict:
     """OpenAI's list of items (a response's input items, a conversation's): newest first
     unless `order=asc`, `limit` of them (1-100, default 20) after the item `after`."""
-    limit = _int_query(query, "limit", 20, low=1, high=MAX_ITEMS_LIMIT)
-    order = query.get("order", "desc")
+    limit = query_int(request, "limit", 20, low=1, high=MAX_ITEMS_LIMIT)
+    order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"order must be asc or desc, got {order!r}", field="order")
     if order == "desc":
         items = items[::-1]
-    after = query.get("after")
+    after = request.query.get("after")
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
@@ -265,17 +256,3 @@ def item_page(items: list[dict], query) -> dict:
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
-
-
-def _int_query(query, key: str, default: int, low: int, high: int | None = None) -> int:
-    raw = query.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidRequest(f"{key} must be an integer, got {raw!r}", field=key) from None
-    if value < low or (high is not None and value > high):
-        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
-        raise InvalidRequest(f"{key} must be {bound}, got {value}", field=key)
-    return value

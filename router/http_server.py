@@ -106,7 +106,7 @@ class OpenAIApp:
         self.model_name = self.served_names[0]  # the others: aliases (--served-model-name)
         self.max_model_len = max_model_len
         self.created = int(time.time())
-        self._token_text = TokenText(frontend.tokenizer)
+        self.token_text = TokenText(frontend.tokenizer)
         self._token_ids_text = TokenIdText(frontend.tokenizer)
 
     def make_app(self, batches: BatchApi | None = None) -> web.Application:
@@ -181,7 +181,7 @@ class OpenAIApp:
             return error_response(ModelNotFound(f"the model {name!r} does not exist"))
         return web.json_response(self._model_card(name))
 
-    def _lora_adapter(self, body: dict) -> str:
+    def adapter_named(self, body: dict) -> str:
         """The LoRA adapter the body's `model` names ("": the served model, or no `model`);
         ModelNotFound for any other name."""
         model = optional_str(body, "model")
@@ -192,7 +192,7 @@ class OpenAIApp:
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{', '.join(repr(n) for n in self.model_names)}")
 
-    def _served_as(self, body: dict) -> str:
+    def served_as(self, body: dict) -> str:
         """The served model's name as the body's `model` gave it (an alias stays an alias)."""
         model = body.get("model")
         return model if model in self.served_names else self.model_name
@@ -215,7 +215,7 @@ class OpenAIApp:
                     turn = await self.responses.turn(body, self._prompt_fits)
                     body = turn.body
                 api = self._api_request(kind, turn.chat if turn else body)
-                adapter = self._lora_adapter(body)
+                adapter = self.adapter_named(body)
                 for pb_request in api.requests:
                     pb_request.lora_adapter = adapter
             except InvalidRequest as exc:
@@ -234,9 +234,9 @@ class OpenAIApp:
                 fe.refused(exc, API, arrival)
                 return route.error_response(exc)
         created = int(time.time())
-        model = adapter or self._served_as(body)  # what the reply says served it
+        model = adapter or self.served_as(body)  # what the reply says served it
         writer = ChoiceWriter(api, response_id, created, model,
-                              self._token_ids_text if api.tokens_as_ids else self._token_text)
+                              self._token_ids_text if api.tokens_as_ids else self.token_text)
         if route.writer is not None:  # the route's API over the chat path
             writer = route.writer(body, writer, response_id, created, model)
         request_ids = [f"{response_id}-{i}" for i in range(len(api.requests))]
@@ -323,7 +323,7 @@ class OpenAIApp:
             base = request_base(request)
             body = await read_json(request)
             call = embedding_call(body)
-            adapter = self._lora_adapter(body)
+            adapter = self.adapter_named(body)
         except PagedServeError as exc:
             fe.refused(exc, API, arrival)
             return error_response(exc)
@@ -338,7 +338,7 @@ class OpenAIApp:
         except ConnectionError:
             return web.Response(status=CLIENT_CLOSED_REQUEST)
         reply = embedding_response(vectors, [out.usage for out in outputs],
-                                   adapter or self._served_as(body), call.encoding_format)
+                                   adapter or self.served_as(body), call.encoding_format)
         return web.Response(body=encode_json(reply), content_type="application/json")
 
     async def embed(self, call, adapter: str, response_id: str, arrival: float,

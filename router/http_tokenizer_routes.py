@@ -32,12 +32,12 @@ class TokenizerRoutes:
         app = self.app
         try:
             body = await read_json(request)
-            app._lora_adapter(body)
+            app.adapter_named(body)
             ids = await app.prompt_ids(tokenize_request(body))
             reply = {"count": len(ids), "max_model_len": app.max_model_len,
                      "tokens": list(ids)}
             if optional_bool(body, "return_token_strs"):
-                reply["token_strs"] = [app._token_text(t) for t in ids]
+                reply["token_strs"] = [app.token_text(t) for t in ids]
         except PagedServeError as exc:
             return error_response(exc)
         return web.json_response(reply, dumps=dumps_json)
@@ -47,11 +47,11 @@ class TokenizerRoutes:
         app = self.app
         try:
             body = await read_json(request)
-            app._lora_adapter(body)
+            app.adapter_named(body)
             ids = detokenize_ids(body, app.frontend.limits.vocab_size)
         except PagedServeError as exc:
             return error_response(exc)
-        return web.json_response({"prompt": app._token_text.decode(ids)}, dumps=dumps_json)
+        return web.json_response({"prompt": app.token_text.decode(ids)}, dumps=dumps_json)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The Messages API's count: `{"input_tokens"}` of the prompt a Messages body
@@ -60,7 +60,7 @@ class TokenizerRoutes:
         try:
             try:
                 body = await read_json(request)
-                app._lora_adapter(body)
+                app.adapter_named(body)
                 chat = messages_chat_body(body, counting=True)
                 if chat.get("tools"):  # rendered whatever the choice; no output format
                     chat["tool_choice"] = "none"

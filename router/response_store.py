@@ -146,16 +146,16 @@ class ResponseStore:
         finished and too large: False)."""
         self._entries.move_to_end(entry_id)
         self.bytes += entry.size
-        self._save(entry_id, entry)
         self._evict(keep=entry_id)
-        self._publish()
         if self.bytes > self.max_bytes and entry.status not in LIVE:
-            self._drop(entry_id, dropped=True)
             log.warning("%s %s (%d bytes) does not fit in the response store "
                         "(--responses-store-mb, %d bytes, %d held by running background "
                         "responses); not stored", entry.kind, entry_id, entry.size,
                         self.max_bytes, self.bytes - entry.size)
+            self._drop(entry_id, dropped=True)  # publishes; off the file too
             return False
+        self._save(entry_id, entry)
+        self._publish()
         return True
 
     def _background(self, response_id: str, what: str, field: str) -> StoredEntry:

@@ -1,19 +1,19 @@
 """The router core's hub and two API workers' RemoteEngines in one event loop, over the real
 ipc socket, with a fake core engine: outputs of a loop turn leave as one message per worker,
 admission errors keep their class and message, aborts (local, from another worker, unknown),
-status pushes, the metrics relay, a lost worker's requests aborted, malformed frames."""
+status pushes, the metrics relay, a lost worker's requests aborted, malformed frames, one
+store of Responses for every worker (the rig: edge_hub_rig.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import grpc
 import msgspec
 import pytest
 import zmq
-from pagedserve.router.edge_hub import EdgeHub
-from pagedserve.router.edge_wire import Forget, MetricsBatch, Outputs, StopSample
+from edge_hub_rig import INFO, STATUS, PieceTokenizer, Rig, collect, ids, settle, spec
+from pagedserve.router.edge_wire import Forget, MetricsBatch, StopSample
 from pagedserve.router.errors import (
     AlreadyExists,
     InvalidRequest,
@@ -25,128 +25,9 @@ from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.remote_engine import MetricsRelay, RemoteEngine, RemoteResponses
 from pagedserve.router.response_store import ResponseStore
 from pagedserve.router.types import (
-    ClusterStatusData,
     CompletionDelta,
-    ExecutorStatusData,
-    ModelInfoData,
-    RequestSpec,
-    SamplingSpec,
     Usage,
 )
-from prometheus_client import CollectorRegistry
-
-INFO = ModelInfoData(model="m", architecture="LlamaForCausalLM", max_model_len=64,
-                     vocab_size=100, block_size=16, dtype="bfloat16", eos_token_ids=(0,))
-PIECES = ["<eos>", "he", "llo", "x", "y", " wor", "ld", "ST", "OP", "z"]
-
-
-class PieceTokenizer:
-    """Token i is the string PIECES[i] (exact text and stop-string expectations)."""
-
-    special_token_ids = frozenset({0})
-    eos_token_ids = (0,)
-
-    def is_special(self, t):
-        return t in self.special_token_ids
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(PIECES[i] for i in ids)
-
-    def token_text(self, t):
-        return self.decode([t])
-
-
-def ids(*pieces):
-    return tuple(PIECES.index(p) for p in pieces)
-STATUS = ClusterStatusData((ExecutorStatusData("e0", "cpu", True, 10, 7, 4, 4, 1, 2, 0),), 30, 12)
-
-
-class FakeCore:
-    """What the hub needs of RouterEngine: admit, abort, status, serving, draining, info."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, object] = {}
-        self.draining = False
-        self.up = True
-        self.dtype = "bfloat16"
-        self.refuse: Exception | None = None
-        self.stopped: list[tuple[str, int]] = []
-
-    def admit(self, spec, reserved=False, channel=None, text=True):
-        assert text is False  # the worker assembles the text
-        if self.refuse is not None:
-            raise self.refuse
-        if spec.request_id in self.live:
-            raise AlreadyExists(f"request {spec.request_id!r} is already running")
-        self.live[spec.request_id] = channel
-
-    def abort(self, request_id: str) -> bool:
-        channel = self.live.pop(request_id, None)
-        if channel is None:
-            return False
-        channel.put(CompletionDelta(0, finish_reason="abort"))
-        channel.finish(Usage(3, 0))
-        return True
-
-    def finish_sample(self, request_id: str, index: int) -> bool:
-        self.stopped.append((request_id, index))
-        return request_id in self.live
-
-    def cluster_status(self):
-        return STATUS
-
-    def is_serving(self) -> bool:
-        return self.up and not self.draining
-
-    def model_info(self):
-        return dataclasses.replace(INFO, dtype=self.dtype)
-
-
-def spec(request_id: str, **sampling) -> RequestSpec:
-    return RequestSpec(request_id, (5, 6, 7), SamplingSpec(**sampling))
-
-
-async def settle(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.005)
-
-
-class Rig:
-    """A hub on a FakeCore and two connected RemoteEngines (workers 0 and 1)."""
-
-    async def __aenter__(self) -> Rig:
-        self.core = FakeCore()
-        self.metrics = RouterMetrics(registry=CollectorRegistry())
-        self.hub = EdgeHub(self.core, self.metrics)
-        self.hub.start()
-        self.sent: list[tuple[int, object]] = []
-        send = self.hub._send
-
-        def spy(conn, msg, **kwargs):
-            self.sent.append((conn.index, msg))
-            send(conn, msg, **kwargs)
-        self.hub._send = spy
-        self.workers = [RemoteEngine(self.hub.address, i, INFO, PieceTokenizer())
-                        for i in range(2)]
-        for i, w in enumerate(self.workers):
-            w.start(grpc_port=50000, http_port=-1 if i else 8000, pid=1000 + i)
-        for w in self.workers:
-            await asyncio.wait_for(w.connected.wait(), 5)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for w in self.workers:
-            w.close()
-        await self.hub.close()
-
-    def outputs_to(self, index: int) -> list[Outputs]:
-        return [m for i, m in self.sent if i == index and isinstance(m, Outputs)]
-
-
-async def collect(stream) -> list:
-    return [out async for out in stream]
 
 
 def test_one_outputs_message_per_worker_per_turn_and_streams_in_order():
@@ -437,7 +318,7 @@ def test_a_request_before_the_hello_waits_for_it():
 def test_observe_many_counts_as_one_observe_per_value():
     """An API worker's histogram values arrive in bulk (`observe_many`): every bucket, the
     count and the sum equal observing them one by one, values on bucket bounds included."""
-    from pagedserve.router.metrics import LATENCY_BUCKETS_S, RouterMetrics
+    from pagedserve.router.metrics import LATENCY_BUCKETS_S
 
     values = [0.0, 0.0001, 0.00010001, 0.003, 0.0042, 10.0, 11.0, 0.05, 0.05, 2e-6]
     bulk, single = RouterMetrics(), RouterMetrics()
