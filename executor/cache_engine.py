@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -220,6 +221,42 @@ class CacheEngine:
         self.cpu_cache = (
             torch.zeros(*shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu", pin_memory=True)
             if pinned else _zeros((*shape, num_cpu_blocks, *tail), dtype, "cpu"))
+        self.block_bytes = block_bytes(cfg, block_size, dtype)
+        # What a block is, byte for byte (Hello.kv_format): blocks move between executors
+        # only when this is equal (the same model, block size and cache dtype).
+        self.kv_format = (f"{str(dtype).removeprefix('torch.')}:{cfg.num_layers}x2x"
+                          f"{block_size}x{cfg.num_kv_heads}x{cfg.head_dim}")
+
+    def apply_moves(self, moves: list[tuple[str, np.ndarray]], kv_import: np.ndarray | None,
+                    kv_import_data: np.ndarray | None) -> float:
+        """A plan's block moves in DESIGN §2's order, blocks received from another executor
+        first (``import_blocks``); returns the seconds they took (the device synchronized)."""
+        if not moves and kv_import is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if kv_import is not None and kv_import.shape[0]:
+            self.import_blocks(kv_import, kv_import_data)
+        for name, pairs in moves:
+            getattr(self, name)(torch.from_numpy(pairs.astype(np.int64)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def export_blocks(self, block_ids: np.ndarray) -> np.ndarray:
+        """Device blocks ``block_ids`` as bytes, block after block (each block's layers,
+        keys then values, in the cache's layout): what another executor's
+        ``import_blocks`` takes (router/handoff.py moves them)."""
+        idx = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        blocks = self.kv_cache.index_select(2, idx).movedim(2, 0).contiguous()
+        return blocks.cpu().view(-1).view(torch.uint8).numpy()
+
+    def import_blocks(self, cpu_ids: np.ndarray, data: np.ndarray) -> None:
+        """Write blocks exported by another executor (``export_blocks``) into CPU blocks
+        ``cpu_ids``; a swap-in brings them to the device."""
+        n = cpu_ids.shape[0]
+        src = torch.from_numpy(data).view(self.cpu_cache.dtype)
+        src = src.view(n, *self.cpu_cache.shape[:2], *self.cpu_cache.shape[3:])
+        self.cpu_cache[:, :, torch.from_numpy(cpu_ids.astype(np.int64))] = src.movedim(0, 2)
 
     def swap_out(self, pairs: torch.Tensor) -> None:
         """(device block, cpu block) rows."""

@@ -49,7 +49,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from pagedserve.executor import batch_prep, runner_requests
 from pagedserve.executor.batch_prep import Batch
@@ -71,11 +70,6 @@ from pagedserve.executor.weight_ops import RunningWeights, apply_model_ops
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class ModelRunner:
@@ -103,7 +97,8 @@ class ModelRunner:
         # The read-backs' events and host buffers, used again (host_pool.py)
         self.host_pool = self.sampler.pool = HostPool(self.device)
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
-                                 self.max_model_len, self.vocab_size, self.device, grammars)
+                                 self.max_model_len, self.vocab_size, self.device, grammars,
+                                 kv_block_bytes=cache.block_bytes)
         # Captured decode steps (CUDA), None: every step eager; the setter tells the limits
         # the fed graphs' sizes.
         self.graphs = graphs
@@ -280,7 +275,7 @@ class ModelRunner:
             return self._finished_now(StepResult(
                 **result, errors=[RequestError("", pre.move_error)],
                 gap_s=0.0 if prev_end is None else now - prev_end))
-        result["swap_s"] = self._move_blocks(pre.moves)
+        result["swap_s"] = self.cache.apply_moves(pre.moves, plan.kv_import, plan.kv_import_data)
         errors = self._update_requests(plan, pre.new_states)
         batch = self._prepare(plan, errors, pre)
         t0 = time.perf_counter()
@@ -403,6 +398,8 @@ class ModelRunner:
         else:  # a CPU ran it all as it was called
             forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1
+        if flight.plan.kv_export is not None:  # (the forward wrote them: router/handoff.py)
+            flight.result["kv_export_data"] = self.cache.export_blocks(flight.plan.kv_export)
         if flight.after_pooled:  # the step before this one: nothing reads its objects now
             self.host_pool.give(flight.after_pooled)
         result, errors = flight.result, flight.errors
@@ -472,15 +469,6 @@ class ModelRunner:
         if batch.sample_rows is None or batch.sample_rows.shape[0] == ready.shape[0]:
             return ready, tokens
         return ready[batch.sample_rows], None
-
-    def _move_blocks(self, moves: list[tuple[str, np.ndarray]]) -> float:
-        if not moves:
-            return 0.0
-        t0 = time.perf_counter()
-        for name, pairs in moves:
-            getattr(self.cache, name)(torch.from_numpy(pairs.astype(np.int64)))
-        _sync(self.device)
-        return time.perf_counter() - t0
 
     def precompute(self, plan: StepPlan) -> PlanInputs:
         """`plan_inputs.precompute` against this runner's sizes (thread-safe: the I/O thread

@@ -37,6 +37,7 @@ class PlanLimits:
     graph_rows: int = 0
     graph_width: int = 0
     lora_names: frozenset[str] = frozenset()  # the LoRA adapters it serves
+    kv_block_bytes: int = 0  # one block's bytes (blocks received from another executor)
 
 
 @dataclass(slots=True)
@@ -98,6 +99,19 @@ def check_block_moves(plan: StepPlan, limits: PlanLimits) -> str:
         for col, limit in ((0, src_limit), (1, dst_limit)):
             if pairs[:, col].min() < 0 or pairs[:, col].max() >= limit:
                 return f"{name} names a block out of range (have {limit})"
+    for name, limit in (("kv_import", limits.num_cpu_blocks),
+                        ("kv_export", limits.num_gpu_blocks)):
+        ids = getattr(plan, name)
+        if ids is not None and ids.shape[0] and (ids.min() < 0 or ids.max() >= limit):
+            return f"{name} names a block out of range (have {limit})"
+    imports = plan.kv_import
+    if imports is not None and imports.shape[0]:
+        if len(set(imports.tolist())) != imports.shape[0]:
+            return "kv_import names a block twice"
+        want = imports.shape[0] * limits.kv_block_bytes
+        if plan.kv_import_data.shape[0] != want:
+            return (f"kv_import_data has {plan.kv_import_data.shape[0]} bytes, "
+                    f"{imports.shape[0]} blocks take {want}")
     return ""
 
 

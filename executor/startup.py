@@ -135,7 +135,8 @@ def run_executor(args: argparse.Namespace) -> int:
         num_cpu_blocks=cache.num_cpu_blocks, max_model_len=runner.max_model_len,
         pid=os.getpid(), hostname=socket.gethostname(),
         lora_adapters=runner.loras.static_names if runner.loras is not None else (),
-        max_loras=args.max_loras,
+        max_loras=args.max_loras, disaggregation_mode=args.disaggregation_mode,
+        kv_format=cache.kv_format, kv_block_bytes=cache.block_bytes,
     )
     log.info("executor %s: %s on %s (%s, KV cache %s), %d device blocks, %d cpu blocks of "
              "%d tokens", executor_id, runner.model.config.architecture, hello.device,

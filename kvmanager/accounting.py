@@ -79,10 +79,11 @@ def check_invariants(self: KVCacheManager) -> None:
       full block of tokens, and a request's registered block has the request's hash;
     - free + used = total on each device; a table lives on one device only;
     - a host prefix-cache block (offload.py) is held by no request, at most by a swap-in
-      of the plan being built; without offloading the CPU pool caches nothing.
+      of the plan being built; without offloading or received blocks (transfer.py)
+      the CPU pool caches nothing.
     """
-    if not self.enable_offloading and (self.cpu.cached or self._host_reads):
-        raise InvariantError("cpu blocks cached without offloading")
+    if not self.host_tier and (self.cpu.cached or self._host_reads):
+        raise InvariantError("cpu blocks cached without offloading or received blocks")
     for pool, on_gpu in ((self.gpu, True), (self.cpu, False)):
         expected: dict[int, int] = {}
         holders: dict[int, list[str]] = {}

@@ -11,6 +11,7 @@ declared in `__init__` below:
     allocation.py  admission, allocate (copy-on-write), free, fork, per-request plan data
     swap.py        swap_out / swap_in of request groups
     offload.py     the prefix cache's host tier in the CPU pool (offloading)
+    transfer.py    blocks received from another executor, into that host tier
     accounting.py  KV events, stats, held blocks, check_invariants
     state.py       the records they share (PrefixHit, BlockOps, stats, RequestState)
     manager.py     the state itself and the step boundary (begin_step, end_step,
@@ -26,7 +27,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from . import accounting, allocation, intents, offload, prefix, swap
+from . import accounting, allocation, intents, offload, prefix, swap, transfer
 from .block_pool import Block, BlockPool, KVEvent  # noqa: F401 (Block re-exported)
 from .hashing import HashFn, get_hash_fn
 from .state import (  # noqa: F401 (re-exported)
@@ -111,6 +112,10 @@ class KVCacheManager:
         # (id, hash, tokens, parent serial, serial); host blocks read by this plan's swap-ins
         self.enable_offloading = bool(enable_offloading and enable_prefix_caching
                                       and num_cpu_blocks > 0)
+        # Lookups go on in the CPU pool's map: with offloading, and once blocks were
+        # received from another executor (transfer.py)
+        self.host_tier = self.enable_offloading
+        self.num_imported_blocks = 0  # blocks received from other executors (transfer.py)
         self._offload_candidates: list[tuple] = []
         self._host_reads: list[int] = []
         self.host_hit_tokens = 0  # of prefix_hit_tokens, those swapped in from the host
@@ -184,6 +189,9 @@ class KVCacheManager:
     host_hit_valid = offload.host_hit_valid
     admit_host_hit = offload.admit_host_hit
     host_serial = offload.host_serial
+
+    # ------------------------------------------------------------------ transfer.py
+    import_blocks = transfer.import_blocks
 
     # ------------------------------------------------------------------ accounting.py
     take_events = accounting.take_events

@@ -72,7 +72,7 @@ def lookup(
     expect = self._salt_root(cache_salt) if cache_salt else 0
     ids, serials, expect = _walk(self.gpu.cached, bs, token_ids, block_hashes, 0, max_blocks,
                                  expect)
-    if self.enable_offloading and len(ids) < max_blocks:  # on in the host's map (offload.py)
+    if self.host_tier and len(ids) < max_blocks:  # on in the host's map (offload.py)
         host_ids, host_serials, _ = _walk(self.cpu.cached, bs, token_ids, block_hashes,
                                           len(ids), max_blocks, expect)
         if host_ids:
@@ -127,7 +127,7 @@ def num_shared_blocks_evicted(self: KVCacheManager, num_blocks: int,
     blocks = gpu.blocks
     bid = gpu.head.next_free
     tail = gpu.tail_id
-    host = self.cpu.cached if self.enable_offloading else None
+    host = self.cpu.cached if self.host_tier else None
     while n > 0 and bid != tail:
         b = blocks[bid]
         if bid not in keep:
@@ -257,7 +257,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
     parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
     serial = self._serial
     setdefault = cached.setdefault
-    offloading = self.enable_offloading
+    offloading = self.host_tier
     lo = start * bs
     for i in range(start, num_full):
         hi = lo + bs

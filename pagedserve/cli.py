@@ -91,6 +91,11 @@ def cmd_serve(argv: list[str]) -> int:
     args = _parse_server("pagedserve serve", "A one-machine cluster: the router plus "
                          "--executors executor processes.", argv)
     setup_logging(args.log_format)
+    if args.prefill_executors >= args.executors:
+        print(f"pagedserve serve: --prefill-executors {args.prefill_executors} leaves no "
+              f"decode executor of --executors {args.executors} (take fewer, or 0: each "
+              "executor does both)", file=sys.stderr)
+        return 2
     # Resolved once here; the executors are handed the resulting directory.
     _resolve_model(args, "pagedserve serve", default="default")
     from .serve import run_serve

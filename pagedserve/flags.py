@@ -244,6 +244,12 @@ FLAGS: list[tuple[str, object, object, str]] = [
      "its swap blocks to keep prefix-cache blocks evicted from the device, swapped back in "
      "when a prompt starts with them (router: >0 turns offloading on, into whatever CPU "
      "blocks each executor has; 0: off)"),
+    ("disaggregation-mode", _choice("null", "prefill", "decode"), "null", "executor: its "
+     "part in prefill/decode disaggregation: prefill (computes new requests' prompts; each "
+     "then moves with its KV blocks to a decode executor), decode (takes them over; new "
+     "requests only while no other executor is up), null (both)"),
+    ("prefill-executors", _non_negative_int, 0, "serve: of --executors, how many run "
+     "--disaggregation-mode prefill, the others decode (0: each does both)"),
     ("max-num-seqs", _positive_int, 256, "sequences per step"),
     ("max-num-batched-tokens", _positive_int, 8192, "tokens per step (chunked prefill)"),
     ("max-model-len", _positive_int, None, "context length (default: the model's)"),

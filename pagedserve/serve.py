@@ -99,6 +99,9 @@ class ExecutorChildren:
         cmd = [sys.executable, "-m", "pagedserve.cli", "executor", *without_api_keys(self.argv),
                "--model", self.args.model, "--router", endpoint,
                "--executor-id", executor_id, "--parent-pid", str(os.getpid())]
+        prefill = getattr(self.args, "prefill_executors", 0)
+        if prefill:  # the first ones prefill, the others decode (router/handoff.py)
+            cmd += ["--disaggregation-mode", "prefill" if index < prefill else "decode"]
         if self.num_gpus:
             cmd += ["--device", f"cuda:{index % self.num_gpus}"]
         elif self.compute_cores:

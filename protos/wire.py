@@ -36,8 +36,10 @@ import numpy as np
 # (NewRequest.lora, Hello.lora_adapters); 7: speculative decoding (StepPlan.num_draft_tokens;
 # a result row per emitted token); 8: LoRA adapters loaded and unloaded while serving
 # (StepPlan.lora_ops, StepResult.lora_failed, Hello.max_loras); 9: weight updates while serving
-# (StepPlan.weight_op, StepResult.weight_failed, Hello.weights_path)
-PROTOCOL_VERSION = 9
+# (StepPlan.weight_op, StepResult.weight_failed, Hello.weights_path); 10: KV blocks moved
+# between executors (StepPlan.kv_export, kv_import, kv_import_data, StepResult.kv_export_data,
+# Hello.disaggregation_mode, kv_format)
+PROTOCOL_VERSION = 10
 
 _INT_KINDS = "iu"  # StepPlan arrays are integers (signed or unsigned), never floats
 
@@ -70,6 +72,13 @@ class Hello(_Message, tag="hello", frozen=True):
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (--lora-modules names)
     max_loras: int = 0  # adapter slots, --lora-modules' included (0: no loading at runtime)
     weights_path: str = ""  # the weights it runs: a directory loaded since start ("": --model's)
+    # Prefill/decode disaggregation (--disaggregation-mode): "null" (both), "prefill" or
+    # "decode" (router/handoff.py)
+    disaggregation_mode: str = "null"
+    # What one KV block is, byte for byte: KV blocks move only between executors whose
+    # formats are equal ("": it moves none). kv_block_bytes: the size of one block.
+    kv_format: str = ""
+    kv_block_bytes: int = 0
 
 
 class Welcome(_Message, tag="welcome", frozen=True):
@@ -207,6 +216,12 @@ class StepPlan(_Message, tag="plan", frozen=True):
     executor still inside the step after that stops heartbeating, so the router declares
     it dead (a hung kernel) and moves its requests.
 
+    KV blocks between executors (prefill/decode disaggregation, router/handoff.py): the
+    executor writes ``kv_import_data`` (``len(kv_import)`` blocks of its ``kv_block_bytes``,
+    back to back) into CPU blocks ``kv_import`` before the swaps, so a swap-in of this plan
+    may read them; after the forward it reads device blocks ``kv_export`` into its result's
+    ``kv_export_data``, in that order.
+
     Speculative decoding: a row with ``num_draft_tokens[i] = d > 0`` is a decode whose
     input is followed by d draft tokens (its ``num_new_tokens`` is 1 + d, it samples, it
     is never marked). The executor samples at each of its 1 + d positions and answers
@@ -235,6 +250,9 @@ class StepPlan(_Message, tag="plan", frozen=True):
     num_draft_tokens: np.ndarray | None = None  # [S]; speculative drafts after the input
     lora_ops: list[LoraOp] = []  # adapter loads and unloads, applied first, in order
     weight_op: WeightOp | None = None  # new weights, applied before everything else
+    kv_import: np.ndarray | None = None  # int64 [I]: cpu blocks written from kv_import_data
+    kv_import_data: np.ndarray | None = None  # uint8 [I * kv_block_bytes]
+    kv_export: np.ndarray | None = None  # int64 [X]: device blocks read after the forward
 
     @property
     def num_seqs(self) -> int:
@@ -303,6 +321,14 @@ class StepPlan(_Message, tag="plan", frozen=True):
             ):
                 raise WireError(f"plan {step}: swap_out, swap_in and copy must be [P, 2] "
                                 "integers")
+        for name in ("kv_import", "kv_export"):
+            ids = getattr(self, name)
+            if ids is not None and (ids.ndim != 1 or ids.dtype.kind not in _INT_KINDS):
+                raise WireError(f"plan {step}: {name} must be a list of block ids")
+        data = self.kv_import_data
+        if (data is None) != (self.kv_import is None) or (
+                data is not None and (data.ndim != 1 or data.dtype != np.uint8)):
+            raise WireError(f"plan {step}: kv_import_data must be bytes beside kv_import")
         copy = self.copy
         if copy is not None and copy.shape[0] and not set(copy[:, 0].tolist()).isdisjoint(
             copy[:, 1].tolist()
@@ -365,6 +391,8 @@ class StepResult(_Message, tag="result", frozen=True):
     lora_failed: list[LoraFailure] = []
     # Why the plan's weight_op failed ("" when it took effect or there was none)
     weight_failed: str = ""
+    # The plan's kv_export blocks, back to back (None: the plan had none, or the step failed)
+    kv_export_data: np.ndarray | None = None  # uint8 [X * kv_block_bytes]
 
     def validate(self) -> None:
         e = len(self.embed_ids)
@@ -401,6 +429,9 @@ class StepResult(_Message, tag="result", frozen=True):
                 arr = getattr(self, name)
                 if (n if arr is None else arr.ndim != 1 or arr.shape[0] != n):
                     raise WireError(f"result {self.step_id}: {name} must have {n} entries")
+        data = self.kv_export_data
+        if data is not None and (data.ndim != 1 or data.dtype != np.uint8):
+            raise WireError(f"result {self.step_id}: kv_export_data must be bytes")
 
 
 class ErrorReport(_Message, tag="error", frozen=True):

@@ -24,6 +24,7 @@ from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
+from .handoff import Handoffs, placeable
 from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
@@ -102,6 +103,7 @@ class RouterEngine:
         self.loras = LoraRegistry(self, config.lora_adapters, config.max_loras,
                                   lora_dir=config.lora_dir)
         self.weights = WeightSync(self, config.enable_weight_updates, config.weight_version)
+        self.handoffs = Handoffs(self)  # prefill/decode disaggregation (handoff.py)
 
     # ================================================================== lifecycle
 
@@ -345,7 +347,9 @@ class RouterEngine:
 
     def place(self, group: RequestGroup, handles: list[ExecutorHandle]) -> None:
         """Route a group to an executor (the cost rule above `routing.choose`), pin its
-        cached prefix there and queue it (the scheduler intends its prompt there)."""
+        cached prefix there and queue it (the scheduler intends its prompt there). With
+        prefill executors up, decode executors take none (handoff.py)."""
+        handles = placeable(handles)
         seq0 = group.seqs[0]
         salt = group.spec.cache_salt or None
         kv0 = handles[0].kv

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..kvmanager import KVCacheManager
 from ..protos import wire
 from .errors import Unavailable
@@ -64,6 +66,8 @@ class ExecutorHandle:
     lora_ready: set[str] = field(default_factory=set)  # adapters loaded here since it joined
     weight_ops: list[wire.WeightOp] = field(default_factory=list)  # one per plan, in order
     weights_path: str = ""  # the weights it runs (weight_sync.py; "": its --model's)
+    # blocks received from prefill executors for its next plan: (cpu ids, bytes) (handoff.py)
+    imports: list[tuple[list[int], np.ndarray]] = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -110,6 +114,8 @@ class Membership:
         if max(hello.num_gpu_blocks, hello.num_cpu_blocks) > MAX_EXECUTOR_BLOCKS:
             return (f"{hello.num_gpu_blocks} device / {hello.num_cpu_blocks} CPU blocks, more "
                     f"than the {MAX_EXECUTOR_BLOCKS} the router keeps for one executor")
+        if hello.disaggregation_mode not in ("null", "prefill", "decode"):
+            return f"disaggregation mode {hello.disaggregation_mode!r}"
         if hello.max_model_len < cfg.max_model_len:
             return (f"max_model_len {hello.max_model_len} is below the router's "
                     f"{cfg.max_model_len} (start both with the same --max-model-len)")
@@ -142,9 +148,10 @@ class Membership:
             self.executor_lost(old, "re-registered with an empty cache")
         engine.loras.executor_joined(handle)  # the adapters loaded so far go out first
         engine.weights.executor_joined(handle)  # and the cluster's weights if it runs others
-        log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d",
+        log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d%s",
                  hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
-                 hello.num_cpu_blocks)
+                 hello.num_cpu_blocks, "" if hello.disaggregation_mode == "null"
+                 else f" disaggregation={hello.disaggregation_mode}")
         engine.metrics.set_executors_healthy(engine.num_healthy())
         engine.update_gauges(handle)
         engine.registered.set()

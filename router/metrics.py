@@ -83,6 +83,8 @@ class RouterMetrics:
         self.kv_offloaded_blocks = Counter("pagedserve_kv_offloaded_blocks_total", "Device blocks copied to CPU blocks to stay in the prefix cache (--kv-offloading-size).", ex, registry=r)
         self.preemptions = Counter("pagedserve_preemptions_total", "Preemptions, per executor and mode.", ["executor", "mode"], registry=r)
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
+        self.handoffs = Counter("pagedserve_handoffs_total", "Prefill/decode disaggregation: requests a prefill executor handed to a decode executor after their prompt (--disaggregation-mode).", ex, registry=r)
+        self.kv_blocks_received = Counter("pagedserve_kv_blocks_received_total", "KV blocks an executor received from another (prefill/decode disaggregation), instead of computing them.", ex, registry=r)
         self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts_total", "Speculative decoding: decode rows sent with drafts.", ex, registry=r)
         self.spec_draft_tokens = Counter("pagedserve_spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens sent.", ex, registry=r)
         self.spec_accepted_tokens = Counter("pagedserve_spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens the sampler confirmed.", ex, registry=r)
@@ -249,6 +251,13 @@ class RouterMetrics:
 
     def inc_migration(self, n: int = 1) -> None:
         self.migrations.inc(n)
+
+    def inc_handoff(self, executor_id: str, num_blocks_received: int, target_id: str) -> None:
+        """A request moved from prefill executor `executor_id` to `target_id` with
+        `num_blocks_received` of its blocks (router/handoff.py)."""
+        self.handoffs.labels(executor_id).inc()
+        if num_blocks_received:
+            self.kv_blocks_received.labels(target_id).inc(num_blocks_received)
 
     def inc_api_worker_restart(self) -> None:
         self.api_worker_restarts.inc()

@@ -313,6 +313,8 @@ class Scheduler:
         """Tokens of `seq` the loop would compute this step with budget to spare (0:
         none). A sample whose last token is in flight decodes it (the plan marks the
         row), unless the tokens in flight already reach max_tokens or max_model_len."""
+        if group.handoff is not None:
+            return 0  # its prompt is done: it decodes on a decode executor (handoff.py)
         pending = seq.num_pending
         num_tokens = len(seq.token_ids) + pending
         remaining = num_tokens - seq.num_computed_tokens

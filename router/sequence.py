@@ -226,6 +226,9 @@ class RequestGroup:
         # every sampled token, gathered once (StepLoop.apply_tokens)
         self.token_rules: tuple | None = None
         self.beam: BeamSearch | None = None  # beam search's state (router/beam_search.py)
+        # the decode executor it moves to once the plan ending its prompt is answered
+        # (router/handoff.py); None: it stays
+        self.handoff: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -52,6 +52,7 @@ from ..protos import wire
 from . import result_checks as checks
 from . import token_apply
 from .errors import Unavailable
+from .handoff import Handoff
 from .plan_builder import build_plan
 from .sequence import RequestGroup, Sequence
 
@@ -93,6 +94,7 @@ class InFlightPlan:
     speculating: bool = False
     lora_ops: list[wire.LoraOp] = field(default_factory=list)  # adapter ops it carried
     weight_op: wire.WeightOp | None = None  # the weight check or load it carried
+    handoffs: list[Handoff] = field(default_factory=list)  # requests it ends the prompt of
 
 
 class StepTrace:
@@ -181,6 +183,8 @@ class StepLoop:
                     return
                 self.fill(handle)
                 engine.delivery.text_stage(handle.scheduler, touched)
+                if head.handoffs:  # to decode executors (router/handoff.py)
+                    engine.handoffs.complete(handle, head.handoffs, result)
                 now = time.monotonic()
                 if now >= handle.gauges_due:
                     handle.gauges_due = now + GAUGE_INTERVAL_S
@@ -233,6 +237,7 @@ class StepLoop:
                 handle.lora_ops = []
                 if weight_op is not None:
                     del handle.weight_ops[0]
+            plan, handoffs = self._kv_moves(handle, out, plan)
         except BaseException:
             kv.end_step()
             raise
@@ -246,12 +251,31 @@ class StepLoop:
             int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
             num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
-            speculating=out.rows.speculating, lora_ops=ops, weight_op=weight_op))
+            speculating=out.rows.speculating, lora_ops=ops, weight_op=weight_op,
+            handoffs=handoffs))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
         self.prefix_metrics(handle)
         return True
+
+    def _kv_moves(self, handle: ExecutorHandle, out, plan: wire.StepPlan
+                  ) -> tuple[wire.StepPlan, list[Handoff]]:
+        """Prefill/decode disaggregation (router/handoff.py): the blocks received for this
+        executor since its last plan go out with this one, and the blocks of the prompts
+        it ends that move to a decode executor are asked back."""
+        handoffs = self.engine.handoffs
+        imports = handoffs.take_imports(handle) if handle.imports else None
+        exports, moves = handoffs.plan_exports(handle, out) \
+            if handle.hello.disaggregation_mode == "prefill" else (None, [])
+        if imports is None and exports is None:
+            return plan, moves
+        fields = {}
+        if imports is not None:
+            fields.update(kv_import=imports[0], kv_import_data=imports[1])
+        if exports is not None:
+            fields.update(kv_export=exports)
+        return msgspec.structs.replace(plan, **fields), moves
 
     def overdue(self, handle: ExecutorHandle, now: float) -> str:
         """Why the executor counts as hung (its oldest plan unanswered past its deadline),
