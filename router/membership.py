@@ -256,6 +256,7 @@ class Membership:
             seq.num_pending = 0
             seq.on_executor = False
         group.pinned_tokens = 0
+        group.handoff = None  # a prefill executor's plan had marked it: that plan is gone
         engine.place(group, fitting)
         engine.metrics.inc_migration()
         log.info("request %s migrated to executor %s", group.request_id, group.executor_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import re
 import signal
+import time
 
 import pytest
 from cluster_harness import Cluster, HFReference, assert_greedy_match, concurrently, request
@@ -63,7 +64,7 @@ def _generate(cluster, ids, max_tokens=MAX_TOKENS):
 
 def _assert_all_free(cluster):
     status = cluster.wait_blocks_free()
-    for e in status.executors:
+    for e in (e for e in status.executors if e.healthy):
         assert e.num_free_gpu_blocks == e.num_gpu_blocks, (e, cluster.logs())
         assert e.num_free_cpu_blocks == e.num_cpu_blocks, (e, cluster.logs())
         assert e.running == e.waiting == 0, e
@@ -143,16 +144,49 @@ def test_a_request_ending_at_its_first_token_stays(cluster, hf):
     _assert_all_free(cluster)
 
 
+def _wait_healthy(cluster, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sum(e.healthy for e in cluster.status().executors) == n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(cluster.logs())
+
+
+def test_the_prefill_executor_lost_with_requests_on_both(cluster, hf):
+    """exec0 killed while streams run: those it held (their prompts being computed, or
+    marked to move) go to exec1, which then takes new requests alone; every output exact
+    and nothing held. exec0 comes back for the next test."""
+    rng = random.Random(21)
+    vocab = hf.model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (30, 60, 90, 120)]
+    streams = []
+    for ids in prompts:
+        streams.append(cluster.stub.Stream(request(token_ids=ids, max_tokens=40,
+                                                   temperature=0.0, ignore_eos=True),
+                                           timeout=120))
+    first = next(iter(streams[0]))  # the first request is out of its prompt
+    cluster.executors["exec0"].send_signal(signal.SIGKILL)
+    cluster.executors["exec0"].wait(10)
+    outs = [list(first.token_ids) + [t for part in streams[0] for t in part.token_ids]]
+    outs += [[t for part in s for t in part.token_ids] for s in streams[1:]]
+    for ids, got in zip(prompts, outs, strict=True):
+        ref, gaps = hf.greedy(ids, 40)
+        assert_greedy_match(got, ref, gaps)
+    _wait_healthy(cluster, 1)
+    ids = prompts[0][::-1]
+    ref, gaps = hf.greedy(ids, MAX_TOKENS)
+    assert_greedy_match(_generate(cluster, ids), ref, gaps)  # exec1 alone
+    _assert_all_free(cluster)
+    cluster.start_executor("exec0", MODES["exec0"])
+    _wait_healthy(cluster, 2)
+
+
 def test_without_the_decode_executor_the_prefill_one_serves(cluster, hf):
     """Last (it stops exec1): requests then stay on exec0 from prompt to end."""
     cluster.executors["exec1"].send_signal(signal.SIGKILL)
     cluster.executors["exec1"].wait(10)
-    import time
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if sum(e.healthy for e in cluster.status().executors) == 1:
-            break
-        time.sleep(0.1)
+    _wait_healthy(cluster, 1)
     rng = random.Random(17)
     ids = [rng.randrange(3, hf.model.config.vocab_size) for _ in range(40)]
     before = _counts(cluster)[0]
