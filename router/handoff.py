@@ -177,6 +177,7 @@ class Handoffs:
             end = move.offset + move.count * block_bytes
             queued = sum(d.shape[0] for _, d in target.imports)
             if move.count and data is not None and data.shape[0] >= end \
+                    and target.hello.kv_format == handle.hello.kv_format \
                     and queued + move.count * block_bytes <= MAX_PLAN_KV_BYTES:
                 skip, cpu_ids = target.kv.import_blocks(
                     seq.token_ids, seq.block_hashes, group.spec.cache_salt or None,
