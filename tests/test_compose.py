@@ -52,7 +52,7 @@ def test_docker_compose_config_validates(tmp_path):
 
 def test_services_router_and_scalable_executor(compose):
     services = compose["services"]
-    assert set(services) == {"keygen", "router", "executor"}
+    assert set(services) == {"keygen", "router", "executor", "executor-decode"}
     router, executor = services["router"], services["executor"]
     assert "container_name" not in executor  # `--scale executor=N`
     assert "ports" not in executor  # executors connect out; they open no port
@@ -62,6 +62,20 @@ def test_services_router_and_scalable_executor(compose):
     assert sorted(published) == ["50051", "8000", "9400"]  # gRPC, HTTP, metrics; never 5557
     assert executor["volumes"] == router["volumes"]
     assert router["volumes"][0].endswith(":/models:ro")
+
+
+def test_decode_executors_are_the_executor_in_decode_mode_behind_a_profile(compose):
+    """Disaggregation is opt-in: `executor-decode` starts only with its profile, and is
+    the executor service but for its mode (the executor's own mode from EXECUTOR_MODE)."""
+    services = compose["services"]
+    executor, decode = services["executor"], services["executor-decode"]
+    assert decode["profiles"] == ["disaggregated"] and "profiles" not in executor
+    assert executor["environment"]["PAGEDSERVE_DISAGGREGATION_MODE"] == \
+        "${EXECUTOR_MODE:-null}"
+    assert decode["environment"] == {**executor["environment"],
+                                     "PAGEDSERVE_DISAGGREGATION_MODE": "decode"}
+    same = {k: v for k, v in executor.items() if k != "environment"}
+    assert {k: v for k, v in decode.items() if k not in ("environment", "profiles")} == same
 
 
 def test_router_healthcheck_uses_pagedserve_healthcheck(compose):
