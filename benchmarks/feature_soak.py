@@ -24,7 +24,7 @@ with the counts; exit 1 when a check fails.
 
     .venv/bin/python benchmarks/feature_soak.py [--duration 90] [--executors 2] [--clients 8]
         [--num-gpu-blocks 96] [--api-workers 0] [--router-args "..."] [--kill-at S]
-        [--weight-updates S]
+        [--weight-updates S] [--prefill-executors N]
 
 (the options http_soak.py takes too: soak_report.py).
 """

@@ -68,6 +68,9 @@ def soak_arguments(doc: str):
     ap.add_argument("--router-args", default="",
                     help="more router flags, one string (e.g. \"--pipeline-depth 1 "
                     "--preemption-mode swap\"; --router-args=--flag when it starts with one)")
+    ap.add_argument("--prefill-executors", type=int, default=0,
+                    help="of --executors, how many run --disaggregation-mode prefill, the "
+                    "others decode (0: each does both)")
     ap.add_argument("--kill-at", type=float, default=None,
                     help="SIGKILL the first executor this many seconds into the load (its "
                     "requests move to the others; the checks then count the survivors)")
@@ -133,8 +136,12 @@ def run_soak(bench: str, args, make_load, router_args: tuple = ()) -> int:
         flags += ["--api-workers", str(args.api_workers)]
     if args.weight_updates:
         flags.append("--enable-weight-updates")
+    modes = {f"exec{i}": {"PAGEDSERVE_DISAGGREGATION_MODE":
+                          "prefill" if i < args.prefill_executors else "decode"}
+             for i in range(args.executors)} if args.prefill_executors else None
     with Cluster(model_dir, num_executors=args.executors, router_args=flags,
-                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)]).running() as c:
+                 executor_args=["--num-gpu-blocks", str(args.num_gpu_blocks)],
+                 executor_env=modes).running() as c:
         load = make_load(c, Path(model_dir))
         if args.kill_at is not None:
             victim = next(iter(c.executors.values()))
