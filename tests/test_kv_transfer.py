@@ -192,3 +192,22 @@ def test_the_wire_carries_and_checks_the_kv_fields():
     with pytest.raises(wire.WireError, match="kv_export_data"):
         codec.decode(codec.encode(wire.StepResult(step_id=4,
                                                   kv_export_data=np.zeros(2, np.int32))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_export_then_import_moves_the_bytes_on_cuda(dtype):
+    """The CUDA path: export reads device blocks back to the host, import writes the pinned
+    CPU cache and the device swap-in (cache_ops.swap_blocks_device) brings them in."""
+    cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
+    device = torch.device("cuda")
+    src = CacheEngine(cfg, BS, 6, 4, dtype, device)
+    dst = CacheEngine(cfg, BS, 6, 4, dtype, device)
+    values = torch.randn(src.kv_cache.shape, device=device).clamp(-8, 8).to(dtype)
+    src.kv_cache.copy_(values)
+    data = src.export_blocks(np.array([4, 1]))
+    assert data.shape == (2 * src.block_bytes,)
+    dst.apply_moves([("swap_in", np.array([[3, 0], [2, 5]]))], np.array([3, 2]), data)
+    for got, want in ((0, 4), (5, 1)):
+        assert torch.equal(dst.kv_cache[:, :, got].view(torch.uint8),
+                           values[:, :, want].view(torch.uint8))
