@@ -257,7 +257,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
     parent = self._salt_root(req.cache_salt) if start == 0 else req.chain_serial
     serial = self._serial
     setdefault = cached.setdefault
-    offloading = self.host_tier
+    host_tier = self.host_tier
     lo = start * bs
     for i in range(start, num_full):
         hi = lo + bs
@@ -285,7 +285,7 @@ def _cache_full_blocks(self: KVCacheManager, req: RequestState, token_ids: Seque
         b.block_hash = h
         b.token_ids = toks
         b.parent_serial = parent
-        same = self.host_serial(h, parent, toks) if offloading else -1
+        same = self.host_serial(h, parent, toks) if host_tier else -1
         if same >= 0:  # the host holds this entry (offload.py): it is the same one
             b.serial = parent = same
         else:

@@ -188,9 +188,7 @@ class Handoffs:
                         (cpu_ids, data[lo:lo + len(cpu_ids) * block_bytes]))
                     received = len(cpu_ids)
             handle.scheduler.remove(group)
-            seq.num_computed_tokens = 0
-            seq.on_executor = False
-            group.pinned_tokens = 0
+            group.leave_executor()
             group.executor_id = target.id
             target.scheduler.add(group)
             target.wakeup.set()

@@ -251,12 +251,7 @@ class Membership:
                 f"the executor running the request is gone ({why}) and no live executor "
                 "can take it over"))
             return
-        for seq in group.seqs:
-            seq.num_computed_tokens = 0
-            seq.num_pending = 0
-            seq.on_executor = False
-        group.pinned_tokens = 0
-        group.handoff = None  # a prefill executor's plan had marked it: that plan is gone
+        group.leave_executor()  # (a prefill executor's mark too: the plan that set it is gone)
         engine.place(group, fitting)
         engine.metrics.inc_migration()
         log.info("request %s migrated to executor %s", group.request_id, group.executor_id)

@@ -244,6 +244,18 @@ class RequestGroup:
             return [seqs[0]]
         return [s for s in seqs if not s.finished]
 
+    def leave_executor(self) -> None:
+        """Forget what its executor computed, before it is queued on another (a migration,
+        a handoff to a decode executor: router/handoff.py): its samples recompute their
+        tokens so far there (from what that executor's prefix cache holds), no token is in
+        flight for it any more, nothing is pinned or marked to move."""
+        for seq in self.seqs:
+            seq.num_computed_tokens = 0
+            seq.num_pending = 0
+            seq.on_executor = False
+        self.pinned_tokens = 0
+        self.handoff = None
+
     @property
     def has_pending(self) -> bool:
         """A plan in flight samples for one of its samples (not re-admittable until back)."""
