@@ -283,7 +283,9 @@ class ModelRunner:
         # previous step's end and this forward once this step is read back (_resolve).
         result["gap_s"] = 0.0 if prev_end is None else t0 - prev_end
         after = self._prev_end_event, self._prev_end_pooled
-        if batch is None:
+        if batch is None:  # (a plan exporting blocks only: router/prefix_pull.py)
+            if plan.kv_export is not None:
+                result["kv_export_data"] = self.cache.export_blocks(plan.kv_export)
             return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
             self.before_forward()

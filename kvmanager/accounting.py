@@ -52,8 +52,9 @@ def stats(self: KVCacheManager) -> KVCacheStats:
 
 
 def held_gpu_blocks(self: KVCacheManager, request_ids) -> int:
-    """Distinct device blocks held by these requests' tables and by all pins: what the
-    owner can account for. Device blocks in use beyond it are leaked."""
+    """Distinct device blocks held by these requests' tables, by all pins and by export
+    holds (transfer.py): what the owner can account for. Device blocks in use beyond it
+    are leaked."""
     held: set[int] = set()
     for rid in request_ids:
         req = self._reqs.get(rid)
@@ -61,6 +62,8 @@ def held_gpu_blocks(self: KVCacheManager, request_ids) -> int:
             held.update(req.block_ids)
     for hit in self._pins.values():
         held.update(hit.block_ids)
+    for ids in self._holds.values():
+        held.update(ids)
     return len(held)
 
 
@@ -72,7 +75,8 @@ def _debug_check(self: KVCacheManager) -> None:
 def check_invariants(self: KVCacheManager) -> None:
     """Verify the whole state; raise InvariantError naming the requests involved.
 
-    - every block's ref count equals its references from live block tables and pins;
+    - every block's ref count equals its references from live block tables, pins and
+      export holds (transfer.py);
     - the free queue holds exactly the ref-count-0 blocks not deferred (and its links
       and count agree), deferred blocks have ref count 0 or were touched since;
     - the prefix-cache map points only at blocks registered under that hash, holding a
@@ -106,6 +110,10 @@ def check_invariants(self: KVCacheManager) -> None:
                 for bid in hit.block_ids:
                     expected[bid] = expected.get(bid, 0) + 1
                     holders.setdefault(bid, []).append(f"pin:{key}")
+            for key, ids in self._holds.items():
+                for bid in ids:
+                    expected[bid] = expected.get(bid, 0) + 1
+                    holders.setdefault(bid, []).append(f"export:{key}")
         else:  # host blocks that this plan's swap-ins read (offload.py)
             for bid in self._host_reads:
                 expected[bid] = expected.get(bid, 0) + 1

@@ -87,6 +87,7 @@ class KVCacheManager:
         self._reqs: dict[str, RequestState] = {}
         self._pins: dict[Hashable, PrefixHit] = {}
         self._num_pinned = 0
+        self._holds: dict[Hashable, tuple[int, ...]] = {}  # device blocks held for an export
         self._serial = 0  # last registration serial handed out (cache entries and salt roots)
         self._salt_roots: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []
@@ -192,6 +193,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ transfer.py
     import_blocks = transfer.import_blocks
+    hold_export = transfer.hold_export
+    release_export = transfer.release_export
 
     # ------------------------------------------------------------------ accounting.py
     take_events = accounting.take_events

@@ -19,6 +19,12 @@ The plan carrying the bytes must go out before any plan that could swap them in:
 router attaches every block imported since its last plan to the next one, and the
 executor writes them before that plan's swaps (DESIGN §2's order, imports first).
 
+Export holds (`hold_export`, `release_export`): the device blocks a plan of this executor
+exports for another executor's request (a prefix pull, router/prefix_pull.py) hold a
+reference until that plan is answered, so nothing evicts and overwrites them before the
+executor reads them. Unlike pins, holds are not given up under memory pressure: a pull's
+blocks are read by the next plan, and the hold ends with its result.
+
 Functions of the KVCacheManager (bound as its methods in manager.py; `self` is the manager).
 """
 
@@ -28,6 +34,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from .prefix import _walk
+from .state import PrefixHit
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -86,3 +93,36 @@ def import_blocks(self: KVCacheManager, token_ids: Sequence[int], block_hashes: 
     cpu.release(reversed(taken[len(kept):]))
     self.num_imported_blocks += len(kept)
     return held - first, kept
+
+
+def hold_export(self: KVCacheManager, key: Hashable, hit: PrefixHit, first: int) -> tuple[int, ...]:
+    """Hold a reference on the device blocks of `hit` from block `first` on, for a plan
+    that exports them (see the module docstring), under `key`. Only the blocks still
+    valid are held (a stale hit: those before the first block evicted since the lookup).
+    Returns the ids held (empty: none). Holding a key again replaces its hold."""
+    if key in self._holds:
+        self.release_export(key)
+    blocks = self.gpu.blocks
+    k = first
+    while k < len(hit.block_ids):
+        b = blocks[hit.block_ids[k]]
+        if b is None or b.serial != hit.serials[k]:
+            break
+        k += 1
+    ids = hit.block_ids[first:k]
+    if ids:
+        self.gpu.touch(ids)
+        self._holds[key] = ids
+    self._debug_check()
+    return ids
+
+
+def release_export(self: KVCacheManager, key: Hashable) -> bool:
+    """End the hold under `key` (its plan was answered, or the pull was given up); False
+    when there is none. The blocks stay cached."""
+    ids = self._holds.pop(key, None)
+    if ids is None:
+        return False
+    self.gpu.release(reversed(ids))
+    self._debug_check()
+    return True

@@ -260,6 +260,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("no-prefix-caching", parse_bool, False, "turn prefix caching off"),
     ("preemption-mode", _choice("auto", "recompute", "swap"), "auto", "how to preempt"),
     ("routing", _choice("prefix", "round-robin", "least-loaded"), "prefix", "routing policy"),
+    ("kv-pull", _choice("auto", "off"), "off", "router: prefix pulls: auto (an executor "
+     "lacking blocks of a prompt's prefix that another executor's cache holds receives them "
+     "through the router when routing prices that quicker than computing them; needs "
+     "--swap-space) or off"),
     ("enforce-eager", parse_bool, False, "CUDA: run every step eagerly (no CUDA graphs: "
      "neither for decode steps nor the pieces of steps with prompt tokens)"),
     ("speculative-config", _speculative_config, None, "router: speculative decoding, "

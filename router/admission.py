@@ -201,7 +201,10 @@ def admit_waiting(self: Scheduler, group: RequestGroup, budget: int) -> list | o
     plan was sent; or the request computing them ended, was preempted or moved away,
     which releases its intent), it is admitted with an ordinary lookup: the waited-for
     tokens are cache hits (`cached_prompt_tokens`, the prefix hit counters), and what is
-    still missing it computes itself."""
+    still missing it computes itself. A group whose prefix is being pulled from another
+    executor (router/prefix_pull.py) waits the same way until the pull ends."""
+    if group.pull is not None:  # blocks of its prefix are on their way (prefix_pull.py)
+        return WAITS_FOR_PREFIX
     kv = self.kv
     salt = group.spec.cache_salt or None
     seqs = group.active_seqs()

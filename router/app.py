@@ -157,6 +157,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         enable_offloading=args.kv_offloading_size > 0,
         preemption_mode=PreemptionMode(args.preemption_mode),
         routing=RoutingPolicy(args.routing),
+        kv_pull=args.kv_pull == "auto",
         heartbeat_timeout_s=args.heartbeat_timeout,
         pipeline_depth=args.pipeline_depth,
         step_timeout_s=args.step_timeout,

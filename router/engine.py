@@ -28,6 +28,7 @@ from .handoff import Handoffs, placeable
 from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
+from .prefix_pull import Pulls
 from .routing import RoutingPolicy, candidate, choose
 from .scheduler import PreemptionMode, SchedulerConfig
 from .sequence import OutputChannel, OutputSink, RequestGroup
@@ -64,6 +65,7 @@ class EngineConfig:
     hash_algo: str = "sha256"
     watermark: float = 0.01
     max_pinned_fraction: float = 0.25
+    kv_pull: bool = False  # prefix pulls between executors (--kv-pull auto: prefix_pull.py)
     debug_checks: bool = False  # check KV invariants after every step (tests)
     # steady decodes planned as columns from this many running groups on (0: never; env
     # PAGEDSERVE_DECODE_LANE_MIN_RUNNING)
@@ -104,6 +106,7 @@ class RouterEngine:
                                   lora_dir=config.lora_dir)
         self.weights = WeightSync(self, config.enable_weight_updates, config.weight_version)
         self.handoffs = Handoffs(self)  # prefill/decode disaggregation (handoff.py)
+        self.pulls = Pulls(self, config.kv_pull)  # prefix pulls (prefix_pull.py)
 
     # ================================================================== lifecycle
 
@@ -347,14 +350,16 @@ class RouterEngine:
 
     def place(self, group: RequestGroup, handles: list[ExecutorHandle]) -> None:
         """Route a group to an executor (the cost rule above `routing.choose`), pin its
-        cached prefix there and queue it (the scheduler intends its prompt there). With
-        prefill executors up, decode executors take none (handoff.py)."""
+        cached prefix there and queue it (the scheduler intends its prompt there); start
+        the prefix pull routing chose, if any (prefix_pull.py). With prefill executors
+        up, decode executors take none (handoff.py)."""
         handles = placeable(handles)
         seq0 = group.seqs[0]
         salt = group.spec.cache_salt or None
         kv0 = handles[0].kv
         kv0.hash_blocks(seq0.token_ids, salt, seq0.block_hashes)
-        candidates = [candidate(h.id, h.kv, h.scheduler) for h in handles]
+        describe = self.pulls.describe
+        candidates = [describe(candidate(h.id, h.kv, h.scheduler), h) for h in handles]
         decision = choose(self.config.routing, candidates, seq0.token_ids, seq0.block_hashes,
                           salt, self._turn)
         self._turn += 1
@@ -365,6 +370,8 @@ class RouterEngine:
         log.debug("request %s -> executor %s (cached prefix %d tokens)", group.request_id,
                   handle.id, group.pinned_tokens)
         handle.scheduler.add(group)
+        if decision.pull_source is not None:
+            self.pulls.start(group, handles[decision.pull_source], handle, decision)
         handle.wakeup.set()
 
     # ================================================================== metrics

@@ -30,6 +30,7 @@ from .sequence import RequestGroup
 
 if TYPE_CHECKING:
     from .engine import RouterEngine
+    from .prefix_pull import Pull
     from .step_loop import InFlightPlan
 
 log = logging.getLogger("pagedserve.router")
@@ -66,8 +67,11 @@ class ExecutorHandle:
     lora_ready: set[str] = field(default_factory=set)  # adapters loaded here since it joined
     weight_ops: list[wire.WeightOp] = field(default_factory=list)  # one per plan, in order
     weights_path: str = ""  # the weights it runs (weight_sync.py; "": its --model's)
-    # blocks received from prefill executors for its next plan: (cpu ids, bytes) (handoff.py)
+    # blocks received from other executors for its next plan: (cpu ids, bytes) (handoff.py,
+    # prefix_pull.py)
     imports: list[tuple[list[int], np.ndarray]] = field(default_factory=list)
+    # prefix pulls whose blocks its next plan exports (prefix_pull.py), oldest first
+    pulls: list[Pull] = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -213,6 +217,7 @@ class Membership:
         log.warning("executor %s left: %s", handle.id, why)
         if handle.task is not None:
             handle.task.cancel()
+        self.engine.pulls.source_lost(handle)  # (before its plans are dropped)
         for plan in handle.in_flight:  # their tokens never come: a migrated request
             if not plan.future.done():  # resumes from the last token the router received
                 plan.future.cancel()

@@ -42,11 +42,21 @@ class Candidate:
     decode_s_per_seq: float | None = None  # measured step time per decoding sample
     step_fixed_s: float | None = None  # measured time of a step whatever it computes
     swap_s_per_block: float = DEFAULT_SWAP_S_PER_BLOCK  # a block moved to or from the CPU
+    # Prefix pulls (router/prefix_pull.py): executors with equal keys (not None) can move
+    # blocks to one another (the same cache format and weights); the most blocks it can
+    # receive for one request now (0: none), what one takes to reach it; its plans in
+    # flight and their prompt tokens (how long until a plan of it could export).
+    pull_key: object = None
+    max_pull_blocks: int = 0
+    transfer_s_per_block: float = 0.0
+    num_in_flight: int = 0
+    in_flight_prefill_tokens: int = 0
 
 
 def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Candidate:
     """The Candidate of an executor: everything `choose` needs comes from its KV manager
-    and its scheduler (whose cost model holds the measured prefill rate)."""
+    and its scheduler (whose cost model holds the measured prefill rate). Prefix pulls'
+    fields are set by the engine (`Pulls.describe`, router/prefix_pull.py)."""
     return Candidate(executor_id, kv, scheduler.num_queued_tokens(),
                      len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped),
                      scheduler.prefill_tokens_per_s(), scheduler.num_running_seqs(),
@@ -58,6 +68,32 @@ def candidate(executor_id: str, kv: KVCacheManager, scheduler: Scheduler) -> Can
 class RouteDecision:
     index: int  # into the candidates
     hit: PrefixHit  # the cached prefix found there (exact: the router owns the tables)
+    # A prefix pull (router/prefix_pull.py): the candidate whose device blocks
+    # `pull_hit.block_ids[len(hit):]` the chosen one receives instead of computing them
+    pull_source: int | None = None
+    pull_hit: PrefixHit = EMPTY_HIT
+
+    @property
+    def pull_blocks(self) -> tuple[int, ...]:
+        """The source's device blocks the pull moves (the ones after the chosen hit)."""
+        return self.pull_hit.block_ids[len(self.hit):]
+
+
+@dataclass
+class _Priced:
+    """One candidate as the cost rule prices it (see `choose`)."""
+
+    hit: PrefixHit
+    match: int  # tokens cached or intended there
+    wait: float
+    rate: float
+    fixed: float
+    cost: float
+    pull_source: int | None = None
+    pull_hit: PrefixHit = EMPTY_HIT
+    pull_match: int = 0  # its match with the pull
+    pull_extra_s: float = 0.0  # what the pull adds to its time to first token
+    export_delay_s: float = 0.0  # until a plan of it sent now is answered
 
 
 # A tenant's requests leave the executor that holds their prefix (cached or intended) only
@@ -135,8 +171,16 @@ def choose(
       match), and a prefix hot enough to overload one executor spreads to a second once the
       queue there passes the threshold, after which both hold it and the cost balances them.
       Ties (equal costs) go to fewer live requests, then in turn.
+
+      Prefix pulls (candidates with `max_pull_blocks`, router/prefix_pull.py): an
+      executor lacking blocks of the prompt that another of its `pull_key` holds on its
+      device may receive them instead of computing them, when that is quicker
+      (`_offer_pull`); its cost is then lower by what the pull saves, and in the spill
+      rule the pull (and what is left to compute) takes the place of recomputing what
+      it lacks (`_spill_threshold`; the copy's TENANT_SPILL_FACTOR - 1 share stays).
     least-loaded: fewest queued tokens, then fewest live requests, then in turn.
     round-robin: in turn.
+    With either, the chosen executor pulls what it lacks when that pays, as above.
     """
     n = len(candidates)
     if n == 1:  # nothing to weigh: the cached prefix there (for the caller to pin)
@@ -144,12 +188,54 @@ def choose(
             if policy is RoutingPolicy.PREFIX else EMPTY_HIT
         return RouteDecision(0, hit)
     order = [(turn + k) % n for k in range(n)]  # rotation for tie-breaking
-    if policy is RoutingPolicy.ROUND_ROBIN:
-        return RouteDecision(order[0], EMPTY_HIT)
-    if policy is RoutingPolicy.LEAST_LOADED:
-        best = min(order, key=lambda i: (candidates[i].queued_tokens, candidates[i].num_groups))
-        return RouteDecision(best, EMPTY_HIT)
+    pulls = any(c.max_pull_blocks for c in candidates)
+    if policy is not RoutingPolicy.PREFIX:
+        if policy is RoutingPolicy.ROUND_ROBIN:
+            index = order[0]
+        else:
+            index = min(order, key=lambda i: (candidates[i].queued_tokens,
+                                              candidates[i].num_groups))
+        if not pulls:
+            return RouteDecision(index, EMPTY_HIT)
+        p = _price(candidates, token_ids, block_hashes, cache_salt, order)[index]
+        if p.pull_source is None:
+            return RouteDecision(index, EMPTY_HIT)
+        return RouteDecision(index, p.hit, p.pull_source, p.pull_hit)
 
+    priced = _price(candidates, token_ids, block_hashes, cache_salt, order)
+
+    def key(i: int) -> tuple:
+        return priced[i].cost, candidates[i].num_groups
+
+    home = min(order, key=lambda i: (-priced[i].match,) + key(i))
+    h = priced[home]
+    if h.match == 0:  # a cold prefix: where it displaces least, among the near-cheapest
+        best = min(p.cost for p in priced.values())
+        near = [i for i in order if priced[i].cost <= best * (1 + COLD_PREFIX_TIE)]
+        chosen = min(near, key=lambda i: (candidates[i].kv.num_cached_gpu_blocks,) + key(i))
+    else:
+        spill = [i for i in order if priced[i].cost < h.cost
+                 and h.wait - priced[i].wait > _spill_threshold(h, priced[i])]
+        chosen = min(spill, key=key) if spill else home
+    p = priced[chosen]
+    return RouteDecision(chosen, p.hit, p.pull_source, p.pull_hit)
+
+
+def _spill_threshold(home: _Priced, p: _Priced) -> float:
+    """How much longer home's queue must be than p's for a request to leave it: the time
+    to get there what p lacks of home's match (computed, or pulled and what is left
+    computed) plus (TENANT_SPILL_FACTOR - 1) x the time to compute that (the copy's price:
+    the cache it takes). Without a pull: TENANT_SPILL_FACTOR x the recompute."""
+    lacking = max(home.match - p.match, 0) / p.rate
+    acquire = lacking
+    if p.pull_source is not None:
+        acquire = min(acquire, p.pull_extra_s + max(home.match - p.pull_match, 0) / p.rate)
+    return acquire + (TENANT_SPILL_FACTOR - 1) * lacking
+
+
+def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hashes: list,
+           cache_salt: str | None, order: list[int]) -> dict[int, _Priced]:
+    """Every candidate priced by the cost rule (`choose`), with its best pull if any."""
     measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s]
     assumed_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
     measured = [c.decode_s_per_seq for c in candidates if c.decode_s_per_seq]
@@ -157,42 +243,79 @@ def choose(
     measured = [c.step_fixed_s for c in candidates if c.step_fixed_s is not None]
     assumed_fixed_s = sum(measured) / len(measured) if measured else 0.0
     num_tokens = len(token_ids)
-    hits: dict[int, PrefixHit] = {}
-    match: dict[int, int] = {}
-    wait_s: dict[int, float] = {}
-    cost: dict[int, float] = {}
-    rates: dict[int, float] = {}
+    priced: dict[int, _Priced] = {}
     for i in order:
         c = candidates[i]
         kv = c.kv
         rate = c.prefill_tokens_per_s or assumed_rate
-        rates[i] = rate
         hit = kv.lookup(token_ids, block_hashes, cache_salt)
         matched = hit.num_tokens + kv.intended_tokens(token_ids, block_hashes, cache_salt,
                                                       len(hit))
         uncached = num_tokens - matched
         host_blocks = len(hit.host_block_ids)  # cached, but each takes a device block
         need_blocks = -(-uncached // kv.block_size) + host_blocks
-        wait = c.num_running_seqs * (c.decode_s_per_seq or assumed_decode_s) \
-            + c.queued_tokens / rate
+        decode_s = c.decode_s_per_seq or assumed_decode_s
+        wait = c.num_running_seqs * decode_s + c.queued_tokens / rate
         if need_blocks > kv.num_free_gpu_blocks - kv.watermark_blocks:
             wait += MEMORY_SHORT_WAIT_TOKENS / rate
         evicted = kv.num_shared_blocks_evicted(need_blocks, hit.block_ids)
-        hits[i], match[i], wait_s[i] = hit, matched, wait
         fixed = c.step_fixed_s if c.step_fixed_s is not None else assumed_fixed_s
-        cost[i] = wait + fixed + uncached / rate + host_blocks * c.swap_s_per_block \
+        cost = wait + fixed + uncached / rate + host_blocks * c.swap_s_per_block \
             + evicted * kv.block_size / rate
+        priced[i] = _Priced(hit, matched, wait, rate, fixed, cost,
+                            export_delay_s=_export_delay(c, rate, decode_s, fixed))
+    if any(c.max_pull_blocks for c in candidates):
+        for i in order:
+            _offer_pull(candidates, priced, i, order)
+    return priced
 
-    def key(i: int) -> tuple:
-        return cost[i], candidates[i].num_groups
 
-    home = min(order, key=lambda i: (-match[i],) + key(i))
-    if match[home] == 0:  # a cold prefix: where it displaces least, among the near-cheapest
-        best = min(cost.values())
-        near = [i for i in order if cost[i] <= best * (1 + COLD_PREFIX_TIE)]
-        chosen = min(near, key=lambda i: (candidates[i].kv.num_cached_gpu_blocks,) + key(i))
-    else:
-        spill = [i for i in order if cost[i] < cost[home] and wait_s[home] - wait_s[i]
-                 > TENANT_SPILL_FACTOR * (match[home] - match[i]) / rates[i]]
-        chosen = min(spill, key=key) if spill else home
-    return RouteDecision(chosen, hits[chosen])
+def _export_delay(c: Candidate, rate: float, decode_s: float, fixed: float) -> float:
+    """Seconds until a plan of `c` sent now is answered: its plans in flight (their
+    prompt tokens and decodes). The plan exporting a pull's blocks computes nothing
+    (prefix_pull.py)."""
+    return c.num_in_flight * (fixed + c.num_running_seqs * decode_s) \
+        + c.in_flight_prefill_tokens / rate
+
+
+def _offer_pull(candidates: Sequence[Candidate], priced: dict[int, _Priced], i: int,
+                order: list[int]) -> None:
+    """Candidate i's best prefix pull, if one pays: from the candidate of the same
+    pull_key whose device blocks reach furthest past what i holds, the blocks after i's
+    hit (at most i's max_pull_blocks). It pays when what it adds to the time to first
+    token, max(0, export delay + blocks x transfer - i's wait) + blocks x i's swap-in, is
+    less than computing the tokens it brings past i's match; then i's cost is lower by
+    the difference."""
+    c = candidates[i]
+    p = priced[i]
+    if not c.max_pull_blocks or c.pull_key is None:
+        return
+    bs = c.kv.block_size
+    held = len(p.hit)
+    best = None
+    for j in order:
+        if j == i or candidates[j].pull_key != c.pull_key:
+            continue
+        q = priced[j]
+        if len(q.hit.block_ids) > held and (best is None or (
+                len(q.hit.block_ids), -q.export_delay_s)
+                > (len(priced[best].hit.block_ids), -priced[best].export_delay_s)):
+            best = j
+    if best is None:
+        return
+    q = priced[best]
+    end = min(len(q.hit.block_ids), held + c.max_pull_blocks)
+    gain = end - held
+    brought = end * bs - p.match  # tokens it need not compute
+    if gain <= 0 or brought <= 0:
+        return
+    arrive = q.export_delay_s + gain * c.transfer_s_per_block
+    extra = max(0.0, arrive - p.wait) + gain * c.swap_s_per_block
+    saved = brought / p.rate
+    if extra >= saved:
+        return
+    p.pull_source = best
+    p.pull_hit = q.hit.clip(end, bs)
+    p.pull_match = end * bs
+    p.pull_extra_s = extra
+    p.cost -= saved - extra

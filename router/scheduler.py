@@ -290,6 +290,14 @@ class Scheduler:
                 seq.sampled_plan = self._plans_sent
         return out
 
+    def rowless_step(self) -> SchedulerOutput:
+        """A step that computes nothing (a plan of block exports: router/prefix_pull.py):
+        its plan counts as the last one sent, so from depth 3 on no later plan feeds a
+        sample a token sampled before it (the executor feeds from the step just before)."""
+        self.kv.begin_step()
+        self._plans_sent += 1
+        return SchedulerOutput(PlanRows(self.kv))
+
     def _serve_and_admit(self, out: SchedulerOutput) -> None:
         """`schedule()`'s steps 1 and 2: seats for better priorities, the running groups,
         then admission unless a group was preempted for blocks."""

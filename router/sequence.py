@@ -25,6 +25,7 @@ from .types import CompletionDelta, RequestOutput, RequestSpec, TokenLogprob, Us
 
 if TYPE_CHECKING:
     from .beam_search import BeamSearch
+    from .prefix_pull import Pull
 
 
 class GroupStatus(enum.Enum):
@@ -229,6 +230,9 @@ class RequestGroup:
         # the decode executor it moves to once the plan ending its prompt is answered
         # (router/handoff.py); None: it stays
         self.handoff: str | None = None
+        # the prefix pull bringing blocks of its prompt from another executor
+        # (router/prefix_pull.py): admission waits for it; None: none
+        self.pull: Pull | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -248,13 +252,15 @@ class RequestGroup:
         """Forget what its executor computed, before it is queued on another (a migration,
         a handoff to a decode executor: router/handoff.py): its samples recompute their
         tokens so far there (from what that executor's prefix cache holds), no token is in
-        flight for it any more, nothing is pinned or marked to move."""
+        flight for it any more, nothing is pinned or marked to move, no pull is awaited
+        (one in flight still ends: router/prefix_pull.py)."""
         for seq in self.seqs:
             seq.num_computed_tokens = 0
             seq.num_pending = 0
             seq.on_executor = False
         self.pinned_tokens = 0
         self.handoff = None
+        self.pull = None
 
     @property
     def has_pending(self) -> bool:

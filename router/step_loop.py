@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 from ..protos import wire
 from . import result_checks as checks
@@ -54,6 +55,7 @@ from . import token_apply
 from .errors import Unavailable
 from .handoff import Handoff
 from .plan_builder import build_plan
+from .prefix_pull import Pull
 from .sequence import RequestGroup, Sequence
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class InFlightPlan:
     lora_ops: list[wire.LoraOp] = field(default_factory=list)  # adapter ops it carried
     weight_op: wire.WeightOp | None = None  # the weight check or load it carried
     handoffs: list[Handoff] = field(default_factory=list)  # requests it ends the prompt of
+    pulls: list[Pull] = field(default_factory=list)  # prefix pulls it exports blocks for
 
 
 class StepTrace:
@@ -185,6 +188,8 @@ class StepLoop:
                 engine.delivery.text_stage(handle.scheduler, touched)
                 if head.handoffs:  # to decode executors (router/handoff.py)
                     engine.handoffs.complete(handle, head.handoffs, result)
+                if head.pulls:  # to other executors' requests (router/prefix_pull.py)
+                    engine.pulls.complete(handle, head.pulls, result)
                 now = time.monotonic()
                 if now >= handle.gauges_due:
                     handle.gauges_due = now + GAUGE_INTERVAL_S
@@ -207,7 +212,8 @@ class StepLoop:
     def _has_work(self, handle: ExecutorHandle) -> bool:
         s = handle.scheduler  # (held: no waiting group is admitted; frozen: none runs)
         busy = s.hold != "freeze" and (s.running or s.swapped or (s.waiting and not s.hold))
-        return bool(busy or handle.lora_ops or self.engine.weights.has_work(handle))
+        return bool(busy or handle.lora_ops or handle.pulls
+                    or self.engine.weights.has_work(handle))
 
     def _deadline(self, handle: ExecutorHandle, num_tokens: int) -> float:
         timeout = self.config.step_timeout_s
@@ -219,13 +225,17 @@ class StepLoop:
         """Schedule one step and send its plan; False when there was nothing to send."""
         sched = handle.scheduler
         kv = handle.kv
-        out = sched.schedule()
+        # Blocks other executors' requests pull from here go out at once, in a plan of
+        # their own: its result comes back after the plans in flight, not after another
+        # forward (router/prefix_pull.py).
+        out = sched.rowless_step() if handle.pulls and self.engine.pulls.prune(handle) \
+            else sched.schedule()
         for group, mode in out.preempted:
             self.metrics.inc_preemption(handle.id, mode.value)
             log.debug("request %s preempted (%s) on %s", group.request_id, mode.value, handle.id)
         ops = handle.lora_ops
         weight_op = handle.weight_ops[0] if handle.weight_ops else None
-        if out.empty and not ops and weight_op is None:
+        if out.empty and not ops and weight_op is None and not handle.pulls:
             kv.end_step()
             return False
         try:
@@ -237,7 +247,7 @@ class StepLoop:
                 handle.lora_ops = []
                 if weight_op is not None:
                     del handle.weight_ops[0]
-            plan, handoffs = self._kv_moves(handle, out, plan)
+            plan, handoffs, pulls = self._kv_moves(handle, out, plan)
         except BaseException:
             kv.end_step()
             raise
@@ -252,7 +262,7 @@ class StepLoop:
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
             num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
             speculating=out.rows.speculating, lora_ops=ops, weight_op=weight_op,
-            handoffs=handoffs))
+            handoffs=handoffs, pulls=pulls))
         link = self.engine.link
         assert link is not None
         link.send(handle.routing_id, plan)
@@ -260,22 +270,31 @@ class StepLoop:
         return True
 
     def _kv_moves(self, handle: ExecutorHandle, out, plan: wire.StepPlan
-                  ) -> tuple[wire.StepPlan, list[Handoff]]:
-        """Prefill/decode disaggregation (router/handoff.py): the blocks received for this
-        executor since its last plan go out with this one, and the blocks of the prompts
-        it ends that move to a decode executor are asked back."""
-        handoffs = self.engine.handoffs
+                  ) -> tuple[wire.StepPlan, list[Handoff], list[Pull]]:
+        """KV blocks between executors (router/handoff.py, router/prefix_pull.py): the
+        blocks received for this executor since its last plan go out with this one; the
+        blocks of the prompts it ends that move to a decode executor, and those other
+        executors' requests pull from it, are asked back."""
+        engine = self.engine
+        handoffs = engine.handoffs
         imports = handoffs.take_imports(handle) if handle.imports else None
         exports, moves = handoffs.plan_exports(handle, out) \
             if handle.hello.disaggregation_mode == "prefill" else (None, [])
+        pulls: list[Pull] = []
+        if handle.pulls:
+            num_ids = 0 if exports is None else exports.shape[0]
+            ids, pulls = engine.pulls.plan_exports(handle, num_ids)
+            if pulls:
+                pulled = np.asarray(ids, dtype=np.int64)
+                exports = pulled if exports is None else np.concatenate([exports, pulled])
         if imports is None and exports is None:
-            return plan, moves
+            return plan, moves, pulls
         fields = {}
         if imports is not None:
             fields.update(kv_import=imports[0], kv_import_data=imports[1])
         if exports is not None:
             fields.update(kv_export=exports)
-        return msgspec.structs.replace(plan, **fields), moves
+        return msgspec.structs.replace(plan, **fields), moves, pulls
 
     def overdue(self, handle: ExecutorHandle, now: float) -> str:
         """Why the executor counts as hung (its oldest plan unanswered past its deadline),
