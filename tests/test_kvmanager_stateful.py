@@ -48,6 +48,9 @@ class KVMachine(RuleBasedStateMachine):
         self.writes: list[tuple[str, int, int]] = []  # (rid, start, count) this step
         self.seen: list[tuple[list[int], str | None]] = []  # prompts admitted so far
         self.weights = 0  # weight updates so far: every K/V depends on the weights too
+        # export holds (a prefix pull's blocks, kvmanager/transfer.py): key -> (ids, what
+        # the simulated device held in them when the hold began)
+        self.holds: dict[str, tuple[tuple[int, ...], list]] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -156,6 +159,34 @@ class KVMachine(RuleBasedStateMachine):
 
         self._run_step(op)
 
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=5),
+          first=st.integers(0, 2))
+    def hold_for_export(self, data, extra, first):
+        """A prefix pull's source: the cached blocks of a prompt seen before, from `first`
+        on, are held until the plan exporting them is answered (`export_answered`)."""
+        prompt, salt = data.draw(st.sampled_from(self.seen))
+        prompt = prompt + extra
+        hit = self.m.lookup(prompt, self.m.hash_blocks(prompt, cache_salt=salt), salt)
+        self._check_hit(prompt, hit, salt)
+        key = self._new_id()
+        ids = self.m.hold_export(key, hit, first)
+        assert ids == hit.block_ids[first:]
+        if ids:
+            self.holds[key] = (ids, [list(self.sim["gpu"][b]) for b in ids])
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def export_answered(self, data):
+        """The export reads what the blocks held when the hold began: nothing allocated,
+        swapped or copied into them since."""
+        key = data.draw(st.sampled_from(sorted(self.holds)))
+        ids, contents = self.holds.pop(key)
+        assert [self.sim["gpu"][b] for b in ids] == contents, ids
+        refs = [self.m.gpu.blocks[b].ref_cnt for b in ids]
+        assert self.m.release_export(key) and not self.m.release_export(key)
+        assert [self.m.gpu.blocks[b].ref_cnt for b in ids] == [r - 1 for r in refs]
+
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def drop_pending(self, data):
@@ -191,7 +222,7 @@ class KVMachine(RuleBasedStateMachine):
         self.m.release_pins()
         assert self.m.stats().num_pinned_blocks == 0
 
-    @precondition(lambda self: not self.tokens)
+    @precondition(lambda self: not self.tokens and not self.holds)
     @rule()
     def update_weights(self):
         """No request runs: new weights, the prefix cache reset (router/weight_sync.py). A
@@ -336,6 +367,8 @@ class KVMachine(RuleBasedStateMachine):
         assert s.gpu.num_free_blocks <= s.gpu.num_total_blocks
 
     def teardown(self):
+        for key in list(self.holds):
+            self.m.release_export(key)
         for rid in list(self.tokens):
             self.m.free(rid)
         for rid in list(self.pending):
