@@ -22,11 +22,16 @@ Cases (`--cases`, default all; every one is reported):
 * `legacy-12x384`: the default before that (issue 14: "the old one gave 1.23x"), unchanged:
   12 tenants x 8, prefix 384, 232 blocks per executor, otherwise as legacy-16x768.
 
+Policies: `prefix`, `round-robin`, `least-loaded` (`--swap-space 0`, as every run before
+prefix pulls), and any of them with `+pull` (`--kv-pull auto`: router/prefix_pull.py) or
+`+swap` (its control), both with PULL_SWAP_SPACE_GIB of CPU blocks per executor.
+
 Per (case, policy) one JSON line: TTFT p50/p90/p99, e2e p50, output tok/s, the router's
 prefix hit ratio (/metrics: prompt tokens looked up at each admission, hits among them),
 the usage hit ratio (Usage.cached_prompt_tokens / prompt tokens), the infinite-cache bound
 (each distinct prompt block misses once in the cluster; `routing_sim.infinite_bound`), and
-per executor the prompt tokens looked up and hit (the load split). Per case a `summary` line:
+per executor the prompt tokens looked up and hit (the load split), prefix pulls and the blocks
+they brought (a pulled block counts as a hit where it lands). Per case a `summary` line:
 round-robin TTFT p50 / prefix TTFT p50 (and the target flags for `exceeds-one`).
 
     .venv/bin/python benchmarks/routing_bench.py [--cases a,b] [--policies ...] [--quick]
@@ -70,6 +75,10 @@ from pagedserve.subprocs import stop_process  # noqa: E402
 BENCH = "routing_bench"
 READY = re.compile(r"pagedserve ready grpc=(\S+) metrics=(\S+) executors=(\d+)")
 POLICIES = ("prefix", "round-robin", "least-loaded")
+# `--policies` also takes POLICY+pull (`--kv-pull auto`, router/prefix_pull.py) and
+# POLICY+swap (its control: the same CPU blocks, no pulls), each with this much swap space
+# per executor (the pulled blocks land in CPU blocks; it also lets preemption swap)
+PULL_SWAP_SPACE_GIB = 0.25
 BLOCK_SIZE = 16
 TARGET_CASE = "exceeds-one"
 TARGET_HIT_RATIO = 0.8
@@ -134,10 +143,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _metrics(metrics_address: str) -> str:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def pull_counts(metrics_address: str) -> tuple[int, int]:
+    """(prefix pulls, KV blocks received) over the executors, from /metrics."""
+    text = _metrics(metrics_address)
+    total = []
+    for name in ("pagedserve_kv_pulls_total", "pagedserve_kv_blocks_received_total"):
+        total.append(int(sum(float(v) for v in re.findall(
+            rf'^{name}\{{[^}}]*\}}\s+(\S+)', text, re.M))))
+    return total[0], total[1]
+
+
 def per_executor_prefix(metrics_address: str) -> dict[str, list[int]]:
     """{executor: [queried tokens, hit tokens]} from /metrics."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = _metrics(metrics_address)
     out: dict[str, list[int]] = {}
     pat = re.compile(r'^pagedserve_prefix_cache_(queries|hits)_total\{executor="([^"]+)"\}'
                      r"\s+(\S+)")
@@ -151,11 +174,17 @@ def per_executor_prefix(metrics_address: str) -> dict[str, list[int]]:
 
 class ServeCluster:
     def __init__(self, model_dir: Path, policy: str, num_gpu_blocks: int) -> None:
+        routing, _, variant = policy.partition("+")
+        extra = ["--swap-space", "0"]  # (the policies' runs before prefix pulls: no CPU blocks)
+        if variant:  # CPU blocks to receive pulled blocks into; "+swap": the same, no pulls
+            extra = ["--swap-space", str(PULL_SWAP_SPACE_GIB)]
+            if variant == "pull":
+                extra += ["--kv-pull", "auto"]
         self.cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model_dir),
-                    "--executors", "2", "--routing", policy, "--port", "0",
+                    "--executors", "2", "--routing", routing, "--port", "0",
                     "--metrics-port", "0", "--http-port", "-1", "--cpu-threads", "1",
                     "--executor-bind", f"tcp://127.0.0.1:{free_port()}",
-                    "--num-gpu-blocks", str(num_gpu_blocks), "--swap-space", "0"]
+                    "--num-gpu-blocks", str(num_gpu_blocks), *extra]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in __exit__
         self.proc: subprocess.Popen | None = None
         self.address = self.metrics_address = ""
@@ -314,6 +343,7 @@ def run_case(case: Case, policy: str, model_dir: Path, vocab: int, seed: int) ->
             records = [Record(str(i), float(i), list(r.prompt_token_ids))
                        for i, r in enumerate(requests)]
         split = per_executor_prefix(cluster.metrics_address)
+        pulls, blocks_received = pull_counts(cluster.metrics_address)
         cluster.log.seek(0)
         rejected = [x for x in cluster.log.read().splitlines() if "rejected" in x]
     if rejected:
@@ -333,7 +363,8 @@ def run_case(case: Case, policy: str, model_dir: Path, vocab: int, seed: int) ->
                               4),
         bound_hit_ratio=round(bound / max(prompt_tokens, 1), 4),
         per_executor_queried_hit_tokens=[v for _, v in sorted(split.items())],
-        num_gpu_blocks=case.num_gpu_blocks, errors=res.get("errors", []),
+        num_gpu_blocks=case.num_gpu_blocks, pulls=pulls, blocks_received=blocks_received,
+        errors=res.get("errors", []),
     )
 
 
@@ -362,7 +393,8 @@ def main() -> int:
                   f"{fig['ttft_ms_p90']:.0f} p99 {fig['ttft_ms_p99']:.0f}, "
                   f"{fig['output_tok_per_s']:.0f} out tok/s, hit {fig['prefix_hit_ratio']:.3f}"
                   f" (usage {fig['usage_hit_ratio']:.3f}, bound {fig['bound_hit_ratio']:.3f}),"
-                  f" per executor [queried, hit] {fig['per_executor_queried_hit_tokens']}",
+                  f" per executor [queried, hit] {fig['per_executor_queried_hit_tokens']},"
+                  f" pulls {fig['pulls']} ({fig['blocks_received']} blocks)",
                   file=sys.stderr)
         if "prefix" in results and "round-robin" in results:
             ratio = results["round-robin"]["ttft_ms_p50"] / results["prefix"]["ttft_ms_p50"]

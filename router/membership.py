@@ -152,9 +152,10 @@ class Membership:
             self.executor_lost(old, "re-registered with an empty cache")
         engine.loras.executor_joined(handle)  # the adapters loaded so far go out first
         engine.weights.executor_joined(handle)  # and the cluster's weights if it runs others
-        log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d%s",
-                 hello.executor_id, hello.device, hello.dtype, hello.num_gpu_blocks,
-                 hello.num_cpu_blocks, "" if hello.disaggregation_mode == "null"
+        log.info("executor %s joined: device=%s dtype=%s blocks=%d cpu_blocks=%d "
+                 "kv_block_bytes=%d%s", hello.executor_id, hello.device, hello.dtype,
+                 hello.num_gpu_blocks, hello.num_cpu_blocks, hello.kv_block_bytes,
+                 "" if hello.disaggregation_mode == "null"
                  else f" disaggregation={hello.disaggregation_mode}")
         engine.metrics.set_executors_healthy(engine.num_healthy())
         engine.update_gauges(handle)

@@ -55,13 +55,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.router")
 
 # What a byte of KV takes from the source's device to the target's CPU block, before the
-# source's steps and the target's swap-in are counted: copied out after the source's
-# forward, sent to the router, sliced, sent on with the target's next plan, written into
-# the CPU cache. Measured on the 2-core VM with the built-in model in bfloat16
-# (benchmarks/README.md "kv_pull_bench.py"): about 2 ns a byte end to end (24 MB, the
-# blocks of a 1,024-token prompt, in ~50 ms). Routing compares it with computing the
-# tokens, so a prior within a factor of two decides the same nearly always.
-TRANSFER_S_PER_BYTE = 2e-9
+# source's plans in flight and the target's swap-in are counted: gathered and copied out on
+# the source, sent to the router, sent on with the target's next plan, written into the CPU
+# cache. Measured on the 2-core VM with the built-in model in bfloat16 (benchmarks/README.md
+# "kv_pull_bench.py"): 9.9 ns a byte end to end (the 23.6 MB of a 1,024-token prefix in
+# ~230 ms more than a local hit; of it the source's gather and copy ~22 ms, the import's
+# write ~4 ms, the rest the two messages' encoding, sockets and decoding). Routing compares
+# it with computing the tokens: there 2 ms a token, 32 ms a block against 3.7 ms moved.
+TRANSFER_S_PER_BYTE = 1e-8
 
 
 @dataclass(eq=False)

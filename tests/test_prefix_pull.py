@@ -49,9 +49,9 @@ class PullSim(SimExecutor):
         return msgspec.structs.replace(result, **fields)
 
 
-def make_cluster(**cfg) -> tuple[RouterEngine, PullSim, PullSim]:
+def make_cluster(depth: int = 2, **cfg) -> tuple[RouterEngine, PullSim, PullSim]:
     config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
-                          pipeline_depth=2, debug_checks=True, watermark=0.0,
+                          pipeline_depth=depth, debug_checks=True, watermark=0.0,
                           routing=RoutingPolicy.ROUND_ROBIN, kv_pull=True, **cfg)
     info = ModelInfoData("m", "LlamaForCausalLM", 128, 64, BS, "float32", (EOS,))
     engine = RouterEngine(config, CharTokenizer(), info)
@@ -75,16 +75,16 @@ def all_free(engine) -> bool:
     return True
 
 
-async def warm(engine, e0: PullSim) -> list[int]:
+async def warm(engine, e0: PullSim, prompt: list[int] = PROMPT) -> list[int]:
     """Request w on e0 (round-robin's first turn): its prompt's blocks end up cached there.
     Returns their ids."""
-    w = await submit(engine, "w", PROMPT + [50], max_tokens=2)
+    w = await submit(engine, "w", prompt + [50], max_tokens=2)
     await e0.run_until_done([w])
     while e0.unanswered():
         await e0.answer()
     kv = engine.executors["e0"].kv
-    hashes = kv.hash_blocks(PROMPT + TAIL)
-    return list(kv.lookup(PROMPT + TAIL, hashes).block_ids)
+    hashes = kv.hash_blocks(prompt + TAIL)
+    return list(kv.lookup(prompt + TAIL, hashes).block_ids)
 
 
 def test_a_request_on_the_executor_lacking_its_prefix_receives_those_blocks():
@@ -226,5 +226,29 @@ def test_two_requests_pulling_one_prefix_import_it_once():
         assert e.usage.cached_prompt_tokens == 6 * BS
         assert b.done and d.done
         assert engine.executors["e1"].kv.num_imported_blocks == len(cached)
+        assert all_free(engine)
+    run(main())
+
+
+def test_a_plan_of_exports_between_pipelined_decodes_at_depth_3():
+    """e0 decodes r with three plans in flight when a pull's export-only plan goes out
+    between them: no later plan feeds r a token sampled before that plan (the executor
+    feeds from the step just before: SimExecutor fails the row otherwise), and r's output
+    is exact."""
+    async def main():
+        engine, e0, e1 = make_cluster(depth=3)
+        prompt = list(range(1, 1 + 20 * BS))  # (long enough for e0 to learn its rate)
+        await warm(engine, e0, prompt)
+        await submit(engine, "x", [60, 61], max_tokens=1)  # turn 1: e1
+        r = await submit(engine, "r", [7, 8, 9], max_tokens=12)  # turn 2: e0
+        await e0.answer(2)  # r decodes, plans in flight
+        b = await submit(engine, "b", prompt + TAIL, max_tokens=3)  # turn 3: e1, pulls
+        assert engine.live["b"].pull is not None
+        await drain(engine, e0, e1)
+        assert r.tokens() == expected("r#0", 12) and r.error is None
+        assert b.tokens() == expected("b#0", 3)
+        assert b.usage.cached_prompt_tokens == 16 * BS  # e1's 16 CPU blocks: all it can take
+        rowless = [p for p in e0.plans if p.kv_export is not None]
+        assert len(rowless) == 1 and rowless[0].num_seqs == 0
         assert all_free(engine)
     run(main())

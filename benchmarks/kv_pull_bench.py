@@ -1,0 +1,192 @@
+"""Prefix pulls (`--kv-pull auto`, router/prefix_pull.py) against computing the prefix again
+(`--kv-pull off`), end to end: JSON lines on stdout, a table on stderr.
+
+For each workload and configuration, starts `pagedserve serve` with two executors (the
+built-in SmolLM2-135M-Instruct unless `--model DIR`; on the CPU with one thread each unless
+`--device cuda`; `--swap-space` left at its default: the CPU blocks pulled blocks land in)
+and plays the workload over gRPC, greedy, EOS ignored. Workloads (fixed; never change one
+to meet a target):
+
+* `second_request` (`--routing round-robin`, so placement alternates): 6 times, a new
+  1,024-token prefix and three requests in turn, one at a time, each the prefix and its own
+  32 tokens, 8 output tokens: A on one executor (cold), B on the other (with `auto` it pulls
+  A's blocks, with `off` computes the prefix), C on A's again (a local cache hit). B's time
+  to first token against A's and C's is what a pull costs and saves; `transfer_ns_per_byte`
+  = (B's TTFT - C's TTFT) / the bytes B pulled, medians (the router path's price that
+  prefix_pull.TRANSFER_S_PER_BYTE stands for);
+* `hot_tenant` (`--routing prefix`): one tenant, a 1,024-token system prompt, 16 requests
+  (its prompt and a 64-token question, 16 output tokens) from 4 clients: the prefix
+  routing rule keeps the tenant on one executor until its queue pays for moving; a pull
+  makes moving cheaper;
+* `unique_prompts` (`--routing prefix`): 16 requests of 512 unrelated tokens, 16 output
+  tokens, 4 clients: nothing to pull (the cost of pricing pulls, if any).
+
+Per (workload, config): wall seconds, output tokens per second, TTFT p50/p90 (of B, A and C
+separately for `second_request`), pulls and blocks received (metrics), and `same_outputs`
+(every output equal to `off`'s token for token: expect it with `--dtype float32`; in
+bfloat16 a prefix-cache hit's tail rounds differently from a prompt computed whole).
+
+    .venv/bin/python benchmarks/kv_pull_bench.py [--model DIR] [--workloads a,b]
+        [--configs off,auto] [--dtype auto] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
+from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
+from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
+
+BENCH = "kv_pull_bench"
+ROUTING = {"second_request": "round-robin", "hot_tenant": "prefix", "unique_prompts": "prefix"}
+WORKLOADS = tuple(ROUTING)
+CONFIGS = ("off", "auto")
+
+
+def emit(case: str, **figures) -> None:
+    print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
+
+
+def first_token(stub, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """(seconds to the first token, output ids) of one greedy streamed request."""
+    req = pb.GenerateRequest(params=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    req.prompt_token_ids.ids.extend(ids)
+    t0 = time.perf_counter()
+    ttft, out = None, []
+    for msg in stub.Stream(req, timeout=1800):
+        if msg.token_ids and ttft is None:
+            ttft = time.perf_counter() - t0
+        out.extend(msg.token_ids)
+    return ttft or 0.0, out
+
+
+def received(server) -> float:
+    return metric_sum(server.metrics(), "pagedserve_kv_blocks_received_total")
+
+
+def second_request(stub, server, vocab: int, rng: random.Random, block_bytes: int) -> dict:
+    ttft: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+    outputs, per_byte = [], []
+    for _ in range(6):
+        prefix = [rng.randrange(3, vocab) for _ in range(1024)]
+        for kind in "abc":
+            before = received(server)
+            seconds, out = first_token(stub, prefix + [rng.randrange(3, vocab)
+                                                       for _ in range(32)], 8)
+            ttft[kind].append(seconds)
+            outputs.append(tuple(out))
+            if kind == "b":
+                pulled_bytes = (received(server) - before) * block_bytes
+        if pulled_bytes:
+            per_byte.append((ttft["b"][-1] - ttft["c"][-1]) / pulled_bytes)
+    figures = {}
+    for kind, xs in ttft.items():
+        figures[f"ttft_{kind}_p50_ms"] = round(float(np.median(xs)) * 1e3, 1)
+    figures["transfer_ns_per_byte"] = round(float(np.median(per_byte)) * 1e9, 2) \
+        if per_byte else None
+    return figures | {"_outputs": outputs}
+
+
+def clients(stub, prompts: list[list[int]], max_tokens: int, num_clients: int) -> dict:
+    results: dict[int, tuple[float, list[int]]] = {}
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for i in range(k, len(prompts), num_clients):
+            got = first_token(stub, prompts[i], max_tokens)
+            with lock:
+                results[i] = got
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(num_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ttfts = [results[i][0] for i in sorted(results)]
+    return {"ttft_p50_ms": round(float(np.percentile(ttfts, 50)) * 1e3, 1),
+            "ttft_p90_ms": round(float(np.percentile(ttfts, 90)) * 1e3, 1),
+            "_outputs": [tuple(results[i][1]) for i in sorted(results)]}
+
+
+def run_case(args, workload: str, config: str, logs: Path) -> dict:
+    threads = ["--cpu-threads", "1"] if args.device == "cpu" else []
+    argv = serve_argv(args.model, "--executors", "2", "--routing", ROUTING[workload],
+                      "--kv-pull", config, "--device", args.device, *threads,
+                      "--dtype", args.dtype)
+    rng = random.Random(args.seed)
+    with ServeProcess(argv, logs / f"{workload}-{config}.log") as server:
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.GeneratorStub(channel)
+        vocab = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).vocab_size
+        for k in range(4):  # warm both executors (first steps compile and allocate)
+            first_token(stub, [rng.randrange(3, vocab) for _ in range(60 + k)], 4)
+        block_bytes = _block_bytes(server)
+        t0 = time.perf_counter()
+        if workload == "second_request":
+            figures = second_request(stub, server, vocab, rng, block_bytes)
+        elif workload == "hot_tenant":
+            system = [rng.randrange(3, vocab) for _ in range(1024)]
+            prompts = [system + [rng.randrange(3, vocab) for _ in range(64)]
+                       for _ in range(16)]
+            figures = clients(stub, prompts, 16, 4)
+        else:
+            prompts = [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(16)]
+            figures = clients(stub, prompts, 16, 4)
+        wall = time.perf_counter() - t0
+        text = server.metrics()
+        channel.close()
+    num_out = sum(len(o) for o in figures["_outputs"])
+    return {"wall_s": round(wall, 2), "output_tokens_per_s": round(num_out / wall, 1),
+            **figures, "pulls": int(metric_sum(text, "pagedserve_kv_pulls_total")),
+            "blocks_received": int(metric_sum(text, "pagedserve_kv_blocks_received_total"))}
+
+
+def _block_bytes(server) -> int:
+    """One KV block's bytes, from the executors' log line at start (kv_block_bytes)."""
+    import re
+    m = re.search(r"kv_block_bytes=(\d+)", server.log())
+    return int(m.group(1)) if m else 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help="the executors' (cuda: the GPU check)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kv-pull-bench-") as tmp:
+        for workload in args.workloads.split(","):
+            results = {c: run_case(args, workload, c, Path(tmp))
+                       for c in args.configs.split(",")}
+            outputs = {c: fig.pop("_outputs") for c, fig in results.items()}
+            for config, fig in results.items():
+                same = outputs[config] == outputs["off"] if "off" in outputs else None
+                emit(f"{workload}/{config}", workload=workload, config=config, **fig,
+                     same_outputs=same)
+                rows.append((workload, config, fig))
+    for workload, config, fig in rows:
+        shown = {k: v for k, v in fig.items() if k != "wall_s"}
+        print(f"{workload:16} {config:5} wall {fig['wall_s']:6.1f} s  {shown}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
