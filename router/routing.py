@@ -102,6 +102,7 @@ class _Priced:
 # the second 1x prices the copy the move makes: the prefix then takes as much cache on the
 # other executor, where it evicts about as much of some other tenant's blocks, who will
 # recompute them. Below the threshold the queue drains faster than splitting would pay back.
+# With prefix pulls (router/prefix_pull.py) "recompute" reads "get": a pull when quicker.
 # (benchmarks/routing_sim.py, two seeds: 1 lost 5 points of hit rate on bursty tenants and
 # raised the p99 by a third where prefixes exceed the cache 4x; 1.5 still lost 1.5 points
 # on bursty tenants; 2 and 3 gave the same figures.)
@@ -177,7 +178,8 @@ def choose(
       device may receive them instead of computing them, when that is quicker
       (`_offer_pull`); its cost is then lower by what the pull saves, and in the spill
       rule the pull (and what is left to compute) takes the place of recomputing what
-      it lacks (`_spill_threshold`; the copy's TENANT_SPILL_FACTOR - 1 share stays).
+      it lacks, for this request and for the copy (`_spill_threshold`: the copy's price
+      is what getting it back would cost, and a pulled copy comes back as cheaply).
     least-loaded: fewest queued tokens, then fewest live requests, then in turn.
     round-robin: in turn.
     With either, the chosen executor pulls what it lacks when that pays, as above.
@@ -222,15 +224,14 @@ def choose(
 
 
 def _spill_threshold(home: _Priced, p: _Priced) -> float:
-    """How much longer home's queue must be than p's for a request to leave it: the time
-    to get there what p lacks of home's match (computed, or pulled and what is left
-    computed) plus (TENANT_SPILL_FACTOR - 1) x the time to compute that (the copy's price:
-    the cache it takes). Without a pull: TENANT_SPILL_FACTOR x the recompute."""
-    lacking = max(home.match - p.match, 0) / p.rate
-    acquire = lacking
+    """How much longer home's queue must be than p's for a request to leave it:
+    TENANT_SPILL_FACTOR x the time to get there what p lacks of home's match, computed or
+    (when p's pull is quicker) pulled with the rest computed: once for this request, once
+    for the copy (see TENANT_SPILL_FACTOR)."""
+    acquire = max(home.match - p.match, 0) / p.rate
     if p.pull_source is not None:
         acquire = min(acquire, p.pull_extra_s + max(home.match - p.pull_match, 0) / p.rate)
-    return acquire + (TENANT_SPILL_FACTOR - 1) * lacking
+    return TENANT_SPILL_FACTOR * acquire
 
 
 def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hashes: list,

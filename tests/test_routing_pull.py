@@ -40,13 +40,13 @@ def tenant_on_e0(queued: int):
     return e0, e1
 
 
-def test_a_pull_lowers_the_spill_threshold_to_its_own_cost_plus_the_copys():
+def test_a_pull_lowers_the_spill_threshold_to_twice_its_cost():
     """Without pulls a tenant leaves e0 once its queue is longer by more than
-    TENANT_SPILL_FACTOR x the prefix's compute time (2 x 1,024 tokens); with them, by the
-    pull's cost (64 swap-ins: 12.8 tokens' time here; nothing in flight, free transfer) plus
-    (TENANT_SPILL_FACTOR - 1) x 1,024 tokens, and the request takes e0's 64 blocks."""
+    TENANT_SPILL_FACTOR x the prefix's compute time (2 x 1,024 tokens); with them, by
+    TENANT_SPILL_FACTOR x the pull's cost (64 swap-ins: 12.8 tokens' time here; nothing in
+    flight, free transfer), and the request takes e0's 64 blocks."""
     assert routing.TENANT_SPILL_FACTOR == 2.0
-    threshold = 1024 + 64 * SWAP_S * RATE  # 1,036.8 tokens
+    threshold = 2 * 64 * SWAP_S * RATE  # 25.6 tokens
     e0, e1 = tenant_on_e0(int(threshold))
     d = decide([e0, e1], prompt(1, 1))
     assert d.index == 0 and d.pull_source is None
@@ -58,6 +58,8 @@ def test_a_pull_lowers_the_spill_threshold_to_its_own_cost_plus_the_copys():
     # without pulls it stays until 2 x 1,024
     d = decide([e0, e1], prompt(1, 1), max_pull_blocks=0)
     assert d.index == 0 and d.pull_source is None
+    e0, e1 = tenant_on_e0(2048)
+    assert decide([e0, e1], prompt(1, 1), max_pull_blocks=0).index == 0
     e0, e1 = tenant_on_e0(2049)
     assert decide([e0, e1], prompt(1, 1), max_pull_blocks=0).index == 1
 
