@@ -218,7 +218,7 @@ class Membership:
         log.warning("executor %s left: %s", handle.id, why)
         if handle.task is not None:
             handle.task.cancel()
-        self.engine.pulls.source_lost(handle)  # (before its plans are dropped)
+        self.engine.pulls.source_lost(handle)  # requests pulling from it compute instead
         for plan in handle.in_flight:  # their tokens never come: a migrated request
             if not plan.future.done():  # resumes from the last token the router received
                 plan.future.cancel()

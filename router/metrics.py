@@ -85,7 +85,7 @@ class RouterMetrics:
         self.migrations = Counter("pagedserve_migrations_total", "Requests moved to another executor.", registry=r)
         self.handoffs = Counter("pagedserve_handoffs_total", "Prefill/decode disaggregation: requests a prefill executor handed to a decode executor after their prompt (--disaggregation-mode).", ex, registry=r)
         self.kv_blocks_received = Counter("pagedserve_kv_blocks_received_total", "KV blocks an executor received from another (prefill/decode disaggregation, prefix pulls), instead of computing them.", ex, registry=r)
-        self.kv_pulls = Counter("pagedserve_kv_pulls_total", "Prefix pulls: requests an executor received blocks of their prompt for from another executor's cache (--kv-pull), by the receiving executor.", ex, registry=r)
+        self.kv_pulls = Counter("pagedserve_kv_pulls_total", "Prefix pulls: requests an executor received blocks of their prompt for from another executor's cache instead of computing them (--kv-pull), by the receiving executor.", ex, registry=r)
         self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts_total", "Speculative decoding: decode rows sent with drafts.", ex, registry=r)
         self.spec_draft_tokens = Counter("pagedserve_spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens sent.", ex, registry=r)
         self.spec_accepted_tokens = Counter("pagedserve_spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens the sampler confirmed.", ex, registry=r)
@@ -261,8 +261,8 @@ class RouterMetrics:
             self.kv_blocks_received.labels(target_id).inc(num_blocks_received)
 
     def inc_pull(self, target_id: str, num_blocks_received: int) -> None:
-        """A prefix pull for a request on `target_id` ended with `num_blocks_received`
-        blocks received (router/prefix_pull.py)."""
+        """A prefix pull brought `num_blocks_received` blocks to a request on `target_id`
+        (router/prefix_pull.py; one that brought none is not counted)."""
         self.kv_pulls.labels(target_id).inc()
         if num_blocks_received:
             self.kv_blocks_received.labels(target_id).inc(num_blocks_received)

@@ -86,6 +86,10 @@ class Pulls:
     def __init__(self, engine: RouterEngine, enabled: bool) -> None:
         self.engine = engine
         self.enabled = enabled
+        # pulls started and not ended (an ordered set): what `source_lost` looks through,
+        # wherever they are (queued on the source, in a plan in flight, or in the plan
+        # whose result was being applied when the source was lost)
+        self.active: dict[Pull, None] = {}
 
     def describe(self, c: Candidate, handle: ExecutorHandle) -> Candidate:
         """`c` (routing.candidate of `handle`) with what routing needs to price pulls to
@@ -114,6 +118,7 @@ class Pulls:
             return
         group.pull = pull
         source.pulls.append(pull)
+        self.active[pull] = None
         source.wakeup.set()
 
     def _given_up(self, pull: Pull) -> bool:
@@ -128,6 +133,7 @@ class Pulls:
         for pull in handle.pulls:
             if self._given_up(pull):
                 handle.kv.release_export(pull)
+                self.active.pop(pull, None)
             else:
                 kept.append(pull)
         handle.pulls = kept
@@ -162,6 +168,7 @@ class Pulls:
         block_bytes = handle.hello.kv_block_bytes
         for pull in pulls:
             handle.kv.release_export(pull)
+            self.active.pop(pull, None)
             if self._given_up(pull):
                 continue
             group = pull.group
@@ -186,17 +193,16 @@ class Pulls:
                     target.imports.append(
                         (cpu_ids, data[lo:lo + len(cpu_ids) * block_bytes]))
                     received = len(cpu_ids)
-            engine.metrics.inc_pull(target.id, received)
+            if received:
+                engine.metrics.inc_pull(target.id, received)
 
     def source_lost(self, handle: ExecutorHandle) -> None:
         """`handle` left (or failed a step) with pulls queued or in flight: their requests
         compute what they lack (their targets woken). Its KV manager goes with it, holds
         included."""
-        pulls = list(handle.pulls)
-        for plan in handle.in_flight:
-            pulls.extend(plan.pulls)
         handle.pulls = []
-        for pull in pulls:
+        for pull in [p for p in self.active if p.source == handle.id]:
+            del self.active[pull]
             if pull.group.pull is pull:
                 pull.group.pull = None
                 target = self.engine.executors.get(pull.target)

@@ -68,6 +68,8 @@ def make_cluster(depth: int = 2, **cfg) -> tuple[RouterEngine, PullSim, PullSim]
 
 
 def all_free(engine) -> bool:
+    if engine.pulls.active:
+        return False
     for h in engine.executors.values():
         st = h.kv.stats()
         if st.gpu.num_free_blocks != 64 or h.kv._holds or h.pulls:
@@ -182,6 +184,34 @@ def test_the_source_lost_mid_pull_the_request_computes_its_prompt():
         await e1.wait_plans(1)
         plan = e1.unanswered()[0]
         assert plan.kv_import is None and plan.num_new_tokens.tolist() == [len(PROMPT) + 3]
+        await e1.run_until_done([b])
+        assert b.tokens() == expected("b#0", 3) and b.usage.cached_prompt_tokens == 0
+        await drain(engine, e1)
+        assert engine.executors["e1"].kv.stats().gpu.num_free_blocks == 64
+    run(main())
+
+
+def test_the_source_lost_while_its_export_result_is_applied():
+    """The plan exporting the blocks is answered, but applying its result fails (the step
+    loop counts e0 lost after taking the plan off its queue): the request on e1 is not left
+    waiting for a pull that will never end; it computes its prompt."""
+    async def main():
+        engine, e0, e1 = make_cluster()
+        await warm(engine, e0)
+        b = await submit(engine, "b", PROMPT + TAIL, max_tokens=3)
+        await e0.wait_plans(1)
+        steps = engine.steps
+        real = steps.apply_result
+
+        def broken(handle, plan, result):
+            if handle.id == "e0":
+                raise RuntimeError("test: applying e0's result fails")
+            return real(handle, plan, result)
+
+        steps.apply_result = broken
+        await e0.answer()
+        assert not engine.executors["e0"].healthy and engine.live["b"].pull is None
+        assert not engine.pulls.active
         await e1.run_until_done([b])
         assert b.tokens() == expected("b#0", 3) and b.usage.cached_prompt_tokens == 0
         await drain(engine, e1)
