@@ -67,8 +67,12 @@ class Load(Tally):
 
         self.tokenizer = Tokenizer.from_dir(model_dir)
 
+    shared_prefixes: list[list[int]] = []  # `--shared-prefixes`: prompts start with one
+
     def make(self, rng: random.Random) -> tuple[str, pb.GenerateRequest]:
         ids = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 121))]
+        if self.shared_prefixes:
+            ids = rng.choice(self.shared_prefixes) + ids
         req = request(token_ids=ids, max_tokens=rng.randrange(4, 49),
                       temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(1000))
         if rng.random() < 0.3:
@@ -171,7 +175,14 @@ class Load(Tally):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = soak_arguments(__doc__).parse_args(argv)
+    ap = soak_arguments(__doc__)
+    ap.add_argument("--shared-prefixes", type=int, default=0,
+                    help="prompts start with one of this many fixed 64-token prefixes (0: "
+                    "none; with --router-args=\"--kv-pull auto\" requests pull them)")
+    args = ap.parse_args(argv)
+    rng = random.Random(1234)
+    Load.shared_prefixes = [[rng.randrange(3, 500) for _ in range(64)]
+                            for _ in range(args.shared_prefixes)]
     return run_soak("feature_soak", args, Load)
 
 

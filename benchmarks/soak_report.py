@@ -161,7 +161,10 @@ def run_soak(bench: str, args, make_load, router_args: tuple = ()) -> int:
                    log_dir=os.path.dirname(model_dir), healthy_only=args.kill_at is not None,
                    api_workers=args.api_workers,
                    executors_healthy=sum(e.healthy for e in status.executors),
-                   prefix_hit_rate=round(hits / queries, 3) if queries else 0.0)
+                   prefix_hit_rate=round(hits / queries, 3) if queries else 0.0,
+                   kv_pulls=int(metric_total(metrics, "pagedserve_kv_pulls_total")),
+                   kv_blocks_received=int(metric_total(
+                       metrics, "pagedserve_kv_blocks_received_total")))
 
 
 def drive(client, clients: int, duration_s: float) -> None:
