@@ -1,4 +1,6 @@
-"""Scheduler decisions -> StepPlan: the arrays an executor needs for one step.
+"""Scheduler decisions -> StepPlan: the arrays an executor needs for one step. The
+decisions themselves (`SchedulerOutput`: the rows, forks, drops, preemptions) are defined
+here, at the end, and re-exported by scheduler.py.
 
 Hot path: runs once per step per executor. The scheduler adds each sample's row as it
 commits the sample's tokens (`PlanRows.add`, one pass over the running samples makes the
@@ -25,6 +27,7 @@ plan's `num_draft_tokens` says which rows those are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -36,7 +39,7 @@ from .decode_lane import LaneRows
 from .sequence import RequestGroup, Sequence
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerOutput
+    from .scheduler import PreemptionMode
 
 
 def wire_sampling(group: RequestGroup, eos_token_ids: tuple[int, ...]) -> wire.SamplingParams:
@@ -331,3 +334,57 @@ def _concat_chunks(rows: list[tuple], num_tokens: int) -> tuple[np.ndarray, ...]
             slots[t : t + k] = row[6]
         t += k
     return token_ids, positions, slots
+
+
+# ------------------------------------------------------------------ a step's decisions
+
+
+@dataclass
+class ScheduledSeq:
+    """A row as tests and logs read it (`SchedulerOutput.scheduled`)."""
+
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens before
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions for one executor: the plan's rows as they are committed
+    (`PlanRows`), forks, drops and preemptions (turned into a StepPlan by plan_builder)."""
+
+    rows: PlanRows
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
+    dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
+    preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The committed samples and their token counts, in row order."""
+        return [ScheduledSeq(seq, n) for seq, n in self.rows.row_samples()]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The samples that sample in this step, in row order (each has it pending)."""
+        return self.rows.sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Of num_tokens, those in chunks of more than one token (the cost model's split)."""
+        return self.rows.num_prefill_tokens
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """Sequences computing one token this step."""
+        return self.rows.num_decode_seqs
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the executor: no tokens, no drops, no preemptions, no block moves
+        (a group swapped in whose samples got no tokens this step still needs its swap-in
+        sent now: a later plan could swap those blocks out again before it)."""
+        return not self.rows.rows and self.rows.lane is None and not self.dropped_seq_ids \
+            and not self.preempted and not self.rows.kv.has_block_ops and not self.forks

@@ -11,12 +11,12 @@ import bisect
 import enum
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kvmanager import InvariantError, KVCacheManager
 from . import admission, decode_lane
 from .cost_model import CostModel
-from .plan_builder import PlanRows
+from .plan_builder import PlanRows, ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
 from .sequence import GroupStatus, RequestGroup, Sequence
 from .speculative import Drafter, SpeculativeConfig, may_speculate
 
@@ -49,57 +49,6 @@ class SchedulerConfig:
     # Speculative decoding by n-gram lookup (router/speculative.py; None: off). The decode
     # lane is off with it (a lane step's blocks are counted before the loop's drafts).
     speculative: SpeculativeConfig | None = None
-
-
-@dataclass
-class ScheduledSeq:
-    """A row as tests and logs read it (`SchedulerOutput.scheduled`)."""
-
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens before
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's decisions for one executor: the plan's rows as they are committed
-    (`PlanRows`), forks, drops and preemptions (turned into a StepPlan by plan_builder)."""
-
-    rows: PlanRows
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
-    dropped_seq_ids: list[str] = field(default_factory=list)  # executor forgets them
-    preempted: list[tuple[RequestGroup, PreemptionMode]] = field(default_factory=list)
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """The committed samples and their token counts, in row order."""
-        return [ScheduledSeq(seq, n) for seq, n in self.rows.row_samples()]
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The samples that sample in this step, in row order (each has it pending)."""
-        return self.rows.sampled
-
-    @property
-    def num_tokens(self) -> int:
-        return self.rows.num_tokens
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Of num_tokens, those in chunks of more than one token (the cost model's split)."""
-        return self.rows.num_prefill_tokens
-
-    @property
-    def num_decode_seqs(self) -> int:
-        """Sequences computing one token this step."""
-        return self.rows.num_decode_seqs
-
-    @property
-    def empty(self) -> bool:
-        """Nothing for the executor: no tokens, no drops, no preemptions, no block moves
-        (a group swapped in whose samples got no tokens this step still needs its swap-in
-        sent now: a later plan could swap those blocks out again before it)."""
-        return not self.rows.rows and self.rows.lane is None and not self.dropped_seq_ids \
-            and not self.preempted and not self.rows.kv.has_block_ops and not self.forks
 
 
 class Scheduler:
