@@ -134,6 +134,7 @@ class KVCacheManager:
     reset_prefix_cache = prefix.reset_prefix_cache
     _salt_root = prefix._salt_root
     _is_valid = prefix._is_valid
+    _valid_until = prefix._valid_until
     _note_full_blocks = prefix._note_full_blocks
     _cache_full_blocks = prefix._cache_full_blocks
     _register = prefix._register

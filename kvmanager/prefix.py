@@ -153,14 +153,8 @@ def pin(self: KVCacheManager, key: Hashable, hit: PrefixHit) -> PrefixHit:
     references; `unpin`, `release_pins` or `free(key)` drop it."""
     if key in self._pins:
         self.unpin(key)
-    n = min(len(hit.block_ids), self.max_pinned_blocks - self._num_pinned)
-    blocks = self.gpu.blocks
-    k = 0
-    while k < n:
-        b = blocks[hit.block_ids[k]]
-        if b is None or b.serial != hit.serials[k]:
-            break
-        k += 1
+    k = self._valid_until(hit, 0, min(len(hit.block_ids),
+                                      self.max_pinned_blocks - self._num_pinned))
     if k == 0:
         return EMPTY_HIT
     pinned = PrefixHit(hit.block_ids[:k], k * self.block_size, hit.serials[:k])
@@ -169,6 +163,19 @@ def pin(self: KVCacheManager, key: Hashable, hit: PrefixHit) -> PrefixHit:
     self._num_pinned += k
     self._debug_check()
     return pinned
+
+
+def _valid_until(self: KVCacheManager, hit: PrefixHit, start: int, stop: int) -> int:
+    """The first of `hit`'s device blocks `start` ... `stop - 1` evicted and reused since
+    the lookup (its serial changed), or `stop`: the hit is valid up to there."""
+    blocks = self.gpu.blocks
+    k = start
+    while k < stop:
+        b = blocks[hit.block_ids[k]]
+        if b is None or b.serial != hit.serials[k]:
+            break
+        k += 1
+    return k
 
 
 def unpin(self: KVCacheManager, key: Hashable) -> bool:

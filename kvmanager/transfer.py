@@ -102,14 +102,7 @@ def hold_export(self: KVCacheManager, key: Hashable, hit: PrefixHit, first: int)
     Returns the ids held (empty: none). Holding a key again replaces its hold."""
     if key in self._holds:
         self.release_export(key)
-    blocks = self.gpu.blocks
-    k = first
-    while k < len(hit.block_ids):
-        b = blocks[hit.block_ids[k]]
-        if b is None or b.serial != hit.serials[k]:
-            break
-        k += 1
-    ids = hit.block_ids[first:k]
+    ids = hit.block_ids[first:self._valid_until(hit, first, len(hit.block_ids))]
     if ids:
         self.gpu.touch(ids)
         self._holds[key] = ids

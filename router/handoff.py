@@ -82,6 +82,32 @@ def _may_move(group: RequestGroup) -> bool:
             and group.handoff is None)
 
 
+def queued_import_bytes(handle: ExecutorHandle) -> int:
+    """Bytes of received blocks waiting for `handle`'s next plan (at most
+    MAX_PLAN_KV_BYTES: every block imported goes out with that one plan)."""
+    return sum(d.shape[0] for _, d in handle.imports)
+
+
+def import_into(target: ExecutorHandle, source: ExecutorHandle, group: RequestGroup,
+                first: int, count: int, offset: int, data: np.ndarray | None) -> int:
+    """Blocks `first` ... `first + count - 1` of `group`'s prompt chain, whose bytes start
+    at `offset` of `data` (a result of `source`), into `target`'s host tier, their bytes
+    queued for its next plan (handoffs and prefix pulls alike). Returns the blocks taken:
+    0 when there is nothing to take, the bytes fall short, or the cache formats differ;
+    fewer when the target holds some already or has no room or chain for them."""
+    block_bytes = source.hello.kv_block_bytes
+    if count <= 0 or data is None or data.shape[0] < offset + count * block_bytes \
+            or target.hello.kv_format != source.hello.kv_format:
+        return 0
+    seq = group.seqs[0]
+    skip, cpu_ids = target.kv.import_blocks(seq.token_ids, seq.block_hashes,
+                                            group.spec.cache_salt or None, first, count)
+    if cpu_ids:
+        lo = offset + skip * block_bytes
+        target.imports.append((cpu_ids, data[lo:lo + len(cpu_ids) * block_bytes]))
+    return len(cpu_ids)
+
+
 class Handoffs:
     """The engine's handoffs: which plan moves which request (see the module docstring)."""
 
@@ -173,20 +199,9 @@ class Handoffs:
                     or not engine.weights.ready(target) \
                     or not engine.loras.ready(target, group.spec.lora_adapter):
                 continue
-            received = 0
-            end = move.offset + move.count * block_bytes
-            queued = sum(d.shape[0] for _, d in target.imports)
-            if move.count and data is not None and data.shape[0] >= end \
-                    and target.hello.kv_format == handle.hello.kv_format \
-                    and queued + move.count * block_bytes <= MAX_PLAN_KV_BYTES:
-                skip, cpu_ids = target.kv.import_blocks(
-                    seq.token_ids, seq.block_hashes, group.spec.cache_salt or None,
-                    move.first, move.count)
-                if cpu_ids:
-                    lo = move.offset + skip * block_bytes
-                    target.imports.append(
-                        (cpu_ids, data[lo:lo + len(cpu_ids) * block_bytes]))
-                    received = len(cpu_ids)
+            fits = queued_import_bytes(target) + move.count * block_bytes <= MAX_PLAN_KV_BYTES
+            received = import_into(target, handle, group, move.first,
+                                   move.count if fits else 0, move.offset, data)
             handle.scheduler.remove(group)
             group.leave_executor()
             group.executor_id = target.id

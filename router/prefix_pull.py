@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..protos import wire
-from .handoff import MAX_PLAN_KV_BYTES
+from .handoff import MAX_PLAN_KV_BYTES, import_into, queued_import_bytes
 from .sequence import RequestGroup
 
 if TYPE_CHECKING:
@@ -101,9 +101,9 @@ class Pulls:
                 or not kv.enable_prefix_caching:
             return c
         c.pull_key = (hello.kv_format, handle.weights_path)
-        queued = sum(d.shape[0] for _, d in handle.imports)
-        c.max_pull_blocks = max(0, min(kv.num_free_cpu_blocks,
-                                       (MAX_PLAN_KV_BYTES - queued) // block_bytes))
+        c.max_pull_blocks = max(0, min(
+            kv.num_free_cpu_blocks,
+            (MAX_PLAN_KV_BYTES - queued_import_bytes(handle)) // block_bytes))
         c.transfer_s_per_block = block_bytes * TRANSFER_S_PER_BYTE
         c.num_in_flight = len(handle.in_flight)
         c.in_flight_prefill_tokens = sum(p.num_prefill_tokens for p in handle.in_flight)
@@ -177,22 +177,12 @@ class Pulls:
             if target is None or not target.healthy or group.executor_id != target.id:
                 continue
             target.wakeup.set()
-            received = 0
-            queued = sum(d.shape[0] for _, d in target.imports)
-            count = min(len(pull.block_ids), (MAX_PLAN_KV_BYTES - queued) // block_bytes)
-            if count > 0 and data is not None \
-                    and data.shape[0] >= pull.offset + count * block_bytes \
-                    and target.hello.kv_format == handle.hello.kv_format \
-                    and handle.weights_path == target.weights_path == pull.weights_path:
-                seq = group.seqs[0]
-                skip, cpu_ids = target.kv.import_blocks(
-                    seq.token_ids, seq.block_hashes, group.spec.cache_salt or None,
-                    pull.first, count)
-                if cpu_ids:
-                    lo = pull.offset + skip * block_bytes
-                    target.imports.append(
-                        (cpu_ids, data[lo:lo + len(cpu_ids) * block_bytes]))
-                    received = len(cpu_ids)
+            if not handle.weights_path == target.weights_path == pull.weights_path:
+                continue  # (computed with other weights than the target runs now)
+            count = min(len(pull.block_ids),
+                        (MAX_PLAN_KV_BYTES - queued_import_bytes(target)) // block_bytes)
+            received = import_into(target, handle, group, pull.first, count, pull.offset,
+                                   data)
             if received:
                 engine.metrics.inc_pull(target.id, received)
 
