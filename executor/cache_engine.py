@@ -20,6 +20,7 @@ import torch
 from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from pagedserve.kernels import ops
+from pagedserve.kernels.block_copy import copy_blocks_by_runs
 
 GiB = 1 << 30
 
@@ -246,17 +247,30 @@ class CacheEngine:
         """Device blocks ``block_ids`` as bytes, block after block (each block's layers,
         keys then values, in the cache's layout): what another executor's
         ``import_blocks`` takes (router/handoff.py moves them)."""
-        idx = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
-        blocks = self.kv_cache.index_select(2, idx).movedim(2, 0).contiguous()
-        return blocks.cpu().view(-1).view(torch.uint8).numpy()
+        ids = block_ids.astype(np.int64)
+        if self.device.type != "cpu":  # one gather on the device, one copy to the host
+            idx = torch.from_numpy(ids).to(self.device)
+            blocks = self.kv_cache.index_select(2, idx).movedim(2, 0).contiguous()
+            return blocks.cpu().view(-1).view(torch.uint8).numpy()
+        out = np.empty(len(ids) * self.block_bytes, dtype=np.uint8)
+        if len(ids):
+            copy_blocks_by_runs(self.kv_cache, self._block_major(out, len(ids)), ids,
+                                np.arange(len(ids)))
+        return out
 
     def import_blocks(self, cpu_ids: np.ndarray, data: np.ndarray) -> None:
         """Write blocks exported by another executor (``export_blocks``) into CPU blocks
         ``cpu_ids``; a swap-in brings them to the device."""
         n = cpu_ids.shape[0]
-        src = torch.from_numpy(data).view(self.cpu_cache.dtype)
-        src = src.view(n, *self.cpu_cache.shape[:2], *self.cpu_cache.shape[3:])
-        self.cpu_cache[:, :, torch.from_numpy(cpu_ids.astype(np.int64))] = src.movedim(0, 2)
+        if n:
+            copy_blocks_by_runs(self._block_major(data, n), self.cpu_cache, np.arange(n),
+                                cpu_ids.astype(np.int64))
+
+    def _block_major(self, data: np.ndarray, n: int) -> torch.Tensor:
+        """`n` blocks' bytes, block after block (the wire's order), as a view in the
+        cache's layout [L, 2, n, ...]."""
+        blocks = torch.from_numpy(data).view(self.cpu_cache.dtype)
+        return blocks.view(n, *self.cpu_cache.shape[:2], *self.cpu_cache.shape[3:]).movedim(0, 2)
 
     def swap_out(self, pairs: torch.Tensor) -> None:
         """(device block, cpu block) rows."""

@@ -13,10 +13,12 @@ The code is our own.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .block_copy import copy_blocks_by_runs
 from .host_math import cdiv, next_power_of_2
 from .kv_dtypes import to_cache
 
@@ -172,6 +174,8 @@ def swap_blocks_device(
     """Move blocks between the device cache and the pinned CPU swap space (same layout).
 
     Batched: one gather of every listed block over all layers, one bus transfer, one scatter.
+    The host side gathers and scatters by runs of consecutive block ids (``block_copy``: the
+    host's advanced indexing is several times slower).
     * swap-in (CPU -> CUDA): gather on the host into a pinned staging buffer, copy it to the
       device with ``non_blocking=True`` (stream-ordered; torch's caching host allocator keeps
       the staging buffer alive until the copy ends), scatter on the device. The host never
@@ -201,9 +205,10 @@ def swap_blocks_device(
         swap_blocks(src_cache, dst_cache, block_mapping)
         return
     gathered_shape = (*src_cache.shape[:2], len(src_ids), *src_cache.shape[3:])
+    staged = np.arange(len(src_ids))  # the blocks' places in the staging buffer
     if dst_cache.is_cuda:  # swap-in
         staging = torch.empty(gathered_shape, dtype=src_cache.dtype, pin_memory=True)
-        torch.index_select(src_cache, 2, src_ids, out=staging)
+        copy_blocks_by_runs(src_cache, staging, src_ids.numpy(), staged)
         on_device = staging.to(dst_cache.device, non_blocking=True)
         dst_cache.index_copy_(2, dst_ids.to(dst_cache.device, non_blocking=True), on_device)
     else:  # swap-out
@@ -213,4 +218,4 @@ def swap_blocks_device(
         done = torch.cuda.Event()
         done.record()
         done.synchronize()
-        dst_cache.index_copy_(2, dst_ids, staging)
+        copy_blocks_by_runs(staging, dst_cache, staged, dst_ids.numpy())

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from . import reference
+from . import block_copy, reference
 from .host_math import TRITON_GEMM_MAX_TOKENS, mixed_decode_split_from_env
 
 # Read at import, leniently (an executor checks the value at its start); tests set it.
@@ -235,6 +235,8 @@ def copy_blocks(
         from .cache_ops import copy_blocks_triton
 
         copy_blocks_triton(kv_cache, block_mapping)
+    elif kv_cache.device.type == "cpu":
+        block_copy.copy_blocks_host(kv_cache, block_mapping)
     else:
         reference.copy_blocks(kv_cache, block_mapping)
 
@@ -249,14 +251,17 @@ def swap_blocks(
     """Move blocks between the device cache and the (pinned) CPU swap space, same layout.
 
     Not a Triton kernel: on CUDA it is a batched gather + one non-blocking copy across the
-    bus (see ``cache_ops.swap_blocks_device``); on CPU it is the twin. ``backend`` is accepted
-    for symmetry; ``"triton"`` also selects the device path.
+    bus (see ``cache_ops.swap_blocks_device``); on CPU, copies by runs of consecutive ids
+    (``block_copy``: the twin's result, several times faster). ``backend`` is accepted for
+    symmetry; ``"triton"`` also selects the device path.
     """
     on_device = src_cache.is_cuda or dst_cache.is_cuda
     if _use_triton(backend, src_cache if src_cache.is_cuda else dst_cache) and on_device:
         from .cache_ops import swap_blocks_device
 
         swap_blocks_device(src_cache, dst_cache, block_mapping)
+    elif src_cache.device.type == dst_cache.device.type == "cpu":
+        block_copy.swap_blocks_host(src_cache, dst_cache, block_mapping)
     else:
         reference.swap_blocks(src_cache, dst_cache, block_mapping)
 

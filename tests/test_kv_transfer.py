@@ -154,6 +154,21 @@ def test_export_then_import_moves_the_bytes(dtype):
     for got, want in ((0, 4), (5, 1)):  # imported into cpu 3 and 2, then swapped in
         assert torch.equal(dst.kv_cache[:, :, got].view(torch.uint8),
                            values[:, :, want].view(torch.uint8))
+    # the wire's layout: block after block, each in the cache's order (run copies included)
+    ids = np.array([2, 3, 4, 0])
+    want = values.index_select(2, torch.from_numpy(ids)).movedim(2, 0).contiguous()
+    assert np.array_equal(src.export_blocks(ids), want.view(-1).view(torch.uint8).numpy())
+
+
+def test_no_blocks_export_and_import_nothing():
+    """A handoff of a prompt shorter than a block asks for none (a crash here once took
+    the prefill executor down)."""
+    src = engine()
+    data = src.export_blocks(np.array([], dtype=np.int64))
+    assert data.dtype == np.uint8 and data.shape == (0,)
+    before = src.cpu_cache.clone()
+    src.apply_moves([], np.array([], dtype=np.int64), data)
+    assert torch.equal(src.cpu_cache, before)
 
 
 def test_plans_naming_bad_blocks_or_bytes_are_refused():
