@@ -46,6 +46,38 @@ def best_ms(fn, runs: int = 7) -> float:
     return round(min(times) * 1e3, 3)
 
 
+def case_figures(device: torch.Tensor, host: torch.Tensor, src: np.ndarray,
+                 dst: np.ndarray, block_bytes: int) -> dict:
+    """The six timings of one (blocks, ids) case: host blocks `src` <-> device `dst`."""
+    n = len(src)
+    t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst)
+    data = np.empty(n * block_bytes, dtype=np.uint8)
+    major = torch.from_numpy(data).view(device.dtype).view(n, *device.shape[:2],
+                                                           *device.shape[3:])
+    in_cache_layout = major.movedim(0, 2)
+
+    def twin() -> None:
+        device[:, :, t_dst] = host[:, :, t_src]
+
+    def export_twin() -> np.ndarray:
+        blocks = device.index_select(2, t_dst).movedim(2, 0).contiguous()
+        return blocks.view(-1).view(torch.uint8).numpy()
+
+    def import_twin() -> None:
+        host[:, :, t_src] = in_cache_layout
+
+    return {
+        "twin": best_ms(twin),
+        "runs": best_ms(lambda: copy_blocks_by_runs(host, device, src, dst)),
+        "export_twin": best_ms(export_twin),
+        "export_runs": best_ms(lambda: copy_blocks_by_runs(device, in_cache_layout, dst,
+                                                           np.arange(n))),
+        "import_twin": best_ms(import_twin),
+        "import_runs": best_ms(lambda: copy_blocks_by_runs(in_cache_layout, host,
+                                                           np.arange(n), src)),
+    }
+
+
 def main() -> None:
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -59,30 +91,7 @@ def main() -> None:
             else:
                 src = rng.permutation(CPU_BLOCKS)[:n]
                 dst = rng.permutation(DEVICE_BLOCKS)[:n]
-            t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst)
-            data = np.empty(n * block_bytes, dtype=np.uint8)
-            major = torch.from_numpy(data).view(torch.bfloat16).view(n, LAYERS, 2, *TAIL)
-
-            def twin() -> None:
-                device[:, :, t_dst] = host[:, :, t_src]
-
-            def export_twin() -> np.ndarray:
-                blocks = device.index_select(2, t_dst).movedim(2, 0).contiguous()
-                return blocks.view(-1).view(torch.uint8).numpy()
-
-            def import_twin() -> None:
-                host[:, :, t_src] = major.movedim(0, 2)
-
-            figures = {
-                "twin": best_ms(twin),
-                "runs": best_ms(lambda: copy_blocks_by_runs(host, device, src, dst)),
-                "export_twin": best_ms(export_twin),
-                "export_runs": best_ms(lambda: copy_blocks_by_runs(
-                    device, major.movedim(0, 2), dst, np.arange(n))),
-                "import_twin": best_ms(import_twin),
-                "import_runs": best_ms(lambda: copy_blocks_by_runs(
-                    major.movedim(0, 2), host, np.arange(n), src)),
-            }
+            figures = case_figures(device, host, src, dst, block_bytes)
             print(json.dumps({"bench": "block_copy_bench", "blocks": n, "ids": ids,
                               "mb": round(n * block_bytes / 1e6, 2), "unit": "ms",
                               **figures}), flush=True)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from pagedserve.kernels import block_copy, ops, reference
 
 
