@@ -182,11 +182,13 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("served-model-name", str, None, "the model id of the HTTP API, or several separated by "
      "commas (the others: aliases a request's model may use; default: the name of "
      "--model)"),
-    ("tool-call-parser", _choice("none", "hermes", "qwen3_coder", "llama3_json", "pythonic"),
+    ("tool-call-parser", _choice("none", "hermes", "qwen3_coder", "llama3_json", "pythonic",
+                                 "mistral"),
      "none", "router: how tool_choice \"auto\" finds tool calls in the output (hermes: "
      "<tool_call> JSON </tool_call>, Qwen2.5/3; qwen3_coder: <tool_call><function=...> XML; "
      "llama3_json: an output that is {\"name\", \"parameters\"}, Llama 3.1/3.3; pythonic: "
-     "an output that is [f(a=1)], Llama 3.2/4; none: auto is a 400)"),
+     "an output that is [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS] then a JSON array or "
+     "name[ARGS]{...}, Mistral and its successors; none: auto is a 400)"),
     ("generation-config", str, "auto", "router: sampling defaults of the OpenAI API for "
      "fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, "
      "max_new_tokens as max_tokens): auto = the model's generation_config.json, vllm = "

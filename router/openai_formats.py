@@ -30,6 +30,7 @@ from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
 from .openai_fields import UINT32_MAX, bad, json_type, number, optional_bool, token_ids
 from .structured import build_grammar
+from .tool_parsers import keeps_special_tokens
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -175,6 +176,8 @@ class ToolMode:
     parser: str = ""  # tool_choice "auto": the --tool-call-parser that splits the output
     # function name -> its parameters schema (a parser's value types: qwen3_coder)
     schemas: dict | None = field(default=None, compare=False)
+    # the calls' id style (tool_parsers.tool_call_id): --tool-call-parser's
+    ids: str = field(default="", compare=False)
 
 
 def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
@@ -198,7 +201,9 @@ def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
         raise bad("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
     if choice in (None, "auto"):
         if parser != "none":
-            return ToolMode(None, parallel, parser, names)
+            if keeps_special_tokens(parser) and body.get("skip_special_tokens") is None:
+                params.keep_special_tokens = True  # (its markers are special tokens)
+            return ToolMode(None, parallel, parser, names, ids=parser)
         raise bad("tool_choice", '"auto" (the default with tools) needs a parser for the '
                   'model\'s own tool-call format (--tool-call-parser hermes, for models whose '
                   'template uses <tool_call> tags): send tool_choice "required", a named '
@@ -206,7 +211,7 @@ def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
     if choice == "none":
         return None
     if choice == "required":
-        mode = ToolMode(None, parallel)
+        mode = ToolMode(None, parallel, ids=parser)
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": schema}}
@@ -219,7 +224,7 @@ def tool_calls(body: dict, params: pb.SamplingParams, chat: pb.ChatMessages,
         name = choice["function"].get("name")
         if name not in names:
             raise bad("tool_choice", f"names function {name!r}, which is not in tools")
-        mode, schema = ToolMode(name), names[name]
+        mode, schema = ToolMode(name, ids=parser), names[name]
     else:
         raise bad("tool_choice", 'must be "none", "auto", "required" or '
                                  '{"type": "function", "function": {"name": ...}}')

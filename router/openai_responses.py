@@ -38,9 +38,9 @@ from .tool_parsers import make_parser, tool_call_id
 from .types import CompletionDelta, RequestOutput, Usage
 
 
-def required_calls(text: str) -> list[dict] | None:
+def required_calls(text: str, ids: str = "") -> list[dict] | None:
     """The tool calls of a "required" output (a JSON array of {"name", "parameters"}), or
-    None when the text is not such an array (cut short)."""
+    None when the text is not such an array (cut short); `ids`: their id style."""
     try:
         items = json.loads(text)
     except ValueError:
@@ -48,7 +48,7 @@ def required_calls(text: str) -> list[dict] | None:
     if not isinstance(items, list) or not all(
             isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
         return None
-    return [{"id": tool_call_id(), "type": "function",
+    return [{"id": tool_call_id(ids), "type": "function",
              "function": {"name": c["name"],
                           "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
             for c in items]
@@ -174,8 +174,8 @@ class ChoiceWriter:
         if self.tools is None or finish != "stop":
             return None
         if self.tools.name is None:
-            return required_calls(text)
-        return [{"id": tool_call_id(), "type": "function",
+            return required_calls(text, self.tools.ids)
+        return [{"id": tool_call_id(self.tools.ids), "type": "function",
                  "function": {"name": self.tools.name, "arguments": text}}]
 
     def _parsed_message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
@@ -337,7 +337,7 @@ class ChoiceWriter:
                 return {}
             call: dict = {"index": 0, "function": {"arguments": text}}
             if i not in self.call_ids:
-                self.call_ids[i] = tool_call_id()
+                self.call_ids[i] = tool_call_id(self.tools.ids)
                 call = {"index": 0, "id": self.call_ids[i], "type": "function",
                         "function": {"name": self.tools.name, "arguments": text}}
             return {"tool_calls": [call]}
@@ -346,7 +346,7 @@ class ChoiceWriter:
         if finish_reason is None:
             return {}
         text = "".join(held)
-        calls = required_calls(text) if finish_reason == "stop" else None
+        calls = required_calls(text, self.tools.ids) if finish_reason == "stop" else None
         if calls is None:
             return {"content": text} if text else {}
         return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}

@@ -13,6 +13,15 @@ model decides between text and calls, and its output is split into content and c
   for custom tools (the ``<|python_tag|>`` before it is a special token, not in the text).
 * `pythonic`: an output that is a Python list of calls, ``[f(a=1, b="x"), g()]``, is calls
   (arguments literals only), anything else content: Llama 3.2's and Llama 4's format.
+* `mistral`: content, then ``[TOOL_CALLS]`` and calls to the end of the output, either a
+  JSON array of ``{"name", "arguments"[, "id"]}`` (tokenizers before v11: Mistral 7B v0.3,
+  Mistral Nemo) or ``NAME[ARGS]{...}`` (v11 on: Mistral Small 3.x, Devstral, Magistral;
+  ``NAME[CALL_ID]ID[ARGS]{...}`` where the model writes an id), each call after a
+  ``[TOOL_CALLS]`` of its own or straight after the one before. The markers are special
+  tokens, so requests with tools keep special tokens in their text (unless the client
+  sends ``skip_special_tokens: true``). Mistral's templates take only ids of 9 letters and
+  digits: this parser's calls, and the forced calls of a server running it, get such ids
+  (the model's own when it wrote a valid one).
 
 One state machine serves streams and whole texts (`feed` text as it comes, then `finish`; a
 whole text is one feed). Tagged formats (hermes, qwen3_coder): outside a call, text is
@@ -21,7 +30,10 @@ text decides); inside one, text is held until ``</tool_call>``, then the call go
 whole (its arguments as JSON text). Once a call has been seen, whitespace-only content
 between calls is dropped. A call that does not parse, or that has no name, is given back
 as content, tags included, and so is a call left open when the output ends (unless what it
-holds parses: a model may stop at EOS before the closing tag). Whole-output formats
+holds parses: a model may stop at EOS before the closing tag). Mistral's: before
+the marker as tagged formats; after it, each call goes out once its JSON closes, and what
+follows the last call that is not one is given back at the end (with the marker, when no
+call parsed after it). Whole-output formats
 (llama3_json, pythonic): the first character that is not whitespace decides: the opener
 (``{``, ``[``) holds the output until it ends, then it goes out as calls, or as content if
 it is not calls after all; any other character makes the whole output content, streamed
@@ -36,14 +48,26 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
-PARSERS = ("none", "hermes", "qwen3_coder", "llama3_json", "pythonic")
+PARSERS = ("none", "hermes", "qwen3_coder", "llama3_json", "pythonic", "mistral")
+_ALNUM = string.ascii_letters + string.digits
 
 
-def tool_call_id() -> str:
+def tool_call_id(style: str = "") -> str:
+    """A new call id; `style` "mistral": 9 letters and digits, the only ids Mistral's
+    chat templates take back."""
+    if style == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def keeps_special_tokens(parser: str) -> bool:
+    """Whether `parser` reads markers that are special tokens (kept in the text)."""
+    return parser == "mistral"
 
 
 @dataclass
@@ -62,14 +86,21 @@ class _Calls:
         self.max_calls = max_calls
         self.schemas = schemas or {}  # function name -> its parameters' JSON schema
 
-    def _emit(self, piece: ParsedPiece, name: str, arguments) -> None:
+    ID_STYLE = ""  # tool_call_id's
+
+    def _emit(self, piece: ParsedPiece, name: str, arguments, call_id: str = "") -> None:
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             return  # parallel_tool_calls false: a call after the first is not given out
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        piece.calls.append({"index": self.num_calls, "id": tool_call_id(), "type": "function",
+        piece.calls.append({"index": self.num_calls,
+                            "id": call_id or tool_call_id(self.ID_STYLE), "type": "function",
                             "function": {"name": name, "arguments": arguments}})
         self.num_calls += 1
+
+    def _content(self, piece: ParsedPiece, text: str) -> None:
+        if text and not (self.num_calls and text.isspace()):
+            piece.content += text
 
 
 class TaggedParser(_Calls):
@@ -114,10 +145,6 @@ class TaggedParser(_Calls):
         else:
             self._content(piece, rest)
         return piece
-
-    def _content(self, piece: ParsedPiece, text: str) -> None:
-        if text and not (self.num_calls and text.isspace()):
-            piece.content += text
 
     def _call(self, piece: ParsedPiece, body: str, original: str) -> None:
         parsed = self._parse(body)
@@ -261,6 +288,103 @@ class PythonicParser(WholeOutputParser):
         return calls
 
 
+_MISTRAL_NAME = re.compile(
+    r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]*)\s*)?\[ARGS\]\s*")
+_JSON = json.JSONDecoder()
+
+
+class MistralParser(_Calls):
+    """Content, then ``[TOOL_CALLS]`` and calls (the module docstring).
+
+    After the marker the buffer is read call by call: a marker is dropped; ``[`` or ``{``
+    opens the JSON of the older format (an array of calls, or one), ``NAME[ARGS]`` the
+    newer one's JSON arguments. A call can only be complete when a ``]`` or ``}`` has
+    arrived since the last attempt, so a long call is not parsed again at every token.
+    What is left when the output ends did not parse: content."""
+
+    MARKER = "[TOOL_CALLS]"
+    ID_STYLE = "mistral"
+
+    def __init__(self, max_calls: int | None = None, schemas: dict | None = None) -> None:
+        super().__init__(max_calls, schemas)
+        self._buf = ""
+        self._in_calls = False
+        self._marker = False  # a marker was read and no call parsed since
+
+    def feed(self, text: str) -> ParsedPiece:
+        piece = ParsedPiece()
+        self._buf += text
+        if not self._in_calls:
+            at = self._buf.find(self.MARKER)
+            if at < 0:
+                keep = _partial_suffix(self._buf, self.MARKER)
+                self._content(piece, self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                return piece
+            self._content(piece, self._buf[:at])
+            self._buf = self._buf[at:]
+            self._in_calls = True
+            self._read_calls(piece)
+        elif "}" in text or "]" in text:
+            self._read_calls(piece)
+        return piece
+
+    def finish(self) -> ParsedPiece:
+        piece = ParsedPiece()
+        if self._in_calls:
+            self._read_calls(piece)
+        rest, self._buf = self._buf, ""
+        self._content(piece, self.MARKER + rest if self._marker else rest)
+        return piece
+
+    def _read_calls(self, piece: ParsedPiece) -> None:
+        while True:
+            text = self._buf.lstrip()
+            if text.startswith(self.MARKER):
+                self._buf, self._marker = text[len(self.MARKER):], True
+                continue
+            if not text:
+                return
+            if text[0] in "[{":
+                try:
+                    value, end = _JSON.raw_decode(text)
+                except ValueError:
+                    return  # not closed yet (or not JSON: content at the end)
+                calls = _mistral_json_calls(value)
+            else:
+                m = _MISTRAL_NAME.match(text)
+                if m is None:
+                    return
+                try:
+                    arguments, end = _JSON.raw_decode(text, m.end())
+                except ValueError:
+                    return
+                calls = [(m.group(1), arguments, m.group(2) or "")] \
+                    if isinstance(arguments, dict) else None
+            if calls is None:
+                return
+            for name, arguments, call_id in calls:
+                valid = len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
+                self._emit(piece, name, arguments, call_id if valid else "")
+            self._buf, self._marker = text[end:], False
+
+
+def _mistral_json_calls(value) -> list[tuple[str, object, str]] | None:
+    """(name, arguments, id) of the older format's array (or single object) of calls;
+    None when any entry is not a call."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, (dict, str)):
+            return None
+        call_id = item.get("id")
+        calls.append((item["name"], arguments, call_id if isinstance(call_id, str) else ""))
+    return calls or None
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -270,7 +394,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 _PARSER_CLASSES = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                   "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
+                   "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
+                   "mistral": MistralParser}
 
 
 def make_parser(name: str, parallel: bool = True, schemas: dict | None = None):
