@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
 DASHBOARD = ROOT / "deploy" / "grafana" / "pagedserve.json"
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "disaggregated")
 RENDERED = (*OVERLAYS, "autoscaling")
 VALIDATE_VERSION = "1.29"
 CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; checked structurally
@@ -38,6 +38,7 @@ FLAG_TYPES = {env_name(flag): type_ for flag, type_, _default, _help in FLAGS}
 ROUTER_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "router"}
 EXECUTOR_LABELS = {"app.kubernetes.io/name": "pagedserve",
                    "app.kubernetes.io/component": "executor"}
+ROLE = "pagedserve.io/disaggregation"  # the disaggregated overlay's two executor Deployments
 
 
 def _ids(folder: str) -> str:
@@ -126,6 +127,8 @@ def test_overlays_hold_the_same_objects_and_no_autoscaling(rendered):
               ("PersistentVolumeClaim", "pagedserve-models"),
               ("NetworkPolicy", "pagedserve-router"), ("NetworkPolicy", "pagedserve-executor")}
     assert names(rendered["gpu"]) == common
+    assert names(rendered["disaggregated"]) == common | {("Deployment",
+                                                          "pagedserve-executor-decode")}
     assert names(rendered["cpu"]) == common | {("PersistentVolume", "pagedserve-models")}
     for overlay in OVERLAYS:  # no Job, no RBAC, no autoscaling unless asked for
         kinds = {o["kind"] for o in rendered[overlay]}
@@ -231,8 +234,9 @@ def test_executor_deployment_is_scalable_and_opens_nothing(rendered, overlay):
     executor = _one(rendered[overlay], "Deployment", "pagedserve-executor")
     # no replicas: `kubectl apply -k` again keeps what `kubectl scale` or the HPA set
     assert "replicas" not in executor["spec"]
-    assert executor["spec"]["selector"]["matchLabels"] == EXECUTOR_LABELS
-    assert executor["spec"]["template"]["metadata"]["labels"] == EXECUTOR_LABELS
+    labels = EXECUTOR_LABELS | ({ROLE: "prefill"} if overlay == "disaggregated" else {})
+    assert executor["spec"]["selector"]["matchLabels"] == labels
+    assert executor["spec"]["template"]["metadata"]["labels"] == labels
     rolling = executor["spec"]["strategy"]["rollingUpdate"]
     assert rolling == {"maxSurge": 1, "maxUnavailable": 0}  # the new one first
     container = _container(executor)
@@ -256,6 +260,47 @@ def test_gpu_overlay_gives_each_executor_one_gpu(rendered):
     assert router["resources"]["requests"]["memory"] == "1Gi"  # the base's, kept by the merge
     # GPU steps are short enough that the router's round trip needs three forwards to hide in.
     assert config["PAGEDSERVE_PIPELINE_DEPTH"] == "4"
+
+
+def test_disaggregated_overlay_runs_prefill_and_decode_executors_alike(rendered):
+    """The decode Deployment is written out whole (kustomize cannot copy one): it must stay
+    the gpu overlay's executor in everything but its name, its role label and its mode."""
+    objects = rendered["disaggregated"]
+    prefill = _one(objects, "Deployment", "pagedserve-executor")
+    decode = _one(objects, "Deployment", "pagedserve-executor-decode")
+    assert prefill["spec"]["selector"]["matchLabels"][ROLE] == "prefill"
+    assert decode["spec"]["selector"]["matchLabels"] == EXECUTOR_LABELS | {ROLE: "decode"}
+    assert "replicas" not in decode["spec"]  # scaled on its own, kept by apply -k
+
+    def mode(deployment) -> str:
+        env = _container(deployment)["env"]
+        values = [e["value"] for e in env if e["name"] == "PAGEDSERVE_DISAGGREGATION_MODE"]
+        assert len(values) == 1
+        return values[0]
+
+    assert (mode(prefill), mode(decode)) == ("prefill", "decode")
+    assert "PAGEDSERVE_DISAGGREGATION_MODE" in FLAG_TYPES  # a real flag's variable
+
+    def normalized(deployment, role: str) -> dict:
+        text = json.dumps(deployment, sort_keys=True)
+        text = text.replace("pagedserve-executor-decode", "pagedserve-executor")
+        text = text.replace(f'"{role}"', '"ROLE"')
+        return json.loads(text)
+
+    assert normalized(prefill, "prefill") == normalized(decode, "decode")
+    gpu = _one(rendered["gpu"], "Deployment", "pagedserve-executor")
+    without_role = normalized(prefill, "prefill")
+    for labels in (without_role["metadata"]["labels"],
+                   without_role["spec"]["selector"]["matchLabels"],
+                   without_role["spec"]["template"]["metadata"]["labels"]):
+        del labels[ROLE]
+    _container(without_role)["env"] = [e for e in _container(without_role)["env"]
+                                       if e["name"] != "PAGEDSERVE_DISAGGREGATION_MODE"]
+    assert without_role == gpu
+    # both reach the router: its policy admits pods by the executor labels both carry
+    for deployment in (prefill, decode):
+        assert EXECUTOR_LABELS.items() <= deployment["spec"]["template"]["metadata"][
+            "labels"].items()
 
 
 def test_cpu_overlay_runs_executors_on_cpu_with_a_hostpath_model(rendered):
