@@ -87,6 +87,7 @@ class _Calls:
         self.schemas = schemas or {}  # function name -> its parameters' JSON schema
 
     ID_STYLE = ""  # tool_call_id's
+    _buf: str  # the text held back, each parser's
 
     def _emit(self, piece: ParsedPiece, name: str, arguments, call_id: str = "") -> None:
         if self.max_calls is not None and self.num_calls >= self.max_calls:
@@ -101,6 +102,19 @@ class _Calls:
     def _content(self, piece: ParsedPiece, text: str) -> None:
         if text and not (self.num_calls and text.isspace()):
             piece.content += text
+
+    def _content_before(self, piece: ParsedPiece, tag: str) -> bool:
+        """The buffer's text before `tag` out as content; True when the buffer now starts
+        with `tag`, False when it holds none (a tail that may be its start is kept)."""
+        at = self._buf.find(tag)
+        if at < 0:
+            keep = _partial_suffix(self._buf, tag)
+            self._content(piece, self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._content(piece, self._buf[:at])
+        self._buf = self._buf[at:]
+        return True
 
 
 class TaggedParser(_Calls):
@@ -119,14 +133,9 @@ class TaggedParser(_Calls):
         self._buf += text
         while True:
             if not self._in_call:
-                at = self._buf.find(self.START)
-                if at < 0:
-                    keep = _partial_suffix(self._buf, self.START)
-                    self._content(piece, self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                if not self._content_before(piece, self.START):
                     return piece
-                self._content(piece, self._buf[:at])
-                self._buf = self._buf[at + len(self.START):]
+                self._buf = self._buf[len(self.START):]
                 self._in_call = True
             at = self._buf.find(self.END)
             if at < 0:
@@ -315,14 +324,8 @@ class MistralParser(_Calls):
         piece = ParsedPiece()
         self._buf += text
         if not self._in_calls:
-            at = self._buf.find(self.MARKER)
-            if at < 0:
-                keep = _partial_suffix(self._buf, self.MARKER)
-                self._content(piece, self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
+            if not self._content_before(piece, self.MARKER):
                 return piece
-            self._content(piece, self._buf[:at])
-            self._buf = self._buf[at:]
             self._in_calls = True
             self._read_calls(piece)
         elif "}" in text or "]" in text:
