@@ -284,8 +284,7 @@ class ModelRunner:
         result["gap_s"] = 0.0 if prev_end is None else t0 - prev_end
         after = self._prev_end_event, self._prev_end_pooled
         if batch is None:  # (a plan exporting blocks only: router/prefix_pull.py)
-            if plan.kv_export is not None:
-                result["kv_export_data"] = self.cache.export_blocks(plan.kv_export)
+            self._export(plan, result)
             return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
             self.before_forward()
@@ -379,6 +378,18 @@ class ModelRunner:
         return (event is not None and not event.query()
                 and (plain or all(s.plain for s in states)))
 
+    def _export(self, plan: StepPlan, result: dict) -> None:
+        """The plan's `kv_export` blocks as bytes in its result. A failure sends none (the
+        receiving executor computes them again: the router imports what arrives), and takes
+        down neither the step nor the executor."""
+        if plan.kv_export is None:
+            return
+        try:
+            result["kv_export_data"] = self.cache.export_blocks(plan.kv_export)
+        except Exception:
+            log.exception("step %d: exporting %d KV blocks failed; none sent", plan.step_id,
+                          len(plan.kv_export))
+
     def _resolve(self) -> None:
         """Read the step in flight back and queue its StepResult (nothing when none)."""
         flight, self._inflight = self._inflight, None
@@ -400,8 +411,7 @@ class ModelRunner:
         else:  # a CPU ran it all as it was called
             forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1
-        if flight.plan.kv_export is not None:  # (the forward wrote them: router/handoff.py)
-            flight.result["kv_export_data"] = self.cache.export_blocks(flight.plan.kv_export)
+        self._export(flight.plan, flight.result)  # (the forward wrote them: router/handoff.py)
         if flight.after_pooled:  # the step before this one: nothing reads its objects now
             self.host_pool.give(flight.after_pooled)
         result, errors = flight.result, flight.errors

@@ -96,8 +96,11 @@ def import_into(target: ExecutorHandle, source: ExecutorHandle, group: RequestGr
     0 when there is nothing to take, the bytes fall short, or the cache formats differ;
     fewer when the target holds some already or has no room or chain for them."""
     block_bytes = source.hello.kv_block_bytes
-    if count <= 0 or data is None or data.shape[0] < offset + count * block_bytes \
-            or target.hello.kv_format != source.hello.kv_format:
+    if count <= 0 or target.hello.kv_format != source.hello.kv_format:
+        return 0
+    if data is None or data.shape[0] < offset + count * block_bytes:
+        log.warning("executor %s sent no KV bytes for %d blocks (its export failed); "
+                    "executor %s computes them", source.id, count, target.id)
         return 0
     seq = group.seqs[0]
     skip, cpu_ids = target.kv.import_blocks(seq.token_ids, seq.block_hashes,

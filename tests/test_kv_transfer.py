@@ -226,3 +226,31 @@ def test_export_then_import_moves_the_bytes_on_cuda(dtype):
     for got, want in ((0, 4), (5, 1)):
         assert torch.equal(dst.kv_cache[:, :, got].view(torch.uint8),
                            values[:, :, want].view(torch.uint8))
+
+
+def test_a_failed_export_sends_no_bytes_and_the_executor_goes_on(tmp_path, monkeypatch):
+    """A forward's export (a handoff) and an export-only plan (a pull) that fail: the
+    results carry no bytes and no error (the router's import then takes none and the
+    receiver computes them), the step's token is sampled, and the next steps run."""
+    from pagedserve.executor.runner_setup import build_runner
+    from test_executor_support import Driver
+
+    from pagedserve.tinymodels import build_model
+    runner = build_runner(str(build_model(tmp_path / "llama", "llama")), num_gpu_blocks=16,
+                          num_cpu_blocks=4, block_size=8, progress=False)
+    driver = Driver(runner)
+    driver.add("a", list(range(3, 20)))  # two full blocks and a token
+    good = driver.runner.cache.export_blocks
+
+    def broken(block_ids):
+        raise RuntimeError("device lost the blocks")
+
+    monkeypatch.setattr(runner.cache, "export_blocks", broken)
+    result = driver.step({"a": None}, kv_export=np.array([0, 1], dtype=np.int64))
+    assert result.kv_export_data is None and len(result.token_ids) == 1
+    rowless = driver.runner.execute(driver.plan({}, kv_export=np.array([0], dtype=np.int64)))
+    assert rowless.kv_export_data is None and not rowless.errors
+    monkeypatch.setattr(runner.cache, "export_blocks", good)
+    result = driver.step({"a": None}, kv_export=np.array([0, 1], dtype=np.int64))
+    assert result.kv_export_data.shape == (2 * runner.cache.block_bytes,)
+    assert len(driver.seqs["a"].outputs) == 2

@@ -131,6 +131,34 @@ def test_a_request_on_the_executor_lacking_its_prefix_receives_those_blocks():
     run(main())
 
 
+def test_an_export_that_sends_no_bytes_leaves_the_prefix_to_compute(caplog):
+    """The source's export failed (executor/model_runner.py `_export`: a result without
+    bytes): the request computes its whole prompt on the target, nothing is imported, and
+    the router says why."""
+    async def main():
+        engine, e0, e1 = make_cluster()
+        await warm(engine, e0)
+        e0.result_for = lambda plan: msgspec.structs.replace(
+            PullSim.result_for(e0, plan), kv_export_data=None)
+        b = await submit(engine, "b", PROMPT + TAIL, max_tokens=3)
+        assert engine.live["b"].pull is not None
+        await e0.wait_plans(1)
+        await e0.answer()
+        await e1.wait_plans(1)
+        plan = e1.unanswered()[0]
+        assert plan.kv_import is None and plan.num_new_tokens.tolist() == [len(PROMPT) + 3]
+        await e1.run_until_done([b])
+        assert b.tokens() == expected("b#0", 3) and b.usage.cached_prompt_tokens == 0
+        while e0.unanswered() or e1.unanswered():
+            for sim in (e0, e1):
+                if sim.unanswered():
+                    await sim.answer()
+        assert all_free(engine)
+        assert "pagedserve_kv_pulls_total{" not in engine.metrics.render().decode()
+    run(main())
+    assert "executor e0 sent no KV bytes for 6 blocks" in caplog.text
+
+
 def test_no_pull_when_off_or_nothing_is_cached_elsewhere():
     async def main():
         engine, e0, e1 = make_cluster()
