@@ -105,6 +105,9 @@ class ResponsesRoutes:
         except NotFound:
             log.info("conversation %s was deleted before response %s finished",
                      turn.conversation, final["id"])
+        except InvalidRequest as exc:  # (the conversation kept as it was)
+            log.warning("response %s's items not added to its conversation: %s",
+                        final["id"], exc)
 
     async def start_background(self, request: web.Request, turn: ResponseTurn, writer,
                                response_id: str, request_ids: list[str],

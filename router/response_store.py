@@ -241,7 +241,8 @@ class ResponseStore:
                                 drop_item: str = "", metadata: dict | None = None) -> bytes:
         """Change a conversation in one step: `append` items, drop the item `drop_item`,
         replace its `metadata`; its new record. NotFound for no such conversation or
-        item."""
+        item; InvalidRequest (the conversation unchanged) when the new record would not fit
+        the store even with every other finished entry dropped."""
         entry = self._entry(conversation_id, CONVERSATION)
         if entry is None:
             raise NotFound(f"no conversation has the id {conversation_id!r}",
@@ -257,8 +258,16 @@ class ResponseStore:
             record["items"] += append
         if metadata is not None:
             record["conversation"]["metadata"] = metadata
+        new = _encode(record)
+        live = sum(e.size for e in self._entries.values() if e.status in LIVE)
+        if len(new) + live > self.max_bytes:  # (what _kept would drop it for)
+            raise InvalidRequest(
+                f"conversation {conversation_id!r} would take {len(new)} bytes, more than "
+                f"the response store holds (--responses-store-mb: {self.max_bytes} bytes, "
+                f"{live} held by running background responses); it was not changed",
+                field="items" if append else "metadata")
         self.bytes -= entry.size
-        entry.record = _encode(record)
+        entry.record = new
         self._kept(conversation_id, entry)
         return entry.record
 

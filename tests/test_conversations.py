@@ -157,6 +157,24 @@ def test_the_store_off_keeps_no_conversation(tok):
     _run(main())
 
 
+def test_items_past_the_store_are_a_400_and_the_conversation_stays(tok):
+    async def main():
+        async with http_edge(tok, responses_store_mb=0.002) as (_, _f, _m, base), \
+                aiohttp.ClientSession(base) as s:  # a store of ~2 KiB
+            status, conv = await _call(s, "POST", "/v1/conversations",
+                                       {"items": [{"role": "user", "content": "Hello"}]})
+            assert status == 200
+            cid = conv["id"]
+            status, err = await _call(s, "POST", f"/v1/conversations/{cid}/items", {
+                "items": [{"role": "user", "content": "x" * 4000}]})
+            assert status == 400 and err["error"]["param"] == "items"
+            assert "not changed" in err["error"]["message"]
+            assert await _call(s, "GET", f"/v1/conversations/{cid}") == (200, conv)
+            status, page = await _call(s, "GET", f"/v1/conversations/{cid}/items")
+            assert [i["content"][0]["text"] for i in page["data"]] == ["Hello"]
+    _run(main())
+
+
 def test_the_openai_sdk_drives_a_conversation(tok):
     openai = pytest.importorskip("openai")
 

@@ -100,6 +100,31 @@ def test_a_reader_waits_for_events_and_the_end():
     run(main())
 
 
+def test_an_edit_that_would_not_fit_is_refused_and_changes_nothing():
+    """A conversation grown past what the store holds (with every other finished entry
+    dropped and the running ones kept) stays as it was: a 400 for the client, never a
+    200 for a conversation then gone."""
+    async def main():
+        conv = msgspec.json.encode({"conversation": {"id": "c"}, "items": []})
+        running = record("in_progress", 100)
+        store = ResponseStore(len(conv) + len(running) + 40)
+        assert await store.put("r", running, background=True)
+        assert await store.put_conversation("c", conv)
+        grown = await store.edit_conversation("c", append=[{"id": "a", "t": "y" * 10}])
+        assert len(grown) == len(conv) + 27  # the item's JSON: it fits
+        with pytest.raises(InvalidRequest, match="not changed") as refused:
+            await store.edit_conversation("c", append=[{"id": "b", "t": "y" * 40}])
+        assert refused.value.field == "items"
+        assert await store.get("c", CONVERSATION) == grown
+        assert store.bytes == len(grown) + len(running)
+        with pytest.raises(InvalidRequest) as refused:
+            await store.edit_conversation("c", metadata={"k": "v" * 60})
+        assert refused.value.field == "metadata"
+        assert await store.delete("r")  # the running response gone, room for it
+        assert await store.edit_conversation("c", append=[{"id": "b", "t": "y" * 40}])
+    run(main())
+
+
 class StoreMachine(RuleBasedStateMachine):
     """The store against a model: an ordered dict id -> [status, background, record,
     event bytes], least recently used first."""
@@ -179,14 +204,21 @@ class StoreMachine(RuleBasedStateMachine):
             with pytest.raises(NotFound):
                 run(self.store.edit_conversation(cid, append=[{"id": "i", "t": "y" * n}]))
             return
+        items = msgspec.json.decode(entry[2])
+        items["items"].append({"id": "i", "t": "y" * n})
+        new = msgspec.json.encode(items)
+        live = sum(self._size(e) for e in self.model.values() if e[0] in LIVE)
+        if len(new) + live > self.max:  # refused: it would not fit with all else dropped
+            with pytest.raises(InvalidRequest, match="not changed"):
+                run(self.store.edit_conversation(cid, append=[{"id": "i", "t": "y" * n}]))
+            return
         got = run(self.store.edit_conversation(cid, append=[{"id": "i", "t": "y" * n}]))
-        assert msgspec.json.decode(got)["items"][-1] == {"id": "i", "t": "y" * n}
+        assert got == new
         entry[2] = got
         self.finished.pop(cid, None)  # a conversation changes: not a finished response
         self.model.move_to_end(cid)
         self._evict(keep=cid)
-        if self._bytes() > self.max:
-            del self.model[cid]
+        assert run(self.store.get(cid, CONVERSATION)) == got  # an edit never drops it
 
     @rule(rid=IDS, n=st.integers(1, 60))
     def add_events(self, rid, n):
