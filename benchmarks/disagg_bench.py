@@ -35,11 +35,8 @@ computed whole, as a prefix-cache hit does).
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
+from serve_bench import bench_parser, run_matrix  # noqa: E402
 from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
 
 BENCH = "disagg_bench"
@@ -75,10 +73,6 @@ WORKLOADS = {
     "prompts_only": Workload(24, 512, 24, 0, 0, 0, 0.0, clients=4),
 }
 CONFIGS = {"mixed": [], "disaggregated": ["--prefill-executors", "1"]}
-
-
-def emit(case: str, **figures) -> None:
-    print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
 
 
 def stream_one(stub, ids: list[int], max_tokens: int) -> tuple[float, list[float], list[int]]:
@@ -172,29 +166,9 @@ def run_case(args, name: str, work: Workload, config: str, logs: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu", help="the executors' (cuda: the GPU check)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
-        for name in args.workloads.split(","):
-            work = WORKLOADS[name]
-            results = {c: run_case(args, name, work, c, Path(tmp))
-                       for c in args.configs.split(",")}
-            outputs = {c: fig.pop("_outputs") for c, fig in results.items()}
-            for config, fig in results.items():
-                same = outputs[config] == outputs["mixed"] if "mixed" in outputs else None
-                emit(f"{name}/{config}", workload=name, config=config, **fig,
-                     same_outputs=same)
-                rows.append((name, config, fig))
-    print(f"{'workload':26} {'config':14} {'wall s':>7} {'tok/s':>6} {'gap p50':>8} "
-          f"{'p90':>7} {'p99 ms':>7} {'tpot':>6} {'ttft p50':>9} {'p90 ms':>7}",
-          file=sys.stderr)
+    args = bench_parser(__doc__, WORKLOADS, CONFIGS).parse_args()
+    rows = run_matrix(args, BENCH,
+                      lambda w, c, logs: run_case(args, w, WORKLOADS[w], c, logs), "mixed")
     for name, config, f in rows:
         print(f"{name:26} {config:14} {f['wall_s']:7.1f} {f['output_tokens_per_s']:6.1f} "
               f"{f['token_gap_p50_ms']:8.1f} {f['token_gap_p90_ms']:7.1f} "

@@ -32,11 +32,8 @@ bfloat16 a prefix-cache hit's tail rounds differently from a prompt computed who
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,16 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
+from serve_bench import bench_parser, run_matrix  # noqa: E402
 from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
 
 BENCH = "kv_pull_bench"
 ROUTING = {"second_request": "round-robin", "hot_tenant": "prefix", "unique_prompts": "prefix"}
 WORKLOADS = tuple(ROUTING)
 CONFIGS = ("off", "auto")
-
-
-def emit(case: str, **figures) -> None:
-    print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
 
 
 def first_token(stub, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -163,25 +157,8 @@ def _block_bytes(server) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu", help="the executors' (cuda: the GPU check)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kv-pull-bench-") as tmp:
-        for workload in args.workloads.split(","):
-            results = {c: run_case(args, workload, c, Path(tmp))
-                       for c in args.configs.split(",")}
-            outputs = {c: fig.pop("_outputs") for c, fig in results.items()}
-            for config, fig in results.items():
-                same = outputs[config] == outputs["off"] if "off" in outputs else None
-                emit(f"{workload}/{config}", workload=workload, config=config, **fig,
-                     same_outputs=same)
-                rows.append((workload, config, fig))
+    args = bench_parser(__doc__, WORKLOADS, CONFIGS).parse_args()
+    rows = run_matrix(args, BENCH, lambda w, c, logs: run_case(args, w, c, logs), "off")
     for workload, config, fig in rows:
         shown = {k: v for k, v in fig.items() if k != "wall_s"}
         print(f"{workload:16} {config:5} wall {fig['wall_s']:6.1f} s  {shown}",

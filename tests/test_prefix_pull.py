@@ -120,10 +120,7 @@ def test_a_request_on_the_executor_lacking_its_prefix_receives_those_blocks():
         await e1.run_until_done([b])
         assert b.tokens() == expected("b#0", 3)
         assert b.usage.cached_prompt_tokens == 6 * BS
-        while e0.unanswered() or e1.unanswered():
-            for sim in (e0, e1):
-                if sim.unanswered():
-                    await sim.answer()
+        await drain(engine, e0, e1)
         assert all_free(engine)
         text = engine.metrics.render().decode()
         assert 'pagedserve_kv_pulls_total{executor="e1"} 1.0' in text
@@ -149,10 +146,7 @@ def test_an_export_that_sends_no_bytes_leaves_the_prefix_to_compute(caplog):
         assert plan.kv_import is None and plan.num_new_tokens.tolist() == [len(PROMPT) + 3]
         await e1.run_until_done([b])
         assert b.tokens() == expected("b#0", 3) and b.usage.cached_prompt_tokens == 0
-        while e0.unanswered() or e1.unanswered():
-            for sim in (e0, e1):
-                if sim.unanswered():
-                    await sim.answer()
+        await drain(engine, e0, e1)
         assert all_free(engine)
         assert "pagedserve_kv_pulls_total{" not in engine.metrics.render().decode()
     run(main())
