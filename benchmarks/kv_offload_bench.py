@@ -42,7 +42,6 @@ came from (`device_plus_host` differs from `off` as much as `offload` does).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
+from serve_bench import bench_parser  # noqa: E402
 from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
 
 BENCH = "kv_offload_bench"
@@ -170,17 +170,11 @@ def run_case(args, name: str, work: Workload, config: str, logs: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu", help="the executor's (cuda: the GPU check)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p = bench_parser(__doc__, WORKLOADS, CONFIGS)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--device-blocks", type=int, default=240)
     p.add_argument("--host-blocks", type=int, default=720)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every workload's token counts (smoke runs: 0.1)")
     args = p.parse_args()
