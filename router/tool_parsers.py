@@ -65,11 +65,6 @@ def tool_call_id(style: str = "") -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def keeps_special_tokens(parser: str) -> bool:
-    """Whether `parser` reads markers that are special tokens (kept in the text)."""
-    return parser == "mistral"
-
-
 @dataclass
 class ParsedPiece:
     """What one feed (or the finish) gives out: new content and whole calls, in order."""
@@ -87,6 +82,7 @@ class _Calls:
         self.schemas = schemas or {}  # function name -> its parameters' JSON schema
 
     ID_STYLE = ""  # tool_call_id's
+    SPECIAL_MARKERS = False  # its markers are special tokens: the text must keep them
     _buf: str  # the text held back, each parser's
 
     def _emit(self, piece: ParsedPiece, name: str, arguments, call_id: str = "") -> None:
@@ -313,6 +309,7 @@ class MistralParser(_Calls):
 
     MARKER = "[TOOL_CALLS]"
     ID_STYLE = "mistral"
+    SPECIAL_MARKERS = True
 
     def __init__(self, max_calls: int | None = None, schemas: dict | None = None) -> None:
         super().__init__(max_calls, schemas)
@@ -399,6 +396,12 @@ def _partial_suffix(text: str, tag: str) -> int:
 _PARSER_CLASSES = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
                    "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
                    "mistral": MistralParser}
+
+
+def keeps_special_tokens(parser: str) -> bool:
+    """Whether `parser` reads markers that are special tokens (kept in the text)."""
+    cls = _PARSER_CLASSES.get(parser)
+    return cls is not None and cls.SPECIAL_MARKERS
 
 
 def make_parser(name: str, parallel: bool = True, schemas: dict | None = None):
