@@ -196,9 +196,10 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("chat-template", str, None, "router: the chat template to render chat requests with, "
      "in place of the model's (a Jinja file, or the template itself on one line): for a "
      "model without one, or to change it (default: the model's)"),
-    ("reasoning-parser", _choice("none", "qwen3", "deepseek_r1"), "none", "router: split "
-     "a thinking model's <think> text into the chat message's reasoning_content (qwen3: when "
-     "the output opens with <think>; deepseek_r1: the output starts inside it)"),
+    ("reasoning-parser", _choice("none", "qwen3", "deepseek_r1", "mistral"), "none",
+     "router: split a thinking model's <think> text into the chat message's "
+     "reasoning_content (qwen3: when the output opens with <think>; deepseek_r1: the output "
+     "starts inside it; mistral: [THINK] ... [/THINK], special tokens kept)"),
     ("api-workers", _api_workers, "auto", "router: processes serving the gRPC and HTTP APIs "
      "on shared ports, apart from the engine (0: the router process serves them; auto: 2 "
      "when serve starts its executors on GPUs and the router may use 8 cores or more, "

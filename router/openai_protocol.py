@@ -53,6 +53,7 @@ from .openai_formats import (
     token_restrictions,
     tool_calls,
 )
+from .reasoning_parsers import keeps_special_tokens
 from .tokenizer import Tokenizer
 from .types import CompletionDelta, TokenLogprob, Usage
 
@@ -274,11 +275,13 @@ def chat_request(body: dict, tool_call_parser: str = "none",
     chat = messages_to_pb(messages)
     _template_options(body, chat)
     tools = tool_calls(body, params, chat, tool_call_parser)
+    reasoning = ("" if reasoning_parser == "none" or params.HasField("structured_output")
+                 else reasoning_parser)
+    if keeps_special_tokens(reasoning) and body.get("skip_special_tokens") is None:
+        params.keep_special_tokens = True  # (its tags are special tokens)
     request = pb.GenerateRequest(messages=chat, params=params, **common_fields(body))
     n = params.n if params.HasField("n") else 1
     include = optional_bool(body, "include_reasoning")
-    reasoning = ("" if reasoning_parser == "none" or params.HasField("structured_output")
-                 else reasoning_parser)
     return ApiRequest(True, optional_str(body, "model"), [request], n, stream, include_usage,
                       logprobs, tools, reasoning=reasoning, include_reasoning=include is not False,
                       **_api_extras(body))

@@ -1,12 +1,18 @@
-"""--reasoning-parser (router/reasoning_parsers.py): a thinking model's <think> text apart
-from its answer, the same whatever the stream's chunking, and nothing lost."""
+"""--reasoning-parser (router/reasoning_parsers.py): a thinking model's <think> (or
+[THINK]) text apart from its answer, the same whatever the stream's chunking, and nothing
+lost; Mistral's tags are special tokens, kept in the text of its chat requests."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedserve.router.reasoning_parsers import make_reasoning_parser, split_reasoning
+from pagedserve.router.reasoning_parsers import (
+    FORMATS,
+    PARSERS,
+    make_reasoning_parser,
+    split_reasoning,
+)
 
 
 @pytest.mark.parametrize("name, text, reasoning, content", [
@@ -23,6 +29,13 @@ from pagedserve.router.reasoning_parsers import make_reasoning_parser, split_rea
     ("deepseek_r1", "x</think>y</think>z", "x", "y</think>z"),  # the first end tag ends it
     ("deepseek_r1", "</thi", "</thi", ""),
     ("none", "<think>x</think>y", "", "<think>x</think>y"),
+    ("mistral", "[THINK]Add them.[/THINK]It is 4.", "Add them.", "It is 4."),
+    ("mistral", "\n[THINK]x[/THINK]", "x", ""),
+    ("mistral", "It is 4.", "", "It is 4."),                # no [THINK]: all content
+    ("mistral", "[THINK]cut by max_tokens", "cut by max_tokens", ""),
+    ("mistral", "<think>x</think>y", "", "<think>x</think>y"),  # not its tags
+    ("mistral", "[THINK]a[/THINK]b[/THINK]c", "a", "b[/THINK]c"),
+    ("mistral", "[THI", "", "[THI"),
 ])
 def test_whole_outputs(name, text, reasoning, content):
     assert split_reasoning(name, text) == (reasoning, content)
@@ -37,17 +50,21 @@ def test_a_stream_holds_back_only_what_may_be_a_tag():
     assert (last.reasoning, last.content) == ("", "")
 
 
-_PIECES = st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "think>", "a", " ",
-                           "\n", "é🙂", "<", ">", "think"])
+def _pieces(name):
+    """Text pieces for the parser `name`: its tags whole, cut and alone, and plain text."""
+    start, end = FORMATS[name].start, FORMATS[name].end
+    return st.sampled_from([start, end, start[:3], start[3:], end[:2], end[2:], start[0],
+                            start[-1], start[1:-1], "a", " ", "\n", "é🙂"])
 
 
 @settings(max_examples=400, deadline=None)
-@given(name=st.sampled_from(["qwen3", "deepseek_r1"]),
-       pieces=st.lists(_PIECES, max_size=12), cuts=st.lists(st.integers(0, 60), max_size=6))
-def test_any_chunking_gives_the_whole_texts_split(name, pieces, cuts):
+@given(data=st.data(), name=st.sampled_from(["qwen3", "deepseek_r1", "mistral"]),
+       cuts=st.lists(st.integers(0, 60), max_size=6))
+def test_any_chunking_gives_the_whole_texts_split(data, name, cuts):
     """Streamed in any chunks, the pieces add up to the whole output's split; and
     reasoning + content is the output less the tags that split it."""
-    text = "".join(pieces)
+    start, end = FORMATS[name].start, FORMATS[name].end
+    text = "".join(data.draw(st.lists(_pieces(name), max_size=12)))
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     parser = make_reasoning_parser(name)
     reasoning = content = ""
@@ -58,17 +75,69 @@ def test_any_chunking_gives_the_whole_texts_split(name, pieces, cuts):
     got = (reasoning + last.reasoning, content + last.content)
     assert got == split_reasoning(name, text)
     head = text.lstrip()
-    if head.startswith("<think>"):
-        body = head[len("<think>"):]
-    else:  # deepseek_r1 starts inside the reasoning; qwen3 has none
+    if head.startswith(start):
+        body = head[len(start):]
+    else:  # deepseek_r1 starts inside the reasoning; the others have none
         body = text if name == "deepseek_r1" else None
     if body is None:
         assert got == ("", text)
-    elif "</think>" in body:
-        cut = body.index("</think>")
-        assert got == (body[:cut], body[cut + len("</think>"):])
+    elif end in body:
+        cut = body.index(end)
+        assert got == (body[:cut], body[cut + len(end):])
     else:
         assert got == (body, "")
+
+
+def test_mistral_chat_requests_keep_special_tokens_for_its_tags():
+    from pagedserve.router.openai_protocol import chat_request
+
+    def params(parser, **body):
+        api = chat_request({"messages": [{"role": "user", "content": "Hi"}], **body},
+                           reasoning_parser=parser)
+        return api.reasoning, api.requests[0].params.keep_special_tokens
+
+    assert params("mistral") == ("mistral", True)
+    assert params("mistral", skip_special_tokens=True) == ("mistral", False)
+    assert params("mistral", skip_special_tokens=False) == ("mistral", True)
+    assert params("qwen3") == ("qwen3", False)  # <think> is no special token
+    assert params("none") == ("", False)
+    # a format from the first token: nothing to split, nothing kept for it
+    assert params("mistral", response_format={"type": "json_object"}) == ("", False)
+
+
+def test_mistral_tags_survive_detokenization_only_when_special_tokens_are_kept(tmp_path):
+    """A tokenizer where [THINK] and [/THINK] are special tokens (as in Magistral's):
+    sampled ids -> the router's text -> the parser."""
+    from pagedserve.router.detokenizer import TextAssembler
+    from pagedserve.router.tokenizer import Tokenizer
+    from pagedserve.router.types import SamplingSpec
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pagedserve.tinymodels import build_tokenizer
+    build_tokenizer(tmp_path)
+    raw = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.add_special_tokens(["[THINK]", "[/THINK]"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    ids = tok.encode("[THINK]Add them.[/THINK]It is 4.", add_special_tokens=False)
+    assert tok.is_special(ids[0])
+    results = {}
+    for keep in (True, False):
+        asm = TextAssembler(tok, SamplingSpec(max_tokens=100, keep_special_tokens=keep), [])
+        out = "".join(asm.append(t).text for t in ids) + asm.finish("stop")
+        results[keep] = split_reasoning("mistral", out)
+    assert results[True] == ("Add them.", "It is 4.")
+    assert results[False] == ("", "Add them.It is 4.")
+
+
+def test_the_flag_offers_every_parser():
+    import argparse
+
+    from pagedserve.flags import add_server_flags
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    for name in PARSERS:
+        assert parser.parse_args(["--reasoning-parser", name]).reasoning_parser == name
 
 
 # ------------------------------------------------------------------ the HTTP API
@@ -127,6 +196,13 @@ def test_chat_replies_carry_the_reasoning_apart(tok):
             assert (message["reasoning_content"], message["content"]) == ("Add them.", "4")
             assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == \
                 ("Add them.", "4")
+        async with scripted(tok, "[THINK]Add them.[/THINK]It is 4.",
+                            reasoning_parser="mistral") as (_, session):
+            message, deltas = await _both(session, ASK)
+            assert (message["reasoning_content"], message["content"]) == ("Add them.",
+                                                                          "It is 4.")
+            assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == \
+                ("Add them.", "It is 4.")
         async with scripted(tok, "<think>cut", reasoning_parser="qwen3") as (_, session):
             message, _ = await _both(session, ASK)
             assert message == {"role": "assistant", "content": None, "reasoning_content": "cut"}
