@@ -12,17 +12,20 @@ How a request moves (the one-way flow unchanged: plans out, results back):
 
 1. Plan time on the prefill executor (`plan_exports`, from the step loop). A row that
    ends its sample's prompt and samples (its first token) belongs to a request that may
-   move (one sample, no beam search, no embedding, more than one token to go): the
-   decode executor is chosen then (the fewest requests; then the most of its prompt
-   already cached there, device or host), and the plan asks for the bytes of the prompt's
-   full blocks that executor lacks (`StepPlan.kv_export`, read after the forward). The
-   group is marked (`RequestGroup.handoff`): the prefill executor's scheduler plans no
-   decode for it any more (`Scheduler._demand`).
+   move (no beam search, no embedding, more than one token to go): the decode executor
+   is chosen then (the fewest requests; then the most of its prompt already cached
+   there, device or host), and the plan asks for the bytes of the prompt's full blocks
+   that executor lacks (`StepPlan.kv_export`, read after the forward). The group is
+   marked (`RequestGroup.handoff`): the prefill executor's scheduler plans no decode for
+   it any more (`Scheduler._demand`). n > 1: the samples fork from sample 0 before the
+   prompt's last token (scheduler.py), so their first tokens are sampled in one plan; the
+   first of their rows marks the group, and the prompt's blocks, which they share, go
+   once.
 2. Result time (`complete`, once the result's first token is applied): the request leaves
    the prefill executor (its blocks freed there, still cached there), the received blocks
    enter the decode executor's host tier (`KVCacheManager.import_blocks`, transfer.py) and
-   the request is queued there as a migrated one (its prompt and first token as its
-   tokens so far). The bytes go out with that executor's next plan (`take_imports`),
+   the request is queued there as a migrated one (each sample's prompt and first token
+   as its tokens so far; a sample that ended with its first token stays ended). The bytes go out with that executor's next plan (`take_imports`),
    written before its swaps; admission finds the blocks as a prefix-cache hit and swaps
    them in, and only the tail (the last partial block and the first token) is computed.
 
@@ -77,9 +80,10 @@ def placeable(handles: list[ExecutorHandle]) -> list[ExecutorHandle]:
 
 
 def _may_move(group: RequestGroup) -> bool:
-    sp = group.spec.sampling
-    return (len(group.seqs) == 1 and group.beam is None and not sp.embed
-            and group.handoff is None)
+    """A group that may move once its prompt is done: no beam search, no embedding, not
+    marked already (for n > 1, its first sample's row marks it), its samples forked."""
+    return (group.beam is None and not group.spec.sampling.embed and group.handoff is None
+            and group.forked)
 
 
 def queued_import_bytes(handle: ExecutorHandle) -> int:
@@ -194,11 +198,10 @@ class Handoffs:
             if group.handoff != move.target:
                 continue
             group.handoff = None  # (it decodes here if it does not move)
-            seq = group.seqs[0]
             target = engine.executors.get(move.target)
             if group.aborted or engine.live.get(group.request_id) is not group \
-                    or seq.finished or group.executor_id != handle.id \
-                    or seq.num_pending or target is None or not target.healthy \
+                    or all(s.finished for s in group.seqs) or group.executor_id != handle.id \
+                    or group.has_pending or target is None or not target.healthy \
                     or not engine.weights.ready(target) \
                     or not engine.loras.ready(target, group.spec.lora_adapter):
                 continue

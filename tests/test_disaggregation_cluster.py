@@ -3,7 +3,7 @@
 exec0, its first token sampled there, its blocks moved to exec1, which computes only the
 tail and decodes. Outputs equal transformers' token for token; the metrics count every
 move and block; nothing is left held on either executor; a request ending at its first
-token stays put; with the decode executor gone, the prefill executor serves alone."""
+token stays put; the samples of n > 1 move together; with the decode executor gone, the prefill executor serves alone."""
 
 from __future__ import annotations
 
@@ -141,6 +141,25 @@ def test_a_request_ending_at_its_first_token_stays(cluster, hf):
     ref, gaps = hf.greedy(ids, 1)
     assert_greedy_match(got, ref, gaps)
     assert _counts(cluster)[0] == before[0]
+    _assert_all_free(cluster)
+
+
+def test_the_samples_of_n_2_move_together(cluster, hf):
+    """n = 2: both samples sample their first token on exec0 and move in one handoff; the
+    prompt's blocks go once; both outputs exact."""
+    rng = random.Random(17)
+    ids = [rng.randrange(3, hf.model.config.vocab_size) for _ in range(45)]
+    before = _counts(cluster)
+    resp = cluster.stub.Generate(request(token_ids=ids, max_tokens=MAX_TOKENS, n=2,
+                                         temperature=0.0, ignore_eos=True), timeout=120)
+    ref, gaps = hf.greedy(ids, MAX_TOKENS)
+    assert len(resp.completions) == 2
+    for completion in resp.completions:
+        assert_greedy_match(list(completion.token_ids), ref, gaps)
+    handoffs, received, _, hits = (a - b for a, b in zip(_counts(cluster), before,
+                                                         strict=True))
+    assert (handoffs, received) == (1, len(ids) // BS), cluster.logs()
+    assert hits == 2 * received * BS  # each sample found every received block cached
     _assert_all_free(cluster)
 
 

@@ -1,0 +1,98 @@
+"""Prefill/decode disaggregation (router/handoff.py) of n > 1 requests, in process: two
+simulated executors (pipeline_rig), e0 in prefill mode and e1 in decode mode. The samples
+fork on e0, sample their first tokens in one plan, and move together: the prompt's blocks
+are exported once, imported once, and every sample computes only its tail on e1; a sample
+that ended with its first token stays ended. KV invariants are checked after every plan
+(`debug_checks`)."""
+
+from __future__ import annotations
+
+from pagedserve.protos import wire
+from pagedserve.router.engine import EngineConfig, RouterEngine
+from pagedserve.router.types import ModelInfoData
+from pipeline_rig import BS, EOS, CharTokenizer, FakeLink, expected, run, submit
+from test_prefix_pull import BLOCK_BYTES, PullSim, all_free, block_bytes, drain
+
+PROMPT = list(range(1, 1 + 6 * BS)) + [40, 41, 42]  # six full blocks and a tail of three
+SAMPLES = ("b#0", "b#1", "b#2")
+
+
+def make_cluster() -> tuple[RouterEngine, PullSim, PullSim]:
+    config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
+                          pipeline_depth=2, debug_checks=True, watermark=0.0)
+    info = ModelInfoData("m", "LlamaForCausalLM", 128, 64, BS, "float32", (EOS,))
+    engine = RouterEngine(config, CharTokenizer(), info)
+    engine.link = FakeLink()
+    sims = []
+    for name, mode in (("e0", "prefill"), ("e1", "decode")):
+        hello = wire.Hello(executor_id=name, model_fingerprint="fp", device="cpu",
+                           dtype="float32", block_size=BS, num_gpu_blocks=64,
+                           num_cpu_blocks=16, max_model_len=128, kv_format="f32:test",
+                           kv_block_bytes=BLOCK_BYTES, disaggregation_mode=mode)
+        assert engine.membership.on_hello(name.encode(), hello).accepted
+        sims.append(PullSim(engine, name))
+    return engine, sims[0], sims[1]
+
+
+def _rows(plan: wire.StepPlan) -> dict[str, int]:
+    return dict(zip(plan.request_ids, plan.num_new_tokens.tolist(), strict=True))
+
+
+def test_the_samples_move_together_with_the_prompt_blocks_sent_once():
+    async def main():
+        engine, e0, e1 = make_cluster()
+        b = await submit(engine, "b", PROMPT, max_tokens=4, n=3)
+        assert engine.live["b"].executor_id == "e0"  # prompts go to the prefill executor
+        while not any(p.kv_export is not None for p in e0.plans):
+            await e0.answer()
+        [export] = [p for p in e0.plans if p.kv_export is not None]
+        # the plan after the fork: every sample's last prompt token, sampled, and the
+        # prompt's six full blocks, shared by the samples, exported once
+        assert _rows(export) == dict.fromkeys(SAMPLES, 1)
+        assert list(export.do_sample) == [True] * 3
+        h0 = engine.executors["e0"]
+        blocks = h0.kv.block_table("b#0")[:6]
+        assert export.kv_export.tolist() == blocks
+        assert engine.live["b"].handoff == "e1"
+        while e0.unanswered():
+            await e0.answer()
+        group = engine.live["b"]
+        assert group.executor_id == "e1" and group.handoff is None
+        assert all(len(s.token_ids) == len(PROMPT) + 1 for s in group.seqs)
+        assert not any(p.num_seqs for p in e0.plans[e0.plans.index(export) + 1:])
+        await e1.wait_plans(1)
+        plan = e1.unanswered()[0]
+        assert len(plan.kv_import) == 6
+        assert plan.kv_import_data.tobytes() == b"".join(
+            block_bytes("e0", bid).tobytes() for bid in blocks)
+        assert sorted(plan.swap_in[:, 0].tolist()) == sorted(plan.kv_import.tolist())
+        # each sample: the prompt's tail and its first token, the blocks a cache hit
+        assert _rows(plan) == dict.fromkeys(SAMPLES, 3 + 1)
+        await e1.run_until_done([b])
+        for i, sid in enumerate(SAMPLES):
+            assert b.tokens(i) == expected(sid, 4), sid
+        await drain(engine, e0, e1)
+        assert all_free(engine)
+        text = engine.metrics.render().decode()
+        assert 'pagedserve_handoffs_total{executor="e0"} 1.0' in text
+        assert 'pagedserve_kv_blocks_received_total{executor="e1"} 6.0' in text
+    run(main())
+
+
+def test_a_sample_ended_by_its_first_token_stays_ended_and_the_others_move():
+    async def main():
+        engine, e0, e1 = make_cluster()
+        e0.overrides[("b#1", 0)] = EOS
+        b = await submit(engine, "b", PROMPT, max_tokens=4, n=3)
+        while engine.live["b"].executor_id == "e0":
+            await e0.answer()
+        group = engine.live["b"]
+        assert [s.finished for s in group.seqs] == [False, True, False]
+        await e1.wait_plans(1)
+        assert set(_rows(e1.unanswered()[0])) == {"b#0", "b#2"}
+        await e1.run_until_done([b])
+        assert b.tokens(1) == [EOS] and b.finish(1).finish_reason == "stop"
+        assert b.tokens(0) == expected("b#0", 4) and b.tokens(2) == expected("b#2", 4)
+        await drain(engine, e0, e1)
+        assert all_free(engine)
+    run(main())
