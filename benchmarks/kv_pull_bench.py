@@ -19,7 +19,14 @@ to meet a target):
   routing rule keeps the tenant on one executor until its queue pays for moving; a pull
   makes moving cheaper;
 * `unique_prompts` (`--routing prefix`): 16 requests of 512 unrelated tokens, 16 output
-  tokens, 4 clients: nothing to pull (the cost of pricing pulls, if any).
+  tokens, 4 clients: nothing to pull (the cost of pricing pulls, if any);
+* `multi_turn_disaggregated` (`--prefill-executors 1`: prompts on one executor, decoding
+  on the other; added 2026-11-29, thirty-third session): 4 conversations at once, 3 turns
+  each, 128 output tokens a turn; turn 1 is 256 tokens, each later turn the conversation
+  so far (the last answer included) and 32 new tokens. The prefill executor holds the
+  conversation up to the last answer, which was decoded on the other executor: with
+  `auto` it pulls the answer's blocks from there, with `off` computes them. TTFT of turns
+  2 and 3 (`ttft_later_p50_ms`, p90) against turn 1's is the figure.
 
 Per (workload, config): wall seconds, output tokens per second, TTFT p50/p90 (of B, A and C
 separately for `second_request`), pulls and blocks received (metrics), and `same_outputs`
@@ -49,8 +56,10 @@ from serve_bench import bench_parser, run_matrix  # noqa: E402
 from serve_process import ServeProcess, metric_sum, serve_argv  # noqa: E402
 
 BENCH = "kv_pull_bench"
-ROUTING = {"second_request": "round-robin", "hot_tenant": "prefix", "unique_prompts": "prefix"}
+ROUTING = {"second_request": "round-robin", "hot_tenant": "prefix", "unique_prompts": "prefix",
+           "multi_turn_disaggregated": "prefix"}
 WORKLOADS = tuple(ROUTING)
+SERVE_ARGS = {"multi_turn_disaggregated": ["--prefill-executors", "1"]}
 CONFIGS = ("off", "auto")
 
 
@@ -116,11 +125,41 @@ def clients(stub, prompts: list[list[int]], max_tokens: int, num_clients: int) -
             "_outputs": [tuple(results[i][1]) for i in sorted(results)]}
 
 
+def conversations(stub, vocab: int, rng: random.Random) -> dict:
+    """`multi_turn_disaggregated`: 4 conversations, each in its own thread, 3 turns."""
+    starts = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(4)]
+    news = [[[rng.randrange(3, vocab) for _ in range(32)] for _ in range(2)]
+            for _ in range(4)]
+    results: dict[tuple[int, int], tuple[float, list[int]]] = {}
+    lock = threading.Lock()
+
+    def talk(k: int) -> None:
+        prompt = starts[k]
+        for turn in range(3):
+            got = first_token(stub, prompt, 128)
+            with lock:
+                results[k, turn] = got
+            if turn < 2:
+                prompt = prompt + got[1] + news[k][turn]
+
+    threads = [threading.Thread(target=talk, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = [results[k, 0][0] for k in range(4)]
+    later = [results[k, t][0] for k in range(4) for t in (1, 2)]
+    return {"ttft_first_p50_ms": round(float(np.median(first)) * 1e3, 1),
+            "ttft_later_p50_ms": round(float(np.percentile(later, 50)) * 1e3, 1),
+            "ttft_later_p90_ms": round(float(np.percentile(later, 90)) * 1e3, 1),
+            "_outputs": [tuple(results[key][1]) for key in sorted(results)]}
+
+
 def run_case(args, workload: str, config: str, logs: Path) -> dict:
     threads = ["--cpu-threads", "1"] if args.device == "cpu" else []
-    argv = serve_argv(args.model, "--executors", "2", "--routing", ROUTING[workload],
-                      "--kv-pull", config, "--device", args.device, *threads,
-                      "--dtype", args.dtype)
+    argv = serve_argv(args.model, "--executors", "2", *SERVE_ARGS.get(workload, []),
+                      "--routing", ROUTING[workload], "--kv-pull", config, "--device",
+                      args.device, *threads, "--dtype", args.dtype)
     rng = random.Random(args.seed)
     with ServeProcess(argv, logs / f"{workload}-{config}.log") as server:
         channel = grpc.insecure_channel(server.address)
@@ -137,6 +176,8 @@ def run_case(args, workload: str, config: str, logs: Path) -> dict:
             prompts = [system + [rng.randrange(3, vocab) for _ in range(64)]
                        for _ in range(16)]
             figures = clients(stub, prompts, 16, 4)
+        elif workload == "multi_turn_disaggregated":
+            figures = conversations(stub, vocab, rng)
         else:
             prompts = [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(16)]
             figures = clients(stub, prompts, 16, 4)
@@ -161,7 +202,7 @@ def main() -> None:
     rows = run_matrix(args, BENCH, lambda w, c, logs: run_case(args, w, c, logs), "off")
     for workload, config, fig in rows:
         shown = {k: v for k, v in fig.items() if k != "wall_s"}
-        print(f"{workload:16} {config:5} wall {fig['wall_s']:6.1f} s  {shown}",
+        print(f"{workload:24} {config:5} wall {fig['wall_s']:6.1f} s  {shown}",
               file=sys.stderr)
 
 

@@ -24,7 +24,7 @@ from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
-from .handoff import Handoffs, placeable
+from .handoff import DECODE, Handoffs, placeable
 from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
@@ -352,16 +352,20 @@ class RouterEngine:
         """Route a group to an executor (the cost rule above `routing.choose`), pin its
         cached prefix there and queue it (the scheduler intends its prompt there); start
         the prefix pull routing chose, if any (prefix_pull.py). With prefill executors
-        up, decode executors take none (handoff.py)."""
-        handles = placeable(handles)
+        up, decode executors take none (handoff.py), but may be a pull's source: the
+        last answer of a conversation was decoded there."""
+        everyone, handles = handles, placeable(handles)
         seq0 = group.seqs[0]
         salt = group.spec.cache_salt or None
         kv0 = handles[0].kv
         kv0.hash_blocks(seq0.token_ids, salt, seq0.block_hashes)
         describe = self.pulls.describe
         candidates = [describe(candidate(h.id, h.kv, h.scheduler), h) for h in handles]
+        sources = [h for h in everyone if h.hello.disaggregation_mode == DECODE] \
+            if self.pulls.enabled and len(handles) < len(everyone) else []
         decision = choose(self.config.routing, candidates, seq0.token_ids, seq0.block_hashes,
-                          salt, self._turn)
+                          salt, self._turn,
+                          [describe(candidate(h.id, h.kv, h.scheduler), h) for h in sources])
         self._turn += 1
         handle = handles[decision.index]
         if decision.hit.block_ids:
@@ -371,7 +375,8 @@ class RouterEngine:
                   handle.id, group.pinned_tokens)
         handle.scheduler.add(group)
         if decision.pull_source is not None:
-            self.pulls.start(group, handles[decision.pull_source], handle, decision)
+            self.pulls.start(group, [*handles, *sources][decision.pull_source], handle,
+                             decision)
         handle.wakeup.set()
 
     # ================================================================== metrics

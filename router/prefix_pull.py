@@ -5,7 +5,10 @@ there instead of computing them.
 Why: routing keeps a tenant's requests where its prefix is cached, and moves them to
 another executor only when the queue there is long enough to pay for computing the prefix
 again (routing.py's spill rule); a new or restarted executor, or round-robin routing, starts
-with nothing cached. Computing a 1,024-token prefix takes seconds on a CPU core and tens of
+with nothing cached. Under prefill/decode disaggregation (handoff.py) a conversation's last
+answer was decoded on a decode executor, which takes no request, while its next turn is
+computed on a prefill executor: decode executors are sources too (`routing.choose`'s
+`sources`). Computing a 1,024-token prefix takes seconds on a CPU core and tens of
 milliseconds on a GPU; moving its blocks through the router costs their bytes' copies. The
 router owns every executor's block table, so it knows exactly which blocks another executor
 holds and can ask for them in the plans it sends anyway (the same export and import as

@@ -124,6 +124,7 @@ def choose(
     block_hashes: list,
     cache_salt: str | None,
     turn: int,
+    sources: Sequence[Candidate] = (),
 ) -> RouteDecision:
     """Pick an executor for a request of `token_ids` (its prompt, or tokens so far when it
     migrates), `block_hashes` from `KVCacheManager.hash_blocks(token_ids, cache_salt)`, and
@@ -183,14 +184,20 @@ def choose(
     least-loaded: fewest queued tokens, then fewest live requests, then in turn.
     round-robin: in turn.
     With either, the chosen executor pulls what it lacks when that pays, as above.
+
+    `sources`: executors that take no request now but may be a pull's source (decode
+    executors under disaggregation: router/handoff.py; a conversation's last answer was
+    decoded there). A decision's `pull_source` indexes `candidates` then `sources`.
     """
     n = len(candidates)
-    if n == 1:  # nothing to weigh: the cached prefix there (for the caller to pin)
+    pulls = any(c.max_pull_blocks for c in candidates)
+    if n == 1 and not (pulls and sources):  # nothing to weigh: the cached prefix there
         hit = candidates[0].kv.lookup(token_ids, block_hashes, cache_salt) \
             if policy is RoutingPolicy.PREFIX else EMPTY_HIT
-        return RouteDecision(0, hit)
+        return RouteDecision(0, hit)  # (for the caller to pin)
     order = [(turn + k) % n for k in range(n)]  # rotation for tie-breaking
-    pulls = any(c.max_pull_blocks for c in candidates)
+    everyone = [*candidates, *sources] if pulls else candidates
+    extra = list(range(n, len(everyone)))  # the sources' indices
     if policy is not RoutingPolicy.PREFIX:
         if policy is RoutingPolicy.ROUND_ROBIN:
             index = order[0]
@@ -199,12 +206,12 @@ def choose(
                                               candidates[i].num_groups))
         if not pulls:
             return RouteDecision(index, EMPTY_HIT)
-        p = _price(candidates, token_ids, block_hashes, cache_salt, order)[index]
+        p = _price(everyone, token_ids, block_hashes, cache_salt, order, extra)[index]
         if p.pull_source is None:
             return RouteDecision(index, EMPTY_HIT)
         return RouteDecision(index, p.hit, p.pull_source, p.pull_hit)
 
-    priced = _price(candidates, token_ids, block_hashes, cache_salt, order)
+    priced = _price(everyone, token_ids, block_hashes, cache_salt, order, extra)
 
     def key(i: int) -> tuple:
         return priced[i].cost, candidates[i].num_groups
@@ -212,7 +219,7 @@ def choose(
     home = min(order, key=lambda i: (-priced[i].match,) + key(i))
     h = priced[home]
     if h.match == 0:  # a cold prefix: where it displaces least, among the near-cheapest
-        best = min(p.cost for p in priced.values())
+        best = min(priced[i].cost for i in order)
         near = [i for i in order if priced[i].cost <= best * (1 + COLD_PREFIX_TIE)]
         chosen = min(near, key=lambda i: (candidates[i].kv.num_cached_gpu_blocks,) + key(i))
     else:
@@ -235,8 +242,11 @@ def _spill_threshold(home: _Priced, p: _Priced) -> float:
 
 
 def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hashes: list,
-           cache_salt: str | None, order: list[int]) -> dict[int, _Priced]:
-    """Every candidate priced by the cost rule (`choose`), with its best pull if any."""
+           cache_salt: str | None, order: list[int],
+           sources: list[int] = ()) -> dict[int, _Priced]:
+    """Every candidate of `order` priced by the cost rule (`choose`), with its best pull
+    if any, from the others or from `sources` (indices of candidates that are only pull
+    sources: priced too, for their hits and export delays)."""
     measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s]
     assumed_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
     measured = [c.decode_s_per_seq for c in candidates if c.decode_s_per_seq]
@@ -245,7 +255,7 @@ def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hash
     assumed_fixed_s = sum(measured) / len(measured) if measured else 0.0
     num_tokens = len(token_ids)
     priced: dict[int, _Priced] = {}
-    for i in order:
+    for i in (*order, *sources):
         c = candidates[i]
         kv = c.kv
         rate = c.prefill_tokens_per_s or assumed_rate
@@ -267,7 +277,7 @@ def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hash
                             export_delay_s=_export_delay(c, rate, decode_s, fixed))
     if any(c.max_pull_blocks for c in candidates):
         for i in order:
-            _offer_pull(candidates, priced, i, order)
+            _offer_pull(candidates, priced, i, [*order, *sources])
     return priced
 
 

@@ -111,3 +111,32 @@ def test_a_cold_prompt_pulls_nothing():
     e0, e1 = tenant_on_e0(0)
     d = decide([e0, e1], prompt(2, 1))
     assert d.pull_source is None and d.hit.block_ids == ()
+
+
+def test_a_source_only_executor_gives_its_blocks_and_is_never_chosen():
+    """`sources` (decode executors under disaggregation): e1 takes no request but holds the
+    prefix; e0, the only executor that may take it, pulls from there (the decision's
+    pull_source indexes candidates then sources). A source cheaper than every candidate
+    (a cold prompt: nothing cached anywhere, e1 idle and e0 loaded) is still not chosen."""
+    e0, e1 = Executor("e0"), Executor("e1")
+    e1.cache("old", prompt(1, 0))
+    tokens = prompt(1, 1)
+    hashes = e0.kv.hash_blocks(tokens)
+    on_e1 = e1.kv.lookup(tokens, hashes).block_ids
+    c0, c1 = cands([e0, e1])
+    for policy in RoutingPolicy:
+        d = choose(policy, [c0], tokens, hashes, None, 0, sources=[c1])
+        assert (d.index, d.pull_source, d.pull_blocks) == (0, 1, on_e1), policy
+        assert d.hit.block_ids == ()
+    d = choose(RoutingPolicy.PREFIX, [c0], tokens, hashes, None, 0)  # no sources: no pull
+    assert (d.index, d.pull_source) == (0, None)
+    filler = [20_000 + i for i in range(5000)]
+    e0.kv.intend("filler", filler, e0.kv.hash_blocks(filler), order=(0, 0))
+    cold = prompt(2, 1)
+    c0, c1 = cands([e0, e1])
+    e2 = Executor("e2")
+    e2.kv.intend("filler", filler, e2.kv.hash_blocks(filler), order=(0, 0))
+    [c2] = cands([e2], keys=("k",), in_flight_prefill=(0,))
+    d = choose(RoutingPolicy.PREFIX, [c0, c2], cold, e0.kv.hash_blocks(cold), None, 0,
+               sources=[c1])
+    assert d.index in (0, 1) and d.pull_source is None

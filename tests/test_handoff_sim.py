@@ -1,11 +1,18 @@
-"""Prefill/decode disaggregation (router/handoff.py) of n > 1 requests, in process: two
-simulated executors (pipeline_rig), e0 in prefill mode and e1 in decode mode. The samples
-fork on e0, sample their first tokens in one plan, and move together: the prompt's blocks
-are exported once, imported once, and every sample computes only its tail on e1; a sample
-that ended with its first token stays ended. KV invariants are checked after every plan
-(`debug_checks`)."""
+"""Prefill/decode disaggregation (router/handoff.py) in process: two simulated executors
+(pipeline_rig), e0 in prefill mode and e1 in decode mode.
+
+* n > 1: the samples fork on e0, sample their first tokens in one plan, and move together:
+  the prompt's blocks are exported once, imported once, and every sample computes only its
+  tail on e1; a sample that ended with its first token stays ended.
+* `--kv-pull auto`: a conversation's next turn, computed on e0, pulls the last answer's
+  blocks from e1, where that answer was decoded (router/prefix_pull.py), instead of
+  computing them.
+
+KV invariants are checked after every plan (`debug_checks`)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from pagedserve.protos import wire
 from pagedserve.router.engine import EngineConfig, RouterEngine
@@ -17,9 +24,10 @@ PROMPT = list(range(1, 1 + 6 * BS)) + [40, 41, 42]  # six full blocks and a tail
 SAMPLES = ("b#0", "b#1", "b#2")
 
 
-def make_cluster() -> tuple[RouterEngine, PullSim, PullSim]:
+def make_cluster(kv_pull: bool = False) -> tuple[RouterEngine, PullSim, PullSim]:
     config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
-                          pipeline_depth=2, debug_checks=True, watermark=0.0)
+                          pipeline_depth=2, debug_checks=True, watermark=0.0,
+                          kv_pull=kv_pull)
     info = ModelInfoData("m", "LlamaForCausalLM", 128, 64, BS, "float32", (EOS,))
     engine = RouterEngine(config, CharTokenizer(), info)
     engine.link = FakeLink()
@@ -93,6 +101,65 @@ def test_a_sample_ended_by_its_first_token_stays_ended_and_the_others_move():
         await e1.run_until_done([b])
         assert b.tokens(1) == [EOS] and b.finish(1).finish_reason == "stop"
         assert b.tokens(0) == expected("b#0", 4) and b.tokens(2) == expected("b#2", 4)
+        await drain(engine, e0, e1)
+        assert all_free(engine)
+    run(main())
+
+
+def test_the_next_turn_pulls_the_last_answer_from_the_decode_executor():
+    async def main():
+        engine, e0, e1 = make_cluster(kv_pull=True)
+        first = PROMPT[:4 * BS]
+        a = await submit(engine, "a", first, max_tokens=2 * BS + 5)
+        await asyncio.gather(e0.run_until_done([a]), e1.run_until_done([a]))
+        await drain(engine, e0, e1)
+        answer = a.tokens()
+        assert answer == expected("a#0", 2 * BS + 5)
+        # e0 holds the first prompt's four blocks; e1 those and two of the answer (its
+        # last token never entered the cache)
+        h0, h1 = engine.executors["e0"], engine.executors["e1"]
+        turn = first + answer + [40, 41]
+        hashes = h0.kv.hash_blocks(turn)
+        assert len(h0.kv.lookup(turn, hashes).block_ids) == 4
+        on_e1 = list(h1.kv.lookup(turn, hashes).block_ids)
+        assert len(on_e1) == 6
+        b = await submit(engine, "b", turn, max_tokens=3)
+        group = engine.live["b"]
+        assert group.executor_id == "e0" and group.pull is not None
+        assert (group.pull.source, group.pull.first) == ("e1", 4)
+        assert group.pull.block_ids == tuple(on_e1[4:])
+        await e1.wait_plans(1)
+        export = e1.unanswered()[0]
+        assert export.kv_export.tolist() == on_e1[4:] and export.num_seqs == 0
+        await e1.answer()
+        await e0.wait_plans(1)
+        plan = e0.unanswered()[0]
+        assert plan.kv_import_data.tobytes() == b"".join(
+            block_bytes("e1", bid).tobytes() for bid in on_e1[4:])
+        assert plan.num_new_tokens.tolist() == [len(turn) - 6 * BS]  # after the 6 blocks
+        await asyncio.gather(e0.run_until_done([b]), e1.run_until_done([b]))
+        assert b.tokens() == expected("b#0", 3)
+        assert b.usage.cached_prompt_tokens == 6 * BS
+        await drain(engine, e0, e1)
+        assert all_free(engine)
+        text = engine.metrics.render().decode()
+        assert 'pagedserve_kv_pulls_total{executor="e0"} 1.0' in text
+    run(main())
+
+
+def test_no_pull_from_the_decode_executor_when_pulls_are_off():
+    async def main():
+        engine, e0, e1 = make_cluster()
+        first = PROMPT[:4 * BS]
+        a = await submit(engine, "a", first, max_tokens=2 * BS + 5)
+        await asyncio.gather(e0.run_until_done([a]), e1.run_until_done([a]))
+        turn = first + a.tokens() + [40, 41]
+        b = await submit(engine, "b", turn, max_tokens=3)
+        assert engine.live["b"].pull is None
+        await e0.wait_plans(1)  # all but the first prompt's four blocks computed
+        assert e0.unanswered()[0].num_new_tokens.tolist() == [len(turn) - 4 * BS]
+        await asyncio.gather(e0.run_until_done([b]), e1.run_until_done([b]))
+        assert b.tokens() == expected("b#0", 3)
         await drain(engine, e0, e1)
         assert all_free(engine)
     run(main())
