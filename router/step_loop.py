@@ -84,7 +84,9 @@ class InFlightPlan:
     future: asyncio.Future
     sampled: list[Sequence]  # samples this plan samples for (each counts it as pending)
     num_tokens: int  # tokens it computes (the cost model pairs them with its forward_s)
-    num_blocks_moved: int  # swapped out + in (the cost model pairs them with its swap_s)
+    # swapped out + in, and received from other executors (written into CPU blocks: the
+    # executor's swap_s times them too): the cost model pairs them with its swap_s
+    num_blocks_moved: int
     deadline_s: float
     sent_at: float = field(default_factory=time.monotonic)
     num_prefill_tokens: int = 0  # of num_tokens, in chunks of more than one token
@@ -98,6 +100,14 @@ class InFlightPlan:
     weight_op: wire.WeightOp | None = None  # the weight check or load it carried
     handoffs: list[Handoff] = field(default_factory=list)  # requests it ends the prompt of
     pulls: list[Pull] = field(default_factory=list)  # prefix pulls it exports blocks for
+
+
+def _blocks_moved(plan: wire.StepPlan) -> int:
+    """Blocks a plan moves within the executor's swap_s: swapped out and in, and received
+    (an import's write is timed with the swaps: left out, a step that receives blocks and
+    swaps them in would teach the cost model a slower swap than it has)."""
+    received = 0 if plan.kv_import is None else plan.kv_import.shape[0]
+    return int(plan.swap_out.shape[0] + plan.swap_in.shape[0] + received)
 
 
 class StepTrace:
@@ -258,7 +268,7 @@ class StepLoop:
             handle.head_since = time.monotonic()
         handle.in_flight.append(InFlightPlan(
             step_id, asyncio.get_running_loop().create_future(), out.sampled, out.num_tokens,
-            int(plan.swap_out.shape[0] + plan.swap_in.shape[0]), deadline_s,
+            _blocks_moved(plan), deadline_s,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_seqs=out.num_decode_seqs,
             num_admitted=self.engine.num_admitted, drafts=out.rows.drafts,
             speculating=out.rows.speculating, lora_ops=ops, weight_op=weight_op,

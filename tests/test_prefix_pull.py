@@ -117,6 +117,8 @@ def test_a_request_on_the_executor_lacking_its_prefix_receives_those_blocks():
             block_bytes("e0", bid).tobytes() for bid in cached)
         assert sorted(plan.swap_in[:, 0].tolist()) == sorted(cpu_ids)  # imports, swapped in
         assert plan.request_ids == ["b#0"] and plan.num_new_tokens.tolist() == [3]
+        # the cost model pairs the plan's swap_s with the blocks received and swapped in
+        assert engine.executors["e1"].in_flight[0].num_blocks_moved == 6 + 6
         await e1.run_until_done([b])
         assert b.tokens() == expected("b#0", 3)
         assert b.usage.cached_prompt_tokens == 6 * BS
