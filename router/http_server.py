@@ -34,6 +34,7 @@ from .batch_api import BatchApi
 from .batch_store import BatchStore
 from .edge_security import ApiKeys, http_key_check, ssl_context
 from .errors import InvalidRequest, PagedServeError, Unavailable
+from .fill_in_middle import FillInMiddle
 from .frontend import Frontend, RequestSession
 from .generation_defaults import with_defaults
 from .http_conversations import ConversationRoutes
@@ -107,6 +108,7 @@ class OpenAIApp:
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self.token_text = TokenText(frontend.tokenizer)
+        self.fim = FillInMiddle.of(frontend.tokenizer)  # `suffix` (None: the model has none)
         self._token_ids_text = TokenIdText(frontend.tokenizer)
 
     def make_app(self, batches: BatchApi | None = None) -> web.Application:
@@ -297,7 +299,7 @@ class OpenAIApp:
         route = ROUTES[kind]
         spec_body = with_defaults(route.to_chat(body) if route.to_chat else body,
                                   self.sampling_defaults)
-        return (completion_request(spec_body) if kind == "completions" else
+        return (completion_request(spec_body, self.fim) if kind == "completions" else
                 chat_request(spec_body, self.tool_call_parser, self.reasoning_parser))
 
     async def prompt_ids(self, pb_request) -> tuple[int, ...]:

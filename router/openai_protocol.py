@@ -32,6 +32,7 @@ from typing import Any
 
 from pagedserve.protos.generated.pagedserve.v1 import generate_pb2 as pb
 
+from .fill_in_middle import MARKERS_NAMED, FillInMiddle
 from .openai_fields import (
     INT32_RANGE,
     SEED_RANGE,
@@ -190,11 +191,18 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def completion_request(body: dict) -> ApiRequest:
-    """POST /v1/completions body → ApiRequest (raises InvalidRequest)."""
+def completion_request(body: dict, fim: FillInMiddle | None = None) -> ApiRequest:
+    """POST /v1/completions body → ApiRequest (raises InvalidRequest). A `suffix` frames
+    the prompt in the model's fill-in-the-middle tokens (`fim`, fill_in_middle.py; None:
+    the model has none, and a suffix is refused)."""
     echo = bool(optional_bool(body, "echo"))
-    if present(body, "suffix"):
-        raise bad("suffix", "suffix is not supported")
+    suffix = optional_str(body, "suffix")
+    if suffix is not None:
+        if fim is None:
+            raise bad("suffix", "this model has no fill-in-the-middle tokens (a suffix needs "
+                                f"one of: {MARKERS_NAMED})")
+        if echo:
+            raise bad("echo", "echo cannot be combined with suffix")
     params, logprobs = _sampling(body, chat=False)
     if echo and logprobs is not None:
         if optional_bool(body, "stream"):
@@ -208,7 +216,11 @@ def completion_request(body: dict) -> ApiRequest:
     common = common_fields(body)
     if echo and common.get("truncate_prompt_tokens"):
         raise bad("echo", "echo with truncate_prompt_tokens is not supported")
-    requests = prompt_requests(body.get("prompt"), "prompt", params, common)
+    if suffix is not None:
+        assert fim is not None
+        requests = fim.requests(body.get("prompt"), suffix, params, common)
+    else:
+        requests = prompt_requests(body.get("prompt"), "prompt", params, common)
     n = params.n if params.HasField("n") else 1
     return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
                       logprobs, echo=echo, **_api_extras(body))

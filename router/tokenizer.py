@@ -197,6 +197,14 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the token whose text is `token` (an added token's content, or a
+        vocabulary entry as the model stores it); None when there is none."""
+        if self._is_hf:
+            tid = self._backend.convert_tokens_to_ids(token)
+            return None if tid is None or tid == self._backend.unk_token_id else tid
+        return self._backend.token_to_id(token)
+
 
 def _is_byte_level(decoder: Any) -> bool:
     from tokenizers import decoders
