@@ -25,9 +25,10 @@ How a request moves (the one-way flow unchanged: plans out, results back):
    the prefill executor (its blocks freed there, still cached there), the received blocks
    enter the decode executor's host tier (`KVCacheManager.import_blocks`, transfer.py) and
    the request is queued there as a migrated one (each sample's prompt and first token
-   as its tokens so far; a sample that ended with its first token stays ended). The bytes go out with that executor's next plan (`take_imports`),
-   written before its swaps; admission finds the blocks as a prefix-cache hit and swaps
-   them in, and only the tail (the last partial block and the first token) is computed.
+   as its tokens so far; a sample that ended with its first token stays ended). The
+   bytes go out with that executor's next plan (`take_imports`), written before its
+   swaps; admission finds the blocks as a prefix-cache hit and swaps them in, and only
+   the tail (the last partial block and the first token) is computed.
 
 Nothing depends on the bytes arriving: an executor that received nothing (its CPU pool
 full, the chain broken, the step failed) computes what it lacks, as a migration does. A
