@@ -16,9 +16,11 @@ first of `FORMATS` whose tokens are all there. A model with none refuses `suffix
 * `mistral`: ``[SUFFIX]`` suffix ``[PREFIX]`` prompt, the suffix first (Codestral, as
   mistral-common encodes a FIM request).
 
-The prompt and the suffix are tokenized apart, each as a text of its own (so a
-SentencePiece tokenizer gives each its leading space, as the models were trained), and
-the frame's tokens go in by id. Within the two texts, special tokens written out are
+The prompt and the suffix are tokenized apart and the frame's tokens go in by id. The
+prompt is a text of its own (a SentencePiece tokenizer gives it its leading space);
+mistral-common encodes the suffix without that space (``[SUFFIX]return▁a[PREFIX]▁def``):
+for `mistral` the suffix is tokenized as the text after its marker (`infill_suffix`),
+which a byte-level tokenizer encodes the same either way. Within the two texts, special tokens written out are
 recognised, as in every prompt here (and in transformers' tokenizers). The first marker
 is encoded with the tokenizer's own special tokens (BOS where the model has one) unless
 the request sends `add_special_tokens: false`.
@@ -40,6 +42,7 @@ PROMPT, SUFFIX = "{prompt}", "{suffix}"  # the two texts' places in a frame
 class FimFormat:
     name: str
     frame: tuple[str, ...]  # marker tokens' texts, PROMPT and SUFFIX, in order
+    infill_suffix: bool = False  # the suffix tokenized as the text after its marker
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -51,7 +54,7 @@ FORMATS = (
     FimFormat("starcoder", ("<fim_prefix>", PROMPT, "<fim_suffix>", SUFFIX, "<fim_middle>")),
     FimFormat("deepseek", ("<｜fim▁begin｜>", PROMPT, "<｜fim▁hole｜>", SUFFIX,
                            "<｜fim▁end｜>")),
-    FimFormat("mistral", ("[SUFFIX]", SUFFIX, "[PREFIX]", PROMPT)),
+    FimFormat("mistral", ("[SUFFIX]", SUFFIX, "[PREFIX]", PROMPT), infill_suffix=True),
 )
 MARKERS_NAMED = "; ".join(" ".join(f.markers) for f in FORMATS)  # for the 400's message
 
@@ -84,6 +87,11 @@ class FillInMiddle:
         for i, piece in enumerate(self.form.frame):
             if piece == PROMPT:
                 ids += tok.encode(prompt, add_special_tokens=False)
+            elif piece == SUFFIX and self.form.infill_suffix and i > 0:
+                marker = self._ids[self.form.frame[i - 1]]
+                after = tok.encode(self.form.frame[i - 1] + suffix, add_special_tokens=False)
+                ids += after[1:] if after[:1] == [marker] else \
+                    tok.encode(suffix, add_special_tokens=False)
             elif piece == SUFFIX:
                 ids += tok.encode(suffix, add_special_tokens=False)
             elif i == 0 and add_special_tokens:  # the tokenizer's own head (BOS) before it

@@ -40,6 +40,35 @@ def test_each_frame_is_found_and_makes_the_exact_ids(tmp_path, form):
     assert fim.token_ids(PREFIX_TEXT, SUFFIX_TEXT, add_special_tokens=False) == want
 
 
+def test_a_sentencepiece_tokenizer_frames_as_mistral_common_encodes(tmp_path):
+    """Metaspace (SentencePiece's space, prepended to a text's start only): the prompt is
+    a text of its own, with its leading space, and the suffix is the text after its marker,
+    without one: mistral-common's ``<s>[SUFFIX]return▁a▁+▁b[PREFIX]▁def▁f(``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    raw = HFTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.train_from_iterator(["def f(a, b): return a + b", "print(f(1, 2))"] * 20,
+                            trainers.BpeTrainer(vocab_size=200, show_progress=False,
+                                                special_tokens=["<unk>", "<s>", "</s>",
+                                                                "[SUFFIX]", "[PREFIX]"]))
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    tok = Tokenizer.from_dir(tmp_path)
+    fim = FillInMiddle.of(tok)
+    assert fim.name == "mistral"
+    ids = fim.token_ids("def f(", "return a + b")
+    pieces = [raw.id_to_token(t) for t in ids]
+    cut = pieces.index("[PREFIX]")
+    assert pieces[:2] == ["<s>", "[SUFFIX]"] and not pieces[2].startswith("▁")
+    assert pieces[cut + 1].startswith("▁")  # the prompt's own leading space
+    assert "".join(pieces[2:cut]).replace("▁", " ") == "return a + b"
+    assert "".join(pieces[cut + 1:]).replace("▁", " ") == " def f("
+
+
 def test_a_tokenizer_without_every_marker_has_no_frame(tmp_path):
     assert FillInMiddle.of(fim_tokenizer(tmp_path / "a", ())) is None
     assert FillInMiddle.of(fim_tokenizer(tmp_path / "b", ("<|fim_prefix|>",
