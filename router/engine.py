@@ -24,7 +24,7 @@ from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
-from .handoff import DECODE, Handoffs, placeable
+from .handoff import Handoffs, placeable
 from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
 from .metrics import RouterMetrics
@@ -354,18 +354,18 @@ class RouterEngine:
         the prefix pull routing chose, if any (prefix_pull.py). With prefill executors
         up, decode executors take none (handoff.py), but may be a pull's source: the
         last answer of a conversation was decoded there."""
-        everyone, handles = handles, placeable(handles)
+        handles, others = placeable(handles)
+        sources = others if self.pulls.enabled else []
         seq0 = group.seqs[0]
         salt = group.spec.cache_salt or None
         kv0 = handles[0].kv
         kv0.hash_blocks(seq0.token_ids, salt, seq0.block_hashes)
         describe = self.pulls.describe
-        candidates = [describe(candidate(h.id, h.kv, h.scheduler), h) for h in handles]
-        sources = [h for h in everyone if h.hello.disaggregation_mode == DECODE] \
-            if self.pulls.enabled and len(handles) < len(everyone) else []
+        candidates, source_candidates = (
+            [describe(candidate(h.id, h.kv, h.scheduler), h) for h in hs]
+            for hs in (handles, sources))
         decision = choose(self.config.routing, candidates, seq0.token_ids, seq0.block_hashes,
-                          salt, self._turn,
-                          [describe(candidate(h.id, h.kv, h.scheduler), h) for h in sources])
+                          salt, self._turn, source_candidates)
         self._turn += 1
         handle = handles[decision.index]
         if decision.hit.block_ids:

@@ -73,11 +73,15 @@ class Handoff:
     offset: int
 
 
-def placeable(handles: list[ExecutorHandle]) -> list[ExecutorHandle]:
-    """Where a new (or migrated) request may start: executors that compute prompts, when
-    one is among `handles`; else any (decode executors serve alone)."""
+def placeable(handles: list[ExecutorHandle]
+              ) -> tuple[list[ExecutorHandle], list[ExecutorHandle]]:
+    """(where a new or migrated request may start, the others of `handles`): executors
+    that compute prompts and the decode executors, when one of the first is among
+    `handles`; else all of them and none (decode executors serve alone)."""
     prompts = [h for h in handles if h.hello.disaggregation_mode != DECODE]
-    return prompts or handles
+    if not prompts:
+        return handles, []
+    return prompts, [h for h in handles if h.hello.disaggregation_mode == DECODE]
 
 
 def _may_move(group: RequestGroup) -> bool:

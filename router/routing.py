@@ -276,8 +276,9 @@ def _price(candidates: Sequence[Candidate], token_ids: Sequence[int], block_hash
         priced[i] = _Priced(hit, matched, wait, rate, fixed, cost,
                             export_delay_s=_export_delay(c, rate, decode_s, fixed))
     if any(c.max_pull_blocks for c in candidates):
+        offers_from = [*order, *sources]
         for i in order:
-            _offer_pull(candidates, priced, i, [*order, *sources])
+            _offer_pull(candidates, priced, i, offers_from)
     return priced
 
 

@@ -15,31 +15,18 @@ from __future__ import annotations
 import asyncio
 
 from pagedserve.protos import wire
-from pagedserve.router.engine import EngineConfig, RouterEngine
-from pagedserve.router.types import ModelInfoData
-from pipeline_rig import BS, EOS, CharTokenizer, FakeLink, expected, run, submit
-from test_prefix_pull import BLOCK_BYTES, PullSim, all_free, block_bytes, drain
+from pagedserve.router.engine import RouterEngine
+from pipeline_rig import BS, EOS, expected, run, submit
+from test_prefix_pull import PullSim, all_free, block_bytes, drain
+from test_prefix_pull import make_cluster as prefix_pull_cluster
 
 PROMPT = list(range(1, 1 + 6 * BS)) + [40, 41, 42]  # six full blocks and a tail of three
 SAMPLES = ("b#0", "b#1", "b#2")
 
 
 def make_cluster(kv_pull: bool = False) -> tuple[RouterEngine, PullSim, PullSim]:
-    config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
-                          pipeline_depth=2, debug_checks=True, watermark=0.0,
-                          kv_pull=kv_pull)
-    info = ModelInfoData("m", "LlamaForCausalLM", 128, 64, BS, "float32", (EOS,))
-    engine = RouterEngine(config, CharTokenizer(), info)
-    engine.link = FakeLink()
-    sims = []
-    for name, mode in (("e0", "prefill"), ("e1", "decode")):
-        hello = wire.Hello(executor_id=name, model_fingerprint="fp", device="cpu",
-                           dtype="float32", block_size=BS, num_gpu_blocks=64,
-                           num_cpu_blocks=16, max_model_len=128, kv_format="f32:test",
-                           kv_block_bytes=BLOCK_BYTES, disaggregation_mode=mode)
-        assert engine.membership.on_hello(name.encode(), hello).accepted
-        sims.append(PullSim(engine, name))
-    return engine, sims[0], sims[1]
+    """e0 in prefill mode, e1 in decode mode (routing moot: one executor takes requests)."""
+    return prefix_pull_cluster(modes=("prefill", "decode"), kv_pull=kv_pull)
 
 
 def _rows(plan: wire.StepPlan) -> dict[str, int]:

@@ -49,19 +49,22 @@ class PullSim(SimExecutor):
         return msgspec.structs.replace(result, **fields)
 
 
-def make_cluster(depth: int = 2, **cfg) -> tuple[RouterEngine, PullSim, PullSim]:
+def make_cluster(depth: int = 2, modes: tuple[str, str] = ("null", "null"),
+                 **cfg) -> tuple[RouterEngine, PullSim, PullSim]:
+    """Engine and executors e0, e1 (`modes`: their disaggregation modes); `cfg`:
+    EngineConfig's fields over round-robin routing with pulls on."""
     config = EngineConfig(model_fingerprint="fp", block_size=BS, max_model_len=128,
                           pipeline_depth=depth, debug_checks=True, watermark=0.0,
-                          routing=RoutingPolicy.ROUND_ROBIN, kv_pull=True, **cfg)
+                          **{"routing": RoutingPolicy.ROUND_ROBIN, "kv_pull": True, **cfg})
     info = ModelInfoData("m", "LlamaForCausalLM", 128, 64, BS, "float32", (EOS,))
     engine = RouterEngine(config, CharTokenizer(), info)
     engine.link = FakeLink()
     sims = []
-    for name in ("e0", "e1"):
+    for name, mode in zip(("e0", "e1"), modes, strict=True):
         hello = wire.Hello(executor_id=name, model_fingerprint="fp", device="cpu",
                            dtype="float32", block_size=BS, num_gpu_blocks=64,
                            num_cpu_blocks=16, max_model_len=128, kv_format="f32:test",
-                           kv_block_bytes=BLOCK_BYTES)
+                           kv_block_bytes=BLOCK_BYTES, disaggregation_mode=mode)
         assert engine.membership.on_hello(name.encode(), hello).accepted
         sims.append(PullSim(engine, name))
     return engine, sims[0], sims[1]
