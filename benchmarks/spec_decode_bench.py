@@ -10,7 +10,11 @@ fill it). Workloads, each a different share of output that repeats its context:
 * `echo`: "Repeat the following text exactly" with a paragraph (the output copies the
   prompt: the case prompt lookup is for);
 * `edit`: "Rewrite this Python function, renaming ..." with a short function (partly copied);
-* `open`: short stories and explanations (nothing to copy: the unfavourable case).
+* `open`: short stories and explanations (nothing to copy: the unfavourable case);
+* `json` (added 2026-11-29, thirty-fourth session): a city described under a JSON schema
+  (`response_format`, six required keys, no others): the drafts are mostly the tokens
+  the format forces (keys, separators: router/grammar_drafts.py), not in the default
+  list (`--workloads echo,edit,open,json`).
 
 Per (workload, concurrency) and mode: output tokens per second of wall time
 (`output_tok_per_s`), the mean time per output token of the requests (`tpot_ms`), and with
@@ -22,7 +26,7 @@ decode step and a drafted row's computation, as between batch sizes (`--dtype fl
 identical).
 
     .venv/bin/python benchmarks/spec_decode_bench.py [--model DIR] [--concurrency 1,4]
-        [--workloads echo,edit,open] [--k 4] [--rounds 2] [--dtype auto]
+        [--workloads echo,edit,open,json] [--k 4] [--rounds 2] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -61,7 +65,17 @@ WORKLOADS = {
              "Explain why the sky is blue.",
              "What are three good habits for learning a language?",
              "Describe a walk through a forest in autumn."],
+    "json": [f"Describe {city} as JSON." for city in ("Paris", "Tokyo", "Cairo", "Lima")],
 }
+CITY_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "country", "population", "founded", "is_capital", "landmarks"],
+    "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                   "population": {"type": "integer"}, "founded": {"type": "integer"},
+                   "is_capital": {"type": "boolean"},
+                   "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+FORMATS = {"json": {"type": "json_schema",
+                    "json_schema": {"name": "city", "schema": CITY_SCHEMA}}}
 
 
 def free_port() -> int:
@@ -114,10 +128,14 @@ class Server:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
-    def chat(self, prompt: str, max_tokens: int) -> tuple[list[int], float]:
-        body = json.dumps({"model": self.model, "max_tokens": max_tokens, "temperature": 0,
-                           "messages": [{"role": "user", "content": prompt}],
-                           "logprobs": True, "return_tokens_as_token_ids": True}).encode()
+    def chat(self, prompt: str, max_tokens: int,
+             response_format: dict | None = None) -> tuple[list[int], float]:
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}],
+                "logprobs": True, "return_tokens_as_token_ids": True}
+        if response_format is not None:
+            body["response_format"] = response_format
+        body = json.dumps(body).encode()
         req = urllib.request.Request(f"http://{self.http}/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -129,8 +147,9 @@ class Server:
         return tokens, elapsed
 
 
-def run_round(server: Server, prompts: list[str], concurrency: int,
-              max_tokens: int) -> tuple[list[list[int]], float, list[float]]:
+def run_round(server: Server, prompts: list[str], concurrency: int, max_tokens: int,
+              response_format: dict | None = None
+              ) -> tuple[list[list[int]], float, list[float]]:
     """All `prompts`, `concurrency` at a time: (outputs, wall seconds, per-request TPOT)."""
     outputs: list = [None] * len(prompts)
     tpots: list[float] = []
@@ -144,7 +163,7 @@ def run_round(server: Server, prompts: list[str], concurrency: int,
                 next_i[0] += 1
             if i >= len(prompts):
                 return
-            tokens, elapsed = server.chat(prompts[i], max_tokens)
+            tokens, elapsed = server.chat(prompts[i], max_tokens, response_format)
             outputs[i] = tokens
             tpots.append(elapsed / max(1, len(tokens)))
     t0 = time.perf_counter()
@@ -187,7 +206,8 @@ def main() -> None:
                     drafts0 = server.counter("pagedserve_spec_decode_num_draft_tokens_total")
                     acc0 = server.counter("pagedserve_spec_decode_num_accepted_tokens_total")
                     for _ in range(args.rounds):
-                        outs, wall, tpots = run_round(server, prompts, c, args.max_tokens)
+                        outs, wall, tpots = run_round(server, prompts, c, args.max_tokens,
+                                                      FORMATS.get(name))
                         rate = sum(map(len, outs)) / wall
                         if best is None or rate > best[1]:
                             best = (outs, rate, sum(tpots) / len(tpots))

@@ -25,7 +25,6 @@ vocabulary: it is built once per executor, on the first constrained request.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,50 +32,28 @@ import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device
 
+from pagedserve.grammar_vocab import GrammarError, GrammarVocab
+
 log = logging.getLogger(__name__)
 
 
-class GrammarError(ValueError):
-    """A request's grammar cannot be used on this executor (message says why)."""
-
-
 class GrammarCompiler:
-    """Matchers for one model's vocabulary (thread-safe; the index is built on first use)."""
+    """Matchers for one model's vocabulary (thread-safe; the index is built on first use:
+    pagedserve/grammar_vocab.py, shared with the router's drafts)."""
 
     def __init__(self, tokenizer_json: str | Path | None, vocab_size: int,
                  num_threads: int | None = None) -> None:
-        self.tokenizer_json = Path(tokenizer_json) if tokenizer_json else None
-        self.vocab_size = int(vocab_size)
+        self.vocab = GrammarVocab(tokenizer_json, vocab_size)
         self.num_threads = num_threads  # llguidance's mask threads (None: its default)
-        self._lock = threading.Lock()
-        self._tokenizers: dict[tuple[int, ...], object] = {}  # by EOS ids
         self._executor = None
-        self._words = 0  # int32 words in one bitmask row (set with the first index)
 
     def _tokenizer(self, eos_token_ids: tuple[int, ...]):
-        with self._lock:
-            tok = self._tokenizers.get(eos_token_ids)
-            if tok is not None:
-                return tok
-            try:
-                import llguidance
-            except ImportError as exc:
-                raise GrammarError("structured output needs the llguidance package on the "
-                                   "executor") from exc
-            if self.tokenizer_json is None or not self.tokenizer_json.is_file():
-                raise GrammarError("structured output needs the model's tokenizer.json on "
-                                   "the executor")
-            text = self.tokenizer_json.read_text(encoding="utf-8")
-            try:
-                tok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
-                                             eos_token=list(eos_token_ids) or None)
-            except Exception:  # a tokenizer with more entries than the model's vocab
-                tok = llguidance.LLTokenizer(text, eos_token=list(eos_token_ids) or None)
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
-            self._words = max(self._words, (tok.vocab_size + 31) // 32)
-            self._tokenizers[eos_token_ids] = tok
-            return tok
+        tok = self.vocab.tokenizer(eos_token_ids)
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
+        return tok
 
     def matcher(self, grammar: str, eos_token_ids: Sequence[int],
                 output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
@@ -96,7 +73,7 @@ class GrammarCompiler:
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> np.ndarray:
         """int32 [len(matchers), mask_words]: bit t of row i set when matcher i allows token
         t (computed in parallel by llguidance's thread pool, outside the GIL)."""
-        words = self._words
+        words = self.vocab.words
         out = np.zeros((len(matchers), words), dtype=np.int32)
         if matchers:
             self._executor.unsafe_compute_mask_ptr(
@@ -128,6 +105,18 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         return GrammarMatcher(self.inner.deep_copy(), self.compiler)
+
+    def after_drafts(self, drafts: Sequence[int]) -> GrammarMatcher:
+        """A copy that has consumed ``drafts`` (speculative decoding: the state a drafted
+        row's position after them is masked with; ~1 us a copy and a token). A draft the
+        grammar refuses leaves the copy in its error state, whose mask is EOS alone: that
+        position is never kept, since the one before it could not sample the draft."""
+        inner = self.inner.deep_copy()
+        if not inner.is_stopped():
+            inner.consume_tokens([int(t) for t in drafts])
+        copy = GrammarMatcher(inner, self.compiler)
+        copy._warned = True  # a refusal here is expected, not news
+        return copy
 
     @property
     def done(self) -> bool:

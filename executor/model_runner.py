@@ -322,16 +322,16 @@ class ModelRunner:
             self._pending.apply()
             self._retired = None
             if sampled is None and states:
-                # Structured output's masks are host work: done while a GPU runs the
-                # forward.
-                grammar_bits = None if plain else Sampler.grammar_masks(states)
+                # Positions after drafts sample as if the drafts were output, a grammar's
+                # mask included (draft_rows.py). Structured output's masks are host work:
+                # done while a GPU runs the forward.
+                rows = states if batch.drafts is None else draft_states(states, batch.drafts)
+                grammar_bits = None if plain else Sampler.grammar_masks(rows)
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
-                # forward, and its kernels queue right behind it. Positions after drafts
-                # sample as if the drafts were output (draft_rows.py).
-                sampled = self.sampler.launch(
-                    logits, states if batch.drafts is None else draft_states(states, batch.drafts),
-                    grammar_bits, argmax=argmax, plain=plain)
+                # forward, and its kernels queue right behind it.
+                sampled = self.sampler.launch(logits, rows, grammar_bits, argmax=argmax,
+                                              plain=plain)
             scores = None
             if self._scoring:  # prompt logprobs or an embedding asked for
                 scores = prompt_outputs(self.model, hidden, plan.request_ids,

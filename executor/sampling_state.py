@@ -115,11 +115,13 @@ class SamplingState:
 
     def with_drafts(self, drafts: np.ndarray) -> SamplingState:
         """A copy whose output goes on with ``drafts`` (speculative decoding: the state the
-        position after them samples with), sharing the prompt. A grammar's matcher follows
-        confirmed tokens only: such a request is never sent drafts (ValueError)."""
+        position after them samples with), sharing the prompt. Under a grammar the copy's
+        matcher has consumed the drafts too (the request's own follows confirmed tokens
+        only, appended from the result)."""
+        copy = self._copy(self.sample_index, np.concatenate([self.output_token_ids, drafts]))
         if self.grammar is not None:
-            raise ValueError("draft tokens for a request under a grammar")
-        return self._copy(self.sample_index, np.concatenate([self.output_token_ids, drafts]))
+            copy.grammar = self.grammar.after_drafts(drafts)
+        return copy
 
     def _copy(self, sample_index: int, output_token_ids: np.ndarray) -> SamplingState:
         """A state with these outputs and index, sharing this one's (read-only) prompt."""

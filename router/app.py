@@ -166,6 +166,7 @@ def engine_config_from_args(args, fingerprint: str, info: ModelInfoData) -> Engi
         max_loras=getattr(args, "max_loras", 0),
         lora_dir=getattr(args, "lora_dir", None) or None,
         speculative=getattr(args, "speculative_config", None),
+        tokenizer_json=str(Path(args.model) / "tokenizer.json"),
         decode_lane_min_running=decode_lane_min_running(),
         enable_weight_updates=bool(getattr(args, "enable_weight_updates", False)),
         weight_version=getattr(args, "weight_version", None) or "default",

@@ -18,12 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ..grammar_vocab import GrammarVocab
 from ..protos import wire
 from .beam_search import BeamSearch
 from .delivery import Delivery
 from .detokenizer import TextAssembler
 from .errors import AlreadyExists, InvalidRequest, QueueFull, Unavailable
 from .executor_link import ExecutorLink
+from .grammar_drafts import FormatDrafts
 from .handoff import Handoffs, placeable
 from .lora_registry import LoraRegistry
 from .membership import ExecutorHandle, Membership
@@ -75,6 +77,7 @@ class EngineConfig:
     max_loras: int = 0  # adapter slots of every executor (--max-loras; lora_registry.py)
     lora_dir: str | None = None  # adapters loaded on demand from here (--lora-dir)
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: off)
+    tokenizer_json: str | None = None  # the model's (structured output's drafts)
     enable_weight_updates: bool = False  # weight updates and pauses (weight_sync.py)
     weight_version: str = "default"  # --weight-version: what /get_weight_version says first
 
@@ -107,6 +110,13 @@ class RouterEngine:
         self.weights = WeightSync(self, config.enable_weight_updates, config.weight_version)
         self.handoffs = Handoffs(self)  # prefill/decode disaggregation (handoff.py)
         self.pulls = Pulls(self, config.kv_pull)  # prefix pulls (prefix_pull.py)
+        # speculative decoding's drafts of the tokens structured output forces
+        # (grammar_drafts.py): the vocabulary index is built in a thread from the start
+        self.formats = FormatDrafts(GrammarVocab(config.tokenizer_json, model_info.vocab_size),
+                                    self.eos_token_ids) \
+            if config.speculative is not None and config.tokenizer_json else None
+        if self.formats is not None:
+            self.formats.ready()
 
     # ================================================================== lifecycle
 

@@ -144,6 +144,7 @@ class Membership:
             max_model_len=cfg.max_model_len, preemption_mode=cfg.preemption_mode,
             decode_lane_min_running=cfg.decode_lane_min_running,
             pipeline_depth=cfg.pipeline_depth, speculative=cfg.speculative,
+            formats=engine.formats,
         ))
         handle = ExecutorHandle(hello=hello, routing_id=routing_id, kv=kv, scheduler=sched)
         self.executors[hello.executor_id] = handle

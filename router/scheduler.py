@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from ..kvmanager import InvariantError, KVCacheManager
 from . import admission, decode_lane
 from .cost_model import CostModel
+from .grammar_drafts import FormatDrafts
 from .plan_builder import PlanRows, ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
 from .sequence import GroupStatus, RequestGroup, Sequence
-from .speculative import Drafter, SpeculativeConfig, may_speculate
+from .speculative import Drafter, SpeculativeConfig
 
 log = logging.getLogger("pagedserve.router.scheduler")
 
@@ -49,6 +50,10 @@ class SchedulerConfig:
     # Speculative decoding by n-gram lookup (router/speculative.py; None: off). The decode
     # lane is off with it (a lane step's blocks are counted before the loop's drafts).
     speculative: SpeculativeConfig | None = None
+    # With it, the router's cursors over structured output's formats, for the tokens a
+    # format forces (router/grammar_drafts.py; shared by the schedulers; None: constrained
+    # samples draft nothing)
+    formats: FormatDrafts | None = None
 
 
 class Scheduler:
@@ -73,7 +78,8 @@ class Scheduler:
         self.hold = ""
         self.pending_forks: list[tuple[Sequence, Sequence]] = []  # beams forked between steps
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
-        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self.drafter = Drafter(config.speculative, config.formats) \
+            if config.speculative is not None else None
         self._drafting: Drafter | None = None  # the drafter, in a step where it drafts
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
             if config.decode_lane_min_running > 0 and self.drafter is None else None
@@ -230,9 +236,9 @@ class Scheduler:
         else:
             self._serve_and_admit(out)
         if self._drafting is not None:  # this plan must be answered before the next is built
-            wants = self._drafting.wants_drafts
+            wants, may = self._drafting.wants_drafts, self._drafting.may_draft
             out.rows.speculating = bool(out.rows.drafts) or any(
-                may_speculate(s.group) and wants(s) for s in out.rows.sampled)
+                may(s.group) and wants(s) for s in out.rows.sampled)
         if self._hold_older_pending and not out.empty:  # (sent)
             self._plans_sent += 1
             for seq in out.rows.sampled:
@@ -285,7 +291,7 @@ class Scheduler:
                 return 0  # the tokens in flight already end it: known ahead
             if self._hold_older_pending and seq.sampled_plan != self._plans_sent:
                 return 0  # its token in flight is not the last plan's: wait for it
-            if self._drafting is not None and may_speculate(group) \
+            if self._drafting is not None and self._drafting.may_draft(group) \
                     and self._drafting.wants_drafts(seq):
                 return 0  # a sample about to draft decodes from tokens received only
             if remaining > 1:  # a chunk never reaches past the tokens received

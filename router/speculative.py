@@ -21,8 +21,10 @@ comes from the model's distribution without it.
 A row whose tokens are not known before its result cannot be followed by a plan built
 before that result, so a plan with a drafted row, or with a sample whose next decode will
 look for drafts, is the only plan in flight to its executor (`PlanRows.speculating`).
-Samples backing off after misses (`Drafter`) and those that never speculate (a grammar,
-n > 1 before its fork) pipeline as before, except beside speculating ones. With
+Samples backing off after misses (`Drafter`) and those that never speculate (beams,
+n > 1 before its fork) pipeline as before, except beside speculating ones. Under a
+grammar (structured output) the drafts are first the tokens the format forces, else the
+lookup's up to the first the format refuses (grammar_drafts.py). With
 ``disable_by_batch_size`` N, an executor running N requests or more drafts nothing and
 pipelines as without speculation (busy, its steps are full without drafts).
 """
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .grammar_drafts import FormatCursor, FormatDrafts
 from .sequence import RequestGroup, Sequence
 
 MAX_SPECULATIVE_TOKENS = 15  # drafts a row (the wire's counts; more rarely pay)
@@ -116,13 +119,6 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         "disable_by_batch_size", None, 1 << 20))
 
 
-def may_speculate(group: RequestGroup) -> bool:
-    """Whether the group's samples decode with drafts: not under a grammar (its matcher
-    follows accepted tokens only), not beams (each step's inputs are chosen from the last
-    step's answers: router/beam_search.py), and not sample 0 of n > 1 before the fork."""
-    return group.forked and not group.spec.sampling.grammar and group.beam is None
-
-
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
     suffix of ``tokens`` of ``n_min`` .. ``n_max`` tokens (empty: none occurs).
@@ -179,9 +175,20 @@ class Drafter:
     copies its context keeps drafting k; elsewhere a rejected row wastes one position,
     not k."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, formats: FormatDrafts | None = None) -> None:
         self.config = config
+        self.formats = formats  # structured output's forced tokens (None: no drafts there)
         self._samples: dict[str, _SampleDrafts] = {}
+
+    def may_draft(self, group: RequestGroup) -> bool:
+        """Whether the group's samples decode with drafts: not beams (each step's inputs
+        are chosen from the last step's answers: router/beam_search.py), not sample 0 of
+        n > 1 before the fork, and under a grammar only once the router can follow it
+        (grammar_drafts.py: its vocabulary index built)."""
+        if not group.forked or group.beam is not None:
+            return False
+        return not group.spec.sampling.grammar or (self.formats is not None
+                                                   and self.formats.ready())
 
     def _record(self, seq: Sequence) -> _SampleDrafts | None:
         """The sample's record, if this `Sequence` object has one (not an ended one's)."""
@@ -200,29 +207,48 @@ class Drafter:
         """The scheduler's call: drafts for a decode of `seq` within the token budget and
         so that every token the row may emit fits max_tokens and max_model_len (None:
         none)."""
-        if not may_speculate(group):
+        if not self.may_draft(group):
             return None
         tokens = seq.token_ids
         limit = min(budget - 1,
                     group.spec.sampling.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1,
                     max_model_len - len(tokens) - 1)
-        return self.decode(seq, limit) or None
+        return self.decode(seq, limit, group.spec.sampling.grammar) or None
 
-    def decode(self, seq: Sequence, limit: int) -> list[int]:
-        """The drafts for this decode of `seq` ([]: none): up to ``limit`` (and the
-        sample's draft length) found by `search`, unless the sample is backing off or has
-        a token in flight."""
+    def decode(self, seq: Sequence, limit: int, grammar: str = "") -> list[int]:
+        """The drafts for this decode of `seq` ([]: none), unless the sample is backing
+        off or has a token in flight: under a grammar, the tokens it forces, up to
+        ``limit`` (grammar_drafts.py); else up to ``limit`` and the sample's draft length
+        found by `search` (under a grammar, cut where it refuses one)."""
         mine = self._of(seq)
         if mine.skip:
             mine.skip -= 1
             return []
-        k = min(limit, mine.length)
-        if k <= 0 or seq.num_pending:
+        if limit <= 0 or seq.num_pending:
             return []
+        cursor = self._cursor(mine, seq, grammar) if grammar else None
+        if cursor is not None:
+            forced = cursor.forced()
+            if forced:
+                return forced[:limit]
+        elif grammar:  # its format cannot be followed here: back off as after misses
+            mine.skip = MAX_BACKOFF
+            return []
+        k = min(limit, mine.length)
         drafts = self.search(seq, k)
+        if cursor is not None:
+            drafts = cursor.allowed(drafts)
         if not drafts:  # nothing to draft from yet: look again after one decode
             mine.skip = 1
         return drafts
+
+    def _cursor(self, mine: _SampleDrafts, seq: Sequence, grammar: str) -> FormatCursor | None:
+        """The sample's format cursor, fed its output so far (built on first use)."""
+        if mine.cursor is None and self.formats is not None:
+            mine.cursor = self.formats.cursor(grammar)
+        if mine.cursor is not None:
+            mine.cursor.follow(seq.token_ids[seq.num_prompt_tokens:])
+        return mine.cursor
 
     def search(self, seq: Sequence, k: int) -> list[int]:
         """`lookup` over the sample's tokens, copying into its buffer only those added
@@ -271,7 +297,7 @@ class Drafter:
 class _SampleDrafts:
     """What a `Drafter` keeps of one sample."""
 
-    __slots__ = ("seq", "tokens", "filled", "misses", "skip", "length")
+    __slots__ = ("seq", "tokens", "filled", "misses", "skip", "length", "cursor")
 
     def __init__(self, seq: Sequence, length: int) -> None:
         self.seq = seq  # the Sequence object it belongs to
@@ -280,3 +306,4 @@ class _SampleDrafts:
         self.misses = 0  # drafted decodes in a row with every draft rejected
         self.skip = 0  # decodes left without drafting
         self.length = length  # drafts its next drafted row may have
+        self.cursor: FormatCursor | None = None  # its format, under a grammar

@@ -3,9 +3,11 @@
 Every format a client can ask for (gRPC `StructuredOutput`, OpenAI `response_format`, vLLM's
 `structured_outputs` / `guided_*` fields) becomes one grammar string in llguidance's format
 here, at validation time; the executor builds a matcher from that string and masks, before
-each sample, every token that cannot continue it (executor/grammar.py). The router never runs
-a matcher: the executor owns the tokens it samples, so a grammar works the same with
-pipelined steps, forks, preemption and migration (the executor replays the output so far).
+each sample, every token that cannot continue it (executor/grammar.py). The executor owns the
+tokens it samples, so a grammar works the same with pipelined steps, forks, preemption and
+migration (the executor replays the output so far). The router runs a matcher of its own
+only with speculative decoding on, to draft the tokens a format forces
+(router/grammar_drafts.py).
 
 The formats:
 

@@ -27,6 +27,14 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_looku
 PROMPTS = ["a b c d a b c d a b c d", "Once upon a time there was a small language model",
            "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3", "The router owns the block tables."]
 MAX_TOKENS = 48
+STRUCTURED = [  # formats that force runs of tokens between free choices
+    ("choice", ["the router owns the block tables", "the executor owns the cache"]),
+    ("regex", "(alpha|beta)-[0-9]{2}-(gamma|delta) done"),
+    ("json_schema", json.dumps({
+        "type": "object", "additionalProperties": False, "required": ["kind", "size"],
+        "properties": {"kind": {"enum": ["router", "executor"]},
+                       "size": {"type": "integer", "minimum": 0, "maximum": 99}}})),
+]
 SAMPLED = dict(max_tokens=32, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True, n=2,
                repetition_penalty=1.1, frequency_penalty=0.2, logprobs=1)
 
@@ -80,14 +88,36 @@ def test_greedy_equals_transformers_with_drafts_confirmed(cluster, hf):
     cluster.wait_blocks_free()
 
 
+def _constrained(prompt: str, kind: str, value, **params):
+    req = request(prompt, max_tokens=40, logprobs=1, **params)
+    if kind == "choice":
+        req.params.structured_output.choice.choices.extend(value)
+    else:
+        setattr(req.params.structured_output, kind, value)
+    return req
+
+
 def test_sampled_outputs_equal_those_without_speculation(cluster, model_dir):
+    """Seeded sampling, and structured output (greedy and sampled) whose drafts are the
+    tokens the format forces (router/grammar_drafts.py), masked per drafted position on
+    the executor: the same tokens and logprobs as the same cluster without drafts."""
+    constrained = [_constrained(p, kind, value, **params) for p in PROMPTS[:2]
+                   for kind, value in STRUCTURED
+                   for params in (dict(temperature=0.0), dict(temperature=0.9, seed=3, n=2))]
+
+    accepted = "pagedserve_spec_decode_num_accepted_tokens_total"
+
     def sampled(c):
-        resps = concurrently(lambda p: c.stub.Generate(request(p, **SAMPLED), timeout=120),
+        before = _metric(c.metrics(), accepted)
+        resps = concurrently(lambda r: c.stub.Generate(r, timeout=120), constrained)
+        c.constrained_accepted = _metric(c.metrics(), accepted) - before
+        resps += concurrently(lambda p: c.stub.Generate(request(p, **SAMPLED), timeout=120),
                               PROMPTS)
         return [[(list(x.token_ids), [lp.logprob for lp in x.logprobs])
                  for x in r.completions] for r in resps]
 
     with_drafts = sampled(cluster)
+    assert cluster.constrained_accepted > 40  # forced tokens went as drafts
     plain = Cluster(model_dir, num_executors=1)
     with plain.running():
         without = sampled(plain)

@@ -189,3 +189,43 @@ def test_overlapped_steps_feed_marked_decodes_after_a_drafted_step(model_dir, re
     d.accept(last)
     d.step({"a": None, "b": None})
     assert d.seqs["a"].outputs == ref[:6] and d.seqs["b"].outputs == want_b[:4]
+
+
+def test_drafts_under_a_grammar_give_the_tokens_of_decoding_without_them(model_dir):
+    """A constrained sample's drafted positions are masked as the format stands after the
+    drafts before them (executor/grammar.py `after_drafts`): sampled with a seed, the
+    tokens equal those of one-at-a-time decoding, whether the drafts are right, wrong
+    but allowed, or refused by the grammar (the position after a refused draft is never
+    kept); the request's own matcher follows the kept tokens only."""
+    from pagedserve.router.structured import build_grammar
+
+    grammar = build_grammar("regex", "([a-z]{2}[0-9]{2}){2,12}")  # masks change with state
+    params = SamplingParams(temperature=0.8, seed=5, grammar=grammar, eos_token_ids=(2,))
+    plain = _driver(model_dir)
+    plain.add("a", PROMPT, sampling=params)
+    while len(plain.seqs["a"].outputs) < 20 and plain.seqs["a"].outputs[-1:] != [2]:
+        plain.step({"a": None})
+    want = plain.seqs["a"].outputs
+    assert len(want) >= 8, want  # the format leaves room to draft
+
+    from tokenizers import Tokenizer
+
+    refused = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("!")
+    assert refused is not None  # a byte the format never allows
+    d = _driver(model_dir)
+    d.add("a", PROMPT, sampling=params)
+    d.step({"a": None})
+    steps = 0
+    while len(d.seqs["a"].outputs) < len(want) and d.seqs["a"].outputs[-1] != 2:
+        n = len(d.seqs["a"].outputs)
+        drafts = list(want[n:n + 4])
+        if steps % 3 == 1 and len(drafts) > 2:
+            drafts[1] = refused  # refused by the grammar: drafts after it are moot
+        elif steps % 3 == 2 and len(drafts) > 1:
+            drafts[0] = want[n + 1] if want[n + 1] != want[n] else (want[n] + 1) % 500
+        d.step_drafts({"a": drafts})
+        steps += 1
+    assert d.seqs["a"].outputs[:len(want)] == want
+    assert steps < len(want) - 1  # drafts were confirmed
+    # its matcher consumed no draft (a refused one would have left it in its error state)
+    assert not d.runner.requests["a"]._sampling.grammar.inner.is_error()
