@@ -74,6 +74,7 @@ class ApiRequest:
     logprobs: int | None  # top-k asked for (chat: top_logprobs when logprobs is true)
     tools: ToolMode | None = None  # chat: the reply carries tool calls (tool_choice)
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (its token dropped)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply, top-k
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
     reasoning: str = ""  # chat: the --reasoning-parser that splits the output ("": none)
@@ -203,7 +204,9 @@ def completion_request(body: dict, fim: FillInMiddle | None = None) -> ApiReques
                                 f"one of: {MARKERS_NAMED})")
         if echo:
             raise bad("echo", "echo cannot be combined with suffix")
-    params, logprobs = _sampling(body, chat=False)
+    # max_tokens 0 with echo (the legacy API's scoring request): one token, never shown
+    echo_only = echo and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+    params, logprobs = _sampling({**body, "max_tokens": 1} if echo_only else body, chat=False)
     if echo and logprobs is not None:
         if optional_bool(body, "stream"):
             raise bad("echo", "echo with logprobs is not supported in a stream")
@@ -223,7 +226,7 @@ def completion_request(body: dict, fim: FillInMiddle | None = None) -> ApiReques
         requests = prompt_requests(body.get("prompt"), "prompt", params, common)
     n = params.n if params.HasField("n") else 1
     return ApiRequest(False, optional_str(body, "model"), requests, n, stream, include_usage,
-                      logprobs, echo=echo, **_api_extras(body))
+                      logprobs, echo=echo, echo_only=echo_only, **_api_extras(body))
 
 
 def tokenize_request(body: dict) -> pb.GenerateRequest:

@@ -20,6 +20,7 @@ as the content it is, with its own finish_reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from .openai_protocol import (
@@ -94,7 +95,19 @@ class ChoiceWriter:
 
     # ------------------------------------------------------------------ unary
 
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """`out` as the client sees it: with echo and max_tokens 0 (`echo_only`) the one
+        token sampled is dropped, text, logprobs, ids and count, and the choice ends by
+        its length (0)."""
+        if not self.api.echo_only:
+            return out
+        usage = out.usage and Usage(out.usage.prompt_tokens, 0, out.usage.cached_prompt_tokens)
+        deltas = tuple(CompletionDelta(d.index, finish_reason="length")
+                       for d in out.deltas if d.finish_reason is not None)
+        return dataclasses.replace(out, deltas=deltas, usage=usage)
+
     def add(self, prompt_index: int, out: RequestOutput) -> None:
+        out = self._shown(out)
         if out.prompt_logprobs:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         for delta in out.deltas:
@@ -244,6 +257,7 @@ class ChoiceWriter:
         return chunks
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        out = self._shown(out)
         self.usage = add_usage(self.usage, out.usage)
         chunks = []
         for delta in out.deltas:

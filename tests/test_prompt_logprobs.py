@@ -178,6 +178,41 @@ def test_http_prompt_logprobs_as_vllm_returns_them(cluster, reference, model_dir
     assert bad.value.code == 400
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone(cluster, reference):
+    """The legacy API's scoring request (older lm-eval, OpenAI's GPT-3 recipe): echo,
+    max_tokens 0: every choice is its prompt and the prompt's scores, nothing generated
+    (no text, token or count; finish "length"), also in a stream; max_tokens 0 without
+    echo is still a 400."""
+    ids = PROMPT_IDS[:12]
+    lp = reference(ids)
+    reply = _post(cluster, {"prompt": ids, "max_tokens": 0, "logprobs": 1, "echo": True,
+                            "n": 2, "temperature": 0})
+    assert reply["usage"]["completion_tokens"] == 0
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    for choice in reply["choices"]:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(ids) and choice["finish_reason"] == "length"
+        assert "".join(logprobs["tokens"]) == choice["text"]
+        assert logprobs["token_logprobs"][0] is None
+        for i in range(1, len(ids)):
+            assert logprobs["token_logprobs"][i] == pytest.approx(lp[i - 1, ids[i]].item(),
+                                                                  abs=2e-4)
+    body = json.dumps({"prompt": "The router owns", "max_tokens": 0, "echo": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://{cluster.http_address}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "The router owns"
+    ends = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert ends == ["length"] and events[-1]["usage"]["completion_tokens"] == 0
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        _post(cluster, {"prompt": "a", "max_tokens": 0})
+    assert bad.value.code == 400
+
+
 def test_echo_as_lm_evaluation_harness_reads_it(cluster, reference):
     """lm-eval's loglikelihood request: token ids, max_tokens 1, logprobs 1, echo. The
     logprobs cover prompt then completion; the first token's is null; the rest are the
