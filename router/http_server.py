@@ -216,7 +216,11 @@ class OpenAIApp:
                 if kind == "responses":
                     turn = await self.responses.turn(body, self._prompt_fits)
                     body = turn.body
-                api = self._api_request(kind, turn.chat if turn else body)
+                chat_body = turn.chat if turn else body
+                # a suffix's frame is token ids: a large file's text is tokenized off the loop
+                api = await asyncio.to_thread(self._api_request, kind, chat_body) \
+                    if kind == "completions" and body.get("suffix") is not None \
+                    else self._api_request(kind, chat_body)
                 adapter = self.adapter_named(body)
                 for pb_request in api.requests:
                     pb_request.lora_adapter = adapter
