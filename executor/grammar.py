@@ -44,6 +44,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str | Path | None, vocab_size: int,
                  num_threads: int | None = None) -> None:
         self.vocab = GrammarVocab(tokenizer_json, vocab_size)
+        self.vocab_size = self.vocab.vocab_size
         self.num_threads = num_threads  # llguidance's mask threads (None: its default)
         self._executor = None
 
