@@ -44,9 +44,12 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str | Path | None, vocab_size: int,
                  num_threads: int | None = None) -> None:
         self.vocab = GrammarVocab(tokenizer_json, vocab_size)
-        self.vocab_size = self.vocab.vocab_size
         self.num_threads = num_threads  # llguidance's mask threads (None: its default)
         self._executor = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
 
     def _tokenizer(self, eos_token_ids: tuple[int, ...]):
         tok = self.vocab.tokenizer(eos_token_ids)

@@ -35,11 +35,13 @@ class FormatCursor:
         self.matcher = matcher  # llguidance.LLMatcher
         self.consumed = 0  # output tokens fed so far
 
-    def follow(self, output: Sequence[int]) -> None:
-        """Feed the output tokens not yet fed (`output`: the sample's whole output)."""
-        if len(output) > self.consumed:
-            self.matcher.consume_tokens([int(t) for t in output[self.consumed:]])
-            self.consumed = len(output)
+    def follow(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Feed the output tokens not yet fed (the sample's output: `tokens` from `start`,
+        its prompt's length; only the new ones are copied)."""
+        fed = start + self.consumed
+        if len(tokens) > fed:
+            self.matcher.consume_tokens([int(t) for t in tokens[fed:]])
+            self.consumed = len(tokens) - start
 
     def forced(self) -> list[int]:
         """The tokens the format forces next ([]: a choice to make, or it has ended)."""

@@ -247,7 +247,7 @@ class Drafter:
         if mine.cursor is None and self.formats is not None:
             mine.cursor = self.formats.cursor(grammar)
         if mine.cursor is not None:
-            mine.cursor.follow(seq.token_ids[seq.num_prompt_tokens:])
+            mine.cursor.follow(seq.token_ids, seq.num_prompt_tokens)
         return mine.cursor
 
     def search(self, seq: Sequence, k: int) -> list[int]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from cluster_harness import Cluster, HFReference, assert_greedy_match, concurrently, request
 from safetensors.torch import load_file, save_file
+from test_structured_cluster import structured
 
 from pagedserve.tinymodels import build_model
 
@@ -90,10 +91,7 @@ def test_greedy_equals_transformers_with_drafts_confirmed(cluster, hf):
 
 def _constrained(prompt: str, kind: str, value, **params):
     req = request(prompt, max_tokens=40, logprobs=1, **params)
-    if kind == "choice":
-        req.params.structured_output.choice.choices.extend(value)
-    else:
-        setattr(req.params.structured_output, kind, value)
+    req.params.structured_output.CopyFrom(structured(kind, value))
     return req
 
 
