@@ -170,6 +170,8 @@ class RouterEngine:
         if self.link is not None:
             await self.link.close()
         self.steps.close()
+        if self.formats is not None:
+            self.formats.close()
 
     # ================================================================== Engine protocol
 

@@ -227,12 +227,14 @@ class Drafter:
         if limit <= 0 or seq.num_pending:
             return []
         cursor = self._cursor(mine, seq, grammar) if grammar else None
-        if cursor is not None:
+        if cursor is not None and not (cursor.pending or cursor.failed):
             forced = cursor.forced()
             if forced:
                 return forced[:limit]
-        elif grammar:  # its format cannot be followed here: back off as after misses
-            mine.skip = MAX_BACKOFF
+        elif grammar:
+            # compiling in the worker: look again after one decode; else its format
+            # cannot be followed here: back off as after misses
+            mine.skip = 1 if cursor is not None and cursor.pending else MAX_BACKOFF
             return []
         k = min(limit, mine.length)
         drafts = self.search(seq, k)
@@ -243,7 +245,8 @@ class Drafter:
         return drafts
 
     def _cursor(self, mine: _SampleDrafts, seq: Sequence, grammar: str) -> FormatCursor | None:
-        """The sample's format cursor, fed its output so far (built on first use)."""
+        """The sample's format cursor, fed its output so far (made on first use; its
+        grammar compiles in a worker thread meanwhile: grammar_drafts.py)."""
         if mine.cursor is None and self.formats is not None:
             mine.cursor = self.formats.cursor(grammar)
         if mine.cursor is not None:
