@@ -16,7 +16,8 @@ output tokens per drafted-or-not decode (`tokens_per_decode`, the step count's i
 Then the router's cost of following a format, in process on the model's tokenizer: a
 grammar compiled as the router did before (`LLMatcher` plus its first fast-forward, on
 the event loop), against `FormatDrafts.cursor` for a grammar compiled before (a copy of
-the compiled matcher) and for a new one (the call that hands it to the worker thread).
+the compiled matcher) and for a new one (the call that hands it to the worker thread); and
+the executor's: a request's matcher for a grammar seen before (a copy) and a new one.
 
     .venv/bin/python benchmarks/grammar_drafts_bench.py [--model DIR] [--cities 16] [--k 4]
 """
@@ -105,17 +106,45 @@ def compile_costs(formats: FormatDrafts, grammar: str, repeats: int = 30) -> dic
         t0 = time.perf_counter()
         formats.cursor(grammar).forced()
         cached.append(time.perf_counter() - t0)
-        fresh = build_grammar("json_schema", json.dumps(  # a text never compiled
-            {**CITY_SCHEMA, "properties": {**CITY_SCHEMA["properties"],
-                                           "landmarks": {"type": "array", "maxItems": 4 + r,
-                                                         "items": {"type": "string"}}}}))
+        fresh = _variant(r)
         t0 = time.perf_counter()
         formats.cursor(fresh)
         new.append(time.perf_counter() - t0)
         _await_compiled(formats, fresh)
-    us = lambda xs: round(statistics.median(xs) * 1e6, 1)  # noqa: E731
-    return {"loop_compile_us": us(old), "cached_cursor_us": us(cached),
-            "new_grammar_call_us": us(new)}
+    return {"loop_compile_us": _us(old), "cached_cursor_us": _us(cached),
+            "new_grammar_call_us": _us(new)}
+
+
+def _us(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1e6, 1)
+
+
+def _variant(r: int) -> str:
+    """The schema's grammar with one bound changed: a text never compiled before."""
+    props = {**CITY_SCHEMA["properties"],
+             "landmarks": {"type": "array", "maxItems": 4 + r, "items": {"type": "string"}}}
+    return build_grammar("json_schema", json.dumps({**CITY_SCHEMA, "properties": props}))
+
+
+def executor_costs(model_dir: Path, vocab_size: int, eos: list[int], grammar: str,
+                   repeats: int = 30) -> dict:
+    """Medians in microseconds of the executor's `GrammarCompiler.matcher` (a request's
+    matcher, built on the I/O thread as it arrives): a grammar text seen before (a copy of
+    its compiled start) and a new one (compiled)."""
+    from pagedserve.executor.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(model_dir / "tokenizer.json", vocab_size, num_threads=1)
+    compiler.matcher(grammar, eos)
+    seen, new = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        compiler.matcher(grammar, eos)
+        seen.append(time.perf_counter() - t0)
+        fresh = _variant(100 + r)
+        t0 = time.perf_counter()
+        compiler.matcher(fresh, eos)
+        new.append(time.perf_counter() - t0)
+    return {"repeated_grammar_matcher_us": _us(seen), "new_grammar_matcher_us": _us(new)}
 
 
 def tokenize_chat(server: Server, prompt: str) -> list[int]:
@@ -172,11 +201,15 @@ def main() -> None:
     costs = compile_costs(formats, grammar)
     emit("router_costs", **costs)
     formats.close()
+    executor = executor_costs(model_dir, config["vocab_size"], eos, grammar)
+    emit("executor_costs", **executor)
     f, lk = total["forced"], total["lookup"]
     print(f"{len(runs)} requests, {num_out} output tokens in {total['decodes']} decodes; "
           f"forced drafts {f[1]}/{f[0]} confirmed, lookup drafts {lk[1]}/{lk[0]}; "
           f"compile on the loop {costs['loop_compile_us']} us, cached cursor "
-          f"{costs['cached_cursor_us']} us, new grammar {costs['new_grammar_call_us']} us",
+          f"{costs['cached_cursor_us']} us, new grammar {costs['new_grammar_call_us']} us; "
+          f"executor matcher {executor['repeated_grammar_matcher_us']} us for a grammar "
+          f"seen before, {executor['new_grammar_matcher_us']} us for a new one",
           file=sys.stderr)
 
 

@@ -5,7 +5,9 @@ The router compiled and checked the request's format into an llguidance grammar 
 
 1. `GrammarCompiler.matcher(grammar)` builds the request's matcher when the request arrives
    (the I/O thread's `precompute`, off the step) and replays the output so far, so a request
-   preempted by recompute or migrated resumes in the state it left;
+   preempted by recompute or migrated resumes in the state it left; a grammar text is
+   compiled once while it is among the `MAX_COMPILED` used last (0.5-2 ms for a JSON
+   schema), and each request's matcher is a copy of the compiled one (microseconds);
 2. each sampled token advances it (`SamplingState.append`); a fork copies it;
 3. before sampling, `fill_grammar_masks` has llguidance fill one bitmask row per constrained
    row (in parallel, outside the GIL; on a GPU while the step's forward runs) and
@@ -25,6 +27,8 @@ vocabulary: it is built once per executor, on the first constrained request.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +40,8 @@ from pagedserve.grammar_vocab import GrammarError, GrammarVocab
 
 log = logging.getLogger(__name__)
 
+MAX_COMPILED = 64  # grammar texts whose compiled matcher is kept (least recently used dropped)
+
 
 class GrammarCompiler:
     """Matchers for one model's vocabulary (thread-safe; the index is built on first use:
@@ -46,6 +52,9 @@ class GrammarCompiler:
         self.vocab = GrammarVocab(tokenizer_json, vocab_size)
         self.num_threads = num_threads  # llguidance's mask threads (None: its default)
         self._executor = None
+        # (grammar, EOS ids) -> its matcher at the start, never fed: requests copy it
+        self._compiled: OrderedDict[tuple[str, tuple[int, ...]], object] = OrderedDict()
+        self._compiled_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -63,16 +72,31 @@ class GrammarCompiler:
                 output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for `grammar` that has consumed `output_token_ids` (the output so
         far of a request rebuilt after preemption or migration). Raises GrammarError."""
-        import llguidance
-
-        tok = self._tokenizer(tuple(int(t) for t in eos_token_ids))
-        inner = llguidance.LLMatcher(tok, grammar, log_level=0)
-        if inner.is_error():
-            raise GrammarError(f"the grammar does not compile: {inner.get_error()}")
-        matcher = GrammarMatcher(inner, self)
+        matcher = GrammarMatcher(self._start(grammar, tuple(int(t) for t in eos_token_ids))
+                                 .deep_copy(), self)
         for token in output_token_ids:
             matcher.consume(int(token))
         return matcher
+
+    def _start(self, grammar: str, eos: tuple[int, ...]):
+        """The compiled matcher at the start of `grammar` (compiled on first use; two
+        threads asking at once may both compile, and one result is kept)."""
+        key = (grammar, eos)
+        with self._compiled_lock:
+            start = self._compiled.get(key)
+            if start is not None:
+                self._compiled.move_to_end(key)
+                return start
+        import llguidance
+
+        start = llguidance.LLMatcher(self._tokenizer(eos), grammar, log_level=0)
+        if start.is_error():
+            raise GrammarError(f"the grammar does not compile: {start.get_error()}")
+        with self._compiled_lock:
+            self._compiled[key] = start
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return start
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> np.ndarray:
         """int32 [len(matchers), mask_words]: bit t of row i set when matcher i allows token

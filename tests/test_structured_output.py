@@ -259,6 +259,38 @@ def test_rebuilt_state_replays_the_output_and_forks_are_independent(compiler, to
     assert allowed_ids(compiler, fresh.grammar) == before  # the parent did not move
 
 
+def test_a_grammar_text_compiles_once_and_each_request_gets_its_own_copy(
+        tokenizer_dir, monkeypatch):
+    """Matchers of one grammar copy one compiled start (the least recently used of more
+    than MAX_COMPILED texts dropped); their places are their own; a grammar that does not
+    compile raises every time and is not kept."""
+    from pagedserve.executor import grammar as grammar_mod
+
+    monkeypatch.setattr(grammar_mod, "MAX_COMPILED", 2)
+    compiler = GrammarCompiler(tokenizer_dir / "tokenizer.json", VOCAB, num_threads=1)
+    yes_no = build_grammar("choice", ["yes", "no"])
+    first, second = compiler.matcher(yes_no, [EOS]), compiler.matcher(yes_no, [EOS])
+    assert list(compiler._compiled) == [(yes_no, (EOS,))]
+    start = compiler._compiled[(yes_no, (EOS,))]
+    assert first.inner is not start and second.inner is not start
+    before = allowed_ids(compiler, second)
+    for token in encode(tokenizer_dir, "yes"):
+        first.consume(token)
+    assert allowed_ids(compiler, first) == {EOS}
+    assert allowed_ids(compiler, second) == before  # untouched by the first's tokens
+    assert allowed_ids(compiler, compiler.matcher(yes_no, [EOS])) == before
+    digits, letters = build_grammar("regex", "[0-9]+"), build_grammar("regex", "[a-z]+")
+    compiler.matcher(digits, [EOS])
+    compiler.matcher(yes_no, [EOS])  # used again: now the newest
+    compiler.matcher(letters, [EOS])  # drops digits, the least recently used
+    assert [g for g, _ in compiler._compiled] == [yes_no, letters]
+    assert compiler._compiled[(yes_no, (EOS,))] is start
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not compile"):
+            compiler.matcher("start: /[/", [EOS])
+    assert len(compiler._compiled) == 2
+
+
 def test_a_grammar_the_executor_cannot_use_fails_that_request_only(compiler):
     params = SamplingParams(grammar=build_grammar("regex", "a+"), eos_token_ids=(EOS,))
     new = [NewRequest(request_id=rid, prompt_token_ids=np.array([1, 5], np.int32),
