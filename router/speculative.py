@@ -218,7 +218,7 @@ class Drafter:
     def decode(self, seq: Sequence, limit: int, grammar: str = "") -> list[int]:
         """The drafts for this decode of `seq` ([]: none), unless the sample is backing
         off or has a token in flight: under a grammar, the tokens it forces, up to
-        ``limit`` (grammar_drafts.py); else up to ``limit`` and the sample's draft length
+        ``limit`` and `MAX_SPECULATIVE_TOKENS` (grammar_drafts.py); else up to ``limit`` and the sample's draft length
         found by `search` (under a grammar, cut where it refuses one)."""
         mine = self._of(seq)
         if mine.skip:
@@ -229,8 +229,9 @@ class Drafter:
         cursor = self._cursor(mine, seq, grammar) if grammar else None
         if cursor is not None and not (cursor.pending or cursor.failed):
             forced = cursor.forced()
-            if forced:
-                return forced[:limit]
+            if forced:  # at most what a row drafts: its every position is sampled, and
+                # [positions, vocabulary] logits are not what the cache was sized beside
+                return forced[:min(limit, MAX_SPECULATIVE_TOKENS)]
         elif grammar:
             # compiling in the worker: look again after one decode; else its format
             # cannot be followed here: back off as after misses

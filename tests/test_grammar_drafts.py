@@ -13,7 +13,12 @@ import time
 import pytest
 from pagedserve.router import grammar_drafts
 from pagedserve.router.grammar_drafts import FormatDrafts
-from pagedserve.router.speculative import MAX_BACKOFF, Drafter, SpeculativeConfig
+from pagedserve.router.speculative import (
+    MAX_BACKOFF,
+    MAX_SPECULATIVE_TOKENS,
+    Drafter,
+    SpeculativeConfig,
+)
 from pagedserve.router.structured import build_grammar
 from tokenizers import Tokenizer
 
@@ -109,6 +114,13 @@ def test_the_drafter_drafts_forced_tokens_then_lookup_within_the_format(formats,
     assert drafter.decode(_Seq("c#0", [5], []), 10, free) == []  # nothing to look up
     seq.num_pending = 1  # a token in flight: its format's place is not known
     assert drafter.decode(seq, 10, forcing) == []
+    # a long forced text: at most MAX_SPECULATIVE_TOKENS drafts a row, whatever the limit
+    long = build_grammar("regex", "(ab|cd)" + "-ab" * 30)
+    _compiled(formats, long)
+    seq3 = _Seq("d#0", _ids(tok, "x"), _ids(tok, "cd"))
+    drafts = drafter.decode(seq3, 100, long)
+    assert len(drafts) == MAX_SPECULATIVE_TOKENS == 15
+    assert tok.decode(drafts) == "-ab" * 7 + "-"
 
 
 def test_no_grammar_drafts_until_the_index_is_built(tokenizer_dir):
