@@ -218,8 +218,9 @@ class Drafter:
     def decode(self, seq: Sequence, limit: int, grammar: str = "") -> list[int]:
         """The drafts for this decode of `seq` ([]: none), unless the sample is backing
         off or has a token in flight: under a grammar, the tokens it forces, up to
-        ``limit`` and `MAX_SPECULATIVE_TOKENS` (grammar_drafts.py); else up to ``limit`` and the sample's draft length
-        found by `search` (under a grammar, cut where it refuses one)."""
+        ``limit`` and `MAX_SPECULATIVE_TOKENS` (grammar_drafts.py); else up to ``limit``
+        and the sample's draft length found by `search` (under a grammar, cut where it
+        refuses one)."""
         mine = self._of(seq)
         if mine.skip:
             mine.skip -= 1
