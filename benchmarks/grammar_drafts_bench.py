@@ -31,11 +31,13 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagedserve.router.grammar_drafts import FormatDrafts  # noqa: E402
 from pagedserve.router.speculative import Drafter, SpeculativeConfig  # noqa: E402
 from pagedserve.router.structured import build_grammar  # noqa: E402
+from pagedserve.router.types import RequestSpec  # noqa: E402
 from spec_decode_bench import CITY_SCHEMA, FORMATS, Server  # noqa: E402
 
 from pagedserve.grammar_vocab import GrammarVocab  # noqa: E402
@@ -55,6 +57,7 @@ class _Sample:
     def __init__(self, seq_id: str, prompt: list[int]) -> None:
         self.seq_id, self.token_ids, self.num_pending = seq_id, list(prompt), 0
         self.num_prompt_tokens = len(prompt)
+        self.group = SimpleNamespace(spec=RequestSpec(seq_id, tuple(prompt)))
 
 
 def replay(drafter: Drafter, grammar: str, seq_id: str, prompt: list[int],

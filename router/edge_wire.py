@@ -21,10 +21,11 @@ import msgspec
 
 from .types import ClusterStatusData, RequestSpec, TokenLogprob, Usage
 
-EDGE_PROTOCOL_VERSION = 11  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
+EDGE_PROTOCOL_VERSION = 12  # 4: SamplingSpec.logit_bias, grammar; 5: Outputs' token columns;
 # 6: SamplingSpec.allowed_token_ids, bad_words_token_ids; 7: RequestSpec.lora_adapter;
 # 8: SamplingSpec.embed, OutputItem.embedding; 9: LoraCall, EdgeStatus.lora_adapters;
-# 10: WeightCall, Reply.count; 11: ResponseCall, Reply.data and frames
+# 10: WeightCall, Reply.count; 11: ResponseCall, Reply.data and frames; 12:
+# SamplingSpec.prediction, Usage's prediction counts
 
 
 class EdgeHello(msgspec.Struct, tag=True):

@@ -64,12 +64,8 @@ from .openai_embeddings import (
     input_field,
 )
 from .openai_fields import optional_str, served_names
-from .openai_protocol import (
-    TokenIdText,
-    TokenText,
-    chat_request,
-    completion_request,
-)
+from .openai_logprobs import TokenIdText, TokenText
+from .openai_protocol import chat_request, completion_request
 from .openai_responses import ChoiceWriter
 from .response_persistence import ResponseFile
 from .response_store import ResponseStore

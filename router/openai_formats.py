@@ -1,7 +1,7 @@
 """OpenAI (and vLLM) body fields that shape the logits or the search: logit_bias, the
-structured-output formats and beam search, read into the gRPC SamplingParams fields
-(logit_bias, structured_output, beam_search) so both APIs share validation.py's checks and
-router/structured.py's compilation.
+structured-output formats, beam search and the predicted output, read into the gRPC
+SamplingParams fields (logit_bias, structured_output, beam_search, prediction) so both APIs
+share validation.py's checks and router/structured.py's compilation.
 
 Structured output may be asked for in any one of the ways clients send it:
 
@@ -72,6 +72,33 @@ def token_restrictions(body: dict, params: pb.SamplingParams) -> None:
                                   and all(isinstance(w, str) for w in words)):
         raise bad("bad_words", f"must be an array of strings, got {json_type(words)}")
     params.bad_words.extend(words or ())
+
+
+def prediction(body: dict, params: pb.SamplingParams) -> None:
+    """OpenAI's Predicted Outputs, `prediction`: {"type": "content", "content": text or
+    an array of text parts (joined)} into params (router/predicted_outputs.py drafts from
+    it; validation.py tokenizes it). null: none."""
+    value = body.get("prediction")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad("prediction", f"must be an object, got {json_type(value)}")
+    if value.get("type") != "content":
+        raise bad("prediction.type", f"must be \"content\", got {value.get('type')!r}")
+    content = value.get("content")
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad(f"prediction.content[{i}]",
+                          "must be a text part ({\"type\": \"text\", \"text\": string})")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad("prediction.content", f"must be a string or an array of text parts, "
+                                        f"got {json_type(content)}")
+    params.prediction.text = content
 
 
 def beam_search(body: dict, params: pb.SamplingParams) -> None:

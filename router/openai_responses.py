@@ -23,17 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .openai_protocol import (
-    ApiRequest,
+from .openai_logprobs import (
     TokenText,
-    add_usage,
     chat_logprobs_json,
     completion_logprobs_json,
     echo_logprobs_json,
     prompt_logprobs_json,
-    stop_reason,
-    usage_json,
 )
+from .openai_protocol import ApiRequest, add_usage, stop_reason, usage_json
 from .reasoning_parsers import make_reasoning_parser, split_reasoning
 from .tool_parsers import make_parser, tool_call_id
 from .types import CompletionDelta, RequestOutput, Usage
@@ -101,7 +98,7 @@ class ChoiceWriter:
         its length (0)."""
         if not self.api.echo_only:
             return out
-        usage = out.usage and Usage(out.usage.prompt_tokens, 0, out.usage.cached_prompt_tokens)
+        usage = out.usage and dataclasses.replace(out.usage, completion_tokens=0)
         deltas = tuple(CompletionDelta(d.index, finish_reason="length")
                        for d in out.deltas if d.finish_reason is not None)
         return dataclasses.replace(out, deltas=deltas, usage=usage)

@@ -62,7 +62,6 @@ from .types import (
     ModelInfoData,
     RequestOutput,
     RequestSpec,
-    Usage,
 )
 from .zmq_reader import SocketReader
 
@@ -276,9 +275,9 @@ class RemoteEngine:
                     self._assemble(item.request_id, req, delta)
                 if item.usage is not None:
                     usage = item.usage
-                    req.channel.finish(Usage(  # tokens handed out here (see module doc)
-                        usage.prompt_tokens, sum(a.num_tokens for a in req.assemblers),
-                        usage.cached_prompt_tokens), tuple(item.prompt_logprobs),
+                    req.channel.finish(dataclasses.replace(  # tokens handed out here
+                        usage, completion_tokens=sum(a.num_tokens for a in req.assemblers)),
+                        tuple(item.prompt_logprobs),
                         np.frombuffer(item.embedding, dtype="<f4") if item.embedding else None)
                     del streams[item.request_id]
                 elif item.error:

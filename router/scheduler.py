@@ -78,11 +78,13 @@ class Scheduler:
         self.hold = ""
         self.pending_forks: list[tuple[Sequence, Sequence]] = []  # beams forked between steps
         self._num_running_seqs = 0  # (num_running_seqs: counted as schedule() walks them)
-        self.drafter = Drafter(config.speculative, config.formats) \
-            if config.speculative is not None else None
+        # Without --speculative-config the drafter serves predictions only (Predicted
+        # Outputs, router/predicted_outputs.py), in steps while a group with one is here
+        self.drafter = Drafter(config.speculative, config.formats)
+        self._predicted: set[str] = set()  # ids of the groups here with a prediction
         self._drafting: Drafter | None = None  # the drafter, in a step where it drafts
         self.lane = decode_lane.DecodeLane(kv, config.max_model_len) \
-            if config.decode_lane_min_running > 0 and self.drafter is None else None
+            if config.decode_lane_min_running > 0 and config.speculative is None else None
         self._lane_backoff = 0  # steps left without the lane (`_plan_with_lane`)
         # Depth 3 and more: plans sent so far (the last one's number)
         self._hold_older_pending = config.pipeline_depth >= 3
@@ -97,6 +99,8 @@ class Scheduler:
         group.status = GroupStatus.WAITING
         bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
         self._intend(group)
+        if group.spec.sampling.prediction:
+            self._predicted.add(group.request_id)
 
     def _intend(self, group: RequestGroup) -> None:
         seqs = group.active_seqs()
@@ -163,6 +167,7 @@ class Scheduler:
         for seq in group.seqs:
             self._release_seq(seq)
         group.status = GroupStatus.FINISHED
+        self._predicted.discard(group.request_id)
 
     def finish_seq(self, seq: Sequence) -> None:
         """One sample is done (its group may go on): free its blocks at once."""
@@ -172,8 +177,7 @@ class Scheduler:
     def _release_seq(self, seq: Sequence) -> None:
         if self.lane is not None:
             self.lane.evict(seq)
-        if self.drafter is not None:
-            self.drafter.forget(seq.seq_id)
+        self.drafter.forget(seq.seq_id)
         if self.kv.has_request(seq.seq_id):
             self.kv.free(seq.seq_id)  # its intent too
         else:
@@ -223,8 +227,8 @@ class Scheduler:
         """
         kv = self.kv
         drafter = self.drafter  # drafts this step unless as many groups run as disable it
-        self._drafting = drafter if drafter is not None \
-            and drafter.config.drafts_at(len(self.running)) else None
+        self._drafting = drafter if (drafter.config is not None or self._predicted) \
+            and drafter.drafts_at(len(self.running)) else None
         kv.begin_step()
         out = SchedulerOutput(PlanRows(kv))
         out.dropped_seq_ids.extend(self._pending_drops)
@@ -262,7 +266,9 @@ class Scheduler:
         served = None
         lane = self.lane
         if lane is not None:
-            if len(self.running) >= self.config.decode_lane_min_running:
+            if self._predicted:  # drafted rows take blocks the lane's step did not count
+                lane.clear()
+            elif len(self.running) >= self.config.decode_lane_min_running:
                 served = self._plan_with_lane(out, budget)
             elif len(lane):  # too few to pay: the loop plans them from now on
                 lane.clear()

@@ -233,6 +233,10 @@ class RequestGroup:
         # the prefix pull bringing blocks of its prompt from another executor
         # (router/prefix_pull.py): admission waits for it; None: none
         self.pull: Pull | None = None
+        # Predicted Outputs: the prediction's tokens its samples drafted and the model
+        # confirmed, and rejected (router/speculative.py counts them)
+        self.accepted_prediction_tokens = 0
+        self.rejected_prediction_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -276,6 +280,8 @@ class RequestGroup:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=sum(s.assembler.num_tokens for s in self.seqs),
             cached_prompt_tokens=self.cached_prompt_tokens or 0,
+            accepted_prediction_tokens=self.accepted_prediction_tokens,
+            rejected_prediction_tokens=self.rejected_prediction_tokens,
         )
 
     def __repr__(self) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .grammar_drafts import FormatCursor, FormatDrafts
+from .predicted_outputs import PredictedDrafts, PredictionCursor
 from .sequence import RequestGroup, Sequence
 
 MAX_SPECULATIVE_TOKENS = 15  # drafts a row (the wire's counts; more rarely pay)
@@ -175,20 +176,29 @@ class Drafter:
     copies its context keeps drafting k; elsewhere a rejected row wastes one position,
     not k."""
 
-    def __init__(self, config: SpeculativeConfig, formats: FormatDrafts | None = None) -> None:
-        self.config = config
+    def __init__(self, config: SpeculativeConfig | None,
+                 formats: FormatDrafts | None = None) -> None:
+        self.config = config  # None: only samples with a prediction draft (no lookup)
         self.formats = formats  # structured output's forced tokens (None: no drafts there)
         self._samples: dict[str, _SampleDrafts] = {}
+
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether an executor running this many requests drafts (`disable_by_batch_size`
+        applies to predictions too)."""
+        return self.config is None or self.config.drafts_at(num_running)
 
     def may_draft(self, group: RequestGroup) -> bool:
         """Whether the group's samples decode with drafts: not beams (each step's inputs
         are chosen from the last step's answers: router/beam_search.py), not sample 0 of
-        n > 1 before the fork, and under a grammar only once the router can follow it
-        (grammar_drafts.py: its vocabulary index built)."""
+        n > 1 before the fork, only with a prediction when the lookup is off, and under
+        a grammar only once the router can follow it (grammar_drafts.py: its vocabulary
+        index built)."""
         if not group.forked or group.beam is not None:
             return False
-        return not group.spec.sampling.grammar or (self.formats is not None
-                                                   and self.formats.ready())
+        sampling = group.spec.sampling
+        if self.config is None and not sampling.prediction:
+            return False
+        return not sampling.grammar or (self.formats is not None and self.formats.ready())
 
     def _record(self, seq: Sequence) -> _SampleDrafts | None:
         """The sample's record, if this `Sequence` object has one (not an ended one's)."""
@@ -198,8 +208,14 @@ class Drafter:
     def _of(self, seq: Sequence) -> _SampleDrafts:
         mine = self._record(seq)
         if mine is None:
+            prediction = seq.group.spec.sampling.prediction
+            # a prediction is the client's word that the output repeats it: its rows
+            # draft up to the most a row drafts (rejections shorten them as any)
             mine = self._samples[seq.seq_id] = _SampleDrafts(
-                seq, self.config.num_speculative_tokens)
+                seq, MAX_SPECULATIVE_TOKENS if prediction or self.config is None
+                else self.config.num_speculative_tokens)
+            if prediction:
+                mine.prediction = PredictionCursor(prediction)
         return mine
 
     def for_decode(self, group: RequestGroup, seq: Sequence, budget: int,
@@ -219,8 +235,8 @@ class Drafter:
         """The drafts for this decode of `seq` ([]: none), unless the sample is backing
         off or has a token in flight: under a grammar, the tokens it forces, up to
         ``limit`` and `MAX_SPECULATIVE_TOKENS` (grammar_drafts.py); else up to ``limit``
-        and the sample's draft length found by `search` (under a grammar, cut where it
-        refuses one)."""
+        and the sample's draft length, from its prediction (predicted_outputs.py) or,
+        without one there, found by `search` (under a grammar, cut where it refuses one)."""
         mine = self._of(seq)
         if mine.skip:
             mine.skip -= 1
@@ -239,9 +255,15 @@ class Drafter:
             mine.skip = 1 if cursor is not None and cursor.pending else MAX_BACKOFF
             return []
         k = min(limit, mine.length)
-        drafts = self.search(seq, k)
+        drafts = mine.prediction.drafts(seq.token_ids, seq.num_prompt_tokens, k) \
+            if mine.prediction is not None else []
+        predicted = bool(drafts)
+        if not drafts and self.config is not None:
+            drafts = self.search(seq, k)
         if cursor is not None:
             drafts = cursor.allowed(drafts)
+        if predicted and drafts:  # (their result counts in the request's usage)
+            drafts = PredictedDrafts(drafts)
         if not drafts:  # nothing to draft from yet: look again after one decode
             mine.skip = 1
         return drafts
@@ -278,8 +300,7 @@ class Drafter:
         mine = self._record(seq)
         if mine is None:
             return
-        mine.length = min(self.config.num_speculative_tokens,
-                          2 * num_drafted if num_confirmed == num_drafted
+        mine.length = min(mine.cap, 2 * num_drafted if num_confirmed == num_drafted
                           else num_confirmed + 1)
         if num_confirmed:
             mine.misses = 0
@@ -302,7 +323,8 @@ class Drafter:
 class _SampleDrafts:
     """What a `Drafter` keeps of one sample."""
 
-    __slots__ = ("seq", "tokens", "filled", "misses", "skip", "length", "cursor")
+    __slots__ = ("seq", "tokens", "filled", "misses", "skip", "length", "cap", "cursor",
+                 "prediction")
 
     def __init__(self, seq: Sequence, length: int) -> None:
         self.seq = seq  # the Sequence object it belongs to
@@ -310,5 +332,7 @@ class _SampleDrafts:
         self.filled = 0  # ... this many copied so far
         self.misses = 0  # drafted decodes in a row with every draft rejected
         self.skip = 0  # decodes left without drafting
-        self.length = length  # drafts its next drafted row may have
+        self.length = length  # drafts its next drafted row may have ...
+        self.cap = length  # ... at most
         self.cursor: FormatCursor | None = None  # its format, under a grammar
+        self.prediction: PredictionCursor | None = None  # its place in its prediction

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..protos import wire
-from . import beam_search
+from . import beam_search, predicted_outputs
 from . import result_checks as checks
 from .errors import Unavailable
+from .predicted_outputs import PredictedDrafts
 from .sequence import RequestGroup, Sequence
 from .types import TokenLogprob
 
@@ -208,7 +209,10 @@ def apply_tokens(self: StepLoop, handle: ExecutorHandle, result: wire.StepResult
     if drafts:
         drafter = handle.scheduler.drafter
         for seq, n in confirmed.items():
-            drafter.confirmed(seq, len(drafts[seq]), n)
+            drafted = drafts[seq]
+            drafter.confirmed(seq, len(drafted), n)
+            if type(drafted) is PredictedDrafts:  # (the sample may have ended)
+                predicted_outputs.count(seq.group, len(drafted), n)
         self.metrics.add_spec_decode(handle_id, len(drafts), sum(map(len, drafts.values())),
                                      sum(confirmed.values()))
     for group in beams:  # (after every row: a step needs all of a search's beams)

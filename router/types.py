@@ -74,6 +74,9 @@ class SamplingSpec:
     # an embedding request (/v1/embeddings): one greedy token, dropped; the prompt's last
     # token's final hidden state comes back (RequestOutput.embedding)
     embed: bool = False
+    # Predicted Outputs: the token ids the output is expected to repeat for the most part;
+    # the router drafts from them (router/predicted_outputs.py); () = none
+    prediction: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -147,6 +150,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    # with a prediction: its tokens drafted and confirmed / drafted and rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries per request
 MAX_BAD_WORDS = 128  # words per request
 MAX_BAD_WORD_CHARS = 1000  # the sampler compares a word's tokens with the output every step
+MAX_CHARS_PER_TOKEN = 64  # a prediction's text beyond max_model_len x this is refused untokenized
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +189,7 @@ def _beam_spec(params) -> BeamSpec:
         ("bad_words", bool(params.bad_words)),
         ("stop", bool(params.stop)),
         ("structured_output", params.HasField("structured_output")),
+        ("prediction", params.HasField("prediction")),  # (beams draft nothing)
     )
     for name, set_ in conflicts:
         if set_:
@@ -339,6 +341,26 @@ def bad_words_token_ids(words, tokenizer: Tokenizer) -> tuple[tuple[int, ...], .
     return tuple(seen)
 
 
+def prediction_from_pb(prediction, tokenizer: Tokenizer, limits: Limits) -> tuple[int, ...]:
+    """SamplingParams.prediction → its token ids: text tokenized without special tokens
+    (as the output writes it), ids checked against the vocabulary; at most max_model_len
+    (no output is longer)."""
+    if prediction.WhichOneof("content") == "token_ids":
+        ids = tuple(prediction.token_ids.ids)
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise _bad("prediction", f"token id {bad[0]} ≥ vocab size {limits.vocab_size}")
+    else:
+        if len(prediction.text) > limits.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise _bad("prediction", f"{len(prediction.text)} characters is longer than any "
+                       f"output (max_model_len {limits.max_model_len} tokens)")
+        ids = tuple(tokenizer.encode(prediction.text, add_special_tokens=False))
+    if len(ids) > limits.max_model_len:
+        raise _bad("prediction", f"{len(ids)} tokens is longer than any output "
+                   f"(max_model_len {limits.max_model_len})")
+    return ids
+
+
 def request_from_pb(
     request,
     *,
@@ -363,6 +385,9 @@ def request_from_pb(
     if request.params.bad_words:
         sampling = replace(sampling, bad_words_token_ids=bad_words_token_ids(
             request.params.bad_words, tokenizer))
+    if request.params.HasField("prediction"):
+        sampling = replace(sampling, prediction=prediction_from_pb(
+            request.params.prediction, tokenizer, limits))
     field = request.WhichOneof("input") or "prompt"
     if to_context and len(ids) < limits.max_model_len:
         sampling = replace(sampling, max_tokens=limits.max_model_len - len(ids))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from pagedserve.router import grammar_drafts
@@ -20,6 +21,7 @@ from pagedserve.router.speculative import (
     SpeculativeConfig,
 )
 from pagedserve.router.structured import build_grammar
+from pagedserve.router.types import RequestSpec
 from tokenizers import Tokenizer
 
 from pagedserve.grammar_vocab import GrammarVocab
@@ -96,6 +98,7 @@ class _Seq:
     def __init__(self, seq_id: str, prompt: list[int], output: list[int]) -> None:
         self.seq_id, self.token_ids, self.num_pending = seq_id, prompt + output, 0
         self.num_prompt_tokens = len(prompt)
+        self.group = SimpleNamespace(spec=RequestSpec(seq_id, (1,)))  # (no prediction)
 
 
 def test_the_drafter_drafts_forced_tokens_then_lookup_within_the_format(formats, tok):

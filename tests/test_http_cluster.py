@@ -1,6 +1,7 @@
 """The OpenAI API of a real cluster (router + one executor process), driven by the official
 `openai` SDK (max_retries=0): models.list, completions and chat completions (unary and
 streaming, n=2, stop, seed, logprobs), greedy chat equal to HF apply_chat_template + generate,
+a predicted output (the same tokens, its drafts counted),
 a client that disconnects mid-stream (0 blocks leaked), bad input, 429 on a full queue, a
 second router beside this one (no port collision), and — last — draining: 503 for new requests
 and an `abort` ending for an open stream, exit code 0."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +81,38 @@ def test_greedy_chat_equals_hf_apply_chat_template(client, model_name, model_dir
     assert choice.finish_reason == "length"
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.completion_tokens == decisive
+
+
+def test_a_prediction_changes_no_token_and_counts_its_drafts(client, model_name, model_dir):
+    """Predicted Outputs through the OpenAI SDK, on a router without --speculative-config:
+    the greedy reply is the same with its own text as the prediction (40 tokens in three
+    drafted decodes: 15, 15 and 6 drafts, every one confirmed) and with a prediction wrong
+    from its middle on (some drafts rejected). The reply is made of whole-word tokens
+    (allowed_token_ids) so its text tokenizes back to its tokens (the random model's bytes
+    would not)."""
+    tok = HFReference(model_dir).tokenizer
+    words = [t for t in range(tok.vocab_size) if re.fullmatch(r" [a-z]+", tok.decode([t]))
+             and tok.encode(tok.decode([t]), add_special_tokens=False) == [t]]
+
+    def chat(**kw):
+        return client.chat.completions.create(
+            model=model_name, messages=CONVERSATION, max_tokens=40, temperature=0,
+            extra_body={"ignore_eos": True, "allowed_token_ids": words}, **kw)
+
+    def counts(reply):
+        details = reply.usage.completion_tokens_details
+        return details.accepted_prediction_tokens, details.rejected_prediction_tokens
+
+    plain = chat()
+    text = plain.choices[0].message.content
+    assert counts(plain) == (0, 0)
+    right = chat(prediction={"type": "content", "content": text})
+    assert right.choices[0].message.content == text and counts(right) == (36, 0)
+    half = len(text) // 2
+    wrong = chat(prediction={"type": "content", "content": [
+        {"type": "text", "text": text[:half]}, {"type": "text", "text": " zq" * 20}]})
+    assert wrong.choices[0].message.content == text
+    assert counts(wrong)[1] > 0, counts(wrong)
 
 
 def test_allowed_token_ids_and_bad_words_over_http(client, model_name, model_dir):

@@ -88,7 +88,10 @@ def test_completion_unary_shape_and_usage(tok):
             prompt_len = len(tok.encode("Once upon"))
             assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 10,
                                      "total_tokens": prompt_len + 10,
-                                     "prompt_tokens_details": {"cached_tokens": 3}}
+                                     "prompt_tokens_details": {"cached_tokens": 3},
+                                     "completion_tokens_details": {
+                                         "accepted_prediction_tokens": 0,
+                                         "rejected_prediction_tokens": 0}}
             spec = engine.submitted[-1]
             assert spec.sampling.n == 2 and spec.sampling.seed == 2**64 - 3
             assert _metric(metrics, "pagedserve_request_success_total",
@@ -154,7 +157,7 @@ def test_completion_prompt_list_numbers_choices_by_prompt(tok):
 def test_completion_top_logprobs_hold_the_chosen_token_too():
     """Legacy completions: the `logprobs` most likely tokens plus the chosen one when it is
     not among them ("up to logprobs+1 elements", OpenAI's reference); chat's stay top-k."""
-    from pagedserve.router.openai_protocol import chat_logprobs_json, completion_logprobs_json
+    from pagedserve.router.openai_logprobs import chat_logprobs_json, completion_logprobs_json
     from pagedserve.router.types import TokenLogprob
     text = {3: "a", 4: "b", 5: "c"}.__getitem__
     lps = [TokenLogprob(3, -0.1, ((3, -0.1), (4, -2.5))),    # the top token chosen
@@ -342,6 +345,38 @@ def test_chat_template_fields_as_vllm_takes_them(tok):
     _run(main())
 
 
+def test_prediction_as_openai_clients_send_it(tok):
+    """`prediction` (Predicted Outputs) as a string or as text parts reaches the engine as
+    the text's token ids; a malformed one is a 400 naming the field; usage carries
+    completion_tokens_details."""
+    code = "def f(x):\n    return x"
+    parts = [{"type": "text", "text": "def f(x):\n"}, {"type": "text", "text": "    return x"}]
+    chat = {"messages": [{"role": "user", "content": "Rename f to g."}], "max_tokens": 2}
+
+    async def main():
+        async with serve(tok) as (engine, _, http, _):
+            for content in (code, parts):
+                status, body = await _post(http, "/v1/chat/completions", {
+                    **chat, "prediction": {"type": "content", "content": content}})
+                assert status == 200, body
+                assert engine.submitted[-1].sampling.prediction == tuple(
+                    tok.encode(code, add_special_tokens=False))
+                assert body["usage"]["completion_tokens_details"] == {
+                    "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+            for fields, param in (
+                    ({"prediction": code}, "prediction"),
+                    ({"prediction": {"type": "url", "content": code}}, "prediction.type"),
+                    ({"prediction": {"type": "content", "content": 3}}, "prediction.content"),
+                    ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+                     "prediction.content[0]"),
+                    ({"prediction": {"type": "content", "content": code}, "n": 2,
+                      "use_beam_search": True}, "prediction")):
+                status, body = await _post(http, "/v1/chat/completions", {**chat, **fields})
+                assert status == 400 and body["error"]["param"] == param, body
+
+    _run(main())
+
+
 def test_completion_stream_concatenates_to_unary(tok):
     async def main():
         async with serve(tok) as (_, _, http, _):
@@ -372,7 +407,7 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids",
            "use_beam_search", "bad_words",
            "allowed_token_ids", "length_penalty", "early_stopping",
-           "add_special_tokens", "truncate_prompt_tokens", "include_reasoning"]
+           "add_special_tokens", "truncate_prompt_tokens", "include_reasoning", "prediction"]
 _GOOD = {"prompt": "Once upon", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from pagedserve.router.chat_template import ChatTemplate
 from pagedserve.router.errors import InvalidRequest
 from pagedserve.router.openai_formats import ToolMode
-from pagedserve.router.openai_protocol import TokenText, chat_request
+from pagedserve.router.openai_logprobs import TokenText
+from pagedserve.router.openai_protocol import chat_request
 from pagedserve.router.openai_responses import ChoiceWriter
 from pagedserve.router.types import CompletionDelta, RequestOutput, Usage
 from pagedserve.router.validation import messages_from_pb, tools_from_pb

@@ -56,8 +56,9 @@ def _numbers(message) -> dict[str, int]:
                              "include_stop_str_in_output": 16, "keep_special_tokens": 17,
                              "logit_bias": 18, "structured_output": 19,
                              "prompt_logprobs": 20, "allowed_token_ids": 21, "bad_words": 22,
-                             "beam_search": 23}),
+                             "beam_search": 23, "prediction": 24}),
         (pb.BeamSearch, {"length_penalty": 1, "early_stopping": 2}),
+        (pb.Prediction, {"text": 1, "token_ids": 2}),
         (pb.StructuredOutput, {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4,
                                "grammar": 5}),
         (pb.Choices, {"choices": 1}),
@@ -67,7 +68,8 @@ def _numbers(message) -> dict[str, int]:
                          "stop_string": 5, "stop_token_id": 6, "logprobs": 7}),
         (pb.TokenLogprob, {"token_id": 1, "logprob": 2, "top": 3, "rank": 4}),
         (pb.TopLogprob, {"token_id": 1, "logprob": 2}),
-        (pb.Usage, {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3}),
+        (pb.Usage, {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3,
+                    "accepted_prediction_tokens": 4, "rejected_prediction_tokens": 5}),
         (pb.GenerateStreamResponse, {"request_id": 1, "index": 2, "text": 3, "token_ids": 4,
                                      "finish_reason": 5, "stop_string": 6, "stop_token_id": 7,
                                      "logprobs": 8, "usage": 9, "prompt_logprobs": 10}),
@@ -93,7 +95,8 @@ def test_optional_fields_track_presence():
     }
     assert optional == {"max_tokens", "temperature", "top_p", "seed", "n", "logprobs",
                         "repetition_penalty", "structured_output",  # a message field
-                        "prompt_logprobs", "beam_search"}  # (a message field)
+                        "prompt_logprobs", "beam_search",  # (a message field)
+                        "prediction"}  # (a message field)
     assert pb.BeamSearch.DESCRIPTOR.fields_by_name["length_penalty"].has_presence
     oneof = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["format"]
     assert [f.name for f in oneof.fields] == ["json_schema", "json_object", "regex", "choice",

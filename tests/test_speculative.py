@@ -9,6 +9,7 @@ block back."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from pagedserve.router.speculative import (
     lookup,
     parse_speculative_config,
 )
+from pagedserve.router.types import RequestSpec
 from pipeline_rig import (
     BS,
     EOS,
@@ -129,6 +131,7 @@ def test_the_router_flag_refuses_a_bad_config_in_one_line(tmp_path):
 class _Seq:
     def __init__(self, seq_id: str, token_ids: list[int]) -> None:
         self.seq_id, self.token_ids, self.num_pending = seq_id, token_ids, 0
+        self.group = SimpleNamespace(spec=RequestSpec(seq_id, (1,)))  # (no prediction)
 
 
 def test_the_drafter_copies_only_new_tokens_and_restarts_for_a_new_sequence():

@@ -119,7 +119,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def test_chat_requests_keep_special_tokens_for_the_parser_and_forced_calls_get_its_ids():
-    from pagedserve.router.openai_protocol import TokenText, chat_request
+    from pagedserve.router.openai_logprobs import TokenText
+    from pagedserve.router.openai_protocol import chat_request
     from pagedserve.router.openai_responses import ChoiceWriter
     from pagedserve.router.types import CompletionDelta, RequestOutput, Usage
 

@@ -94,7 +94,8 @@ def test_content_streams_at_once_when_the_output_is_not_calls():
 
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 def test_the_chat_route_splits_unary_and_streamed_replies(name):
-    from pagedserve.router.openai_protocol import TokenText, chat_request
+    from pagedserve.router.openai_logprobs import TokenText
+    from pagedserve.router.openai_protocol import chat_request
     from pagedserve.router.openai_responses import ChoiceWriter
     from pagedserve.router.types import CompletionDelta, RequestOutput, Usage
 
