@@ -7,7 +7,12 @@ a decode the cursor follows the output tokens received since the last decode: wh
 equals the prediction token at the place, the place moves on; at the first that differs
 the output has left the prediction there (the anchor) and the place is lost. The drafts
 are the prediction's next tokens from the place (router/speculative.py verifies them as
-any drafts: outputs do not change).
+any drafts: outputs do not change). A row of drafts from a place just found again is as
+long as any row may be (the output is back on the prediction: rows confirmed in full
+would double their way up to it, one decode each); a decode that finds no place looks
+again at the next one, and only after that at one decode in 2, 4, 8, 16 (a prediction
+unrelated to the output costs a sample its pipelining for a few decodes only: a sample
+looking for drafts is the only plan in flight to its executor).
 
 Finding the place again (`find`): the changed text is written, then the output usually
 goes on with the prediction a little after the anchor (a replaced name), at it (inserted
@@ -49,17 +54,18 @@ def count(group, num_drafted: int, num_confirmed: int) -> None:
 class PredictionCursor:
     """One sample's place in its request's prediction."""
 
-    __slots__ = ("tokens", "at", "followed", "anchor")
+    __slots__ = ("tokens", "at", "followed", "anchor", "lost_for")
 
     def __init__(self, prediction: Sequence[int]) -> None:
         self.tokens = np.asarray(prediction, dtype=np.int64)
         self.at = 0  # the prediction token the output takes next (-1: lost)
         self.followed = 0  # output tokens followed so far
         self.anchor = 0  # where the output last left the prediction
+        self.lost_for = 0  # decodes in a row that found no place
 
-    def drafts(self, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
-        """Up to ``k`` prediction tokens to draft after the sample's tokens (prompt and
-        output, ``token_ids``): those after its place, found again if lost."""
+    def follow(self, token_ids: Sequence[int], num_prompt_tokens: int) -> bool:
+        """Follow the output tokens received since the last call (``token_ids``: the
+        sample's prompt and output); True when the place, lost, was found again."""
         pred = self.tokens
         size = pred.shape[0]
         at = self.at
@@ -71,13 +77,19 @@ class PredictionCursor:
                 self.anchor = at
                 at = -1
         self.followed = end - num_prompt_tokens
+        found = False
         if at < 0 and self.followed:
             start = max(num_prompt_tokens, end - MAX_MATCH)
             at = self.find(token_ids[start:end])
+            found = at >= 0
+            self.lost_for = 0 if found else self.lost_for + 1
         self.at = at
-        if at < 0 or k <= 0:
-            return []
-        return pred[at:at + k].tolist()
+        return found
+
+    def drafts(self, k: int) -> list[int]:
+        """Up to ``k`` prediction tokens from the place ([]: lost, or at the end)."""
+        at = self.at
+        return self.tokens[at:at + k].tolist() if at >= 0 and k > 0 else []
 
     def find(self, tail: Sequence[int]) -> int:
         """The place after the best match of the output's last tokens ``tail`` (see the

@@ -254,18 +254,22 @@ class Drafter:
             # cannot be followed here: back off as after misses
             mine.skip = 1 if cursor is not None and cursor.pending else MAX_BACKOFF
             return []
+        place = mine.prediction
+        if place is not None and place.follow(seq.token_ids, seq.num_prompt_tokens):
+            mine.length = mine.cap  # back on the prediction: a full row
         k = min(limit, mine.length)
-        drafts = mine.prediction.drafts(seq.token_ids, seq.num_prompt_tokens, k) \
-            if mine.prediction is not None else []
+        drafts = place.drafts(k) if place is not None else []
         predicted = bool(drafts)
         if not drafts and self.config is not None:
             drafts = self.search(seq, k)
         if cursor is not None:
             drafts = cursor.allowed(drafts)
         if predicted and drafts:  # (their result counts in the request's usage)
-            drafts = PredictedDrafts(drafts)
-        if not drafts:  # nothing to draft from yet: look again after one decode
-            mine.skip = 1
+            return PredictedDrafts(drafts)
+        if not drafts:  # nothing to draft from yet: look again after one decode (lost on
+            # its prediction: at the next one, then after 1, 3, 7, 15: predicted_outputs.py)
+            mine.skip = 1 if place is None or place.at >= 0 else \
+                min((1 << place.lost_for - 1) - 1, MAX_BACKOFF)
         return drafts
 
     def _cursor(self, mine: _SampleDrafts, seq: Sequence, grammar: str) -> FormatCursor | None:

@@ -23,7 +23,8 @@ PROMPT = [1, 2]
 
 
 def _drafts(cursor: PredictionCursor, output: list[int], k: int) -> list[int]:
-    return cursor.drafts(PROMPT + output, len(PROMPT), k)
+    cursor.follow(PROMPT + output, len(PROMPT))
+    return cursor.drafts(k)
 
 
 def test_an_output_that_follows_the_prediction_drafts_what_comes_next():
@@ -112,6 +113,23 @@ def test_without_speculative_config_only_predictions_draft_and_count():
     beams = _Group("c", range(5))
     beams.beam = object()
     assert not drafter.may_draft(beams)
+
+
+def test_a_lost_sample_looks_again_then_backs_off_and_drafts_a_full_row_once_found():
+    drafter = Drafter(None)
+    seq = _Seq(_Group("a", range(20, 60)), [7], [20])
+    assert drafter.decode(seq, 100) == list(range(21, 36))
+    drafter.confirmed(seq, 15, 0)  # all rejected: the model wrote 99 (next row: 1 draft)
+    seq.token_ids.append(99)
+    looked = []
+    for tok in range(98, 83, -1):  # none of them in the prediction
+        looked.append(drafter.wants_drafts(seq))
+        assert drafter.decode(seq, 100) == []
+        seq.token_ids.append(tok)
+    # found nowhere: the next decode looks again, then one in 2, 4, 8
+    assert [i for i, w in enumerate(looked) if w] == [0, 1, 3, 7]
+    seq.token_ids += [40, 41]  # two tokens match: found, a full row (not the 1 left)
+    assert drafter.wants_drafts(seq) and drafter.decode(seq, 100) == list(range(42, 57))
 
 
 def test_with_speculative_config_the_prediction_comes_first_then_the_lookup():
@@ -212,7 +230,8 @@ def test_a_right_prediction_gives_the_same_tokens_in_two_decodes(lane):
 def test_a_wrong_prediction_gives_the_same_tokens_and_counts_its_rejections():
     """Position 10 of the prediction is wrong: the first row confirms 9 of 15 drafts; the
     next decode finds no place (the token the model wrote occurs nowhere in the prediction)
-    and skips one; then two tokens match after the anchor and the rest is confirmed."""
+    and drafts nothing; the one after finds it (one token matches just after the anchor)
+    and drafts a full row again, every draft confirmed; one token is left to draft."""
     async def main():
         engine, ex = make_engine(2)
         pred = expected("a#0", 30)
@@ -220,6 +239,6 @@ def test_a_wrong_prediction_gives_the_same_tokens_and_counts_its_rejections():
         a = await submit(engine, "a", [3, 4, 5], max_tokens=30, prediction=tuple(pred))
         await _one_in_flight_while_drafting(ex, [a])
         assert a.tokens() == expected("a#0", 30)
-        assert _draft_rows(ex, "a#0") == [15, 10, 5]
-        assert (a.usage.accepted_prediction_tokens, a.usage.rejected_prediction_tokens) == (24, 6)
+        assert _draft_rows(ex, "a#0") == [15, 15, 1]
+        assert (a.usage.accepted_prediction_tokens, a.usage.rejected_prediction_tokens) == (25, 6)
     run(main())
