@@ -2,7 +2,7 @@
 
 Two parts:
 
-1. `replay` (no server, ~10 s): code edits replayed through the router's own `Drafter`
+1. `replay` (no server): code edits replayed through the router's own `Drafter`
    decode by decode, the edited text standing for the model's greedy output (a draft is
    confirmed when it is the output's next token), tokenized with the built-in model's
    tokenizer. Three snippets of Python (`SNIPPETS`), each under five edits (`EDITS`):
@@ -10,9 +10,11 @@ Two parts:
    `insert` (a comment line after every 8th line), `delete` (lines 10-14 gone) and
    `annotate` (every 5th line gets a trailing comment). The prompt holds the original
    code (as an edit request does) and the prediction is the original code. Modes: `none`
-   (one token a decode), `lookup` (--speculative-config ngram, `--k` drafts, lookup 1..3),
-   `prediction` (no --speculative-config) and `both`. Per (edit, mode): decodes, output
-   tokens a decode, drafts confirmed and rejected (positions computed for nothing).
+   (one token a decode), `lookup` (--speculative-config ngram, `--k` drafts, lookup 1..3,
+   no prediction), `prediction` (no --speculative-config) and `both` (the two: a predicted
+   sample falls back on the lookup either way, so `both` shows what the config changes).
+   Per (edit, mode): decodes, output tokens a decode, drafts confirmed and rejected
+   (positions computed for nothing). ~1 s.
 
 2. `serve` (`--serve`, a few minutes): the built-in SmolLM2-135M-Instruct (float32, one
    CPU executor, no --speculative-config), greedy chat requests one at a time, each run
@@ -21,7 +23,9 @@ Two parts:
    requests predicted by their paragraph, and the `open` ones predicted by the paragraph
    too (a prediction that has nothing to do with the output: the unfavourable case).
    Per workload: output tokens per second without and with, the speedup, the prediction
-   tokens accepted and rejected (usage), and whether every output is the same.
+   tokens accepted and rejected (usage), and whether every output is the same. Then the
+   plain outputs are replayed as in part 1 (`serve_replay`: decodes and drafts rejected
+   by mode, on the model's own outputs).
 
     .venv/bin/python benchmarks/predicted_outputs_bench.py [--serve] [--model default]
         [--k 4] [--max-tokens 160]
@@ -197,30 +201,37 @@ def replay(drafter: Drafter, seq_id: str, prompt: list[int], prediction: list[in
     return counts
 
 
-def run_replay(encode, k: int) -> list[dict]:
+def replay_modes(runs: list[tuple[list[int], list[int], list[int]]], k: int) -> dict:
+    """(prompt, prediction, output) runs replayed under each mode: {mode: figures}."""
     lookup = SpeculativeConfig(k, 3, 1)
     modes = {"none": None, "lookup": lookup, "prediction": None, "both": lookup}
+    figures = {}
+    for mode, config in modes.items():
+        total = {"decodes": 0, "drafted": 0, "confirmed": 0, "tokens": 0}
+        for n, (prompt, pred, output) in enumerate(runs):
+            if mode == "none":
+                counts = {"decodes": len(output) - 1, "drafted": 0, "confirmed": 0}
+            else:
+                counts = replay(Drafter(config), f"r{n}#0", prompt,
+                                pred if mode in ("prediction", "both") else [], output)
+            for key, value in counts.items():
+                total[key] += value
+            total["tokens"] += len(output)
+        figures[mode] = dict(mode=mode, output_tokens=total["tokens"], decodes=total["decodes"],
+                             tokens_per_decode=round((total["tokens"] - len(runs))
+                                                     / total["decodes"], 2),
+                             drafts_confirmed=total["confirmed"],
+                             drafts_rejected=total["drafted"] - total["confirmed"])
+    return figures
+
+
+def run_replay(encode, k: int) -> list[dict]:
     rows = []
     for edit, change in EDITS.items():
-        for mode, config in modes.items():
-            total = {"decodes": 0, "drafted": 0, "confirmed": 0, "tokens": 0}
-            for name, code in SNIPPETS.items():
-                prompt = encode(f"Apply the change to this code:\n\n{code}\n")
-                pred = encode(code) if mode in ("prediction", "both") else []
-                output = encode(change(name, code))
-                if mode == "none":
-                    counts = {"decodes": len(output) - 1, "drafted": 0, "confirmed": 0}
-                else:
-                    counts = replay(Drafter(config), f"{name}#0", prompt, pred, output)
-                for key, value in counts.items():
-                    total[key] += value
-                total["tokens"] += len(output)
-            row = dict(edit=edit, mode=mode, output_tokens=total["tokens"],
-                       decodes=total["decodes"],
-                       tokens_per_decode=round((total["tokens"] - len(SNIPPETS))
-                                               / total["decodes"], 2),
-                       drafts_confirmed=total["confirmed"],
-                       drafts_rejected=total["drafted"] - total["confirmed"])
+        runs = [(encode(f"Apply the change to this code:\n\n{code}\n"), encode(code),
+                 encode(change(name, code))) for name, code in SNIPPETS.items()]
+        for figures in replay_modes(runs, k).values():
+            row = dict(edit=edit, **figures)
             emit("replay", **row)
             rows.append(row)
     return rows
@@ -236,10 +247,11 @@ def post(server: Server, body: dict) -> tuple[dict, float]:
     return out, time.perf_counter() - t0
 
 
-def run_serve(model: str, max_tokens: int) -> list[dict]:
+def run_serve(model: str, max_tokens: int, encode, k: int) -> list[dict]:
     cases = {"edit": CODE, "echo": PARAGRAPH, "open": PARAGRAPH}
     server = Server(model, ["--dtype", "float32"])
     rows = []
+    outputs: dict[str, list] = {w: [] for w in cases}
     try:
         post(server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
         for workload, prediction in cases.items():
@@ -249,8 +261,10 @@ def run_serve(model: str, max_tokens: int) -> list[dict]:
             same = True
             for prompt in WORKLOADS[workload]:
                 body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                        "max_tokens": max_tokens}
+                        "max_tokens": max_tokens, "return_token_ids": True}
                 plain, t_plain = post(server, body)
+                outputs[workload].append((plain["prompt_token_ids"], encode(prediction),
+                                          plain["choices"][0]["token_ids"]))
                 predicted, t_pred = post(server, {**body, "prediction": {
                     "type": "content", "content": prediction}})
                 same &= plain["choices"][0]["message"]["content"] == \
@@ -275,6 +289,12 @@ def run_serve(model: str, max_tokens: int) -> list[dict]:
             rows.append(row)
     finally:
         server.stop()
+    for workload, runs in outputs.items():
+        for figures in replay_modes(runs, k).values():
+            emit("serve_replay", workload=workload, **figures)
+            print(f"{workload:6} replayed {figures['mode']:11} decodes {figures['decodes']:5} "
+                  f"tok/dec {figures['tokens_per_decode']:5} rejected "
+                  f"{figures['drafts_rejected']}", file=sys.stderr)
     return rows
 
 
@@ -303,7 +323,7 @@ def main() -> None:
               f"{r['tokens_per_decode']:7} {r['drafts_confirmed']:9} "
               f"{r['drafts_rejected']:8}", file=sys.stderr)
     if args.serve:
-        for r in run_serve(args.model, args.max_tokens):
+        for r in run_serve(args.model, args.max_tokens, encode, args.k):
             print(f"{r['workload']:6} plain {r['plain_tok_per_s']:6} tok/s  predicted "
                   f"{r['predicted_tok_per_s']:6} tok/s  x{r['speedup_ratio']}  accepted "
                   f"{r['accepted_prediction_tokens']} rejected "

@@ -7,12 +7,18 @@ a decode the cursor follows the output tokens received since the last decode: wh
 equals the prediction token at the place, the place moves on; at the first that differs
 the output has left the prediction there (the anchor) and the place is lost. The drafts
 are the prediction's next tokens from the place (router/speculative.py verifies them as
-any drafts: outputs do not change). A row of drafts from a place just found again is as
-long as any row may be (the output is back on the prediction: rows confirmed in full
-would double their way up to it, one decode each); a decode that finds no place looks
-again at the next one, and only after that at one decode in 2, 4, 8, 16 (a prediction
-unrelated to the output costs a sample its pipelining for a few decodes only: a sample
-looking for drafts is the only plan in flight to its executor).
+any drafts: outputs do not change). A row of drafts from a place just found again for
+sure (`SURE_MATCH` tokens matched, or at most `SURE_NEAR` after the anchor: the output
+rejoins the prediction where it left it, after a replaced or inserted token or two) is
+as long as any row may be (the output is back on the prediction: rows confirmed in full
+would double their way up to it, one decode each); a weaker match drafts as many as the
+sample's last rows earned. Where the prediction has no place
+for the output, the sample drafts what the n-gram lookup finds in its own tokens
+(router/speculative.py; with or without --speculative-config: an edit's new text often
+repeats itself or the prompt); where neither finds anything, the next decode looks again,
+and only after that one decode in 2, 4, 8, 16 (a prediction unrelated to the output
+costs a sample its pipelining for a few decodes only: a sample looking for drafts is the
+only plan in flight to its executor).
 
 Finding the place again (`find`): the changed text is written, then the output usually
 goes on with the prediction a little after the anchor (a replaced name), at it (inserted
@@ -23,7 +29,7 @@ vectorised compare a length, as router/speculative.py's lookup). The longest mat
 after the anchor wins, the nearest among equals; a single matching token counts only
 within `NEAR` tokens of the anchor (a token as common as a newline occurs everywhere
 further on); with none after the anchor, a match of `MIN_BACK_MATCH` tokens or more before
-it (text the output repeats). No place found: no drafts, the next decode tries again.
+it (text the output repeats).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import numpy as np
 MAX_MATCH = 16  # output tokens a candidate place is scored by, at most
 NEAR = 16  # a one-token match counts only this close after the anchor
 MIN_BACK_MATCH = 3  # tokens a place before the anchor must match
+SURE_MATCH = 3  # a place found again by this many tokens matched ...
+SURE_NEAR = 3  # ... or this close after the anchor drafts a full row
 
 
 class PredictedDrafts(list):
@@ -54,7 +62,7 @@ def count(group, num_drafted: int, num_confirmed: int) -> None:
 class PredictionCursor:
     """One sample's place in its request's prediction."""
 
-    __slots__ = ("tokens", "at", "followed", "anchor", "lost_for")
+    __slots__ = ("tokens", "at", "followed", "anchor", "lost_for", "matched")
 
     def __init__(self, prediction: Sequence[int]) -> None:
         self.tokens = np.asarray(prediction, dtype=np.int64)
@@ -62,10 +70,12 @@ class PredictionCursor:
         self.followed = 0  # output tokens followed so far
         self.anchor = 0  # where the output last left the prediction
         self.lost_for = 0  # decodes in a row that found no place
+        self.matched = 0  # output tokens the last place found matched
 
     def follow(self, token_ids: Sequence[int], num_prompt_tokens: int) -> bool:
         """Follow the output tokens received since the last call (``token_ids``: the
-        sample's prompt and output); True when the place, lost, was found again."""
+        sample's prompt and output); True when the place, lost, was found again for
+        sure (see the module's doc)."""
         pred = self.tokens
         size = pred.shape[0]
         at = self.at
@@ -84,7 +94,7 @@ class PredictionCursor:
             found = at >= 0
             self.lost_for = 0 if found else self.lost_for + 1
         self.at = at
-        return found
+        return found and (self.matched >= SURE_MATCH or at - self.anchor <= SURE_NEAR)
 
     def drafts(self, k: int) -> list[int]:
         """Up to ``k`` prediction tokens from the place ([]: lost, or at the end)."""
@@ -112,10 +122,12 @@ class PredictionCursor:
         after = places > self.anchor  # matches ending at the anchor or after it
         forward = after & ((length >= 2) | (places - self.anchor <= NEAR))
         if forward.any():
-            best = np.flatnonzero(forward & (length == length[forward].max()))
-            return int(places[best[0]])
+            best = np.flatnonzero(forward & (length == length[forward].max()))[0]
+            self.matched = int(length[best])
+            return int(places[best])
         back = ~after & (length >= MIN_BACK_MATCH)
         if back.any():
-            best = np.flatnonzero(back & (length == length[back].max()))
-            return int(places[best[-1]])  # the latest: nearest the anchor
+            best = np.flatnonzero(back & (length == length[back].max()))[-1]
+            self.matched = int(length[best])
+            return int(places[best])  # the latest: nearest the anchor
         return -1

@@ -42,6 +42,9 @@ from .sequence import RequestGroup, Sequence
 
 MAX_SPECULATIVE_TOKENS = 15  # drafts a row (the wire's counts; more rarely pay)
 MAX_LOOKUP = 64  # longest n-gram matched
+# Without --speculative-config, a predicted sample whose output left its prediction looks
+# up its own tokens with these n-gram lengths (min, max): spec_decode_bench's
+PREDICTION_LOOKUP_N = (1, 3)
 
 
 class SpeculativeConfigError(ValueError):
@@ -178,7 +181,11 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig | None,
                  formats: FormatDrafts | None = None) -> None:
-        self.config = config  # None: only samples with a prediction draft (no lookup)
+        self.config = config  # None: only samples with a prediction draft
+        # the lookup's n-gram lengths (without a config: a predicted sample's, where its
+        # prediction has no place for the output)
+        self._lookup_n = (config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config is not None else PREDICTION_LOOKUP_N
         self.formats = formats  # structured output's forced tokens (None: no drafts there)
         self._samples: dict[str, _SampleDrafts] = {}
 
@@ -256,11 +263,11 @@ class Drafter:
             return []
         place = mine.prediction
         if place is not None and place.follow(seq.token_ids, seq.num_prompt_tokens):
-            mine.length = mine.cap  # back on the prediction: a full row
+            mine.length = mine.cap  # surely back on the prediction: a full row
         k = min(limit, mine.length)
         drafts = place.drafts(k) if place is not None else []
         predicted = bool(drafts)
-        if not drafts and self.config is not None:
+        if not drafts:  # (a sample is here with a prediction or a config)
             drafts = self.search(seq, k)
         if cursor is not None:
             drafts = cursor.allowed(drafts)
@@ -285,7 +292,6 @@ class Drafter:
         """`lookup` over the sample's tokens, copying into its buffer only those added
         since the last search (no back-off)."""
         mine = self._of(seq)
-        cfg = self.config
         tokens = seq.token_ids
         n = len(tokens)
         have = mine.filled
@@ -296,8 +302,7 @@ class Drafter:
         if have < n:
             mine.tokens[have:n] = tokens[have:n]
             mine.filled = n
-        return lookup(mine.tokens[:n], k, cfg.prompt_lookup_min,
-                      cfg.prompt_lookup_max).tolist()
+        return lookup(mine.tokens[:n], k, *self._lookup_n).tolist()
 
     def confirmed(self, seq: Sequence, num_drafted: int, num_confirmed: int) -> None:
         """A drafted decode's result: how many of its drafts the sampler confirmed."""

@@ -128,8 +128,31 @@ def test_a_lost_sample_looks_again_then_backs_off_and_drafts_a_full_row_once_fou
         seq.token_ids.append(tok)
     # found nowhere: the next decode looks again, then one in 2, 4, 8
     assert [i for i, w in enumerate(looked) if w] == [0, 1, 3, 7]
-    seq.token_ids += [40, 41]  # two tokens match: found, a full row (not the 1 left)
+    seq.token_ids += [39, 40, 41]  # three tokens match: surely found, a full row (not
+    # the 1 draft the rejected row left)
     assert drafter.wants_drafts(seq) and drafter.decode(seq, 100) == list(range(42, 57))
+
+
+def test_a_weak_match_drafts_what_the_rows_earned_a_sure_one_a_full_row():
+    drafter = Drafter(None)
+    group = _Group("a", range(20, 60))
+    for rid, written, drafts in (
+            ("a", [99, 40, 41], [42]),  # two tokens, 20 after the anchor: weak
+            ("b", [99, 22], list(range(23, 38)))):  # one token, 2 after it: sure
+        seq = _Seq(group, [7], [20])
+        seq.seq_id = f"{rid}#0"
+        assert len(drafter.decode(seq, 100)) == 15
+        drafter.confirmed(seq, 15, 0)  # the next row: 1 draft, unless surely back
+        seq.token_ids += written
+        assert drafter.decode(seq, 100) == drafts
+
+
+def test_a_lost_prediction_falls_back_on_the_lookup_without_a_config():
+    drafter = Drafter(None)
+    seq = _Seq(_Group("a", [50, 51, 52]), [5, 6, 8, 9], [50, 5])  # left it at 51
+    drafts = drafter.decode(seq, 100)
+    # 5 occurs nowhere in the prediction; the lookup (n 1..3): after the prompt's 5
+    assert drafts == [6, 8, 9, 50, 5] and type(drafts) is list  # (not counted in usage)
 
 
 def test_with_speculative_config_the_prediction_comes_first_then_the_lookup():
