@@ -277,6 +277,23 @@ def test_detok_bench_quick(tmp_path):
     assert len({r["text_crc32"] for r in lines}) == 1
 
 
+def test_predicted_outputs_bench_replay(tmp_path):
+    """The replay part on the tiny tokenizer: every edit under every mode; the prediction
+    takes fewer decodes than the lookup alone, which takes fewer than none, and the
+    identity edit's prediction drafts are never rejected."""
+    from pagedserve.tinymodels import build_tokenizer
+    build_tokenizer(tmp_path)
+    lines = _run("predicted_outputs_bench.py", "--model", str(tmp_path))
+    rows = {(r["edit"], r["mode"]): r for r in lines}
+    edits = ("identity", "rename", "insert", "delete", "annotate")
+    assert set(rows) == {(e, m) for e in edits for m in ("none", "lookup", "prediction",
+                                                          "both")}
+    for e in edits:
+        none, lookup, pred = (rows[e, m]["decodes"] for m in ("none", "lookup", "prediction"))
+        assert pred < lookup < none == rows[e, "none"]["output_tokens"] - 3
+    assert rows["identity", "prediction"]["drafts_rejected"] == 0
+
+
 def test_lora_load_bench_executor_case(tmp_path):
     """The executor's side of loading adapters while serving, on the tiny model."""
     from pagedserve.tinymodels import build_model
