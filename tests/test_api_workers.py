@@ -195,7 +195,8 @@ def test_a_batch_over_the_workers_answers_as_online_requests(cluster):
 
 def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
     """The OpenAI SDK on the workers' HTTP port: a chat stream concatenates to the unary
-    reply with usage; a client that disconnects mid-stream leaks no block."""
+    reply with usage; a predicted reply is the same, its drafts counted; a client that
+    disconnects mid-stream leaks no block."""
     import openai
     client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
                            max_retries=0, timeout=60)
@@ -208,6 +209,13 @@ def test_openai_chat_stream_and_a_disconnect_over_the_workers(cluster):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == unary.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens == 10
+    # a prediction is tokenized in the worker, drafted in the core, counted in the usage
+    # the core sends back with the request's last output
+    predicted = client.chat.completions.create(**kw, prediction={
+        "type": "content", "content": unary.choices[0].message.content})
+    assert predicted.choices[0].message.content == unary.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
     stream = client.completions.create(model=model, prompt="A long story", stream=True,
                                        max_tokens=400, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
