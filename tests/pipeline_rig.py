@@ -140,6 +140,22 @@ class SimExecutor:
                 f"{len(self.unanswered())} plans unanswered, waited for {n}"
             await asyncio.sleep(0.001)
 
+    async def run_one_in_flight(self, streams: list[Collector], max_steps: int = 500) -> None:
+        """`run_until_done` for speculative decoding: checks that no plan follows one
+        with drafts before its result."""
+        for _ in range(max_steps):
+            if all(s.done for s in streams):
+                return
+            if self.unanswered():
+                await settle()
+                for plan in self.unanswered()[:-1]:  # a plan with drafts is followed by none
+                    assert plan.num_draft_tokens is None, \
+                        [p.step_id for p in self.unanswered()]
+                await self.answer()
+            else:
+                await asyncio.sleep(0.002)
+        raise AssertionError("requests did not finish")
+
     async def run_until_done(self, streams: list[Collector], max_steps: int = 500) -> None:
         for _ in range(max_steps):
             if all(s.done for s in streams):

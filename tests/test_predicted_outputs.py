@@ -5,7 +5,6 @@ right or wrong, with its usage counts and draft rows exact."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -202,22 +201,6 @@ def test_prediction_from_pb_tokenizes_without_special_tokens_and_checks():
 # ------------------------------------------------------------------------- the step loop
 
 
-async def _one_in_flight_while_drafting(ex, streams) -> None:
-    """Answer plans until the streams end, checking no plan follows one with drafts
-    before its result."""
-    for _ in range(500):
-        if all(s.done for s in streams):
-            return
-        if ex.unanswered():
-            await settle()
-            for plan in ex.unanswered()[:-1]:
-                assert plan.num_draft_tokens is None
-            await ex.answer()
-        else:
-            await asyncio.sleep(0.002)
-    raise AssertionError("requests did not finish")
-
-
 def _draft_rows(ex, rid: str) -> list[int]:
     rows = []
     for plan in ex.plans:
@@ -237,7 +220,7 @@ def test_a_right_prediction_gives_the_same_tokens_in_two_decodes(lane):
         a = await submit(engine, "a", [3, 4, 5], max_tokens=30,
                          prediction=tuple(expected("a#0", 30)))
         b = await submit(engine, "b", [6, 7], max_tokens=30)
-        await _one_in_flight_while_drafting(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.tokens() == expected("a#0", 30) and b.tokens() == expected("b#0", 30)
         assert _draft_rows(ex, "a#0") == [15, 12] and _draft_rows(ex, "b#0") == []
         assert (a.usage.completion_tokens, a.usage.accepted_prediction_tokens,
@@ -260,7 +243,7 @@ def test_a_wrong_prediction_gives_the_same_tokens_and_counts_its_rejections():
         pred = expected("a#0", 30)
         pred[10] = (pred[10] + 1) % 62
         a = await submit(engine, "a", [3, 4, 5], max_tokens=30, prediction=tuple(pred))
-        await _one_in_flight_while_drafting(ex, [a])
+        await ex.run_one_in_flight([a])
         assert a.tokens() == expected("a#0", 30)
         assert _draft_rows(ex, "a#0") == [15, 15, 1]
         assert (a.usage.accepted_prediction_tokens, a.usage.rejected_prediction_tokens) == (25, 6)

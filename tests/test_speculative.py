@@ -8,7 +8,6 @@ block back."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import numpy as np
@@ -230,27 +229,11 @@ def _echo_prompt(seq_id: str, n: int) -> list[int]:
     return [EOS - 1] + expected(seq_id, n)
 
 
-async def _run_one_in_flight(ex: SimExecutor, streams) -> None:
-    """Answer plans until the streams end, checking that no plan follows one with drafts
-    before its result."""
-    for _ in range(500):
-        if all(s.done for s in streams):
-            return
-        if ex.unanswered():
-            await settle()
-            for plan in ex.unanswered()[:-1]:  # a plan with drafts is followed by none
-                assert plan.num_draft_tokens is None, [p.step_id for p in ex.unanswered()]
-            await ex.answer()
-        else:
-            await asyncio.sleep(0.002)
-    raise AssertionError("requests did not finish")
-
-
 def test_confirmed_drafts_give_the_same_tokens_in_fewer_steps():
     async def main():
         engine, ex = make_engine(2, speculative=SPEC)
         a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=30)
-        await _run_one_in_flight(ex, [a])
+        await ex.run_one_in_flight([a])
         assert a.tokens() == expected("a#0", 30)
         assert a.finish().finish_reason == "length" and a.usage.completion_tokens == 30
         drafted = [p for p in ex.plans if p.num_draft_tokens is not None]
@@ -275,7 +258,7 @@ def test_a_rejected_draft_keeps_the_sampled_token_and_the_rest_follows():
         ex.overrides[("a#0", 3)] = 61  # the executor samples 61 where the draft says else
         ex.overrides[("a#0", 12)] = 60
         a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=24)
-        await _run_one_in_flight(ex, [a])
+        await ex.run_one_in_flight([a])
         want = expected("a#0", 24)
         want[3], want[12] = 61, 60
         assert a.tokens() == want
@@ -297,7 +280,7 @@ def test_drafts_never_reach_past_max_tokens_or_max_model_len():
         engine, ex = make_engine(2, speculative=SPEC)
         a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=8)
         b = await submit(engine, "b", _echo_prompt("b#0", 100), max_tokens=30)  # 101 + 30 > 128
-        await _run_one_in_flight(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.tokens() == expected("a#0", 8) and a.finish().finish_reason == "length"
         assert b.finish().finish_reason == "length" and len(b.tokens()) == 128 - 101
         assert b.tokens() == expected("b#0", 27)
@@ -320,7 +303,7 @@ def test_eos_and_a_stop_string_inside_a_drafted_row_end_it_there():
         toks = expected("b#0", 40)
         stop = "".join(chr(65 + t) for t in toks[8:10])
         b = await submit(engine, "b", _echo_prompt("b#0", 40), max_tokens=30, stop=(stop,))
-        await _run_one_in_flight(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.tokens() == expected("a#0", 7) + [EOS]
         assert a.finish().finish_reason == "stop" and a.usage.completion_tokens == 8
         assert b.finish().stop_string == stop and b.tokens() == toks[:10]
@@ -336,7 +319,7 @@ def test_n2_samples_speculate_after_the_fork():
         engine, ex = make_engine(2, speculative=SPEC)
         c = await submit(engine, "c", _echo_prompt("c#0", 30), max_tokens=20, n=2,
                          temperature=1.0, seed=3)
-        await _run_one_in_flight(ex, [c])
+        await ex.run_one_in_flight([c])
         assert c.tokens(0) == expected("c#0", 20) and c.tokens(1) == expected("c#1", 20)
         first = [p for p in ex.plans if p.num_draft_tokens is not None][0]
         assert first.forks == [] and "c#0" in first.request_ids
@@ -366,7 +349,7 @@ def test_preemption_with_drafts_keeps_outputs_exact(mode):
                                  speculative=SPEC)
         a = await submit(engine, "a", _echo_prompt("a#0", 14), max_tokens=26)
         b = await submit(engine, "b", _echo_prompt("b#0", 14), max_tokens=26)
-        await _run_one_in_flight(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.tokens() == expected("a#0", 26) and b.tokens() == expected("b#0", 26)
         assert engine.executors["e0"].scheduler.num_preemptions[mode] >= 1
         assert ex.num_drafted > 4
@@ -390,7 +373,7 @@ def test_an_executor_lost_with_a_drafted_plan_in_flight_resumes_exactly():
         engine.membership.on_hello(b"e1", hello)
         ex2 = SimExecutor(engine, "e1")
         engine.membership.executor_lost(engine.executors["e0"], "killed")
-        await _run_one_in_flight(ex2, [a])
+        await ex2.run_one_in_flight([a])
         assert a.tokens() == expected("a#0", 24)
         assert ex2.num_drafted >= 1
     run(main())
@@ -415,7 +398,7 @@ def test_an_executor_answering_past_a_rejected_draft_fails_that_request():
         ex.result_for = lying
         a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=20)
         b = await submit(engine, "b", [1, 2, 3], max_tokens=6)
-        await _run_one_in_flight(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.error is not None and "drafts wrongly" in str(a.error)
         assert b.tokens() == expected("b#0", 6)
         while ex.unanswered():
@@ -431,7 +414,7 @@ def test_no_drafts_while_as_many_requests_run_as_disable_by_batch_size():
         engine, ex = make_engine(2, speculative=spec)
         a = await submit(engine, "a", _echo_prompt("a#0", 40), max_tokens=30)
         b = await submit(engine, "b", _echo_prompt("b#0", 40), max_tokens=6)
-        await _run_one_in_flight(ex, [a, b])
+        await ex.run_one_in_flight([a, b])
         assert a.tokens() == expected("a#0", 30) and b.tokens() == expected("b#0", 6)
         both = [p for p in ex.plans if {"a#0", "b#0"} <= set(p.request_ids)]
         assert both and all(p.num_draft_tokens is None for p in both)
