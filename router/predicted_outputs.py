@@ -115,9 +115,12 @@ class PredictionCursor:
             back = ends - (n - 1)
             ok &= back >= 0
             ok[ok] &= pred[back[ok]] == tail[-n]
-            if not ok.any():
+            alive = np.count_nonzero(ok)
+            if not alive:
                 break
             length += ok
+            if alive == 1 and n >= SURE_MATCH:
+                break  # the longest already; its length past this decides nothing more
         places = ends + 1
         after = places > self.anchor  # matches ending at the anchor or after it
         forward = after & ((length >= 2) | (places - self.anchor <= NEAR))
