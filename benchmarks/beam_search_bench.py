@@ -97,7 +97,8 @@ class Server:
 
 
 class PeakBlocks:
-    """Polls the blocks in use every 20 ms while a run goes on; `peak` after `stop`."""
+    """Polls the blocks in use every 20 ms while a run goes on, the first poll at once
+    (a short run can end inside the first 20 ms); `peak` after `stop`."""
 
     def __init__(self, server: Server) -> None:
         self.server, self.peak, self._done = server, 0, threading.Event()
@@ -105,8 +106,10 @@ class PeakBlocks:
         self._thread.start()
 
     def _poll(self) -> None:
-        while not self._done.wait(0.02):
+        while True:
             self.peak = max(self.peak, self.server.used_blocks())
+            if self._done.wait(0.02):
+                return
 
     def stop(self) -> int:
         self._done.set()
