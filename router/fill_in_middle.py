@@ -20,10 +20,10 @@ The prompt and the suffix are tokenized apart and the frame's tokens go in by id
 prompt is a text of its own (a SentencePiece tokenizer gives it its leading space);
 mistral-common encodes the suffix without that space (``[SUFFIX]return▁a[PREFIX]▁def``):
 for `mistral` the suffix is tokenized as the text after its marker (`infill_suffix`),
-which a byte-level tokenizer encodes the same either way. Within the two texts, special tokens written out are
-recognised, as in every prompt here (and in transformers' tokenizers). The first marker
-is encoded with the tokenizer's own special tokens (BOS where the model has one) unless
-the request sends `add_special_tokens: false`.
+which a byte-level tokenizer encodes the same either way. Within the two texts, special
+tokens written out are recognised, as in every prompt here (and in transformers'
+tokenizers). The first marker is encoded with the tokenizer's own special tokens (BOS
+where the model has one) unless the request sends `add_special_tokens: false`.
 """
 
 from __future__ import annotations
