@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from pagedserve.executor.device_copy import to_device
 from pagedserve.executor.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from pagedserve.executor.sample_chunks import profile_sampling
 from pagedserve.kernels import ops
 from pagedserve.kernels.block_copy import copy_blocks_by_runs
 
@@ -81,10 +82,13 @@ def profile_num_gpu_blocks(
     model: LlamaForCausalLM, block_size: int, max_num_batched_tokens: int,
     gpu_memory_utilization: float, device: torch.device, reserve_bytes: int = 0,
     baseline: tuple[int, int] | None = None, kv_dtype: torch.dtype | None = None,
+    sample_rows: int = 256,
 ) -> KvMemoryPlan:
     """Run one forward of ``max_num_batched_tokens`` prompt tokens (one sequence per
     max_model_len, so attention scratch is the largest the router may plan) with a scratch
-    cache, then give the KV cache what is left of this executor's budget.
+    cache and sample ``sample_rows`` rows after it the costliest way (the most the executor
+    samples at once: sample_chunks.py), then give the KV cache what is left of this
+    executor's budget.
 
     The budget is ``gpu_memory_utilization`` x the device's memory for this process alone
     (as in vLLM): two executors at 0.4 share one GPU. It pays for the weights and the
@@ -123,8 +127,8 @@ def profile_num_gpu_blocks(
     )
     hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
                    scratch, attn)
-    # The logits and the sampler's float32 copy of them (sampler.py: its working buffer)
-    model.compute_logits(hidden[attn.query_start_loc[1:].long() - 1]).float()
+    # A chunk's logits and every work copy the sampler makes of them (sample_chunks.py)
+    profile_sampling(model.compute_logits, hidden, max(sample_rows, len(lens)))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
     del scratch, hidden

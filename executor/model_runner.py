@@ -63,9 +63,10 @@ from pagedserve.executor.models.lora import LoraSet
 from pagedserve.executor.plan_inputs import PlanInputs, PlanLimits, precompute
 from pagedserve.executor.prompt_scores import prompt_outputs
 from pagedserve.executor.request_rows import RequestRows
+from pagedserve.executor.sample_chunks import launch_sampling, step_logits
 from pagedserve.executor.sampler import SampledOnDevice, Sampler
 from pagedserve.executor.sampling_state import SamplingState
-from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState
+from pagedserve.executor.step_records import InFlight, PendingSamples, RequestState, export_kv
 from pagedserve.executor.weight_ops import RunningWeights, apply_model_ops
 from pagedserve.protos.wire import RequestError, StepPlan, StepResult
 
@@ -94,6 +95,7 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model.config.max_model_len,
                                  model.config.max_model_len)
         self.sampler = Sampler()
+        self.sample_chunk_rows = 256  # sampled at most this many rows at once (--max-num-seqs)
         # The read-backs' events and host buffers, used again (host_pool.py)
         self.host_pool = self.sampler.pool = HostPool(self.device)
         self.limits = PlanLimits(self.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
@@ -284,7 +286,7 @@ class ModelRunner:
         result["gap_s"] = 0.0 if prev_end is None else t0 - prev_end
         after = self._prev_end_event, self._prev_end_pooled
         if batch is None:  # (a plan exporting blocks only: router/prefix_pull.py)
-            self._export(plan, result)
+            export_kv(self.cache, plan, result)
             return self._finished_now(StepResult(**result, errors=errors))
         if self.before_forward is not None:
             self.before_forward()
@@ -306,7 +308,8 @@ class ModelRunner:
             sampled = None
             if states and batch.drafts is None and self._sample_first(states, plain):
                 self.sampled_first_steps += 1
-                sampled = self.sampler.launch(logits, states, argmax=argmax, plain=True)
+                sampled = launch_sampling(self.sampler, logits, states, argmax=argmax,
+                                          plain=True)
             # Launched (on a GPU the host is free until the sampler reads its tokens back):
             # now the previous step is read back if still in flight; its result goes out
             # at once, then its tokens go into the sampling states this step's sampling
@@ -330,8 +333,8 @@ class ModelRunner:
                 t1 = time.perf_counter()
                 # No sync before sampling: the sampler's host work also overlaps the
                 # forward, and its kernels queue right behind it.
-                sampled = self.sampler.launch(logits, rows, grammar_bits, argmax=argmax,
-                                              plain=plain)
+                sampled = launch_sampling(self.sampler, logits, rows, grammar_bits,
+                                          argmax=argmax, plain=plain)
             scores = None
             if self._scoring:  # prompt logprobs or an embedding asked for
                 scores = prompt_outputs(self.model, hidden, plan.request_ids,
@@ -378,18 +381,6 @@ class ModelRunner:
         return (event is not None and not event.query()
                 and (plain or all(s.plain for s in states)))
 
-    def _export(self, plan: StepPlan, result: dict) -> None:
-        """The plan's `kv_export` blocks as bytes in its result. A failure sends none (the
-        receiving executor computes them again: the router imports what arrives), and takes
-        down neither the step nor the executor."""
-        if plan.kv_export is None:
-            return
-        try:
-            result["kv_export_data"] = self.cache.export_blocks(plan.kv_export)
-        except Exception:
-            log.exception("step %d: exporting %d KV blocks failed; none sent", plan.step_id,
-                          len(plan.kv_export))
-
     def _resolve(self) -> None:
         """Read the step in flight back and queue its StepResult (nothing when none)."""
         flight, self._inflight = self._inflight, None
@@ -411,7 +402,8 @@ class ModelRunner:
         else:  # a CPU ran it all as it was called
             forward_s, sample_s = flight.t1 - flight.t0, end - flight.t1
         self.steps_done += 1
-        self._export(flight.plan, flight.result)  # (the forward wrote them: router/handoff.py)
+        # (the forward wrote them: router/handoff.py)
+        export_kv(self.cache, flight.plan, flight.result)
         if flight.after_pooled:  # the step before this one: nothing reads its objects now
             self.host_pool.give(flight.after_pooled)
         result, errors = flight.result, flight.errors
@@ -476,8 +468,9 @@ class ModelRunner:
         states (the sampler computes what it needs)."""
         ready, self._graph_logits = self._graph_logits, None
         tokens, self._graph_tokens = self._graph_tokens, None
-        if ready is None:
-            return self.model.compute_logits(hidden[batch.sample_rows]), None
+        if ready is None:  # (more rows than a chunk: their hidden states, sample_chunks.py)
+            return step_logits(self.model.compute_logits, hidden, batch.sample_rows,
+                               self.sample_chunk_rows), None
         if batch.sample_rows is None or batch.sample_rows.shape[0] == ready.shape[0]:
             return ready, tokens
         return ready[batch.sample_rows], None

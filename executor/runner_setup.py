@@ -31,8 +31,8 @@ def build_runner(
     model_dir: str, *, device: str | torch.device = "cpu", dtype: str = "auto",
     block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
     kv_cache_space: float = 1.0, swap_space: float | None = None,
-    kv_offloading_size: float = 0.0, gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-    max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
+    kv_offloading_size: float = 0.0, gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None, max_num_batched_tokens: int = 8192, executor_id: str = "", progress: bool = True,
     max_num_seqs: int = 256, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 0, max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
@@ -97,7 +97,7 @@ def build_runner(
             plan = profile_num_gpu_blocks(
                 model, block_size, min(max_num_batched_tokens, 8 * max_len),
                 gpu_memory_utilization, device, reserve_bytes=reserve, baseline=baseline,
-                kv_dtype=kv_dtype)
+                kv_dtype=kv_dtype, sample_rows=max_num_seqs)
             num_gpu_blocks = plan.blocks
             log.info("KV cache: %d blocks at --gpu-memory-utilization %.2f (memory outside "
                      "torch counted by %s): %s", num_gpu_blocks, gpu_memory_utilization,
@@ -133,6 +133,7 @@ def build_runner(
     runner = ModelRunner(model, cache, executor_id=executor_id, max_model_len=max_len,
                          graphs=graphs, grammars=grammars, mixed_graphs=mixed, loras=loras)
     runner.weights.model_dir = str(model_dir)
+    runner.sample_chunk_rows = max_num_seqs  # what the memory profile sampled
     if device.type == "cuda":
         check_sampler_kernels(runner, config.vocab_size, torch_dtype)
     return runner

@@ -1,19 +1,24 @@
 """What the model runner keeps between steps besides the request rows: the tokens of the last
 step not yet recorded (`PendingSamples`), each request's sampling state behind them
-(`RequestState`), and a step launched whose result is not yet built (`InFlight`).
-model_runner.py has the step itself and the order things happen in."""
+(`RequestState`), and a step launched whose result is not yet built (`InFlight`); and the
+KV blocks a step's result carries (`export_kv`). model_runner.py has the step itself and the
+order things happen in."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from pagedserve.executor.batch_prep import Batch
+from pagedserve.executor.cache_engine import CacheEngine
 from pagedserve.executor.request_rows import RequestRows
 from pagedserve.executor.sampler import SampledOnDevice
 from pagedserve.executor.sampling_state import SamplingState
 from pagedserve.protos.wire import RequestError, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class PendingSamples:
@@ -117,3 +122,16 @@ class InFlight:
         if self.sampled is not None and self.sampled.event is not None:
             return self.sampled.event
         return self.events[1] if self.events is not None else None
+
+
+def export_kv(cache: CacheEngine, plan: StepPlan, result: dict) -> None:
+    """The plan's `kv_export` blocks as bytes in its ``result``. A failure sends none (the
+    receiving executor computes them again: the router imports what arrives), and takes
+    down neither the step nor the executor."""
+    if plan.kv_export is None:
+        return
+    try:
+        result["kv_export_data"] = cache.export_blocks(plan.kv_export)
+    except Exception:
+        log.exception("step %d: exporting %d KV blocks failed; none sent", plan.step_id,
+                      len(plan.kv_export))

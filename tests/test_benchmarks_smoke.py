@@ -353,3 +353,20 @@ def test_executor_host_virtual_device():
     # instant device: no watch thread at all).
     assert slow["watch_switches_per_step"] >= 1, slow
     assert not fast.get("watch_switches_per_step"), fast
+
+
+def test_sampler_memory_bench_cases_in_process():
+    """Two of its cases in this process (the script runs each in a fresh one): 48 rows
+    sampled the costliest way whole and in chunks of 16 give the same tokens."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sampler_memory_bench as bench
+    finally:
+        sys.path.pop(0)
+    whole = bench.child("smollm2-135m", 48, 48, "costliest", as_executor=False)
+    chunked = bench.child("smollm2-135m", 48, 16, "costliest", as_executor=False)
+    assert whole["case"] == "costliest_48_by_48" and chunked["case"] == "costliest_48_by_16"
+    assert whole["tokens_digest"] == chunked["tokens_digest"]
+    for r in (whole, chunked):
+        assert r["bench"] == "sampler_memory_bench" and r["ms"] > 0
+        assert r["peak_mib"] >= r["kept_mib"] - 1 and set(r) >= {"peak_mib", "kept_mib"}

@@ -5,7 +5,9 @@ transformers' whatever the drafts (all right, one wrong, all wrong: the keys and
 written for rejected drafts are overwritten later), beside plain decodes and a prompt chunk;
 seeded sampling with penalties, min_tokens and logprobs gives exactly the tokens of
 decoding without drafts; overlapped steps feed the next plan's marked decodes after a
-drafted step."""
+drafted step. Each also with its sampling rows in chunks of 2 (executor/sample_chunks.py:
+a drafted row's positions split across chunks; the sampler's work buffers stay that
+small)."""
 
 from __future__ import annotations
 
@@ -79,13 +81,26 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-def _driver(model_dir, device: str = "cpu") -> DraftDriver:
+CHUNKS = [8, 2]  # rows sampled at once: --max-num-seqs, and fewer than a drafted row's
+
+
+def _driver(model_dir, device: str = "cpu", chunk_rows: int = 8) -> DraftDriver:
     """On CUDA: float32, overlapped steps, the decode graphs and graph pieces captured (a
-    drafted row runs in the pieces)."""
-    return DraftDriver(build_runner(str(model_dir), device=device, dtype="float32",
-                                    num_gpu_blocks=48, num_cpu_blocks=8, block_size=8,
-                                    max_num_seqs=8, max_num_batched_tokens=256,
-                                    progress=False))
+    drafted row runs in the pieces). ``chunk_rows``: sampled at most that many rows at once
+    (build_runner makes it --max-num-seqs)."""
+    d = DraftDriver(build_runner(str(model_dir), device=device, dtype="float32",
+                                 num_gpu_blocks=48, num_cpu_blocks=8, block_size=8,
+                                 max_num_seqs=8, max_num_batched_tokens=256,
+                                 progress=False))
+    assert d.runner.sample_chunk_rows == 8
+    d.runner.sample_chunk_rows = chunk_rows
+    return d
+
+
+def _assert_buffers_within(d: DraftDriver, chunk_rows: int) -> None:
+    """The sampler's kept work buffers (a CPU's) hold at most one chunk of rows."""
+    sizes = [b.numel() for b in d.runner.sampler._buffers.values()]
+    assert max(sizes, default=0) <= chunk_rows * d.runner.vocab_size, sizes
 
 
 def test_sampling_positions_and_confirmed_exactly():
@@ -103,11 +118,12 @@ def test_sampling_positions_and_confirmed_exactly():
     assert keep.tolist() == [True, True, False, False, True, False]
 
 
+@pytest.mark.parametrize("chunk_rows", CHUNKS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, reference,
-                                                                  device):
+                                                                  device, chunk_rows):
     ref, logits = reference
-    d = _driver(model_dir, device)
+    d = _driver(model_dir, device, chunk_rows)
     d.add("a", PROMPT)
     d.add("b", OTHER)
     d.step({"a": None})  # prefill: token 0
@@ -133,8 +149,10 @@ def test_greedy_with_right_wrong_and_no_drafts_equals_transformers(model_dir, re
         assert d.runner.mixed_graph_steps >= 3, d.runner.mixed_graph_steps
 
 
+@pytest.mark.parametrize("chunk_rows", CHUNKS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_dir, device):
+def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_dir, device,
+                                                                         chunk_rows):
     plain = _driver(model_dir, device)
     plain.add("a", PROMPT, sampling=SAMPLED)
     logprobs = []
@@ -142,7 +160,7 @@ def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_
         logprobs.append(plain.step({"a": None}).logprobs.tolist()[0])
     want = plain.seqs["a"].outputs
 
-    d = _driver(model_dir, device)
+    d = _driver(model_dir, device, chunk_rows)
     d.add("a", PROMPT, sampling=SAMPLED)
     d.add("b", OTHER, sampling=SamplingParams(temperature=0.0))
     d.step({"a": None, "b": 4})
@@ -162,16 +180,20 @@ def test_sampled_tokens_and_logprobs_are_those_of_decoding_without_drafts(model_
     assert d.seqs["a"].outputs[:24] == want
     assert steps < 23  # drafts were confirmed
     np.testing.assert_allclose(lps[:23], logprobs[1:24], atol=1e-4)
+    if device == "cpu":
+        _assert_buffers_within(d, chunk_rows)
 
 
-def test_overlapped_steps_feed_marked_decodes_after_a_drafted_step(model_dir, reference):
+@pytest.mark.parametrize("chunk_rows", CHUNKS)
+def test_overlapped_steps_feed_marked_decodes_after_a_drafted_step(model_dir, reference,
+                                                                   chunk_rows):
     ref, _ = reference
     plain = _driver(model_dir)
     plain.add("b", OTHER)
     plain.generate(["b"], 8)
     want_b = plain.seqs["b"].outputs
 
-    d = _driver(model_dir)
+    d = _driver(model_dir, chunk_rows=chunk_rows)
     d.runner.overlap_steps = True  # as on a GPU
     d.add("a", PROMPT)
     d.add("b", OTHER)
@@ -191,7 +213,9 @@ def test_overlapped_steps_feed_marked_decodes_after_a_drafted_step(model_dir, re
     assert d.seqs["a"].outputs == ref[:6] and d.seqs["b"].outputs == want_b[:4]
 
 
-def test_drafts_under_a_grammar_give_the_tokens_of_decoding_without_them(model_dir):
+@pytest.mark.parametrize("chunk_rows", CHUNKS)
+def test_drafts_under_a_grammar_give_the_tokens_of_decoding_without_them(model_dir,
+                                                                       chunk_rows):
     """A constrained sample's drafted positions are masked as the format stands after the
     drafts before them (executor/grammar.py `after_drafts`): sampled with a seed, the
     tokens equal those of one-at-a-time decoding, whether the drafts are right, wrong
@@ -212,7 +236,7 @@ def test_drafts_under_a_grammar_give_the_tokens_of_decoding_without_them(model_d
 
     refused = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("!")
     assert refused is not None  # a byte the format never allows
-    d = _driver(model_dir)
+    d = _driver(model_dir, chunk_rows=chunk_rows)
     d.add("a", PROMPT, sampling=params)
     d.step({"a": None})
     steps = 0
@@ -229,3 +253,4 @@ def test_drafts_under_a_grammar_give_the_tokens_of_decoding_without_them(model_d
     assert steps < len(want) - 1  # drafts were confirmed
     # its matcher consumed no draft (a refused one would have left it in its error state)
     assert not d.runner.requests["a"]._sampling.grammar.inner.is_error()
+    _assert_buffers_within(d, chunk_rows)
