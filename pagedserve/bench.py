@@ -18,6 +18,12 @@ token-bearing chunk → summarise (`summarise`). Latencies are measured here, at
 - TPOT: (e2e - TTFT) / (output tokens - 1), per request with more than one token;
 - e2e: request sent → stream ended.
 
+Each latency is reported as its mean and percentiles (`--metric-percentiles`, default 50,
+90, 99). Goodput (`--goodput ttft:MS tpot:MS e2el:MS`, vLLM's flag and names; DistServe's
+measure): the completed requests that met every objective given, per second of the run --
+a request's TPOT as above (one with a single token has no gap and meets any TPOT
+objective); a failed request never counts.
+
 The prefix-cache hit rate is the change of `pagedserve_prefix_cache_hits_total` over
 `pagedserve_prefix_cache_queries_total` (summed over executors) between a /metrics read
 before and after the run. `run_bench` is the library entry point (benchmarks/ use it).
@@ -34,39 +40,21 @@ import re
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
+from .bench_report import (
+    RequestOutcome,
+    format_table,
+    parse_percentiles,
+    parse_slo,
+    summarise,
+)
 from .router.edge_security import add_client_api_key, grpc_metadata
 
 BACKENDS = ("grpc", "openai", "openai-chat", "openai-embeddings")
-
-
-@dataclass
-class RequestOutcome:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    finish_reason: int = 0  # FinishReason of the last sample's last chunk (3 = ABORT)
-    last_token_at: float | None = field(default=None, repr=False)  # perf_counter seconds
-
-    def record_tokens(self, n: int, sent_at: float) -> None:
-        """`n` tokens arrived now, for a request sent at `sent_at` (perf_counter): the
-        first ones give TTFT, later ones n ITL gaps of gap / n each."""
-        now = time.perf_counter()
-        if self.last_token_at is None:
-            self.ttft_s = now - sent_at
-        else:
-            self.itl_s.extend([(now - self.last_token_at) / n] * n)
-        self.last_token_at = now
-        self.output_tokens += n
 
 
 @dataclass
@@ -97,6 +85,8 @@ class BenchConfig:
     lora_modules: tuple[str, ...] = ()  # each request runs one of these adapters, at random
     api_key: str | None = None  # the server's --api-key (sent as a bearer token)
     tokenizer: str | None = None  # sharegpt: the model whose tokens count each reply
+    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)  # of each latency
+    goodput_ms: dict[str, float] | None = None  # the objectives: ttft / tpot / e2el -> ms
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,48 +163,6 @@ def read_prefix_counters(metrics_address: str) -> tuple[float, float]:
     return queries, hits
 
 
-def _stats(prefix: str, values_s: list[float]) -> dict:
-    if not values_s:
-        return {f"{prefix}_ms_{k}": None for k in ("mean", "p50", "p90", "p99")}
-    a = np.asarray(values_s) * 1000.0
-    return {f"{prefix}_ms_mean": round(float(a.mean()), 3),
-            f"{prefix}_ms_p50": round(float(np.percentile(a, 50)), 3),
-            f"{prefix}_ms_p90": round(float(np.percentile(a, 90)), 3),
-            f"{prefix}_ms_p99": round(float(np.percentile(a, 99)), 3)}
-
-
-def summarise(outcomes: list[RequestOutcome], duration_s: float,
-              prefix: tuple[float, float] | None) -> dict:
-    done = [o for o in outcomes if o.ok]
-    in_tok = sum(o.prompt_tokens for o in done)
-    out_tok = sum(o.output_tokens for o in done)
-    res = {
-        "completed": len(done),
-        "failed": len(outcomes) - len(done),
-        "duration_s": round(duration_s, 3),
-        "total_input_tokens": in_tok,
-        "total_output_tokens": out_tok,
-        "request_throughput_req_per_s": round(len(done) / duration_s, 3),
-        "output_throughput_tok_per_s": round(out_tok / duration_s, 2),
-        "total_token_throughput_tok_per_s": round((in_tok + out_tok) / duration_s, 2),
-    }
-    res.update(_stats("ttft", [o.ttft_s for o in done]))
-    res.update(_stats("tpot", [(o.e2e_s - o.ttft_s) / (o.output_tokens - 1)
-                               for o in done if o.output_tokens > 1]))
-    res.update(_stats("itl", [x for o in done for x in o.itl_s]))
-    res.update(_stats("e2e", [o.e2e_s for o in done]))
-    res["cached_prompt_tokens"] = sum(o.cached_prompt_tokens for o in done)
-    if prefix is not None:
-        queries, hits = prefix
-        res["prefix_cache_queries_tokens"] = int(queries)
-        res["prefix_cache_hits_tokens"] = int(hits)
-        res["prefix_hit_ratio"] = round(hits / queries, 4) if queries else 0.0
-    errors = sorted({o.error for o in outcomes if not o.ok})
-    if errors:
-        res["errors"] = errors[:5]
-    return res
-
-
 # ---------------------------------------------------------------------------------------
 # Driver
 
@@ -283,32 +231,8 @@ async def drive(cfg: BenchConfig, requests: list[BenchRequest], send) -> dict:
     if before is not None:
         after = read_prefix_counters(cfg.metrics_address)
         prefix = (after[0] - before[0], after[1] - before[1])
-    return summarise(list(outcomes), duration_s, prefix)
-
-
-def format_table(res: dict) -> str:
-    rows = [("completed / failed", f"{res['completed']} / {res['failed']}"),
-            ("duration (s)", res["duration_s"]),
-            ("input / output tokens", f"{res['total_input_tokens']} / "
-                                      f"{res['total_output_tokens']}"),
-            ("request throughput (req/s)", res["request_throughput_req_per_s"]),
-            ("output throughput (tok/s)", res["output_throughput_tok_per_s"]),
-            ("total token throughput (tok/s)", res["total_token_throughput_tok_per_s"])]
-    for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2e")):
-        vals = [res[f"{key}_ms_{s}"] for s in ("mean", "p50", "p90", "p99")]
-        cells = "  ".join("-" if v is None else f"{v:.1f}" for v in vals)
-        rows.append((f"{name} ms mean p50 p90 p99", cells))
-    if "prefix_hit_ratio" in res:
-        rows.append(("prefix cache hit ratio", f"{res['prefix_hit_ratio']:.3f} "
-                     f"({res['prefix_cache_hits_tokens']} of "
-                     f"{res['prefix_cache_queries_tokens']} tokens)"))
-    rows.append(("cached prompt tokens (usage)", res["cached_prompt_tokens"]))
-    width = max(len(r[0]) for r in rows)
-    lines = ["=" * 20 + " pagedserve bench " + "=" * 20]
-    lines += [f"{name:<{width}}  {value}" for name, value in rows]
-    for err in res.get("errors", []):
-        lines.append(f"error: {err}")
-    return "\n".join(lines)
+    return summarise(list(outcomes), duration_s, prefix, cfg.metric_percentiles,
+                     cfg.goodput_ms)
 
 
 def _positive_int(text: str) -> int:
@@ -381,6 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", type=lambda v: tuple(n for n in v.split(",") if n),
                    default=(), metavar="NAME[,NAME...]",
                    help="each request runs one of these LoRA adapters, drawn at random")
+    p.add_argument("--metric-percentiles", type=parse_percentiles, default=(50.0, 90.0, 99.0),
+                   metavar="P[,P...]",
+                   help="percentiles of each latency to report (default 50,90,99)")
+    p.add_argument("--goodput", type=parse_slo, nargs="+", default=None,
+                   metavar="METRIC:MS",
+                   help="service-level objectives in milliseconds (ttft, tpot, e2el), e.g. "
+                        "--goodput ttft:500 tpot:50: also report the completed requests "
+                        "that met all of them, per second")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     add_client_api_key(p)
@@ -404,13 +336,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress and not args.json, timeout_s=args.timeout,
         connections=args.connections, lora_modules=args.lora_modules, api_key=args.api_key,
-        tokenizer=args.tokenizer)
+        tokenizer=args.tokenizer, metric_percentiles=args.metric_percentiles,
+        goodput_ms=dict(args.goodput) if args.goodput else None)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.dataset in ("file", "sharegpt") and not args.file:
         print(f"pagedserve bench: --dataset {args.dataset} needs --file PATH", file=sys.stderr)
+        return 2
+    if args.goodput and len(dict(args.goodput)) != len(args.goodput):
+        print("pagedserve bench: --goodput names a metric twice", file=sys.stderr)
         return 2
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("pagedserve bench: --num-prompts and --max-concurrency must be >= 1",
