@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagedserve.bench import build_parser
 from pagedserve.bench_report import RequestOutcome, format_table, summarise
 
