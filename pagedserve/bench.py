@@ -46,6 +46,7 @@ import numpy as np
 
 from .bench_datasets import DATASETS, BenchRequest, parse_range, sample_requests
 from .bench_report import (
+    PERCENTILES,
     RequestOutcome,
     format_table,
     parse_percentiles,
@@ -85,7 +86,7 @@ class BenchConfig:
     lora_modules: tuple[str, ...] = ()  # each request runs one of these adapters, at random
     api_key: str | None = None  # the server's --api-key (sent as a bearer token)
     tokenizer: str | None = None  # sharegpt: the model whose tokens count each reply
-    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)  # of each latency
+    metric_percentiles: tuple[float, ...] = PERCENTILES  # of each latency
     goodput_ms: dict[str, float] | None = None  # the objectives: ttft / tpot / e2el -> ms
 
 
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", type=lambda v: tuple(n for n in v.split(",") if n),
                    default=(), metavar="NAME[,NAME...]",
                    help="each request runs one of these LoRA adapters, drawn at random")
-    p.add_argument("--metric-percentiles", type=parse_percentiles, default=(50.0, 90.0, 99.0),
+    p.add_argument("--metric-percentiles", type=parse_percentiles, default=PERCENTILES,
                    metavar="P[,P...]",
                    help="percentiles of each latency to report (default 50,90,99)")
     p.add_argument("--goodput", type=parse_slo, nargs="+", default=None,

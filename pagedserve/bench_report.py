@@ -39,6 +39,7 @@ class RequestOutcome:
 
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's names for --goodput
+PERCENTILES = (50.0, 90.0, 99.0)  # of each latency, unless --metric-percentiles says
 
 
 def percentile_name(p: float) -> str:
@@ -47,7 +48,7 @@ def percentile_name(p: float) -> str:
 
 
 def _stats(prefix: str, values_s: list[float],
-           percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)) -> dict:
+           percentiles: tuple[float, ...] = PERCENTILES) -> dict:
     keys = ["mean", *(percentile_name(p) for p in percentiles)]
     if not values_s:
         return {f"{prefix}_ms_{k}": None for k in keys}
@@ -72,7 +73,7 @@ def good_requests(done: list[RequestOutcome], slos_ms: dict[str, float]) -> int:
 
 def summarise(outcomes: list[RequestOutcome], duration_s: float,
               prefix: tuple[float, float] | None,
-              percentiles: tuple[float, ...] = (50.0, 90.0, 99.0),
+              percentiles: tuple[float, ...] = PERCENTILES,
               goodput_ms: dict[str, float] | None = None) -> dict:
     done = [o for o in outcomes if o.ok]
     in_tok = sum(o.prompt_tokens for o in done)
