@@ -67,7 +67,8 @@ The kernels' switches, read where they apply and checked here at start (a bad va
 with code 2): ``PAGEDSERVE_DECODE_FUSED_ROPE``, ``PAGEDSERVE_DECODE_TRITON_GEMM``,
 ``PAGEDSERVE_GRAPH_FEED`` and ``PAGEDSERVE_MIXED_DECODE_SPLIT`` (kernels/host_math.py,
 executor/graph_feed.py); on a CPU, ``PAGEDSERVE_HOST_MALLOC=0`` leaves glibc's allocator as
-it is (executor/host_malloc.py).
+it is (executor/host_malloc.py) and ``PAGEDSERVE_CPU_PACKED_WEIGHTS=0`` a 16-bit model's
+projections in torch's layout (executor/packed_weights.py).
 
 Exit codes: 0 shutdown, 1 parent died, 2 bad flags or model directory, 3 refused by router.
 """

@@ -56,6 +56,7 @@ def build_runner(
     )
     from pagedserve.executor.cuda_graphs import graph_memory_bytes, graphs_supported
     from pagedserve.executor.models import load_config, load_model, resolve_dtype
+    from pagedserve.executor.packed_weights import pack_if_supported
     from pagedserve.kernels.kv_dtypes import kv_dtype_name, resolve_kv_cache_dtype
 
     device = torch.device(device)
@@ -72,6 +73,8 @@ def build_runner(
                          f"{config.max_model_len}")
     adapters = [read_adapter(name, path, config) for name, path in lora_modules]
     model = load_model(model_dir, torch_dtype, device, config, progress=progress)
+    if device.type == "cpu":
+        log.info("%s", pack_if_supported(model))  # (executor/packed_weights.py)
     loras = LoraSet(adapters, model, max_loras, max_lora_rank,
                     max_loras if max_cpu_loras is None else max_cpu_loras) \
         if adapters or max_loras else None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from pagedserve.executor.lora_ops import apply_lora_ops
 from pagedserve.executor.models.config import ModelNotSupported, load_config
 from pagedserve.executor.models.loader import WeightsMismatch, copy_weights, plan_weights
+from pagedserve.executor.packed_weights import is_packed, pack_projections, unpack_projections
 from pagedserve.protos.wire import StepPlan, WeightOp
 
 if TYPE_CHECKING:
@@ -78,7 +79,20 @@ def apply_model_ops(runner: ModelRunner, plan: StepPlan) -> dict:
 
 def apply_weight_op(runner: ModelRunner, op: WeightOp) -> str:
     """Check or load ``op.path`` (module docstring); '' when it took effect, else why not
-    (a message holding PARTIAL when the model was left half updated)."""
+    (a message holding PARTIAL when the model was left half updated). A CPU executor's
+    packed projections (packed_weights.py) are plain matrices while a load copies into
+    them, and packed again after it, whatever happened."""
+    packed = op.load and is_packed(runner.model)
+    if packed:
+        unpack_projections(runner.model)
+    try:
+        return _check_or_load(runner, op)
+    finally:
+        if packed:
+            pack_projections(runner.model)
+
+
+def _check_or_load(runner: ModelRunner, op: WeightOp) -> str:
     t0 = time.perf_counter()
     shown = op.path or runner.weights.model_dir  # ("": --model's own)
     try:

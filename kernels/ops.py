@@ -211,12 +211,14 @@ def decode_split_of(num_new, query_start_loc: torch.Tensor) -> tuple | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            triton_gemm: bool = False, silu_mul: bool = False,
-           backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto", packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias): torch's linear (cuBLAS on a GPU), or with
     ``triton_gemm`` the autotuned split-K Triton GEMM (linear_ops.py) for up to
-    TRITON_GEMM_MAX_TOKENS rows on the Triton backend. ``silu_mul``: x is [T, 2K], gate then
-    up, multiplied as `silu_and_mul(x)` (``backend``'s), inside the Triton GEMM's operand
-    loads when it runs."""
+    TRITON_GEMM_MAX_TOKENS rows on the Triton backend, or on a CPU with ``packed`` (the
+    weight in oneDNN's blocked layout, executor/packed_weights.py; ``weight`` then holds
+    only its shape) oneDNN's linear on it, bit for bit torch's. ``silu_mul``: x is [T, 2K],
+    gate then up, multiplied as `silu_and_mul(x)` (``backend``'s), inside the Triton GEMM's
+    operand loads when it runs."""
     if triton_gemm and x.dim() == 2 and x.shape[0] <= TRITON_GEMM_MAX_TOKENS \
             and _use_triton(backend, x):
         from .linear_ops import linear_tuned
@@ -224,6 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_tuned(x, weight, bias, silu_mul=silu_mul)
     if silu_mul:
         x = silu_and_mul(x, backend=backend)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -371,8 +371,8 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
     """PAGEDSERVE_PLAN_PREP=main (the I/O thread only decodes; the main thread runs
     `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
     run; a value other than io or main stops the executor at start (exit code 2), as does
-    a bad PAGEDSERVE_DECODE_FUSED_ROPE, _TRITON_GEMM, PAGEDSERVE_GRAPH_FEED or
-    PAGEDSERVE_MIXED_DECODE_SPLIT."""
+    a bad PAGEDSERVE_DECODE_FUSED_ROPE, _TRITON_GEMM, PAGEDSERVE_GRAPH_FEED,
+    PAGEDSERVE_MIXED_DECODE_SPLIT or PAGEDSERVE_CPU_PACKED_WEIGHTS."""
     prompt = [0, 17, 250, 33, 9]
     ref = _driver(model_dir)
     ref.add("r", prompt)
@@ -409,7 +409,10 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
                           "PAGEDSERVE_GRAPH_FEED='off': expected 0 or 1"),
                          ({"PAGEDSERVE_GRAPH_FEED": "1",
                            "PAGEDSERVE_MIXED_DECODE_SPLIT": "2"},
-                          "PAGEDSERVE_MIXED_DECODE_SPLIT='2': expected 0 or 1")]:
+                          "PAGEDSERVE_MIXED_DECODE_SPLIT='2': expected 0 or 1"),
+                         ({"PAGEDSERVE_MIXED_DECODE_SPLIT": "0",
+                           "PAGEDSERVE_CPU_PACKED_WEIGHTS": "yes"},
+                          "PAGEDSERVE_CPU_PACKED_WEIGHTS='yes': expected 0 or 1")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")

@@ -174,8 +174,8 @@ def test_triton_gemm_takes_only_the_projections_named(monkeypatch):
         asked.append(triton_gemm) or linear(*a, triton_gemm=False, **k)))
     monkeypatch.setattr(llama, "TRITON_GEMM", frozenset({"qkv", "o"}))
     x = torch.randn(3, 32)
-    llama.project(torch.nn.Linear(32, 64), x, "qkv")
-    llama.project(torch.nn.Linear(32, 32), x, "o")
+    llama.project(llama._linear(32, 64, True), x, "qkv")
+    llama.project(llama._linear(32, 32, True), x, "o")
     llama.MLP(SimpleNamespace(hidden_size=32, intermediate_size=48, mlp_bias=False))(x)
     assert asked == [True, True, False, False]  # qkv, o, gate_up, down
 

@@ -34,16 +34,19 @@ def project(linear: nn.Linear, x: torch.Tensor, name: str,
     """The layer's projection ``name`` (qkv, o, gate_up, down: ops.linear, cuBLAS or the
     Triton GEMM), plus the LoRA adapters' update of each token where the step has tokens
     with an adapter (``lora``, models/lora.py)."""
-    y = ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM)
+    y = ops.linear(x, linear.weight, linear.bias, triton_gemm=name in TRITON_GEMM,
+                   packed=linear.packed)
     if lora is not None and linear.lora is not None:
         linear.lora.add_(y, x, lora)
     return y
 
 
 def _linear(fan_in: int, fan_out: int, bias: bool) -> nn.Linear:
-    """A projection, with no LoRA update until a LoraSet installs one (models/lora.py)."""
+    """A projection, with no LoRA update until a LoraSet installs one (models/lora.py) and
+    its weight in torch's layout until a CPU executor packs it (executor/packed_weights.py)."""
     linear = nn.Linear(fan_in, fan_out, bias)
     linear.lora = None
+    linear.packed = None
     return linear
 
 
@@ -175,7 +178,7 @@ class MLP(nn.Module):
             return project(down, ops.silu_and_mul(gate_up, backend=self.kernel_backend),
                            "down", lora)
         return ops.linear(gate_up, down.weight, down.bias, triton_gemm="down" in TRITON_GEMM,
-                          silu_mul=True, backend=self.kernel_backend)
+                          silu_mul=True, backend=self.kernel_backend, packed=down.packed)
 
 
 class DecoderLayer(nn.Module):
@@ -258,7 +261,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the head's weight in oneDNN's layout on a CPU executor (executor/packed_weights.py)
+        self.packed_head: torch.Tensor | None = None
         cache = (torch.empty(cfg.max_model_len, 2, cfg.head_dim, dtype=torch.float32)
                  if _on_meta_device() else self.rope_cache(cfg))  # meta: the loader sets it
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -297,5 +302,7 @@ class LlamaForCausalLM(nn.Module):
         needs to (a plain greedy step on a GPU takes the 16-bit argmax, which picks the same
         token). A float32 copy here cost 113 us a step at 256 rows x 152k vocabulary on an
         H200, every step, greedy or not."""
+        if self.packed_head is not None:
+            return ops.linear(hidden, None, packed=self.packed_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

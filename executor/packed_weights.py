@@ -1,0 +1,122 @@
+"""A CPU executor's projection weights kept in oneDNN's blocked layout (16-bit models).
+
+torch's linear on a CPU hands oneDNN a bfloat16 weight as a plain [out, in] matrix, and
+oneDNN reorders it into the blocked layout its AMX / AVX-512 kernels read on every call:
+at a decode step's few rows the reorder costs about as much as the product itself
+(SmolLM2-135M's 576 x 1536 on one thread: 85 us a call, 44 without the reorder). So each
+projection (q/k/v, o, gate/up, down, and the vocabulary head) is reordered once, at start
+(`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does), and
+`ops.linear` calls oneDNN's linear on the packed matrix (`packed`): the same kernel on the
+same layout, so the outputs are bit for bit torch's linear (checked at start). A decode step
+of the built-in model on one thread: 55 -> 39 ms at 1 sequence, 65 -> 45 at 8, 114 -> 96 at
+32 (benchmarks/README.md, "packed projection weights").
+
+The packed matrix takes the plain one's place rather than doubling it: each parameter keeps
+its shape and dtype (a zero-stride view of one element, so what reads shapes -- the
+loader's checks, the LoRA set-up -- reads them as before) and gives back its storage. A
+tied vocabulary head is the embedding, which the lookup still needs: it is packed beside it
+(one [vocab, hidden] matrix more). A weight update unpacks (`unpack_projections`: the plain
+matrices back), copies the new tensors in, and packs again.
+
+Where it applies: a CPU, a 16-bit model (oneDNN has bfloat16 with AVX512-BF16 or AMX,
+float16 with AVX512-FP16 or AVX-NE-CONVERT) whose packed product equals torch's linear bit
+for bit on a test matrix at start; elsewhere torch's linear runs, as before (logged).
+``PAGEDSERVE_CPU_PACKED_WEIGHTS=0`` turns it off."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from pagedserve.kernels.host_math import switch_from_env
+from torch import nn
+
+log = logging.getLogger("pagedserve.executor")
+
+PACKED_WEIGHTS_ENV = "PAGEDSERVE_CPU_PACKED_WEIGHTS"
+# oneDNN's reorder takes the expected row count as a hint; 1 to 256 rows ran alike with
+# every hint from 1 to 256 (576 x 1536, bfloat16, one thread)
+_ROWS_HINT = 1
+
+
+def packing_refused(dtype: torch.dtype, device: torch.device) -> str:
+    """'' when this process can run ``dtype`` projections packed, else why not (one line)."""
+    if torch.device(device).type != "cpu":
+        return "not a CPU"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')} (oneDNN's packed layout is for 16-bit weights)"
+    if switch_from_env(PACKED_WEIGHTS_ENV, strict=False) is False:
+        return f"{PACKED_WEIGHTS_ENV}=0"
+    if not torch.backends.mkldnn.is_available():
+        return "torch built without oneDNN"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(67, 45, generator=gen).to(dtype)  # odd sizes, a bias, 1 and 5 rows
+    bias = torch.randn(67, generator=gen).to(dtype)
+    try:
+        packed = pack(weight)
+        for rows in (1, 5):
+            x = torch.randn(rows, 45, generator=gen).to(dtype)
+            if not torch.equal(linear(x, packed, bias), F.linear(x, weight, bias)):
+                return "oneDNN's packed product differs from torch's linear on this CPU"
+    except RuntimeError as exc:  # e.g. "fp16 path needs the cpu support avx512_fp16"
+        return f"oneDNN refused: {str(exc).splitlines()[0][:200]}"
+    return ""
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into oneDNN's blocked layout (an mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] times the packed weight (+ bias): [T, out], as F.linear computes it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _projections(model: nn.Module) -> list[nn.Linear]:
+    """Every projection of the decoder layers, and an untied vocabulary head."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack every projection (`linear.packed`) and the vocabulary head (`model.packed_head`),
+    giving back each projection's plain storage; the bytes held beyond the plain weights
+    (the tied head's packed copy). The plain matrices must be there (`unpack_projections`)."""
+    for module in _projections(model):
+        weight = module.weight
+        module.packed = pack(weight.data)
+        weight.data = weight.data.new_empty(()).expand(weight.shape)  # its storage goes
+    if model.lm_head is not None:
+        model.packed_head = model.lm_head.packed
+        return 0
+    embedding = model.model.embed_tokens.weight
+    model.packed_head = pack(embedding.data)
+    return embedding.numel() * embedding.element_size()
+
+
+def unpack_projections(model: nn.Module) -> None:
+    """The plain matrices back in every packed projection (their values, bit for bit),
+    nothing packed: what a weight update copies into."""
+    for module in _projections(model):
+        if getattr(module, "packed", None) is not None:
+            module.weight.data = module.packed.to_dense()
+            module.packed = None
+    model.packed_head = None
+
+
+def is_packed(model: nn.Module) -> bool:
+    return model.packed_head is not None
+
+
+def pack_if_supported(model: nn.Module) -> str:
+    """Pack ``model``'s projections where `packing_refused` allows; what was done, for the
+    executor's log."""
+    weight = model.model.embed_tokens.weight
+    refused = packing_refused(weight.dtype, weight.device)
+    if refused:
+        return f"projections run by torch's linear: {refused}"
+    extra = pack_projections(model)
+    count = len(_projections(model)) + (extra > 0)
+    return (f"{count} projection matrices packed for oneDNN"
+            + (f" (the tied vocabulary head's copy: {extra / 2**20:.0f} MiB)" if extra else ""))
