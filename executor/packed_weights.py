@@ -25,14 +25,10 @@ for bit on a test matrix at start; elsewhere torch's linear runs, as before (log
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from pagedserve.kernels.host_math import switch_from_env
 from torch import nn
-
-log = logging.getLogger("pagedserve.executor")
 
 PACKED_WEIGHTS_ENV = "PAGEDSERVE_CPU_PACKED_WEIGHTS"
 # oneDNN's reorder takes the expected row count as a hint; 1 to 256 rows ran alike with

@@ -219,14 +219,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     only its shape) oneDNN's linear on it, bit for bit torch's. ``silu_mul``: x is [T, 2K],
     gate then up, multiplied as `silu_and_mul(x)` (``backend``'s), inside the Triton GEMM's
     operand loads when it runs."""
-    if triton_gemm and x.dim() == 2 and x.shape[0] <= TRITON_GEMM_MAX_TOKENS \
-            and _use_triton(backend, x):
+    if triton_gemm and packed is None and x.dim() == 2 \
+            and x.shape[0] <= TRITON_GEMM_MAX_TOKENS and _use_triton(backend, x):
         from .linear_ops import linear_tuned
 
         return linear_tuned(x, weight, bias, silu_mul=silu_mul)
     if silu_mul:
         x = silu_and_mul(x, backend=backend)
-    if packed is not None:
+    if packed is not None:  # (never with the Triton GEMM: ``weight`` has no values then)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
