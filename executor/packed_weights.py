@@ -6,7 +6,7 @@ at a decode step's few rows the reorder costs about as much as the product itsel
 (SmolLM2-135M's 576 x 1536 on one thread: 85 us a call, 44 without the reorder). So each
 projection (q/k/v, o, gate/up, down, and the vocabulary head) is reordered once, at start
 (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does), and
-`ops.linear` calls oneDNN's linear on the packed matrix (`packed`): the same kernel on the
+`ops.linear` calls oneDNN's linear on the packed matrix (its ``packed``): the same kernel on the
 same layout, so the outputs are bit for bit torch's linear (checked at start). A decode step
 of the built-in model on one thread: 55 -> 39 ms at 1 sequence, 65 -> 45 at 8, 114 -> 96 at
 32 (benchmarks/README.md, "packed projection weights").
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels import ops
 from pagedserve.kernels.host_math import switch_from_env
 from torch import nn
 
@@ -53,7 +54,8 @@ def packing_refused(dtype: torch.dtype, device: torch.device) -> str:
         packed = pack(weight)
         for rows in (1, 5):
             x = torch.randn(rows, 45, generator=gen).to(dtype)
-            if not torch.equal(linear(x, packed, bias), F.linear(x, weight, bias)):
+            if not torch.equal(ops.linear(x, weight, bias, packed=packed),
+                               F.linear(x, weight, bias)):
                 return "oneDNN's packed product differs from torch's linear on this CPU"
     except RuntimeError as exc:  # e.g. "fp16 path needs the cpu support avx512_fp16"
         return f"oneDNN refused: {str(exc).splitlines()[0][:200]}"
@@ -63,11 +65,6 @@ def packing_refused(dtype: torch.dtype, device: torch.device) -> str:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered into oneDNN's blocked layout (an mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] times the packed weight (+ bias): [T, out], as F.linear computes it."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _projections(model: nn.Module) -> list[nn.Linear]:
