@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_dtypes import to_cache_dtype, widen_e4m3_
+from .step_memo import memoized
 
 
 def reshape_and_cache(
@@ -37,12 +38,21 @@ def reshape_and_cache(
 ) -> None:
     """Scatter the step's new keys and values into the cache at their slots."""
     num_blocks, block_size = key_cache.shape[:2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots, valid = memoized("cache_slots", (slot_mapping,), lambda: _cache_slots(slot_mapping))
+    if valid is not None:
+        key, value = key[valid], value[valid]
     key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slots] = to_cache_dtype(
-        key[valid], key_cache.dtype)
+        key, key_cache.dtype)
     value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slots] = to_cache_dtype(
-        value[valid], value_cache.dtype)
+        value, value_cache.dtype)
+
+
+def _cache_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the written tokens' slots as int64, the mask of those tokens or None for all)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[valid].long(), valid
 
 
 class _Scratch(threading.local):
@@ -77,28 +87,39 @@ _scratch = _Scratch()
 
 
 def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, slot: int
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, slot: int,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_seqs, max_len, num_kv_heads, head_dim] gathered through the block tables, a view
     into this thread's scratch buffer ``slot``. One ``index_select`` of whole blocks (rows
     of ``block_size * num_kv_heads * head_dim`` contiguous elements); table entries past a
-    sequence's end are clamped to block 0 and masked by the caller."""
+    sequence's end are clamped to block 0 and masked by the caller. ``table``: the block
+    list `_gather_table` gives (when the caller has it)."""
     num_seqs = block_tables.shape[0]
     num_blocks, block_size = cache.shape[:2]
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks_needed].reshape(-1).long().clamp_min(0)
+    if table is None:
+        table = _gather_table(block_tables, max_len, block_size)
     flat = cache.view(num_blocks, -1)
     out = _scratch.get(slot, table.numel() * flat.shape[1], cache.dtype, cache.device)
     torch.index_select(flat, 0, table, out=out.view(table.numel(), flat.shape[1]))
-    return out.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
+    return out.view(num_seqs, table.numel() // max(num_seqs, 1) * block_size,
+                    *cache.shape[2:])[:, :max_len]
 
 
-def _in_float32(t: torch.Tensor, slot: int) -> torch.Tensor:
-    """``t`` itself when float32, else its float32 copy in scratch buffer ``slot``: the
-    twins compute half-precision and fp8 caches in float32, as the kernels accumulate.
+def _gather_table(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """int64 [num_seqs * blocks]: the blocks holding each sequence's first ``max_len``
+    positions, row after row (entries past a table's end, -1, as block 0)."""
+    num_blocks_needed = (max_len + block_size - 1) // block_size
+    return block_tables[:, :num_blocks_needed].reshape(-1).long().clamp_min(0)
+
+
+def _in_float32(t: torch.Tensor, slot: int, copy: bool = False) -> torch.Tensor:
+    """``t`` itself when float32 (unless ``copy``), else its float32 copy in scratch buffer
+    ``slot``, contiguous in ``t``'s shape: the twins compute half-precision and fp8 caches
+    in float32, as the kernels accumulate.
 
     e4m3 bytes on a CPU: kv_dtypes.widen_e4m3_ (a table of byte pairs)."""
-    if t.dtype == torch.float32:
+    if t.dtype == torch.float32 and not copy:
         return t
     out = _scratch.get(slot, t.numel(), torch.float32, t.device).view(t.shape)
     if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu" or t.shape[-1] % 2:
@@ -122,18 +143,29 @@ def _attend_decode(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query token per sequence: each group of similar context lengths is one padded
-    batch (``_attend_decode_padded``)."""
-    groups = _decode_groups(seq_lens.long())
-    if len(groups) == 1:
+    batch (``_attend_decode_padded``). The grouping and each group's tables and lengths are
+    the step's (memoized: every layer has the same)."""
+    groups = memoized("decode_groups", (block_tables, seq_lens),
+                      lambda: _grouped_rows(block_tables, seq_lens))
+    if groups is None:
         result = _attend_decode_padded(query, key_cache, value_cache, block_tables, seq_lens,
                                        scale, sliding_window)
         return result if out is None else out.copy_(result)
     result = out if out is not None else query.new_empty(query.shape)
-    for rows in groups:
+    for rows, tables, lens in groups:
         result.index_copy_(0, rows, _attend_decode_padded(
-            query[rows], key_cache, value_cache, block_tables[rows], seq_lens[rows], scale,
-            sliding_window))
+            query[rows], key_cache, value_cache, tables, lens, scale, sliding_window))
     return result
+
+
+def _grouped_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """`_decode_groups` as (row indices, their block tables, their lengths) each; None when
+    the batch is one group."""
+    groups = _decode_groups(seq_lens.long())
+    if len(groups) == 1:
+        return None
+    return [(rows, block_tables[rows], seq_lens[rows]) for rows in groups]
 
 
 def _decode_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
@@ -167,6 +199,20 @@ def _decode_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
     return groups
 
 
+def _decode_masks(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  sliding_window: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(the longest context L, the gather's block list, the masked positions [S, 1, 1, L]:
+    past a sequence's length or outside its sliding window) of a padded decode batch."""
+    lens = seq_lens.long()
+    max_len = max(int(lens.max()), 1)
+    k_pos = torch.arange(max_len, device=seq_lens.device)
+    masked = k_pos[None, :] >= lens[:, None]  # [S, L]
+    if sliding_window is not None and sliding_window > 0:
+        masked |= k_pos[None, :] <= (lens - 1 - sliding_window)[:, None]
+    return (max_len, _gather_table(block_tables, max_len, block_size),
+            masked[:, None, None, :])
+
+
 def _attend_decode_padded(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -178,34 +224,31 @@ def _attend_decode_padded(
 ) -> torch.Tensor:
     """One query token per sequence, the batch padded to its longest context.
 
-    Keys and values are gathered once per layer ([S, L, Hkv, D], scratch buffers), then each
-    KV head is two batched matmuls over strided views of them: ``[S, G, D] x [S, D, L]`` for
-    the scores of the head's G query heads, ``[S, G, L] x [S, L, D]`` for the context. A
-    strided view with a unit-stride last dimension goes to BLAS as it is, so nothing is
-    copied again (permuting the gathered tensor for one 4-D matmul copied it twice more).
+    Keys and values are gathered once per layer ([S, L, Hkv, D], scratch buffers) and
+    widened to float32 as [S, Hkv, L, D] (the widening copy transposes them, at no extra
+    pass), so that every (sequence, KV head) pair is one entry of two batched matmuls:
+    ``[S*Hkv, G, D] x [S*Hkv, D, L]`` for the scores of its G query heads and
+    ``[S*Hkv, G, L] x [S*Hkv, L, D]`` for the context, whose result is already [S, H, D].
+    (A loop over KV heads on strided views did 6 operations a head and fed BLAS operands
+    with a row stride of Hkv*D: 25-30% slower on the 2-core VM, the same values to the bit.)
     Positions past a sequence's length (and outside a sliding window) are masked; a sequence
     of length 0 (a padding row) gets zeros."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    seq_lens_l = seq_lens.long()
-    max_len = max(int(seq_lens_l.max()), 1)
-    k = _gather_context(key_cache, block_tables, max_len, slot=0)
-    v = _gather_context(value_cache, block_tables, max_len, slot=1)
-    k, v = _in_float32(k, slot=2), _in_float32(v, slot=3)
-    k_pos = torch.arange(max_len, device=query.device)
-    masked = k_pos[None, :] >= seq_lens_l[:, None]  # [S, L]
-    if sliding_window is not None and sliding_window > 0:
-        masked |= k_pos[None, :] <= (seq_lens_l - 1 - sliding_window)[:, None]
-    masked = masked[:, None, :]
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    ctx = torch.empty(num_kv_heads, num_seqs, group, head_dim, device=query.device)
-    for h in range(num_kv_heads):
-        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))  # [S, G, L]
-        scores.mul_(scale).masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
-        torch.bmm(probs, v[:, :, h], out=ctx[h])
-    return ctx.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    max_len, table, masked = memoized(
+        f"decode_masks{sliding_window}", (block_tables, seq_lens),
+        lambda: _decode_masks(block_tables, seq_lens, key_cache.shape[1], sliding_window))
+    k = _gather_context(key_cache, block_tables, max_len, slot=0, table=table)
+    v = _gather_context(value_cache, block_tables, max_len, slot=1, table=table)
+    k = _in_float32(k.transpose(1, 2), slot=2, copy=True).view(-1, max_len, head_dim)
+    v = _in_float32(v.transpose(1, 2), slot=3, copy=True).view(-1, max_len, head_dim)
+    q = query.float().reshape(num_seqs * num_kv_heads, group, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_kv_heads, group, max_len)
+    scores.mul_(scale).masked_fill_(masked, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
+    ctx = torch.bmm(probs.view(-1, group, max_len), v)  # [S*Hkv, G, D]
+    return ctx.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_decode_attention(

@@ -20,6 +20,7 @@ from pagedserve.executor.models.config import ModelConfig
 from pagedserve.executor.models.lora import LoraStep
 from pagedserve.kernels import ops
 from pagedserve.kernels.host_math import fused_rope_from_env, triton_gemm_from_env
+from pagedserve.kernels.step_memo import forward_scope
 from torch import nn
 
 # PAGEDSERVE_DECODE_TRITON_GEMM (1, or some of qkv, o, gate_up, down): those projections of
@@ -280,11 +281,12 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        x, cos_sin = self.embed(input_ids, positions)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos_sin, kv_cache[i], attn)
-        return self.final_norm(x, residual)
+        with forward_scope():  # the twins derive the step's metadata once, not every layer
+            x, cos_sin = self.embed(input_ids, positions)
+            residual = None
+            for i, layer in enumerate(self.model.layers):
+                x, residual = layer(x, residual, cos_sin, kv_cache[i], attn)
+            return self.final_norm(x, residual)
 
     def embed(self, input_ids: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
