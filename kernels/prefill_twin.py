@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import _attend_decode, _gather_context, _in_float32
+from .decode_twin import _attend_decode
+from .kv_gather import _gather_context, _in_float32
 
 # Whole prompts are padded to a multiple of this many tokens; one call holds at most
 # FRESH_GROUP_TOKENS padded tokens (its gathered keys and values: scratch buffers).

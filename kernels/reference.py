@@ -1,13 +1,16 @@
 """Pure-torch twins of the paged-attention kernels.
 
-Every Triton kernel in this package has a twin here with the same signature. The twins are
-the CPU executor's implementation and the oracle of the kernel tests; they are themselves
-checked against dense causal attention. They are vectorised: keys and values are gathered by
-block table for many sequences at once (a group of decodes of similar length, or one
-prefill chunk), with Python loops only over such groups and over KV heads, never over
-tokens. On a CPU they are the attention, so they are written for its memory system: gathers
-into reused buffers, matmuls on strided views instead of permuted copies, fused attention
-for prefill chunks (figures: benchmarks/README.md, "e2e_vs_hf.py").
+Every Triton kernel in this package has a twin here with the same signature (the attention
+twins in decode_twin.py and prefill_twin.py, named here too). The twins are the CPU
+executor's implementation and the oracle of the kernel tests; they are themselves checked
+against dense causal attention. They are vectorised: keys and values are gathered by block
+table for many sequences at once (a part of a decode batch, or whole prompts of one padded
+length), with Python loops only over such parts, never over tokens. On a CPU they are the
+attention, so they are written for its memory system: gathers into reused buffers
+(kv_gather.py), batched matmuls over every (sequence, KV head) pair, decode batches in
+parts that stay in the CPU's caches, fused attention for prefill chunks, a step's metadata
+derived once a forward (step_memo.py). Figures: benchmarks/README.md, "e2e_vs_hf.py" and
+"CPU decode attention".
 
 KV-cache layout (see kernels/__init__.py): one tensor per executor,
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; a layer's key cache is
@@ -20,12 +23,19 @@ lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; it
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 import torch.nn.functional as F
 
-from .kv_dtypes import to_cache_dtype, widen_e4m3_
+# The attention twins live in decode_twin.py and prefill_twin.py (their gathers from the
+# paged cache: kv_gather.py); named here with the others.
+from .decode_twin import (  # noqa: F401
+    DECODE_GROUP_MIN_SEQS,
+    _decode_groups,
+    paged_decode_attention,
+)
+from .kv_dtypes import to_cache_dtype
+from .prefill_twin import paged_prefill_attention  # noqa: F401
 from .step_memo import memoized
 
 
@@ -53,219 +63,6 @@ def _cache_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if bool(valid.all()):
         return slot_mapping.long(), None
     return slot_mapping[valid].long(), valid
-
-
-class _Scratch(threading.local):
-    """Per-thread buffers the gathers below reuse across layers and steps.
-
-    A decode step gathers every sequence's keys and values into a dense tensor, layer after
-    layer: megabytes each time. Fresh tensors that size come from the C allocator's mmap and
-    go back to the kernel when freed, so every gather paid page faults and the kernel's
-    zeroing of fresh pages (a fresh 64 MB tensor filled at 1.2 GB/s on the 2-core VM, an
-    existing one at 8 GB/s). A buffer per (slot, dtype, device) grows to the largest gather
-    seen and is reused; what a gather returns is a view into it, valid until the same slot's
-    next gather on this thread. The memory stays held: at most what the old code allocated
-    afresh for its largest step (decode groups keep a gather within about twice the keys
-    or values of the context it covers)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device):
-        key = (slot, dtype, device)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < numel:  # 25% headroom: contexts grow step by step
-            # a normal tensor even in inference mode (the executor's), so that a later call
-            # outside it may write into it too
-            with torch.inference_mode(False):
-                buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
-            self.buffers[key] = buf
-        return buf[:numel]
-
-
-_scratch = _Scratch()
-
-
-def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, slot: int,
-    table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[num_seqs, max_len, num_kv_heads, head_dim] gathered through the block tables, a view
-    into this thread's scratch buffer ``slot``. One ``index_select`` of whole blocks (rows
-    of ``block_size * num_kv_heads * head_dim`` contiguous elements); table entries past a
-    sequence's end are clamped to block 0 and masked by the caller. ``table``: the block
-    list `_gather_table` gives (when the caller has it)."""
-    num_seqs = block_tables.shape[0]
-    num_blocks, block_size = cache.shape[:2]
-    if table is None:
-        table = _gather_table(block_tables, max_len, block_size)
-    flat = cache.view(num_blocks, -1)
-    out = _scratch.get(slot, table.numel() * flat.shape[1], cache.dtype, cache.device)
-    torch.index_select(flat, 0, table, out=out.view(table.numel(), flat.shape[1]))
-    return out.view(num_seqs, table.numel() // max(num_seqs, 1) * block_size,
-                    *cache.shape[2:])[:, :max_len]
-
-
-def _gather_table(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
-    """int64 [num_seqs * blocks]: the blocks holding each sequence's first ``max_len``
-    positions, row after row (entries past a table's end, -1, as block 0)."""
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    return block_tables[:, :num_blocks_needed].reshape(-1).long().clamp_min(0)
-
-
-def _in_float32(t: torch.Tensor, slot: int, copy: bool = False) -> torch.Tensor:
-    """``t`` itself when float32 (unless ``copy``), else its float32 copy in scratch buffer
-    ``slot``, contiguous in ``t``'s shape: the twins compute half-precision and fp8 caches
-    in float32, as the kernels accumulate.
-
-    e4m3 bytes on a CPU: kv_dtypes.widen_e4m3_ (a table of byte pairs)."""
-    if t.dtype == torch.float32 and not copy:
-        return t
-    out = _scratch.get(slot, t.numel(), torch.float32, t.device).view(t.shape)
-    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu" or t.shape[-1] % 2:
-        return out.copy_(t)
-    return widen_e4m3_(t, out, _scratch.get(slot, t.numel() // 2, torch.int32, t.device))
-
-
-# Decode rows are grouped by context length (see _decode_groups); a group has at least this
-# many rows, so a batch of few sequences is one group.
-DECODE_GROUP_MIN_SEQS = 8
-
-
-def _attend_decode(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the new one
-    scale: float,
-    sliding_window: int | None,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """One query token per sequence: each group of similar context lengths is one padded
-    batch (``_attend_decode_padded``). The grouping and each group's tables and lengths are
-    the step's (memoized: every layer has the same)."""
-    groups = memoized("decode_groups", (block_tables, seq_lens),
-                      lambda: _grouped_rows(block_tables, seq_lens))
-    if groups is None:
-        result = _attend_decode_padded(query, key_cache, value_cache, block_tables, seq_lens,
-                                       scale, sliding_window)
-        return result if out is None else out.copy_(result)
-    result = out if out is not None else query.new_empty(query.shape)
-    for rows, tables, lens in groups:
-        result.index_copy_(0, rows, _attend_decode_padded(
-            query[rows], key_cache, value_cache, tables, lens, scale, sliding_window))
-    return result
-
-
-def _grouped_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """`_decode_groups` as (row indices, their block tables, their lengths) each; None when
-    the batch is one group."""
-    groups = _decode_groups(seq_lens.long())
-    if len(groups) == 1:
-        return None
-    return [(rows, block_tables[rows], seq_lens[rows]) for rows in groups]
-
-
-def _decode_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
-    """Row indices of the decode batch in groups of similar context length.
-
-    Padding every sequence to the batch's longest context reads (and gathers) keys and
-    values that are masked away: with contexts spread evenly up to L, about half of what is
-    read. Rows are put in octaves of length below the longest (``(L/2, L]``, ``(L/4, L/2]``,
-    ...), so no row is padded to more than twice its length; walking from the longest
-    octave, rows accumulate until a group holds ``DECODE_GROUP_MIN_SEQS`` (each group costs
-    a dozen more small ops per layer), and a short remainder joins the last group."""
-    num_seqs = seq_lens.shape[0]
-    if num_seqs < 2 * DECODE_GROUP_MIN_SEQS:
-        return [torch.arange(num_seqs, device=seq_lens.device)]
-    longest = max(int(seq_lens.max()), 1)
-    # clamp: log2 of exactly 1.0 came out a hair below 0 in an executor (vectorised log2)
-    octave = torch.log2(longest / seq_lens.clamp_min(1).double()).floor_().clamp_min_(0).long()
-    order = torch.argsort(octave, stable=True)
-    groups: list[torch.Tensor] = []
-    start = size = 0
-    for count in torch.bincount(octave).tolist():
-        size += count
-        if size >= DECODE_GROUP_MIN_SEQS:
-            groups.append(order[start:start + size])
-            start, size = start + size, 0
-    if size:
-        if groups:
-            groups[-1] = order[start - groups[-1].numel():]
-        else:
-            groups.append(order)
-    return groups
-
-
-def _decode_masks(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                  sliding_window: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(the longest context L, the gather's block list, the masked positions [S, 1, 1, L]:
-    past a sequence's length or outside its sliding window) of a padded decode batch."""
-    lens = seq_lens.long()
-    max_len = max(int(lens.max()), 1)
-    k_pos = torch.arange(max_len, device=seq_lens.device)
-    masked = k_pos[None, :] >= lens[:, None]  # [S, L]
-    if sliding_window is not None and sliding_window > 0:
-        masked |= k_pos[None, :] <= (lens - 1 - sliding_window)[:, None]
-    return (max_len, _gather_table(block_tables, max_len, block_size),
-            masked[:, None, None, :])
-
-
-def _attend_decode_padded(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the new one
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """One query token per sequence, the batch padded to its longest context.
-
-    Keys and values are gathered once per layer ([S, L, Hkv, D], scratch buffers) and
-    widened to float32 as [S, Hkv, L, D] (the widening copy transposes them, at no extra
-    pass), so that every (sequence, KV head) pair is one entry of two batched matmuls:
-    ``[S*Hkv, G, D] x [S*Hkv, D, L]`` for the scores of its G query heads and
-    ``[S*Hkv, G, L] x [S*Hkv, L, D]`` for the context, whose result is already [S, H, D].
-    (A loop over KV heads on strided views did 6 operations a head and fed BLAS operands
-    with a row stride of Hkv*D: 25-30% slower on the 2-core VM, the same values to the bit.)
-    Positions past a sequence's length (and outside a sliding window) are masked; a sequence
-    of length 0 (a padding row) gets zeros."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len, table, masked = memoized(
-        f"decode_masks{sliding_window}", (block_tables, seq_lens),
-        lambda: _decode_masks(block_tables, seq_lens, key_cache.shape[1], sliding_window))
-    k = _gather_context(key_cache, block_tables, max_len, slot=0, table=table)
-    v = _gather_context(value_cache, block_tables, max_len, slot=1, table=table)
-    k = _in_float32(k.transpose(1, 2), slot=2, copy=True).view(-1, max_len, head_dim)
-    v = _in_float32(v.transpose(1, 2), slot=3, copy=True).view(-1, max_len, head_dim)
-    q = query.float().reshape(num_seqs * num_kv_heads, group, head_dim)
-    scores = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_kv_heads, group, max_len)
-    scores.mul_(scale).masked_fill_(masked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
-    ctx = torch.bmm(probs.view(-1, group, max_len), v)  # [S*Hkv, G, D]
-    return ctx.view(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
-def paged_decode_attention(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the new one
-    scale: float,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence to its cached context (decode)."""
-    if query.shape[0] == 0:
-        return query.new_empty(query.shape) if out is None else out
-    return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                          sliding_window, out)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -333,14 +130,31 @@ def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE (transformers' rotate_half) of q [T, H, D] and k [T, Hkv, D] by
-    cos_sin [T, 2, D]; returns new tensors (the Triton kernel rotates in place)."""
+    cos_sin [T, 2, D]; returns new tensors (the Triton kernel rotates in place). When k's
+    heads follow q's in memory (the fused q/k/v projection's views), both are rotated as one
+    [T, H + Hkv, D] view: the same values, half the operations."""
     cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
+    both = _heads_together(q, k)
+    if both is not None:
+        rotated = rotate(both)
+        return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
     return rotate(q), rotate(k)
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, H + Hkv, D]: one view of q's and k's heads when k's follow q's in every row
+    (same storage, strides and dtype, unit-stride heads of D elements); else None."""
+    if q.dtype != k.dtype or q.stride() != k.stride() or q.dim() != 3 \
+            or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.shape[2] != k.shape[2] \
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() \
+            or k.storage_offset() != q.storage_offset() + q.shape[1] * q.shape[2]:
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -457,7 +271,3 @@ def keyed_draw_(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor) ->
     if min_p is not None:
         probs.masked_fill_(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
     return sample_from_probs_(probs, u)
-
-
-# The prefill twin lives in prefill_twin.py (it uses the helpers above).
-from .prefill_twin import paged_prefill_attention  # noqa: E402, F401

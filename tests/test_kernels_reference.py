@@ -226,3 +226,29 @@ def test_whole_prompts_batched_as_each_alone(dtype, block_size):
         assert torch.equal(got[a:b], alone), i
     if dtype == torch.float32:
         torch.testing.assert_close(got, _dense(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("elements", [1, 64 * 2 * 64, 700 * 2 * 64 * 3])
+def test_decode_parts_give_the_one_batch_values(monkeypatch, elements):
+    """A decode batch attended in parts (a part as small as one row; three rows of the
+    longest group; one part a group) equals it attended whole, bit for bit: each row is
+    padded to its group's longest context whatever part it is in."""
+    from pagedserve.kernels import decode_twin
+
+    batch = make_paged_batch(WIDE, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             seed=5, dtype=torch.bfloat16)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens, batch.scale)
+    monkeypatch.setattr(decode_twin, "DECODE_PART_ELEMENTS", 1 << 40)
+    whole = reference.paged_decode_attention(*args)
+    groups = len(reference._decode_groups(batch.seq_lens.long()))
+    assert len(decode_twin._decode_parts(batch.block_tables, batch.seq_lens,
+                                         batch.key_cache, None)) == groups
+    monkeypatch.setattr(decode_twin, "DECODE_PART_ELEMENTS", elements)
+    parts = decode_twin._decode_parts(batch.block_tables, batch.seq_lens, batch.key_cache,
+                                      None)
+    assert len(parts) > groups
+    assert sorted(r for p in parts for r in p.rows.tolist()) == list(range(len(WIDE)))
+    if elements == 1:
+        assert all(p.rows.numel() == 1 for p in parts)
+    assert torch.equal(reference.paged_decode_attention(*args), whole)

@@ -77,6 +77,29 @@ def test_rotary_in_place_on_views(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (3, 3, 8)])
+def test_twin_rotates_a_fused_projections_q_and_k_as_one(dtype, heads, kv_heads, dim):
+    """The twin rotates q and k views of one q/k/v projection as one view of both: bit for
+    bit what rotating them apart (as copies) gives, the projection untouched."""
+    tokens = 6
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    before = qkv.clone()
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    assert reference._heads_together(q, k) is not None
+    assert reference._heads_together(q.clone(), k) is None  # not neighbours: apart
+    assert reference._heads_together(k, q) is None
+    angles = _rand(tokens, 1, dim // 2, seed=4).float()
+    emb = torch.cat((angles, angles), dim=-1)
+    cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
+    got_q, got_k = reference.rotary_embedding(q, k, cos_sin)
+    want_q, want_k = reference.rotary_embedding(q.contiguous(), k.contiguous(), cos_sin)
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (14, 2, 64), (3, 3, 8)])
 def test_rotary_and_cache_write_in_one_launch(dtype, heads, kv_heads, dim):
     """The fused kernel against the twin path (rotary, then reshape_and_cache): q and k

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import reference, step_memo
+from pagedserve.kernels import decode_twin, reference, step_memo
 from pagedserve.kernels.testing import make_paged_batch
 
 from tests.test_kernels_reference import WIDE
@@ -60,18 +60,18 @@ def test_layers_in_one_scope_equal_fresh_calls(window, kv_dtype):
 
     apart = [layer(*args) for args in layers]
     derived = []
-    real = reference._grouped_rows
+    real = decode_twin._decode_parts
 
     def counted(*args):
         derived.append(1)
         return real(*args)
 
-    reference._grouped_rows = counted
+    decode_twin._decode_parts = counted
     try:
         with step_memo.forward_scope():
             together = [layer(*args) for args in layers]
     finally:
-        reference._grouped_rows = real
+        decode_twin._decode_parts = real
     assert len(derived) == 1
     for got, want in zip(together, apart, strict=True):
         assert torch.equal(got, want)
