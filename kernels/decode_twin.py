@@ -80,11 +80,11 @@ def _decode_parts(block_tables: torch.Tensor, seq_lens: torch.Tensor, key_cache:
     for group in groups:
         max_len = max(int(lens[group].max()), 1)
         per_part = max(1, DECODE_PART_ELEMENTS // (max_len * num_kv_heads * head_dim))
+        k_pos = torch.arange(max_len, device=lens.device)
         for start in range(0, group.numel(), per_part):
             rows = group[start:start + per_part]
             whole = len(groups) == 1 and rows.numel() == lens.numel()
             tables = block_tables if whole else block_tables[rows]
-            k_pos = torch.arange(max_len, device=lens.device)
             row_lens = lens if whole else lens[rows]
             masked = k_pos[None, :] >= row_lens[:, None]  # [R, L]
             if sliding_window is not None and sliding_window > 0:
