@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_gather import _gather_context, _gather_table, _in_float32
+from .kv_gather import _gather_context, _gather_pair, _gather_table, _in_float32
 from .step_memo import memoized
 
 # Decode rows are grouped by context length (see _decode_groups); a group has at least this
@@ -36,6 +36,8 @@ class _DecodePart:
     max_len: int  # the rows' group's longest context: each row's padded length
     table: torch.Tensor  # int64 [R * blocks]: the gather's block list
     masked: torch.Tensor  # bool [R, 1, 1, max_len]: past a row's length or its window
+    any_masked: bool  # does `masked` hold any True (else the fill is skipped)
+    any_empty: bool  # has a row length 0 (its scores all -inf: softmax's NaN zeroed)
 
 
 def _attend_decode(
@@ -91,7 +93,8 @@ def _decode_parts(block_tables: torch.Tensor, seq_lens: torch.Tensor, key_cache:
                 masked |= k_pos[None, :] <= (row_lens - 1 - sliding_window)[:, None]
             parts.append(_DecodePart(None if whole else rows, tables, max_len,
                                      _gather_table(tables, max_len, block_size),
-                                     masked[:, None, None, :]))
+                                     masked[:, None, None, :], bool(masked.any()),
+                                     bool((row_lens == 0).any())))
     return parts
 
 
@@ -141,19 +144,32 @@ def _attend_decode_padded(
     [R*Hkv, D, L]`` for the scores of its G query heads and ``[R*Hkv, G, L] x [R*Hkv, L,
     D]`` for the context, whose result is already [R, H, D]. (A loop over KV heads on
     strided views did 6 operations a head and fed BLAS operands with a row stride of
-    Hkv*D: 25-30% slower on the 2-core VM, the same values to the bit.) Masked positions
-    get no weight; a sequence of length 0 (a padding row) gets zeros."""
+    Hkv*D: 25-30% slower on the 2-core VM, the same values to the bit.) A layer's key and
+    value caches side by side in one tensor (the executor's) are gathered by one
+    ``index_select`` and widened by one copy. Masked positions get no weight; a sequence
+    of length 0 (a padding row) gets zeros. Where no position is masked (every row as long
+    as the part's longest: one sequence, or a batch in step) the fill is skipped, and the
+    softmax's NaN guard where no row is empty."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group, max_len = num_heads // num_kv_heads, part.max_len
-    k = _gather_context(key_cache, part.block_tables, max_len, slot=0, table=part.table)
-    v = _gather_context(value_cache, part.block_tables, max_len, slot=1, table=part.table)
-    k = _in_float32(k.transpose(1, 2), slot=2, copy=True).view(-1, max_len, head_dim)
-    v = _in_float32(v.transpose(1, 2), slot=3, copy=True).view(-1, max_len, head_dim)
+    pair = _gather_pair(key_cache, value_cache, part.table, num_seqs, max_len, slot=0)
+    if pair is not None:  # [2, R, L, Hkv, D] -> float32 [2, R, Hkv, L, D]
+        both = _in_float32(pair.transpose(2, 3), slot=2, copy=True)
+        k, v = both[0].view(-1, max_len, head_dim), both[1].view(-1, max_len, head_dim)
+    else:
+        k = _gather_context(key_cache, part.block_tables, max_len, slot=0, table=part.table)
+        v = _gather_context(value_cache, part.block_tables, max_len, slot=1, table=part.table)
+        k = _in_float32(k.transpose(1, 2), slot=2, copy=True).view(-1, max_len, head_dim)
+        v = _in_float32(v.transpose(1, 2), slot=3, copy=True).view(-1, max_len, head_dim)
     q = query.float().reshape(num_seqs * num_kv_heads, group, head_dim)
     scores = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_kv_heads, group, max_len)
-    scores.mul_(scale).masked_fill_(part.masked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # length-0 rows: all -inf
+    scores.mul_(scale)
+    if part.any_masked:
+        scores.masked_fill_(part.masked, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if part.any_empty:  # length-0 rows: all -inf, NaN after the softmax
+        probs.nan_to_num_(0.0)
     ctx = torch.bmm(probs.view(-1, group, max_len), v)  # [R*Hkv, G, D]
     return ctx.view(num_seqs, num_heads, head_dim).to(query.dtype)
 

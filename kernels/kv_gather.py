@@ -9,6 +9,7 @@ import threading
 import torch
 
 from .kv_dtypes import widen_e4m3_
+from .step_memo import memoized
 
 
 class _Scratch(threading.local):
@@ -60,6 +61,30 @@ def _gather_context(
     torch.index_select(flat, 0, table, out=out.view(table.numel(), flat.shape[1]))
     return out.view(num_seqs, table.numel() // max(num_seqs, 1) * block_size,
                     *cache.shape[2:])[:, :max_len]
+
+
+def _gather_pair(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor, num_seqs: int,
+    max_len: int, slot: int,
+) -> torch.Tensor | None:
+    """[2, num_seqs, max_len, num_kv_heads, head_dim]: the keys then the values of
+    `_gather_context` (``table`` its block list) by one ``index_select``, when the value
+    cache follows the key cache in one tensor (a layer's ``kv_cache[layer]``, [2, blocks,
+    ...]): the rows ``table`` and ``table + num_blocks`` of that tensor. None when the two
+    are apart (the caller gathers each)."""
+    num_blocks = key_cache.shape[0]
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+            and value_cache.data_ptr() == key_cache.data_ptr()
+            + key_cache.numel() * key_cache.element_size()):
+        return None
+    row = key_cache[0].numel()
+    both = key_cache.as_strided((2 * num_blocks, row), (row, 1))
+    rows = memoized("pair_table", (table,), lambda: torch.cat((table, table + num_blocks)))
+    out = _scratch.get(slot, rows.numel() * row, key_cache.dtype, key_cache.device)
+    torch.index_select(both, 0, rows, out=out.view(rows.numel(), row))
+    per_seq = table.numel() // max(num_seqs, 1) * key_cache.shape[1]
+    return out.view(2, num_seqs, per_seq, *key_cache.shape[2:])[:, :, :max_len]
 
 
 def _gather_table(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:

@@ -130,14 +130,18 @@ def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE (transformers' rotate_half) of q [T, H, D] and k [T, Hkv, D] by
-    cos_sin [T, 2, D]; returns new tensors (the Triton kernel rotates in place). When k's
-    heads follow q's in memory (the fused q/k/v projection's views), both are rotated as one
-    [T, H + Hkv, D] view: the same values, half the operations."""
-    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+    cos_sin [T, 2, D]; returns new tensors (the Triton kernel rotates in place).
+
+    transformers' ``x * cos + cat(-x2, x1) * sin`` computed as ``x * cos + roll(x) * sin'``,
+    sin' being sin with its first half negated (derived once a forward): ``(-a) * b`` and
+    ``a * (-b)`` round alike, so the values are the same to the bit in two operations
+    fewer. When k's heads follow q's in memory (the fused q/k/v projection's views), both
+    are rotated as one [T, H + Hkv, D] view: the same values, half the operations."""
+    cos, signed_sin = memoized("rope_signed_sin", (cos_sin,), lambda: _signed_sin(cos_sin))
+    half = q.shape[-1] // 2
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return x * cos + x.roll(half, dims=-1) * signed_sin
 
     both = _heads_together(q, k)
     if both is not None:
@@ -146,15 +150,27 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+def _signed_sin(cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos [T, 1, D], sin with its first half negated [T, 1, D]) of cos_sin [T, 2, D]."""
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """[T, H + Hkv, D]: one view of q's and k's heads when k's follow q's in every row
-    (same storage, strides and dtype, unit-stride heads of D elements); else None."""
-    if q.dtype != k.dtype or q.stride() != k.stride() or q.dim() != 3 \
-            or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.shape[2] != k.shape[2] \
-            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() \
-            or k.storage_offset() != q.storage_offset() + q.shape[1] * q.shape[2]:
+    (same storage and dtype, unit-stride heads of D elements, the same row stride; a single
+    row's stride is whatever its view says and does not count); else None."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2]:
         return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+    tokens, heads, dim = q.shape
+    if q.stride(2) != 1 or k.stride(2) != 1 or q.stride(1) != dim or k.stride(1) != dim \
+            or (tokens > 1 and q.stride(0) != k.stride(0)) \
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() \
+            or k.storage_offset() != q.storage_offset() + heads * dim:
+        return None
+    return q.as_strided((tokens, heads + k.shape[1], dim), (q.stride(0), dim, 1))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -252,3 +252,39 @@ def test_decode_parts_give_the_one_batch_values(monkeypatch, elements):
     if elements == 1:
         assert all(p.rows.numel() == 1 for p in parts)
     assert torch.equal(reference.paged_decode_attention(*args), whole)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=str)
+def test_decode_gathers_a_layers_keys_and_values_as_one(kv_dtype, window):
+    """Key and value caches side by side in one tensor (a layer's ``kv_cache[layer]``, as
+    the executor passes them) are gathered by one index_select: bit for bit the values of
+    gathering them apart, with padding rows, grouped rows, and a batch in step (nothing
+    masked: the fill skipped); the latter against dense attention too."""
+    from pagedserve.kernels import decode_twin, kv_gather
+
+    for seqs in (WIDE, [(1, 200)] * 3, [(1, 37)]):
+        batch = make_paged_batch(seqs, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                                 seed=7, kv_dtype=kv_dtype)
+        slab = torch.stack((batch.key_cache, batch.value_cache))
+        assert kv_gather._gather_pair(slab[0], slab[1], torch.zeros(1, dtype=torch.long),
+                                      1, 1, slot=0) is not None
+        assert kv_gather._gather_pair(batch.key_cache, batch.value_cache,
+                                      torch.zeros(1, dtype=torch.long), 1, 1, slot=0) is None
+        seq_lens = batch.seq_lens.clone()
+        if len(seqs) > 3:
+            seq_lens[2] = 0  # a padding row
+        parts = decode_twin._decode_parts(batch.block_tables, seq_lens, slab[0], window)
+        lens = seq_lens.tolist()
+        in_step = len(set(lens)) == 1 and (window is None or lens[0] <= window)
+        assert any(p.any_masked for p in parts) != in_step
+        apart = reference.paged_decode_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_tables, seq_lens,
+            batch.scale, sliding_window=window)
+        together = reference.paged_decode_attention(
+            batch.query, slab[0], slab[1], batch.block_tables, seq_lens, batch.scale,
+            sliding_window=window)
+        assert torch.equal(together, apart)
+        if in_step:
+            torch.testing.assert_close(together, _dense(batch), atol=1e-5, rtol=1e-5)

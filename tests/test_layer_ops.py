@@ -76,26 +76,37 @@ def test_rotary_in_place_on_views(dtype, heads, kv_heads, dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
 
 
+def _rotate_half_form(x, cos_sin):
+    """transformers' rotary, written out: x * cos + cat(-x2, x1) * sin."""
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (3, 3, 8)])
-def test_twin_rotates_a_fused_projections_q_and_k_as_one(dtype, heads, kv_heads, dim):
-    """The twin rotates q and k views of one q/k/v projection as one view of both: bit for
-    bit what rotating them apart (as copies) gives, the projection untouched."""
-    tokens = 6
+def test_twin_rotates_a_fused_projections_q_and_k_as_one(dtype, heads, kv_heads, dim, tokens):
+    """The twin rotates q and k views of one q/k/v projection as one view of both (one
+    token a step too, whose views' row strides differ): bit for bit transformers'
+    rotate_half form on each apart, the projection untouched."""
     qkv = _rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     before = qkv.clone()
-    q = qkv[:, :heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(-1, heads, dim), k.view(-1, kv_heads, dim)
     assert reference._heads_together(q, k) is not None
     assert reference._heads_together(q.clone(), k) is None  # not neighbours: apart
     assert reference._heads_together(k, q) is None
-    angles = _rand(tokens, 1, dim // 2, seed=4).float()
+    angles = _rand(tokens, 1, dim // 2, seed=4).float() * 3
     emb = torch.cat((angles, angles), dim=-1)
     cos_sin = torch.cat((emb.cos(), emb.sin()), dim=1).to(dtype)
     got_q, got_k = reference.rotary_embedding(q, k, cos_sin)
-    want_q, want_k = reference.rotary_embedding(q.contiguous(), k.contiguous(), cos_sin)
+    apart_q, apart_k = reference.rotary_embedding(q.contiguous(), k.contiguous(), cos_sin)
     assert got_q.shape == q.shape and got_k.shape == k.shape
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    for got in (got_q, apart_q):
+        assert torch.equal(got, _rotate_half_form(q, cos_sin))
+    for got in (got_k, apart_k):
+        assert torch.equal(got, _rotate_half_form(k, cos_sin))
     assert torch.equal(qkv, before)
 
 
