@@ -19,11 +19,14 @@ tokens (chunked prefill, prefix-cache hits) and sliding windows keep one call a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .decode_twin import _attend_decode
 from .kv_gather import _gather_context, _in_float32
+from .step_memo import memoized
 
 # Whole prompts are padded to a multiple of this many tokens; one call holds at most
 # FRESH_GROUP_TOKENS padded tokens (its gathered keys and values: scratch buffers).
@@ -54,44 +57,104 @@ def paged_prefill_attention(
     (``_attend_decode``), whole prompts in batches by padded length (``_attend_fresh``)
     and every other chunk on its own, so no decode is padded to a
     chunk's query length (one batch padded to a 512-token chunk made 78 decodes cost 39x
-    more).
+    more). The split, and what each piece needs (rows, tables, masks), is derived once a
+    forward (``_split_step``; step_memo.py): every layer has the same.
     """
     num_seqs = block_tables.shape[0]
     if query.shape[0] == 0 or num_seqs == 0:
         return query.new_empty(query.shape) if out is None else out
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    if query.shape[0] == num_seqs and bool((q_lens == 1).all()):
+    split = memoized(f"prefill_split{sliding_window}", (block_tables, query_start_loc, seq_lens),
+                     lambda: _split_step(block_tables, query_start_loc, seq_lens,
+                                         query.shape[0], key_cache.shape[1], sliding_window))
+    if split.all_decodes:
         return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                               sliding_window, out)
     result = out if out is not None else query.new_empty(query.shape)
+    if split.decodes is not None:
+        rows, tables, lens = split.decodes
+        result[rows] = _attend_decode(query[rows], key_cache, value_cache, tables, lens, scale,
+                                      sliding_window, None)
+    for group in split.fresh:
+        _attend_fresh(query, key_cache, value_cache, group, scale, result)
+    for chunk in split.chunks:
+        result[chunk.start:chunk.end] = _attend_chunk(query[chunk.start:chunk.end], key_cache,
+                                                      value_cache, chunk, scale)
+    return result
+
+
+@dataclass(frozen=True)
+class _FreshGroup:
+    """Whole prompts attended as one padded batch (``_attend_fresh``)."""
+
+    count: int  # prompts
+    longest: int  # their padded length
+    packed: torch.Tensor  # int64 [count * longest]: each padded position's query row (pad: 0)
+    tables: torch.Tensor  # int32 [count, blocks]: their block tables, padded to `longest`
+    pad: torch.Tensor  # bool [count, longest, 1, 1]: padding positions
+    keep: torch.Tensor  # int64: the positions of `packed` that are real tokens
+    written: torch.Tensor  # int64: their query rows (`packed[keep]`)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One sequence's chunk after cached tokens (or with a sliding window): ``_attend_chunk``."""
+
+    start: int  # its query rows start:end
+    end: int
+    block_table: torch.Tensor  # int32 [1, max_blocks]
+    seq_len: int
+    allowed: torch.Tensor  # bool [q_len, seq_len]: the positions each query attends to
+
+
+@dataclass(frozen=True)
+class _StepSplit:
+    all_decodes: bool  # one token a sequence: the decode twin alone
+    decodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (query rows, tables, lens)
+    fresh: list[_FreshGroup]
+    chunks: list[_Chunk]
+
+
+def _split_step(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, num_tokens: int, block_size: int,
+                sliding_window: int | None) -> _StepSplit:
+    """The step's sequences by how they are attended (see paged_prefill_attention)."""
+    num_seqs = block_tables.shape[0]
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    if num_tokens == num_seqs and bool((q_lens == 1).all()):
+        return _StepSplit(True, None, [], [])
     decodes = (q_lens == 1).nonzero().flatten()
+    decode_rows = None
     if decodes.numel():
-        result[starts[decodes]] = _attend_decode(
-            query[starts[decodes]], key_cache, value_cache, block_tables[decodes],
-            seq_lens[decodes], scale, sliding_window, None)
+        decode_rows = (starts[decodes], block_tables[decodes], seq_lens[decodes])
     chunks = (q_lens > 1).nonzero().flatten()
+    fresh = []
     if sliding_window is None or sliding_window <= 0:  # whole prompts apart
         is_whole = q_lens[chunks] == seq_lens.long()[chunks]
-        for rows, padded in _fresh_groups(chunks[is_whole], q_lens):
-            _attend_fresh(query, key_cache, value_cache, block_tables, starts, q_lens, rows,
-                          padded, scale, result)
+        fresh = [_fresh_group(block_tables, starts, q_lens, rows, padded, block_size)
+                 for rows, padded in _fresh_groups(chunks[is_whole], q_lens)]
         chunks = chunks[~is_whole]
-    for i in chunks.tolist():
-        a, b = int(starts[i]), int(starts[i + 1])
-        result[a:b] = _attend_chunk(query[a:b], key_cache, value_cache, block_tables[i],
-                                    int(seq_lens[i]), scale, sliding_window)
-    return result
+    return _StepSplit(False, decode_rows, fresh,
+                      [_chunk(block_tables, starts, seq_lens, i, sliding_window)
+                       for i in chunks.tolist()])
+
+
+def _chunk(block_tables, starts, seq_lens, i: int, sliding_window: int | None) -> _Chunk:
+    a, b, seq_len = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
+    q_pos = torch.arange(seq_len - (b - a), seq_len, device=starts.device)[:, None]
+    k_pos = torch.arange(seq_len, device=starts.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None and sliding_window > 0:
+        allowed &= k_pos > q_pos - sliding_window
+    return _Chunk(a, b, block_tables[i][None], seq_len, allowed)
 
 
 def _attend_chunk(
     query: torch.Tensor,  # [q_len, num_heads, head_dim], one sequence's new tokens
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
-    seq_len: int,  # tokens in the cache incl. these
+    chunk: _Chunk,
     scale: float,
-    sliding_window: int | None,
 ) -> torch.Tensor:
     """One sequence's chunk of new tokens (prefill, chunked prefill, a prefix-cache hit's
     rest): causal attention to its context, queries at the last ``q_len`` positions.
@@ -101,18 +164,13 @@ def _attend_chunk(
     cost as much as the attention's matmuls), with the chunk's mask (its positions after
     the cached ones, and the sliding window). Whole prompts without a window go to
     ``_attend_fresh``."""
-    q_len, num_heads, head_dim = query.shape
-    k = _gather_context(key_cache, block_table[None], seq_len, slot=0)[0]  # [L, Hkv, D]
-    v = _gather_context(value_cache, block_table[None], seq_len, slot=1)[0]
+    seq_len = chunk.seq_len
+    k = _gather_context(key_cache, chunk.block_table, seq_len, slot=0)[0]  # [L, Hkv, D]
+    v = _gather_context(value_cache, chunk.block_table, seq_len, slot=1)[0]
     q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
     k = _in_float32(k, slot=2).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
     v = _in_float32(v, slot=3).permute(1, 0, 2)[None]
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-    k_pos = torch.arange(seq_len, device=query.device)[None, :]
-    allowed = k_pos <= q_pos
-    if sliding_window is not None and sliding_window > 0:
-        allowed &= k_pos > q_pos - sliding_window
-    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.allowed, scale=scale,
                                          enable_gqa=True)
     return ctx[0].permute(1, 0, 2).to(query.dtype)
 
@@ -134,32 +192,38 @@ def _fresh_groups(rows: torch.Tensor,
     return groups
 
 
-def _attend_fresh(query, key_cache, value_cache, block_tables, starts, q_lens,
-                  rows: torch.Tensor, longest: int, scale: float, result: torch.Tensor) -> None:
-    """Whole prompts ``rows`` padded to ``longest`` tokens as one batch (see the
-    module's docstring), written into their rows of ``result``."""
-    num_heads, head_dim = query.shape[1:]
-    lens = q_lens[rows]
-    count = rows.shape[0]
-    pos = torch.arange(longest, device=query.device)
-    valid = pos[None, :] < lens[:, None]  # [g, L]
+def _fresh_group(block_tables, starts, q_lens, rows: torch.Tensor, longest: int,
+                 block_size: int) -> _FreshGroup:
+    """What `_attend_fresh` needs for whole prompts ``rows`` padded to ``longest``."""
+    pos = torch.arange(longest, device=starts.device)
+    valid = pos[None, :] < q_lens[rows][:, None]  # [g, L]
     packed = (starts[rows][:, None] + pos[None, :]).masked_fill_(~valid, 0).flatten()
-    q = torch.index_select(query, 0, packed).float().view(count, longest, num_heads, head_dim)
     tables = block_tables[rows]
-    short = -(-longest // key_cache.shape[1]) - tables.shape[1]
+    short = -(-longest // block_size) - tables.shape[1]
     if short > 0:  # padded past the table (blocks smaller than the padding): block 0, masked
         tables = F.pad(tables, (0, short))
-    k = _in_float32(_gather_context(key_cache, tables, longest, slot=0), slot=2)
-    v = _in_float32(_gather_context(value_cache, tables, longest, slot=1), slot=3)
-    pad = ~valid[:, :, None, None]
+    keep = valid.flatten().nonzero().flatten()
+    return _FreshGroup(rows.shape[0], longest, packed, tables, ~valid[:, :, None, None], keep,
+                       packed[keep])
+
+
+def _attend_fresh(query, key_cache, value_cache, group: _FreshGroup, scale: float,
+                  result: torch.Tensor) -> None:
+    """Whole prompts ``group`` padded to its longest as one batch (see the module's
+    docstring), written into their rows of ``result``."""
+    num_heads, head_dim = query.shape[1:]
+    count, longest = group.count, group.longest
+    q = torch.index_select(query, 0, group.packed).float().view(count, longest, num_heads,
+                                                                head_dim)
+    k = _in_float32(_gather_context(key_cache, group.tables, longest, slot=0), slot=2)
+    v = _in_float32(_gather_context(value_cache, group.tables, longest, slot=1), slot=3)
     # the padding's keys and values are whatever the cache held there: zeroed (in the
     # scratch buffers they were gathered into), so that a weight of exactly 0 meets no inf
     # or NaN
-    k.masked_fill_(pad, 0.0)
-    v.masked_fill_(pad, 0.0)
+    k.masked_fill_(group.pad, 0.0)
+    v.masked_fill_(group.pad, 0.0)
     ctx = F.scaled_dot_product_attention(
         q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), is_causal=True,
         scale=scale, enable_gqa=True)  # [g, H, L, D]
     out = ctx.permute(0, 2, 1, 3).reshape(count * longest, num_heads, head_dim)
-    keep = valid.flatten().nonzero().flatten()
-    result.index_copy_(0, packed[keep], out[keep].to(result.dtype))
+    result.index_copy_(0, group.written, out[group.keep].to(result.dtype))
