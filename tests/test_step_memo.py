@@ -92,3 +92,45 @@ def test_cache_write_in_a_scope_skips_padding_slots():
         assert torch.equal(flat_k[5], key[0] * scale) and torch.equal(flat_k[2], key[2] * scale)
         assert torch.equal(flat_v[5], value[0] * scale)
         assert flat_k.abs().sum((1, 2)).nonzero().flatten().tolist() == [2, 5]
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_mixed_step_layers_in_one_scope_equal_fresh_calls(window):
+    """Two 'layers' of a mixed step (decodes, whole prompts, chunks after cached tokens) in
+    one scope equal the same calls made apart, bit for bit; the scope splits the step once
+    and derives its decodes' parts once (they are a selection of the step's tables)."""
+    from pagedserve.kernels import prefill_twin
+
+    seqs = [(1, 300), (40, 40), (1, 90), (17, 60), (33, 33), (1, 700), (1, 12), (5, 5)]
+    batch = make_paged_batch(seqs, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             seed=4, dtype=torch.bfloat16)
+    layers = [(batch.query, batch.key_cache, batch.value_cache),
+              (batch.query.flip(1).contiguous(), batch.value_cache.flip(0).contiguous(),
+               batch.key_cache.flip(0).contiguous())]
+
+    def layer(query, key_cache, value_cache):
+        return reference.paged_prefill_attention(
+            query, key_cache, value_cache, batch.block_tables, batch.query_start_loc,
+            batch.seq_lens, batch.scale, sliding_window=window)
+
+    apart = [layer(*args) for args in layers]
+    counts = {"split": 0, "parts": 0}
+    real_split, real_parts = prefill_twin._split_step, decode_twin._decode_parts
+
+    def split(*args):
+        counts["split"] += 1
+        return real_split(*args)
+
+    def parts(*args):
+        counts["parts"] += 1
+        return real_parts(*args)
+
+    prefill_twin._split_step, decode_twin._decode_parts = split, parts
+    try:
+        with step_memo.forward_scope():
+            together = [layer(*args) for args in layers]
+    finally:
+        prefill_twin._split_step, decode_twin._decode_parts = real_split, real_parts
+    assert counts == {"split": 1, "parts": 1}
+    for got, want in zip(together, apart, strict=True):
+        assert torch.equal(got, want)
