@@ -7,7 +7,9 @@ more than twice its length), each group split so that a part's gathered keys and
 stay in the CPU's caches (``_decode_parts``); what every layer needs for a part (its rows,
 tables, mask, gather list) is derived once a forward (step_memo.py). Each part's keys and
 values are gathered, widened to float32 and attended by two batched matmuls over every
-(sequence, KV head) pair (``_attend_decode_padded``).
+(sequence, KV head) pair (``_attend_padded``). Short chunks after cached tokens (a drafted
+row's verification, a prefix hit's last few tokens) are attended the same way, each
+sequence's few queries together (``_short_parts``; prefill_twin.py).
 """
 
 from __future__ import annotations
@@ -29,15 +31,20 @@ DECODE_PART_ELEMENTS = 1 << 19
 
 @dataclass(frozen=True)
 class _DecodePart:
-    """Rows of a decode batch attended together, and what every layer needs for them."""
+    """Sequences attended together as one padded batch, and what every layer needs for them:
+    a decode batch's rows (one query a sequence), or short chunks' (``queries`` a sequence,
+    see `_short_parts`)."""
 
-    rows: torch.Tensor | None  # int64 row indices into the batch; None: all of it
-    block_tables: torch.Tensor  # int32 [R, max_blocks]: the rows' tables
-    max_len: int  # the rows' group's longest context: each row's padded length
+    rows: torch.Tensor | None  # int64 [R * Q]: the query rows, Q a sequence; None: all, Q = 1
+    block_tables: torch.Tensor  # int32 [R, max_blocks]: the sequences' tables
+    max_len: int  # the sequences' group's longest context: each one's padded length
     table: torch.Tensor  # int64 [R * blocks]: the gather's block list
-    masked: torch.Tensor  # bool [R, 1, 1, max_len]: past a row's length or its window
+    masked: torch.Tensor  # bool [R, 1, 1, Q, max_len]: past a query's position or window
     any_masked: bool  # does `masked` hold any True (else the fill is skipped)
     any_empty: bool  # has a row length 0 (its scores all -inf: softmax's NaN zeroed)
+    queries: int = 1  # Q: query tokens a sequence (a shorter chunk's last one repeats)
+    keep: torch.Tensor | None = None  # int64: the positions of `rows` that are real queries
+    written: torch.Tensor | None = None  # int64: their query rows (`rows[keep]`)
 
 
 def _attend_decode(
@@ -51,15 +58,15 @@ def _attend_decode(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query token per sequence, in parts (``_decode_parts``: derived once a forward,
-    every layer has the same), each one padded batch (``_attend_decode_padded``)."""
+    every layer has the same), each one padded batch (``_attend_padded``)."""
     parts = memoized(f"decode_parts{sliding_window}", (block_tables, seq_lens),
                      lambda: _decode_parts(block_tables, seq_lens, key_cache, sliding_window))
     if parts[0].rows is None:
-        result = _attend_decode_padded(query, key_cache, value_cache, parts[0], scale)
+        result = _attend_padded(query, key_cache, value_cache, parts[0], scale)
         return result if out is None else out.copy_(result)
     result = out if out is not None else query.new_empty(query.shape)
     for part in parts:
-        result.index_copy_(0, part.rows, _attend_decode_padded(
+        result.index_copy_(0, part.rows, _attend_padded(
             query[part.rows], key_cache, value_cache, part, scale))
     return result
 
@@ -93,7 +100,7 @@ def _decode_parts(block_tables: torch.Tensor, seq_lens: torch.Tensor, key_cache:
                 masked |= k_pos[None, :] <= (row_lens - 1 - sliding_window)[:, None]
             parts.append(_DecodePart(None if whole else rows, tables, max_len,
                                      _gather_table(tables, max_len, block_size),
-                                     masked[:, None, None, :], bool(masked.any()),
+                                     masked[:, None, None, None, :], bool(masked.any()),
                                      bool((row_lens == 0).any())))
     return parts
 
@@ -129,20 +136,21 @@ def _decode_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
     return groups
 
 
-def _attend_decode_padded(
-    query: torch.Tensor,  # [R, num_heads, head_dim], one token per sequence
+def _attend_padded(
+    query: torch.Tensor,  # [R * Q, num_heads, head_dim]: Q query tokens a sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     part: _DecodePart,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence of ``part``, each padded to the part's length.
+    """The Q query tokens of each sequence of ``part`` (a decode's one, a short chunk's few),
+    each sequence padded to the part's length.
 
     Keys and values are gathered ([R, L, Hkv, D], scratch buffers) and widened to float32
     as [R, Hkv, L, D] (the widening copy transposes them, at no extra pass), so that every
-    (sequence, KV head) pair is one entry of two batched matmuls: ``[R*Hkv, G, D] x
-    [R*Hkv, D, L]`` for the scores of its G query heads and ``[R*Hkv, G, L] x [R*Hkv, L,
-    D]`` for the context, whose result is already [R, H, D]. (A loop over KV heads on
+    (sequence, KV head) pair is one entry of two batched matmuls: ``[R*Hkv, G*Q, D] x
+    [R*Hkv, D, L]`` for the scores of its G query heads' Q tokens and ``[R*Hkv, G*Q, L] x
+    [R*Hkv, L, D]`` for the context (at Q = 1 already [R, H, D]). (A loop over KV heads on
     strided views did 6 operations a head and fed BLAS operands with a row stride of
     Hkv*D: 25-30% slower on the 2-core VM, the same values to the bit.) A layer's key and
     value caches side by side in one tensor (the executor's) are gathered by one
@@ -150,9 +158,10 @@ def _attend_decode_padded(
     of length 0 (a padding row) gets zeros. Where no position is masked (every row as long
     as the part's longest: one sequence, or a batch in step) the fill is skipped, and the
     softmax's NaN guard where no row is empty."""
-    num_seqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    group, max_len = num_heads // num_kv_heads, part.max_len
+    group, max_len, queries = num_heads // num_kv_heads, part.max_len, part.queries
+    num_seqs = num_rows // queries
     pair = _gather_pair(key_cache, value_cache, part.table, num_seqs, max_len, slot=0)
     if pair is not None:  # [2, R, L, Hkv, D] -> float32 [2, R, Hkv, L, D]
         both = _in_float32(pair.transpose(2, 3), slot=2, copy=True)
@@ -162,16 +171,73 @@ def _attend_decode_padded(
         v = _gather_context(value_cache, part.block_tables, max_len, slot=1, table=part.table)
         k = _in_float32(k.transpose(1, 2), slot=2, copy=True).view(-1, max_len, head_dim)
         v = _in_float32(v.transpose(1, 2), slot=3, copy=True).view(-1, max_len, head_dim)
-    q = query.float().reshape(num_seqs * num_kv_heads, group, head_dim)
-    scores = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_kv_heads, group, max_len)
+    q = query.float()
+    if queries > 1:  # [R, Q, Hkv, G, D] -> [R, Hkv, G, Q, D]
+        q = q.view(num_seqs, queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs * num_kv_heads, group * queries, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_kv_heads, group, queries,
+                                                   max_len)
     scores.mul_(scale)
     if part.any_masked:
         scores.masked_fill_(part.masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if part.any_empty:  # length-0 rows: all -inf, NaN after the softmax
         probs.nan_to_num_(0.0)
-    ctx = torch.bmm(probs.view(-1, group, max_len), v)  # [R*Hkv, G, D]
-    return ctx.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    ctx = torch.bmm(probs.view(-1, group * queries, max_len), v)  # [R*Hkv, G*Q, D]
+    if queries > 1:  # [R, Hkv, G, Q, D] -> [R, Q, Hkv, G, D]
+        ctx = ctx.view(num_seqs, num_kv_heads, group, queries, head_dim).permute(0, 3, 1, 2, 4)
+    return ctx.reshape(num_rows, num_heads, head_dim).to(query.dtype)
+
+
+def _short_parts(block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                 seq_lens: torch.Tensor, seqs: torch.Tensor, key_cache: torch.Tensor,
+                 sliding_window: int | None) -> list[_DecodePart]:
+    """Parts for chunks of a few query tokens after cached ones (sequences ``seqs``; query
+    rows from ``starts``), attended as decodes are (`_attend_padded`), each sequence's Q
+    queries together: one gather of its context serves them all. Q is the longest chunk;
+    a shorter one repeats its last query (dropped after: ``keep``). Query ``t`` of a
+    sequence of ``n`` cached tokens (this chunk's included) sits at position ``n - q + t``
+    and attends to positions up to it (and within the window). Grouped and split into
+    parts by context length as a decode batch is (`_decode_groups`, DECODE_PART_ELEMENTS).
+
+    A drafted row's verification was one fused attention call a sequence and a layer
+    (``_attend_chunk``): 16 drafted rows of 5 tokens at a context of 300 spent 122 of 246 ms
+    a step in attention on the built-in model."""
+    lens, chunk_lens = seq_lens.long()[seqs], q_lens[seqs]
+    queries = int(chunk_lens.max())
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    t = torch.arange(queries, device=lens.device)
+    parts = []
+    for group in _decode_groups(lens):
+        max_len = int(lens[group].max())
+        per_part = max(1, DECODE_PART_ELEMENTS // (max_len * num_kv_heads * head_dim))
+        k_pos = torch.arange(max_len, device=lens.device)
+        for start in range(0, group.numel(), per_part):
+            members = group[start:start + per_part]
+            seq, n_q = seqs[members], chunk_lens[members][:, None]
+            t_q = torch.minimum(t[None, :], n_q - 1)  # [R, Q]
+            rows = (starts[seq][:, None] + t_q).flatten()
+            pos = lens[members][:, None] - n_q + t_q  # [R, Q]
+            masked = k_pos[None, None, :] > pos[:, :, None]  # [R, Q, L]
+            if sliding_window is not None and sliding_window > 0:
+                masked |= k_pos[None, None, :] <= (pos - sliding_window)[:, :, None]
+            real = (t[None, :] < n_q).flatten()
+            keep = None if bool(real.all()) else real.nonzero().flatten()
+            tables = block_tables[seq]
+            parts.append(_DecodePart(rows, tables, max_len,
+                                     _gather_table(tables, max_len, block_size),
+                                     masked[:, None, None], bool(masked.any()), False, queries,
+                                     keep, rows if keep is None else rows[keep]))
+    return parts
+
+
+def _attend_short(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  parts: list[_DecodePart], scale: float, result: torch.Tensor) -> None:
+    """Short chunks' queries (`_short_parts`) attended, written into their rows of
+    ``result``."""
+    for part in parts:
+        out = _attend_padded(query[part.rows], key_cache, value_cache, part, scale)
+        result.index_copy_(0, part.written, out if part.keep is None else out[part.keep])
 
 
 def paged_decode_attention(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode_twin import _attend_decode
+from .decode_twin import _attend_decode, _attend_short, _DecodePart, _short_parts
 from .kv_gather import _gather_context, _in_float32
 from .step_memo import memoized
 
@@ -32,6 +32,10 @@ from .step_memo import memoized
 # FRESH_GROUP_TOKENS padded tokens (its gathered keys and values: scratch buffers).
 FRESH_BUCKET_TOKENS = 16
 FRESH_GROUP_TOKENS = 8192
+# Chunks of at most this many tokens after cached ones (a drafted row's verification, a
+# prefix hit's last few tokens) are attended as decodes are, batched (decode_twin's
+# `_short_parts`); longer ones by torch's fused attention, one call a chunk.
+SHORT_CHUNK_TOKENS = 16
 
 
 def paged_prefill_attention(
@@ -65,7 +69,7 @@ def paged_prefill_attention(
         return query.new_empty(query.shape) if out is None else out
     split = memoized(f"prefill_split{sliding_window}", (block_tables, query_start_loc, seq_lens),
                      lambda: _split_step(block_tables, query_start_loc, seq_lens,
-                                         query.shape[0], key_cache.shape[1], sliding_window))
+                                         query.shape[0], key_cache, sliding_window))
     if split.all_decodes:
         return _attend_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                               sliding_window, out)
@@ -76,6 +80,7 @@ def paged_prefill_attention(
                                       sliding_window, None)
     for group in split.fresh:
         _attend_fresh(query, key_cache, value_cache, group, scale, result)
+    _attend_short(query, key_cache, value_cache, split.short, scale, result)
     for chunk in split.chunks:
         result[chunk.start:chunk.end] = _attend_chunk(query[chunk.start:chunk.end], key_cache,
                                                       value_cache, chunk, scale)
@@ -111,18 +116,19 @@ class _StepSplit:
     all_decodes: bool  # one token a sequence: the decode twin alone
     decodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (query rows, tables, lens)
     fresh: list[_FreshGroup]
+    short: list[_DecodePart]  # chunks of a few tokens after cached ones (`_short_parts`)
     chunks: list[_Chunk]
 
 
 def _split_step(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                seq_lens: torch.Tensor, num_tokens: int, block_size: int,
+                seq_lens: torch.Tensor, num_tokens: int, key_cache: torch.Tensor,
                 sliding_window: int | None) -> _StepSplit:
     """The step's sequences by how they are attended (see paged_prefill_attention)."""
     num_seqs = block_tables.shape[0]
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
     if num_tokens == num_seqs and bool((q_lens == 1).all()):
-        return _StepSplit(True, None, [], [])
+        return _StepSplit(True, None, [], [], [])
     decodes = (q_lens == 1).nonzero().flatten()
     decode_rows = None
     if decodes.numel():
@@ -131,12 +137,17 @@ def _split_step(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
     fresh = []
     if sliding_window is None or sliding_window <= 0:  # whole prompts apart
         is_whole = q_lens[chunks] == seq_lens.long()[chunks]
-        fresh = [_fresh_group(block_tables, starts, q_lens, rows, padded, block_size)
+        fresh = [_fresh_group(block_tables, starts, q_lens, rows, padded, key_cache.shape[1])
                  for rows, padded in _fresh_groups(chunks[is_whole], q_lens)]
         chunks = chunks[~is_whole]
-    return _StepSplit(False, decode_rows, fresh,
+    is_short = q_lens[chunks] <= SHORT_CHUNK_TOKENS
+    short = []
+    if bool(is_short.any()):
+        short = _short_parts(block_tables, starts, q_lens, seq_lens, chunks[is_short],
+                             key_cache, sliding_window)
+    return _StepSplit(False, decode_rows, fresh, short,
                       [_chunk(block_tables, starts, seq_lens, i, sliding_window)
-                       for i in chunks.tolist()])
+                       for i in chunks[~is_short].tolist()])
 
 
 def _chunk(block_tables, starts, seq_lens, i: int, sliding_window: int | None) -> _Chunk:

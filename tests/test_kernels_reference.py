@@ -288,3 +288,39 @@ def test_decode_gathers_a_layers_keys_and_values_as_one(kv_dtype, window):
         assert torch.equal(together, apart)
         if in_step:
             torch.testing.assert_close(together, _dense(batch), atol=1e-5, rtol=1e-5)
+
+
+SHORT = [(1, 300), (5, 480), (2, 2), (16, 97), (3, 40), (1, 1), (9, 700), (4, 17),
+         (17, 120), (7, 7), (2, 600)]
+
+
+@pytest.mark.parametrize("window,kv_dtype", [(None, torch.float32), (100, torch.float32),
+                                             (None, torch.bfloat16),
+                                             (None, torch.float8_e4m3fn)])
+def test_short_chunks_batched_match_dense_and_the_fused_path(monkeypatch, window, kv_dtype):
+    """Chunks of a few tokens after cached ones (drafted rows; 2-16 tokens, several lengths
+    in one part so the shorter ones repeat their last query) beside decodes, whole prompts
+    and a longer chunk: against dense attention, and close to the fused one-call-a-chunk
+    path they replaced; parts as small as one sequence give the one-part values."""
+    from pagedserve.kernels import decode_twin, prefill_twin
+
+    dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
+    batch = make_paged_batch(SHORT, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                             seed=11, dtype=dtype, kv_dtype=kv_dtype)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.scale)
+    split = prefill_twin._split_step(batch.block_tables, batch.query_start_loc,
+                                     batch.seq_lens, batch.query.shape[0], batch.key_cache,
+                                     window)
+    short_rows = sum(p.written.numel() for p in split.short)
+    assert short_rows == 5 + 16 + 3 + 9 + 4 + (2 if window is None else 2 + 2 + 7)
+    assert any(p.keep is not None for p in split.short)  # lengths differ within a part
+    got = reference.paged_prefill_attention(*args, sliding_window=window)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got, _dense(batch, window), atol=tol, rtol=tol)
+    monkeypatch.setattr(prefill_twin, "SHORT_CHUNK_TOKENS", 0)
+    fused = reference.paged_prefill_attention(*args, sliding_window=window)
+    torch.testing.assert_close(got, fused, atol=tol, rtol=tol)
+    monkeypatch.setattr(prefill_twin, "SHORT_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(decode_twin, "DECODE_PART_ELEMENTS", 1)
+    assert torch.equal(reference.paged_prefill_attention(*args, sliding_window=window), got)
