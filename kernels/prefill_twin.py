@@ -12,9 +12,11 @@ the step holds: the rows of one call are computed apart, and the kernel sums a r
 in an order set by the padded length alone (padding a prompt to another's length moved
 results by an ulp of float32). A step of many short prompts (embeddings, a burst of chat
 turns) otherwise paid ~30 small tensor operations a sequence and a layer: 64 prompts of 8
-tokens on the built-in model spent ~150 of 830 ms a step on them. Chunks after cached
-tokens (chunked prefill, prefix-cache hits) and sliding windows keep one call a sequence
-(``_attend_chunk``).
+tokens on the built-in model spent ~150 of 830 ms a step on them. Chunks of up to
+SHORT_CHUNK_TOKENS after cached tokens (speculative decoding's drafted rows, a prefix hit's
+last few tokens) are attended as decodes are, batched (decode_twin's ``_short_parts``);
+longer chunks after cached tokens (chunked prefill, prefix-cache hits), and every chunk
+under a sliding window that is not short, keep one fused call a sequence (``_attend_chunk``).
 """
 
 from __future__ import annotations
