@@ -110,7 +110,9 @@ class _Chunk:
     end: int
     block_table: torch.Tensor  # int32 [1, max_blocks]
     seq_len: int
-    allowed: torch.Tensor  # bool [q_len, seq_len]: the positions each query attends to
+    # float32 [q_len, seq_len]: 0 where a query attends, -inf elsewhere (the same values as
+    # the boolean mask, which torch converts again on every call: 3-21% of a call)
+    bias: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ def _chunk(block_tables, starts, seq_lens, i: int, sliding_window: int | None) -
     allowed = k_pos <= q_pos
     if sliding_window is not None and sliding_window > 0:
         allowed &= k_pos > q_pos - sliding_window
-    return _Chunk(a, b, block_tables[i][None], seq_len, allowed)
+    bias = torch.zeros(allowed.shape, device=starts.device).masked_fill_(~allowed, float("-inf"))
+    return _Chunk(a, b, block_tables[i][None], seq_len, bias)
 
 
 def _attend_chunk(
@@ -183,7 +186,7 @@ def _attend_chunk(
     q = query.float().permute(1, 0, 2)[None]  # [1, H, q_len, D]
     k = _in_float32(k, slot=2).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
     v = _in_float32(v, slot=3).permute(1, 0, 2)[None]
-    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.allowed, scale=scale,
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.bias, scale=scale,
                                          enable_gqa=True)
     return ctx[0].permute(1, 0, 2).to(query.dtype)
 
