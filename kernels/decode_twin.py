@@ -73,8 +73,24 @@ def _attend_decode(
 
 def _decode_parts(block_tables: torch.Tensor, seq_lens: torch.Tensor, key_cache: torch.Tensor,
                   sliding_window: int | None) -> list[_DecodePart]:
-    """The decode batch's parts: its groups by context length (`_decode_groups`), each
-    split into runs of rows whose gathered keys hold at most DECODE_PART_ELEMENTS values.
+    """The decode batch's parts (`_padded_parts`), one query a row: a part covering the
+    whole batch in order attends it as it is (``rows`` None)."""
+    lens = seq_lens.long()
+    rows = torch.arange(lens.numel(), device=lens.device)
+    return _padded_parts(block_tables, lens, rows, rows, torch.ones_like(lens), key_cache,
+                         sliding_window, decode=True)
+
+
+def _padded_parts(block_tables: torch.Tensor, lens: torch.Tensor, seqs: torch.Tensor,
+                  first_rows: torch.Tensor, chunk_lens: torch.Tensor, key_cache: torch.Tensor,
+                  sliding_window: int | None, decode: bool = False) -> list[_DecodePart]:
+    """Sequences ``seqs`` (contexts ``lens``, this step's tokens included; ``chunk_lens``
+    queries each, from query row ``first_rows``) in groups by context length
+    (`_decode_groups`), each split into runs whose gathered keys hold at most
+    DECODE_PART_ELEMENTS values. Q is the longest chunk (1 for a decode batch); a shorter
+    one repeats its last query (dropped after: ``keep``). Query ``t`` of a chunk of ``q``
+    tokens sits at position ``len - q + t`` and attends to positions up to it (and within
+    the window).
 
     A part's keys and values pass through memory four times (gathered, widened, and read
     by each matmul); kept to a few megabytes they stay in the CPU's caches between the
@@ -82,26 +98,33 @@ def _decode_parts(block_tables: torch.Tensor, seq_lens: torch.Tensor, key_cache:
     and widened keys and values a layer) took 3.3 ms, in parts of 8 rows 2.3; 32 rows of
     1,024 tokens 14.5 ms whole, 9.8 in parts of 4 (the 2-core VM, 32 MB of L3). A row's
     values do not depend on the parts: each is padded to its group's longest context."""
-    lens = seq_lens.long()
-    groups = _decode_groups(lens)
+    queries = 1 if decode else int(chunk_lens.max())
     _, block_size, num_kv_heads, head_dim = key_cache.shape
+    t = torch.arange(queries, device=lens.device)
+    groups = _decode_groups(lens)
     parts = []
     for group in groups:
         max_len = max(int(lens[group].max()), 1)
         per_part = max(1, DECODE_PART_ELEMENTS // (max_len * num_kv_heads * head_dim))
         k_pos = torch.arange(max_len, device=lens.device)
         for start in range(0, group.numel(), per_part):
-            rows = group[start:start + per_part]
-            whole = len(groups) == 1 and rows.numel() == lens.numel()
-            tables = block_tables if whole else block_tables[rows]
-            row_lens = lens if whole else lens[rows]
-            masked = k_pos[None, :] >= row_lens[:, None]  # [R, L]
+            members = group[start:start + per_part]
+            whole = decode and len(groups) == 1 and members.numel() == lens.numel()
+            n_q = chunk_lens[members][:, None]
+            t_q = torch.minimum(t[None, :], n_q - 1)  # [R, Q]
+            rows = (first_rows[members][:, None] + t_q).flatten()
+            pos = lens[members][:, None] - n_q + t_q  # [R, Q]
+            masked = k_pos[None, None, :] > pos[:, :, None]  # [R, Q, L]
             if sliding_window is not None and sliding_window > 0:
-                masked |= k_pos[None, :] <= (row_lens - 1 - sliding_window)[:, None]
-            parts.append(_DecodePart(None if whole else rows, tables, max_len,
-                                     _gather_table(tables, max_len, block_size),
-                                     masked[:, None, None, None, :], bool(masked.any()),
-                                     bool((row_lens == 0).any())))
+                masked |= k_pos[None, None, :] <= (pos - sliding_window)[:, :, None]
+            real = (t[None, :] < n_q).flatten()
+            keep = None if bool(real.all()) else real.nonzero().flatten()
+            tables = block_tables if whole else block_tables[seqs[members]]
+            parts.append(_DecodePart(
+                None if whole else rows, tables, max_len,
+                _gather_table(tables, max_len, block_size), masked[:, None, None],
+                bool(masked.any()), bool((lens[members] == 0).any()), queries, keep,
+                rows if keep is None else rows[keep]))
     return parts
 
 
@@ -193,42 +216,14 @@ def _short_parts(block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch
                  seq_lens: torch.Tensor, seqs: torch.Tensor, key_cache: torch.Tensor,
                  sliding_window: int | None) -> list[_DecodePart]:
     """Parts for chunks of a few query tokens after cached ones (sequences ``seqs``; query
-    rows from ``starts``), attended as decodes are (`_attend_padded`), each sequence's Q
-    queries together: one gather of its context serves them all. Q is the longest chunk;
-    a shorter one repeats its last query (dropped after: ``keep``). Query ``t`` of a
-    sequence of ``n`` cached tokens (this chunk's included) sits at position ``n - q + t``
-    and attends to positions up to it (and within the window). Grouped and split into
-    parts by context length as a decode batch is (`_decode_groups`, DECODE_PART_ELEMENTS).
+    rows from ``starts``), attended as decodes are (`_attend_padded`, `_padded_parts`),
+    each sequence's queries together: one gather of its context serves them all.
 
     A drafted row's verification was one fused attention call a sequence and a layer
     (``_attend_chunk``): 16 drafted rows of 5 tokens at a context of 300 spent 122 of 246 ms
     a step in attention on the built-in model."""
-    lens, chunk_lens = seq_lens.long()[seqs], q_lens[seqs]
-    queries = int(chunk_lens.max())
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    t = torch.arange(queries, device=lens.device)
-    parts = []
-    for group in _decode_groups(lens):
-        max_len = int(lens[group].max())
-        per_part = max(1, DECODE_PART_ELEMENTS // (max_len * num_kv_heads * head_dim))
-        k_pos = torch.arange(max_len, device=lens.device)
-        for start in range(0, group.numel(), per_part):
-            members = group[start:start + per_part]
-            seq, n_q = seqs[members], chunk_lens[members][:, None]
-            t_q = torch.minimum(t[None, :], n_q - 1)  # [R, Q]
-            rows = (starts[seq][:, None] + t_q).flatten()
-            pos = lens[members][:, None] - n_q + t_q  # [R, Q]
-            masked = k_pos[None, None, :] > pos[:, :, None]  # [R, Q, L]
-            if sliding_window is not None and sliding_window > 0:
-                masked |= k_pos[None, None, :] <= (pos - sliding_window)[:, :, None]
-            real = (t[None, :] < n_q).flatten()
-            keep = None if bool(real.all()) else real.nonzero().flatten()
-            tables = block_tables[seq]
-            parts.append(_DecodePart(rows, tables, max_len,
-                                     _gather_table(tables, max_len, block_size),
-                                     masked[:, None, None], bool(masked.any()), False, queries,
-                                     keep, rows if keep is None else rows[keep]))
-    return parts
+    return _padded_parts(block_tables, seq_lens.long()[seqs], seqs, starts[seqs],
+                         q_lens[seqs], key_cache, sliding_window)
 
 
 def _attend_short(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
