@@ -110,6 +110,8 @@ def _padded_parts(block_tables: torch.Tensor, lens: torch.Tensor, seqs: torch.Te
         for start in range(0, group.numel(), per_part):
             members = group[start:start + per_part]
             whole = decode and len(groups) == 1 and members.numel() == lens.numel()
+            if whole:  # the batch as it is: its own order (the group's is by length)
+                members = seqs
             n_q = chunk_lens[members][:, None]
             t_q = torch.minimum(t[None, :], n_q - 1)  # [R, Q]
             rows = (first_rows[members][:, None] + t_q).flatten()

@@ -324,3 +324,26 @@ def test_short_chunks_batched_match_dense_and_the_fused_path(monkeypatch, window
     monkeypatch.setattr(prefill_twin, "SHORT_CHUNK_TOKENS", 16)
     monkeypatch.setattr(decode_twin, "DECODE_PART_ELEMENTS", 1)
     assert torch.equal(reference.paged_prefill_attention(*args, sliding_window=window), got)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_batch_of_one_group_out_of_length_order(window):
+    """A batch that is one group by length, its rows not in length order (the group lists
+    them sorted; the batch is attended whole, in its own order): against dense attention,
+    and its parts' rows, tables and masks line up with the batch's rows."""
+    from pagedserve.kernels import decode_twin
+
+    lens = [85, 215, 20, 287, 83, 145, 194, 88, 51, 249, 3, 7, 100, 5, 290, 1]
+    batch = make_paged_batch([(1, n) for n in lens], num_kv_heads=1, group=3, head_dim=16,
+                             block_size=16, seed=9)  # small: one part
+    groups = reference._decode_groups(batch.seq_lens.long())
+    assert len(groups) == 1 and groups[0].tolist() != list(range(len(lens)))
+    (part,) = decode_twin._decode_parts(batch.block_tables, batch.seq_lens, batch.key_cache,
+                                        window)
+    assert part.rows is None
+    assert part.masked.flatten(1).logical_not().sum(1).tolist() == [
+        min(n, window or n) for n in lens]
+    got = reference.paged_decode_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.scale, sliding_window=window)
+    torch.testing.assert_close(got, _dense(batch, window), atol=1e-5, rtol=1e-5)
