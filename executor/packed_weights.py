@@ -21,9 +21,24 @@ matrices back), copies the new tensors in, and packs again.
 Where it applies: a CPU, a 16-bit model (oneDNN has bfloat16 with AVX512-BF16 or AMX,
 float16 with AVX512-FP16 or AVX-NE-CONVERT) whose packed product equals torch's linear bit
 for bit on a test matrix at start; elsewhere torch's linear runs, as before (logged).
-``PAGEDSERVE_CPU_PACKED_WEIGHTS=0`` turns it off."""
+``PAGEDSERVE_CPU_PACKED_WEIGHTS=0`` turns it off.
+
+Row padding: oneDNN picks its kernel by the row count, and at a few rows some counts run
+slower than a few more (the built-in model's 120 projections streamed on one thread of this
+VM's AMD EPYC: 16.3 ms at 1 row, 18.4 at 2, 15.0 at 3, 14.0 at 4, 18.0 at 8). A row's
+values do not depend on the count (each row is its own dot products), so padding x with
+zero rows changes no value, only the kernel. At start, `calibrate_row_padding` times one
+pass over the model's own packed projections (as a decode step streams them from memory,
+at most `_CALIBRATION_BYTES` of them) at each count up to `PADDED_ROWS_MAX`, and pads a
+count to the fastest larger one where that is `_PADDING_GAIN` faster and gives the same
+rows to the bit; ``ops.linear`` reads the table (``ops.PACKED_ROW_PADDING``). Timed, not
+fixed: another CPU's oneDNN kernels (AMX) rank the counts otherwise.
+``PAGEDSERVE_CPU_ROW_PADDING=0`` turns it off."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +47,11 @@ from pagedserve.kernels.host_math import switch_from_env
 from torch import nn
 
 PACKED_WEIGHTS_ENV = "PAGEDSERVE_CPU_PACKED_WEIGHTS"
+ROW_PADDING_ENV = "PAGEDSERVE_CPU_ROW_PADDING"
+PADDED_ROWS_MAX = 8  # row counts timed and padded to (a decode step of a few sequences)
+_CALIBRATION_BYTES = 256 << 20  # the projections one timed pass streams, at most
+_CALIBRATION_ROUNDS = 3  # passes at each row count (interleaved; the median counts)
+_PADDING_GAIN = 0.10  # a count is padded where a larger one runs this much faster
 # oneDNN's reorder takes the expected row count as a hint; 1 to 256 rows ran alike with
 # every hint from 1 to 256 (576 x 1536, bfloat16, one thread)
 _ROWS_HINT = 1
@@ -103,13 +123,79 @@ def is_packed(model: nn.Module) -> bool:
 
 
 def pack_if_supported(model: nn.Module) -> str:
-    """Pack ``model``'s projections where `packing_refused` allows; what was done, for the
-    executor's log."""
+    """Pack ``model``'s projections where `packing_refused` allows, then time the row
+    padding (`calibrate_row_padding`, unless PAGEDSERVE_CPU_ROW_PADDING=0); what was done,
+    for the executor's log."""
     weight = model.model.embed_tokens.weight
     refused = packing_refused(weight.dtype, weight.device)
     if refused:
         return f"projections run by torch's linear: {refused}"
     extra = pack_projections(model)
     count = len(_projections(model)) + (extra > 0)
+    padding = "off"
+    ops.PACKED_ROW_PADDING.clear()
+    if switch_from_env(ROW_PADDING_ENV, strict=False) is not False:
+        table = calibrate_row_padding(model)
+        padding = ", ".join(f"{rows} -> {to}" for rows, to in table.items()) or "none faster"
     return (f"{count} projection matrices packed for oneDNN"
-            + (f" (the tied vocabulary head's copy: {extra / 2**20:.0f} MiB)" if extra else ""))
+            + (f" (the tied vocabulary head's copy: {extra / 2**20:.0f} MiB)" if extra else "")
+            + f"; rows padded: {padding}")
+
+
+def calibrate_row_padding(model: nn.Module) -> dict[int, int]:
+    """Time the packed projections at 1 .. PADDED_ROWS_MAX rows (see the module's
+    docstring), set ``ops.PACKED_ROW_PADDING`` and return it."""
+    mats = [m.packed for m in _projections(model) if m.packed is not None]
+    if model.packed_head is not None and model.lm_head is None:
+        mats.append(model.packed_head)
+    streamed, total = [], 0
+    for packed in mats:  # in the forward's order, up to the byte budget
+        if total >= _CALIBRATION_BYTES:
+            break
+        streamed.append(packed)
+        total += packed.shape[0] * packed.shape[1] * packed.dtype.itemsize
+    ops.PACKED_ROW_PADDING.clear()  # (timed unpadded)
+    if not streamed:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    dtype = streamed[0].dtype
+    inputs = {rows: {k: torch.randn(rows, k, generator=gen).to(dtype)
+                     for k in {p.shape[1] for p in streamed}}
+              for rows in range(1, PADDED_ROWS_MAX + 1)}
+    times: dict[int, list[float]] = {rows: [] for rows in inputs}
+    for _ in range(_CALIBRATION_ROUNDS):
+        for rows, xs in inputs.items():
+            start = time.perf_counter()
+            for packed in streamed:
+                ops.packed_linear(xs[packed.shape[1]], packed)
+            times[rows].append(time.perf_counter() - start)
+    medians = {rows: statistics.median(t) for rows, t in times.items()}
+    table = choose_row_padding(medians, lambda rows, to: _rows_alike(streamed, rows, to))
+    ops.PACKED_ROW_PADDING.update(table)
+    return table
+
+
+def choose_row_padding(times: dict[int, float], alike) -> dict[int, int]:
+    """rows -> the row count to pad to: the fastest count above ``rows`` (up to the largest
+    timed), where it takes at most (1 - _PADDING_GAIN) of ``rows``' time and ``alike(rows,
+    to)`` (the rows' values the same at both counts)."""
+    table = {}
+    for rows in sorted(times):
+        best = min((to for to in times if to > rows), key=times.__getitem__, default=None)
+        if best is not None and times[best] <= (1 - _PADDING_GAIN) * times[rows] \
+                and alike(rows, best):
+            table[rows] = best
+    return table
+
+
+def _rows_alike(mats: list[torch.Tensor], rows: int, to: int) -> bool:
+    """Do ``rows`` rows through the first and the last of ``mats`` come out bit for bit as
+    the same rows among ``to``?"""
+    gen = torch.Generator().manual_seed(rows * 131 + to)
+    for packed in {id(m): m for m in (mats[0], mats[-1])}.values():
+        x = torch.randn(to, packed.shape[1], generator=gen).to(packed.dtype)
+        alone = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
+        among = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if not torch.equal(alone, among[:rows]):
+            return False
+    return True

@@ -67,7 +67,7 @@ def run_executor(args: argparse.Namespace) -> int:
     import torch
     from pagedserve.executor.host_malloc import HOST_MALLOC_ENV, tune_host_malloc
     from pagedserve.executor.models import ModelNotSupported
-    from pagedserve.executor.packed_weights import PACKED_WEIGHTS_ENV
+    from pagedserve.executor.packed_weights import PACKED_WEIGHTS_ENV, ROW_PADDING_ENV
     from pagedserve.executor.runner_setup import build_runner
     from pagedserve.executor.step_trace import profiler_from_env
     from pagedserve.kernels.kv_dtypes import kv_dtype_name
@@ -94,6 +94,7 @@ def run_executor(args: argparse.Namespace) -> int:
         mixed_decode_split_from_env()  # PAGEDSERVE_MIXED_DECODE_SPLIT: 0, 1 or unset
         switch_from_env(HOST_MALLOC_ENV)  # PAGEDSERVE_HOST_MALLOC: 0, 1 or unset
         switch_from_env(PACKED_WEIGHTS_ENV)  # PAGEDSERVE_CPU_PACKED_WEIGHTS: 0, 1 or unset
+        switch_from_env(ROW_PADDING_ENV)  # PAGEDSERVE_CPU_ROW_PADDING: 0, 1 or unset
     except ValueError as exc:
         print(f"pagedserve executor: {exc}", file=sys.stderr)
         return 2

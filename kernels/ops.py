@@ -17,6 +17,7 @@ Hot path: no host synchronisation, no tensor allocation beyond the output, no lo
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -25,6 +26,11 @@ from .host_math import TRITON_GEMM_MAX_TOKENS, mixed_decode_split_from_env
 
 # Read at import, leniently (an executor checks the value at its start); tests set it.
 MIXED_DECODE_SPLIT = mixed_decode_split_from_env(strict=False)
+# A CPU executor's packed projections (executor/packed_weights.py): row counts that oneDNN
+# multiplies faster padded with zero rows to a few more (rows -> padded rows), as timed at
+# the executor's start on its own weights; only where every row's values are the same at
+# both counts (checked then). Empty: no padding (a GPU, a float32 model, a test).
+PACKED_ROW_PADDING: dict[int, int] = {}
 
 __all__ = [
     "reshape_and_cache",
@@ -227,8 +233,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if silu_mul:
         x = silu_and_mul(x, backend=backend)
     if packed is not None:  # (never with the Triton GEMM: ``weight`` has no values then)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's linear on a packed weight; x [T, K], padded with rows where
+    PACKED_ROW_PADDING says T rows run faster so (the result: a view of its first T rows).
+    The padded input is a scratch buffer of this thread's, x copied into its first rows
+    (one copy; a padding row holds zeros or an earlier call's row: each output row is its
+    own input row's dot products, so no padding row reaches a kept one)."""
+    rows = x.shape[0]
+    padded = PACKED_ROW_PADDING.get(rows)
+    if padded is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    buffers = _pad_scratch.__dict__.setdefault("buffers", {})
+    key = (rows, padded, x.shape[1], x.dtype)
+    buffer = buffers.get(key)
+    if buffer is None:  # (one whole buffer for every row count padded to `padded`)
+        whole = next((b[0] for k, b in buffers.items() if k[1:] == key[1:]), None)
+        if whole is None:
+            whole = x.new_zeros(padded, x.shape[1])
+        buffer = buffers[key] = (whole, whole[:rows])
+    whole, first = buffer
+    first.copy_(x)
+    return torch.ops.mkldnn._linear_pointwise(whole, packed, bias, "none", [], "")[:rows]
+
+
+_pad_scratch = threading.local()  # packed_linear's padded inputs: (rows, padded, K, dtype)
 
 
 def copy_blocks(

@@ -372,7 +372,8 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
     `precompute` with the plan): plans sent back to back get the same tokens as a depth-1
     run; a value other than io or main stops the executor at start (exit code 2), as does
     a bad PAGEDSERVE_DECODE_FUSED_ROPE, _TRITON_GEMM, PAGEDSERVE_GRAPH_FEED,
-    PAGEDSERVE_MIXED_DECODE_SPLIT or PAGEDSERVE_CPU_PACKED_WEIGHTS."""
+    PAGEDSERVE_MIXED_DECODE_SPLIT, PAGEDSERVE_CPU_PACKED_WEIGHTS or
+    PAGEDSERVE_CPU_ROW_PADDING."""
     prompt = [0, 17, 250, 33, 9]
     ref = _driver(model_dir)
     ref.add("r", prompt)
@@ -412,7 +413,10 @@ def test_plans_prepared_on_the_main_thread_answer_the_same(model_dir, monkeypatc
                           "PAGEDSERVE_MIXED_DECODE_SPLIT='2': expected 0 or 1"),
                          ({"PAGEDSERVE_MIXED_DECODE_SPLIT": "0",
                            "PAGEDSERVE_CPU_PACKED_WEIGHTS": "yes"},
-                          "PAGEDSERVE_CPU_PACKED_WEIGHTS='yes': expected 0 or 1")]:
+                          "PAGEDSERVE_CPU_PACKED_WEIGHTS='yes': expected 0 or 1"),
+                         ({"PAGEDSERVE_CPU_PACKED_WEIGHTS": "1",
+                           "PAGEDSERVE_CPU_ROW_PADDING": "on"},
+                          "PAGEDSERVE_CPU_ROW_PADDING='on': expected 0 or 1")]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         bad = _start(model_dir, "tcp://127.0.0.1:9", "--executor-id", "ex-bad")

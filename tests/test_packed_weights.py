@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 import torch
 from pagedserve.executor import packed_weights
-from pagedserve.executor.packed_weights import PACKED_WEIGHTS_ENV, packing_refused
+from pagedserve.executor.packed_weights import (
+    PACKED_WEIGHTS_ENV,
+    PADDED_ROWS_MAX,
+    ROW_PADDING_ENV,
+    choose_row_padding,
+    packing_refused,
+)
 from pagedserve.executor.runner_setup import build_runner
+from pagedserve.kernels import ops
 from pagedserve.protos.wire import LoraOp, SamplingParams, WeightOp
 from test_executor_support import Driver
 from test_models import PROMPTS
@@ -78,12 +85,17 @@ def test_refused_where_it_cannot_apply(monkeypatch):
 
 
 @needs_packing
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
-def test_packed_projections_compute_torchs_linear_bit_for_bit(dirs, monkeypatch, name):
+@pytest.mark.parametrize("name,padding", [("llama-tied", None), ("qwen2", None),
+                                          ("qwen2", "all")])
+def test_packed_projections_compute_torchs_linear_bit_for_bit(dirs, monkeypatch, name,
+                                                              padding):
     """Every result array equal to the unpacked runner's, and no projection keeps its plain
-    storage (a tied head is packed beside the embedding, which the lookup reads)."""
+    storage (a tied head is packed beside the embedding, which the lookup reads). "all":
+    every row count below PADDED_ROWS_MAX padded to it (the decodes, the head's rows)."""
     plain = _serve(_runner(dirs[name], monkeypatch, packed=False))
     runner = _runner(dirs[name], monkeypatch, packed=True)
+    monkeypatch.setattr(ops, "PACKED_ROW_PADDING", {} if padding is None else {
+        rows: PADDED_ROWS_MAX for rows in range(1, PADDED_ROWS_MAX)})
     model = runner.model
     projections = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(projections) == 4 * 2 + (name == "qwen2")  # the untied head is one of them
@@ -134,12 +146,16 @@ def test_a_weight_update_repacks_the_new_weights(dirs, monkeypatch):
 
 @needs_packing
 def test_adapters_add_onto_the_packed_projections(dirs, tmp_path, monkeypatch):
-    """A LoRA adapter's update is added to the packed product exactly as to torch's."""
+    """A LoRA adapter's update is added to the packed product exactly as to torch's, its
+    rows padded too."""
     adapter = build_lora_adapter(dirs["qwen2"], tmp_path / "adapter", rank=8, seed=1)
     results = []
     for packed in (False, True):
         runner = _runner(dirs["qwen2"], monkeypatch, packed=packed, max_loras=1,
                          max_lora_rank=8)
+        if packed:  # every decode's rows padded (the update added to a view of the product)
+            monkeypatch.setattr(ops, "PACKED_ROW_PADDING", {
+                rows: PADDED_ROWS_MAX for rows in range(1, PADDED_ROWS_MAX)})
         result = runner.execute(Driver(runner).plan({}, lora_ops=[
             LoraOp(name="a", load=True, path=str(adapter))]))
         assert not result.lora_failed
@@ -162,3 +178,55 @@ def test_a_refusal_leaves_torchs_linear_and_says_why(dirs, monkeypatch, caplog):
     assert all(m.packed is None and m.weight.stride()[1] == 1 for m in runner.model.modules()
                if isinstance(m, torch.nn.Linear))
     assert len(_serve(runner)) > 1
+
+
+def test_row_padding_goes_to_the_fastest_larger_count_that_gives_the_same_rows():
+    """A count is padded to the fastest larger one if that takes at most 95% of its time and
+    the rows come out alike; the largest count is never padded. (Times: one pass over the
+    built-in model's projections on this VM, ms.)"""
+    times = {1: 16.3, 2: 18.4, 3: 15.0, 4: 14.0, 5: 15.2, 6: 14.3, 7: 16.7, 8: 18.0}
+    assert choose_row_padding(times, lambda rows, to: True) == {1: 4, 2: 4, 3: 4, 5: 6}
+    assert choose_row_padding(times, lambda rows, to: (rows, to) != (2, 4)) == \
+        {1: 4, 3: 4, 5: 6}
+    assert choose_row_padding({1: 10.0, 2: 9.6, 3: 9.0}, lambda rows, to: True) == {1: 3, 2: 3}
+    assert choose_row_padding({1: 10.0, 2: 12.0}, lambda rows, to: True) == {}
+    assert choose_row_padding({}, lambda rows, to: True) == {}
+
+
+@needs_packing
+def test_padded_rows_are_torchs_linear_bit_for_bit(monkeypatch):
+    """`ops.linear` on a packed weight at every padded row count: the first rows of the
+    padded product, torch's linear's values (with a bias), contiguous, whatever the
+    padding rows hold."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(67, 45, generator=gen).bfloat16()
+    bias = torch.randn(67, generator=gen).bfloat16()
+    packed = packed_weights.pack(weight)
+    x = torch.randn(PADDED_ROWS_MAX, 45, generator=gen).bfloat16()
+    monkeypatch.setattr(ops, "PACKED_ROW_PADDING", {1: 4, 3: 4, 2: 8, 5: 8, 6: 7})
+    # down and up: counts padded to one size share its scratch rows, which then hold an
+    # earlier call's rows where the padding goes
+    for rows in [*range(PADDED_ROWS_MAX, 0, -1), *range(1, PADDED_ROWS_MAX + 1)]:
+        y = ops.linear(x[:rows], weight, bias, packed=packed)
+        assert y.shape == (rows, 67) and y.is_contiguous()
+        assert torch.equal(y, torch.nn.functional.linear(x[:rows], weight, bias)), rows
+
+
+@needs_packing
+def test_row_padding_is_timed_at_start_and_can_be_turned_off(dirs, monkeypatch, caplog):
+    """At start the packed runner times its projections and pads row counts to larger ones
+    (whatever this VM's timings chose: a table of counts up to PADDED_ROWS_MAX, named in the
+    log); PAGEDSERVE_CPU_ROW_PADDING=0 pads nothing."""
+    monkeypatch.setattr(ops, "PACKED_ROW_PADDING", {7: 8})
+    with caplog.at_level(logging.INFO, logger="pagedserve.executor"):
+        _runner(dirs["qwen2"], monkeypatch, packed=True)
+    table = dict(ops.PACKED_ROW_PADDING)
+    assert all(1 <= rows < to <= PADDED_ROWS_MAX for rows, to in table.items())
+    named = ", ".join(f"{rows} -> {to}" for rows, to in table.items()) or "none faster"
+    assert f"; rows padded: {named}" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(ROW_PADDING_ENV, "0")
+    with caplog.at_level(logging.INFO, logger="pagedserve.executor"):
+        _runner(dirs["qwen2"], monkeypatch, packed=True)
+    assert ops.PACKED_ROW_PADDING == {}
+    assert "; rows padded: off" in caplog.text
