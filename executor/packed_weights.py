@@ -30,14 +30,15 @@ values do not depend on the count (each row is its own dot products), so padding
 zero rows changes no value, only the kernel. At start, `calibrate_row_padding` times one
 pass over the model's own packed projections (as a decode step streams them from memory,
 at most `_CALIBRATION_BYTES` of them) at each count up to `PADDED_ROWS_MAX`, and pads a
-count to the fastest larger one where that is `_PADDING_GAIN` faster and gives the same
-rows to the bit; ``ops.linear`` reads the table (``ops.PACKED_ROW_PADDING``). Timed, not
-fixed: another CPU's oneDNN kernels (AMX) rank the counts otherwise.
+count to a larger one where that is `_PADDING_GAIN` faster and gives the same rows to the
+bit (`choose_row_padding`); ``ops.linear`` reads the table (``ops.PACKED_ROW_PADDING``).
+Timed, not fixed: another CPU's oneDNN kernels (AMX) rank the counts otherwise. In a
+decode step the gain is smaller than in the timed passes (the step's other work between
+the products): one sequence -5%, two -12% on this VM (benchmarks/row_padding_bench.py).
 ``PAGEDSERVE_CPU_ROW_PADDING=0`` turns it off."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -50,8 +51,10 @@ PACKED_WEIGHTS_ENV = "PAGEDSERVE_CPU_PACKED_WEIGHTS"
 ROW_PADDING_ENV = "PAGEDSERVE_CPU_ROW_PADDING"
 PADDED_ROWS_MAX = 8  # row counts timed and padded to (a decode step of a few sequences)
 _CALIBRATION_BYTES = 256 << 20  # the projections one timed pass streams, at most
-_CALIBRATION_ROUNDS = 3  # passes at each row count (interleaved; the median counts)
-_PADDING_GAIN = 0.10  # a count is padded where a larger one runs this much faster
+_CALIBRATION_ROUNDS = 3  # passes at each row count (interleaved; the fastest counts: what
+# else runs meanwhile only adds time)
+_PADDING_GAIN = 0.10  # a count is padded where a larger one runs this much faster ...
+_PADDING_TIE = 0.03  # ... to the fewest rows within this of the fastest
 # oneDNN's reorder takes the expected row count as a hint; 1 to 256 rows ran alike with
 # every hint from 1 to 256 (576 x 1536, bfloat16, one thread)
 _ROWS_HINT = 1
@@ -169,22 +172,27 @@ def calibrate_row_padding(model: nn.Module) -> dict[int, int]:
             for packed in streamed:
                 ops.packed_linear(xs[packed.shape[1]], packed)
             times[rows].append(time.perf_counter() - start)
-    medians = {rows: statistics.median(t) for rows, t in times.items()}
-    table = choose_row_padding(medians, lambda rows, to: _rows_alike(streamed, rows, to))
+    fastest = {rows: min(t) for rows, t in times.items()}
+    table = choose_row_padding(fastest, lambda rows, to: _rows_alike(streamed, rows, to))
     ops.PACKED_ROW_PADDING.update(table)
     return table
 
 
 def choose_row_padding(times: dict[int, float], alike) -> dict[int, int]:
-    """rows -> the row count to pad to: the fastest count above ``rows`` (up to the largest
-    timed), where it takes at most (1 - _PADDING_GAIN) of ``rows``' time and ``alike(rows,
-    to)`` (the rows' values the same at both counts)."""
+    """rows -> the row count to pad to, where the fastest count above ``rows`` (up to the
+    largest timed) takes at most (1 - _PADDING_GAIN) of ``rows``' time: the smallest count
+    within _PADDING_TIE of that fastest (counts a few percent apart swap places from one
+    timing to the next; fewer rows is less work), if ``alike(rows, to)`` (the rows' values
+    the same at both counts)."""
     table = {}
     for rows in sorted(times):
-        best = min((to for to in times if to > rows), key=times.__getitem__, default=None)
-        if best is not None and times[best] <= (1 - _PADDING_GAIN) * times[rows] \
-                and alike(rows, best):
-            table[rows] = best
+        larger = [to for to in sorted(times) if to > rows]
+        if not larger:
+            continue
+        best = min(times[to] for to in larger)
+        to = next(to for to in larger if times[to] <= (1 + _PADDING_TIE) * best)
+        if best <= (1 - _PADDING_GAIN) * times[rows] and alike(rows, to):
+            table[rows] = to
     return table
 
 
