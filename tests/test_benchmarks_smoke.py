@@ -370,3 +370,20 @@ def test_sampler_memory_bench_cases_in_process():
     for r in (whole, chunked):
         assert r["bench"] == "sampler_memory_bench" and r["ms"] > 0
         assert r["peak_mib"] >= r["kept_mib"] - 1 and set(r) >= {"peak_mib", "kept_mib"}
+
+
+def test_row_padding_bench_on_the_tiny_model(tmp_path):
+    """A pass at every row count and decode steps padded and not (on a CPU that packs
+    bfloat16; elsewhere one `skipped` line), on the tiny model."""
+    from pagedserve.tinymodels import build_model
+    model = build_model(tmp_path / "m", "llama")
+    lines = _run("row_padding_bench.py", "--model", str(model), "--batches", "1,3",
+                 "--repeats", "1")
+    if lines[0]["case"] == "skipped":
+        return
+    assert [r["case"] for r in lines] == [f"pass_rows_{r}" for r in range(1, 9)] + [
+        "decode_b1", "decode_b3"]
+    assert all(r["pass_ms_p50"] > 0 for r in lines[:8])
+    for r in lines[8:]:
+        assert r["padded_step_ms_p50"] > 0 and r["unpadded_step_ms_p50"] > 0
+        assert all(1 <= int(rows) < to <= 8 for rows, to in r["table"].items())
