@@ -27,7 +27,7 @@ Row padding: oneDNN picks its kernel by the row count, and at a few rows some co
 slower than a few more (the built-in model's 120 projections streamed on one thread of this
 VM's AMD EPYC: 16.3 ms at 1 row, 18.4 at 2, 15.0 at 3, 14.0 at 4, 18.0 at 8). A row's
 values do not depend on the count (each row is its own dot products), so padding x with
-zero rows changes no value, only the kernel. At start, `calibrate_row_padding` times one
+rows changes no value, only the kernel. At start, `calibrate_row_padding` times one
 pass over the model's own packed projections (as a decode step streams them from memory,
 at most `_CALIBRATION_BYTES` of them) at each count up to `PADDED_ROWS_MAX`, and pads a
 count to a larger one where that is `_PADDING_GAIN` faster and gives the same rows to the

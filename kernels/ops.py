@@ -27,7 +27,7 @@ from .host_math import TRITON_GEMM_MAX_TOKENS, mixed_decode_split_from_env
 # Read at import, leniently (an executor checks the value at its start); tests set it.
 MIXED_DECODE_SPLIT = mixed_decode_split_from_env(strict=False)
 # A CPU executor's packed projections (executor/packed_weights.py): row counts that oneDNN
-# multiplies faster padded with zero rows to a few more (rows -> padded rows), as timed at
+# multiplies faster padded with rows to a few more (rows -> padded rows), as timed at
 # the executor's start on its own weights; only where every row's values are the same at
 # both counts (checked then). Empty: no padding (a GPU, a float32 model, a test).
 PACKED_ROW_PADDING: dict[int, int] = {}
@@ -248,20 +248,34 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     padded = PACKED_ROW_PADDING.get(rows)
     if padded is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    buffers = _pad_scratch.__dict__.setdefault("buffers", {})
-    key = (rows, padded, x.shape[1], x.dtype)
-    buffer = buffers.get(key)
-    if buffer is None:  # (one whole buffer for every row count padded to `padded`)
-        whole = next((b[0] for k, b in buffers.items() if k[1:] == key[1:]), None)
-        if whole is None:
-            whole = x.new_zeros(padded, x.shape[1])
-        buffer = buffers[key] = (whole, whole[:rows])
-    whole, first = buffer
+    whole, first = _pad_scratch.get(rows, padded, x)
     first.copy_(x)
     return torch.ops.mkldnn._linear_pointwise(whole, packed, bias, "none", [], "")[:rows]
 
 
-_pad_scratch = threading.local()  # packed_linear's padded inputs: (rows, padded, K, dtype)
+class _PadScratch(threading.local):
+    """`packed_linear`'s padded inputs, per thread: one [padded, K] buffer a (padded, K,
+    dtype), and its first-rows view for each row count padded to it."""
+
+    def __init__(self) -> None:
+        self.wholes: dict[tuple, torch.Tensor] = {}
+        self.views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, rows: int, padded: int, x: torch.Tensor):
+        key = (rows, padded, x.shape[1], x.dtype, x.device)
+        found = self.views.get(key)
+        if found is None:
+            whole = self.wholes.get(key[1:])
+            if whole is None:
+                # a normal tensor even in inference mode (the executor's), so that a later
+                # call outside it may write into it too
+                with torch.inference_mode(False):
+                    whole = self.wholes[key[1:]] = x.new_zeros(padded, x.shape[1])
+            found = self.views[key] = (whole, whole[:rows])
+        return found
+
+
+_pad_scratch = _PadScratch()
 
 
 def copy_blocks(
