@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 import torch
-from executor_steps import decode_plans
+from executor_steps import decode_plans, finish_plan
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 
@@ -90,12 +90,7 @@ def greedy(runner, ids: list[int], max_tokens: int, block_size: int, step0: int)
         token = int(result.token_ids[0])
         pos += 1
     out.append(token)
-    runner.execute(StepPlan(step_id=step0 + max_tokens + 1, new_requests=[], request_ids=[],
-                            num_computed_tokens=int32([]), num_new_tokens=int32([]),
-                            do_sample=np.zeros(0, np.uint8), token_ids=int32([]),
-                            positions=int32([]), slot_mapping=np.zeros(0, np.int64),
-                            block_table_starts=int32([]), block_table_lens=int32([]),
-                            block_table_ids=int32([]), finished_ids=[rid]))
+    runner.execute(finish_plan(step0 + max_tokens + 1, [rid]))
     return out
 
 

@@ -20,24 +20,27 @@ from pagedserve.protos.wire import NewRequest, SamplingParams, StepPlan, int32
 
 
 def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: int,
-                 feed: bool = False, sampling: SamplingParams | None = None):
+                 feed: bool = False, sampling: SamplingParams | None = None,
+                 tag: str = "", first_step: int = 0, finish: bool = False):
     """Plans: step 0 registers ``batch`` requests with ``context`` prompt tokens already
     computed and decodes one token each; the next steps decode one more token each (with
     ``feed``: marked ``feed_sampled``, each fed the token the executor sampled for it in the
     step before, as the pipelining router plans them; else a random token given). Greedy
-    unless ``sampling`` is given."""
+    unless ``sampling`` is given. Request ids ``tag`` + s0, s1, ..., step ids from
+    ``first_step``; with ``finish`` a last plan ends the requests (`finish_plan`), so that
+    another run's take the same blocks over in the same runner."""
     rng = np.random.default_rng(0)
     blocks_per_seq = (context + steps + block_size) // block_size
     tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
     sampling = sampling or SamplingParams(temperature=0.0)
-    ids = [f"s{i}" for i in range(batch)]
+    ids = [f"{tag}s{i}" for i in range(batch)]
     for step in range(steps):
         pos = context + step
         new = [] if step else [
             NewRequest(request_id=r, prompt_token_ids=int32(rng.integers(0, vocab, context)),
                        output_token_ids=int32([]), sampling=sampling) for r in ids]
         yield StepPlan(
-            step_id=step, new_requests=new, request_ids=ids,
+            step_id=first_step + step, new_requests=new, request_ids=ids,
             num_computed_tokens=int32([pos] * batch), num_new_tokens=int32([1] * batch),
             do_sample=np.ones(batch, np.uint8),
             feed_sampled=np.ones(batch, np.uint8) if feed and step else None,
@@ -49,6 +52,18 @@ def decode_plans(batch: int, context: int, block_size: int, steps: int, vocab: i
             block_table_lens=int32([blocks_per_seq if step == 0 else 0] * batch),
             block_table_ids=tables.reshape(-1) if step == 0 else int32([]),
         )
+    if finish:
+        yield finish_plan(first_step + steps, ids)
+
+
+def finish_plan(step: int, request_ids: list[str]) -> StepPlan:
+    """A plan that runs nothing and ends ``request_ids`` (their blocks free again)."""
+    empty = int32([])
+    return StepPlan(step_id=step, new_requests=[], request_ids=[], num_computed_tokens=empty,
+                    num_new_tokens=empty, do_sample=np.zeros(0, np.uint8), token_ids=empty,
+                    positions=empty, slot_mapping=np.zeros(0, np.int64),
+                    block_table_starts=empty, block_table_lens=empty, block_table_ids=empty,
+                    finished_ids=list(request_ids))
 
 
 def mixed_plans(batch: int, context: int, chunk: int, block_size: int, steps: int,

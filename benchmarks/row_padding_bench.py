@@ -3,9 +3,9 @@
 The built-in SmolLM2-135M-Instruct in bfloat16, one torch thread, packed as a CPU executor
 packs it, then:
 
-* ``pass_rows_{R}``: one pass over every packed projection and the vocabulary head at R
-  rows, unpadded (what the start-up calibration times; ms p50 of ``--repeats`` interleaved
-  rounds);
+* ``pass_rows_{R}``: one pass over the packed projections and the vocabulary head at R
+  rows, unpadded (what the start-up calibration times, packed_weights.time_passes; ms p50
+  of ``--repeats`` interleaved rounds after one to warm up);
 * ``decode_b{B}``: decode steps of B sequences at context 256 through the executor's own
   ``ModelRunner.execute`` (executor_steps.decode_plans), with the start-up's padding table
   and without it, alternating every round in one process (the same weights, the same
@@ -21,60 +21,17 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 from executor_steps import decode_plans
-from msgspec import structs
-from pagedserve.executor.packed_weights import PADDED_ROWS_MAX, is_packed
+from pagedserve.executor.packed_weights import is_packed, time_passes, timed_matrices
 from pagedserve.executor.runner_setup import build_runner
 from pagedserve.kernels import ops
-from pagedserve.protos.wire import StepPlan
 
 BENCH = "row_padding_bench"
 
 
 def emit(case: str, **figures) -> None:
     print(json.dumps({"bench": BENCH, "case": case, **figures}), flush=True)
-
-
-def pass_times(model, repeats: int) -> dict[int, float]:
-    """ms p50 of one pass over the packed projections and head at 1..PADDED_ROWS_MAX rows."""
-    mats = [m.packed for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and m.packed is not None]
-    if model.lm_head is None:
-        mats.append(model.packed_head)
-    dtype = mats[0].dtype
-    inputs = {rows: {k: torch.randn(rows, k).to(dtype) for k in {p.shape[1] for p in mats}}
-              for rows in range(1, PADDED_ROWS_MAX + 1)}
-    times: dict[int, list[float]] = {rows: [] for rows in inputs}
-    saved = dict(ops.PACKED_ROW_PADDING)
-    ops.PACKED_ROW_PADDING.clear()
-    for _ in range(repeats + 1):  # the first round warms up
-        for rows, xs in inputs.items():
-            start = time.perf_counter()
-            for packed in mats:
-                ops.packed_linear(xs[packed.shape[1]], packed)
-            times[rows].append(time.perf_counter() - start)
-    ops.PACKED_ROW_PADDING.update(saved)
-    return {rows: statistics.median(t[1:]) * 1e3 for rows, t in times.items()}
-
-
-def decode_run(batch: int, vocab: int, tag: str, step0: int):
-    """``decode_plans(batch, 256, 16, 13)`` as requests ``tag``-s0.. from step ``step0``,
-    then a plan that ends them (their blocks taken over by the next run's)."""
-    ids = []
-    for plan in decode_plans(batch, 256, 16, 13, vocab):
-        ids = [f"{tag}-{r}" for r in plan.request_ids]
-        yield structs.replace(plan, step_id=step0 + plan.step_id, request_ids=ids,
-                              new_requests=[structs.replace(req, request_id=f"{tag}-"
-                                                            + req.request_id)
-                                            for req in plan.new_requests])
-    empty = np.zeros(0, np.int32)
-    yield StepPlan(step_id=step0 + 13, new_requests=[], request_ids=[],
-                   num_computed_tokens=empty, num_new_tokens=empty,
-                   do_sample=np.zeros(0, np.uint8), token_ids=empty, positions=empty,
-                   slot_mapping=np.zeros(0, np.int64), block_table_starts=empty,
-                   block_table_lens=empty, block_table_ids=empty, finished_ids=ids)
 
 
 def decode_times(runner, batch: int, repeats: int, table: dict[int, int],
@@ -87,7 +44,9 @@ def decode_times(runner, batch: int, repeats: int, table: dict[int, int],
             ops.PACKED_ROW_PADDING.clear()
             if how == "padded":
                 ops.PACKED_ROW_PADDING.update(table)
-            for i, plan in enumerate(decode_run(batch, runner.vocab_size, f"{how}{r}", step0)):
+            for i, plan in enumerate(decode_plans(batch, 256, 16, 13, runner.vocab_size,
+                                                  tag=f"{how}{r}-", first_step=step0,
+                                                  finish=True)):
                 start = time.perf_counter()
                 result = runner.execute(plan)
                 if 2 <= i < 13:
@@ -117,8 +76,9 @@ def main(argv=None) -> int:
         return 0
     table = dict(ops.PACKED_ROW_PADDING)
     named = {str(rows): to for rows, to in table.items()}
-    for rows, ms in pass_times(runner.model, args.repeats).items():
-        emit(f"pass_rows_{rows}", pass_ms_p50=round(ms, 2))
+    times = time_passes(timed_matrices(runner.model), args.repeats + 1)
+    for rows, t in times.items():  # (the first round warms up)
+        emit(f"pass_rows_{rows}", pass_ms_p50=round(statistics.median(t[1:]) * 1e3, 2))
     for n, batch in enumerate(batches):
         ms = decode_times(runner, batch, args.repeats, table, step0=100_000 * (n + 1))
         emit(f"decode_b{batch}", table=named, padded_step_ms_p50=round(ms["padded"], 2),

@@ -31,7 +31,8 @@ rows changes no value, only the kernel. At start, `calibrate_row_padding` times 
 pass over the model's own packed projections (as a decode step streams them from memory,
 at most `_CALIBRATION_BYTES` of them) at each count up to `PADDED_ROWS_MAX`, and pads a
 count to a larger one where that is `_PADDING_GAIN` faster and gives the same rows to the
-bit (`choose_row_padding`); ``ops.linear`` reads the table (``ops.PACKED_ROW_PADDING``).
+bit (`choose_row_padding`); `pack_if_supported` sets the table ``ops.linear`` reads
+(``ops.PACKED_ROW_PADDING``).
 Timed, not fixed: another CPU's oneDNN kernels (AMX) rank the counts otherwise. In a
 decode step the gain is smaller than in the timed passes (the step's other work between
 the products): one sequence -5%, two -12% on this VM (benchmarks/row_padding_bench.py).
@@ -127,8 +128,9 @@ def is_packed(model: nn.Module) -> bool:
 
 def pack_if_supported(model: nn.Module) -> str:
     """Pack ``model``'s projections where `packing_refused` allows, then time the row
-    padding (`calibrate_row_padding`, unless PAGEDSERVE_CPU_ROW_PADDING=0); what was done,
-    for the executor's log."""
+    padding (`calibrate_row_padding`, unless PAGEDSERVE_CPU_ROW_PADDING=0) into
+    ``ops.PACKED_ROW_PADDING``; what was done, for the executor's log."""
+    ops.PACKED_ROW_PADDING.clear()
     weight = model.model.embed_tokens.weight
     refused = packing_refused(weight.dtype, weight.device)
     if refused:
@@ -136,46 +138,57 @@ def pack_if_supported(model: nn.Module) -> str:
     extra = pack_projections(model)
     count = len(_projections(model)) + (extra > 0)
     padding = "off"
-    ops.PACKED_ROW_PADDING.clear()
     if switch_from_env(ROW_PADDING_ENV, strict=False) is not False:
-        table = calibrate_row_padding(model)
-        padding = ", ".join(f"{rows} -> {to}" for rows, to in table.items()) or "none faster"
+        ops.PACKED_ROW_PADDING.update(calibrate_row_padding(model))
+        padding = ", ".join(f"{rows} -> {to}" for rows, to in ops.PACKED_ROW_PADDING.items()) \
+            or "none faster"
     return (f"{count} projection matrices packed for oneDNN"
             + (f" (the tied vocabulary head's copy: {extra / 2**20:.0f} MiB)" if extra else "")
             + f"; rows padded: {padding}")
 
 
 def calibrate_row_padding(model: nn.Module) -> dict[int, int]:
-    """Time the packed projections at 1 .. PADDED_ROWS_MAX rows (see the module's
-    docstring), set ``ops.PACKED_ROW_PADDING`` and return it."""
+    """rows -> padded rows for ``model``'s packed projections (see the module's
+    docstring): the fastest of `_CALIBRATION_ROUNDS` timed passes at each count."""
+    mats = timed_matrices(model)
+    if not mats:
+        return {}
+    times = time_passes(mats, _CALIBRATION_ROUNDS)
+    return choose_row_padding({rows: min(t) for rows, t in times.items()},
+                              lambda rows, to: _rows_alike(mats, rows, to))
+
+
+def timed_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The packed matrices a timed pass streams: the projections in the forward's order,
+    then a tied head's packed copy, up to `_CALIBRATION_BYTES`."""
     mats = [m.packed for m in _projections(model) if m.packed is not None]
     if model.packed_head is not None and model.lm_head is None:
         mats.append(model.packed_head)
     streamed, total = [], 0
-    for packed in mats:  # in the forward's order, up to the byte budget
+    for packed in mats:
         if total >= _CALIBRATION_BYTES:
             break
         streamed.append(packed)
         total += packed.shape[0] * packed.shape[1] * packed.dtype.itemsize
-    ops.PACKED_ROW_PADDING.clear()  # (timed unpadded)
-    if not streamed:
-        return {}
+    return streamed
+
+
+def time_passes(mats: list[torch.Tensor], rounds: int) -> dict[int, list[float]]:
+    """Seconds of one pass of oneDNN's linear over ``mats`` (unpadded) at each row count
+    1 .. PADDED_ROWS_MAX, ``rounds`` times, the counts interleaved within a round."""
     gen = torch.Generator().manual_seed(0)
-    dtype = streamed[0].dtype
-    inputs = {rows: {k: torch.randn(rows, k, generator=gen).to(dtype)
-                     for k in {p.shape[1] for p in streamed}}
+    inputs = {rows: {k: torch.randn(rows, k, generator=gen).to(mats[0].dtype)
+                     for k in {p.shape[1] for p in mats}}
               for rows in range(1, PADDED_ROWS_MAX + 1)}
     times: dict[int, list[float]] = {rows: [] for rows in inputs}
-    for _ in range(_CALIBRATION_ROUNDS):
+    for _ in range(rounds):
         for rows, xs in inputs.items():
             start = time.perf_counter()
-            for packed in streamed:
-                ops.packed_linear(xs[packed.shape[1]], packed)
+            for packed in mats:
+                torch.ops.mkldnn._linear_pointwise(xs[packed.shape[1]], packed, None, "none",
+                                                   [], "")
             times[rows].append(time.perf_counter() - start)
-    fastest = {rows: min(t) for rows, t in times.items()}
-    table = choose_row_padding(fastest, lambda rows, to: _rows_alike(streamed, rows, to))
-    ops.PACKED_ROW_PADDING.update(table)
-    return table
+    return times
 
 
 def choose_row_padding(times: dict[int, float], alike) -> dict[int, int]:
@@ -185,8 +198,9 @@ def choose_row_padding(times: dict[int, float], alike) -> dict[int, int]:
     timing to the next; fewer rows is less work), if ``alike(rows, to)`` (the rows' values
     the same at both counts)."""
     table = {}
-    for rows in sorted(times):
-        larger = [to for to in sorted(times) if to > rows]
+    counts = sorted(times)
+    for rows in counts:
+        larger = [to for to in counts if to > rows]
         if not larger:
             continue
         best = min(times[to] for to in larger)
@@ -200,7 +214,7 @@ def _rows_alike(mats: list[torch.Tensor], rows: int, to: int) -> bool:
     """Do ``rows`` rows through the first and the last of ``mats`` come out bit for bit as
     the same rows among ``to``?"""
     gen = torch.Generator().manual_seed(rows * 131 + to)
-    for packed in {id(m): m for m in (mats[0], mats[-1])}.values():
+    for packed in (mats[0], mats[-1]):
         x = torch.randn(to, packed.shape[1], generator=gen).to(packed.dtype)
         alone = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
         among = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

@@ -248,31 +248,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     padded = PACKED_ROW_PADDING.get(rows)
     if padded is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    whole, first = _pad_scratch.get(rows, padded, x)
-    first.copy_(x)
+    whole = _pad_scratch.get(padded, x)
+    whole[:rows].copy_(x)
     return torch.ops.mkldnn._linear_pointwise(whole, packed, bias, "none", [], "")[:rows]
 
 
 class _PadScratch(threading.local):
     """`packed_linear`'s padded inputs, per thread: one [padded, K] buffer a (padded, K,
-    dtype), and its first-rows view for each row count padded to it."""
+    dtype, device), shared by every row count padded to it."""
 
     def __init__(self) -> None:
-        self.wholes: dict[tuple, torch.Tensor] = {}
-        self.views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[tuple, torch.Tensor] = {}
 
-    def get(self, rows: int, padded: int, x: torch.Tensor):
-        key = (rows, padded, x.shape[1], x.dtype, x.device)
-        found = self.views.get(key)
-        if found is None:
-            whole = self.wholes.get(key[1:])
-            if whole is None:
-                # a normal tensor even in inference mode (the executor's), so that a later
-                # call outside it may write into it too
-                with torch.inference_mode(False):
-                    whole = self.wholes[key[1:]] = x.new_zeros(padded, x.shape[1])
-            found = self.views[key] = (whole, whole[:rows])
-        return found
+    def get(self, padded: int, x: torch.Tensor) -> torch.Tensor:
+        key = (padded, x.shape[1], x.dtype, x.device)
+        whole = self.buffers.get(key)
+        if whole is None:
+            # a normal tensor even in inference mode (the executor's), so that a later call
+            # outside it may write into it too
+            with torch.inference_mode(False):
+                whole = self.buffers[key] = x.new_zeros(padded, x.shape[1])
+        return whole
 
 
 _pad_scratch = _PadScratch()
